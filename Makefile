@@ -1,0 +1,43 @@
+# keepwarm: `make demo` runs the main job, `make test` the whole suite. Both build .venv themselves.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export UV_CACHE_DIR ?= $(HOME)/.cache/uv
+
+.PHONY: venv demo test test-unit lint format crds bench clean
+
+$(STAMP): runtime/pyproject.toml operator/pyproject.toml requirements-dev.txt
+	@command -v uv >/dev/null || $(PYTHON) -m pip install -q uv
+	@test -x $(BIN)/python || uv venv -q -p $(PYTHON) $(VENV)
+	VIRTUAL_ENV=$(VENV) uv pip install -q -e 'runtime[structured,kubernetes]' -e operator -r requirements-dev.txt
+	@touch $@
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python scripts/demo.py
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+format: $(STAMP)
+	$(BIN)/ruff format runtime operator tests bench scripts
+	$(BIN)/ruff check --fix .
+
+crds: $(STAMP)
+	$(BIN)/python -m keepwarm_operator.crdgen crds
+
+bench: $(STAMP)
+	$(BIN)/python -m keepwarm_runtime.cli bench restart --size-gib 2 --serving-dtype float32 --json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,52 @@
+"""`keepwarm` command line: one subcommand group per subsystem.
+
+Each subsystem owns a ``register(subparsers)`` function in its own module; this file only wires them
+together, importing lazily so that `keepwarm --help` stays fast and an optional part that fails to
+import breaks only its own subcommand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# (module, attribute) pairs; each attribute is ``register(subparsers) -> None``.
+SUBCOMMAND_MODULES: list[str] = [
+    "keepwarm_runtime.modelgen.cli",
+    "keepwarm_runtime.cache.cli",
+    "keepwarm_runtime.bench_cli",
+    "keepwarm_runtime.server.cli",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="keepwarm", description="keepwarm runtime")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for module_name in SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.startswith("keepwarm_runtime"):
+                continue  # subsystem not built yet
+            raise
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    result = args.handler(args)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
