@@ -1,0 +1,2 @@
+"""Node weight cache: a daemon keeps checkpoints resident (host memfds or CUDA VMM memory) and
+inference processes attach to them zero-copy over a Unix socket (see DESIGN.md)."""

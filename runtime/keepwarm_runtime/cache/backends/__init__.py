@@ -1,0 +1,1 @@
+"""Memory tiers of the cache: ``host`` (memfd arenas) and ``gpu`` (CUDA VMM allocations)."""

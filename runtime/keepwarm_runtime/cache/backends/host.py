@@ -1,0 +1,127 @@
+"""Host tier: one sealed memfd arena per model; clients map it read-only and share its pages.
+
+The daemon writes the arena through a temporary writable mapping, unmaps it and seals the memfd
+(no write, grow or shrink) so nobody — the daemon included — can change weights that clients map.
+Huge pages make a multi-GiB map cheaper (512x fewer page-table entries to fault in); we try
+MFD_HUGETLB first (needs a reserved hugetlb pool: vm.nr_hugepages), then transparent huge pages
+for shmem (needs /sys/kernel/mm/transparent_hugepage/shmem_enabled = always|within_size|advise),
+and otherwise use 4 KiB pages. ``HostArena.page_mode`` says which one this kernel gave us.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import re
+import warnings
+from pathlib import Path
+
+import torch
+
+HUGE_PAGE = 2 << 20
+SMALL_PAGE = mmap.PAGESIZE
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
+_THP_SHMEM = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+
+
+def thp_shmem_mode() -> str:
+    """The kernel's THP policy for shmem/memfd ('never', 'advise', 'always', ...), or 'unavailable'."""
+    try:
+        match = re.search(r"\[(\w[\w-]*)\]", _THP_SHMEM.read_text())
+    except OSError:
+        return "unavailable"
+    return match.group(1) if match else "unavailable"
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+class HostArena:
+    """A memfd of ``size`` bytes; writable in the daemon until ``seal()``."""
+
+    def __init__(self, name: str, size: int, *, try_huge: bool = True) -> None:
+        self.name = name
+        self.page_mode = "4k"
+        self.fd = -1
+        self._map: mmap.mmap | None = None
+        if try_huge:
+            self._try_hugetlb(name, size)
+        if self.fd < 0:
+            self.size = _round_up(max(size, 1), HUGE_PAGE if thp_shmem_mode() != "never" else SMALL_PAGE)
+            self.fd = os.memfd_create(f"keepwarm:{name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            os.ftruncate(self.fd, self.size)
+            self._map = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            if try_huge and thp_shmem_mode() in ("advise", "always", "within_size"):
+                try:
+                    self._map.madvise(mmap.MADV_HUGEPAGE)
+                    self.page_mode = "thp"
+                except OSError:
+                    pass
+
+    def _try_hugetlb(self, name: str, size: int) -> None:
+        flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | os.MFD_HUGETLB
+        try:
+            fd = os.memfd_create(f"keepwarm:{name}", flags)
+        except OSError:
+            return
+        self.size = _round_up(max(size, 1), HUGE_PAGE)
+        try:
+            os.ftruncate(fd, self.size)
+            # MAP_SHARED reserves the huge pages now; an empty pool fails here with ENOMEM.
+            self._map = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError:
+            os.close(fd)
+            return
+        self.fd, self.page_mode = fd, "hugetlb"
+
+    def tensor(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """Writable view for filling (daemon side, before ``seal``)."""
+        if self._map is None:
+            raise RuntimeError(f"arena {self.name} is sealed")
+        count = _numel(shape) * dtype.itemsize
+        flat = torch.frombuffer(self._map, dtype=torch.uint8, count=count, offset=offset)
+        return flat.view(dtype).view(shape)
+
+    def seal(self) -> None:
+        """Drop the writable mapping and seal the memfd (hugetlbfs cannot seal writes: skip those)."""
+        if self._map is not None:
+            self._map.close()  # fails if a fill view is still alive: a bug worth seeing
+            self._map = None
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def map_readonly(fd: int, size: int, populate: bool = True) -> mmap.mmap:
+    """Client side: map an arena read-only; ``populate`` prefaults the page tables in one call
+    (MAP_POPULATE), much cheaper than one fault per page during the first forward pass."""
+    flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+    return mmap.mmap(fd, size, flags, mmap.PROT_READ)
+
+
+def readonly_tensor(buf: mmap.mmap, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor viewing ``buf``; it keeps ``buf`` alive. Writing to it faults (read-only pages)."""
+    count = _numel(shape) * dtype.itemsize
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": that is the point
+        if count == 0:
+            return torch.empty(shape, dtype=dtype)
+        flat = torch.frombuffer(buf, dtype=torch.uint8, count=count, offset=offset)
+    return flat.view(dtype).view(shape)

@@ -1,0 +1,233 @@
+"""Client side of the cache: ``attach()`` named tensors from the node's daemon, or from disk.
+
+An inference process calls ``attach(model_dir, socket_dir)`` once at start. On a hit it gets
+zero-copy views of the daemon's arena (read-only memory: never write into them); on any miss or
+error it falls back to a plain safetensors load when ``fallback`` is true, logging each distinct
+reason once and counting every fallback in ``keepwarm_cache_client_misses_total``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from keepwarm_runtime import __version__
+from keepwarm_runtime.cache import protocol, security
+from keepwarm_runtime.cache.checkpoint import Shard, parse_dtype, read_checkpoint
+from keepwarm_runtime.cache.fingerprint import compute_key
+from keepwarm_runtime.cache.loader import TensorEntry, load_from_disk
+from keepwarm_runtime.cache.metrics import client_metrics
+
+log = logging.getLogger(__name__)
+_FROM_ENV: Any = object()  # default of socket_dir/mode/fallback: read KEEPWARM_CACHE_* variables
+_logged_reasons: set[str] = set()
+
+
+@dataclass
+class AttachResult:
+    tensors: dict[str, torch.Tensor]  # checkpoint name -> tensor in `dtype` on `device`
+    aliases: dict[str, str]  # extra name -> name in tensors (tied weights)
+    source: str  # "cache" | "disk"
+    reason: str | None  # why it fell back: "absent", "mismatch: dtype", "unavailable: ..." or None
+    seconds: float  # wall time of attach or load
+    model: str | None = None  # daemon's model name on a hit
+    tier: str | None = None  # "host" | "gpu" on a hit
+    digest: str | None = None  # content digest the daemon computed while loading
+
+
+class CacheAttachError(Exception):
+    """The cache could not serve the model and fallback is off; ``reason`` is the short form."""
+
+    def __init__(self, reason: str, message: str | None = None) -> None:
+        super().__init__(message or reason)
+        self.reason = reason
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    return default if value is None else value.strip().lower() not in ("0", "false", "no", "off", "")
+
+
+def attach(
+    model_dir: str | Path,
+    socket_dir: str | Path | None = _FROM_ENV,
+    *,
+    dtype: torch.dtype | str = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    mode: str = _FROM_ENV,
+    fallback: bool = _FROM_ENV,
+    timeout_s: float = 5.0,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> AttachResult:
+    """Named tensors of ``model_dir`` in ``dtype`` on ``device``: from the cache or from disk.
+
+    ``socket_dir=None`` loads from disk; left out, it comes from KEEPWARM_CACHE_SOCKET_DIR (as do
+    ``mode`` from KEEPWARM_CACHE_MODE, default "zero_copy", and ``fallback`` from
+    KEEPWARM_CACHE_FALLBACK, default true). ``mode="copy"`` copies out of the arena into private
+    memory. Raises CacheAttachError when the cache fails and fallback is off.
+    """
+    started = time.perf_counter()
+    if socket_dir is _FROM_ENV:
+        socket_dir = os.environ.get("KEEPWARM_CACHE_SOCKET_DIR") or None
+    if mode is _FROM_ENV:
+        mode = os.environ.get("KEEPWARM_CACHE_MODE", "zero_copy")
+    if fallback is _FROM_ENV:
+        fallback = _env_flag("KEEPWARM_CACHE_FALLBACK", True)
+    if mode not in ("zero_copy", "copy"):
+        raise ValueError(f"unknown cache mode {mode!r}; use zero_copy or copy")
+    dtype, device = parse_dtype(dtype), torch.device(device)
+    model_dir = Path(model_dir)
+    shards = read_checkpoint(model_dir)
+    metrics = client_metrics()
+    reason = None
+    if socket_dir is not None:
+        try:
+            result = _attach_from_cache(
+                model_dir, shards, Path(socket_dir), dtype, device, mode, timeout_s, tp_rank, tp_size
+            )
+            result.seconds = time.perf_counter() - started
+            metrics.hits.inc()
+            metrics.attach_seconds.labels("cache").observe(result.seconds)
+            return result
+        except CacheAttachError as exc:
+            if not fallback:
+                raise
+            reason = exc.reason
+            metrics.misses.labels(reason.split(":")[0]).inc()
+            if reason not in _logged_reasons:
+                _logged_reasons.add(reason)
+                log.warning("weight cache miss for %s (%s); loading from disk", model_dir, exc)
+    tensors = load_from_disk(shards, dtype, device)
+    seconds = time.perf_counter() - started
+    metrics.attach_seconds.labels("disk").observe(seconds)
+    return AttachResult(tensors, {}, "disk", reason, seconds)
+
+
+def socket_path_for(socket_dir: Path, device: torch.device) -> Path:
+    """gpu-<UUID>.sock for a CUDA device when that daemon exists, else host.sock."""
+    if device.type == "cuda":
+        from keepwarm_runtime.cache.backends import cuda
+
+        gpu = socket_dir / f"gpu-{cuda.gpu_uuid(device.index or 0)}.sock"
+        if gpu.exists():
+            return gpu
+    return socket_dir / "host.sock"
+
+
+def request(sock: socket.socket, header: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+    """One request/reply round trip; a daemon error reply raises CacheAttachError."""
+    protocol.send_frame(sock, header)
+    reply, fds = protocol.recv_frame(sock)
+    if not reply.get("ok"):
+        for fd in fds:
+            os.close(fd)
+        err = reply.get("error") or {}
+        raise CacheAttachError(f"error: {err.get('code', '?')}", f"daemon refused: {err.get('message')}")
+    return reply, fds
+
+
+def connect(socket_path: Path, timeout_s: float) -> socket.socket:
+    """Connect after checking the path and the daemon's credentials; errors -> CacheAttachError."""
+    if not socket_path.exists():
+        raise CacheAttachError(f"unavailable: no daemon socket at {socket_path}")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    try:
+        security.check_client_path(socket_path)
+        sock.connect(str(socket_path))
+        security.check_server_peer(sock)
+    except security.CacheSecurityError as exc:
+        sock.close()
+        raise CacheAttachError(f"unavailable: {exc}") from None
+    except OSError as exc:
+        sock.close()
+        raise CacheAttachError(f"unavailable: {exc.strerror or exc}") from None
+    return sock
+
+
+def _attach_from_cache(
+    model_dir: Path,
+    shards: list[Shard],
+    socket_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    mode: str,
+    timeout_s: float,
+    tp_rank: int,
+    tp_size: int,
+) -> AttachResult:
+    key = compute_key(model_dir, dtype, tp_rank, tp_size, shards=shards)
+    sock = connect(socket_path_for(socket_dir, device), timeout_s)
+    fds: list[int] = []
+    try:
+        hello, _ = request(
+            sock, {"cmd": "hello", "protocol": protocol.PROTOCOL_VERSION, "version": __version__}
+        )
+        if hello.get("protocol") != protocol.PROTOCOL_VERSION:
+            raise CacheAttachError(f"mismatch: protocol {hello.get('protocol')}")
+        reply, fds = request(sock, {"cmd": "get_state", "key": key.to_dict(), "name": model_dir.name})
+    except (OSError, protocol.ProtocolError) as exc:
+        raise CacheAttachError(f"unavailable: {exc}") from None
+    finally:
+        sock.close()
+    try:
+        if reply["state"] == "absent":
+            raise CacheAttachError("absent", f"no resident model matches {model_dir}")
+        if reply["state"] == "mismatch":
+            fields = ",".join(reply.get("fields", []))
+            raise CacheAttachError(
+                f"mismatch: {fields}", f"resident model {reply.get('model')} differs in: {fields}"
+            )
+        if len(fds) != 1:
+            raise CacheAttachError("error: bad_reply", f"expected one fd on a hit, got {len(fds)}")
+        entries = [TensorEntry.from_wire(row) for row in reply["tensors"]]
+        tensors = _map_tensors(reply, fds[0], entries, device, mode)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return AttachResult(
+        tensors,
+        dict(reply.get("aliases", {})),
+        "cache",
+        None,
+        0.0,
+        model=reply.get("model"),
+        tier=reply.get("tier"),
+        digest=reply.get("digest"),
+    )
+
+
+def _map_tensors(
+    reply: dict[str, Any], fd: int, entries: list[TensorEntry], device: torch.device, mode: str
+) -> dict[str, torch.Tensor]:
+    size = int(reply["size"])
+    if reply["tier"] == "gpu":
+        from keepwarm_runtime.cache.backends.cuda import import_arena
+
+        if device.type != "cuda":
+            raise CacheAttachError("mismatch: tier", "the gpu tier serves CUDA devices only")
+        mapping = import_arena(fd, size, device.index or 0)
+        tensors = {e.name: mapping.tensor(e.offset, e.dtype, e.shape) for e in entries}
+        return {n: t.clone() for n, t in tensors.items()} if mode == "copy" else tensors
+
+    from keepwarm_runtime.cache.backends.host import map_readonly, readonly_tensor
+
+    buf = map_readonly(fd, size)
+    if mode == "copy" or device.type != "cpu":
+        # One bulk copy out of the arena, then views of the private copy (moved to `device`).
+        private = torch.empty(size, dtype=torch.uint8)
+        src = readonly_tensor(buf, 0, torch.uint8, (size,))
+        private.copy_(src)
+        del src  # releases the buffer export so the mapping can close
+        buf.close()
+        private = private.to(device)
+        return {e.name: private[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in entries}
+    return {e.name: readonly_tensor(buf, e.offset, e.dtype, e.shape) for e in entries}

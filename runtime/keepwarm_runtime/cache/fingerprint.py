@@ -1,0 +1,100 @@
+"""`WeightCacheKey`: what must be equal for a client to use weights the daemon holds.
+
+The checkpoint part hashes every shard's safetensors header and file size, never the weight bytes:
+computing a key costs a few small reads, and two directories holding identical files match. The
+daemon separately records a content digest while it reads the bytes (see ``loader.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from keepwarm_runtime import __version__
+from keepwarm_runtime.cache.checkpoint import Shard, dtype_name, read_checkpoint
+
+
+@dataclass(frozen=True)
+class WeightCacheKey:
+    checkpoint: str  # sha256 over shard names, sizes and safetensors headers
+    architecture: str  # config.json architectures[0] (or model_type)
+    dtype: str  # serving dtype of floating tensors, e.g. "float32"
+    quantization: str  # sha256 of config.json quantization_config ("none" without one)
+    revision: str  # hub commit (HF cache snapshot dir / _commit_hash) or "local"
+    tp_rank: int  # tensor-parallel rank this entry serves
+    tp_size: int  # tensor-parallel world size
+    version: str  # keepwarm version (arena layout may change between versions)
+
+    def diff(self, other: WeightCacheKey) -> list[str]:
+        """Names of the fields that differ, in declaration order."""
+        return [f.name for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> WeightCacheKey:
+        names = {f.name for f in fields(cls)}
+        missing = names - set(data)
+        if missing:
+            raise ValueError(f"fingerprint lacks fields: {', '.join(sorted(missing))}")
+        return cls(**{k: data[k] for k in names})
+
+    @property
+    def digest(self) -> str:
+        """Short stable id of the whole key, for logs and status."""
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def checkpoint_hash(shards: list[Shard]) -> str:
+    h = hashlib.sha256()
+    for shard in shards:
+        h.update(f"{shard.path.name}\0{shard.size}\0{len(shard.header)}\0".encode())
+        h.update(shard.header)
+    return h.hexdigest()
+
+
+def _config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "config.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _revision(model_dir: Path, config: dict[str, Any]) -> str:
+    resolved = model_dir.resolve()
+    if resolved.parent.name == "snapshots":  # huggingface_hub cache layout: snapshots/<commit>/
+        return resolved.name
+    return str(config.get("_commit_hash") or "local")
+
+
+def compute_key(
+    model_dir: str | Path,
+    dtype: torch.dtype | str,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    shards: list[Shard] | None = None,
+) -> WeightCacheKey:
+    """Key of ``model_dir`` served in ``dtype``; reads only headers and config.json."""
+    model_dir = Path(model_dir)
+    shards = shards if shards is not None else read_checkpoint(model_dir)
+    config = _config(model_dir)
+    archs = config.get("architectures") or [config.get("model_type", "unknown")]
+    quant = config.get("quantization_config")
+    quant_hash = (
+        hashlib.sha256(json.dumps(quant, sort_keys=True).encode()).hexdigest()[:16] if quant else "none"
+    )
+    return WeightCacheKey(
+        checkpoint=checkpoint_hash(shards),
+        architecture=str(archs[0]),
+        dtype=dtype if isinstance(dtype, str) else dtype_name(dtype),
+        quantization=quant_hash,
+        revision=_revision(model_dir, config),
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        version=__version__,
+    )

@@ -1,0 +1,80 @@
+"""Prometheus metrics of the cache (prefix ``keepwarm_cache_``).
+
+The daemon keeps its own registry (several daemons may live in one test process); the client's
+metrics go to the default registry, which the runtime's ``/metrics`` endpoint exposes.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class DaemonMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.resident_bytes = Gauge(
+            "keepwarm_cache_resident_bytes", "Bytes held per model and tier", ["model", "tier"], registry=r
+        )
+        self.hits = Counter(
+            "keepwarm_cache_hits_total", "get_state answered with weights", ["model"], registry=r
+        )
+        self.misses = Counter(
+            "keepwarm_cache_misses_total",
+            "get_state without weights, by reason (absent, mismatch)",
+            ["reason"],
+            registry=r,
+        )
+        self.request_seconds = Histogram(
+            "keepwarm_cache_attach_seconds",
+            "Daemon time to answer a get_state",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.load_seconds = Gauge(
+            "keepwarm_cache_load_seconds",
+            "Seconds the daemon spent loading each model",
+            ["model"],
+            registry=r,
+        )
+        self.evictions = Counter("keepwarm_cache_evictions_total", "Models evicted for budget", registry=r)
+        self.refused_peers = Counter(
+            "keepwarm_cache_refused_peers_total", "Connections refused by SO_PEERCRED", registry=r
+        )
+
+    def serve(self, port: int) -> None:
+        from prometheus_client import start_http_server
+
+        start_http_server(port, registry=self.registry)
+
+
+class ClientMetrics:
+    def __init__(self) -> None:
+        self.attach_seconds = Histogram(
+            "keepwarm_cache_client_attach_seconds",
+            "Client attach/load time by source",
+            ["source"],
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.hits = Counter("keepwarm_cache_client_hits_total", "Attaches served by the cache")
+        self.misses = Counter(
+            "keepwarm_cache_client_misses_total",
+            "Attaches that fell back to disk, by reason (absent, mismatch, unavailable, error)",
+            ["reason"],
+        )
+
+
+_client: ClientMetrics | None = None
+_client_lock = threading.Lock()
+
+
+def client_metrics() -> ClientMetrics:
+    global _client
+    with _client_lock:
+        if _client is None:
+            _client = ClientMetrics()
+        return _client

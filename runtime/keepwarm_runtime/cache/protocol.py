@@ -1,0 +1,125 @@
+"""Wire protocol between the cache daemon and its clients, over a Unix stream socket.
+
+Framing (both directions)::
+
+    +----------------------+-----------------------------+
+    | length: u32 big-end. | header: `length` bytes JSON |
+    +----------------------+-----------------------------+
+
+* The header is one UTF-8 JSON object. Requests carry ``"cmd"``; replies carry ``"ok"`` (bool) and,
+  when ``ok`` is false, ``"error": {"code": str, "message": str}``.
+* File descriptors (memfds of the host tier, CUDA VMM POSIX-fd handles of the gpu tier) travel as
+  SCM_RIGHTS ancillary data on the same ``sendmsg`` as the frame's first bytes; the header says how
+  many with ``"nfds"``. A frame whose fd count does not match its header is a protocol error.
+* ``length`` is at most ``MAX_FRAME_BYTES`` (callers may pass a smaller ``limit``); a longer frame is
+  rejected before its body is read. The peer that detects a bad frame replies with an error (when
+  it is the daemon) and closes the connection.
+* Nothing received is ever unpickled or evaluated: JSON and fds only.
+
+Commands (see ``handlers.py``): ``hello``, ``get_state``, ``list``, ``release``, ``stats``.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import socket
+import struct
+from typing import Any
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 16 << 20  # replies carry tensor tables: ~150 bytes per tensor
+MAX_REQUEST_BYTES = 64 << 10  # the daemon's limit for what clients send
+MAX_FDS = 16  # an attach opens one fd per model (one arena / one VMM allocation)
+
+_PREFIX = struct.Struct(">I")
+
+
+class ProtocolError(Exception):
+    """The peer sent something that is not a valid frame; the connection must be closed.
+
+    ``code`` is a stable machine-readable reason (``too_large``, ``truncated``, ``bad_json``,
+    ``bad_fds``) that the daemon puts in its error reply.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class PeerClosed(ProtocolError):
+    """The peer closed the connection cleanly between frames."""
+
+    def __init__(self) -> None:
+        super().__init__("closed", "peer closed the connection")
+
+
+def encode(header: dict[str, Any], limit: int = MAX_FRAME_BYTES) -> bytes:
+    body = json.dumps(header, separators=(",", ":")).encode()
+    if len(body) > limit:
+        raise ProtocolError("too_large", f"frame of {len(body)} bytes exceeds the limit of {limit}")
+    return _PREFIX.pack(len(body)) + body
+
+
+def send_frame(sock: socket.socket, header: dict[str, Any], fds: list[int] | tuple[int, ...] = ()) -> None:
+    """Send one frame; ``fds`` ride on the first bytes and ``nfds`` is set in the header."""
+    if len(fds) > MAX_FDS:
+        raise ProtocolError("bad_fds", f"{len(fds)} fds exceed the limit of {MAX_FDS}")
+    data = encode({**header, "nfds": len(fds)})
+    if fds:
+        sent = socket.send_fds(sock, [data], list(fds))
+        data = data[sent:]
+    if data:
+        sock.sendall(data)
+
+
+def _recv_exact(sock: socket.socket, n: int, fds: list[int], *, at_start: bool) -> bytes:
+    buf = bytearray()
+    cmsg_space = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+    while len(buf) < n:
+        data, ancdata, flags, _ = sock.recvmsg(n - len(buf), cmsg_space)
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                got = array.array("i")
+                got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
+                fds.extend(got)
+        if flags & socket.MSG_CTRUNC:
+            raise ProtocolError("bad_fds", f"more than {MAX_FDS} file descriptors in one frame")
+        if not data:
+            if at_start and not buf:
+                raise PeerClosed()
+            raise ProtocolError("truncated", f"connection closed after {len(buf)} of {n} bytes")
+        buf += data
+    return bytes(buf)
+
+
+def recv_frame(sock: socket.socket, limit: int = MAX_FRAME_BYTES) -> tuple[dict[str, Any], list[int]]:
+    """Read one frame; returns (header, fds). The caller owns (and must close) the fds.
+
+    Raises ``PeerClosed`` on a clean close between frames and ``ProtocolError`` on anything invalid;
+    on error every fd received so far is closed.
+    """
+    fds: list[int] = []
+    try:
+        (length,) = _PREFIX.unpack(_recv_exact(sock, _PREFIX.size, fds, at_start=True))
+        if length > limit:
+            raise ProtocolError("too_large", f"frame of {length} bytes exceeds the limit of {limit}")
+        body = _recv_exact(sock, length, fds, at_start=False)
+        try:
+            header = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ProtocolError("bad_json", f"frame is not JSON: {exc}") from None
+        if not isinstance(header, dict):
+            raise ProtocolError("bad_json", "frame header must be a JSON object")
+        if header.get("nfds", 0) != len(fds):
+            raise ProtocolError("bad_fds", f"header announces {header.get('nfds', 0)} fds, got {len(fds)}")
+        return header, fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+
+
+def error_reply(code: str, message: str) -> dict[str, Any]:
+    return {"ok": False, "error": {"code": code, "message": message}}

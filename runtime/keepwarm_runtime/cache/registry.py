@@ -1,0 +1,165 @@
+"""The daemon's resident models: lookup by fingerprint, LRU order, budget and pins.
+
+No I/O and no sockets here: the daemon loads an arena, then ``reserve``/``insert`` it; handlers
+``lookup`` keys. One lock guards the table, so the node agent's thread and client threads can
+call in concurrently.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from keepwarm_runtime.cache.fingerprint import WeightCacheKey
+from keepwarm_runtime.cache.loader import ArenaLayout
+
+
+class BudgetExceeded(Exception):
+    """A model does not fit in --budget even after evicting every unpinned model."""
+
+
+class Arena(Protocol):
+    size: int
+    fd: int
+    page_mode: str
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class ResidentModel:
+    name: str  # unique within the daemon (directory name, suffixed on clashes)
+    path: Path  # checkpoint directory it was loaded from
+    key: WeightCacheKey
+    layout: ArenaLayout
+    arena: Arena
+    tier: str  # "host" | "gpu"
+    digest: str  # sha256 of the bytes read
+    pinned: bool
+    load_seconds: float
+    gpu_uuid: str | None = None  # gpu tier: the GPU holding it
+    hits: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def nbytes(self) -> int:
+        return self.arena.size
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "path": str(self.path),
+            "bytes": self.nbytes,
+            "fingerprint": self.key.to_dict(),
+            "key_digest": self.key.digest,
+            "digest": self.digest,
+            "pinned": self.pinned,
+            "tier": self.tier,
+            "gpu_uuids": [self.gpu_uuid] if self.gpu_uuid else [],
+            "num_tensors": len(self.layout.entries),
+            "load_seconds": round(self.load_seconds, 4),
+            "hits": self.hits,
+            "page_mode": self.arena.page_mode,
+        }
+
+
+@dataclass
+class Lookup:
+    state: str  # "hit" | "mismatch" | "absent"
+    model: ResidentModel | None  # the hit, or the nearest model on a mismatch
+    fields: list[str]  # mismatch: WeightCacheKey fields that differ
+    fd: int = -1  # hit: a dup of the arena fd, owned by the caller
+
+
+class ModelRegistry:
+    def __init__(self, budget: int | None = None) -> None:
+        self.budget = budget  # bytes; None = unlimited
+        self._models: dict[str, ResidentModel] = {}
+        self._lock = threading.RLock()
+
+    def unique_name(self, path: Path) -> str:
+        base = path.resolve().name or "model"
+        with self._lock:
+            for model in self._models.values():
+                if model.path == path.resolve():
+                    return model.name
+            name, n = base, 1
+            while name in self._models:
+                n += 1
+                name = f"{base}-{n}"
+            return name
+
+    def reserve(self, size: int, keep: str | None = None) -> list[ResidentModel]:
+        """Evict least-recently-used unpinned models until ``size`` more bytes fit the budget.
+
+        Returns the evicted models (the caller closes their arenas); raises BudgetExceeded, evicting
+        nothing, when even that would not be enough.
+        """
+        with self._lock:
+            if self.budget is None:
+                return []
+            used = sum(m.nbytes for m in self._models.values() if m.name != keep)
+            if used + size <= self.budget:
+                return []
+            victims = sorted(
+                (m for m in self._models.values() if not m.pinned and m.name != keep),
+                key=lambda m: m.last_used,
+            )
+            freeable = sum(m.nbytes for m in victims)
+            if used - freeable + size > self.budget:
+                raise BudgetExceeded(
+                    f"{size} bytes do not fit --budget {self.budget}: {used - freeable} bytes are pinned "
+                    "or in use; raise --budget or unpin a model"
+                )
+            evicted = []
+            for victim in victims:
+                if used + size <= self.budget:
+                    break
+                del self._models[victim.name]
+                used -= victim.nbytes
+                evicted.append(victim)
+            return evicted
+
+    def insert(self, model: ResidentModel) -> None:
+        with self._lock:
+            self._models[model.name] = model
+
+    def remove(self, name: str) -> ResidentModel | None:
+        with self._lock:
+            return self._models.pop(name, None)
+
+    def get(self, name: str) -> ResidentModel | None:
+        with self._lock:
+            return self._models.get(name)
+
+    def lookup(self, key: WeightCacheKey, name_hint: str | None = None) -> Lookup:
+        """A hit carries a dup of the arena fd, taken under the lock so that a concurrent eviction
+        cannot close it first; a miss names the nearest model and the differing fields.
+
+        The nearest model shares the checkpoint hash (same weights, other settings) or, failing
+        that, the requested directory name (same model, other weights).
+        """
+        with self._lock:
+            models = list(self._models.values())
+            for model in models:
+                if model.key == key:
+                    model.hits += 1
+                    model.last_used = time.monotonic()
+                    return Lookup("hit", model, [], os.dup(model.arena.fd))
+            near = [m for m in models if m.key.checkpoint == key.checkpoint]
+            near = near or [m for m in models if name_hint and m.path.name == name_hint]
+            if not near:
+                return Lookup("absent", None, [])
+            best = min(near, key=lambda m: len(m.key.diff(key)))
+            return Lookup("mismatch", best, best.key.diff(key))
+
+    def models(self) -> list[ResidentModel]:
+        with self._lock:
+            return list(self._models.values())
+
+    def resident_bytes(self) -> int:
+        with self._lock:
+            return sum(m.nbytes for m in self._models.values())

@@ -1,0 +1,165 @@
+"""Who may talk to the cache: socket directory and file modes, peer credentials, the daemon lock.
+
+The socket hands out fds that map model weights, so the directory is private (0700, or 0770 with
+a shared group for pods of other users, since hostPath ignores fsGroup), the daemon checks every
+peer's uid/gid with SO_PEERCRED, and a client only trusts a socket owned by itself or root.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import grp
+import os
+import socket
+import stat
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class CacheSecurityError(Exception):
+    """A path or peer failed a check; the message says which and how to fix it."""
+
+
+class DaemonAlreadyRunning(CacheSecurityError):
+    """Another daemon holds the socket's lock file."""
+
+
+@dataclass(frozen=True)
+class PeerPolicy:
+    uid: int = field(default_factory=os.geteuid)  # the daemon's own uid: always allowed
+    allow_uids: frozenset[int] = frozenset()  # --allow-uid
+    allow_gids: frozenset[int] = frozenset()  # --allow-gid
+
+    def allows(self, uid: int, gid: int) -> bool:
+        return uid == self.uid or uid in self.allow_uids or gid in self.allow_gids
+
+
+@dataclass(frozen=True)
+class PeerCred:
+    pid: int
+    uid: int
+    gid: int
+
+
+def peer_cred(sock: socket.socket) -> PeerCred:
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return PeerCred(*struct.unpack("3i", raw))
+
+
+def resolve_gid(group: str | int | None) -> int | None:
+    if group is None:
+        return None
+    if isinstance(group, int) or str(group).isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(str(group)).gr_gid
+    except KeyError:
+        raise CacheSecurityError(f"group {group!r} does not exist on this node") from None
+
+
+def _check_owned(path: Path, st: os.stat_result, what: str, trusted: set[int]) -> None:
+    if stat.S_ISLNK(st.st_mode):
+        raise CacheSecurityError(f"{what} {path} is a symlink; refusing (point at the real directory)")
+    if st.st_uid not in trusted:
+        raise CacheSecurityError(
+            f"{what} {path} is owned by uid {st.st_uid}, not by uid(s) {sorted(trusted)}; refusing"
+        )
+
+
+def prepare_socket_dir(path: str | Path, gid: int | None = None) -> Path:
+    """Create (or check) the daemon's socket directory: ours, not a symlink, 0700 or 0770+group."""
+    path = Path(path)
+    mode = 0o770 if gid is not None else 0o700
+    try:
+        os.makedirs(path.parent, mode=0o755, exist_ok=True)
+        os.mkdir(path, mode)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    _check_owned(path, st, "socket directory", {os.geteuid()})
+    if not stat.S_ISDIR(st.st_mode):
+        raise CacheSecurityError(f"socket directory {path} is not a directory")
+    if gid is not None and st.st_gid != gid:
+        os.chown(path, -1, gid)
+    os.chmod(path, mode)
+    return path
+
+
+class DaemonLock:
+    """Exclusive flock on ``<socket>.lock``: one daemon per socket; only its holder may unlink."""
+
+    def __init__(self, socket_path: Path) -> None:
+        self.path = Path(f"{socket_path}.lock")
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise DaemonAlreadyRunning(
+                    f"another keepwarm cache daemon (pid {holder}) holds {self.path}; stop it or use "
+                    "another --socket-dir"
+                ) from None
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+
+def remove_stale_socket(socket_path: Path, lock: DaemonLock) -> None:
+    """Unlink a socket left by a dead daemon; only the lock holder may do this."""
+    if not lock.held:
+        raise CacheSecurityError(f"refusing to remove {socket_path}: lock {lock.path} is not held")
+    try:
+        st = os.lstat(socket_path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise CacheSecurityError(f"{socket_path} exists and is not a socket; remove it by hand")
+    os.unlink(socket_path)
+
+
+def secure_socket_file(socket_path: Path, gid: int | None) -> None:
+    if gid is not None:
+        os.chown(socket_path, -1, gid)
+    os.chmod(socket_path, 0o660 if gid is not None else 0o600)
+
+
+def trusted_owners() -> set[int]:
+    """Uids a client trusts to own a daemon socket: itself, root, and KEEPWARM_CACHE_TRUSTED_UIDS."""
+    extra = os.environ.get("KEEPWARM_CACHE_TRUSTED_UIDS", "")
+    return {0, os.geteuid(), *(int(u) for u in extra.replace(",", " ").split() if u.isdigit())}
+
+
+def check_client_path(socket_path: Path) -> None:
+    """Client side: the directory and socket are real (no symlinks) and owned by a trusted uid."""
+    trusted = trusted_owners()
+    st_dir = os.lstat(socket_path.parent)
+    _check_owned(socket_path.parent, st_dir, "socket directory", trusted)
+    st = os.lstat(socket_path)
+    _check_owned(socket_path, st, "socket", trusted)
+    if not stat.S_ISSOCK(st.st_mode):
+        raise CacheSecurityError(f"{socket_path} is not a socket")
+
+
+def check_server_peer(sock: socket.socket) -> PeerCred:
+    """Client side: the process behind the socket runs as a trusted uid."""
+    cred = peer_cred(sock)
+    if cred.uid not in trusted_owners():
+        raise CacheSecurityError(f"daemon behind the socket runs as uid {cred.uid}, which is not trusted")
+    return cred
