@@ -34,7 +34,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 crds: $(STAMP)
-	$(BIN)/python -m keepwarm_operator.crdgen crds
+	$(BIN)/python -m keepwarm_operator.crdgen crds charts/keepwarm/crds
 
 bench: $(STAMP)
 	$(BIN)/python -m keepwarm_runtime.cli bench restart --size-gib 2 --serving-dtype float32 --json

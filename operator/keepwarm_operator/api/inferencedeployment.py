@@ -1,0 +1,191 @@
+"""InferenceDeployment (namespaced, short name idep, scale subresource): a model served by N runtime pods.
+
+Becomes a Deployment and a Service. Pods attach to a WeightCache's sockets on their node and prefer
+nodes where the model is already resident. spec.replicas is the scale subresource, so `kubectl scale`
+and an HPA targeting the InferenceDeployment own the replica count; the operator copies it through.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import Field
+
+from .common import (
+    DNS_LABEL,
+    Condition,
+    DType,
+    EnvVar,
+    KubeModel,
+    ModelSource,
+    ResourceRequirements,
+    Toleration,
+)
+
+KIND = "InferenceDeployment"
+PLURAL = "inferencedeployments"
+SHORT_NAMES = ["idep"]
+DEFAULT_IMAGE = "ghcr.io/keepwarm/keepwarm-runtime:0.1.0"
+
+
+class ModelRef(KubeModel):
+    """The model to serve: a model of a WeightCache (cacheRef + name), or an inline source (disk load)."""
+
+    model_config = KubeModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.cacheRef) ? (has(self.name) && !has(self.source)) : has(self.source)",
+                    "message": "set either cacheRef and name (a model of a WeightCache) or source",
+                }
+            ]
+        }
+    }
+
+    cache_ref: str | None = Field(default=None, max_length=63)
+    """Name of the WeightCache holding the model."""
+    name: str | None = Field(default=None, max_length=63, pattern=DNS_LABEL)
+    """Model name within the WeightCache."""
+    source: ModelSource | None = None
+    """Inline source when not using a cache (always loaded from disk)."""
+
+
+class CacheMode(StrEnum):
+    ZERO_COPY = "zero_copy"
+    COPY = "copy"
+
+
+class RuntimeSettings(KubeModel):
+    """Settings of the inference runtime (`keepwarm serve`)."""
+
+    dtype: DType = DType.AUTO
+    """Serving dtype; auto follows the cache's dtype (or the checkpoint's)."""
+    max_model_len: int | None = Field(default=None, ge=1)
+    """Longest sequence (prompt + output) accepted."""
+    max_num_seqs: int | None = Field(default=None, ge=1)
+    """Most sequences batched at once."""
+    cache_mode: CacheMode = CacheMode.ZERO_COPY
+    """zero_copy maps the cache's memory; copy copies it into the pod's own memory."""
+    cache_fallback: bool = True
+    """Load from disk when the cache is absent or mismatched (otherwise fail the start)."""
+    extra_args: list[str] = Field(default_factory=list)
+    """Further `keepwarm serve` flags, appended verbatim."""
+
+
+class PodOverrides(KubeModel):
+    """Additions to the runtime pods."""
+
+    labels: dict[str, str] = Field(default_factory=dict)
+    """Extra pod labels."""
+    annotations: dict[str, str] = Field(default_factory=dict)
+    """Extra pod annotations."""
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Hard node constraints (the warm-node preference is added on top)."""
+    tolerations: list[Toleration] = Field(default_factory=list)
+    """Tolerations, e.g. for tainted GPU nodes."""
+    service_account_name: str | None = None
+    """ServiceAccount for the pods."""
+    priority_class_name: str | None = None
+    """PriorityClass for the pods."""
+    run_as_user: int | None = Field(default=None, ge=0)
+    """UID for the runtime container (default: the image's user)."""
+
+
+class ServiceType(StrEnum):
+    CLUSTER_IP = "ClusterIP"
+    NODE_PORT = "NodePort"
+    LOAD_BALANCER = "LoadBalancer"
+
+
+class InferenceDeploymentSpec(KubeModel):
+    """Desired state of an InferenceDeployment."""
+
+    model: ModelRef
+    """What to serve."""
+    replicas: int = Field(default=1, ge=0, le=10000)
+    """Runtime pods; owned by the scale subresource (kubectl scale, HPA)."""
+    gpus_per_pod: int = Field(default=1, ge=0, le=16)
+    """nvidia.com/gpu per pod; 0 for CPU serving."""
+    image: str = DEFAULT_IMAGE
+    """Runtime image."""
+    image_pull_policy: str = Field(default="IfNotPresent", pattern=r"^(Always|IfNotPresent|Never)$")
+    """Always, IfNotPresent or Never."""
+    runtime: RuntimeSettings = Field(default_factory=RuntimeSettings, json_schema_extra={"default": {}})
+    """Runtime settings."""
+    env: list[EnvVar] = Field(default_factory=list)
+    """Extra environment variables for the runtime container."""
+    resources: ResourceRequirements | None = None
+    """CPU/memory for the runtime container (GPUs come from gpusPerPod)."""
+    port: int = Field(default=8000, ge=1, le=65535)
+    """HTTP port of the OpenAI-compatible API (also serves /metrics, /ready, /health)."""
+    service_type: ServiceType = ServiceType.CLUSTER_IP
+    """Type of the Service in front of the pods."""
+    startup_timeout_seconds: int = Field(default=1800, ge=30)
+    """How long a pod may take to load before the kubelet restarts it."""
+    pod: PodOverrides = Field(default_factory=PodOverrides, json_schema_extra={"default": {}})
+    """Additions to the pods."""
+
+
+class IDepConditionType(StrEnum):
+    AVAILABLE = "Available"
+    PROGRESSING = "Progressing"
+    CACHE_WARM = "CacheWarm"
+
+
+class IDepReason(StrEnum):
+    MINIMUM_REPLICAS = "MinimumReplicasAvailable"
+    REPLICAS_UNAVAILABLE = "ReplicasUnavailable"
+    SCALED_TO_ZERO = "ScaledToZero"
+    ROLLED_OUT = "RolloutComplete"
+    ROLLING = "RollingUpdate"
+    INVALID_SPEC = "InvalidSpec"
+    CACHE_NOT_FOUND = "CacheNotFound"
+    MODEL_NOT_IN_CACHE = "ModelNotInCache"
+    MODEL_RESIDENT = "ModelResident"
+    MODEL_NOT_RESIDENT = "ModelNotResident"
+    NO_CACHE = "NoCacheConfigured"
+    APPLY_FAILED = "ApplyFailed"
+
+
+class InferenceDeploymentStatus(KubeModel):
+    """Observed state, from the Deployment and the cache's WeightCacheNodes."""
+
+    observed_generation: int | None = None
+    """metadata.generation this status describes."""
+    replicas: int = 0
+    """Pods created (statusReplicasPath of the scale subresource)."""
+    ready_replicas: int = 0
+    """Pods passing readiness."""
+    updated_replicas: int = 0
+    """Pods on the current template."""
+    selector: str = ""
+    """Label selector of the pods (labelSelectorPath of the scale subresource, for HPAs)."""
+    warm_nodes: int = 0
+    """Nodes where the model is resident in the cache."""
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    """Available, Progressing and CacheWarm."""
+
+
+PRINTER_COLUMNS = [
+    {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
+    {"name": "Cache", "type": "string", "jsonPath": ".spec.model.cacheRef"},
+    {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas"},
+    {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
+    {"name": "Warm", "type": "integer", "jsonPath": ".status.warmNodes"},
+    {"name": "Available", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Available")].status'},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+SCALE = {
+    "specReplicasPath": ".spec.replicas",
+    "statusReplicasPath": ".status.replicas",
+    "labelSelectorPath": ".status.selector",
+}
+ROOT_VALIDATIONS = [
+    {
+        "rule": "size(self.metadata.name) <= 52",
+        "message": "InferenceDeployment names are at most 52 characters",
+    }
+]

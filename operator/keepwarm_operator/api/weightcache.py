@@ -1,0 +1,210 @@
+"""WeightCache (cluster-scoped, short name wc): which models to keep warm, on which nodes, in which tier.
+
+The operator turns one WeightCache into a DaemonSet of node agents (`keepwarm cache serve`) plus one
+WeightCacheNode per node the agents run on; the agents report into those.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import Field
+
+from .common import (
+    DNS_LABEL,
+    Condition,
+    DType,
+    KubeModel,
+    ModelSource,
+    Quantity,
+    Quantization,
+    ResourceRequirements,
+    Toleration,
+)
+
+KIND = "WeightCache"
+PLURAL = "weightcaches"
+SHORT_NAMES = ["wc"]
+DEFAULT_AGENT_IMAGE = "ghcr.io/keepwarm/keepwarm-runtime:0.1.0"
+# The operator names children "keepwarm-agent-<name>" and labels them with <name>: 63-char label values.
+MAX_NAME_LENGTH = 40
+
+
+class Tier(StrEnum):
+    GPU = "gpu"
+    HOST = "host"
+
+
+class CachedModel(KubeModel):
+    """One model the agents keep resident."""
+
+    name: str = Field(min_length=1, max_length=63, pattern=DNS_LABEL)
+    """Model name, unique within the cache; InferenceDeployments refer to it."""
+    source: ModelSource
+    """Where the checkpoint comes from."""
+    dtype: DType = DType.BFLOAT16
+    """Dtype the weights are held in (part of the fingerprint)."""
+    quantization: Quantization = Quantization.NONE
+    """Weight quantization applied when loading (fp8 needs the gpu tier)."""
+    pin: bool = False
+    """Pinned models are never evicted to make room under the budget."""
+
+
+class GPUAccessMode(StrEnum):
+    VISIBLE_DEVICES_ALL = "VisibleDevicesAll"
+    NONE = "None"
+
+
+class GPUAccess(KubeModel):
+    """How agents see every GPU on their node without claiming nvidia.com/gpu (which would starve
+    inference pods): the NVIDIA container runtime exposes all devices when NVIDIA_VISIBLE_DEVICES=all,
+    selected through a RuntimeClass. Use mode None on CPU-only or host-tier clusters."""
+
+    mode: GPUAccessMode = GPUAccessMode.VISIBLE_DEVICES_ALL
+    """VisibleDevicesAll: set NVIDIA_VISIBLE_DEVICES=all (+ runtimeClassName); None: no GPU access."""
+    runtime_class_name: str | None = "nvidia"
+    """RuntimeClass that injects the GPUs; empty to rely on the node's default runtime."""
+
+
+class AgentSpec(KubeModel):
+    """The node agent pods."""
+
+    image: str = DEFAULT_AGENT_IMAGE
+    """keepwarm runtime image (contains `keepwarm cache serve`)."""
+    image_pull_policy: str = Field(default="IfNotPresent", pattern=r"^(Always|IfNotPresent|Never)$")
+    """Always, IfNotPresent or Never."""
+    resources: ResourceRequirements | None = None
+    """CPU/memory for the agent; host-tier arenas count against its memory limit."""
+    priority_class_name: str | None = None
+    """PriorityClass for the agents (a system-node-critical class keeps them from eviction)."""
+    gpu_access: GPUAccess = Field(default_factory=GPUAccess, json_schema_extra={"default": {}})
+    """How agents reach the node's GPUs."""
+    metrics_port: int = Field(default=9400, ge=1, le=65535)
+    """Port of the agent's /metrics endpoint."""
+
+
+class SocketSpec(KubeModel):
+    """The Unix-socket directory shared by the agent and inference pods. hostPath ignores fsGroup, so
+    the agent creates <directory>/<cache name> itself, owned by groupId with the given mode; inference
+    pods run with groupId as a supplemental group."""
+
+    directory: str = Field(default="/var/run/keepwarm", pattern=r"^/.*")
+    """Host directory under which /<cache name>/ holds the sockets."""
+    group_id: int = Field(default=2000, ge=1, le=2147483647)
+    """Group owning the socket directory and sockets; inference pods get it as a supplemental group."""
+    mode: str = Field(default="0770", pattern=r"^0?[0-7]{3}$")
+    """Directory mode (sockets get the same bits minus execute): 0770 shared by group, 0700 agent only."""
+    allowed_uids: list[int] = Field(default_factory=list, max_length=64)
+    """If set, the agent serves only peers with one of these uids (SO_PEERCRED)."""
+    allowed_gids: list[int] = Field(default_factory=list, max_length=64)
+    """If set, the agent serves only peers with one of these gids (SO_PEERCRED)."""
+
+
+class WeightCacheSpec(KubeModel):
+    """Desired state of a WeightCache."""
+
+    model_config = KubeModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.tier == 'gpu' || self.models.all(m, m.quantization == 'none')",
+                    "message": "quantization other than none needs tier gpu",
+                },
+                {
+                    "rule": "size(self.socket.allowedGids) == 0"
+                    " || self.socket.groupId in self.socket.allowedGids",
+                    "message": "socket.groupId must be one of socket.allowedGids when allowedGids is set",
+                },
+            ]
+        }
+    }
+
+    models: list[CachedModel] = Field(
+        max_length=64,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    """Models to keep resident on every selected node."""
+    tier: Tier = Tier.GPU
+    """gpu: CUDA VMM memory shared over IPC; host: shared memory (memfd), CPU or GPU clusters."""
+    budget: Quantity | None = None
+    """Per-node memory budget (per GPU for tier gpu), e.g. 40Gi; unset means no limit but the device's."""
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Nodes that run an agent, e.g. {nvidia.com/gpu.present: "true"}; empty means every node."""
+    tolerations: list[Toleration] = Field(default_factory=list)
+    """Tolerations for the agent pods (GPU nodes are often tainted)."""
+    agent: AgentSpec = Field(default_factory=AgentSpec, json_schema_extra={"default": {}})
+    """The node agent pods."""
+    socket: SocketSpec = Field(default_factory=SocketSpec, json_schema_extra={"default": {}})
+    """Socket directory, group and access control."""
+    download_directory: str = Field(default="/var/cache/keepwarm", pattern=r"^/.*")
+    """Host directory where Hugging Face sources are downloaded."""
+    heartbeat_seconds: int = Field(default=15, ge=1, le=3600)
+    """How often agents report; a node silent for 4 heartbeats is marked Stale."""
+
+    def model(self, name: str) -> CachedModel | None:
+        return next((m for m in self.models if m.name == name), None)
+
+
+class WeightCacheConditionType(StrEnum):
+    READY = "Ready"
+    DEGRADED = "Degraded"
+
+
+class WeightCacheReason(StrEnum):
+    ALL_NODES_READY = "AllNodesReady"
+    NO_NODES = "NoMatchingNodes"
+    NODES_NOT_READY = "NodesNotReady"
+    NODES_STALE = "NodesStale"
+    MODELS_FAILED = "ModelsFailed"
+    AS_EXPECTED = "AsExpected"
+    INVALID_SPEC = "InvalidSpec"
+    APPLY_FAILED = "ApplyFailed"
+
+
+class ModelResidency(KubeModel):
+    """How many nodes hold one model."""
+
+    name: str
+    """Model name."""
+    resident_nodes: int = 0
+    """Nodes whose agent reports the model resident."""
+    failed_nodes: int = 0
+    """Nodes whose agent failed to load it."""
+
+
+class WeightCacheStatus(KubeModel):
+    """Observed state, aggregated from the WeightCacheNodes by the operator."""
+
+    observed_generation: int | None = None
+    """metadata.generation this status describes."""
+    desired_nodes: int = 0
+    """Nodes that should run an agent (DaemonSet desiredNumberScheduled)."""
+    ready_nodes: int = 0
+    """Nodes whose agent reports in time and holds every model."""
+    stale_nodes: int = 0
+    """Nodes whose agent stopped reporting."""
+    model_count: int = 0
+    """Number of models in spec."""
+    models: list[ModelResidency] = Field(default_factory=list)
+    """Per-model resident node counts."""
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    """Ready and Degraded."""
+
+
+PRINTER_COLUMNS = [
+    {"name": "Tier", "type": "string", "jsonPath": ".spec.tier"},
+    {"name": "Models", "type": "integer", "jsonPath": ".status.modelCount"},
+    {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredNodes"},
+    {"name": "Ready", "type": "integer", "jsonPath": ".status.readyNodes"},
+    {"name": "Status", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason'},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+ROOT_VALIDATIONS = [
+    {
+        "rule": f"size(self.metadata.name) <= {MAX_NAME_LENGTH}",
+        "message": f"WeightCache names are at most {MAX_NAME_LENGTH} characters (children add a prefix)",
+    }
+]

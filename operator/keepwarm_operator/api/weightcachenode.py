@@ -1,0 +1,116 @@
+"""WeightCacheNode (cluster-scoped, named <cache>.<node>, owned by its WeightCache).
+
+The operator creates one per node an agent runs on; the agent on that node writes its status. The
+operator only marks it Stale when the heartbeat stops and deletes it when the Node is gone.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from enum import StrEnum
+
+from pydantic import Field
+
+from .common import Condition, KubeModel
+
+KIND = "WeightCacheNode"
+PLURAL = "weightcachenodes"
+SHORT_NAMES = ["wcn"]
+STALE_HEARTBEATS = 4  # missed heartbeats before a node is Stale
+
+
+def object_name(cache: str, node: str) -> str:
+    return f"{cache}.{node}"
+
+
+class WeightCacheNodeSpec(KubeModel):
+    """Which cache and node this object reports on (set by the operator, immutable)."""
+
+    model_config = KubeModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                {"rule": "self == oldSelf", "message": "spec is immutable; delete and recreate instead"}
+            ]
+        }
+    }
+
+    weight_cache: str = Field(min_length=1, max_length=63)
+    """Name of the owning WeightCache."""
+    node_name: str = Field(min_length=1, max_length=253)
+    """Name of the Node."""
+
+
+class NodePhase(StrEnum):
+    PENDING = "Pending"  # created; the agent has not reported yet
+    LOADING = "Loading"  # agent reported; some models still loading
+    READY = "Ready"  # every model resident
+    DEGRADED = "Degraded"  # some model failed (see its message)
+    STALE = "Stale"  # no heartbeat for STALE_HEARTBEATS periods (set by the operator)
+
+
+class ModelState(StrEnum):
+    LOADING = "Loading"
+    RESIDENT = "Resident"
+    EVICTED = "Evicted"
+    FAILED = "Failed"
+
+
+class ResidentModel(KubeModel):
+    """One model as the agent holds it."""
+
+    name: str
+    """Model name (as in the WeightCache)."""
+    state: ModelState
+    """Loading, Resident, Evicted or Failed."""
+    bytes: int = 0
+    """Bytes held in the arena."""
+    fingerprint: str = ""
+    """WeightCacheKey hash (headers, sizes, arch, dtype, quantization, revision, TP, version)."""
+    digest: str = ""
+    """Content digest recorded while reading the files."""
+    pinned: bool = False
+    """Never evicted under budget pressure."""
+    tier: str = ""
+    """gpu or host."""
+    gpu_uuids: list[str] = Field(default_factory=list)
+    """GPUs holding a copy (gpu tier)."""
+    message: str = ""
+    """Why it failed, when state is Failed."""
+
+
+class WeightCacheNodeStatus(KubeModel):
+    """Written by the node agent (phase Stale by the operator)."""
+
+    phase: NodePhase = NodePhase.PENDING
+    """Pending, Loading, Ready, Degraded or Stale."""
+    heartbeat: dt.datetime | None = None
+    """Last time the agent reported."""
+    models: list[ResidentModel] = Field(default_factory=list)
+    """Models on this node."""
+    total_bytes: int = 0
+    """Bytes held across models."""
+    gpu_uuids: list[str] = Field(default_factory=list)
+    """GPUs the agent sees."""
+    agent_version: str = ""
+    """keepwarm version of the agent."""
+    message: str = ""
+    """Detail for the phase."""
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    """Stale (set by the operator)."""
+
+    def resident(self) -> set[str]:
+        if self.phase == NodePhase.STALE:
+            return set()
+        return {m.name for m in self.models if m.state == ModelState.RESIDENT}
+
+
+PRINTER_COLUMNS = [
+    {"name": "Cache", "type": "string", "jsonPath": ".spec.weightCache"},
+    {"name": "Node", "type": "string", "jsonPath": ".spec.nodeName"},
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "Bytes", "type": "integer", "jsonPath": ".status.totalBytes"},
+    {"name": "Heartbeat", "type": "date", "jsonPath": ".status.heartbeat"},
+]

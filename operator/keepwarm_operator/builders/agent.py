@@ -1,0 +1,181 @@
+"""WeightCache -> node agents: ServiceAccount, least-privilege ClusterRole(+Binding), DaemonSet.
+
+GPU access without claiming nvidia.com/gpu (claiming it would take GPUs away from inference pods): with
+gpuAccess.mode VisibleDevicesAll the pod sets NVIDIA_VISIBLE_DEVICES=all and runs under the RuntimeClass
+that makes the NVIDIA container runtime inject every device (the device plugin's "all" pass-through).
+
+The socket directory is a hostPath, which ignores fsGroup: the agent runs as root with only CHOWN and
+FOWNER (no other capabilities), creates /var/run/keepwarm/<cache>/ with group socket.groupId and mode
+socket.mode (setgid, so sockets inherit the group), and inference pods run with that group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..api import GROUP
+from ..api.weightcache import GPUAccessMode, Tier, WeightCacheSpec
+from .meta import agent_labels, agent_name, object_meta
+from .volumes import hf_volume, model_mount
+
+SOCKET_MOUNT = "/var/run/keepwarm"
+
+
+def socket_dir(spec: WeightCacheSpec, cache: str) -> str:
+    """The socket directory on the node, also its path inside agent and runtime pods."""
+    return f"{spec.socket.directory.rstrip('/')}/{cache}"
+
+
+def agent_rbac(cache: str, namespace: str, owner: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The agent may read its own WeightCache and write WeightCacheNode status; nothing else.
+
+    RBAC cannot name "the object for my node" (names are per node), so any agent of this cache may
+    patch the status of any WeightCacheNode; it cannot create, delete or change their spec.
+    """
+    name = agent_name(cache)
+    labels = agent_labels(cache)
+    rules = [
+        {"apiGroups": [GROUP], "resources": ["weightcaches"], "resourceNames": [cache], "verbs": ["get"]},
+        {"apiGroups": [GROUP], "resources": ["weightcachenodes"], "verbs": ["get"]},
+        {"apiGroups": [GROUP], "resources": ["weightcachenodes/status"], "verbs": ["get", "patch"]},
+    ]
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": object_meta(name, labels, owner, namespace),
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole",
+            "metadata": object_meta(name, labels, owner),
+            "rules": rules,
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": object_meta(name, labels, owner),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
+        },
+    ]
+
+
+def agent_command(spec: WeightCacheSpec, cache: str) -> list[str]:
+    command = [
+        "keepwarm", "cache", "serve",
+        "--socket-dir", socket_dir(spec, cache),
+        "--tier", spec.tier.value,
+        "--socket-group", str(spec.socket.group_id),
+        "--socket-mode", spec.socket.mode,
+        "--metrics-port", str(spec.agent.metrics_port),
+    ]  # fmt: skip
+    if spec.budget is not None:
+        command += ["--budget", str(spec.budget)]
+    for uid in spec.socket.allowed_uids:
+        command += ["--allow-uid", str(uid)]
+    for gid in spec.socket.allowed_gids:
+        command += ["--allow-gid", str(gid)]
+    return [*command, "--report-to-kubernetes", "--weightcache", cache, "--node-name", "$(NODE_NAME)"]
+
+
+def agent_daemonset(
+    cache: str, spec: WeightCacheSpec, namespace: str, owner: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The DaemonSet running one agent per selected node."""
+    labels = agent_labels(cache)
+    sockets = socket_dir(spec, cache)
+    volumes: list[dict[str, Any]] = [
+        {"name": "sockets", "hostPath": {"path": sockets, "type": "DirectoryOrCreate"}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "sockets", "mountPath": sockets},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    if any(m.source.hugging_face for m in spec.models):
+        volume, mount = hf_volume(spec.download_directory, read_only=False)
+        volumes.append(volume)
+        mounts.append(mount)
+    env: list[dict[str, Any]] = [
+        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+    ]
+    for model in sorted(spec.models, key=lambda m: m.name):
+        mm = model_mount(model.name, model.source)
+        if mm.volume:
+            volumes.append(mm.volume)
+            mounts.append(mm.mount)
+        token = model.source.hugging_face and model.source.hugging_face.token_secret_ref
+        if token:
+            env.append({
+                "name": f"KEEPWARM_HF_TOKEN_{model.name.upper().replace('-', '_')}",
+                "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}},
+            })  # fmt: skip
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": agent_name(cache),
+        "nodeSelector": dict(spec.node_selector),
+        "tolerations": [t.wire() for t in spec.tolerations],
+        "securityContext": {"runAsUser": 0, "runAsGroup": spec.socket.group_id},
+        "containers": [],
+        "volumes": volumes,
+    }
+    gpu = spec.tier == Tier.GPU and spec.agent.gpu_access.mode == GPUAccessMode.VISIBLE_DEVICES_ALL
+    if gpu:
+        env += [
+            {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
+            {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "compute,utility"},
+        ]
+        if spec.agent.gpu_access.runtime_class_name:
+            pod_spec["runtimeClassName"] = spec.agent.gpu_access.runtime_class_name
+    if spec.agent.priority_class_name:
+        pod_spec["priorityClassName"] = spec.agent.priority_class_name
+    container: dict[str, Any] = {
+        "name": "agent",
+        "image": spec.agent.image,
+        "imagePullPolicy": spec.agent.image_pull_policy,
+        "command": agent_command(spec, cache),
+        "env": env,
+        "ports": [{"name": "metrics", "containerPort": spec.agent.metrics_port}],
+        "volumeMounts": mounts,
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]},
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/metrics", "port": "metrics"},
+            "periodSeconds": 20,
+            "failureThreshold": 3,
+        },
+    }
+    if spec.agent.resources:
+        container["resources"] = spec.agent.resources.wire()
+    pod_spec["containers"].append(container)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": object_meta(agent_name(cache), labels, owner, namespace),
+        "spec": {
+            "selector": {"matchLabels": labels},
+            # One node at a time: inference pods keep their mappings while an agent restarts.
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
+            "template": {
+                "metadata": {
+                    "labels": labels,
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(spec.agent.metrics_port),
+                    },
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def agent_children(
+    cache: str, spec: WeightCacheSpec, namespace: str, owner: dict[str, Any] | None
+) -> list[dict[str, Any]]:
+    """Everything one WeightCache needs, in apply order (RBAC before the pods that use it)."""
+    return [*agent_rbac(cache, namespace, owner), agent_daemonset(cache, spec, namespace, owner)]

@@ -1,0 +1,171 @@
+"""InferenceDeployment -> Deployment + Service of runtime pods (`keepwarm serve`).
+
+Warm-node preference is a preferred node affinity on a node label the operator maintains
+(warm.keepwarm.dev/<cache>.<model>), not a list of node names: the pod template then stays the same
+when nodes warm up or cool down, so cache changes never roll the pods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..api.inferencedeployment import InferenceDeploymentSpec
+from ..api.weightcache import CachedModel, WeightCacheSpec
+from .agent import socket_dir
+from .meta import object_meta, runtime_labels, warm_label_key
+from .volumes import hf_volume, model_mount
+
+WARM_AFFINITY_WEIGHT = 100
+
+
+@dataclass(frozen=True)
+class CacheBinding:
+    """The WeightCache model an InferenceDeployment serves, resolved by the handler."""
+
+    cache: str  # WeightCache name
+    spec: WeightCacheSpec  # its spec (socket dir, group, download dir)
+    model: CachedModel  # the model entry
+
+
+def _bool(value: bool) -> str:
+    return "1" if value else "0"
+
+
+def runtime_command(spec: InferenceDeploymentSpec, model_path: str, model_name: str, dtype: str) -> list[str]:
+    command = ["keepwarm", "serve", model_path, "--host", "0.0.0.0", "--port", str(spec.port)]
+    command += ["--served-model-name", model_name, "--dtype", dtype]
+    if spec.runtime.max_model_len:
+        command += ["--max-model-len", str(spec.runtime.max_model_len)]
+    if spec.runtime.max_num_seqs:
+        command += ["--max-num-seqs", str(spec.runtime.max_num_seqs)]
+    return [*command, *spec.runtime.extra_args]
+
+
+def runtime_deployment(
+    name: str, namespace: str, spec: InferenceDeploymentSpec, binding: CacheBinding | None,
+    owner: dict[str, Any] | None,
+) -> dict[str, Any]:  # fmt: skip
+    """The Deployment; raises ValueError when the spec names no usable model."""
+    labels = runtime_labels(name)
+    if binding is not None:
+        model_name, source = binding.model.name, binding.model.source
+    elif spec.model.source is not None:
+        model_name, source = spec.model.name or name, spec.model.source
+    else:
+        raise ValueError("spec.model needs a cacheRef and name, or a source")
+    dtype = spec.runtime.dtype.value
+    if dtype == "auto" and binding is not None:
+        dtype = binding.model.dtype.value
+    mm = model_mount(model_name, source)
+    volumes, mounts = [], []
+    if mm.volume:
+        volumes.append(mm.volume)
+        mounts.append(mm.mount)
+    env: list[dict[str, Any]] = []
+    pod_security: dict[str, Any] = {}
+    affinity: dict[str, Any] | None = None
+    if binding is not None:
+        sockets = socket_dir(binding.spec, binding.cache)
+        volumes.append(
+            {"name": "keepwarm-sockets", "hostPath": {"path": sockets, "type": "DirectoryOrCreate"}}
+        )
+        mounts.append({"name": "keepwarm-sockets", "mountPath": sockets})
+        if source.hugging_face is not None:
+            volume, mount = hf_volume(binding.spec.download_directory, read_only=True)
+            volumes.append(volume)
+            mounts.append(mount)
+        env.append({"name": "KEEPWARM_CACHE_SOCKET_DIR", "value": sockets})
+        pod_security["supplementalGroups"] = [binding.spec.socket.group_id]
+        affinity = {
+            "nodeAffinity": {
+                "preferredDuringSchedulingIgnoredDuringExecution": [
+                    {
+                        "weight": WARM_AFFINITY_WEIGHT,
+                        "preference": {
+                            "matchExpressions": [
+                                {"key": warm_label_key(binding.cache, model_name), "operator": "Exists"}
+                            ]
+                        },
+                    }
+                ]
+            }
+        }
+    env += [
+        {"name": "KEEPWARM_CACHE_MODE", "value": spec.runtime.cache_mode.value},
+        {"name": "KEEPWARM_CACHE_FALLBACK", "value": _bool(spec.runtime.cache_fallback)},
+        {"name": "KEEPWARM_MODEL_NAME", "value": model_name},
+    ]
+    env += [e.wire() for e in spec.env]
+    if spec.pod.run_as_user is not None:
+        pod_security["runAsUser"] = spec.pod.run_as_user
+    resources = spec.resources.wire() if spec.resources else {}
+    if spec.gpus_per_pod:
+        resources.setdefault("limits", {})["nvidia.com/gpu"] = spec.gpus_per_pod
+    probe = {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5}
+    container: dict[str, Any] = {
+        "name": "runtime",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": runtime_command(spec, mm.path, model_name, dtype),
+        "env": env,
+        "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
+        "volumeMounts": mounts,
+        "resources": resources,
+        # Loading can take minutes from disk: the startup probe holds liveness off until /ready.
+        "startupProbe": {**probe, "failureThreshold": max(1, spec.startup_timeout_seconds // 5)},
+        "readinessProbe": {**probe, "failureThreshold": 2},
+        "livenessProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 10,
+            "failureThreshold": 3,
+        },
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "securityContext": pod_security,
+        "nodeSelector": dict(spec.pod.node_selector),
+        "tolerations": [t.wire() for t in spec.pod.tolerations],
+    }
+    if affinity:
+        pod_spec["affinity"] = affinity
+    if spec.pod.service_account_name:
+        pod_spec["serviceAccountName"] = spec.pod.service_account_name
+    if spec.pod.priority_class_name:
+        pod_spec["priorityClassName"] = spec.pod.priority_class_name
+    annotations = {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(spec.port),
+        **spec.pod.annotations,
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": object_meta(name, labels, owner, namespace),
+        "spec": {
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": {**spec.pod.labels, **labels}, "annotations": annotations},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def runtime_service(
+    name: str, namespace: str, spec: InferenceDeploymentSpec, owner: dict[str, Any] | None
+) -> dict[str, Any]:
+    labels = runtime_labels(name)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": object_meta(name, labels, owner, namespace),
+        "spec": {
+            "type": spec.service_type.value,
+            "selector": labels,
+            "ports": [{"name": "http", "port": spec.port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }

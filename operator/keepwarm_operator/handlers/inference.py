@@ -1,0 +1,131 @@
+"""InferenceDeployment: Deployment + Service, status from the Deployment and the cache.
+
+Reconcile, in order:
+  1. resolve the model: the WeightCache's entry (cacheRef + name) or the inline source
+  2. apply Deployment (replicas copied from spec.replicas, which the scale subresource owns) and Service
+  3. count warm nodes (WeightCacheNodes reporting the model resident) -> CacheWarm
+  4. status from the Deployment -> Available, Progressing
+A missing cache or model is a condition with a message, re-checked on every resync, not an error loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+
+from ..api import API_VERSION
+from ..api.common import Condition, condition, merge_conditions
+from ..api.inferencedeployment import KIND, PLURAL, IDepConditionType, IDepReason, InferenceDeploymentSpec
+from ..api.weightcache import KIND as CACHE_KIND
+from ..api.weightcache import WeightCacheSpec
+from ..api.weightcachenode import KIND as NODE_KIND
+from ..api.weightcachenode import WeightCacheNodeStatus
+from ..builders.meta import CACHE_LABEL, IDEP_LABEL, runtime_labels, selector_string
+from ..builders.runtime import CacheBinding, runtime_deployment, runtime_service
+from ..kube import ApiError, Kube
+from ..metrics import APPLIES, reconciling
+from ..status import inference_status
+from .setup import RESYNC_SECONDS, context
+from .weightcache import _now
+
+GROUP, VERSION = API_VERSION.split("/")
+C, R = IDepConditionType, IDepReason
+
+
+def _resolve(
+    kube: Kube, spec: InferenceDeploymentSpec, gen: int
+) -> tuple[CacheBinding | None, Condition, int]:
+    """Step 1 and 3: the cache binding (if any), the CacheWarm condition and the warm node count."""
+    ref = spec.model
+    if not ref.cache_ref:
+        return None, condition(C.CACHE_WARM, False, R.NO_CACHE, "no cacheRef: weights load from disk", gen), 0
+    cache = kube.get(API_VERSION, CACHE_KIND, ref.cache_ref)
+    if cache is None:
+        message = f"WeightCache {ref.cache_ref!r} not found; create it or fix spec.model.cacheRef"
+        return None, condition(C.CACHE_WARM, False, R.CACHE_NOT_FOUND, message, gen), 0
+    cache_spec = WeightCacheSpec.model_validate(cache.get("spec") or {})
+    model = cache_spec.model(ref.name or "")
+    if model is None:
+        known = ", ".join(m.name for m in cache_spec.models) or "none"
+        message = f"WeightCache {ref.cache_ref!r} has no model {ref.name!r} (it has: {known})"
+        return None, condition(C.CACHE_WARM, False, R.MODEL_NOT_IN_CACHE, message, gen), 0
+    wcns = kube.list(API_VERSION, NODE_KIND, labels=f"{CACHE_LABEL}={ref.cache_ref}")
+    warm = sum(
+        1
+        for o in wcns
+        if model.name in WeightCacheNodeStatus.model_validate(o.get("status") or {}).resident()
+    )
+    binding = CacheBinding(ref.cache_ref, cache_spec, model)
+    if warm:
+        cond = condition(
+            C.CACHE_WARM, True, R.MODEL_RESIDENT, f"{model.name} resident on {warm} node(s)", gen
+        )
+    else:
+        message = f"{model.name} is not resident on any node yet; pods load from disk until it is"
+        cond = condition(C.CACHE_WARM, False, R.MODEL_NOT_RESIDENT, message, gen)
+    return binding, cond, warm
+
+
+def reconcile(body: dict[str, Any], memo: Any, trigger: str, apply: bool = True) -> dict[str, Any]:
+    """Run steps 1-4; returns the new status (the caller writes it). apply=False only refreshes status."""
+    ctx = context(memo)
+    meta = body["metadata"]
+    name, namespace, gen = meta["name"], meta["namespace"], meta.get("generation", 0)
+    with reconciling(KIND, trigger):
+        spec = InferenceDeploymentSpec.model_validate(body.get("spec") or {})
+        binding, cache_cond, warm = _resolve(ctx.kube, spec, gen)
+        problem = None
+        deployment = None
+        if spec.model.cache_ref and binding is None:
+            problem = cache_cond.model_copy(update={"type": C.AVAILABLE})
+        elif apply:
+            try:
+                deployment = ctx.kube.apply(runtime_deployment(name, namespace, spec, binding, body))
+                ctx.kube.apply(runtime_service(name, namespace, spec, body))
+                APPLIES.labels("Deployment").inc()
+                APPLIES.labels("Service").inc()
+            except ApiError as exc:
+                message = f"applying the Deployment/Service failed: {exc}"
+                problem = condition(C.AVAILABLE, False, R.APPLY_FAILED, message, gen)
+                kopf.warn(body, reason=R.APPLY_FAILED.value, message=message)
+        else:
+            deployment = ctx.kube.get("apps/v1", "Deployment", name, namespace)
+        if problem is not None and apply:
+            kopf.warn(body, reason=problem.reason, message=problem.message)
+        selector = selector_string(runtime_labels(name))
+        status = inference_status(gen, selector, deployment, spec.replicas, cache_cond, warm, problem)
+        wire = status.wire()
+        wire["conditions"] = merge_conditions(
+            (body.get("status") or {}).get("conditions"), status.conditions, _now()
+        )
+        return wire
+
+
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL)
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+def on_change(body: kopf.Body, patch: kopf.Patch, memo: Any, reason: str, **_: Any) -> None:
+    patch.status.update(reconcile(dict(body), memo, str(reason)))
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=min(RESYNC_SECONDS, 5))
+def resync(body: kopf.Body, patch: kopf.Patch, memo: Any, **_: Any) -> None:
+    patch.status.update(reconcile(dict(body), memo, "timer"))
+
+
+@kopf.on.event("apps", "v1", "deployments", labels={IDEP_LABEL: kopf.PRESENT})
+def deployment_changed(body: kopf.Body, type: str | None, memo: Any, **_: Any) -> None:
+    """Rollout progress shows up in the InferenceDeployment's status without waiting for a resync."""
+    if type is None:  # initial listing: resume handlers cover it
+        return
+    meta = body["metadata"]
+    owner = next((o for o in meta.get("ownerReferences", []) if o.get("kind") == KIND), None)
+    if owner is None:
+        return
+    kube = context(memo).kube
+    idep = kube.get(API_VERSION, KIND, owner["name"], meta["namespace"])
+    if idep is None or idep["metadata"].get("deletionTimestamp"):
+        return
+    status = reconcile(idep, memo, "deployment", apply=False)
+    kube.merge_patch(API_VERSION, KIND, owner["name"], {"status": status}, meta["namespace"], status=True)

@@ -1,0 +1,46 @@
+"""Operator-wide settings: API client, peering, where kopf keeps its own bookkeeping."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+
+from ..api import GROUP
+from ..kube import Kube, load_config
+
+# Timers are declared at import, so their period comes from the environment (the CLI sets it).
+RESYNC_SECONDS = float(os.environ.get("KEEPWARM_OPERATOR_RESYNC_SECONDS", "30"))
+
+
+@dataclass
+class Context:
+    """What handlers share, carried in kopf's memo."""
+
+    kube: Kube  # API client
+    agent_namespace: str  # where DaemonSets and agent ServiceAccounts live
+
+
+def context(memo: Any) -> Context:
+    return memo.keepwarm
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
+    # Our CRDs prune unknown status fields, so kopf keeps its progress in annotations.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
+    settings.persistence.finalizer = f"{GROUP}/operator"
+    settings.peering.clusterwide = True
+    settings.posting.level = logging.WARNING  # handler warnings become events; the rest via kopf.info
+    settings.watching.server_timeout = 300
+    settings.execution.max_workers = int(os.environ.get("KEEPWARM_OPERATOR_WORKERS", "8"))
+    memo.keepwarm = Context(
+        kube=Kube(load_config(os.environ.get("KUBECONFIG"))),
+        agent_namespace=os.environ.get("KEEPWARM_AGENT_NAMESPACE", "keepwarm-system"),
+    )

@@ -1,0 +1,139 @@
+"""WeightCache: agents' DaemonSet and RBAC, one WeightCacheNode per agent node, aggregated status.
+
+Reconcile, in order:
+  1. validate the spec (the CRD schema already did; what it cannot judge becomes a condition)
+  2. apply ServiceAccount, ClusterRole(+Binding) and DaemonSet, owned by the WeightCache
+  3. ensure a WeightCacheNode for every node an agent pod is bound to
+  4. delete WeightCacheNodes whose Node is gone; mark silent ones Stale
+  5. aggregate the WeightCacheNodes into status
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import kopf
+from pydantic import ValidationError
+
+from ..api import API_VERSION
+from ..api.common import condition, merge_conditions
+from ..api.weightcache import KIND, PLURAL, WeightCacheConditionType, WeightCacheReason, WeightCacheSpec
+from ..api.weightcachenode import KIND as NODE_KIND
+from ..api.weightcachenode import NodePhase, WeightCacheNodeStatus, object_name
+from ..builders.agent import agent_children
+from ..builders.meta import CACHE_LABEL, agent_labels, agent_name, object_meta, selector_string
+from ..kube import ApiError, Kube
+from ..metrics import APPLIES, STALE_NODES, reconciling
+from ..status import is_stale, weightcache_status
+from .setup import RESYNC_SECONDS, context
+
+GROUP, VERSION = API_VERSION.split("/")
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC).replace(microsecond=0)
+
+
+def _parse_time(value: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def _sync_nodes(
+    kube: Kube, body: dict[str, Any], spec: WeightCacheSpec, agent_ns: str
+) -> list[WeightCacheNodeStatus]:
+    """Steps 3-4: WeightCacheNodes follow the agent pods; returns the live ones' statuses."""
+    cache = body["metadata"]["name"]
+    pods = kube.list("v1", "Pod", agent_ns, selector_string(agent_labels(cache)))
+    agent_nodes = {p["spec"]["nodeName"] for p in pods if p["spec"].get("nodeName")}
+    existing = {
+        o["metadata"]["name"]: o for o in kube.list(API_VERSION, NODE_KIND, labels=f"{CACHE_LABEL}={cache}")
+    }
+    for node in sorted(agent_nodes):
+        name = object_name(cache, node)
+        if name in existing:
+            continue
+        wcn = {
+            "apiVersion": API_VERSION,
+            "kind": NODE_KIND,
+            "metadata": object_meta(name, {CACHE_LABEL: cache}, body),
+            "spec": {"weightCache": cache, "nodeName": node},
+        }
+        existing[name] = kube.apply(wcn)
+        APPLIES.labels(NODE_KIND).inc()
+        kopf.info(
+            body, reason="NodeAdded", message=f"agent scheduled on {node}; created WeightCacheNode {name}"
+        )
+    live_nodes = {n["metadata"]["name"] for n in kube.list("v1", "Node")}
+    now, statuses = _now(), []
+    for name, obj in existing.items():
+        node = obj["spec"]["nodeName"]
+        if node not in live_nodes:
+            kube.delete(API_VERSION, NODE_KIND, name)
+            kopf.info(
+                body, reason="NodeRemoved", message=f"node {node} is gone; deleted WeightCacheNode {name}"
+            )
+            continue
+        status = WeightCacheNodeStatus.model_validate(obj.get("status") or {})
+        created = _parse_time(obj["metadata"]["creationTimestamp"])
+        if status.phase != NodePhase.STALE and is_stale(status, spec.heartbeat_seconds, now, created):
+            since = status.heartbeat or "creation"
+            message = f"no heartbeat since {since} (agents report every {spec.heartbeat_seconds}s)"
+            stale = condition("Stale", True, "HeartbeatMissed", message, None)
+            conditions = merge_conditions((obj.get("status") or {}).get("conditions"), [stale], now)
+            patch = {"status": {"phase": NodePhase.STALE.value, "message": message, "conditions": conditions}}
+            kube.merge_patch(API_VERSION, NODE_KIND, name, patch, status=True)
+            kopf.warn(body, reason="NodeStale", message=f"{node}: {message}")
+            status = status.model_copy(update={"phase": NodePhase.STALE})
+        statuses.append(status)
+    STALE_NODES.labels(cache).set(sum(1 for s in statuses if s.phase == NodePhase.STALE))
+    return statuses
+
+
+def reconcile(body: dict[str, Any], patch: kopf.Patch, memo: Any, trigger: str) -> None:
+    ctx = context(memo)
+    name, generation = body["metadata"]["name"], body["metadata"].get("generation", 0)
+    old_conditions = (body.get("status") or {}).get("conditions")
+    with reconciling(KIND, trigger):
+        try:
+            spec = WeightCacheSpec.model_validate(body.get("spec") or {})
+        except ValidationError as exc:  # 1: only reachable if the CRD is older than the operator
+            bad = condition(
+                WeightCacheConditionType.READY, False, WeightCacheReason.INVALID_SPEC, str(exc), generation
+            )
+            patch.status["conditions"] = merge_conditions(old_conditions, [bad], _now())
+            patch.status["observedGeneration"] = generation
+            return
+        try:  # 2
+            for child in agent_children(name, spec, ctx.agent_namespace, body):
+                ctx.kube.apply(child)
+                APPLIES.labels(child["kind"]).inc()
+        except ApiError as exc:
+            reason = WeightCacheReason.APPLY_FAILED
+            message = f"applying the agent's objects failed: {exc} (check operator RBAC and agent namespace)"
+            degraded = condition(WeightCacheConditionType.DEGRADED, True, reason, message, generation)
+            patch.status["conditions"] = merge_conditions(old_conditions, [degraded], _now())
+            kopf.warn(body, reason=reason.value, message=message)
+            raise kopf.TemporaryError(message, delay=max(5, RESYNC_SECONDS)) from exc
+        ds = ctx.kube.get("apps/v1", "DaemonSet", agent_name(name), ctx.agent_namespace) or {}
+        desired = (ds.get("status") or {}).get("desiredNumberScheduled", 0)
+        nodes = _sync_nodes(ctx.kube, body, spec, ctx.agent_namespace)  # 3, 4
+        status = weightcache_status(spec, generation, desired, nodes)  # 5
+        wire = status.wire()
+        wire["conditions"] = merge_conditions(old_conditions, status.conditions, _now())
+        was_ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in old_conditions or [])
+        if status.conditions[0].status.value == "True" and not was_ready:
+            kopf.info(body, reason="Ready", message=status.conditions[0].message)
+        patch.status.update(wire)
+
+
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL)
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+def on_change(body: kopf.Body, patch: kopf.Patch, memo: Any, reason: str, **_: Any) -> None:
+    reconcile(dict(body), patch, memo, str(reason))
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=min(RESYNC_SECONDS, 5))
+def resync(body: kopf.Body, patch: kopf.Patch, memo: Any, **_: Any) -> None:
+    reconcile(dict(body), patch, memo, "timer")

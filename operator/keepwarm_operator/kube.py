@@ -1,0 +1,164 @@
+"""A thin dict-in, dict-out Kubernetes client: server-side apply, get, list, patch, delete.
+
+The handlers speak plain manifests (what the builders return), so this wraps the kubernetes client's
+raw REST layer instead of its generated model classes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes import client, config
+
+FIELD_MANAGER = "keepwarm-operator"
+
+
+class ApiError(Exception):
+    """An API call failed; `status` is the HTTP code, `reason` the Status reason (e.g. NotFound)."""
+
+    def __init__(self, status: int, reason: str, message: str):
+        super().__init__(f"{status} {reason}: {message}")
+        self.status, self.reason, self.message = status, reason, message
+
+
+@dataclass(frozen=True)
+class Resource:
+    group: str  # "" for core
+    version: str
+    plural: str
+    namespaced: bool
+
+    def path(self, namespace: str | None = None, name: str | None = None, sub: str | None = None) -> str:
+        base = f"/api/{self.version}" if not self.group else f"/apis/{self.group}/{self.version}"
+        if self.namespaced and namespace:
+            base += f"/namespaces/{namespace}"
+        base += f"/{self.plural}"
+        if name:
+            base += f"/{name}"
+        if sub:
+            base += f"/{sub}"
+        return base
+
+
+RESOURCES = {
+    ("v1", "ServiceAccount"): Resource("", "v1", "serviceaccounts", True),
+    ("v1", "Service"): Resource("", "v1", "services", True),
+    ("v1", "Node"): Resource("", "v1", "nodes", False),
+    ("v1", "Pod"): Resource("", "v1", "pods", True),
+    ("apps/v1", "DaemonSet"): Resource("apps", "v1", "daemonsets", True),
+    ("apps/v1", "Deployment"): Resource("apps", "v1", "deployments", True),
+    ("rbac.authorization.k8s.io/v1", "ClusterRole"): Resource(
+        "rbac.authorization.k8s.io", "v1", "clusterroles", False
+    ),
+    ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"): Resource(
+        "rbac.authorization.k8s.io", "v1", "clusterrolebindings", False
+    ),
+    ("keepwarm.dev/v1alpha1", "WeightCache"): Resource("keepwarm.dev", "v1alpha1", "weightcaches", False),
+    ("keepwarm.dev/v1alpha1", "WeightCacheNode"): Resource(
+        "keepwarm.dev", "v1alpha1", "weightcachenodes", False
+    ),
+    ("keepwarm.dev/v1alpha1", "InferenceDeployment"): Resource(
+        "keepwarm.dev", "v1alpha1", "inferencedeployments", True
+    ),
+}
+
+
+def resource(api_version: str, kind: str) -> Resource:
+    try:
+        return RESOURCES[(api_version, kind)]
+    except KeyError:
+        raise ValueError(f"keepwarm's client does not know {kind} ({api_version})") from None
+
+
+def load_config(kubeconfig: str | None = None) -> client.ApiClient:
+    """In-cluster config when running in a pod, else the kubeconfig ($KUBECONFIG or the given path)."""
+    try:
+        config.load_incluster_config()
+        return client.ApiClient()
+    except config.ConfigException:
+        return config.new_client_from_config(config_file=kubeconfig)
+
+
+class Kube:
+    def __init__(self, api_client: client.ApiClient, field_manager: str = FIELD_MANAGER):
+        self.api = api_client
+        self.field_manager = field_manager
+
+    def request(
+        self, method: str, path: str, query: list[tuple[str, str]] | None = None, body: Any = None,
+        content_type: str = "application/json",
+    ) -> dict[str, Any]:  # fmt: skip
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        method, url, headers, body, post = self.api.param_serialize(
+            method,
+            path,
+            query_params=query or [],
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        try:
+            response = self.api.call_api(method, url, header_params=headers, body=body, post_params=post)
+            response.read()
+        except client.ApiException as exc:
+            return self._raise(exc.status, exc.body)
+        if response.status >= 400:
+            return self._raise(response.status, response.data)
+        return json.loads(response.data) if response.data else {}
+
+    @staticmethod
+    def _raise(status: int, data: bytes | str | None) -> dict[str, Any]:
+        try:
+            payload = json.loads(data or "{}")
+        except ValueError:
+            payload = {"message": str(data)}
+        raise ApiError(status, payload.get("reason", ""), payload.get("message", ""))
+
+    def apply(
+        self, obj: dict[str, Any], *, status: bool = False, manager: str | None = None
+    ) -> dict[str, Any]:
+        """Server-side apply (force: the operator owns the fields it declares)."""
+        res = resource(obj["apiVersion"], obj["kind"])
+        meta = obj["metadata"]
+        path = res.path(meta.get("namespace"), meta["name"], "status" if status else None)
+        query = [("fieldManager", manager or self.field_manager), ("force", "true")]
+        return self.request("PATCH", path, query, obj, "application/apply-patch+yaml")
+
+    def get(
+        self, api_version: str, kind: str, name: str, namespace: str | None = None
+    ) -> dict[str, Any] | None:
+        try:
+            return self.request("GET", resource(api_version, kind).path(namespace, name))
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def list(
+        self, api_version: str, kind: str, namespace: str | None = None, labels: str | None = None,
+        fields: str | None = None,
+    ) -> list[dict[str, Any]]:  # fmt: skip
+        query = []
+        if labels:
+            query.append(("labelSelector", labels))
+        if fields:
+            query.append(("fieldSelector", fields))
+        return self.request("GET", resource(api_version, kind).path(namespace), query).get("items", [])
+
+    def merge_patch(
+        self, api_version: str, kind: str, name: str, patch: dict[str, Any], namespace: str | None = None,
+        status: bool = False,
+    ) -> dict[str, Any]:  # fmt: skip
+        path = resource(api_version, kind).path(namespace, name, "status" if status else None)
+        return self.request("PATCH", path, None, patch, "application/merge-patch+json")
+
+    def delete(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> bool:
+        try:
+            self.request("DELETE", resource(api_version, kind).path(namespace, name))
+            return True
+        except ApiError as exc:
+            if exc.status == 404:
+                return False
+            raise

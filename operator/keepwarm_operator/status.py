@@ -1,0 +1,145 @@
+"""Pure status aggregation: observed children in, CR status out. No API calls."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from .api.common import Condition, condition
+from .api.inferencedeployment import IDepConditionType, IDepReason, InferenceDeploymentStatus
+from .api.weightcache import (
+    ModelResidency,
+    WeightCacheConditionType,
+    WeightCacheReason,
+    WeightCacheSpec,
+    WeightCacheStatus,
+)
+from .api.weightcachenode import STALE_HEARTBEATS, ModelState, NodePhase, WeightCacheNodeStatus
+from .builders.meta import warm_label_key
+
+
+def is_stale(
+    status: WeightCacheNodeStatus, heartbeat_seconds: int, now: dt.datetime, created: dt.datetime
+) -> bool:
+    """No report for STALE_HEARTBEATS periods (counted from creation when the agent never reported)."""
+    last = status.heartbeat or created
+    return (now - last).total_seconds() > STALE_HEARTBEATS * heartbeat_seconds
+
+
+def weightcache_status(
+    spec: WeightCacheSpec, generation: int, desired_nodes: int, nodes: list[WeightCacheNodeStatus]
+) -> WeightCacheStatus:
+    """Ready when every desired node reports every model resident; Degraded on stale or failed nodes."""
+    wanted = {m.name for m in spec.models}
+    ready = sum(1 for n in nodes if n.phase != NodePhase.STALE and wanted <= n.resident())
+    stale = sum(1 for n in nodes if n.phase == NodePhase.STALE)
+    residency = []
+    for model in spec.models:
+        resident = sum(1 for n in nodes if model.name in n.resident())
+        failed = sum(
+            1 for n in nodes for m in n.models if m.name == model.name and m.state == ModelState.FAILED
+        )
+        residency.append(ModelResidency(name=model.name, resident_nodes=resident, failed_nodes=failed))
+    failed_models = sorted(r.name for r in residency if r.failed_nodes)
+    R, C = WeightCacheReason, WeightCacheConditionType
+    if desired_nodes == 0:
+        ready_cond = condition(
+            C.READY, False, R.NO_NODES, "no node matches spec.nodeSelector/tolerations", generation
+        )
+    elif ready >= desired_nodes:
+        ready_cond = condition(
+            C.READY, True, R.ALL_NODES_READY, f"{ready}/{desired_nodes} nodes hold every model", generation
+        )
+    else:
+        ready_cond = condition(
+            C.READY, False, R.NODES_NOT_READY, f"{ready}/{desired_nodes} nodes hold every model", generation
+        )
+    if stale:
+        degraded = condition(
+            C.DEGRADED, True, R.NODES_STALE, f"{stale} node agent(s) stopped reporting", generation
+        )
+    elif failed_models:
+        degraded = condition(
+            C.DEGRADED, True, R.MODELS_FAILED,
+            f"loading failed on some nodes for: {', '.join(failed_models)} (see kubectl get wcn)", generation,
+        )  # fmt: skip
+    else:
+        degraded = condition(C.DEGRADED, False, R.AS_EXPECTED, "", generation)
+    return WeightCacheStatus(
+        observed_generation=generation,
+        desired_nodes=desired_nodes,
+        ready_nodes=ready,
+        stale_nodes=stale,
+        model_count=len(spec.models),
+        models=residency,
+        conditions=[ready_cond, degraded],
+    )
+
+
+def node_warm_labels(wcns: list[dict[str, Any]]) -> dict[str, str]:
+    """The warm.keepwarm.dev/* labels one node should carry, from its WeightCacheNodes."""
+    labels = {}
+    for body in wcns:
+        status = WeightCacheNodeStatus.model_validate(body.get("status") or {})
+        for model in status.resident():
+            labels[warm_label_key(body["spec"]["weightCache"], model)] = "true"
+    return labels
+
+
+def inference_status(
+    generation: int,
+    selector: str,
+    deployment: dict[str, Any] | None,
+    desired: int,
+    cache_condition: Condition,
+    warm_nodes: int,
+    problem: Condition | None = None,
+) -> InferenceDeploymentStatus:
+    """Available/Progressing from the Deployment's status; CacheWarm as judged by the handler."""
+    C, R = IDepConditionType, IDepReason
+    dstatus = (deployment or {}).get("status") or {}
+    replicas = dstatus.get("replicas", 0)
+    ready = dstatus.get("readyReplicas", 0)
+    available = dstatus.get("availableReplicas", 0)
+    updated = dstatus.get("updatedReplicas", 0)
+    current = deployment is not None and dstatus.get("observedGeneration", 0) >= deployment["metadata"].get(
+        "generation", 0
+    )
+    if problem is not None:
+        available_cond = condition(C.AVAILABLE, False, problem.reason, problem.message, generation)
+        progressing = problem.model_copy(update={"type": C.PROGRESSING})
+    else:
+        if desired == 0:
+            available_cond = condition(
+                C.AVAILABLE, True, R.SCALED_TO_ZERO, "scaled to zero replicas", generation
+            )
+        elif available >= desired:
+            available_cond = condition(
+                C.AVAILABLE, True, R.MINIMUM_REPLICAS, f"{available}/{desired} replicas available", generation
+            )
+        else:
+            available_cond = condition(
+                C.AVAILABLE,
+                False,
+                R.REPLICAS_UNAVAILABLE,
+                f"{available}/{desired} replicas available",
+                generation,
+            )
+        done = current and updated >= desired and replicas == updated and ready >= desired
+        if done:
+            progressing = condition(
+                C.PROGRESSING, False, R.ROLLED_OUT, "all replicas run the current spec", generation
+            )
+        else:
+            progressing = condition(
+                C.PROGRESSING, True, R.ROLLING, f"{updated}/{desired} updated, {ready} ready", generation
+            )
+    return InferenceDeploymentStatus(
+        observed_generation=generation,
+        replicas=replicas,
+        ready_replicas=ready,
+        updated_replicas=updated,
+        selector=selector,
+        warm_nodes=warm_nodes,
+        conditions=[available_cond, progressing, cache_condition],
+    )

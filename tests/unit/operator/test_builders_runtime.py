@@ -1,0 +1,95 @@
+"""InferenceDeployment -> Deployment and Service."""
+
+import pytest
+
+from keepwarm_operator.api.inferencedeployment import InferenceDeploymentSpec
+from keepwarm_operator.api.weightcache import WeightCacheSpec
+from keepwarm_operator.builders.meta import warm_label_key
+from keepwarm_operator.builders.runtime import CacheBinding, runtime_deployment, runtime_service
+
+OWNER = {
+    "apiVersion": "keepwarm.dev/v1alpha1",
+    "kind": "InferenceDeployment",
+    "metadata": {"name": "chat", "uid": "u"},
+}
+CACHE = WeightCacheSpec.model_validate(
+    {
+        "models": [{"name": "llama-8b", "source": {"path": "/data/llama"}, "dtype": "float16"}],
+        "socket": {"groupId": 3000},
+    }
+)
+BINDING = CacheBinding("wc1", CACHE, CACHE.models[0])
+
+
+def idep(**overrides):
+    return InferenceDeploymentSpec.model_validate(
+        {"model": {"cacheRef": "wc1", "name": "llama-8b"}, **overrides}
+    )
+
+
+def test_cached_model_pods_attach_to_the_cache():
+    dep = runtime_deployment("chat", "team-a", idep(replicas=3), BINDING, OWNER)
+    assert dep["metadata"]["namespace"] == "team-a" and dep["spec"]["replicas"] == 3
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["KEEPWARM_CACHE_SOCKET_DIR"] == "/var/run/keepwarm/wc1"
+    assert env["KEEPWARM_CACHE_MODE"] == "zero_copy" and env["KEEPWARM_CACHE_FALLBACK"] == "1"
+    sockets = next(v for v in pod["volumes"] if v["name"] == "keepwarm-sockets")
+    assert sockets["hostPath"]["path"] == "/var/run/keepwarm/wc1"
+    assert pod["securityContext"]["supplementalGroups"] == [3000]
+    assert c["command"][:3] == ["keepwarm", "serve", "/models/llama-8b"]
+    assert c["command"][c["command"].index("--dtype") + 1] == "float16"  # auto follows the cache
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert c["startupProbe"]["httpGet"]["path"] == "/ready"
+    assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 1800
+    assert (
+        c["readinessProbe"]["httpGet"]["path"] == "/ready"
+        and c["livenessProbe"]["httpGet"]["path"] == "/health"
+    )
+    (pref,) = pod["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert pref["preference"]["matchExpressions"] == [
+        {"key": warm_label_key("wc1", "llama-8b"), "operator": "Exists"}
+    ]
+
+
+def test_template_is_stable_and_spec_changes_roll():
+    a = runtime_deployment("chat", "ns", idep(), BINDING, OWNER)
+    assert a == runtime_deployment("chat", "ns", idep(), BINDING, OWNER)
+    b = runtime_deployment("chat", "ns", idep(env=[{"name": "X", "value": "1"}]), BINDING, OWNER)
+    assert a["spec"]["template"] != b["spec"]["template"]
+    scaled = runtime_deployment("chat", "ns", idep(replicas=5), BINDING, OWNER)
+    assert scaled["spec"]["template"] == a["spec"]["template"]
+
+
+def test_inline_source_without_cache_and_cpu_serving():
+    spec = InferenceDeploymentSpec.model_validate(
+        {"model": {"source": {"pvc": {"claimName": "models", "subPath": "m"}}}, "gpusPerPod": 0}
+    )
+    dep = runtime_deployment("chat", "ns", spec, None, OWNER)
+    pod = dep["spec"]["template"]["spec"]
+    assert "affinity" not in pod
+    assert "KEEPWARM_CACHE_SOCKET_DIR" not in {e["name"] for e in pod["containers"][0]["env"]}
+    assert pod["volumes"][0]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+    assert pod["containers"][0]["volumeMounts"][0]["subPath"] == "m"
+    assert "nvidia.com/gpu" not in pod["containers"][0]["resources"].get("limits", {})
+
+
+def test_no_model_is_an_error():
+    spec = InferenceDeploymentSpec.model_validate({"model": {"cacheRef": "x", "name": "y"}})
+    with pytest.raises(ValueError, match="cacheRef"):
+        runtime_deployment("chat", "ns", spec, None, OWNER)
+
+
+def test_service_selects_the_pods():
+    dep = runtime_deployment("chat", "ns", idep(port=9000), BINDING, OWNER)
+    svc = runtime_service("chat", "ns", idep(port=9000), OWNER)
+    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 9000, "targetPort": "http", "protocol": "TCP"}]
+
+
+def test_warm_label_keys_are_valid_label_keys():
+    long = warm_label_key("c" * 40, "m" * 63)
+    prefix, name = long.split("/")
+    assert prefix == "warm.keepwarm.dev" and len(name) <= 63
+    assert warm_label_key("c" * 40, "m" * 63) == long and long != warm_label_key("c" * 40, "n" * 63)

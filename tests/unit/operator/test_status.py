@@ -1,0 +1,129 @@
+"""Status aggregation: WeightCacheNodes -> WeightCache status; Deployment -> InferenceDeployment status."""
+
+import datetime as dt
+
+from keepwarm_operator.api.common import condition, merge_conditions
+from keepwarm_operator.api.weightcache import WeightCacheSpec
+from keepwarm_operator.api.weightcachenode import WeightCacheNodeStatus
+from keepwarm_operator.builders.meta import warm_label_key
+from keepwarm_operator.status import inference_status, is_stale, node_warm_labels, weightcache_status
+
+SPEC = WeightCacheSpec.model_validate(
+    {"models": [{"name": "a", "source": {"path": "/a"}}, {"name": "b", "source": {"path": "/b"}}]}
+)
+NOW = dt.datetime(2026, 1, 1, 12, 0, tzinfo=dt.UTC)
+
+
+def node(phase="Ready", **states):
+    models = [{"name": n, "state": s} for n, s in states.items()]
+    return WeightCacheNodeStatus.model_validate(
+        {"phase": phase, "models": models, "heartbeat": NOW.isoformat()}
+    )
+
+
+def test_ready_when_every_node_holds_every_model():
+    status = weightcache_status(
+        SPEC, 3, 2, [node(a="Resident", b="Resident"), node(a="Resident", b="Resident")]
+    )
+    assert (status.desired_nodes, status.ready_nodes, status.model_count) == (2, 2, 2)
+    ready, degraded = status.conditions
+    assert (ready.type, ready.status.value, ready.reason) == ("Ready", "True", "AllNodesReady")
+    assert (degraded.status.value, degraded.reason) == ("False", "AsExpected")
+    assert ready.observed_generation == 3 and status.observed_generation == 3
+
+
+def test_partial_failed_and_stale_nodes():
+    nodes = [
+        node(a="Resident", b="Loading"),
+        node(a="Failed", b="Resident"),
+        node("Stale", a="Resident", b="Resident"),
+    ]
+    status = weightcache_status(SPEC, 1, 3, nodes)
+    assert status.ready_nodes == 0 and status.stale_nodes == 1
+    residency = {m.name: (m.resident_nodes, m.failed_nodes) for m in status.models}
+    assert residency == {"a": (1, 1), "b": (1, 0)}  # stale nodes count for nothing
+    ready, degraded = status.conditions
+    assert ready.reason == "NodesNotReady" and "0/3" in ready.message
+    assert (degraded.status.value, degraded.reason) == ("True", "NodesStale")
+
+
+def test_no_matching_nodes():
+    ready = weightcache_status(SPEC, 1, 0, []).conditions[0]
+    assert (ready.status.value, ready.reason) == ("False", "NoMatchingNodes")
+
+
+def test_stale_after_missed_heartbeats():
+    fresh = node(a="Resident")
+    assert not is_stale(fresh, 15, NOW + dt.timedelta(seconds=59), NOW)
+    assert is_stale(fresh, 15, NOW + dt.timedelta(seconds=61), NOW)
+    never = WeightCacheNodeStatus()
+    assert is_stale(never, 15, NOW + dt.timedelta(seconds=61), NOW)
+
+
+def test_node_labels_from_resident_models_only():
+    wcns = [
+        {
+            "spec": {"weightCache": "c1", "nodeName": "n"},
+            "status": {"models": [{"name": "a", "state": "Resident"}, {"name": "b", "state": "Loading"}]},
+        },
+        {
+            "spec": {"weightCache": "c2", "nodeName": "n"},
+            "status": {"phase": "Stale", "models": [{"name": "a", "state": "Resident"}]},
+        },
+        {"spec": {"weightCache": "c3", "nodeName": "n"}},
+    ]
+    assert node_warm_labels(wcns) == {warm_label_key("c1", "a"): "true"}
+
+
+def test_inference_status_from_deployment():
+    warm = condition("CacheWarm", True, "ModelResident", "", 2)
+    rolling = {
+        "metadata": {"generation": 4},
+        "status": {
+            "observedGeneration": 4,
+            "replicas": 3,
+            "readyReplicas": 1,
+            "availableReplicas": 1,
+            "updatedReplicas": 3,
+        },
+    }
+    s = inference_status(2, "k=v", rolling, 3, warm, 2)
+    assert (s.replicas, s.ready_replicas, s.selector, s.warm_nodes) == (3, 1, "k=v", 2)
+    available, progressing, cache = s.conditions
+    assert (available.status.value, available.reason) == ("False", "ReplicasUnavailable")
+    assert (progressing.status.value, progressing.reason) == ("True", "RollingUpdate")
+    assert cache.type == "CacheWarm"
+    done = {
+        "metadata": {"generation": 4},
+        "status": {
+            "observedGeneration": 4,
+            "replicas": 3,
+            "readyReplicas": 3,
+            "availableReplicas": 3,
+            "updatedReplicas": 3,
+        },
+    }
+    available, progressing, _ = inference_status(2, "k=v", done, 3, warm, 2).conditions
+    assert (available.status.value, progressing.status.value, progressing.reason) == (
+        "True",
+        "False",
+        "RolloutComplete",
+    )
+
+
+def test_problem_condition_wins():
+    problem = condition("Available", False, "CacheNotFound", "WeightCache 'x' not found", 1)
+    s = inference_status(1, "k=v", None, 1, condition("CacheWarm", False, "CacheNotFound", "", 1), 0, problem)
+    assert [(c.type, c.reason) for c in s.conditions[:2]] == [
+        ("Available", "CacheNotFound"),
+        ("Progressing", "CacheNotFound"),
+    ]
+
+
+def test_merge_conditions_keeps_transition_time_when_unchanged():
+    first = merge_conditions([], [condition("Ready", True, "AllNodesReady", "", 1)], NOW)
+    later = NOW + dt.timedelta(minutes=5)
+    same = merge_conditions(first, [condition("Ready", True, "AllNodesReady", "x", 2)], later)
+    assert same[0]["lastTransitionTime"] == first[0]["lastTransitionTime"]
+    flipped = merge_conditions(first, [condition("Ready", False, "NodesNotReady", "", 2)], later)
+    assert flipped[0]["lastTransitionTime"] != first[0]["lastTransitionTime"]
