@@ -1,0 +1,129 @@
+"""CacheDaemon in-process (the node agent's API): add/remove/snapshot, budget, pins, bind checks."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from keepwarm_runtime.cache.client import attach
+from keepwarm_runtime.cache.daemon import CacheDaemon, DaemonConfig
+from keepwarm_runtime.cache.registry import BudgetExceeded
+from keepwarm_runtime.cache.security import CacheSecurityError
+
+
+def write_checkpoint(path: Path, seed: int) -> Path:
+    """A small two-shard safetensors checkpoint (no transformers needed: the daemon reads raw files)."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True)
+    g = torch.Generator().manual_seed(seed)
+    save_file(
+        {
+            "a.weight": torch.randn(64, 64, generator=g).bfloat16(),
+            "a.bias": torch.randn(64, generator=g).bfloat16(),
+        },
+        path / "model-1.safetensors",
+    )
+    save_file(
+        {
+            "b.weight": torch.randn(33, 17, generator=g).bfloat16(),
+            "b.steps": torch.arange(5, dtype=torch.int64),
+        },
+        path / "model-2.safetensors",
+    )
+    (path / "config.json").write_text('{"architectures": ["TinyForTest"], "model_type": "tiny"}')
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> list[Path]:
+    root = tmp_path_factory.mktemp("daemon-models")
+    return [write_checkpoint(root / f"m{i}", seed=i) for i in range(3)]
+
+
+def _daemon(tmp_path: Path, **kw) -> CacheDaemon:
+    return CacheDaemon(DaemonConfig(socket_dir=tmp_path / "sock", tier="host", dtype="bfloat16", **kw))
+
+
+def test_add_snapshot_remove(models, tmp_path):
+    d = _daemon(tmp_path)
+    name = d.add_model(models[0])
+    assert d.add_model(models[0]) == name  # loading twice is a no-op
+    snap = d.snapshot()
+    entry = snap["models"][name]
+    assert entry["bytes"] > 0 and entry["tier"] == "host" and len(entry["digest"]) == 64
+    assert entry["fingerprint"]["dtype"] == "bfloat16"
+    assert snap["resident_bytes"] == entry["bytes"]
+    assert d.remove_model(name) and not d.remove_model(name)
+    assert d.snapshot()["models"] == {}
+    d.close()
+
+
+def test_lru_eviction_keeps_pinned(models, tmp_path):
+    probe = _daemon(tmp_path / "probe")
+    size = probe.registry.get(probe.add_model(models[0])).nbytes
+    probe.close()
+    d = _daemon(tmp_path, budget=int(size * 2.5), pins=frozenset({"m0"}))
+    d.add_model(models[0])  # pinned by name
+    d.add_model(models[1])
+    d.add_model(models[2])  # evicts m1, the least recently used unpinned model
+    assert set(d.snapshot()["models"]) == {"m0", "m2"}
+    assert d.snapshot()["models"]["m0"]["pinned"]
+    d.close()
+
+
+def test_budget_too_small_for_pinned(models, tmp_path):
+    d = _daemon(tmp_path, budget=1)
+    with pytest.raises(BudgetExceeded, match="--budget"):
+        d.add_model(models[0], pin=True)
+    d.close()
+
+
+def test_symlinked_socket_dir_refused_at_bind(tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "sock").symlink_to(tmp_path / "real")
+    d = _daemon(tmp_path)
+    with pytest.raises(CacheSecurityError, match="symlink"):
+        d.bind()
+
+
+def test_serve_in_thread_and_attach(models, tmp_path):
+    d = _daemon(tmp_path)
+    d.add_model(models[0])
+    d.bind()
+    thread = threading.Thread(target=d.serve_forever)
+    thread.start()
+    try:
+        res = attach(models[0], tmp_path / "sock", dtype=torch.bfloat16, fallback=False)
+        disk = attach(models[0], None, dtype=torch.bfloat16)
+        assert res.source == "cache" and res.model == "m0"
+        assert res.digest == d.snapshot()["models"]["m0"]["digest"]
+        assert res.tensors.keys() == disk.tensors.keys()
+        assert all(torch.equal(res.tensors[k], disk.tensors[k]) for k in disk.tensors)
+        d.remove_model("m0")  # the daemon lets go; the client's mapping stays valid
+        assert all(torch.equal(res.tensors[k], disk.tensors[k]) for k in disk.tensors)
+        assert attach(models[0], tmp_path / "sock", dtype=torch.bfloat16).reason == "absent"
+    finally:
+        d.stop()
+        thread.join(10)
+    assert not (tmp_path / "sock" / "host.sock").exists()
+
+
+def test_float32_serving_converts_floats_only(models, tmp_path):
+    d = CacheDaemon(DaemonConfig(socket_dir=tmp_path / "sock", tier="host", dtype="float32"))
+    d.add_model(models[1])
+    d.bind()
+    thread = threading.Thread(target=d.serve_forever)
+    thread.start()
+    try:
+        res = attach(models[1], tmp_path / "sock", dtype="float32", fallback=False)
+        disk = attach(models[1], None, dtype="float32")
+        assert res.tensors["a.weight"].dtype == torch.float32
+        assert res.tensors["b.steps"].dtype == torch.int64
+        assert all(torch.equal(res.tensors[k], disk.tensors[k]) for k in disk.tensors)
+    finally:
+        d.stop()
+        thread.join(10)
