@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server over the engine: `keepwarm serve` (cli.py), routes (app.py)."""

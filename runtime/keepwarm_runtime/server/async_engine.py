@@ -1,0 +1,202 @@
+"""The engine behind asyncio: one background thread owns the LLMEngine, requests talk through queues.
+
+The thread builds the engine (loading weights while the HTTP server already answers /health), then
+loops: apply queued adds and aborts, ``step()``, hand each output to its request's asyncio queue via
+``loop.call_soon_threadsafe``. Only that thread touches the engine, so the engine needs no locks.
+
+Failure containment: ``add_request`` errors (prompt too long, bad params) go to that request alone;
+an exception inside ``step()`` cannot be pinned on one request, so every in-flight request gets the
+error and is aborted (freeing its KV blocks) and the loop carries on. The process stays up either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class EngineRequestError(Exception):
+    """The engine rejected or failed a request; ``bad_request`` means the client's input is at fault."""
+
+    def __init__(self, message: str, *, bad_request: bool) -> None:
+        super().__init__(message)
+        self.bad_request = bad_request
+
+
+@dataclass
+class _Stream:
+    """One request's channel from the engine thread to its coroutine."""
+
+    queue: asyncio.Queue  # RequestOutput | EngineRequestError items, in order
+    loop: asyncio.AbstractEventLoop
+    finished: bool = False
+
+
+class AsyncEngine:
+    """Owns the engine thread. ``state`` is "loading", "ready", "failed" or "stopped"."""
+
+    def __init__(
+        self,
+        make_engine: Callable[[], Any],
+        on_stats: Callable[[Any], None] | None = None,
+        on_ready: Callable[[Any], None] | None = None,
+    ) -> None:
+        self._make_engine = make_engine
+        self._on_stats = on_stats  # called with engine.stats() after each step, in the engine thread
+        self._on_ready = on_ready  # called with the engine once loaded, in the engine thread
+        self.engine: Any = None  # the LLMEngine once ready; read-only from other threads
+        self.state = "loading"
+        self.error: str | None = None  # why loading failed
+        self._inbox: deque[tuple[str, Any]] = deque()  # ("add", (id, ids, params, stream)) | ("abort", id)
+        self._streams: dict[str, _Stream] = {}  # engine-thread only
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="keepwarm-engine", daemon=True)
+        self.ready_event = threading.Event()  # set when state leaves "loading"
+
+    # --- called from the event loop ---------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: Any) -> AsyncIterator[Any]:
+        """Yield cumulative RequestOutputs until finished; abort the request if the consumer goes away."""
+        stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
+        self._post(("add", (request_id, prompt_token_ids, params, stream)))
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, EngineRequestError):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if not stream.finished:  # cancelled (client gone) or closed early: free the sequence
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request and free its KV blocks; a finished or unknown id is a no-op."""
+        if self.state == "ready":
+            self._post(("abort", request_id))
+
+    def _post(self, command: tuple[str, Any]) -> None:
+        if self.state != "ready":
+            raise EngineRequestError(f"engine is {self.state}", bad_request=False)
+        self._inbox.append(command)
+        self._wake.set()
+
+    # --- the engine thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            started = time.perf_counter()
+            self.engine = self._make_engine()
+            logger.info("engine ready in %.2fs", time.perf_counter() - started)
+            if self._on_ready is not None:
+                self._on_ready(self.engine)
+            self.state = "ready"
+        except BaseException as exc:
+            logger.exception("loading the engine failed")
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.state = "failed"
+            return
+        finally:
+            self.ready_event.set()
+        while not self._stop:
+            self._wake.wait()
+            self._wake.clear()
+            self._drain_inbox()
+            while self.engine.has_unfinished_requests() and not self._stop:
+                if not self._step():
+                    break  # wait for new work instead of spinning on a failing step
+                self._drain_inbox()
+            self._report_stats()
+        self.state = "stopped"
+
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            kind, payload = self._inbox.popleft()
+            if kind == "add":
+                request_id, prompt_token_ids, params, stream = payload
+                try:
+                    self.engine.add_request(request_id, prompt_token_ids, params)
+                except Exception as exc:  # bad params or prompt too long: only this request fails
+                    stream.finished = True
+                    error = EngineRequestError(str(exc), bad_request=isinstance(exc, ValueError))
+                    self._send(stream, [error])
+                    continue
+                self._streams[request_id] = stream
+            else:
+                stream = self._streams.pop(payload, None)
+                self.engine.abort_request(payload)
+                if stream is not None:
+                    stream.finished = True
+
+    def _step(self) -> bool:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            logger.exception("engine step failed; failing the %d requests in flight", len(self._streams))
+            error = EngineRequestError(f"engine step failed: {type(exc).__name__}: {exc}", bad_request=False)
+            for request_id, stream in list(self._streams.items()):
+                self._abort_quietly(request_id)
+                stream.finished = True
+                self._send(stream, [error])
+            self._streams.clear()
+            return False
+        by_stream: dict[int, tuple[_Stream, list[Any]]] = {}
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue  # aborted meanwhile
+            if output.finished:
+                stream.finished = True
+                del self._streams[output.request_id]
+            by_stream.setdefault(id(stream), (stream, []))[1].append(output)
+        for stream, items in by_stream.values():
+            self._send(stream, items)
+        self._report_stats()
+        return True
+
+    def _abort_quietly(self, request_id: str) -> None:
+        try:
+            self.engine.abort_request(request_id)
+        except Exception:
+            logger.exception("aborting %s failed", request_id)
+
+    def _report_stats(self) -> None:
+        if self._on_stats is None:
+            return
+        try:
+            self._on_stats(self.engine.stats())
+        except Exception:
+            logger.exception("reporting engine stats failed")
+
+    @staticmethod
+    def _send(stream: _Stream, items: list[Any]) -> None:
+        def put_all() -> None:
+            for item in items:
+                stream.queue.put_nowait(item)
+
+        with contextlib.suppress(RuntimeError):  # the event loop is closed (shutdown)
+            stream.loop.call_soon_threadsafe(put_all)

@@ -1,0 +1,163 @@
+"""`keepwarm serve MODEL_DIR`: the OpenAI-compatible server.
+
+Every flag also comes from an environment variable, ``KEEPWARM_`` + the flag in upper snake case
+(``--max-num-seqs`` <- ``KEEPWARM_MAX_NUM_SEQS``; MODEL_DIR <- ``KEEPWARM_MODEL_DIR``); a flag on the
+command line wins. This is how the operator configures pods. Imports stay lazy: `keepwarm --help`
+must not pay for torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+# Engine settings: (flag, type, help). Unset ones keep EngineConfig's defaults.
+ENGINE_FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
+    ("--dtype", str, "weights/activations dtype: float32 | bfloat16 | float16 (engine default: float32)"),
+    ("--device", str, "cpu, cuda, cuda:1, ... (engine default: cpu)"),
+    ("--max-num-seqs", int, "most sequences in one batch"),
+    ("--max-num-batched-tokens", int, "most tokens in one forward pass"),
+    ("--max-model-len", int, "context length (default: the model's, capped by the KV cache)"),
+    ("--block-size", int, "tokens per KV-cache block"),
+    ("--num-kv-blocks", int, "KV-cache blocks (default: sized from memory)"),
+    ("--kv-cache-memory-gib", float, "CPU KV-cache budget in GiB when --num-kv-blocks is unset"),
+    ("--gpu-memory-utilization", float, "CUDA: fraction of GPU memory for weights + KV cache"),
+    ("--attention-backend", str, "auto | torch | flashinfer"),
+    ("--seed", int, "seed for requests that set none"),
+]
+
+
+def env_name(flag: str) -> str:
+    return "KEEPWARM_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def _env(flag: str, kind: Callable[[str], Any], default: Any = None) -> Any:
+    raw = os.environ.get(env_name(flag))
+    if raw is None or raw == "":
+        return default
+    if kind is bool:
+        if raw.lower() not in _TRUE | _FALSE:
+            raise SystemExit(f"keepwarm serve: {env_name(flag)}={raw!r} is not a boolean (use true/false)")
+        return raw.lower() in _TRUE
+    try:
+        return kind(raw)
+    except ValueError:
+        raise SystemExit(f"keepwarm serve: {env_name(flag)}={raw!r} is not a valid {kind.__name__}") from None
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve MODEL_DIR over an OpenAI-compatible API. Every flag also reads KEEPWARM_<FLAG>.",
+    )
+    p.add_argument(
+        "model_dir",
+        nargs="?",
+        default=_env("--model-dir", str),
+        help="Hugging Face checkpoint directory (env KEEPWARM_MODEL_DIR)",
+    )
+    p.add_argument("--host", default=_env("--host", str, "0.0.0.0"), help="bind address (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=_env("--port", int, 8000), help="port (default 8000)")
+    p.add_argument(
+        "--served-model-name",
+        default=_env("--served-model-name", str),
+        help="name clients use in `model` (default: the directory name)",
+    )
+    p.add_argument(
+        "--cache-socket-dir",
+        default=_env("--cache-socket-dir", str),
+        help="node weight cache socket directory; unset: load weights from disk",
+    )
+    p.add_argument(
+        "--cache-mode",
+        choices=["zero_copy", "copy"],
+        default=_env("--cache-mode", str, "zero_copy"),
+        help="attach cached weights zero-copy (default) or copy them",
+    )
+    p.add_argument(
+        "--cache-fallback",
+        action=argparse.BooleanOptionalAction,
+        default=_env("--cache-fallback", bool, True),
+        help="fall back to disk when the cache cannot serve the model (default: on)",
+    )
+    for flag, kind, text in ENGINE_FLAGS:
+        p.add_argument(flag, type=kind, default=_env(flag, kind), help=text)
+    p.add_argument("--uvicorn-log-level", default=_env("--uvicorn-log-level", str, "info"))
+    p.add_argument(
+        "--access-log", action=argparse.BooleanOptionalAction, default=_env("--access-log", bool, False)
+    )
+    p.set_defaults(handler=run)
+
+
+def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig keyword arguments from parsed args (unset engine flags omitted)."""
+    settings: dict[str, Any] = {
+        "cache_socket_dir": args.cache_socket_dir,
+        "cache_mode": args.cache_mode,
+        "cache_fallback": args.cache_fallback,
+    }
+    for flag, _, _ in ENGINE_FLAGS:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            settings[flag.lstrip("-").replace("-", "_")] = value
+    return settings
+
+
+def run(args: argparse.Namespace) -> int:
+    from keepwarm_runtime.server.metrics import process_start_time
+
+    started_at = process_start_time()
+    if not args.model_dir:
+        print("keepwarm serve: give MODEL_DIR (or set KEEPWARM_MODEL_DIR)", file=sys.stderr)
+        return 2
+    if not os.path.isdir(args.model_dir):
+        print(f"keepwarm serve: {args.model_dir} is not a directory", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from keepwarm_runtime.server.app import create_app
+
+    settings = engine_settings(args)
+    model_dir = os.path.abspath(args.model_dir)
+
+    def make_engine() -> Any:
+        from keepwarm_runtime.engine.config import EngineConfig
+        from keepwarm_runtime.engine.llm_engine import LLMEngine
+
+        return LLMEngine(EngineConfig(model_dir, **settings))
+
+    app = create_app(
+        make_engine, model_dir=model_dir, served_model_name=args.served_model_name, started_at=started_at
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.uvicorn_log_level,
+            access_log=args.access_log,
+            timeout_graceful_shutdown=5,
+        )
+    )
+    async_engine = app.state.ctx.async_engine
+
+    def stop_if_load_fails() -> None:
+        async_engine.ready_event.wait()
+        if async_engine.state == "failed":
+            logger.error("exiting: the model could not be loaded (%s)", async_engine.error)
+            server.should_exit = True
+
+    threading.Thread(target=stop_if_load_fails, name="keepwarm-load-watch", daemon=True).start()
+    logger.info("serving %s on http://%s:%d (engine settings: %s)", model_dir, args.host, args.port, settings)
+    server.run()
+    return 1 if async_engine.state == "failed" else 0

@@ -1,0 +1,130 @@
+"""Prometheus metrics of the server (prefix ``keepwarm_``), in a registry of its own per app.
+
+Request-level timings (TTFT, time per output token, end-to-end) are observed by the serving code as
+outputs reach the client; engine-level gauges (running/waiting sequences, KV-cache usage) are set by
+the engine thread after each step; load metrics once, when weights are ready.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+def process_start_time() -> float:
+    """Wall-clock time this process started (from /proc), or now when /proc is unavailable."""
+    try:
+        with open("/proc/self/stat") as f:
+            # Field 22 (starttime, clock ticks since boot); the comm field may contain spaces.
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
+class ServerMetrics:
+    """All server metrics; ``render()`` gives the /metrics body."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        r, m = self.registry, {"model_name": model_name}
+        self.requests = Counter(
+            "keepwarm_http_requests",
+            "HTTP requests by endpoint and status code",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "keepwarm_time_to_first_token_seconds",
+            "Time from request arrival to the first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "keepwarm_time_per_output_token_seconds",
+            "Mean time between output tokens of a request",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "keepwarm_e2e_request_latency_seconds",
+            "Time from request arrival to its last token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter("keepwarm_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("keepwarm_generation_tokens", "Tokens generated", registry=r)
+        self.running = Gauge("keepwarm_num_requests_running", "Sequences in the running batch", registry=r)
+        self.waiting = Gauge("keepwarm_num_requests_waiting", "Sequences waiting to be scheduled", registry=r)
+        self.kv_usage = Gauge("keepwarm_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r)
+        self.preemptions = Gauge("keepwarm_num_preemptions", "Preemptions since start", registry=r)
+        self.active = Gauge("keepwarm_active_requests", "Requests the server is answering now", registry=r)
+        self.weight_load = Gauge(
+            "keepwarm_weight_load_seconds",
+            "Seconds to attach or load the weights, by where they came from",
+            ["source"],
+            registry=r,
+        )
+        self.start_to_ready = Gauge(
+            "keepwarm_process_start_to_ready_seconds",
+            "Seconds from process start to ready",
+            registry=r,
+        )
+        self.info = Gauge("keepwarm_model_info", "The served model (value 1)", list(m), registry=r)
+        self.info.labels(**m).set(1)
+
+    def record_load(self, source: str, seconds: float, started_at: float) -> None:
+        self.weight_load.labels(source=source).set(seconds)
+        self.start_to_ready.set(max(0.0, time.time() - started_at))
+
+    def record_engine(self, num_running: int, num_waiting: int, kv_usage: float, preemptions: int) -> None:
+        self.running.set(num_running)
+        self.waiting.set(num_waiting)
+        self.kv_usage.set(kv_usage)
+        self.preemptions.set(preemptions)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Times one request: ``tokens(n)`` when its generated-token count grows, ``done()`` at the end."""
+
+    def __init__(self, metrics: ServerMetrics, prompt_tokens: int) -> None:
+        self._metrics = metrics
+        self._arrival = time.perf_counter()
+        self._first: float | None = None
+        self._last = self._arrival
+        self._generated = 0
+        metrics.prompt_tokens.inc(prompt_tokens)
+
+    def tokens(self, total_generated: int) -> None:
+        now = time.perf_counter()
+        if total_generated > self._generated:
+            if self._first is None:
+                self._first = now
+                self._metrics.ttft.observe(now - self._arrival)
+            self._metrics.generation_tokens.inc(total_generated - self._generated)
+            self._generated, self._last = total_generated, now
+
+    def done(self) -> None:
+        self._metrics.e2e.observe(self._last - self._arrival)
+        if self._first is not None and self._generated > 1:
+            self._metrics.tpot.observe((self._last - self._first) / (self._generated - 1))

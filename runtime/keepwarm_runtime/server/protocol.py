@@ -1,0 +1,186 @@
+"""OpenAI request models (pydantic) and the one validator that reports unknown request fields.
+
+Every request model derives from ``OpenAIRequest``. Its validator is the single place that looks at
+fields the model does not know: the removed legacy ``guided_*`` fields get one WARNING per distinct
+set for the process lifetime (naming them and pointing to ``structured_outputs``/``response_format``;
+the request is still served, without the constraint), anything else goes to DEBUG. Unknown fields are
+allowed rather than rejected because OpenAI clients grow fields faster than servers do.
+Response models live in ``responses.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from keepwarm_runtime.server.log_once import warning_once
+
+logger = logging.getLogger(__name__)
+
+# Fields vLLM accepted before `structured_outputs` replaced them; we keep reporting them, not honouring.
+REMOVED_FIELDS: frozenset[str] = frozenset(
+    {
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "guided_decoding_backend",
+        "guided_whitespace_pattern",
+    }
+)
+
+
+class OpenAIBaseModel(BaseModel):
+    """Nested objects: unknown fields are kept (clients send vendor extras), never an error."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
+class OpenAIRequest(OpenAIBaseModel):
+    """Base of every request body; owns the unknown-field report."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _report_unknown_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+        unknown = [key for key in data if key not in known]
+        removed = tuple(sorted(key for key in unknown if key in REMOVED_FIELDS))
+        if removed:
+            warning_once(
+                logger,
+                ("removed-fields", removed),
+                "request fields %s were removed and are ignored; use `structured_outputs` "
+                '(e.g. {"structured_outputs": {"json": <schema>}}, also regex, choice, grammar) '
+                "or `response_format` instead",
+                ", ".join(removed),
+            )
+        others = [key for key in unknown if key not in REMOVED_FIELDS]
+        if others:
+            logger.debug("ignoring unknown request fields %s in %s", ", ".join(others), cls.__name__)
+        return data
+
+
+class StructuredOutputsOptions(OpenAIBaseModel):
+    """`structured_outputs` in a request: set exactly one of json, regex, choice, grammar, json_object."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")  # JSON schema
+    regex: str | None = None  # the whole output matches this regex
+    choice: list[str] | None = None  # the output is one of these strings
+    grammar: str | None = None  # EBNF (rule `root`) or Lark grammar
+    json_object: bool | None = None  # any JSON object
+    any_whitespace: bool = False  # allow free whitespace between JSON tokens (default: compact)
+
+
+class JsonSchemaSpec(OpenAIBaseModel):
+    """`response_format.json_schema`."""
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """`response_format`: text (no constraint), json_object, or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False  # send a last chunk with usage and no choices
+    continuous_usage_stats: bool = False  # put usage in every chunk
+
+
+class SamplingRequest(OpenAIRequest):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI names, plus vLLM extras)."""
+
+    model: str | None = None  # served model name; None means the only one
+    max_tokens: int | None = Field(default=None, ge=1)  # None: up to the context length
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)  # None: 1.0
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=16)  # choices per prompt
+    stop: str | list[str] | None = None  # stop strings (not included in the output)
+    seed: int | None = None  # per-request sampling seed: same seed, same output
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsOptions | None = None
+    # vLLM extras
+    top_k: int | None = None  # 0 or -1: disabled
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    min_tokens: int | None = Field(default=None, ge=0)
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class TextContentPart(OpenAIBaseModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ChatMessage(OpenAIBaseModel):
+    """One message; content is text or a list of content parts (only text parts are supported)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string; raises ValueError for non-text parts."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        pieces = []
+        for part in self.content:
+            if part.get("type") != "text":
+                raise ValueError(f"content part type {part.get('type')!r} is not supported; send text parts")
+            pieces.append(TextContentPart.model_validate(part).text)
+        return "".join(pieces)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False  # return the sampled tokens' logprobs
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)  # alternatives per token (needs logprobs)
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(SamplingRequest):
+    # A string, a list of strings (one choice set each), token ids, or a list of token-id lists.
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)  # top alternatives per token
+    echo: bool = False  # prepend the prompt to the text
+    suffix: str | None = None  # not supported (400)
+
+    def token_limit(self) -> int | None:
+        # The legacy completions API defaults to 16 tokens.
+        return 16 if self.max_tokens is None else self.max_tokens
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of prompts (text or token ids)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]
+        return list(prompt)

@@ -1,0 +1,204 @@
+"""POST /v1/completions: one engine request per prompt, merged; choice index = prompt * n + choice."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from keepwarm_runtime.server.errors import APIError, BadRequest
+from keepwarm_runtime.server.metrics import RequestTimer
+from keepwarm_runtime.server.protocol import CompletionRequest
+from keepwarm_runtime.server.responses import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    UsageInfo,
+    random_id,
+)
+from keepwarm_runtime.server.serving import ServingContext, race_disconnect
+from keepwarm_runtime.server.sse import sse_done, sse_event
+
+MAX_PROMPTS = 64  # prompts per request
+
+
+async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request) -> Any:
+    ctx.check_model(req.model)
+    if req.suffix:
+        raise BadRequest("suffix is not supported", param="suffix")
+    engine = ctx.engine
+    prompts = req.prompts()
+    if not prompts or len(prompts) > MAX_PROMPTS:
+        raise BadRequest(f"give between 1 and {MAX_PROMPTS} prompts", param="prompt")
+    vocab = len(engine.tokenizer)
+    prompt_ids = [engine.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    for ids in prompt_ids:
+        if not ids or any(not 0 <= t < vocab for t in ids):
+            raise BadRequest(f"token-id prompts must be non-empty with ids in [0, {vocab})", param="prompt")
+    max_tokens = min(ctx.check_length(len(ids), req.token_limit()) for ids in prompt_ids)
+    params = await ctx.sampling_params(req, max_tokens, req.logprobs)
+    base_id = random_id("cmpl")
+    streams = [
+        ctx.stream(f"{base_id}-{i}", ids, params, RequestTimer(ctx.metrics, len(ids)))
+        for i, ids in enumerate(prompt_ids)
+    ]
+    merged = _merge(streams)
+    echo = [engine.tokenizer.decode(ids, skip_special_tokens=True) if req.echo else "" for ids in prompt_ids]
+    n_prompt_tokens = sum(len(ids) for ids in prompt_ids)
+    if req.stream:
+        first = await race_disconnect(anext(merged), raw)
+        body = _stream(ctx, req, base_id, n_prompt_tokens, echo, first, merged)
+        return StreamingResponse(body, media_type="text/event-stream")
+    finals: dict[int, Any] = await race_disconnect(_collect(merged), raw)
+    choices = [
+        CompletionChoice(
+            index=i * req.n + o.index,
+            text=echo[i] + o.text,
+            logprobs=_logprobs(ctx, o.token_ids, o.logprobs, req.logprobs, 0)
+            if req.logprobs is not None
+            else None,
+            finish_reason=o.finish_reason,
+            stop_reason=o.stop_reason,
+        )
+        for i in sorted(finals)
+        for o in finals[i].outputs
+    ]
+    completion = sum(len(o.token_ids) for f in finals.values() for o in f.outputs)
+    usage = UsageInfo(
+        prompt_tokens=n_prompt_tokens, completion_tokens=completion, total_tokens=n_prompt_tokens + completion
+    )
+    response = CompletionResponse(id=base_id, model=ctx.served_model_name, choices=choices, usage=usage)
+    return JSONResponse(response.model_dump())
+
+
+async def _merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave per-prompt streams as (prompt index, output); closing this cancels them all."""
+    if len(streams) == 1:
+        try:
+            async for output in streams[0]:
+                yield 0, output
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[Any]) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((i, output))
+        except Exception as exc:
+            queue.put_nowait((i, exc))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _collect(merged: AsyncIterator[tuple[int, Any]]) -> dict[int, Any]:
+    finals: dict[int, Any] = {}
+    async for i, output in merged:
+        finals[i] = output
+    return finals
+
+
+def _logprobs(
+    ctx: ServingContext, token_ids: list[int], logprobs: list[dict] | None, top_n: int, offset: int
+) -> CompletionLogprobs:
+    """Legacy completions logprobs: parallel lists; ``offset`` is the text offset of the first token."""
+    result = CompletionLogprobs()
+    for token_id, alternatives in zip(token_ids, logprobs or [], strict=False):
+        chosen = alternatives.get(token_id)
+        text = ctx.token_text(token_id, chosen.decoded_token if chosen else None)
+        result.tokens.append(text)
+        result.token_logprobs.append(max(chosen.logprob, -9999.0) if chosen else None)
+        ranked = sorted(alternatives.items(), key=lambda kv: kv[1].rank)[:top_n]
+        result.top_logprobs.append(
+            {ctx.token_text(tid, lp.decoded_token): max(lp.logprob, -9999.0) for tid, lp in ranked}
+        )
+        result.text_offset.append(offset)
+        offset += len(text)
+    return result
+
+
+async def _stream(
+    ctx: ServingContext,
+    req: CompletionRequest,
+    request_id: str,
+    prompt_tokens: int,
+    echo: list[str],
+    first: tuple[int, Any],
+    merged: AsyncIterator[tuple[int, Any]],
+) -> AsyncIterator[str]:
+    created, model = int(time.time()), ctx.served_model_name
+    sent_text: dict[int, int] = {}  # choice index -> characters sent
+    sent_tokens: dict[int, int] = {}  # choice index -> tokens sent
+    done: set[int] = set()
+    completion_tokens: dict[int, int] = {}
+    try:
+        item: tuple[int, Any] | None = first
+        while item is not None:
+            i, output = item
+            choices = []
+            for o in output.outputs:
+                index = i * req.n + o.index
+                if index in done:
+                    continue
+                started = index in sent_text
+                text = o.text[sent_text.get(index, 0) :]
+                n_sent = sent_tokens.get(index, 0)
+                new_ids = o.token_ids[n_sent:]
+                if started and not text and not new_ids and o.finish_reason is None:
+                    continue
+                logprobs = None
+                if req.logprobs is not None and o.logprobs is not None:
+                    offset = len(echo[i]) + sent_text.get(index, 0)
+                    logprobs = _logprobs(ctx, new_ids, o.logprobs[n_sent:], req.logprobs, offset)
+                sent_text[index], sent_tokens[index] = len(o.text), len(o.token_ids)
+                completion_tokens[index] = len(o.token_ids)
+                if o.finish_reason is not None:
+                    done.add(index)
+                choices.append(
+                    CompletionChoice(
+                        index=index,
+                        text=(echo[i] if not started else "") + text,
+                        logprobs=logprobs,
+                        finish_reason=o.finish_reason,
+                        stop_reason=o.stop_reason,
+                    )
+                )
+            if choices:
+                body = CompletionResponse(id=request_id, created=created, model=model, choices=choices)
+                yield sse_event(body.model_dump(exclude_none=True))
+            item = await anext(merged, None)
+        if req.stream_options and req.stream_options.include_usage:
+            completion = sum(completion_tokens.values())
+            usage = UsageInfo(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion,
+                total_tokens=prompt_tokens + completion,
+            )
+            body = CompletionResponse(id=request_id, created=created, model=model, choices=[], usage=usage)
+            yield sse_event(body.model_dump(exclude_none=True))
+    except APIError as exc:
+        yield sse_event(exc.body())
+    finally:
+        await merged.aclose()
+    yield sse_done()
