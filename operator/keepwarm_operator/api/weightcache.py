@@ -83,6 +83,11 @@ class AgentSpec(KubeModel):
     """Port of the agent's /metrics endpoint."""
 
 
+class SocketMode(StrEnum):
+    SHARED = "0770"
+    PRIVATE = "0700"
+
+
 class SocketSpec(KubeModel):
     """The Unix-socket directory shared by the agent and inference pods. hostPath ignores fsGroup, so
     the agent creates <directory>/<cache name> itself, owned by groupId with the given mode; inference
@@ -92,8 +97,9 @@ class SocketSpec(KubeModel):
     """Host directory under which /<cache name>/ holds the sockets."""
     group_id: int = Field(default=2000, ge=1, le=2147483647)
     """Group owning the socket directory and sockets; inference pods get it as a supplemental group."""
-    mode: str = Field(default="0770", pattern=r"^0?[0-7]{3}$")
-    """Directory mode (sockets get the same bits minus execute): 0770 shared by group, 0700 agent only."""
+    mode: SocketMode = SocketMode.SHARED
+    """0770: directory 0770 and sockets 0660 owned by groupId (pods of other users attach); 0700: the
+    agent's user only."""
     allowed_uids: list[int] = Field(default_factory=list, max_length=64)
     """If set, the agent serves only peers with one of these uids (SO_PEERCRED)."""
     allowed_gids: list[int] = Field(default_factory=list, max_length=64)
@@ -106,6 +112,11 @@ class WeightCacheSpec(KubeModel):
     model_config = KubeModel.model_config | {
         "json_schema_extra": {
             "x-kubernetes-validations": [
+                {
+                    "rule": "self.models.all(m, m.dtype == self.models[0].dtype)",
+                    "message": "all models of a WeightCache share one dtype (the agent holds one); "
+                    "use a second WeightCache for another dtype",
+                },
                 {
                     "rule": "self.tier == 'gpu' || self.models.all(m, m.quantization == 'none')",
                     "message": "quantization other than none needs tier gpu",

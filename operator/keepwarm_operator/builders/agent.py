@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from kubernetes.utils.quantity import parse_quantity
+
 from ..api import GROUP
-from ..api.weightcache import GPUAccessMode, Tier, WeightCacheSpec
+from ..api.weightcache import GPUAccessMode, SocketMode, Tier, WeightCacheSpec
 from .meta import agent_labels, agent_name, object_meta
 from .volumes import hf_volume, model_mount
 
@@ -61,17 +63,25 @@ def agent_rbac(cache: str, namespace: str, owner: dict[str, Any] | None) -> list
     ]
 
 
+def budget_bytes(budget: int | str | None) -> int | None:
+    """A Kubernetes quantity ("40Gi") as bytes, the unit `keepwarm cache serve --budget` takes."""
+    return None if budget is None else int(parse_quantity(budget))
+
+
 def agent_command(spec: WeightCacheSpec, cache: str) -> list[str]:
+    dtype = spec.models[0].dtype.value if spec.models else "bfloat16"
     command = [
         "keepwarm", "cache", "serve",
         "--socket-dir", socket_dir(spec, cache),
         "--tier", spec.tier.value,
-        "--socket-group", str(spec.socket.group_id),
-        "--socket-mode", spec.socket.mode,
+        "--dtype", "bfloat16" if dtype == "auto" else dtype,
         "--metrics-port", str(spec.agent.metrics_port),
     ]  # fmt: skip
-    if spec.budget is not None:
-        command += ["--budget", str(spec.budget)]
+    if spec.socket.mode == SocketMode.SHARED:
+        command += ["--group", str(spec.socket.group_id)]
+    budget = budget_bytes(spec.budget)
+    if budget is not None:
+        command += ["--budget", str(budget)]
     for uid in spec.socket.allowed_uids:
         command += ["--allow-uid", str(uid)]
     for gid in spec.socket.allowed_gids:

@@ -26,7 +26,7 @@ def test_daemonset_runs_agent_with_report_flags_and_socket_dir():
     i = cmd.index("--report-to-kubernetes")
     assert cmd[i:] == ["--report-to-kubernetes", "--weightcache", "llama", "--node-name", "$(NODE_NAME)"]
     assert cmd[cmd.index("--socket-dir") + 1] == "/var/run/keepwarm/llama"
-    assert cmd[cmd.index("--socket-group") + 1] == "2000" and cmd[cmd.index("--socket-mode") + 1] == "0770"
+    assert cmd[cmd.index("--group") + 1] == "2000" and cmd[cmd.index("--dtype") + 1] == "bfloat16"
     sockets = next(v for v in pod["volumes"] if v["name"] == "sockets")
     assert sockets["hostPath"] == {"path": "/var/run/keepwarm/llama", "type": "DirectoryOrCreate"}
     model = next(v for v in pod["volumes"] if v["name"] == "model-llama-8b")
@@ -75,7 +75,7 @@ def test_node_selector_tolerations_budget_and_hf_token():
     assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     container = pod["containers"][0]
-    assert container["command"][container["command"].index("--budget") + 1] == "40Gi"
+    assert container["command"][container["command"].index("--budget") + 1] == str(40 * 2**30)
     env = {e["name"]: e for e in container["env"]}
     assert env["KEEPWARM_HF_TOKEN_GATED"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
     assert any(v["name"] == "hf-cache" for v in pod["volumes"])
@@ -101,3 +101,8 @@ def test_agent_rbac_is_least_privilege():
 def test_children_order_rbac_before_pods():
     kinds = [c["kind"] for c in agent_children("llama", spec(), "ns", OWNER)]
     assert kinds == ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "DaemonSet"]
+
+
+def test_private_socket_mode_drops_group():
+    cmd = agent_daemonset("c", spec(socket={"mode": "0700"}), "ns", OWNER)["spec"]["template"]["spec"]
+    assert "--group" not in cmd["containers"][0]["command"]

@@ -1,0 +1,178 @@
+"""The node agent loop: follow the WeightCache, load/evict in the daemon, report the WeightCacheNode.
+
+Started by `keepwarm cache serve --report-to-kubernetes --weightcache NAME --node-name NODE` in a
+daemon thread. Two threads: this one reconciles (loads can take minutes), a reporter writes the
+status every heartbeat so a long load never looks like a dead agent. The kubernetes client is an
+optional dependency (extra `kubernetes`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+from keepwarm_runtime import __version__
+
+from .state import HF_ROOT, AgentState, WantedModel, node_status, wanted_models
+
+log = logging.getLogger(__name__)
+GROUP, VERSION = "keepwarm.dev", "v1alpha1"
+DEFAULT_HEARTBEAT_S = 15.0
+
+
+class AgentDependencyError(ImportError):
+    pass
+
+
+def _client() -> Any:
+    try:
+        from kubernetes import client, config
+    except ImportError as exc:
+        raise AgentDependencyError(
+            "the node agent needs the kubernetes client: pip install 'keepwarm-runtime[kubernetes]'"
+        ) from exc
+    try:
+        config.load_incluster_config()
+        return client.CustomObjectsApi(client.ApiClient())
+    except config.ConfigException:
+        return client.CustomObjectsApi(
+            config.new_client_from_config(config_file=os.environ.get("KUBECONFIG"))
+        )
+
+
+class NodeAgent:
+    def __init__(self, daemon: Any, cache: str, node: str, api: Any, model_root: str | None = None):
+        self.daemon, self.cache, self.node, self.api = daemon, cache, node, api
+        self.model_root = model_root or os.environ.get("KEEPWARM_MODEL_ROOT", "/models")
+        self.state = AgentState()
+        self.wanted: list[WantedModel] = []
+        self.heartbeat_s = DEFAULT_HEARTBEAT_S
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+
+    @property
+    def object_name(self) -> str:
+        return f"{self.cache}.{self.node}"
+
+    def fetch(self) -> dict[str, Any] | None:
+        from kubernetes.client import ApiException
+
+        try:
+            return self.api.get_cluster_custom_object(GROUP, VERSION, "weightcaches", self.cache)
+        except ApiException as exc:
+            if exc.status == 404:
+                self.state.message = f"WeightCache {self.cache!r} not found"
+                return None
+            raise
+
+    def reconcile(self, cache: dict[str, Any]) -> None:
+        """One pass: load what is wanted and missing, release what is no longer wanted."""
+        generation = cache["metadata"].get("generation")
+        spec = cache.get("spec") or {}
+        self.heartbeat_s = float(spec.get("heartbeatSeconds", DEFAULT_HEARTBEAT_S))
+        wanted = wanted_models(cache, self.model_root)
+        with self.lock:
+            self.wanted = wanted
+            self.state.message = ""
+            if generation != self.state.generation:  # spec changed: retry failures and evictions
+                self.state.failed.clear()
+                self.state.evicted.clear()
+                self.state.generation = generation
+        names = {w.name for w in wanted}
+        for name in sorted(set(self.state.daemon_names) - names):
+            self.daemon.remove_model(self.state.daemon_names.pop(name))
+            log.info("released %s (removed from WeightCache %s)", name, self.cache)
+        resident = self.daemon.snapshot()["models"]
+        for w in wanted:
+            daemon_name = self.state.daemon_names.get(w.name)
+            if daemon_name in resident:
+                if w.pin and not resident[daemon_name]["pinned"]:
+                    self.daemon.add_model(self._path(w), pin=True)  # no-op reload; marks pinned
+                continue
+            if daemon_name is not None:  # was loaded, now gone: evicted under the budget
+                self.state.daemon_names.pop(w.name)
+                self.state.evicted.add(w.name)
+            if w.name in self.state.failed or w.name in self.state.evicted:
+                continue
+            self._load(w)
+
+    def _path(self, w: WantedModel) -> str:
+        if w.path is not None:
+            return w.path
+        from huggingface_hub import snapshot_download  # a transformers dependency
+
+        token = os.environ.get(f"KEEPWARM_HF_TOKEN_{w.name.upper().replace('-', '_')}")
+        return snapshot_download(w.repo, revision=w.revision, cache_dir=HF_ROOT, token=token)
+
+    def _load(self, w: WantedModel) -> None:
+        with self.lock:
+            self.state.loading.add(w.name)
+        self.wake.set()  # report Loading now
+        try:
+            self.state.daemon_names[w.name] = self.daemon.add_model(self._path(w), pin=w.pin)
+        except Exception as exc:  # a bad checkpoint fails this model, not the agent
+            log.warning("loading %s failed: %s", w.name, exc)
+            with self.lock:
+                self.state.failed[w.name] = f"{type(exc).__name__}: {exc}"
+        finally:
+            with self.lock:
+                self.state.loading.discard(w.name)
+        self.wake.set()
+
+    def report(self) -> bool:
+        """Write the WeightCacheNode status; False while the operator has not created it yet."""
+        from kubernetes.client import ApiException
+
+        with self.lock:
+            body = {"status": node_status(self.state, self.daemon.snapshot(), self.wanted, __version__)}
+        try:
+            self.api.patch_cluster_custom_object_status(
+                GROUP, VERSION, "weightcachenodes", self.object_name, body,
+                _content_type="application/merge-patch+json",
+            )  # fmt: skip
+            return True
+        except ApiException as exc:
+            if exc.status == 404:
+                log.info("WeightCacheNode %s not created yet; retrying", self.object_name)
+                return False
+            raise
+
+    def run_reporter(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                self.report()
+            except Exception as exc:  # API hiccups must not kill the reporter
+                log.warning("reporting WeightCacheNode %s failed: %s", self.object_name, exc)
+            self.wake.wait(self.heartbeat_s)
+            self.wake.clear()
+
+    def run(self, stop: threading.Event) -> None:
+        reporter = threading.Thread(
+            target=self.run_reporter, args=(stop,), daemon=True, name="agent-reporter"
+        )
+        reporter.start()
+        while not stop.is_set():
+            try:
+                cache = self.fetch()
+                if cache is not None:
+                    self.reconcile(cache)
+            except Exception as exc:
+                log.warning("agent pass for %s failed: %s", self.cache, exc)
+                self.state.message = f"{type(exc).__name__}: {exc}"[:1000]
+            self.wake.set()
+            stop.wait(min(self.heartbeat_s, 10.0))
+        self.wake.set()
+        reporter.join(timeout=5)
+
+
+def run_agent(daemon: Any, args: Any, stop: threading.Event | None = None) -> None:
+    """Entry point for `keepwarm cache serve --report-to-kubernetes` (runs until the daemon stops)."""
+    try:
+        api = _client()
+    except AgentDependencyError as exc:
+        log.error("%s", exc)
+        return
+    stop = stop or getattr(daemon, "_stop", None) or threading.Event()
+    NodeAgent(daemon, args.weightcache, args.node_name, api).run(stop)
