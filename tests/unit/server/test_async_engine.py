@@ -1,0 +1,159 @@
+"""AsyncEngine: the engine thread, per-request queues, abort on cancel, failures contained.
+
+The engine here is a small scripted stand-in (each request emits one token per step); the thing under
+test is the asyncio/thread plumbing around it, which is real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from keepwarm_runtime.server.async_engine import AsyncEngine, EngineRequestError
+
+
+class ScriptedEngine:
+    """Emits one token per step per request; 'boom' in a prompt makes step() raise once."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, dict] = {}
+        self.aborted: list[str] = []
+        self.thread_ids: set[int] = set()
+
+    def add_request(self, request_id, prompt_token_ids, params):
+        self.thread_ids.add(threading.get_ident())
+        if len(prompt_token_ids) > 8:
+            raise ValueError("prompt is longer than the context")
+        self.requests[request_id] = {"prompt": prompt_token_ids, "done": 0, "max": params.max_tokens}
+
+    def abort_request(self, request_id):
+        self.thread_ids.add(threading.get_ident())
+        if self.requests.pop(request_id, None) is not None:
+            self.aborted.append(request_id)
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def step(self):
+        self.thread_ids.add(threading.get_ident())
+        outputs = []
+        for request_id, state in list(self.requests.items()):
+            if state["prompt"] == [666]:
+                state["prompt"] = [0]
+                raise RuntimeError("boom")
+            state["done"] += 1
+            finished = state["done"] >= state["max"]
+            if finished:
+                del self.requests[request_id]
+            out = SimpleNamespace(
+                index=0, token_ids=list(range(state["done"])), finish_reason="length" if finished else None
+            )
+            outputs.append(SimpleNamespace(request_id=request_id, outputs=[out], finished=finished))
+        return outputs
+
+    def stats(self):
+        return SimpleNamespace(
+            num_running=len(self.requests), num_waiting=0, kv_cache_usage=0.0, num_preemptions=0
+        )
+
+
+def params(max_tokens: int):
+    return SimpleNamespace(max_tokens=max_tokens)
+
+
+@pytest.fixture
+def engine_pair():
+    scripted = ScriptedEngine()
+    stats = []
+    async_engine = AsyncEngine(lambda: scripted, on_stats=stats.append)
+    async_engine.start()
+    assert async_engine.ready_event.wait(5) and async_engine.ready
+    yield async_engine, scripted, stats
+    async_engine.shutdown()
+
+
+async def _collect(async_engine, request_id, prompt, max_tokens):
+    return [o async for o in async_engine.generate(request_id, prompt, params(max_tokens))]
+
+
+def test_concurrent_requests_stream_to_their_own_queues(engine_pair):
+    async_engine, scripted, stats = engine_pair
+
+    async def main():
+        return await asyncio.gather(*(_collect(async_engine, f"r{i}", [1, 2], 3 + i) for i in range(10)))
+
+    results = asyncio.run(main())
+    for i, outputs in enumerate(results):
+        assert [len(o.outputs[0].token_ids) for o in outputs] == list(range(1, 4 + i))
+        assert outputs[-1].finished and all(o.request_id == f"r{i}" for o in outputs)
+    assert scripted.thread_ids == {async_engine._thread.ident}  # only the engine thread touches it
+    assert stats and stats[-1].num_running == 0
+
+
+def test_add_error_fails_only_that_request(engine_pair):
+    async_engine, _, _ = engine_pair
+
+    async def main():
+        good = asyncio.create_task(_collect(async_engine, "good", [1], 5))
+        with pytest.raises(EngineRequestError, match="longer than the context") as info:
+            await _collect(async_engine, "bad", list(range(20)), 5)
+        assert info.value.bad_request
+        return await good
+
+    assert asyncio.run(main())[-1].finished
+
+
+def test_step_exception_fails_in_flight_requests_and_engine_keeps_serving(engine_pair):
+    async_engine, _, _ = engine_pair
+
+    async def main():
+        with pytest.raises(EngineRequestError, match="boom") as info:
+            await _collect(async_engine, "bomb", [666], 5)
+        assert not info.value.bad_request
+        return await _collect(async_engine, "after", [1], 2)
+
+    assert asyncio.run(main())[-1].finished
+    assert async_engine._thread.is_alive()
+
+
+def test_cancelled_consumer_aborts_its_request(engine_pair):
+    async_engine, scripted, _ = engine_pair
+
+    async def main():
+        async def consume():
+            async for _ in async_engine.generate("slow", [1], params(10_000)):
+                pass
+
+        task = asyncio.create_task(consume())
+        while "slow" not in scripted.requests:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):
+            if "slow" in scripted.aborted:
+                return
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert scripted.aborted == ["slow"]
+    assert not scripted.requests
+
+
+def test_failed_load_reports_state_and_rejects_requests():
+    def broken():
+        raise FileNotFoundError("no config.json in /nowhere")
+
+    async_engine = AsyncEngine(broken)
+    async_engine.start()
+    assert async_engine.ready_event.wait(5)
+    assert async_engine.state == "failed" and "config.json" in async_engine.error
+
+    async def main():
+        with pytest.raises(EngineRequestError, match="failed"):
+            await _collect(async_engine, "x", [1], 1)
+
+    asyncio.run(main())

@@ -1,0 +1,70 @@
+"""`keepwarm serve` flags: every flag from KEEPWARM_* too, flags win."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from keepwarm_runtime.server import cli
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["serve", *argv])
+
+
+def test_defaults(monkeypatch):
+    for name in (
+        "KEEPWARM_PORT",
+        "KEEPWARM_CACHE_SOCKET_DIR",
+        "KEEPWARM_CACHE_FALLBACK",
+        "KEEPWARM_MODEL_DIR",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    args = parse(["/models/m"])
+    assert (args.model_dir, args.host, args.port) == ("/models/m", "0.0.0.0", 8000)
+    assert cli.engine_settings(args) == {
+        "cache_socket_dir": None,
+        "cache_mode": "zero_copy",
+        "cache_fallback": True,
+    }
+
+
+def test_env_supplies_every_flag_and_flags_win(monkeypatch):
+    monkeypatch.setenv("KEEPWARM_MODEL_DIR", "/models/from-env")
+    monkeypatch.setenv("KEEPWARM_PORT", "9001")
+    monkeypatch.setenv("KEEPWARM_MAX_NUM_SEQS", "7")
+    monkeypatch.setenv("KEEPWARM_DTYPE", "bfloat16")
+    monkeypatch.setenv("KEEPWARM_CACHE_SOCKET_DIR", "/var/run/keepwarm/wc")
+    monkeypatch.setenv("KEEPWARM_CACHE_MODE", "copy")
+    monkeypatch.setenv("KEEPWARM_CACHE_FALLBACK", "false")
+    monkeypatch.setenv("KEEPWARM_SERVED_MODEL_NAME", "envname")
+    args = parse([])
+    assert (args.model_dir, args.port, args.served_model_name) == ("/models/from-env", 9001, "envname")
+    assert cli.engine_settings(args) == {
+        "cache_socket_dir": "/var/run/keepwarm/wc",
+        "cache_mode": "copy",
+        "cache_fallback": False,
+        "max_num_seqs": 7,
+        "dtype": "bfloat16",
+    }
+    args = parse(
+        ["/models/flag", "--port", "9002", "--max-num-seqs", "3", "--cache-fallback", "--dtype", "float32"]
+    )
+    settings = cli.engine_settings(args)
+    assert (args.model_dir, args.port) == ("/models/flag", 9002)
+    assert (settings["max_num_seqs"], settings["cache_fallback"], settings["dtype"]) == (3, True, "float32")
+
+
+def test_bad_env_value_names_the_variable(monkeypatch):
+    monkeypatch.setenv("KEEPWARM_PORT", "eighty")
+    with pytest.raises(SystemExit, match="KEEPWARM_PORT"):
+        parse([])
+
+
+def test_missing_model_dir_is_a_usage_error(monkeypatch, capsys):
+    monkeypatch.delenv("KEEPWARM_MODEL_DIR", raising=False)
+    assert cli.run(parse([])) == 2
+    assert "KEEPWARM_MODEL_DIR" in capsys.readouterr().err
