@@ -34,7 +34,11 @@ def _bool(value: bool) -> str:
 
 def runtime_command(spec: InferenceDeploymentSpec, model_path: str, model_name: str, dtype: str) -> list[str]:
     command = ["keepwarm", "serve", model_path, "--host", "0.0.0.0", "--port", str(spec.port)]
-    command += ["--served-model-name", model_name, "--dtype", dtype]
+    command += ["--served-model-name", model_name]
+    if dtype != "auto":
+        command += ["--dtype", dtype]
+    if spec.gpus_per_pod:
+        command += ["--device", "cuda"]
     if spec.runtime.max_model_len:
         command += ["--max-model-len", str(spec.runtime.max_model_len)]
     if spec.runtime.max_num_seqs:

@@ -41,6 +41,7 @@ def test_cached_model_pods_attach_to_the_cache():
     assert c["command"][:3] == ["keepwarm", "serve", "/models/llama-8b"]
     assert c["command"][c["command"].index("--dtype") + 1] == "float16"  # auto follows the cache
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert c["command"][c["command"].index("--device") + 1] == "cuda"
     assert c["startupProbe"]["httpGet"]["path"] == "/ready"
     assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 1800
     assert (
@@ -73,6 +74,8 @@ def test_inline_source_without_cache_and_cpu_serving():
     assert pod["volumes"][0]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
     assert pod["containers"][0]["volumeMounts"][0]["subPath"] == "m"
     assert "nvidia.com/gpu" not in pod["containers"][0]["resources"].get("limits", {})
+    command = pod["containers"][0]["command"]
+    assert "--device" not in command and "--dtype" not in command
 
 
 def test_no_model_is_an_error():

@@ -1,0 +1,93 @@
+"""Node agent: desired models from a WeightCache, load/evict in a real host-tier CacheDaemon, status body."""
+
+import shutil
+
+import pytest
+
+from keepwarm_runtime.agent.kubernetes import NodeAgent
+from keepwarm_runtime.agent.state import AgentState, node_status, wanted_models
+
+
+def cache(models, generation=1):
+    return {
+        "metadata": {"name": "wc", "generation": generation},
+        "spec": {"models": models, "heartbeatSeconds": 5},
+    }
+
+
+def test_wanted_models_map_sources_to_mounts():
+    wanted = wanted_models(
+        cache(
+            [
+                {"name": "a", "source": {"path": "/host/a"}, "pin": True},
+                {"name": "b", "source": {"pvc": {"claimName": "x"}}},
+                {"name": "c", "source": {"huggingFace": {"repo": "o/r", "revision": "abc"}}},
+            ]
+        ),
+        model_root="/models",
+    )
+    assert [(w.name, w.path, w.pin) for w in wanted] == [
+        ("a", "/models/a", True),
+        ("b", "/models/b", False),
+        ("c", None, False),
+    ]
+    assert (wanted[2].repo, wanted[2].revision) == ("o/r", "abc")
+
+
+def test_status_phases():
+    wanted = wanted_models(
+        cache([{"name": "a", "source": {"path": "/a"}}, {"name": "b", "source": {"path": "/b"}}])
+    )
+    state = AgentState(daemon_names={"a": "a"})
+    snap = {
+        "tier": "host",
+        "gpu_uuid": None,
+        "models": {"a": {"bytes": 10, "key_digest": "k", "digest": "d", "pinned": False, "gpu_uuids": []}},
+    }
+    status = node_status(state, snap, wanted, "0.1.0")
+    assert status["phase"] == "Loading" and status["totalBytes"] == 10
+    assert [(m["name"], m["state"]) for m in status["models"]] == [("a", "Resident"), ("b", "Loading")]
+    state.failed["b"] = "CheckpointError: no safetensors"
+    status = node_status(state, snap, wanted, "0.1.0")
+    assert status["phase"] == "Degraded" and status["models"][1]["message"].startswith("CheckpointError")
+    assert status["heartbeat"].endswith("Z")
+
+
+@pytest.fixture
+def model_root(tiny_llama, tmp_path):
+    root = tmp_path / "models"
+    root.mkdir()
+    shutil.copytree(tiny_llama, root / "llama-a")
+    shutil.copytree(tiny_llama, root / "llama-b")
+    (root / "broken").mkdir()
+    return root
+
+
+def test_agent_loads_evicts_and_reports_failures(model_root, tmp_path):
+    from keepwarm_runtime.cache.daemon import CacheDaemon, DaemonConfig
+
+    daemon = CacheDaemon(DaemonConfig(socket_dir=tmp_path / "sock", tier="host", dtype="bfloat16"))
+    agent = NodeAgent(daemon, "wc", "node-1", api=None, model_root=str(model_root))
+    try:
+        models = [
+            {"name": "llama-a", "source": {"path": "/x"}, "pin": True},
+            {"name": "broken", "source": {"path": "/y"}},
+        ]
+        agent.reconcile(cache(models))
+        snap = daemon.snapshot()
+        assert set(snap["models"]) == {"llama-a"} and snap["models"]["llama-a"]["pinned"]
+        status = node_status(agent.state, snap, agent.wanted, "v")
+        assert status["phase"] == "Degraded"
+        assert {m["name"]: m["state"] for m in status["models"]} == {
+            "llama-a": "Resident",
+            "broken": "Failed",
+        }
+        assert status["models"][0]["bytes"] > 0 and status["models"][0]["fingerprint"]
+        agent.reconcile(cache(models))  # level-based: a second pass changes nothing, retries no failure
+        assert set(daemon.snapshot()["models"]) == {"llama-a"} and "broken" in agent.state.failed
+        agent.reconcile(cache([{"name": "llama-b", "source": {"path": "/z"}}], generation=2))
+        assert set(daemon.snapshot()["models"]) == {"llama-b"}
+        status = node_status(agent.state, daemon.snapshot(), agent.wanted, "v")
+        assert status["phase"] == "Ready" and [m["name"] for m in status["models"]] == ["llama-b"]
+    finally:
+        daemon.close()
