@@ -110,6 +110,7 @@ def agent_daemonset(
     env: list[dict[str, Any]] = [
         {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "HOME", "value": "/tmp"},  # read-only root filesystem: caches go to the emptyDir
     ]
     for model in sorted(spec.models, key=lambda m: m.name):
         mm = model_mount(model.name, model.source)

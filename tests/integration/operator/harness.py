@@ -1,0 +1,150 @@
+"""Helpers for the operator's end-to-end tests: install CRDs and the chart's RBAC, run the operator
+as the chart's ServiceAccount in a subprocess, read objects as admin."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import yaml
+
+ROOT = Path(__file__).resolve().parents[3]
+CHART = ROOT / "charts" / "keepwarm"
+RELEASE, NAMESPACE = "kw", "keepwarm-system"
+OPERATOR_SA = f"{RELEASE}-keepwarm"
+GROUP_PATH = "/apis/keepwarm.dev/v1alpha1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(cp: Any, path: str) -> dict | None:
+    resp = cp.http.get(path)
+    if resp.status_code == 404:
+        return None
+    resp.raise_for_status()
+    return resp.json()
+
+
+def items(cp: Any, path: str) -> list[dict]:
+    return (get(cp, path) or {}).get("items", [])
+
+
+def condition(obj: dict | None, type_: str) -> dict:
+    for c in ((obj or {}).get("status") or {}).get("conditions", []):
+        if c["type"] == type_:
+            return c
+    return {}
+
+
+def install_crds(cp: Any) -> None:
+    cp.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
+    for crd in sorted((ROOT / "crds").glob("*.yaml")):
+        name = yaml.safe_load(crd.read_text())["metadata"]["name"]
+        cp.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+
+
+def install_chart_rbac(cp: Any) -> None:
+    """The chart's ServiceAccount, ClusterRole(+Binding) and peering object, as Helm renders them."""
+    rendered = helm.Chart.load(CHART).render({}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    wanted = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering"}
+    docs = [
+        d for text in rendered.values() for d in yaml.safe_load_all(text) if d and d.get("kind") in wanted
+    ]
+    cp.kubectl("create", "namespace", NAMESPACE, check=False)
+    cp.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(docs))
+
+
+class OperatorProcess:
+    """`keepwarm-operator run` in a subprocess, authenticated as the chart's ServiceAccount."""
+
+    def __init__(self, cp: Any, log_dir: Path, resync_s: float = 1.0, priority: int = 100):
+        self.cp, self.log_dir, self.resync_s, self.priority = cp, log_dir, resync_s, priority
+        self.metrics_port, self.health_port = free_port(), free_port()
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    @property
+    def log(self) -> Path:
+        return self.log_dir / f"operator-{self.priority}.log"
+
+    def start(self) -> OperatorProcess:
+        kubeconfig = self.cp.service_account_kubeconfig(NAMESPACE, OPERATOR_SA, create=False)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+        env["KUBECONFIG"] = str(kubeconfig)
+        cmd = [
+            sys.executable, "-m", "keepwarm_operator.cli", "run",
+            "--agent-namespace", NAMESPACE, "--peering", "keepwarm", "--priority", str(self.priority),
+            "--metrics-port", str(self.metrics_port), "--liveness-port", str(self.health_port),
+            "--resync-seconds", str(self.resync_s),
+        ]  # fmt: skip
+        self.starts += 1
+        out = open(self.log, "a")  # noqa: SIM115 (lives as long as the process)
+        out.write(f"\n=== start {self.starts} ===\n")
+        out.flush()
+        self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        self.cp.wait_for(self.healthy, timeout_s=60, what=f"operator /healthz (log {self.log})")
+        return self
+
+    def healthy(self) -> bool:
+        if self.proc is None or self.proc.poll() is not None:
+            raise RuntimeError(f"operator exited: {self.tail()}")
+        import httpx
+
+        try:
+            return httpx.get(f"http://127.0.0.1:{self.health_port}/healthz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def metrics(self) -> str:
+        import httpx
+
+        return httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
+
+    def kill(self) -> None:
+        """SIGKILL: no graceful shutdown, as a crashed or evicted pod."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def errors(self) -> list[str]:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return [line for line in text.splitlines() if " ERROR " in line or "Traceback" in line]
+
+
+def wait(
+    cp: Any, predicate: Any, what: str, timeout_s: float = 60.0, op: OperatorProcess | None = None
+) -> Any:
+    try:
+        return cp.wait_for(predicate, timeout_s=timeout_s, what=what)
+    except TimeoutError as exc:
+        detail = f"\n--- operator log ---\n{op.tail()}" if op else ""
+        raise TimeoutError(f"{exc}{detail}") from None
+
+
+def now_z() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

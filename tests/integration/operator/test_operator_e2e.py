@@ -1,0 +1,498 @@
+"""The operator end to end on a real control plane, running as the chart's ServiceAccount.
+
+One WeightCache and one InferenceDeployment go through their life in order (tests share module
+state): DaemonSet on exactly the selected GPU nodes, agent reports aggregated, Deployment + Service on
+the warm nodes, kubectl scale, a rolling spec change, restart without duplicates, stale and vanished
+nodes, garbage collection. Missing RBAC in the chart fails these tests (the operator gets 403s).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from keepwarm_operator.builders.meta import warm_label_key
+from tests.integration.operator.harness import (
+    GROUP_PATH,
+    NAMESPACE,
+    OperatorProcess,
+    condition,
+    get,
+    install_chart_rbac,
+    install_crds,
+    items,
+    now_z,
+    wait,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+WC, MODEL, IDEP = "kwe2e", "tiny", "chat"
+WARM = warm_label_key(WC, MODEL)
+
+
+@pytest.fixture(scope="module")
+def env(control_plane, tmp_path_factory):
+    cp = control_plane
+    install_crds(cp)
+    install_chart_rbac(cp)
+    runtime_class = {
+        "apiVersion": "node.k8s.io/v1",
+        "kind": "RuntimeClass",
+        "metadata": {"name": "nvidia"},
+        "handler": "nvidia",
+    }
+    cp.kubectl("apply", "-f", "-", input=json.dumps(runtime_class))
+    pool = f"kw{uuid.uuid4().hex[:5]}"
+    nodes = cp.add_gpu_nodes(3, labels={"pool": pool}, prefix=f"{pool}-gpu")
+    other = cp.add_gpu_nodes(1, labels={"pool": f"{pool}-x"}, prefix=f"{pool}-cpu")
+    ns = f"{pool}-apps"
+    cp.kubectl("create", "namespace", ns)
+    op = OperatorProcess(cp, tmp_path_factory.mktemp("operator")).start()
+    yield SimpleNamespace(cp=cp, op=op, pool=pool, nodes=nodes, other=other, ns=ns)
+    op.stop()
+
+
+def apply(env, doc: dict, *, check: bool = True, kubeconfig=None):
+    return env.cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc), check=check, kubeconfig=kubeconfig)
+
+
+def weightcache(name: str, pool: str, **spec) -> dict:
+    base = {
+        "tier": "gpu",
+        "nodeSelector": {"pool": pool},
+        "heartbeatSeconds": 60,
+        "models": [{"name": MODEL, "source": {"path": "/var/lib/models/tiny"}, "pin": True}],
+    }
+    return {
+        "apiVersion": "keepwarm.dev/v1alpha1",
+        "kind": "WeightCache",
+        "metadata": {"name": name},
+        "spec": {**base, **spec},
+    }
+
+
+def inference(name: str, ns: str, pool: str, **spec) -> dict:
+    base = {
+        "model": {"cacheRef": WC, "name": MODEL},
+        "replicas": 2,
+        "gpusPerPod": 1,
+        "pod": {"nodeSelector": {"pool": pool}},
+    }
+    return {
+        "apiVersion": "keepwarm.dev/v1alpha1",
+        "kind": "InferenceDeployment",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {**base, **spec},
+    }
+
+
+def wc(env, name=WC):
+    return get(env.cp, f"{GROUP_PATH}/weightcaches/{name}")
+
+
+def idep(env, name=IDEP):
+    return get(env.cp, f"{GROUP_PATH}/namespaces/{env.ns}/inferencedeployments/{name}")
+
+
+def wcns(env, cache=WC):
+    return items(env.cp, f"{GROUP_PATH}/weightcachenodes?labelSelector=keepwarm.dev/weightcache={cache}")
+
+
+def runtime_pods(env, name=IDEP):
+    pods = items(
+        env.cp, f"/api/v1/namespaces/{env.ns}/pods?labelSelector=keepwarm.dev/inferencedeployment={name}"
+    )
+    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+
+
+def agent_status(node: str, *states: str) -> dict:
+    models = [
+        {"name": MODEL, "state": s, "bytes": 1 << 20, "fingerprint": "f", "tier": "gpu"} for s in states
+    ]
+    phase = "Ready" if states == ("Resident",) else "Loading"
+    return {"status": {"phase": phase, "heartbeat": now_z(), "models": models, "totalBytes": 1 << 20}}
+
+
+def test_weightcache_runs_agents_on_exactly_the_selected_nodes(env):
+    apply(env, weightcache(WC, env.pool))
+    ds_path = f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets/keepwarm-agent-{WC}"
+    ds = wait(
+        env.cp,
+        lambda: (
+            (get(env.cp, ds_path) or {}).get("status", {}).get("numberReady") == 3 and get(env.cp, ds_path)
+        ),
+        "agent DaemonSet with 3 ready pods",
+        op=env.op,
+    )
+    pods = items(env.cp, f"/api/v1/namespaces/{NAMESPACE}/pods?labelSelector=keepwarm.dev/weightcache={WC}")
+    assert sorted(p["spec"]["nodeName"] for p in pods) == sorted(env.nodes)
+    owner = wc(env)
+    assert ds["metadata"]["ownerReferences"][0]["uid"] == owner["metadata"]["uid"]
+    pod = pods[0]["spec"]
+    assert pod["runtimeClassName"] == "nvidia" and pod["serviceAccountName"] == f"keepwarm-agent-{WC}"
+    assert "nvidia.com/gpu" not in json.dumps(pod["containers"][0].get("resources", {}))
+    wanted = {f"{WC}.{n}" for n in env.nodes}
+    wait(
+        env.cp,
+        lambda: {o["metadata"]["name"] for o in wcns(env)} == wanted,
+        "one WeightCacheNode per node",
+        op=env.op,
+    )
+    for obj in wcns(env):
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == owner["metadata"]["uid"]
+    status = wait(
+        env.cp,
+        lambda: (wc(env).get("status") or {}).get("desiredNodes") == 3 and wc(env)["status"],
+        "WeightCache status",
+        op=env.op,
+    )
+    assert status["observedGeneration"] == owner["metadata"]["generation"]
+    assert condition(wc(env), "Ready")["reason"] == "NodesNotReady"
+
+
+def test_agent_reports_aggregate_into_weightcache_status(env, tiny_llama, tmp_path):
+    """Node 0 runs the real agent code with a real CacheDaemon; node 1 is written as an agent would."""
+    from kubernetes import client
+
+    from keepwarm_runtime.agent.kubernetes import NodeAgent
+    from keepwarm_runtime.cache.daemon import CacheDaemon, DaemonConfig
+
+    cp = env.cp
+    agent_kc = cp.service_account_kubeconfig(NAMESPACE, f"keepwarm-agent-{WC}", create=False)
+    (tmp_path / "models").mkdir()
+    shutil.copytree(tiny_llama, tmp_path / "models" / MODEL)
+    daemon = CacheDaemon(DaemonConfig(socket_dir=tmp_path / "sock", tier="host", dtype="bfloat16"))
+    try:
+        api = client.CustomObjectsApi(cp.api_client(agent_kc))
+        agent = NodeAgent(daemon, WC, env.nodes[0], api, model_root=str(tmp_path / "models"))
+        agent.reconcile(agent.fetch())
+        assert agent.report()
+    finally:
+        daemon.close()
+    node0 = get(cp, f"{GROUP_PATH}/weightcachenodes/{WC}.{env.nodes[0]}")["status"]
+    assert node0["phase"] == "Ready" and node0["models"][0]["state"] == "Resident" and node0["totalBytes"] > 0
+    patch = json.dumps(agent_status(env.nodes[1], "Resident"))
+    cp.kubectl(
+        "patch",
+        "wcn",
+        f"{WC}.{env.nodes[1]}",
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        patch,
+        kubeconfig=agent_kc,
+    )
+
+    def two_ready():
+        s = wc(env)["status"]
+        return s["readyNodes"] == 2 and s["models"] == [{"name": MODEL, "residentNodes": 2, "failedNodes": 0}]
+
+    wait(cp, two_ready, "2 nodes ready, model resident on 2", op=env.op)
+    assert condition(wc(env), "Ready")["status"] == "False"
+
+    def labels(node):
+        return get(cp, f"/api/v1/nodes/{node}")["metadata"].get("labels", {})
+
+    wait(cp, lambda: all(labels(n).get(WARM) == "true" for n in env.nodes[:2]), "warm labels", op=env.op)
+    assert WARM not in labels(env.nodes[2])
+    # Least privilege: the agent may write status, nothing else.
+    forbidden = [
+        ("delete", "wcn", f"{WC}.{env.nodes[1]}"),
+        ("patch", "wcn", f"{WC}.{env.nodes[1]}", "--type=merge", "-p", '{"spec":{"nodeName":"x"}}'),
+        ("get", "pods", "-n", NAMESPACE),
+    ]
+    for args in forbidden:
+        result = cp.kubectl(*args, kubeconfig=agent_kc, check=False)
+        assert result.returncode != 0 and "forbidden" in result.stderr.lower(), (args, result.stderr)
+
+
+def test_inference_deployment_prefers_warm_nodes_and_becomes_available(env):
+    apply(env, inference(IDEP, env.ns, env.pool))
+    dep_path = f"/apis/apps/v1/namespaces/{env.ns}/deployments/{IDEP}"
+    wait(
+        env.cp,
+        lambda: (get(env.cp, dep_path) or {}).get("status", {}).get("readyReplicas") == 2,
+        "Deployment with 2 ready replicas",
+        op=env.op,
+    )
+    assert get(env.cp, f"/api/v1/namespaces/{env.ns}/services/{IDEP}")["spec"]["ports"][0]["port"] == 8000
+    assert sorted(p["spec"]["nodeName"] for p in runtime_pods(env)) == sorted(env.nodes[:2])
+
+    def available():
+        obj = idep(env)
+        return (
+            condition(obj, "Available").get("status") == "True"
+            and obj["status"]["readyReplicas"] == 2
+            and obj
+        )
+
+    obj = wait(env.cp, available, "InferenceDeployment Available", op=env.op)
+    assert (
+        obj["status"]["selector"]
+        == "app.kubernetes.io/instance=chat,app.kubernetes.io/name=keepwarm-runtime,"
+        "keepwarm.dev/inferencedeployment=chat"
+    )
+    assert condition(obj, "CacheWarm")["reason"] == "ModelResident" and obj["status"]["warmNodes"] == 2
+    assert obj["status"]["observedGeneration"] == obj["metadata"]["generation"]
+    pod = runtime_pods(env)[0]["spec"]
+    env_vars = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert env_vars["KEEPWARM_CACHE_SOCKET_DIR"] == f"/var/run/keepwarm/{WC}"
+    assert pod["securityContext"]["supplementalGroups"] == [2000]
+
+
+def test_kubectl_scale_drives_replicas_through_the_scale_subresource(env):
+    env.cp.kubectl("scale", "idep", IDEP, "-n", env.ns, "--replicas=3")
+    dep_path = f"/apis/apps/v1/namespaces/{env.ns}/deployments/{IDEP}"
+    wait(env.cp, lambda: get(env.cp, dep_path)["status"].get("readyReplicas") == 3, "3 ready", op=env.op)
+    wait(env.cp, lambda: idep(env)["status"]["replicas"] == 3, "status.replicas 3", op=env.op)
+    scale = json.loads(
+        env.cp.kubectl("get", "idep", IDEP, "-n", env.ns, "--subresource=scale", "-o", "json").stdout
+    )
+    assert scale["kind"] == "Scale" and scale["spec"]["replicas"] == 3
+    assert scale["status"]["selector"] == idep(env)["status"]["selector"]
+    # The operator never writes spec.replicas back: after several resyncs it is still the scaled value.
+    before = _reconciles(env)
+    wait(env.cp, lambda: _reconciles(env) >= before + 3, "3 more reconciles", op=env.op)
+    assert idep(env)["spec"]["replicas"] == 3 and get(env.cp, dep_path)["spec"]["replicas"] == 3
+    env.cp.kubectl("scale", "idep", IDEP, "-n", env.ns, "--replicas=2")
+    wait(env.cp, lambda: len(runtime_pods(env)) == 2, "scaled back to 2", op=env.op)
+
+
+def _reconciles(env) -> float:
+    lines = env.op.metrics().splitlines()
+    prefix = 'keepwarm_operator_reconcile_total{kind="InferenceDeployment"'
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(prefix))
+
+
+def test_spec_change_rolls_the_pods(env):
+    old = {p["metadata"]["name"] for p in runtime_pods(env)}
+    env.cp.kubectl(
+        "patch",
+        "idep",
+        IDEP,
+        "-n",
+        env.ns,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"env": [{"name": "ROLL", "value": "1"}]}}),
+    )
+
+    def rolled():
+        obj = idep(env)
+        pods = runtime_pods(env)
+        new = {p["metadata"]["name"] for p in pods}
+        done = condition(obj, "Progressing").get("reason") == "RolloutComplete"
+        return (
+            done
+            and len(pods) == 2
+            and not (new & old)
+            and obj["status"]["observedGeneration"] == obj["metadata"]["generation"]
+        )
+
+    wait(env.cp, rolled, "new pods from the changed spec", timeout_s=90, op=env.op)
+    pod = runtime_pods(env)[0]["spec"]["containers"][0]
+    assert {"name": "ROLL", "value": "1"} in pod["env"]
+    assert condition(idep(env), "Available")["status"] == "True"
+
+
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        (
+            lambda p: weightcache(
+                "bad1", p, models=[{"name": "m", "source": {"path": "/a", "pvc": {"claimName": "c"}}}]
+            ),
+            "set exactly one of source.path, source.pvc, source.huggingFace",
+        ),
+        (
+            lambda p: weightcache(
+                "bad2",
+                p,
+                tier="host",
+                models=[{"name": "m", "source": {"path": "/a"}, "quantization": "fp8"}],
+            ),
+            "quantization other than none needs tier gpu",
+        ),
+        (lambda p: weightcache("bad3", p, tier="tpu"), 'Unsupported value: "tpu"'),
+        (
+            lambda p: weightcache("bad4", p, models=[{"name": "m", "source": {"path": "/a"}}] * 2),
+            "Duplicate value",
+        ),
+        (lambda p: inference("bad5", "default", p, replicas=-1), "spec.replicas: Invalid value: -1"),
+        (lambda p: inference("bad6", "default", p, model={"cacheRef": WC}), "set either cacheRef and name"),
+    ],
+    ids=["two-sources", "fp8-host", "bad-tier", "duplicate-model", "negative-replicas", "cacheref-no-name"],
+)
+def test_invalid_resources_are_rejected_by_the_api_server(env, doc, message):
+    result = apply(env, doc(env.pool), check=False)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr
+
+
+def test_missing_cache_is_a_condition_not_a_crash(env):
+    apply(env, inference("orphan", env.ns, env.pool, model={"cacheRef": "no-such-cache", "name": MODEL}))
+    obj = wait(
+        env.cp,
+        lambda: (
+            condition(idep(env, "orphan"), "Available").get("reason") == "CacheNotFound"
+            and idep(env, "orphan")
+        ),
+        "CacheNotFound condition",
+        op=env.op,
+    )
+    assert "no-such-cache" in condition(obj, "Available")["message"]
+    assert get(env.cp, f"/apis/apps/v1/namespaces/{env.ns}/deployments/orphan") is None
+    assert env.op.healthy()
+    env.cp.kubectl("delete", "idep", "orphan", "-n", env.ns)
+
+
+def test_kubectl_printer_columns_and_explain(env):
+    out = env.cp.kubectl("get", "wc,idep", "-A").stdout
+    assert all(
+        h in out
+        for h in ("TIER", "MODELS", "DESIRED", "READY", "STATUS", "MODEL", "CACHE", "WARM", "AVAILABLE")
+    )
+    row = next(
+        line.split() for line in out.splitlines() if line.startswith(f"weightcache.keepwarm.dev/{WC} ")
+    )
+    assert row[1:5] == ["gpu", "1", "3", "2"]
+    row = next(
+        line.split() for line in out.splitlines() if f"inferencedeployment.keepwarm.dev/{IDEP} " in line
+    )
+    assert row[2:8] == [MODEL, WC, "2", "2", "2", "True"]
+    wcn_out = env.cp.kubectl("get", "wcn").stdout
+    assert "PHASE" in wcn_out and f"{WC}.{env.nodes[0]}" in wcn_out
+    explain = env.cp.kubectl("explain", "weightcache.spec").stdout
+    assert "Desired state of a WeightCache" in explain and "models" in explain and "nodeSelector" in explain
+    assert "quantization" in env.cp.kubectl("explain", "wc.spec.models").stdout
+
+
+def test_operator_restart_midway_converges_without_duplicates(env):
+    env.op.kill()
+    env.cp.kubectl("scale", "idep", IDEP, "-n", env.ns, "--replicas=1")
+    apply(env, inference("second", env.ns, env.pool, replicas=1))
+    env.op.start()
+    wait(
+        env.cp,
+        lambda: len(runtime_pods(env)) == 1 and len(runtime_pods(env, "second")) == 1,
+        "both InferenceDeployments converge after the restart",
+        op=env.op,
+    )
+    wait(
+        env.cp,
+        lambda: condition(idep(env, "second"), "Available").get("status") == "True",
+        "second Available",
+        op=env.op,
+    )
+    selector = "app.kubernetes.io/name=keepwarm-runtime"
+    deployments = items(env.cp, f"/apis/apps/v1/namespaces/{env.ns}/deployments?labelSelector={selector}")
+    assert sorted(d["metadata"]["name"] for d in deployments) == ["chat", "second"]
+    services = items(env.cp, f"/api/v1/namespaces/{env.ns}/services?labelSelector={selector}")
+    assert sorted(s["metadata"]["name"] for s in services) == ["chat", "second"]
+    assert len(wcns(env)) == 3
+    daemonsets = items(
+        env.cp, f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets?labelSelector=keepwarm.dev/weightcache={WC}"
+    )
+    assert len(daemonsets) == 1
+
+
+def test_second_replica_pauses_in_favour_of_the_first(env, tmp_path):
+    """kopf peering: a lower-priority replica sees the active one and does nothing."""
+    standby = OperatorProcess(env.cp, tmp_path, priority=10).start()
+    try:
+        wait(
+            env.cp,
+            lambda: "Pausing operations in favour of" in standby.log.read_text(),
+            "standby pauses",
+            op=standby,
+        )
+        apply(env, inference("third", env.ns, env.pool, replicas=1))
+        wait(
+            env.cp,
+            lambda: condition(idep(env, "third"), "Available").get("status") == "True",
+            "third served",
+            op=env.op,
+        )
+        assert "third" not in standby.log.read_text().split("Pausing operations in favour of", 1)[1]
+    finally:
+        standby.stop()
+        env.cp.kubectl("delete", "idep", "third", "second", "-n", env.ns)
+
+
+def test_stale_heartbeats_and_vanished_nodes(env):
+    apply(env, weightcache("kwstale", env.pool, heartbeatSeconds=1))
+    wait(
+        env.cp,
+        lambda: (
+            len(wcns(env, "kwstale")) == 3
+            and all(o.get("status", {}).get("phase") == "Stale" for o in wcns(env, "kwstale"))
+        ),
+        "silent agents marked Stale",
+        op=env.op,
+    )
+    wait(
+        env.cp,
+        lambda: condition(wc(env, "kwstale"), "Degraded").get("reason") == "NodesStale",
+        "Degraded",
+        op=env.op,
+    )
+    env.cp.kubectl("delete", "wc", "kwstale")
+    gone = env.nodes[2]
+    env.cp.remove_node(gone)
+    wait(
+        env.cp,
+        lambda: {o["spec"]["nodeName"] for o in wcns(env)} == set(env.nodes[:2]),
+        "the vanished node's WeightCacheNode deleted",
+        op=env.op,
+    )
+    wait(env.cp, lambda: wc(env)["status"]["desiredNodes"] == 2, "desiredNodes 2", op=env.op)
+    events = json.loads(
+        env.cp.kubectl(
+            "get", "events", "-A", "--field-selector", f"involvedObject.name={WC}", "-o", "json"
+        ).stdout
+    )
+    assert {"NodeAdded", "NodeRemoved"} <= {e["reason"] for e in events["items"]}
+
+
+def test_metrics_count_reconciles(env):
+    text = env.op.metrics()
+    assert 'keepwarm_operator_reconcile_total{kind="WeightCache",trigger="timer"}' in text
+    assert "keepwarm_operator_reconcile_duration_seconds_bucket" in text
+
+
+def test_delete_garbage_collects_everything(env):
+    cp = env.cp
+    cp.kubectl("delete", "idep", IDEP, "-n", env.ns, "--wait=false")
+    wait(
+        cp,
+        lambda: (
+            get(cp, f"/apis/apps/v1/namespaces/{env.ns}/deployments/{IDEP}") is None
+            and get(cp, f"/api/v1/namespaces/{env.ns}/services/{IDEP}") is None
+            and not runtime_pods(env)
+        ),
+        "Deployment, Service and pods collected",
+    )
+    cp.kubectl("delete", "wc", WC, "--wait=false")
+    name = f"keepwarm-agent-{WC}"
+    paths = [
+        f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets/{name}",
+        f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/{name}",
+        f"/apis/rbac.authorization.k8s.io/v1/clusterroles/{name}",
+        f"/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/{name}",
+    ]
+    wait(cp, lambda: all(get(cp, p) is None for p in paths) and not wcns(env), "agent objects collected")
+    wait(
+        cp,
+        lambda: all(
+            WARM not in get(cp, f"/api/v1/nodes/{n}")["metadata"].get("labels", {}) for n in env.nodes[:2]
+        ),
+        "warm labels removed",
+        op=env.op,
+    )
+    assert env.op.healthy()
+    assert not [e for e in env.op.errors() if "Traceback" in e], env.op.tail()
