@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export UV_CACHE_DIR ?= $(HOME)/.cache/uv
 
-.PHONY: venv demo test test-unit lint format crds bench clean
+.PHONY: venv demo test test-unit lint format crds bench clean controlplane
 
 $(STAMP): runtime/pyproject.toml operator/pyproject.toml requirements-dev.txt
 	@command -v uv >/dev/null || $(PYTHON) -m pip install -q uv
@@ -19,9 +19,13 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
 
-test: $(STAMP)
+test: $(STAMP) controlplane
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Real Kubernetes control plane for tests/integration/operator: built once into ~/.cache/keepwarm.
+controlplane:
+	bash tests/controlplane/build.sh >/dev/null
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)

@@ -1,0 +1,29 @@
+"""Run build.sh (or reuse its cache) from Python; failures carry the build log's tail."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+class ControlPlaneBuildError(RuntimeError):
+    """build.sh failed: the message holds the exact compiler/module errors (log tail) and the log path."""
+
+
+def build_control_plane(timeout_s: float | None = None) -> Path:
+    """Build (or reuse) the pinned control plane binaries; returns the directory holding them."""
+    log = Path(tempfile.gettempdir()) / f"keepwarm-controlplane-build-{os.getuid()}.log"
+    with open(log, "w") as out:
+        proc = subprocess.run(
+            ["bash", str(HERE / "build.sh")], stdout=subprocess.PIPE, stderr=out, text=True, timeout=timeout_s
+        )
+    if proc.returncode != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-60:])
+        raise ControlPlaneBuildError(
+            f"tests/controlplane/build.sh exited {proc.returncode} (full log {log}):\n{tail}"
+        )
+    return Path(proc.stdout.strip().splitlines()[-1])

@@ -1,0 +1,402 @@
+"""A real Kubernetes control plane on loopback for tests: etcd, kube-apiserver (RBAC on),
+kube-controller-manager, kube-scheduler, plus a kubelet stand-in with fake GPU nodes.
+
+    from tests.controlplane.build import build_control_plane
+    with ControlPlane(build_control_plane()) as cp:
+        cp.add_gpu_nodes(3)
+        cp.kubectl("get", "nodes")
+
+Everything lives under one temporary directory that `stop()` removes; when the run failed the logs
+are kept and their path is printed. Child processes die with the parent (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from .kubelet import FakeKubelet
+from .pki import PKI, SERVING_NAMES, client_ssl_context, write_kubeconfig
+
+SERVICE_CIDR = "10.0.0.0/24"
+SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
+COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
+
+
+class ControlPlaneError(RuntimeError):
+    """A component failed to start or answer; the message carries its log tail and the log path."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class ControlPlane:
+    """Start with `start()` or `with ControlPlane(bin_dir) as cp:`; see the module docstring."""
+
+    def __init__(
+        self,
+        bin_dir: Path | str,
+        *,
+        workdir: Path | None = None,
+        extra_args: dict[str, list[str]] | None = None,
+        heartbeat_s: float = 10.0,
+    ) -> None:
+        self.bin_dir = Path(bin_dir)
+        for name in (*COMPONENTS, "kubectl"):
+            if not (self.bin_dir / name).is_file():
+                raise ControlPlaneError(f"{self.bin_dir / name} missing: run tests/controlplane/build.sh")
+        self.root = Path(workdir or tempfile.mkdtemp(prefix="keepwarm-cp-"))
+        self.data = self.root / "data"
+        self.logs = self.root / "logs"
+        self.extra_args = extra_args or {}
+        self.heartbeat_s = heartbeat_s
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.ports = {
+            name: free_port()
+            for name in ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler")
+        }
+        self.server = f"https://127.0.0.1:{self.ports['apiserver']}"
+        self.kubelet: FakeKubelet | None = None
+        self._http: httpx.Client | None = None
+        self._node_seq = 0
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def __enter__(self) -> ControlPlane:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop(failed=True)
+            raise
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        self.stop(failed=exc_type is not None)
+
+    def start(self, timeout_s: float = 180.0) -> ControlPlane:
+        deadline = time.monotonic() + timeout_s
+        self.data.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self._make_credentials()
+        self._spawn("etcd", self._etcd_args())
+        self._wait(
+            "etcd",
+            lambda: httpx.get(f"http://127.0.0.1:{self.ports['etcd']}/health", timeout=2).status_code == 200,
+            deadline,
+        )
+        self._spawn("kube-apiserver", self._apiserver_args())
+        self._http = self.http_client()
+        self._wait("kube-apiserver", lambda: self._http.get("/readyz").status_code == 200, deadline)
+        self._spawn("kube-controller-manager", self._controller_manager_args())
+        self._spawn("kube-scheduler", self._scheduler_args())
+        for name, port in (
+            ("kube-controller-manager", "controller-manager"),
+            ("kube-scheduler", "scheduler"),
+        ):
+            url = f"https://127.0.0.1:{self.ports[port]}/healthz"
+            self._wait(
+                name, lambda url=url: httpx.get(url, verify=False, timeout=2).status_code == 200, deadline
+            )
+        # Pods can only be created once the service-account controller made the namespace's default SA.
+        self._wait(
+            "kube-controller-manager",
+            lambda: self._http.get("/api/v1/namespaces/default/serviceaccounts/default").status_code == 200,
+            deadline,
+        )
+        self.kubelet = FakeKubelet(self.server, self.admin_tls(), heartbeat_s=self.heartbeat_s)
+        self.kubelet.start()
+        return self
+
+    def stop(self, *, failed: bool = False) -> None:
+        """Stop everything and delete the data; on failure keep (and print) the logs."""
+        if self.kubelet is not None:
+            self.kubelet.stop()
+            self.kubelet = None
+        if self._http is not None:
+            self._http.close()
+            self._http = None
+        for name in reversed(list(self.procs)):
+            proc = self.procs.pop(name)
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        if failed:
+            for child in self.root.iterdir() if self.root.exists() else ():
+                if child != self.logs:
+                    shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink()
+            print(f"\ncontrol plane logs kept in {self.logs}", file=sys.stderr)
+        else:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    # -- helpers for tests -----------------------------------------------------------------------
+    @property
+    def kubeconfig(self) -> Path:
+        """Admin kubeconfig (system:masters)."""
+        return self.data / "admin.kubeconfig"
+
+    @property
+    def http(self) -> httpx.Client:
+        """An httpx client authenticated as admin, base URL set to the API server."""
+        assert self._http is not None, "control plane not started"
+        return self._http
+
+    def admin_tls(self) -> ssl.SSLContext:
+        """TLS context that trusts this cluster's CA and authenticates as admin."""
+        return client_ssl_context(self.pki.ca.cert, self.admin)
+
+    def http_client(self, timeout: httpx.Timeout | float = 30.0) -> httpx.Client:
+        """A new admin httpx client (e.g. one per thread, or with read=None for long watches)."""
+        return httpx.Client(base_url=self.server, verify=self.admin_tls(), timeout=timeout)
+
+    def env(self, kubeconfig: Path | None = None) -> dict[str, str]:
+        """os.environ plus KUBECONFIG, for a subprocess such as the operator."""
+        return {**os.environ, "KUBECONFIG": str(kubeconfig or self.kubeconfig)}
+
+    def kubectl(
+        self,
+        *args: str,
+        kubeconfig: Path | None = None,
+        check: bool = True,
+        input: str | None = None,
+        timeout: float = 60.0,
+    ) -> subprocess.CompletedProcess[str]:
+        """Run the real kubectl against this cluster (admin unless `kubeconfig` is given)."""
+        cmd = [str(self.bin_dir / "kubectl"), "--kubeconfig", str(kubeconfig or self.kubeconfig), *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, input=input, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise subprocess.CalledProcessError(proc.returncode, cmd, proc.stdout, proc.stderr)
+        return proc
+
+    def api_client(self, kubeconfig: Path | None = None) -> Any:
+        """A `kubernetes.client.ApiClient` for this cluster (admin unless `kubeconfig` is given)."""
+        from kubernetes import config
+
+        return config.new_client_from_config(config_file=str(kubeconfig or self.kubeconfig))
+
+    def add_gpu_nodes(
+        self,
+        n: int,
+        *,
+        labels: dict[str, str] | None = None,
+        gpus: int = 8,
+        prefix: str = "gpu-node",
+        taints: list[dict] | None = None,
+    ) -> list[str]:
+        """Register n Ready fake GPU nodes (capacity `nvidia.com/gpu: gpus`); returns their names."""
+        assert self.kubelet is not None, "control plane not started"
+        names = []
+        for _ in range(n):
+            self._node_seq += 1
+            name = f"{prefix}-{self._node_seq}"
+            self.kubelet.add_node(name, labels=labels, gpus=gpus, taints=taints)
+            names.append(name)
+        return names
+
+    def remove_node(self, name: str, *, delete_pods: bool = True) -> None:
+        """Delete a fake node (see FakeKubelet.remove_node for what happens to its pods)."""
+        assert self.kubelet is not None, "control plane not started"
+        self.kubelet.remove_node(name, delete_pods=delete_pods)
+
+    def service_account_kubeconfig(
+        self, namespace: str, name: str, *, create: bool = True, expiration_s: int = 86400
+    ) -> Path:
+        """A kubeconfig holding a fresh token of ServiceAccount namespace/name: whatever runs with it is
+        authorized by that account's RBAC only. create=True makes the namespace and account if missing."""
+        if create:
+            for path, body in (
+                ("/api/v1/namespaces", {"metadata": {"name": namespace}}),
+                (f"/api/v1/namespaces/{namespace}/serviceaccounts", {"metadata": {"name": name}}),
+            ):
+                resp = self.http.post(
+                    path,
+                    json={
+                        "apiVersion": "v1",
+                        **body,
+                        "kind": "Namespace" if path.endswith("namespaces") else "ServiceAccount",
+                    },
+                )
+                if resp.status_code not in (201, 409):
+                    raise ControlPlaneError(f"POST {path}: HTTP {resp.status_code}: {resp.text}")
+        resp = self.http.post(
+            f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}/token",
+            json={
+                "apiVersion": "authentication.k8s.io/v1",
+                "kind": "TokenRequest",
+                "spec": {"expirationSeconds": expiration_s},
+            },
+        )
+        if resp.status_code != 201:
+            raise ControlPlaneError(f"token for {namespace}/{name}: HTTP {resp.status_code}: {resp.text}")
+        path = self.data / f"sa-{namespace}-{name}.kubeconfig"
+        return write_kubeconfig(
+            path,
+            self.server,
+            self.pki.ca.cert,
+            f"system:serviceaccount:{namespace}:{name}",
+            token=resp.json()["status"]["token"],
+            namespace=namespace,
+        )
+
+    def wait_for(
+        self,
+        predicate: Callable[[], Any],
+        *,
+        timeout_s: float = 60.0,
+        what: str = "condition",
+        interval_s: float = 0.25,
+    ) -> Any:
+        """Poll until predicate() is truthy (returns its value); raise TimeoutError naming `what`."""
+        deadline = time.monotonic() + timeout_s
+        last_exc: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                value = predicate()
+                if value:
+                    return value
+            except Exception as exc:
+                last_exc = exc
+            time.sleep(interval_s)
+        raise TimeoutError(
+            f"timed out after {timeout_s:.0f}s waiting for {what}"
+            + (f" (last error: {last_exc!r})" if last_exc else "")
+        )
+
+    def log_tail(self, component: str, lines: int = 40) -> str:
+        return _tail(self.logs / f"{component}.log", lines)
+
+    # -- internals -------------------------------------------------------------------------------
+    def _make_credentials(self) -> None:
+        self.pki = PKI(self.data / "pki")
+        self.serving = self.pki.issue("apiserver", "kube-apiserver", alt_names=SERVING_NAMES)
+        self.admin = self.pki.issue("admin", "keepwarm-admin", organization="system:masters")
+        self.sa_keys = self.pki.service_account_keys()
+        ca = self.pki.ca.cert
+        write_kubeconfig(self.kubeconfig, self.server, ca, "admin", client=self.admin)
+        for user in ("kube-controller-manager", "kube-scheduler"):
+            pair = self.pki.issue(user, f"system:{user}")
+            write_kubeconfig(self.data / f"{user}.kubeconfig", self.server, ca, user, client=pair)
+
+    def _etcd_args(self) -> list[str]:
+        client = f"http://127.0.0.1:{self.ports['etcd']}"
+        peer = f"http://127.0.0.1:{self.ports['etcd-peer']}"
+        return [
+            "--name=cp",
+            f"--data-dir={self.data / 'etcd'}",
+            f"--listen-client-urls={client}",
+            f"--advertise-client-urls={client}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster=cp={peer}",
+            "--unsafe-no-fsync",
+            "--log-level=warn",
+        ]
+
+    def _apiserver_args(self) -> list[str]:
+        d = self.data
+        return [
+            f"--etcd-servers=http://127.0.0.1:{self.ports['etcd']}",
+            "--bind-address=127.0.0.1",
+            "--advertise-address=127.0.0.1",
+            f"--secure-port={self.ports['apiserver']}",
+            f"--cert-dir={d / 'apiserver'}",
+            f"--tls-cert-file={self.serving.cert}",
+            f"--tls-private-key-file={self.serving.key}",
+            f"--client-ca-file={self.pki.ca.cert}",
+            f"--service-account-issuer={SA_ISSUER}",
+            f"--service-account-key-file={self.sa_keys.cert}",
+            f"--service-account-signing-key-file={self.sa_keys.key}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            "--authorization-mode=Node,RBAC",
+            "--allow-privileged=true",
+            "--endpoint-reconciler-type=none",  # a loopback address may not be an endpoint
+            "--profiling=false",
+        ]
+
+    def _component_common(self, name: str, port: str) -> list[str]:
+        kubeconfig = self.data / f"{name}.kubeconfig"
+        return [
+            f"--kubeconfig={kubeconfig}",
+            f"--authentication-kubeconfig={kubeconfig}",
+            f"--authorization-kubeconfig={kubeconfig}",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={self.ports[port]}",
+            f"--cert-dir={self.data / name}",
+            "--leader-elect=false",
+        ]
+
+    def _controller_manager_args(self) -> list[str]:
+        return [
+            *self._component_common("kube-controller-manager", "controller-manager"),
+            "--use-service-account-credentials=true",
+            f"--service-account-private-key-file={self.sa_keys.key}",
+            f"--root-ca-file={self.pki.ca.cert}",
+            f"--cluster-signing-cert-file={self.pki.ca.cert}",
+            f"--cluster-signing-key-file={self.pki.ca.key}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            "--cluster-name=keepwarm-test",
+            "--kube-api-qps=200",
+            "--kube-api-burst=400",
+        ]
+
+    def _scheduler_args(self) -> list[str]:
+        return self._component_common("kube-scheduler", "scheduler")
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child from here on
+        self.procs[name] = subprocess.Popen(
+            [str(self.bin_dir / name), *args, *self.extra_args.get(name, [])],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=self.data,
+            preexec_fn=_die_with_parent,
+        )
+        log.close()
+
+    def _wait(self, name: str, ready: Callable[[], bool], deadline: float) -> None:
+        while True:
+            proc = self.procs[name]
+            if proc.poll() is not None:
+                raise ControlPlaneError(
+                    f"{name} exited with {proc.returncode}; log {self.logs / (name + '.log')}:\n"
+                    f"{self.log_tail(name)}"
+                )
+            try:
+                if ready():
+                    return
+            except (httpx.HTTPError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise ControlPlaneError(
+                    f"{name} not ready in time; log {self.logs / (name + '.log')}:\n{self.log_tail(name)}"
+                )
+            time.sleep(0.25)

@@ -1,0 +1,32 @@
+"""Session fixture `control_plane`: a real Kubernetes control plane (tests/controlplane) on loopback.
+
+The binaries come from tests/controlplane/build.sh's cache (`make test` builds it first, so a cold
+build does not eat a test's timeout). A build failure fails the tests with the build log's tail;
+there is no fallback to a fake API.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.controlplane.build import ControlPlaneBuildError, build_control_plane
+from tests.controlplane.cluster import ControlPlane
+
+
+@pytest.fixture(scope="session")
+def control_plane(request: pytest.FixtureRequest) -> Iterator[ControlPlane]:
+    """etcd + kube-apiserver (RBAC) + controller-manager + scheduler + fake-kubelet; no nodes yet."""
+    try:
+        bin_dir = build_control_plane()
+    except ControlPlaneBuildError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    cp = ControlPlane(bin_dir)
+    try:
+        cp.start()
+    except BaseException:
+        cp.stop(failed=True)
+        raise
+    yield cp
+    cp.stop(failed=request.session.testsfailed > 0)
