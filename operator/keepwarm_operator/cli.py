@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import random
 import sys
@@ -58,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port:
         start_http_server(args.metrics_port)
     priority = args.priority if args.priority is not None else random.randint(1, 1_000_000)
-    kopf.configure(verbose=args.log_level.upper() == "DEBUG")
+    level = args.log_level.upper()
+    kopf.configure(verbose=level == "DEBUG", quiet=level in ("WARNING", "ERROR"))  # kopf owns logging
     asyncio.run(
         kopf.operator(
             clusterwide=not args.namespace,
@@ -74,9 +74,6 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     return run(args)
 
 

@@ -122,7 +122,7 @@ class WeightCacheSpec(KubeModel):
                     "message": "quantization other than none needs tier gpu",
                 },
                 {
-                    "rule": "size(self.socket.allowedGids) == 0"
+                    "rule": "!has(self.socket.allowedGids) || size(self.socket.allowedGids) == 0"
                     " || self.socket.groupId in self.socket.allowedGids",
                     "message": "socket.groupId must be one of socket.allowedGids when allowedGids is set",
                 },

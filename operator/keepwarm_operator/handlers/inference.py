@@ -5,7 +5,9 @@ Reconcile, in order:
   2. apply Deployment (replicas copied from spec.replicas, which the scale subresource owns) and Service
   3. count warm nodes (WeightCacheNodes reporting the model resident) -> CacheWarm
   4. status from the Deployment -> Available, Progressing
-A missing cache or model is a condition with a message, re-checked on every resync, not an error loop.
+A missing cache or model is a condition with a message, not an error loop; the InferenceDeployment is
+reconciled again when its cache changes (WeightCache handlers) or its model's residency does (nodes).
+No timer, hence no finalizer: deleting an InferenceDeployment never waits for the operator.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from ..builders.runtime import CacheBinding, runtime_deployment, runtime_service
 from ..kube import ApiError, Kube
 from ..metrics import APPLIES, reconciling
 from ..status import inference_status
-from .setup import RESYNC_SECONDS, context
+from .setup import context
 from .weightcache import _now
 
 GROUP, VERSION = API_VERSION.split("/")
@@ -102,6 +104,23 @@ def reconcile(body: dict[str, Any], memo: Any, trigger: str, apply: bool = True)
         return wire
 
 
+def _write_status(memo: Any, body: dict[str, Any], trigger: str, apply: bool) -> None:
+    meta = body["metadata"]
+    if meta.get("deletionTimestamp"):
+        return
+    status = reconcile(body, memo, trigger, apply=apply)
+    context(memo).kube.merge_patch(
+        API_VERSION, KIND, meta["name"], {"status": status}, meta["namespace"], status=True
+    )
+
+
+def refresh_for_cache(memo: Any, cache: str, apply: bool = True) -> None:
+    """Reconcile the InferenceDeployments served from `cache` (its spec or residency changed)."""
+    for body in context(memo).kube.list(API_VERSION, KIND):
+        if ((body.get("spec") or {}).get("model") or {}).get("cacheRef") == cache:
+            _write_status(memo, body, "cache", apply)
+
+
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -109,23 +128,15 @@ def on_change(body: kopf.Body, patch: kopf.Patch, memo: Any, reason: str, **_: A
     patch.status.update(reconcile(dict(body), memo, str(reason)))
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=min(RESYNC_SECONDS, 5))
-def resync(body: kopf.Body, patch: kopf.Patch, memo: Any, **_: Any) -> None:
-    patch.status.update(reconcile(dict(body), memo, "timer"))
-
-
 @kopf.on.event("apps", "v1", "deployments", labels={IDEP_LABEL: kopf.PRESENT})
 def deployment_changed(body: kopf.Body, type: str | None, memo: Any, **_: Any) -> None:
-    """Rollout progress shows up in the InferenceDeployment's status without waiting for a resync."""
-    if type is None:  # initial listing: resume handlers cover it
+    """Rollouts show up in status at once, and drift in the Deployment is re-applied (no-op when none)."""
+    if type is None:  # initial listing: the resume handlers cover it
         return
     meta = body["metadata"]
     owner = next((o for o in meta.get("ownerReferences", []) if o.get("kind") == KIND), None)
     if owner is None:
         return
-    kube = context(memo).kube
-    idep = kube.get(API_VERSION, KIND, owner["name"], meta["namespace"])
-    if idep is None or idep["metadata"].get("deletionTimestamp"):
-        return
-    status = reconcile(idep, memo, "deployment", apply=False)
-    kube.merge_patch(API_VERSION, KIND, owner["name"], {"status": status}, meta["namespace"], status=True)
+    idep = context(memo).kube.get(API_VERSION, KIND, owner["name"], meta["namespace"])
+    if idep is not None:
+        _write_status(memo, idep, "deployment", apply=True)

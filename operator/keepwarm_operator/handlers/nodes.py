@@ -13,11 +13,13 @@ import kopf
 
 from ..api import API_VERSION
 from ..api.weightcachenode import KIND as NODE_KIND
-from ..api.weightcachenode import PLURAL
+from ..api.weightcachenode import PLURAL, WeightCacheNodeStatus
 from ..kube import ApiError
 from ..metrics import reconciling
 from ..status import node_warm_labels
+from .inference import refresh_for_cache
 from .setup import context
+from .weightcache import refresh_status
 
 GROUP, VERSION = API_VERSION.split("/")
 LABEL_MANAGER = "keepwarm-operator-warm-labels"
@@ -26,18 +28,38 @@ LABEL_MANAGER = "keepwarm-operator-warm-labels"
 def sync_node_labels(kube: Any, node: str) -> dict[str, str]:
     wcns = [o for o in kube.list(API_VERSION, NODE_KIND) if o["spec"]["nodeName"] == node]
     labels = node_warm_labels(wcns)
+    if kube.get("v1", "Node", node) is None:  # gone: apply would try to create it
+        return labels
     patch = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node, "labels": labels}}
     try:
         kube.apply(patch, manager=LABEL_MANAGER)
     except ApiError as exc:
-        if exc.status != 404:  # a vanished node needs no labels
+        if exc.status not in (403, 404):  # deleted meanwhile (apply then means create: forbidden)
             raise
     return labels
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-def weightcachenode_changed(body: kopf.Body, memo: Any, **_: Any) -> None:
-    node = (body.get("spec") or {}).get("nodeName")
-    if node:
-        with reconciling(NODE_KIND, "event"):
-            sync_node_labels(context(memo).kube, node)
+def weightcachenode_changed(body: kopf.Body, type: str | None, memo: Any, **_: Any) -> None:
+    """On a change of residency (not every heartbeat): node labels, cache status, its deployments."""
+    spec = body.get("spec") or {}
+    node, cache = spec.get("nodeName"), spec.get("weightCache")
+    if not node or not cache:
+        return
+    ctx = context(memo)
+    name = body["metadata"]["name"]
+    status = WeightCacheNodeStatus.model_validate(body.get("status") or {})
+    resident = frozenset() if type == "DELETED" else frozenset(status.resident())
+    with ctx.lock:
+        changed = ctx.resident.get(name) != resident
+        if type == "DELETED":
+            ctx.resident.pop(name, None)
+        else:
+            ctx.resident[name] = resident
+    if not changed:
+        return
+    with reconciling(NODE_KIND, "event"):
+        sync_node_labels(ctx.kube, node)
+        if type is not None:  # not the initial listing: resume handlers cover that
+            refresh_status(memo, cache)
+            refresh_for_cache(memo, cache, apply=False)

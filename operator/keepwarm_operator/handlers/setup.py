@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
@@ -22,6 +23,10 @@ class Context:
 
     kube: Kube  # API client
     agent_namespace: str  # where DaemonSets and agent ServiceAccounts live
+    # WeightCacheNode name -> models resident there, as last seen: heartbeats rewrite the status
+    # every few seconds, and only a change of residency is worth a reconcile.
+    resident: dict[str, frozenset[str]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 def context(memo: Any) -> Context:

@@ -90,7 +90,16 @@ def _sync_nodes(
     return statuses
 
 
-def reconcile(body: dict[str, Any], patch: kopf.Patch, memo: Any, trigger: str) -> None:
+class ApplyFailed(Exception):
+    """Applying children failed; carries the status to write anyway (Degraded/ApplyFailed)."""
+
+    def __init__(self, message: str, status: dict[str, Any]):
+        super().__init__(message)
+        self.status = status
+
+
+def reconcile(body: dict[str, Any], memo: Any, trigger: str, apply: bool = True) -> dict[str, Any]:
+    """Steps 1-5; returns the new status. apply=False skips step 2 (status refresh from an event)."""
     ctx = context(memo)
     name, generation = body["metadata"]["name"], body["metadata"].get("generation", 0)
     old_conditions = (body.get("status") or {}).get("conditions")
@@ -98,23 +107,27 @@ def reconcile(body: dict[str, Any], patch: kopf.Patch, memo: Any, trigger: str) 
         try:
             spec = WeightCacheSpec.model_validate(body.get("spec") or {})
         except ValidationError as exc:  # 1: only reachable if the CRD is older than the operator
-            bad = condition(
-                WeightCacheConditionType.READY, False, WeightCacheReason.INVALID_SPEC, str(exc), generation
-            )
-            patch.status["conditions"] = merge_conditions(old_conditions, [bad], _now())
-            patch.status["observedGeneration"] = generation
-            return
-        try:  # 2
-            for child in agent_children(name, spec, ctx.agent_namespace, body):
-                ctx.kube.apply(child)
-                APPLIES.labels(child["kind"]).inc()
-        except ApiError as exc:
-            reason = WeightCacheReason.APPLY_FAILED
-            message = f"applying the agent's objects failed: {exc} (check operator RBAC and agent namespace)"
-            degraded = condition(WeightCacheConditionType.DEGRADED, True, reason, message, generation)
-            patch.status["conditions"] = merge_conditions(old_conditions, [degraded], _now())
-            kopf.warn(body, reason=reason.value, message=message)
-            raise kopf.TemporaryError(message, delay=max(5, RESYNC_SECONDS)) from exc
+            reason = WeightCacheReason.INVALID_SPEC
+            bad = condition(WeightCacheConditionType.READY, False, reason, str(exc), generation)
+            return {
+                "observedGeneration": generation,
+                "conditions": merge_conditions(old_conditions, [bad], _now()),
+            }
+        if apply:  # 2
+            try:
+                for child in agent_children(name, spec, ctx.agent_namespace, body):
+                    ctx.kube.apply(child)
+                    APPLIES.labels(child["kind"]).inc()
+            except ApiError as exc:
+                reason = WeightCacheReason.APPLY_FAILED
+                message = (
+                    f"applying the agent's objects failed: {exc} (check operator RBAC and agent namespace)"
+                )
+                degraded = condition(WeightCacheConditionType.DEGRADED, True, reason, message, generation)
+                kopf.warn(body, reason=reason.value, message=message)
+                raise ApplyFailed(
+                    message, {"conditions": merge_conditions(old_conditions, [degraded], _now())}
+                ) from exc
         ds = ctx.kube.get("apps/v1", "DaemonSet", agent_name(name), ctx.agent_namespace) or {}
         desired = (ds.get("status") or {}).get("desiredNumberScheduled", 0)
         nodes = _sync_nodes(ctx.kube, body, spec, ctx.agent_namespace)  # 3, 4
@@ -124,16 +137,40 @@ def reconcile(body: dict[str, Any], patch: kopf.Patch, memo: Any, trigger: str) 
         was_ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in old_conditions or [])
         if status.conditions[0].status.value == "True" and not was_ready:
             kopf.info(body, reason="Ready", message=status.conditions[0].message)
-        patch.status.update(wire)
+        return wire
+
+
+def _run(body: kopf.Body, patch: kopf.Patch, memo: Any, trigger: str) -> None:
+    try:
+        patch.status.update(reconcile(dict(body), memo, trigger))
+    except ApplyFailed as exc:
+        patch.status.update(exc.status)
+        raise kopf.TemporaryError(str(exc), delay=max(5.0, RESYNC_SECONDS)) from exc
+
+
+def refresh_status(memo: Any, cache: str) -> None:
+    """Re-aggregate one WeightCache's status now (a node's residency changed)."""
+    kube = context(memo).kube
+    body = kube.get(API_VERSION, KIND, cache)
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return
+    kube.merge_patch(
+        API_VERSION, KIND, cache, {"status": reconcile(body, memo, "node", apply=False)}, status=True
+    )
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
 @kopf.on.resume(GROUP, VERSION, PLURAL)
-def on_change(body: kopf.Body, patch: kopf.Patch, memo: Any, reason: str, **_: Any) -> None:
-    reconcile(dict(body), patch, memo, str(reason))
+def on_change(body: kopf.Body, patch: kopf.Patch, memo: Any, reason: str, name: str, **_: Any) -> None:
+    _run(body, patch, memo, str(reason))
+    from .inference import refresh_for_cache  # the cache's models or sockets may have changed
+
+    refresh_for_cache(memo, name)
 
 
+# The only timer (stale heartbeats need a clock). kopf guards timers with its finalizer
+# (keepwarm.dev/operator) so it can stop them on deletion; nothing else needs one.
 @kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=min(RESYNC_SECONDS, 5))
 def resync(body: kopf.Body, patch: kopf.Patch, memo: Any, **_: Any) -> None:
-    reconcile(dict(body), patch, memo, "timer")
+    _run(body, patch, memo, "timer")

@@ -59,7 +59,11 @@ def install_chart_rbac(cp: Any) -> None:
     rendered = helm.Chart.load(CHART).render({}, name=RELEASE, namespace=NAMESPACE, is_install=True)
     wanted = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering"}
     docs = [
-        d for text in rendered.values() for d in yaml.safe_load_all(text) if d and d.get("kind") in wanted
+        d
+        for path, text in rendered.items()
+        if path.endswith(".yaml")
+        for d in yaml.safe_load_all(text)
+        if d and d.get("kind") in wanted
     ]
     cp.kubectl("create", "namespace", NAMESPACE, check=False)
     cp.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(docs))
