@@ -42,7 +42,7 @@ def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     )
     settings.persistence.finalizer = f"{GROUP}/operator"
     settings.peering.clusterwide = True
-    settings.posting.level = logging.WARNING  # handler warnings become events; the rest via kopf.info
+    settings.posting.level = logging.WARNING  # handler warnings become events; the rest via kopf.event
     settings.watching.server_timeout = 300
     settings.execution.max_workers = int(os.environ.get("KEEPWARM_OPERATOR_WORKERS", "8"))
     memo.keepwarm = Context(

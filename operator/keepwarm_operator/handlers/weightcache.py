@@ -61,8 +61,11 @@ def _sync_nodes(
         }
         existing[name] = kube.apply(wcn)
         APPLIES.labels(NODE_KIND).inc()
-        kopf.info(
-            body, reason="NodeAdded", message=f"agent scheduled on {node}; created WeightCacheNode {name}"
+        kopf.event(
+            body,
+            type="Normal",
+            reason="NodeAdded",
+            message=f"agent scheduled on {node}; created WeightCacheNode {name}",
         )
     live_nodes = {n["metadata"]["name"] for n in kube.list("v1", "Node")}
     now, statuses = _now(), []
@@ -70,8 +73,11 @@ def _sync_nodes(
         node = obj["spec"]["nodeName"]
         if node not in live_nodes:
             kube.delete(API_VERSION, NODE_KIND, name)
-            kopf.info(
-                body, reason="NodeRemoved", message=f"node {node} is gone; deleted WeightCacheNode {name}"
+            kopf.event(
+                body,
+                type="Normal",
+                reason="NodeRemoved",
+                message=f"node {node} is gone; deleted WeightCacheNode {name}",
             )
             continue
         status = WeightCacheNodeStatus.model_validate(obj.get("status") or {})
@@ -136,7 +142,7 @@ def reconcile(body: dict[str, Any], memo: Any, trigger: str, apply: bool = True)
         wire["conditions"] = merge_conditions(old_conditions, status.conditions, _now())
         was_ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in old_conditions or [])
         if status.conditions[0].status.value == "True" and not was_ready:
-            kopf.info(body, reason="Ready", message=status.conditions[0].message)
+            kopf.event(body, type="Normal", reason="Ready", message=status.conditions[0].message)
         return wire
 
 
