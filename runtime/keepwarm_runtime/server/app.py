@@ -70,7 +70,9 @@ def create_app(
             stats.num_running, stats.num_waiting, stats.kv_cache_usage, getattr(stats, "num_preemptions", 0)
         )
 
-    async_engine = AsyncEngine(make_engine, on_stats=on_stats, on_ready=on_ready)
+    async_engine = AsyncEngine(
+        make_engine, on_stats=on_stats, on_ready=on_ready, on_abort=lambda _: metrics.aborts.inc()
+    )
     ctx = ServingContext(
         async_engine=async_engine, metrics=metrics, served_model_name=name, model_dir=model_dir
     )

@@ -49,10 +49,12 @@ class AsyncEngine:
         make_engine: Callable[[], Any],
         on_stats: Callable[[Any], None] | None = None,
         on_ready: Callable[[Any], None] | None = None,
+        on_abort: Callable[[str], None] | None = None,
     ) -> None:
         self._make_engine = make_engine
         self._on_stats = on_stats  # called with engine.stats() after each step, in the engine thread
         self._on_ready = on_ready  # called with the engine once loaded, in the engine thread
+        self._on_abort = on_abort  # called with the id of each request aborted while in flight
         self.engine: Any = None  # the LLMEngine once ready; read-only from other threads
         self.state = "loading"
         self.error: str | None = None  # why loading failed
@@ -151,6 +153,8 @@ class AsyncEngine:
                 self.engine.abort_request(payload)
                 if stream is not None:
                     stream.finished = True
+                    if self._on_abort is not None:
+                        self._on_abort(payload)
 
     def _step(self) -> bool:
         try:

@@ -40,6 +40,14 @@ def env_name(flag: str) -> str:
     return "KEEPWARM_" + flag.lstrip("-").replace("-", "_").upper()
 
 
+def serve_env_vars() -> set[str]:
+    """Every environment variable `keepwarm serve` reads."""
+    serve = add_serve_parser(argparse.ArgumentParser().add_subparsers())
+    return {
+        env_name("--" + action.dest.replace("_", "-")) for action in serve._actions if action.dest != "help"
+    }
+
+
 def _env(flag: str, kind: Callable[[str], Any], default: Any = None) -> Any:
     raw = os.environ.get(env_name(flag))
     if raw is None or raw == "":
@@ -55,6 +63,10 @@ def _env(flag: str, kind: Callable[[str], Any], default: Any = None) -> Any:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    add_serve_parser(subparsers)
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
@@ -97,6 +109,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--access-log", action=argparse.BooleanOptionalAction, default=_env("--access-log", bool, False)
     )
     p.set_defaults(handler=run)
+    return p
 
 
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:

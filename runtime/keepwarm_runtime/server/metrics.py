@@ -75,6 +75,9 @@ class ServerMetrics:
         self.waiting = Gauge("keepwarm_num_requests_waiting", "Sequences waiting to be scheduled", registry=r)
         self.kv_usage = Gauge("keepwarm_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r)
         self.preemptions = Gauge("keepwarm_num_preemptions", "Preemptions since start", registry=r)
+        self.aborts = Counter(
+            "keepwarm_request_aborts", "Requests aborted in flight (client went away)", registry=r
+        )
         self.active = Gauge("keepwarm_active_requests", "Requests the server is answering now", registry=r)
         self.weight_load = Gauge(
             "keepwarm_weight_load_seconds",

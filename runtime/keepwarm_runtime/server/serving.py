@@ -107,12 +107,13 @@ class ServingContext:
             from keepwarm_runtime.engine.structured import StructuredOutputCompiler
 
             vocab_size, stop_ids = _model_vocab(self.model_dir, self.engine.tokenizer)
+            vocab_size = getattr(self.engine, "vocab_size", None) or vocab_size
+            stop_ids = sorted(getattr(self.engine, "eos_token_ids", None) or stop_ids)
             self._compiler = StructuredOutputCompiler(self.engine.tokenizer, vocab_size, stop_ids)
         return self._compiler
 
-    def token_text(self, token_id: int, decoded: str | None) -> str:
-        if decoded is not None:
-            return decoded
+    def token_text(self, token_id: int) -> str:
+        """The text of one token (engines may report byte-level symbols like 'Ġthe'; clients want text)."""
         cache = self._token_text = self._token_text if self._token_text is not None else {}
         if token_id not in cache:
             cache[token_id] = self.engine.tokenizer.decode([token_id])

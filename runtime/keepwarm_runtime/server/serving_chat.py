@@ -104,11 +104,11 @@ def _logprobs(
     content = []
     for token_id, alternatives in zip(token_ids, logprobs or [], strict=False):
         chosen = alternatives.get(token_id)
-        text = ctx.token_text(token_id, chosen.decoded_token if chosen else None)
+        text = ctx.token_text(token_id)
         ranked = sorted(alternatives.items(), key=lambda kv: kv[1].rank)[:top_n]
         top = [
             TopLogprob(
-                token=(t := ctx.token_text(tid, lp.decoded_token)),
+                token=(t := ctx.token_text(tid)),
                 logprob=_finite(lp.logprob),
                 bytes=list(t.encode()),
             )

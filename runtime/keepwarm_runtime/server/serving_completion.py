@@ -126,13 +126,11 @@ def _logprobs(
     result = CompletionLogprobs()
     for token_id, alternatives in zip(token_ids, logprobs or [], strict=False):
         chosen = alternatives.get(token_id)
-        text = ctx.token_text(token_id, chosen.decoded_token if chosen else None)
+        text = ctx.token_text(token_id)
         result.tokens.append(text)
         result.token_logprobs.append(max(chosen.logprob, -9999.0) if chosen else None)
         ranked = sorted(alternatives.items(), key=lambda kv: kv[1].rank)[:top_n]
-        result.top_logprobs.append(
-            {ctx.token_text(tid, lp.decoded_token): max(lp.logprob, -9999.0) for tid, lp in ranked}
-        )
+        result.top_logprobs.append({ctx.token_text(tid): max(lp.logprob, -9999.0) for tid, lp in ranked})
         result.text_offset.append(offset)
         offset += len(text)
     return result

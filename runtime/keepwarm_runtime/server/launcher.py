@@ -1,0 +1,126 @@
+"""Start `keepwarm serve` as a child process and wait for it: used by the demo, the benchmark and tests.
+
+Each server runs in its own session (process group) so ``stop()`` takes down anything it spawned;
+its stdout and stderr go to a log file the caller can read (e.g. to count warnings).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from keepwarm_runtime.server.cli import serve_env_vars
+
+
+class ServerStartError(RuntimeError):
+    """The server exited or did not become ready in time; the message ends with its log tail."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    """(status, body); status 0 when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except (urllib.error.URLError, OSError):
+        return 0, b""
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    url: str  # http://127.0.0.1:PORT
+    log_path: Path
+    started_at: float = field(default_factory=time.monotonic)  # when the process was spawned
+
+    def wait(self, path: str = "/ready", timeout: float = 180.0) -> float:
+        """Poll ``path`` until 200; returns seconds since spawn. Raises ServerStartError."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerStartError(
+                    f"keepwarm serve exited with {self.proc.returncode}\n{self.log_tail()}"
+                )
+            status, _ = http_get(self.url + path, timeout=1.0)
+            if status == 200:
+                return time.monotonic() - self.started_at
+            time.sleep(0.05)
+        raise ServerStartError(f"{self.url}{path} not 200 after {timeout:.0f}s\n{self.log_tail()}")
+
+    def get_json(self, path: str) -> dict:
+        status, body = http_get(self.url + path)
+        if status != 200:
+            raise RuntimeError(f"GET {path}: {status} {body[:200]!r}")
+        return json.loads(body)
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus samples as {'name{labels}': value} (labels as printed)."""
+        status, body = http_get(self.url + "/metrics")
+        samples = {}
+        for line in body.decode().splitlines() if status == 200 else []:
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                samples[name] = float(value)
+        return samples
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM the server's process group, SIGKILL after ``timeout``; returns the exit code."""
+        if self.proc.poll() is None:
+            _signal_group(self.proc, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                _signal_group(self.proc, signal.SIGKILL)
+                self.proc.wait(5)
+        return self.proc.returncode
+
+
+def start_server(
+    model_dir: str | Path,
+    log_path: str | Path,
+    *,
+    port: int | None = None,
+    args: list[str] | tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> ServerProcess:
+    """Spawn `keepwarm serve MODEL_DIR --host 127.0.0.1 --port PORT ARGS` (does not wait)."""
+    port = port or free_port()
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "keepwarm_runtime.cli", "serve", str(model_dir),
+               "--host", "127.0.0.1", "--port", str(port), *args]  # fmt: skip
+    # The parent's serve settings (KEEPWARM_PORT, KEEPWARM_CACHE_SOCKET_DIR, ...) must not leak in.
+    child_env = {k: v for k, v in os.environ.items() if k not in serve_env_vars()}
+    child_env |= {"PYTHONUNBUFFERED": "1", **(env or {})}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=child_env,
+                                start_new_session=True)  # fmt: skip
+    return ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)

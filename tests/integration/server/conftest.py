@@ -1,0 +1,70 @@
+"""One real `keepwarm serve` process for the whole server suite, started against a hung cache daemon.
+
+The cache socket accepts connections but never answers, so the engine spends the client's attach
+timeout (5 s) loading: long enough to observe /health 200 with /ready and inference 503, and the
+weights then come from disk by fallback, as they would on a node whose daemon is wedged.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from keepwarm_runtime.server.launcher import ServerProcess, http_get, start_server
+
+MAX_MODEL_LEN = 512
+
+
+@dataclass
+class Served:
+    proc: ServerProcess
+    model: str  # served model name
+    early: dict  # responses seen while the weights were loading
+    max_model_len: int = MAX_MODEL_LEN
+
+
+@pytest.fixture(scope="session")
+def hung_cache_dir(tmp_path_factory: pytest.TempPathFactory):
+    directory = tmp_path_factory.mktemp("hung-cache")
+    directory.chmod(0o700)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(directory / "host.sock"))
+    listener.listen(16)  # never accepted: clients connect via the backlog and then time out
+    yield directory
+    listener.close()
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.fixture(scope="session")
+def served(tiny_llama: Path, hung_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    log = tmp_path_factory.mktemp("server-log") / "serve.log"
+    args = ["--served-model-name", "tiny", "--cache-socket-dir", str(hung_cache_dir)]
+    args += ["--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "512", "--max-num-seqs", "32"]
+    proc = start_server(tiny_llama, log, args=args)
+    try:
+        proc.wait("/health", timeout=240)
+        early = {
+            "ready": http_get(proc.url + "/ready"),
+            "chat": _post(
+                proc.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}
+            ),
+            "health": http_get(proc.url + "/health"),
+        }
+        proc.wait("/ready", timeout=240)
+        yield Served(proc, "tiny", early)
+    finally:
+        code = proc.stop()
+        assert code is not None

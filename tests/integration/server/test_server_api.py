@@ -1,0 +1,139 @@
+"""The OpenAI API of a real `keepwarm serve` process, through the official `openai` client."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.integration
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served.proc.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_health_answers_while_loading_and_ready_and_inference_wait(served):
+    health_status, _ = served.early["health"]
+    ready_status, ready_body = served.early["ready"]
+    chat_status, chat_body = served.early["chat"]
+    assert health_status == 200
+    assert ready_status == 503 and json.loads(ready_body)["error"]["code"] == "model_not_ready"
+    assert chat_status == 503 and chat_body["error"]["type"] == "service_unavailable_error"
+
+
+def test_weights_fell_back_to_disk_and_load_metrics_are_exposed(served):
+    metrics = served.proc.metrics()
+    assert metrics['keepwarm_weight_load_seconds{source="disk"}'] >= 0
+    assert metrics["keepwarm_process_start_to_ready_seconds"] > 0
+    assert "cache miss" in served.proc.log_text()  # the hung daemon was tried, then disk
+
+
+def test_version_and_models(served, client):
+    assert served.proc.get_json("/version")["model"] == "tiny"
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_chat_completion_is_seeded_and_counts_usage(client, tiny_llama):
+    first = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, seed=7)
+    again = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, seed=7)
+    choice = first.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert again.choices[0].message.content == choice.message.content
+    assert first.usage.completion_tokens <= 12
+    assert first.usage.total_tokens == first.usage.prompt_tokens + first.usage.completion_tokens
+    # One BOS: the template starts with it and rendering must not add a second.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    expected = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert expected.count(tokenizer.bos_token) == 1
+    assert first.usage.prompt_tokens == len(tokenizer(expected, add_special_tokens=False)["input_ids"])
+
+
+def test_streaming_chat_matches_the_non_streaming_answer(client):
+    kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=16, seed=3, temperature=0.8)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    stream = client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == whole.message.content
+    assert finishes == [whole.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+
+
+def test_n_choices_and_logprobs_in_chat(client):
+    response = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=5, n=3, seed=11, logprobs=True, top_logprobs=3
+    )
+    assert sorted(c.index for c in response.choices) == [0, 1, 2]
+    for choice in response.choices:
+        content = choice.logprobs.content
+        assert len(content) == len(choice.message.content and content)
+        for entry in content:
+            tops = [t.logprob for t in entry.top_logprobs]
+            assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+            assert entry.logprob <= tops[0] + 1e-5
+
+
+def test_completions_with_several_prompts_n_and_logprobs(client):
+    response = client.completions.create(
+        model="tiny", prompt=["def f(", "import"], max_tokens=4, n=2, logprobs=2
+    )
+    assert [c.index for c in response.choices] == [0, 1, 2, 3]
+    for choice in response.choices:
+        assert len(choice.logprobs.tokens) == len(choice.logprobs.token_logprobs) <= 4
+        assert "".join(choice.logprobs.tokens) == choice.text
+        assert all(len(top) == 2 for top in choice.logprobs.top_logprobs)
+    assert response.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in response.choices)
+
+
+def test_completion_stream_and_echo(client):
+    stream = client.completions.create(model="tiny", prompt="class", max_tokens=6, seed=5, stream=True)
+    text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+    whole = client.completions.create(model="tiny", prompt="class", max_tokens=6, seed=5, echo=True)
+    assert whole.choices[0].text == "class" + text
+
+
+def test_stop_string_cuts_the_output(client):
+    greedy = dict(model="tiny", prompt="return", max_tokens=12, temperature=0)
+    full = client.completions.create(**greedy).choices[0].text
+    stop = full[len(full) // 2 :][:3]
+    assert stop.strip(), full
+    cut = client.completions.create(**greedy, stop=[stop]).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full[: full.index(stop)]
+
+
+def test_openai_error_shapes(served, client):
+    max_model_len = served.max_model_len
+    with pytest.raises(openai.NotFoundError) as not_found:
+        client.chat.completions.create(model="gpt-4o", messages=MESSAGES)
+    assert not_found.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as bad_param:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=9)
+    assert bad_param.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.completions.create(model="tiny", prompt="x " * (max_model_len + 10), max_tokens=4)
+    assert too_long.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as too_many:
+        client.completions.create(model="tiny", prompt="x", max_tokens=max_model_len * 2)
+    assert too_many.value.body["code"] == "context_length_exceeded"
+    malformed = httpx.post(served.proc.url + "/v1/chat/completions", content=b'{"messages": [',
+                           headers={"content-type": "application/json"})  # fmt: skip
+    assert malformed.status_code == 400
+    assert set(malformed.json()["error"]) == {"message", "type", "param", "code"}
+    assert malformed.json()["error"]["code"] == "invalid_json"
+    unknown_route = httpx.get(served.proc.url + "/v1/nothing")
+    assert unknown_route.status_code == 404 and "error" in unknown_route.json()
+    metrics = served.proc.metrics()
+    assert metrics['keepwarm_http_requests_total{endpoint="/v1/chat/completions",status="404"}'] >= 1
+    assert metrics['keepwarm_http_requests_total{endpoint="/v1/chat/completions",status="400"}'] >= 2
