@@ -34,6 +34,7 @@ class AgentState:
     evicted: set[str] = field(default_factory=set)
     generation: int | None = None  # WeightCache generation last acted on
     message: str = ""
+    started: str = field(default_factory=lambda: _now())  # reporting since (Stale=False transition)
 
 
 def wanted_models(cache: dict[str, Any], model_root: str = MODEL_ROOT) -> list[WantedModel]:
