@@ -83,16 +83,19 @@ class OperatorProcess:
         return self.log_dir / f"operator-{self.priority}.log"
 
     def start(self) -> OperatorProcess:
+        self.starts += 1
         kubeconfig = self.cp.service_account_kubeconfig(NAMESPACE, OPERATOR_SA, create=False)
         env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
         env["KUBECONFIG"] = str(kubeconfig)
         cmd = [
             sys.executable, "-m", "keepwarm_operator.cli", "run",
-            "--agent-namespace", NAMESPACE, "--peering", "keepwarm", "--priority", str(self.priority),
+            # A killed replica stays in the peering object for its lifetime; the restarted one must not
+            # share its priority (kopf pauses every operator of equal priority).
+            "--agent-namespace", NAMESPACE, "--peering", "keepwarm",
+            "--priority", str(self.priority + self.starts),
             "--metrics-port", str(self.metrics_port), "--liveness-port", str(self.health_port),
             "--resync-seconds", str(self.resync_s),
         ]  # fmt: skip
-        self.starts += 1
         out = open(self.log, "a")  # noqa: SIM115 (lives as long as the process)
         out.write(f"\n=== start {self.starts} ===\n")
         out.flush()

@@ -65,7 +65,7 @@ def weightcache(name: str, pool: str, **spec) -> dict:
     base = {
         "tier": "gpu",
         "nodeSelector": {"pool": pool},
-        "heartbeatSeconds": 60,
+        "heartbeatSeconds": 600,
         "models": [{"name": MODEL, "source": {"path": "/var/lib/models/tiny"}, "pin": True}],
     }
     return {
@@ -351,20 +351,23 @@ def test_missing_cache_is_a_condition_not_a_crash(env):
     env.cp.kubectl("delete", "idep", "orphan", "-n", env.ns)
 
 
+def _row(table: str, name: str) -> list[str]:
+    """The cells of one object's row, starting at its NAME (with -A a NAMESPACE cell may come first)."""
+    for line in table.splitlines():
+        cells = line.split()
+        if name in cells:
+            return cells[cells.index(name) :]
+    raise AssertionError(f"{name} not in:\n{table}")
+
+
 def test_kubectl_printer_columns_and_explain(env):
     out = env.cp.kubectl("get", "wc,idep", "-A").stdout
     assert all(
         h in out
         for h in ("TIER", "MODELS", "DESIRED", "READY", "STATUS", "MODEL", "CACHE", "WARM", "AVAILABLE")
     )
-    row = next(
-        line.split() for line in out.splitlines() if line.startswith(f"weightcache.keepwarm.dev/{WC} ")
-    )
-    assert row[1:5] == ["gpu", "1", "3", "2"]
-    row = next(
-        line.split() for line in out.splitlines() if f"inferencedeployment.keepwarm.dev/{IDEP} " in line
-    )
-    assert row[2:8] == [MODEL, WC, "2", "2", "2", "True"]
+    assert _row(out, f"weightcache.keepwarm.dev/{WC}")[1:5] == ["gpu", "1", "3", "2"]
+    assert _row(out, f"inferencedeployment.keepwarm.dev/{IDEP}")[1:7] == [MODEL, WC, "2", "2", "2", "True"]
     wcn_out = env.cp.kubectl("get", "wcn").stdout
     assert "PHASE" in wcn_out and f"{WC}.{env.nodes[0]}" in wcn_out
     explain = env.cp.kubectl("explain", "weightcache.spec").stdout
