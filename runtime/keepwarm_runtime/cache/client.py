@@ -8,6 +8,7 @@ reason once and counting every fallback in ``keepwarm_cache_client_misses_total`
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -124,7 +125,9 @@ def socket_path_for(socket_dir: Path, device: torch.device) -> Path:
 
 def request(sock: socket.socket, header: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
     """One request/reply round trip; a daemon error reply raises CacheAttachError."""
-    protocol.send_frame(sock, header)
+    # The daemon may have answered (e.g. "forbidden") and closed before reading: read that answer.
+    with contextlib.suppress(BrokenPipeError):
+        protocol.send_frame(sock, header)
     reply, fds = protocol.recv_frame(sock)
     if not reply.get("ok"):
         for fd in fds:
