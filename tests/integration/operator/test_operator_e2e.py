@@ -404,16 +404,16 @@ def test_operator_restart_midway_converges_without_duplicates(env):
     assert len(daemonsets) == 1
 
 
-def test_second_replica_pauses_in_favour_of_the_first(env, tmp_path):
-    """kopf peering: a lower-priority replica sees the active one and does nothing."""
+def _reconcile_samples(op: OperatorProcess) -> int:
+    return sum(
+        1 for line in op.metrics().splitlines() if line.startswith("keepwarm_operator_reconcile_total{")
+    )
+
+
+def test_peering_standby_idles_then_takes_over(env, tmp_path):
+    """kopf peering: a lower-priority replica does nothing while the active one lives, then takes over."""
     standby = OperatorProcess(env.cp, tmp_path, priority=10).start()
     try:
-        wait(
-            env.cp,
-            lambda: "Pausing operations in favour of" in standby.log.read_text(),
-            "standby pauses",
-            op=standby,
-        )
         apply(env, inference("third", env.ns, env.pool, replicas=1))
         wait(
             env.cp,
@@ -421,10 +421,20 @@ def test_second_replica_pauses_in_favour_of_the_first(env, tmp_path):
             "third served",
             op=env.op,
         )
-        assert "third" not in standby.log.read_text().split("Pausing operations in favour of", 1)[1]
+        assert _reconcile_samples(standby) == 0, standby.tail()
+        env.op.stop()  # graceful: leaves the peering object at once
+        apply(env, inference("fourth", env.ns, env.pool, replicas=1))
+        wait(
+            env.cp,
+            lambda: condition(idep(env, "fourth"), "Available").get("status") == "True",
+            "fourth served by the standby",
+            op=standby,
+        )
+        assert _reconcile_samples(standby) > 0
     finally:
+        env.op.start()
         standby.stop()
-        env.cp.kubectl("delete", "idep", "third", "second", "-n", env.ns)
+        env.cp.kubectl("delete", "idep", "second", "third", "fourth", "-n", env.ns, check=False)
 
 
 def test_stale_heartbeats_and_vanished_nodes(env):
