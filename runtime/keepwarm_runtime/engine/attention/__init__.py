@@ -1,0 +1,1 @@
+"""keepwarm attention: discovered in transformers modules, attached as child layers, paged KV backends."""

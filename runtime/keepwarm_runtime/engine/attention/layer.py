@@ -1,0 +1,58 @@
+"""KeepwarmAttention: the layer attached under each transformers attention module.
+
+It is a child module (`<attention module>.keepwarm_attn`), so it shows up in `named_modules()`, moves
+with `.to()` and is visible to weight post-processing. It owns no parameters; the KV cache views are
+plain attributes, so they never enter a state dict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from keepwarm_runtime.engine.attention.metadata import get_metadata
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    num_kv_heads: int
+    key_dim: int
+    value_dim: int  # differs from key_dim for MLA (DeepSeek) without the latent trick
+    dtype: torch.dtype
+
+
+class KeepwarmAttention(nn.Module):
+    def __init__(self, layer_idx: int, scale: float | None, owner: str):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.scale = (
+            scale  # softmax scale resolved from the owner's `scaling=` argument; None: head_dim**-0.5
+        )
+        self.owner = owner  # class name of the transformers module, for error messages
+        self.backend = None  # an attention backend (torch_backend / flashinfer_backend), set by the engine
+        self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads, key_dim]
+        self.v_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads, value_dim]
+        self.kv_spec: KVSpec | None = None  # recorded by the probe pass
+
+    def extra_repr(self) -> str:
+        return f"layer_idx={self.layer_idx}, scale={self.scale}, owner={self.owner}"
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [1, heads, T, key_dim]
+        key: torch.Tensor,  # [1, kv_heads, T, key_dim]
+        value: torch.Tensor,  # [1, kv_heads, T, value_dim]
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # [1, T, heads, value_dim]
+        meta = get_metadata()
+        if meta is None:  # probe pass: learn the KV shapes, compute nothing
+            self.kv_spec = KVSpec(key.shape[1], key.shape[-1], value.shape[-1], key.dtype)
+            return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[-1])
+        if query.shape[0] != 1:
+            raise RuntimeError("keepwarm attention expects packed sequences (batch dimension 1)")
+        scale = self.scale if self.scale is not None else query.shape[-1] ** -0.5
+        return self.backend.forward(self, query, key, value, meta, scale, sliding_window, softcap, sinks)

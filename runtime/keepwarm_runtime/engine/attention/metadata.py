@@ -1,0 +1,48 @@
+"""AttentionMetadata: what every attention layer needs to know about the current batch.
+
+One small object per forward pass, set by the model runner around the call (nano-vllm's context), so
+the transformers model keeps its plain `forward(input_ids, position_ids)` signature. Tokens of all
+sequences are packed into one row: sequence b owns tokens query_start[b]:query_start[b+1].
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: KV-cache slot (block * block_size + offset) of each new token
+    query_start: torch.Tensor  # [B+1] int32 on the device: cumulative new-token counts
+    query_lens: torch.Tensor  # [B] int64: new tokens per sequence
+    context_lens: torch.Tensor  # [B] int64: tokens each sequence attends to (cached + new)
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    max_query_len: int
+    max_context_len: int
+    block_size: int
+    prefill_only: bool  # no sequence has cached K/V: attend to the new K/V directly
+    query_lens_list: list[int] = field(default_factory=list)  # the same on the host
+    context_lens_list: list[int] = field(default_factory=list)
+    memo: dict[Any, Any] = field(default_factory=dict)  # per-pass plans backends share across layers
+
+
+_current: AttentionMetadata | None = None
+
+
+def get_metadata() -> AttentionMetadata | None:
+    return _current
+
+
+@contextlib.contextmanager
+def use_metadata(meta: AttentionMetadata | None) -> Iterator[None]:
+    global _current
+    previous, _current = _current, meta
+    try:
+        yield
+    finally:
+        _current = previous

@@ -1,0 +1,146 @@
+"""Reference attention backend in plain torch (CPU and GPU): paged KV writes, batched padded attention.
+
+Per forward pass (not per layer) it plans once: where each packed query goes in a [B, Q] grid, which
+cache slots form each sequence's [L] keys, and the boolean mask (causal, context length, sliding
+window). Each layer then writes its new K/V with one index_copy_, gathers with one index, and runs
+SDPA (or an explicit softmax when softcapping or sinks are needed). Prefill without cached tokens
+skips the gather and attends to the new K/V directly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from keepwarm_runtime.engine.attention.layer import KeepwarmAttention
+from keepwarm_runtime.engine.attention.metadata import AttentionMetadata
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def forward(
+        self,
+        layer: KeepwarmAttention,
+        query: torch.Tensor,  # [1, H, T, Dk]
+        key: torch.Tensor,  # [1, Hkv, T, Dk]
+        value: torch.Tensor,  # [1, Hkv, T, Dv]
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:  # [1, T, H, Dv]
+        q = query[0].transpose(0, 1)  # [T, H, Dk]
+        k = key[0].transpose(0, 1)
+        v = value[0].transpose(0, 1)
+        num_heads, num_kv = q.shape[1], k.shape[1]
+        layer.k_cache.view(-1, num_kv, k.shape[-1]).index_copy_(
+            0, meta.slot_mapping, k.to(layer.k_cache.dtype)
+        )
+        layer.v_cache.view(-1, num_kv, v.shape[-1]).index_copy_(
+            0, meta.slot_mapping, v.to(layer.v_cache.dtype)
+        )
+
+        plan = _plan(meta, q.device)
+        B, Q = plan["B"], plan["Q"]
+        if meta.prefill_only:
+            keys, values = _pad(k, plan), _pad(v, plan)  # [B, Q, Hkv, D]
+        else:
+            index = plan["kv_index"]
+            keys = layer.k_cache.view(-1, num_kv, k.shape[-1])[index]  # [B, L, Hkv, Dk]
+            values = layer.v_cache.view(-1, num_kv, v.shape[-1])[index]
+        q_grid = _pad(q, plan).transpose(1, 2)  # [B, H, Q, Dk]
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, L, D]
+        mask = _mask(meta, plan, sliding_window)  # [B, 1, Q, L] or None (plain causal)
+
+        if softcap or sinks is not None:
+            out = _explicit_attention(q_grid, keys, values, mask, scale, softcap, sinks)
+        elif mask is None:
+            out = F.scaled_dot_product_attention(
+                q_grid, keys, values, is_causal=True, scale=scale, enable_gqa=num_heads != num_kv
+            )
+        else:
+            out = F.scaled_dot_product_attention(
+                q_grid, keys, values, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv
+            )
+        out = out.transpose(1, 2).reshape(B * Q, num_heads, -1)  # [B*Q, H, Dv]
+        if not plan["dense"]:
+            out = out[plan["q_dest"]]
+        return out.unsqueeze(0)
+
+
+def _plan(meta: AttentionMetadata, device: torch.device) -> dict:
+    plan = meta.memo.get("torch")
+    if plan is not None:
+        return plan
+    B, Q = len(meta.query_lens_list), meta.max_query_len
+    T = sum(meta.query_lens_list)
+    plan = {"B": B, "Q": Q, "dense": T == B * Q}
+    if not plan["dense"]:
+        seq_of = torch.repeat_interleave(torch.arange(B, device=device), meta.query_lens)
+        offset = torch.arange(T, device=device) - meta.query_start[:-1].long()[seq_of]
+        plan["q_dest"] = seq_of * Q + offset
+    L = Q if meta.prefill_only else meta.max_context_len
+    k_pos = torch.arange(L, device=device)
+    if not meta.prefill_only:
+        bs = meta.block_size
+        plan["kv_index"] = meta.block_tables.long()[:, k_pos // bs] * bs + k_pos % bs
+    q_pos = (meta.context_lens - meta.query_lens)[:, None] + torch.arange(Q, device=device)  # [B, Q]
+    plan["q_pos"], plan["k_pos"] = q_pos, k_pos
+    plan["L"] = L
+    meta.memo["torch"] = plan
+    return plan
+
+
+def _pad(x: torch.Tensor, plan: dict) -> torch.Tensor:
+    """Packed [T, heads, D] -> [B, Q, heads, D] (rows past a sequence's length are zero)."""
+    B, Q = plan["B"], plan["Q"]
+    if plan["dense"]:
+        return x.reshape(B, Q, *x.shape[1:])
+    grid = x.new_zeros(B * Q, *x.shape[1:])
+    grid[plan["q_dest"]] = x
+    return grid.view(B, Q, *x.shape[1:])
+
+
+def _mask(meta: AttentionMetadata, plan: dict, window: int | None) -> torch.Tensor | None:
+    key = ("torch-mask", window)
+    if key in meta.memo:
+        return meta.memo[key]
+    q_pos, k_pos = plan["q_pos"], plan["k_pos"]
+    if plan["B"] == 1 and meta.prefill_only and (window is None or window >= plan["Q"]):
+        mask = None  # one fresh sequence: plain causal attention
+    else:
+        allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # causal, in absolute positions
+        allowed &= (k_pos[None, :] < meta.context_lens[:, None])[:, None, :]
+        if window is not None:
+            allowed &= (q_pos[:, :, None] - k_pos[None, None, :]) < window
+        padding_rows = torch.arange(plan["Q"], device=q_pos.device)[None, :] >= meta.query_lens[:, None]
+        allowed[..., 0] |= padding_rows  # padded query rows see one key instead of none (no NaNs)
+        mask = allowed.unsqueeze(1)
+    meta.memo[key] = mask
+    return mask
+
+
+def _explicit_attention(q, k, v, mask, scale, softcap, sinks) -> torch.Tensor:
+    """Eager attention with tanh logit softcapping and/or per-head sink logits (Gemma 2, gpt-oss)."""
+    B, H, Q, _ = q.shape
+    Hkv = k.shape[1]
+    g = H // Hkv
+    qg = q.reshape(B, Hkv, g, Q, -1)
+    scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * scale  # [B, Hkv, g, Q, L]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        L = k.shape[2]
+        mask = torch.ones(Q, L, dtype=torch.bool, device=q.device).tril(L - Q)[None, None]
+    scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).reshape(1, Hkv, g, 1, 1).expand(B, Hkv, g, Q, 1)
+        scores = torch.cat([scores, sink], dim=-1)
+        scores = scores - scores.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs, v.unsqueeze(2))  # [B, Hkv, g, Q, Dv]
+    return out.reshape(B, H, Q, -1)

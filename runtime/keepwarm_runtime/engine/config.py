@@ -1,0 +1,50 @@
+"""EngineConfig: everything the engine needs to know before it loads a model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+
+
+@dataclass
+class EngineConfig:
+    model_dir: str
+    dtype: str = "float32"  # weights and activations: float32 | bfloat16 | float16
+    device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
+    max_num_seqs: int = 64  # most sequences in one batch
+    max_num_batched_tokens: int = 4096  # most tokens (prefill + decode) in one forward pass
+    block_size: int = 16  # tokens per KV-cache block
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gib (CPU) or free GPU memory
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, capped by the KV cache
+    attention_backend: str = (
+        "auto"  # auto (flashinfer on CUDA when installed, else torch) | torch | flashinfer
+    )
+    cache_socket_dir: str | None = None  # node weight cache socket dir; None: read the checkpoint from disk
+    cache_mode: str = "zero_copy"  # zero_copy | copy (see keepwarm_runtime.cache.client.attach)
+    cache_fallback: bool = True  # fall back to disk when the cache cannot serve the model
+    seed: int = 0  # seeds sampling of requests that set no seed of their own
+    enable_prefix_caching: bool = True  # share KV blocks between requests with a common prompt prefix
+    kv_cache_memory_gib: float = 1.0  # CPU: KV-cache budget when num_kv_blocks is None
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of total memory weights + KV cache may use
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend {self.attention_backend!r} is unknown; "
+                f"use one of {', '.join(ATTENTION_BACKENDS)}"
+            )
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

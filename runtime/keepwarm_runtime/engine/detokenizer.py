@@ -1,0 +1,45 @@
+"""Incremental detokenization and stop-string matching for one sequence."""
+
+from __future__ import annotations
+
+
+class IncrementalDetokenizer:
+    """Text grows one token at a time without re-decoding the whole output (tokenizers' DecodeStream;
+    a prefix/read-offset window for tokenizers without a Rust backend)."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.backend = getattr(tokenizer, "_tokenizer", None)
+        self.stream = None
+        if self.backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def step(self, token_id: int) -> str:
+        """Text added by `token_id` ("" while a multi-byte character is incomplete)."""
+        if self.stream is not None:
+            return self.stream.step(self.backend, token_id) or ""
+        self.ids.append(token_id)
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)  # noqa: E731
+        prefix = decode(self.ids[self.prefix_offset : self.read_offset])
+        full = decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return full[len(prefix) :]
+        return ""
+
+
+def find_stop(text: str, new_chars: int, stops: list[str]) -> tuple[int, str] | None:
+    """Earliest stop string that ends inside the last `new_chars` characters: (start index, stop)."""
+    best = None
+    for stop in stops:
+        start = max(0, len(text) - new_chars - len(stop) + 1)
+        idx = text.find(stop, start)
+        if idx != -1 and (best is None or idx < best[0]):
+            best = (idx, stop)
+    return best

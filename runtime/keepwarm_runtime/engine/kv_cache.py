@@ -1,0 +1,68 @@
+"""The paged KV cache tensors: one [num_blocks, block_size, kv_heads, dim] pair per attention layer.
+
+Shapes come from a probe pass (one token through the model with no metadata set: each layer records
+what it was handed), so MLA's separate key/value widths and per-layer head counts need no model
+knowledge here. Sizing: an explicit block count, else a memory budget (CPU) or what is left of the
+GPU after the weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from keepwarm_runtime.engine.attention.layer import KeepwarmAttention, KVSpec
+from keepwarm_runtime.engine.attention.metadata import use_metadata
+from keepwarm_runtime.engine.config import EngineConfig
+
+
+@torch.inference_mode()
+def probe_kv_specs(model: nn.Module, layers: list[KeepwarmAttention], device: torch.device) -> list[KVSpec]:
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    with use_metadata(None):
+        model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1)
+    missing = [layer.layer_idx for layer in layers if layer.kv_spec is None]
+    if missing:
+        raise RuntimeError(
+            f"attention layers {missing} were never called in a forward pass; cannot size the KV cache"
+        )
+    return [layer.kv_spec for layer in layers]
+
+
+def bytes_per_block(specs: list[KVSpec], block_size: int, dtype: torch.dtype) -> int:
+    width = sum(s.num_kv_heads * (s.key_dim + s.value_dim) for s in specs)
+    return block_size * width * torch.empty((), dtype=dtype).element_size()
+
+
+def num_blocks_for(
+    config: EngineConfig, specs: list[KVSpec], max_model_len: int, device: torch.device
+) -> int:
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    per_block = bytes_per_block(specs, config.block_size, config.torch_dtype)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        budget = max(int(total * config.gpu_memory_utilization) - used, 0)
+    else:
+        budget = int(config.kv_cache_memory_gib * (1 << 30))
+    # Never more than every sequence at full length needs.
+    ceiling = config.max_num_seqs * -(-max_model_len // config.block_size) + 1
+    blocks = min(budget // per_block, ceiling)
+    if blocks < 1:
+        raise ValueError(f"no memory left for the KV cache ({budget} bytes budget, {per_block} per block)")
+    return int(blocks)
+
+
+def allocate_kv_cache(
+    layers: list[KeepwarmAttention],
+    specs: list[KVSpec],
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    for layer, spec in zip(layers, specs, strict=True):
+        shape = (num_blocks, block_size, spec.num_kv_heads)
+        layer.k_cache = torch.zeros(*shape, spec.key_dim, dtype=dtype, device=device)
+        layer.v_cache = torch.zeros(*shape, spec.value_dim, dtype=dtype, device=device)

@@ -1,0 +1,205 @@
+"""LLMEngine: add requests, step, get outputs. One thread drives it (the server's loop or LLM)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from keepwarm_runtime.engine.attention.fuser import fuse_attention
+from keepwarm_runtime.engine.attention.select import select_backend
+from keepwarm_runtime.engine.block_manager import BlockManager
+from keepwarm_runtime.engine.config import EngineConfig
+from keepwarm_runtime.engine.detokenizer import IncrementalDetokenizer, find_stop
+from keepwarm_runtime.engine.kv_cache import allocate_kv_cache, num_blocks_for, probe_kv_specs
+from keepwarm_runtime.engine.loader import load_model
+from keepwarm_runtime.engine.model_runner import ModelRunner
+from keepwarm_runtime.engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from keepwarm_runtime.engine.sampler import SampledToken, Sampler
+from keepwarm_runtime.engine.sampling_params import SamplingParams
+from keepwarm_runtime.engine.scheduler import Scheduler
+from keepwarm_runtime.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        from transformers import AutoTokenizer, GenerationConfig
+
+        self.config = config
+        self.device = torch.device(config.device)
+        self.model, info = load_model(config)
+        self.load_info = (info.source, info.seconds, info.reason)
+        self.model_name = config.model_dir
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
+        self.layers = fuse_attention(self.model.get_decoder())
+        backend = select_backend(config.attention_backend, self.device)
+        for layer in self.layers:
+            layer.backend = backend
+        self.attention_backend = backend.name
+
+        text_config = self.model.config.get_text_config()
+        model_len = getattr(text_config, "max_position_embeddings", None) or 2048
+        max_len = min(config.max_model_len or model_len, model_len)
+        specs = probe_kv_specs(self.model, self.layers, self.device)
+        num_blocks = num_blocks_for(config, specs, max_len, self.device)
+        allocate_kv_cache(self.layers, specs, num_blocks, config.block_size, config.torch_dtype, self.device)
+        self.max_model_len = min(max_len, num_blocks * config.block_size)
+        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+
+        self.eos_token_ids = set(_eos_ids(config.model_dir, self.tokenizer, GenerationConfig))
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, config.block_size, self.device)
+        self.sampler = Sampler(self.eos_token_ids, config.seed, self.device)
+        self.requests: dict[str, _Request] = {}
+        log.info(
+            "engine ready: %s from %s in %.2fs, %d KV blocks x %d tokens, attention %s",
+            config.model_dir,
+            info.source,
+            info.seconds,
+            num_blocks,
+            config.block_size,
+            backend.name,
+        )
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+    ) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params.validate()
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens; this engine's max_model_len is {self.max_model_len} "
+                "(prompt plus at least one generated token)"
+            )
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        seqs = [Sequence(request_id, i, ids, params) for i in range(params.n)]
+        request = _Request(request_id, prompt, ids, seqs)
+        for seq in seqs:
+            if params.constraint_factory is not None:
+                seq.constraint = params.constraint_factory()
+            if params.seed is not None:
+                seq.generator = torch.Generator(device=self.device).manual_seed(params.seed + seq.index)
+            request.detokenizers.append(IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens))
+            self.scheduler.add(seq)
+        self.requests[request_id] = request
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        for seq in request.seqs if request else []:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(len(s.running), len(s.waiting), self.block_manager.usage(), s.num_preemptions)
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch.is_empty():
+            return []
+        seqs, logits = self.runner.run(batch)
+        self.scheduler.update_after_step(batch)
+        return self._postprocess(seqs, self.sampler(seqs, logits) if seqs else [])
+
+    def _postprocess(self, seqs: list[Sequence], sampled: list[SampledToken]) -> list[RequestOutput]:
+        touched: dict[str, _Request] = {}
+        for seq, token in zip(seqs, sampled, strict=True):
+            request = self.requests.get(seq.request_id)
+            if request is None or seq.is_finished:
+                continue
+            self._append(seq, token, request.detokenizers[seq.index])
+            touched[seq.request_id] = request
+        outputs = []
+        for request in touched.values():
+            output = self._output(request)
+            if output.finished:
+                del self.requests[request.request_id]
+            outputs.append(output)
+        return outputs
+
+    def _append(self, seq: Sequence, token: SampledToken, detok: IncrementalDetokenizer) -> None:
+        p = seq.params
+        seq.token_ids.append(token.token_id)
+        if token.logprobs is not None:
+            for tid, lp in token.logprobs.items():
+                lp.decoded_token = self.tokenizer.convert_ids_to_tokens(tid)
+            seq.logprobs.append(token.logprobs)
+            seq.cumulative_logprob += token.logprob
+        if seq.constraint is not None:
+            seq.constraint.accept(token.token_id)
+        new_text = detok.step(token.token_id)
+        before = len(seq.text)
+        seq.text += new_text
+        tid = token.token_id
+        terminated = seq.constraint is not None and seq.constraint.is_terminated()
+        eos = not p.ignore_eos and tid in self.eos_token_ids and seq.num_output_tokens >= p.min_tokens
+        if terminated or eos:
+            self._finish(seq, "stop", None)
+        elif tid in p.stop_token_ids and seq.num_output_tokens >= p.min_tokens:
+            self._finish(seq, "stop", tid)
+        elif p.stop and new_text and (hit := find_stop(seq.text, len(seq.text) - before, p.stop)):
+            idx, stop = hit
+            seq.text = seq.text[: idx + (len(stop) if p.include_stop_str_in_output else 0)]
+            self._finish(seq, "stop", stop)
+        elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or (
+            seq.num_tokens >= self.max_model_len
+        ):
+            self._finish(seq, "length", None)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None) -> None:
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.scheduler.finish(seq)
+
+    def _output(self, request: _Request) -> RequestOutput:
+        completions = [
+            CompletionOutput(
+                index=seq.index,
+                text=seq.text,
+                token_ids=seq.output_token_ids,
+                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            for seq in request.seqs
+        ]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=completions,
+            finished=all(seq.is_finished for seq in request.seqs),
+            num_cached_tokens=request.seqs[0].num_cached_tokens,
+        )
+
+
+def _eos_ids(model_dir: str, tokenizer, generation_config_cls) -> list[int]:
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    try:
+        eos = generation_config_cls.from_pretrained(model_dir).eos_token_id
+    except OSError:
+        eos = None
+    ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
+    return ids

@@ -1,0 +1,246 @@
+"""Build a transformers causal LM on the meta device and fill it from attached tensors, without a copy.
+
+Parameters become the attached tensors themselves (zero-copy views into the cache daemon's arena, or
+the tensors read from disk). Tied parameters share one tensor. Non-persistent buffers (rotary
+inv_freq, Gemma's embed_scale) are materialised on the target device and recomputed by transformers'
+own initialisation, which skips every loaded tensor. Checkpoint names that transformers 5 renames
+while loading are handled: regex renamings map names (no copy); the MoE expert merge
+(per-expert gate/up/down -> fused 3-D tensors) stacks experts, the one place a copy is unavoidable.
+Any other conversion is refused with the names involved.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from keepwarm_runtime.engine.attention.dispatch import register_keepwarm_attention
+from keepwarm_runtime.engine.attention.fuser import IMPLEMENTATION
+from keepwarm_runtime.engine.config import EngineConfig
+from keepwarm_runtime.engine.weights import attach_weights
+
+log = logging.getLogger(__name__)
+
+
+class ModelLoadError(ValueError):
+    """The checkpoint cannot be loaded as-is; the message says what is missing or unsupported."""
+
+
+@dataclass
+class LoadInfo:
+    source: str  # "cache" | "disk"
+    seconds: float  # attach/load wall time
+    reason: str | None  # why the cache was not used, if it was not
+    copied_tensors: int = 0  # tensors that had to be materialised (MoE expert merges)
+
+
+def load_model(config: EngineConfig) -> tuple[nn.Module, LoadInfo]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.from_pretrained(config.model_dir)
+    _refuse_unsupported(hf_config)
+    register_keepwarm_attention()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            hf_config, dtype=config.torch_dtype, attn_implementation=IMPLEMENTATION
+        )
+    model.eval()
+    res = attach_weights(
+        config.model_dir,
+        config.cache_socket_dir,
+        config.torch_dtype,
+        config.device,
+        config.cache_mode,
+        config.cache_fallback,
+    )
+    copied = fill_parameters(model, res.tensors, res.aliases)
+    materialize_buffers(model, torch.device(config.device))
+    return model, LoadInfo(res.source, res.seconds, res.reason, copied)
+
+
+def _refuse_unsupported(hf_config) -> None:
+    if getattr(hf_config, "quantization_config", None):
+        raise ModelLoadError("quantized checkpoints are not supported by the keepwarm engine yet")
+    text = hf_config.get_text_config()
+    layer_types = set(getattr(text, "layer_types", None) or [])
+    unsupported = layer_types - {"full_attention", "sliding_attention"}
+    if unsupported:
+        raise ModelLoadError(
+            f"{hf_config.model_type}: layer types {sorted(unsupported)} are not attention through the "
+            "transformers registry (linear/recurrent/chunked layers); keepwarm refuses this model"
+        )
+
+
+def fill_parameters(model: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> int:
+    """Point every parameter and persistent buffer at an attached tensor; return how many were copies."""
+    lookup = _Lookup(tensors, aliases, _conversions(model))
+    groups: dict[int, list[tuple[nn.Module, str, str, torch.Tensor]]] = {}  # tied weights share an id
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for name, param in module.named_parameters(recurse=False):
+            full = f"{module_name}.{name}" if module_name else name
+            groups.setdefault(id(param), []).append((module, name, full, param))
+    missing: list[str] = []
+    for members in groups.values():
+        found = next((t for t in (lookup.get(full) for _, _, full, _ in members) if t is not None), None)
+        if found is None:
+            missing.append(members[0][2])
+            continue
+        expected = members[0][3]
+        if tuple(found.shape) != tuple(expected.shape):
+            raise ModelLoadError(
+                f"{members[0][2]}: checkpoint shape {tuple(found.shape)} != model {tuple(expected.shape)}"
+            )
+        new = nn.Parameter(found, requires_grad=False)
+        new._is_hf_initialized = True  # transformers' init must never write into (read-only) attached memory
+        for module, name, _, _ in members:
+            module._parameters[name] = new
+    non_persistent = {
+        f"{mn}.{bn}" if mn else bn for mn, m in model.named_modules() for bn in m._non_persistent_buffers_set
+    }
+    for full, buffer in list(model.named_buffers()):
+        if full in non_persistent or buffer is None:
+            continue
+        found = lookup.get(full)
+        if found is None:
+            missing.append(full)
+            continue
+        found._is_hf_initialized = True
+        _set(model, full, found, buffer=True)
+    if missing:
+        raise ModelLoadError(
+            f"{len(missing)} tensors of {type(model).__name__} are not in the checkpoint (or need a weight "
+            f"conversion keepwarm does not implement): {', '.join(missing[:8])}"
+        )
+    return lookup.copied
+
+
+def materialize_buffers(model: nn.Module, device: torch.device) -> None:
+    """Non-persistent buffers were built on meta: allocate them and let transformers recompute them."""
+    for module in model.modules():
+        for name in module._non_persistent_buffers_set:
+            buffer = module._buffers.get(name)
+            if buffer is not None and buffer.is_meta:
+                module._buffers[name] = torch.empty_like(buffer, device=device)
+    model.initialize_weights()
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_meta:
+            raise ModelLoadError(f"{name} is still on the meta device after loading")
+
+
+def _set(model: nn.Module, full: str, tensor: torch.Tensor, buffer: bool) -> None:
+    module_name, _, name = full.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    (module._buffers if buffer else module._parameters)[name] = tensor
+
+
+class _Lookup:
+    """Model tensor name -> attached tensor, through aliases, renamings and expert merges."""
+
+    def __init__(self, tensors, aliases, conversions):
+        self.tensors, self.aliases = tensors, aliases
+        self.renamings, self.merges = conversions
+        self.copied = 0
+        self._renamed: dict[str, str] | None = None
+
+    def get(self, name: str) -> torch.Tensor | None:
+        direct = self._direct(name)
+        if direct is not None:
+            return direct
+        if self._renamed is None:
+            self._renamed = {}
+            for ckpt in [*self.tensors, *self.aliases]:
+                target = ckpt
+                for pattern, repl in self.renamings:
+                    target = re.sub(pattern, repl, target)
+                if target != ckpt:
+                    self._renamed[target] = ckpt
+        if name in self._renamed:
+            return self._direct(self._renamed[name])
+        for merge in self.merges:
+            merged = merge(name, self._direct)
+            if merged is not None:
+                self.copied += 1
+                return merged
+        return None
+
+    def _direct(self, name: str) -> torch.Tensor | None:
+        if name in self.tensors:
+            return self.tensors[name]
+        if name in self.aliases:
+            return self.tensors.get(self.aliases[name])
+        return None
+
+
+def _conversions(model: nn.Module):
+    """transformers' own load-time conversions for this model, as (renamings, merge functions)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            Concatenate,
+            MergeModulelist,
+            WeightConverter,
+            WeightRenaming,
+        )
+    except ImportError:  # an older transformers without conversion mappings
+        return [], []
+    renamings, merges = [], []
+    for transform in get_model_conversion_mapping(model):
+        if isinstance(transform, WeightRenaming):
+            for src, dst in zip(
+                transform.source_patterns,
+                transform.target_patterns * len(transform.source_patterns),
+                strict=False,
+            ):
+                renamings.append((src, dst))
+        elif isinstance(transform, WeightConverter):
+            ops = [type(op) for op in transform.operations]
+            if (
+                ops not in ([MergeModulelist], [MergeModulelist, Concatenate])
+                or len(transform.target_patterns) != 1
+            ):
+                merges.append(_refusal(transform))
+                continue
+            merges.append(_expert_merge(transform))
+    return renamings, merges
+
+
+def _expert_merge(transform):
+    """`mlp.experts.*.gate_proj.weight` + `...up_proj.weight` -> stacked (and concatenated) `gate_up_proj`."""
+    target = transform.target_patterns[0]
+    stack_dim = transform.operations[0].dim
+    cat_dim = transform.operations[1].dim if len(transform.operations) > 1 else None
+
+    def merge(name: str, direct) -> torch.Tensor | None:
+        if not name.endswith(target):
+            return None
+        prefix = name[: -len(target)]
+        parts = []
+        for source in transform.source_patterns:
+            experts = []
+            for i in range(1 << 16):
+                tensor = direct(prefix + source.replace("*", str(i)))
+                if tensor is None:
+                    break
+                experts.append(tensor)
+            if not experts:
+                return None
+            parts.append(torch.stack(experts, dim=stack_dim))
+        return torch.cat(parts, dim=cat_dim) if cat_dim is not None else parts[0]
+
+    return merge
+
+
+def _refusal(transform):
+    def refuse(name: str, direct) -> None:
+        if any(name.endswith(t) for t in transform.target_patterns):
+            raise ModelLoadError(
+                f"{name}: transformers converts checkpoint tensors {transform.source_patterns} with "
+                f"{[type(op).__name__ for op in transform.operations]}, which keepwarm does not implement"
+            )
+        return None
+
+    return refuse

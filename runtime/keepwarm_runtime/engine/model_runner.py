@@ -1,0 +1,75 @@
+"""ModelRunner: turns a SchedulerOutput into one packed forward pass and returns next-token logits."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import nn
+
+from keepwarm_runtime.engine.attention.metadata import AttentionMetadata, use_metadata
+from keepwarm_runtime.engine.scheduler import SchedulerOutput
+from keepwarm_runtime.engine.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, block_size: int, device: torch.device):
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+
+    def prepare(
+        self, out: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Sequence]]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        context_lens: list[int] = []
+        sample_index: list[int] = []
+        sample_seqs: list[Sequence] = []
+        for seq, n in zip(out.seqs, out.num_scheduled_tokens, strict=True):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            blocks = seq.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            query_start.append(query_start[-1] + n)
+            context_lens.append(end)
+            if end == seq.num_tokens:  # the last known token is in: its logits give the next one
+                sample_index.append(query_start[-1] - 1)
+                sample_seqs.append(seq)
+        query_lens = [e - s for s, e in itertools.pairwise(query_start)]
+        max_blocks = max(len(seq.block_ids) for seq in out.seqs)
+        tables = [seq.block_ids + [0] * (max_blocks - len(seq.block_ids)) for seq in out.seqs]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            query_lens=torch.tensor(query_lens, dtype=torch.long, device=dev),
+            context_lens=torch.tensor(context_lens, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            max_query_len=max(query_lens),
+            max_context_len=max(context_lens),
+            block_size=bs,
+            prefill_only=all(c == q for c, q in zip(context_lens, query_lens, strict=True)),
+            query_lens_list=query_lens,
+            context_lens_list=context_lens,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        return ids, pos, meta, sample_index, sample_seqs
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor | None]:
+        """Sequences that get a new token this step, and their logits [N, vocab] in float32."""
+        ids, pos, meta, sample_index, sample_seqs = self.prepare(out)
+        keep = torch.tensor(sample_index or [0], dtype=torch.long, device=self.device)
+        with use_metadata(meta):
+            result = self.model(
+                input_ids=ids[None], position_ids=pos[None], use_cache=False, logits_to_keep=keep
+            )
+        if not sample_seqs:
+            return [], None
+        return sample_seqs, result.logits[0].float()

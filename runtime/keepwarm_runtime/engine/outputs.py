@@ -1,0 +1,44 @@
+"""What the engine hands back: vLLM-shaped RequestOutput / CompletionOutput / Logprob, and EngineStats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Logprob:
+    logprob: float  # natural-log probability under the model's raw distribution
+    rank: int  # 1 = most likely token
+    decoded_token: str | None = None  # the token's text
+
+
+@dataclass
+class CompletionOutput:
+    index: int  # which of the request's n completions
+    text: str  # generated text so far (stop string removed unless include_stop_str_in_output)
+    token_ids: list[int]  # generated token ids so far
+    cumulative_logprob: float | None  # sum of the sampled tokens' logprobs (None unless logprobs requested)
+    logprobs: list[dict[int, Logprob]] | None  # one dict per generated token: sampled + top alternatives
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None  # the prompt text, when the request came in as text
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]  # n completions, in index order
+    finished: bool  # all completions finished
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclass
+class EngineStats:
+    num_running: int  # sequences in the running batch
+    num_waiting: int  # sequences queued (new or preempted)
+    kv_cache_usage: float  # fraction of KV blocks in use, 0..1
+    num_preemptions: int  # total since start

@@ -1,0 +1,105 @@
+"""SamplingParams (vLLM names) and the TokenConstraint hook used by structured outputs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+_GREEDY_EPS = 1e-5
+
+
+@runtime_checkable
+class TokenConstraint(Protocol):
+    """Per-sequence state machine that restricts which tokens may come next (e.g. a JSON grammar)."""
+
+    def fill_mask(self, logits: torch.Tensor) -> None:
+        """Set the logits of disallowed tokens to -inf, in place (1-D float tensor [vocab])."""
+
+    def accept(self, token_id: int) -> None:
+        """Advance past the sampled token."""
+
+    def is_terminated(self) -> bool:
+        """True once the constraint is complete: the sequence then finishes with reason "stop"."""
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1  # completions per prompt
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus: smallest set of tokens whose probability sums to top_p
+    top_k: int = 0  # keep the k most likely tokens; 0 or -1 keeps all
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one
+    seed: int | None = None  # per-request seed: same seed, same output
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence among generated tokens
+    repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt+output tokens
+    stop: list[str] = field(default_factory=list)  # stop strings (not included in the text by default)
+    stop_token_ids: list[int] = field(default_factory=list)  # extra token ids that end the sequence
+    max_tokens: int | None = 16  # None: until max_model_len
+    min_tokens: int = 0  # EOS and stop tokens are masked until this many tokens are generated
+    ignore_eos: bool = False  # keep going past EOS (benchmarks, parity tests)
+    logprobs: int | None = None  # return the sampled token's logprob plus this many top alternatives
+    prompt_logprobs: int | None = None  # not supported yet: must stay None
+    skip_special_tokens: bool = True  # drop special tokens from the text
+    include_stop_str_in_output: bool = False  # keep the matched stop string in the text
+    constraint_factory: Callable[[], TokenConstraint] | None = None  # one constraint per output sequence
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        checks = [
+            (self.n >= 1, f"n must be at least 1, got {self.n}"),
+            (self.temperature >= 0, f"temperature must be non-negative, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= 0, f"top_k must be -1, 0 (off) or positive, got {self.top_k}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (
+                -2 <= self.presence_penalty <= 2,
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+            ),
+            (
+                -2 <= self.frequency_penalty <= 2,
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+            ),
+            (
+                self.repetition_penalty > 0,
+                f"repetition_penalty must be positive, got {self.repetition_penalty}",
+            ),
+            (
+                self.max_tokens is None or self.max_tokens >= 1,
+                f"max_tokens must be at least 1, got {self.max_tokens}",
+            ),
+            (self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}"),
+            (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+            ),
+            (
+                self.logprobs is None or self.logprobs >= 0,
+                f"logprobs must be non-negative, got {self.logprobs}",
+            ),
+            (self.prompt_logprobs is None, "prompt_logprobs is not supported by the keepwarm engine"),
+            (all(s for s in self.stop), "stop strings must be non-empty"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def needs_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)

@@ -1,0 +1,105 @@
+"""Scheduler: continuous batching by token counts (vLLM v1).
+
+Every sequence's `num_computed_tokens` chases its `num_tokens`. Each step hands out a budget of
+`max_num_batched_tokens`: running sequences first (a decode needs one token, an unfinished prefill its
+next chunk), then waiting ones in arrival order while there is room for another sequence. Prefix hits
+and chunked prefill need no special mode: they just start a sequence at a later `num_computed_tokens`
+or give it fewer tokens than it has left. When blocks run out the newest running sequence is
+preempted: its blocks are freed and it is recomputed later from the start.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from keepwarm_runtime.engine.block_manager import BlockManager
+from keepwarm_runtime.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[Sequence] = field(default_factory=list)  # batch order
+    num_scheduled_tokens: list[int] = field(default_factory=list)  # tokens computed this step, per seq
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate(seq, seq.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                out.seqs.append(seq)
+                out.num_scheduled_tokens.append(n)
+                budget -= n
+                i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            hits = self.block_manager.find_cached_prefix(seq)
+            num_computed = len(hits) * self.block_manager.block_size
+            n = min(seq.num_tokens - num_computed, budget)
+            if not self.block_manager.allocate(seq, num_computed + n, hits):
+                break
+            self.waiting.popleft()
+            seq.num_computed_tokens = num_computed
+            if seq.num_output_tokens == 0:
+                seq.num_cached_tokens = num_computed
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.seqs.append(seq)
+            out.num_scheduled_tokens.append(n)
+            budget -= n
+        return out
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """The scheduled tokens are now in the KV cache."""
+        for seq, n in zip(out.seqs, out.num_scheduled_tokens, strict=True):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Free a finished or aborted sequence's blocks at once."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        self.block_manager.free(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1

@@ -1,0 +1,76 @@
+"""Sequence: one output stream of a request (a request with n=3 has three), and its lifecycle.
+
+Field ownership (so no two classes fight over the same state): the scheduler owns status,
+num_computed_tokens, block_ids and block_hashes; the engine's postprocessing owns token_ids and the
+output fields (finish/stop reason, logprobs, text).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from keepwarm_runtime.engine.outputs import Logprob
+from keepwarm_runtime.engine.sampling_params import SamplingParams, TokenConstraint
+
+_arrivals = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    index: int  # completion index within the request
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    token_ids: list[int] = field(init=False)  # prompt + generated tokens
+    arrival: int = field(init=False, default_factory=lambda: next(_arrivals))  # FCFS order
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache at admission
+    block_ids: list[int] = field(default_factory=list)  # KV blocks, in token order
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks so far
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    text: str = ""  # detokenized output, stop string already cut
+    constraint: TokenConstraint | None = None
+    generator: torch.Generator | None = None  # per-sequence RNG when the request has a seed
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def seq_id(self) -> str:
+        return f"{self.request_id}#{self.index}"
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
