@@ -110,14 +110,25 @@ def start_server(
     port = port or free_port()
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "keepwarm_runtime.cli", "serve", str(model_dir),
-               "--host", "127.0.0.1", "--port", str(port), *args]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "keepwarm_runtime.cli",
+        "serve",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *args,
+    ]
     # The parent's serve settings (KEEPWARM_PORT, KEEPWARM_CACHE_SOCKET_DIR, ...) must not leak in.
     child_env = {k: v for k, v in os.environ.items() if k not in serve_env_vars()}
     child_env |= {"PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=child_env,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True
+        )
     return ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
 
 

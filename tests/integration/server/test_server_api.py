@@ -127,8 +127,11 @@ def test_openai_error_shapes(served, client):
     with pytest.raises(openai.BadRequestError) as too_many:
         client.completions.create(model="tiny", prompt="x", max_tokens=max_model_len * 2)
     assert too_many.value.body["code"] == "context_length_exceeded"
-    malformed = httpx.post(served.proc.url + "/v1/chat/completions", content=b'{"messages": [',
-                           headers={"content-type": "application/json"})  # fmt: skip
+    malformed = httpx.post(
+        served.proc.url + "/v1/chat/completions",
+        content=b'{"messages": [',
+        headers={"content-type": "application/json"},
+    )
     assert malformed.status_code == 400
     assert set(malformed.json()["error"]) == {"message", "type", "param", "code"}
     assert malformed.json()["error"]["code"] == "invalid_json"
