@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from keepwarm_runtime.cache.client import attach
 from keepwarm_runtime.engine.attention.dispatch import register_keepwarm_attention
 from keepwarm_runtime.engine.attention.fuser import IMPLEMENTATION
 from keepwarm_runtime.engine.config import EngineConfig
-from keepwarm_runtime.engine.weights import attach_weights
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +49,13 @@ def load_model(config: EngineConfig) -> tuple[nn.Module, LoadInfo]:
             hf_config, dtype=config.torch_dtype, attn_implementation=IMPLEMENTATION
         )
     model.eval()
-    res = attach_weights(
+    res = attach(
         config.model_dir,
         config.cache_socket_dir,
-        config.torch_dtype,
-        config.device,
-        config.cache_mode,
-        config.cache_fallback,
+        dtype=config.torch_dtype,
+        device=config.device,
+        mode=config.cache_mode,
+        fallback=config.cache_fallback,
     )
     copied = fill_parameters(model, res.tensors, res.aliases)
     materialize_buffers(model, torch.device(config.device))
