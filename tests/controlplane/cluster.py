@@ -211,7 +211,8 @@ class ControlPlane:
         prefix: str = "gpu-node",
         taints: list[dict] | None = None,
     ) -> list[str]:
-        """Register n Ready fake GPU nodes (capacity `nvidia.com/gpu: gpus`); returns their names."""
+        """Register n Ready fake GPU nodes (capacity `nvidia.com/gpu: gpus`); returns their names once
+        the node lifecycle controller has lifted the `not-ready` taint every new Node is born with."""
         assert self.kubelet is not None, "control plane not started"
         names = []
         for _ in range(n):
@@ -219,6 +220,17 @@ class ControlPlane:
             name = f"{prefix}-{self._node_seq}"
             self.kubelet.add_node(name, labels=labels, gpus=gpus, taints=taints)
             names.append(name)
+
+        def schedulable() -> bool:
+            nodes = self.http.get("/api/v1/nodes").json()["items"]
+            return not any(
+                t["key"] == "node.kubernetes.io/not-ready"
+                for node in nodes
+                if node["metadata"]["name"] in names
+                for t in node["spec"].get("taints", [])
+            )
+
+        self.wait_for(schedulable, timeout_s=60 + n, what=f"{n} new nodes losing their not-ready taint")
         return names
 
     def remove_node(self, name: str, *, delete_pods: bool = True) -> None:
