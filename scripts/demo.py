@@ -47,7 +47,7 @@ def ensure_model(model_dir: Path, params: str) -> None:
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
 
 
-def start_daemon(model_dir: Path, socket_dir: Path, dtype: str, log_path: Path) -> subprocess.Popen:
+def start_daemon(model_dir: Path, socket_dir: Path, dtype: str, log_path: Path, children: list) -> None:
     command = keepwarm(
         "cache",
         "serve",
@@ -62,6 +62,7 @@ def start_daemon(model_dir: Path, socket_dir: Path, dtype: str, log_path: Path) 
     )
     with open(log_path, "wb") as out:
         daemon = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    children.append(daemon)  # at once, so an interrupt while it loads still stops it
     deadline = time.monotonic() + 120
     while not (socket_dir / "host.sock").exists():
         if daemon.poll() is not None or time.monotonic() > deadline:
@@ -69,7 +70,6 @@ def start_daemon(model_dir: Path, socket_dir: Path, dtype: str, log_path: Path) 
                 f"cache daemon did not come up; see {log_path}:\n{log_path.read_text()[-2000:]}"
             )
         time.sleep(0.1)
-    return daemon
 
 
 def serve_and_ask(model_dir: Path, log_path: Path, args: list[str], label: str, children: list) -> dict:
@@ -122,7 +122,9 @@ def main() -> int:
     def interrupted(signum, _frame):
         raise KeyboardInterrupt(f"signal {signum}")
 
+    # Explicit for SIGINT too: a shell starts background jobs with SIGINT ignored.
     signal.signal(signal.SIGTERM, interrupted)
+    signal.signal(signal.SIGINT, interrupted)
     children: list[ServerProcess | subprocess.Popen] = []
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="keepwarm-demo-") as tmp:
@@ -132,7 +134,7 @@ def main() -> int:
         try:
             ensure_model(args.model_dir, args.params)
             log("cache daemon: starting keepwarm cache serve (host tier)")
-            children.append(start_daemon(args.model_dir, socket_dir, args.dtype, tmp_path / "daemon.log"))
+            start_daemon(args.model_dir, socket_dir, args.dtype, tmp_path / "daemon.log", children)
             log("cache daemon: model resident")
             common = ["--dtype", args.dtype, "--kv-cache-memory-gib", "0.25"]
             rows = [
