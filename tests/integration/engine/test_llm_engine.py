@@ -1,0 +1,141 @@
+"""LLMEngine behaviour on a real tiny checkpoint: stops, n, logprobs, abort, preemption, prefix cache,
+chat, and weights from the node cache giving the same tokens as weights from disk."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from keepwarm_runtime import LLM, SamplingParams
+from keepwarm_runtime.engine.config import EngineConfig
+from keepwarm_runtime.engine.llm_engine import LLMEngine
+
+pytestmark = pytest.mark.integration
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_tiny):
+    return make_tiny("llama")
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir) -> LLM:
+    return LLM(model_dir, block_size=4, num_kv_blocks=128)
+
+
+def prompts(n: int, length: int = 20, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        {"prompt_token_ids": torch.randint(10, 2000, (length + i,), generator=g).tolist()} for i in range(n)
+    ]
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_weights_from_the_cache_match_weights_from_disk(model_dir, llm, tmp_path) -> None:
+    from keepwarm_runtime.cache.daemon import CacheDaemon, DaemonConfig
+
+    daemon = CacheDaemon(DaemonConfig(socket_dir=tmp_path / "sock", tier="host", dtype="float32"))
+    daemon.add_model(model_dir)
+    daemon.bind()
+    server = threading.Thread(target=daemon.serve_forever, daemon=True)
+    server.start()
+    try:
+        cached = LLM(
+            model_dir,
+            block_size=4,
+            num_kv_blocks=128,
+            cache_socket_dir=str(tmp_path / "sock"),
+            cache_fallback=False,
+        )
+        assert cached.engine.load_info[0] == "cache" and llm.engine.load_info[0] == "disk"
+        batch = prompts(6)
+        assert tokens(cached.generate(batch, GREEDY)) == tokens(llm.generate(batch, GREEDY))
+    finally:
+        daemon.stop()
+        server.join(timeout=10)  # serve_forever closes the daemon on its way out
+
+
+def test_stop_token_string_and_length(llm) -> None:
+    prompt = prompts(1)
+    free = llm.generate(prompt, GREEDY)[0].outputs[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 12
+    stop_id = free.token_ids[3]
+    by_id = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_id]))
+    first = free.token_ids.index(stop_id)
+    assert by_id[0].outputs[0].token_ids == free.token_ids[: first + 1]
+    assert (by_id[0].outputs[0].finish_reason, by_id[0].outputs[0].stop_reason) == ("stop", stop_id)
+    stop_text = free.text[len(free.text) // 2 :][:3]
+    by_text = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop=[stop_text]))[0].outputs[
+        0
+    ]
+    assert by_text.finish_reason == "stop" and by_text.stop_reason == stop_text
+    assert by_text.text == free.text[: free.text.index(stop_text)]
+
+
+def test_n_seeded_samples_and_logprobs(llm) -> None:
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6, logprobs=2, ignore_eos=True)
+    first = llm.generate(prompts(1), params)[0]
+    again = llm.generate(prompts(1), params)[0]
+    assert [o.index for o in first.outputs] == [0, 1, 2]
+    assert tokens([first]) == tokens([again])
+    assert len({tuple(o.token_ids) for o in first.outputs}) > 1
+    out = first.outputs[0]
+    assert len(out.logprobs) == 6 and all(t in lp for t, lp in zip(out.token_ids, out.logprobs, strict=True))
+    assert out.cumulative_logprob == pytest.approx(
+        sum(lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs, strict=True))
+    )
+
+
+def test_abort_frees_blocks_at_once(llm) -> None:
+    engine = llm.engine
+    engine.add_request("x", prompts(1, length=30)[0]["prompt_token_ids"], GREEDY)
+    engine.step()
+    assert engine.stats().kv_cache_usage > 0
+    engine.abort_request("x")
+    engine.abort_request("unknown")
+    assert engine.stats().kv_cache_usage == 0 and not engine.has_unfinished_requests()
+
+
+def test_preemption_and_chunked_prefill_do_not_change_greedy_output(model_dir, llm) -> None:
+    batch = prompts(8, length=12)
+    expected = tokens(llm.generate(batch, GREEDY))
+    tight = LLM(
+        model_dir, block_size=4, num_kv_blocks=24, max_num_batched_tokens=16, enable_prefix_caching=False
+    )
+    assert tokens(tight.generate(batch, GREEDY)) == expected
+    assert tight.engine.stats().num_preemptions > 0
+
+
+def test_prefix_cache_hits_give_the_same_tokens(llm) -> None:
+    shared = prompts(1, length=40, seed=5)[0]["prompt_token_ids"]
+    batch = [{"prompt_token_ids": [*shared, 7 + i]} for i in range(3)]
+    first = llm.generate(batch[:1], GREEDY)
+    rest = llm.generate(batch, GREEDY)
+    assert rest[0].num_cached_tokens >= 36
+    assert tokens(rest[:1]) == tokens(first)
+
+
+def test_chat_renders_one_bos(llm) -> None:
+    out = llm.chat([{"role": "user", "content": "Hello!"}], SamplingParams(max_tokens=4))[0]
+    bos = llm.get_tokenizer().bos_token_id
+    assert out.prompt_token_ids.count(bos) == 1 and out.prompt_token_ids[0] == bos
+    assert len(out.outputs[0].token_ids) <= 4 and isinstance(out.outputs[0].text, str)
+    text_out = llm.generate("Hello", SamplingParams(max_tokens=2))[0]
+    assert text_out.prompt_token_ids[0] == bos and text_out.prompt == "Hello"
+
+
+def test_bad_requests_are_rejected_clearly(model_dir) -> None:
+    engine = LLMEngine(EngineConfig(model_dir, num_kv_blocks=8, block_size=4))
+    assert engine.max_model_len == 32
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("a", list(range(40)), SamplingParams())
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("b", [], SamplingParams())
+    with pytest.raises(ValueError, match="token ids must be in"):
+        engine.add_request("c", [10**9], SamplingParams())
