@@ -140,3 +140,23 @@ def test_openai_error_shapes(served, client):
     metrics = served.proc.metrics()
     assert metrics['keepwarm_http_requests_total{endpoint="/v1/chat/completions",status="404"}'] >= 1
     assert metrics['keepwarm_http_requests_total{endpoint="/v1/chat/completions",status="400"}'] >= 2
+
+
+def test_request_metrics_are_recorded(served, client):
+    client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, seed=1)
+    metrics = served.proc.metrics()
+    for name in (
+        "keepwarm_time_to_first_token_seconds_count",
+        "keepwarm_time_per_output_token_seconds_count",
+        "keepwarm_e2e_request_latency_seconds_count",
+        "keepwarm_prompt_tokens_total",
+        "keepwarm_generation_tokens_total",
+        'keepwarm_http_requests_total{endpoint="/v1/chat/completions",status="200"}',
+    ):
+        assert metrics[name] > 0, name
+    for gauge in (
+        "keepwarm_num_requests_running",
+        "keepwarm_num_requests_waiting",
+        "keepwarm_kv_cache_usage_ratio",
+    ):
+        assert gauge in metrics
