@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import random
 import sys
@@ -59,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
     priority = args.priority if args.priority is not None else random.randint(1, 1_000_000)
     level = args.log_level.upper()
     kopf.configure(verbose=level == "DEBUG", quiet=level in ("WARNING", "ERROR"))  # kopf owns logging
+    if level != "DEBUG":  # one INFO line per timer tick and object is noise; failures still show
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     asyncio.run(
         kopf.operator(
             clusterwide=not args.namespace,
