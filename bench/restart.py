@@ -53,7 +53,7 @@ def checkpoint_for(size_gib: float, root: Path) -> Path:
 # -- child side: one load path in this (fresh) process -------------------------------------------
 
 
-def model_from_tensors(model_dir: str, tensors: dict, aliases: dict, dtype):
+def model_from_tensors(model_dir: str, tensors: dict, aliases: dict, dtype, device="cpu"):
     """A transformers model built on the meta device whose parameters are ``tensors`` (no copy)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -67,11 +67,13 @@ def model_from_tensors(model_dir: str, tensors: dict, aliases: dict, dtype):
     for name, module in list(model.named_modules()):
         if any(b.is_meta for b in module.buffers(recurse=False)):  # non-persistent, e.g. rotary inv_freq
             parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-            setattr(parent, name.rpartition(".")[2], type(module)(config=config))
+            setattr(parent, name.rpartition(".")[2], type(module)(config=config, device=device))
     return model.eval()
 
 
-def run_child(mode: str, model_dir: str, dtype_name: str, socket_dir: str | None) -> dict:
+def run_child(
+    mode: str, model_dir: str, dtype_name: str, socket_dir: str | None, device: str = "cpu"
+) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -92,18 +94,25 @@ def run_child(mode: str, model_dir: str, dtype_name: str, socket_dir: str | None
         num_key_value_heads=2,
         vocab_size=128,
     )
-    AutoModelForCausalLM.from_config(tiny, dtype=dtype)(torch.arange(1, 5).view(1, -1))
-    ids = torch.arange(1, PROMPT_LEN + 1).view(1, -1)
+    warmup = AutoModelForCausalLM.from_config(tiny, dtype=dtype).to(device)
+    warmup(torch.arange(1, 5, device=device).view(1, -1))
+    ids = torch.arange(1, PROMPT_LEN + 1, device=device).view(1, -1)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync()
     started = time.perf_counter()
     source, reason = "hf", None
     if mode == "hf":
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        kwargs = {"device_map": device} if device != "cpu" else {}
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kwargs)
     else:
-        res = attach(model_dir, socket_dir if mode == "warm" else None, dtype=dtype, fallback=False)
+        sock = socket_dir if mode == "warm" else None
+        res = attach(model_dir, sock, dtype=dtype, device=device, fallback=False)
         source, reason = res.source, res.reason
-        model = model_from_tensors(model_dir, res.tensors, res.aliases, dtype)
+        model = model_from_tensors(model_dir, res.tensors, res.aliases, dtype, device)
+    sync()
     loaded = time.perf_counter()
     logits = model(ids).logits
+    sync()
     done = time.perf_counter()
     return {
         "mode": mode,
@@ -122,17 +131,18 @@ def _child_main(argv: list[str]) -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--dtype", required=True)
     p.add_argument("--socket-dir", default=None)
+    p.add_argument("--device", default="cpu")
     a = p.parse_args(argv)
-    print("RESULT " + json.dumps(run_child(a.child, a.model, a.dtype, a.socket_dir)), flush=True)
+    print("RESULT " + json.dumps(run_child(a.child, a.model, a.dtype, a.socket_dir, a.device)), flush=True)
     return 0
 
 
 # -- parent side -------------------------------------------------------------------------------
 
 
-def _spawn(mode: str, model: Path, dtype: str, socket_dir: Path | None) -> tuple[dict, float]:
+def _spawn(mode: str, model: Path, dtype: str, socket_dir: Path | None, device: str) -> tuple[dict, float]:
     """Run one child; returns (its result, whole-process wall seconds up to the result line)."""
-    cmd = [*CHILD, "--child", mode, "--model", str(model), "--dtype", dtype]
+    cmd = [*CHILD, "--child", mode, "--model", str(model), "--dtype", dtype, "--device", device]
     if socket_dir is not None:
         cmd += ["--socket-dir", str(socket_dir)]
     env = os.environ | {
@@ -151,14 +161,15 @@ def _spawn(mode: str, model: Path, dtype: str, socket_dir: Path | None) -> tuple
     return result, wall
 
 
-def _best(mode: str, model: Path, dtype: str, socket_dir: Path | None, repeats: int) -> dict:
-    runs = [_spawn(mode, model, dtype, socket_dir) for _ in range(repeats)]
+def _best(mode: str, model: Path, dtype: str, socket_dir: Path | None, repeats: int, device: str) -> dict:
+    runs = [_spawn(mode, model, dtype, socket_dir, device) for _ in range(repeats)]
     best = min(runs, key=lambda r: r[0]["seconds"])
     return best[0] | {"process_s": min(r[1] for r in runs)}
 
 
 class _Daemon:
-    def __init__(self, model: Path, dtype: str, socket_dir: Path) -> None:
+    def __init__(self, model: Path, dtype: str, socket_dir: Path, device: str) -> None:
+        tier = ["--tier", "gpu", "--device", device] if device.startswith("cuda") else ["--tier", "host"]
         cmd = [
             sys.executable,
             "-m",
@@ -169,8 +180,7 @@ class _Daemon:
             str(model),
             "--socket-dir",
             str(socket_dir),
-            "--tier",
-            "host",
+            *tier,
             "--dtype",
             dtype,
         ]
@@ -207,7 +217,9 @@ def _page_facts() -> dict:
     }
 
 
-def run(size_gib: float, serving_dtype: str, repeats: int = 2, work_dir: Path | None = None) -> dict:
+def run(
+    size_gib: float, serving_dtype: str, repeats: int = 2, work_dir: Path | None = None, device: str = "cpu"
+) -> dict:
     from keepwarm_runtime.cache.checkpoint import read_checkpoint
 
     root = work_dir or Path(
@@ -220,20 +232,21 @@ def run(size_gib: float, serving_dtype: str, repeats: int = 2, work_dir: Path | 
         "num_tensors": sum(len(s.tensors) for s in shards),
         "checkpoint_dtype": CHECKPOINT_DTYPE,
         "serving_dtype": serving_dtype,
-        "device": "cpu",
-        "tier": "host",
+        "device": device,
+        "tier": "gpu" if device.startswith("cuda") else "host",
         "prompt_tokens": PROMPT_LEN,
         "repeats": repeats,
         "cpus": os.cpu_count(),
         "machine": platform.machine(),
+        "loadavg_1m_start": round(os.getloadavg()[0], 2),
         **_page_facts(),
     }
-    hf = _best("hf", model, serving_dtype, None, repeats)
-    disk = _best("disk", model, serving_dtype, None, repeats)
+    hf = _best("hf", model, serving_dtype, None, repeats, device)
+    disk = _best("disk", model, serving_dtype, None, repeats, device)
     with tempfile.TemporaryDirectory(prefix="keepwarm-bench-") as tmp:
-        daemon = _Daemon(model, serving_dtype, Path(tmp) / "wc")
+        daemon = _Daemon(model, serving_dtype, Path(tmp) / "wc", device)
         try:
-            warm = _best("warm", model, serving_dtype, Path(tmp) / "wc", repeats)
+            warm = _best("warm", model, serving_dtype, Path(tmp) / "wc", repeats, device)
         finally:
             daemon.stop()
     if warm["source"] != "cache":
@@ -269,9 +282,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size-gib", type=float, default=0.5)
     p.add_argument("--serving-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu (host tier) or cuda:N (gpu tier)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    result = run(a.size_gib, a.serving_dtype, a.repeats)
+    result = run(a.size_gib, a.serving_dtype, a.repeats, device=a.device)
     print(json.dumps(result) if a.json else json.dumps(result, indent=2))
     return 0
 
