@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Iterator
 
 import pytest
 
@@ -17,10 +18,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.fixture
-def namespace(control_plane: ControlPlane) -> str:
+def namespace(control_plane: ControlPlane) -> Iterator[str]:
     name = f"smoke-{uuid.uuid4().hex[:6]}"
     control_plane.kubectl("create", "namespace", name)
-    return name
+    yield name
+    control_plane.kubectl("delete", "namespace", name, "--wait=false")
 
 
 def get_json(cp: ControlPlane, path: str) -> dict:

@@ -1,0 +1,232 @@
+"""Operator scale run on the real test control plane: N InferenceDeployments over M fake GPU nodes.
+
+    .venv/bin/python bench/operator_scale.py [--crs 200] [--nodes 100] [--json-out FILE]
+
+Starts etcd + kube-apiserver + controller-manager + scheduler + fake kubelet (tests/controlplane),
+installs the CRDs and the chart's RBAC, runs `keepwarm-operator run` in a subprocess as the chart's
+ServiceAccount (the end-to-end tests' harness), makes one WeightCache over all nodes, creates the
+InferenceDeployments one after another as fast as one client can, and prints JSON:
+  deployment_latency_s   CR created -> a Deployment owned by it exists (p50/p99/max/mean)
+  status_latency_s       CR created -> status.observedGeneration == metadata.generation
+  available_latency_s    CR created -> condition Available=True (scheduling + fake kubelet included)
+  operator_rss_mib       operator resident memory at the end; operator_peak_rss_mib its VmHWM;
+                         operator_rss_mib_idle before the first CR
+Latencies run from a client timestamp taken just before each create to the watch event that shows
+the result, so they include watch delivery. A benchmark, not a test: nothing here asserts speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.controlplane.build import build_control_plane  # noqa: E402
+from tests.controlplane.cluster import ControlPlane  # noqa: E402
+from tests.integration.operator.harness import (  # noqa: E402
+    GROUP_PATH,
+    OperatorProcess,
+    install_chart_rbac,
+    install_crds,
+)
+
+NAMESPACE = "scale"
+
+
+def percentiles(values: list[float]) -> dict[str, float | int]:
+    if not values:
+        return {"n": 0}
+    ordered = sorted(values)
+
+    def pct(p: float) -> float:
+        return round(ordered[min(len(ordered) - 1, round(p * (len(ordered) - 1)))], 3)
+
+    return {"n": len(ordered), "p50": pct(0.5), "p99": pct(0.99), "max": round(ordered[-1], 3),
+            "mean": round(statistics.fmean(ordered), 3)}  # fmt: skip
+
+
+class Watcher(threading.Thread):
+    """Records the first time each named object in NAMESPACE satisfies `done(obj)`."""
+
+    def __init__(self, cp: ControlPlane, path: str, done, key=lambda obj: obj["metadata"]["name"]) -> None:
+        super().__init__(daemon=True)
+        self.client = cp.http_client(httpx.Timeout(30.0, read=None))
+        self.path, self.done, self.key = path, done, key
+        self.seen: dict[str, float] = {}
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                listing = self.client.get(self.path).json()
+                for obj in listing["items"]:
+                    self._check(obj)
+                params = {"watch": "1", "resourceVersion": listing["metadata"]["resourceVersion"],
+                          "timeoutSeconds": "30"}  # fmt: skip
+                with self.client.stream("GET", self.path, params=params) as resp:
+                    for line in resp.iter_lines():
+                        if self.stop.is_set():
+                            return
+                        if line:
+                            event = json.loads(line)
+                            if event["type"] in ("ADDED", "MODIFIED"):
+                                self._check(event["object"])
+            except (httpx.HTTPError, KeyError, json.JSONDecodeError):
+                time.sleep(0.5)
+
+    def _check(self, obj: dict) -> None:
+        key = self.key(obj)
+        if key and key not in self.seen and self.done(obj):
+            self.seen[key] = time.monotonic()
+
+
+def inference_deployment(name: str) -> dict:
+    return {
+        "apiVersion": "keepwarm.dev/v1alpha1",
+        "kind": "InferenceDeployment",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {"model": {"cacheRef": "scale", "name": "m"}, "replicas": 1, "gpusPerPod": 1},
+    }
+
+
+WEIGHT_CACHE = {
+    "apiVersion": "keepwarm.dev/v1alpha1",
+    "kind": "WeightCache",
+    "metadata": {"name": "scale"},
+    "spec": {
+        "tier": "host",
+        "nodeSelector": {"pool": "scale"},
+        "models": [{"name": "m", "source": {"path": "/m"}}],
+    },
+}
+
+
+def owner_name(obj: dict) -> str | None:
+    for ref in obj["metadata"].get("ownerReferences", []):
+        if ref.get("kind") == "InferenceDeployment":
+            return ref["name"]
+    return None
+
+
+def observed(obj: dict) -> bool:
+    return (obj.get("status") or {}).get("observedGeneration") == obj["metadata"].get("generation")
+
+
+def available(obj: dict) -> bool:
+    return any(
+        c["type"] == "Available" and c["status"] == "True"
+        for c in (obj.get("status") or {}).get("conditions", [])
+    )
+
+
+def memory_mib(pid: int) -> dict[str, float]:
+    """VmRSS (now) and VmHWM (peak) of a process, in MiB."""
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = round(int(value.split()[0]) / 1024, 1)
+    return out
+
+
+def run(cp: ControlPlane, args: argparse.Namespace, result: dict) -> None:
+    t0 = time.monotonic()
+    cp.add_gpu_nodes(args.nodes, labels={"pool": "scale"}, prefix="scale")
+    result["nodes_register_s"] = round(time.monotonic() - t0, 1)
+    install_crds(cp)
+    install_chart_rbac(cp)  # the operator runs as the chart's ServiceAccount, with the chart's RBAC
+    op = OperatorProcess(cp, cp.logs, resync_s=args.resync_seconds).start()
+    try:
+        result["operator_rss_mib_idle"] = memory_mib(op.proc.pid)["VmRSS"]
+        cp.kubectl("apply", "-f", "-", input=json.dumps(WEIGHT_CACHE))
+        cp.kubectl("create", "namespace", NAMESPACE)
+        watchers = {
+            "deployment": Watcher(
+                cp, f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments", lambda d: True, owner_name
+            ),
+            "status": Watcher(cp, f"{GROUP_PATH}/namespaces/{NAMESPACE}/inferencedeployments", observed),
+            "available": Watcher(cp, f"{GROUP_PATH}/namespaces/{NAMESPACE}/inferencedeployments", available),
+        }
+        for w in watchers.values():
+            w.start()
+        time.sleep(1.0)  # let the watches open before the first create
+
+        created: dict[str, float] = {}
+        t_create = time.monotonic()
+        for i in range(args.crs):
+            name = f"idep-{i:04d}"
+            created[name] = time.monotonic()
+            resp = cp.http.post(
+                f"{GROUP_PATH}/namespaces/{NAMESPACE}/inferencedeployments", json=inference_deployment(name)
+            )
+            if resp.status_code != 201:
+                raise RuntimeError(f"create {name}: HTTP {resp.status_code}: {resp.text}")
+        result["create_all_s"] = round(time.monotonic() - t_create, 2)
+
+        deadline = time.monotonic() + args.timeout_s
+        while time.monotonic() < deadline and op.proc.poll() is None:
+            if all(len(w.seen) >= args.crs for w in watchers.values()):
+                break
+            time.sleep(0.5)
+        result["all_converged_s"] = round(time.monotonic() - t_create, 1)
+        for label, w in watchers.items():
+            result[f"{label}_latency_s"] = percentiles(
+                [w.seen[n] - created[n] for n in created if n in w.seen]
+            )
+            w.stop.set()
+        result["operator_alive"] = op.proc.poll() is None
+        if result["operator_alive"]:
+            mem = memory_mib(op.proc.pid)
+            result["operator_rss_mib"] = mem["VmRSS"]
+            result["operator_peak_rss_mib"] = mem["VmHWM"]
+        result["operator_log_errors"] = len(op.errors())
+        result["fake_kubelet"] = {
+            "pods_started": cp.kubelet.stats.pods_started,
+            "errors": cp.kubelet.stats.errors,
+        }
+    finally:
+        op.stop()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--crs", type=int, default=200, help="InferenceDeployments to create")
+    ap.add_argument("--nodes", type=int, default=100, help="fake GPU nodes (8 GPUs each)")
+    ap.add_argument("--resync-seconds", type=float, default=30.0, help="operator resync period")
+    ap.add_argument("--timeout-s", type=float, default=600.0, help="give up waiting after this long")
+    ap.add_argument("--json-out", type=Path, default=None)
+    ap.add_argument("--keep-logs", type=Path, default=None, help="copy the component and operator logs here")
+    args = ap.parse_args()
+
+    t0 = time.monotonic()
+    bin_dir = build_control_plane()
+    result: dict = {"crs": args.crs, "nodes": args.nodes, "build_or_cache_s": round(time.monotonic() - t0, 1)}
+    t0 = time.monotonic()
+    with ControlPlane(bin_dir) as cp:
+        result["control_plane_start_s"] = round(time.monotonic() - t0, 1)
+        try:
+            run(cp, args, result)
+        finally:
+            if args.keep_logs:
+                shutil.copytree(cp.logs, args.keep_logs, dirs_exist_ok=True)
+    result["machine"] = f"{os.cpu_count()}-core CPU, shared with other work"
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json_out:
+        args.json_out.write_text(text + "\n")
+    return 0 if result.get("deployment_latency_s", {}).get("n") == args.crs else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
