@@ -1,0 +1,101 @@
+"""Torch attention backend against a naive per-sequence reference: mixed prefill/decode batches with
+cached prefixes, GQA, MLA-style value width, sliding windows, softcapping and sinks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from keepwarm_runtime.engine.attention.layer import KeepwarmAttention
+from keepwarm_runtime.engine.attention.metadata import AttentionMetadata, use_metadata
+from keepwarm_runtime.engine.attention.torch_backend import TorchAttentionBackend
+
+BS = 4  # block size
+
+
+def naive(q, k, v, scale, window=None, softcap=None, sinks=None):
+    """q [Q, H, D] at the last Q positions of k/v [L, Hkv, D]."""
+    Q, H, _ = q.shape
+    L, Hkv, _ = k.shape
+    g = H // Hkv
+    out = []
+    for h in range(H):
+        kh, vh = k[:, h // g], v[:, h // g]
+        s = (q[:, h] @ kh.T) * scale
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        qpos = torch.arange(L - Q, L)[:, None]
+        kpos = torch.arange(L)[None, :]
+        allowed = kpos <= qpos
+        if window:
+            allowed &= qpos - kpos < window
+        s = s.masked_fill(~allowed, -math.inf)
+        if sinks is not None:
+            s = torch.cat([s, sinks[h].expand(Q, 1)], dim=1)
+            p = torch.softmax(s, -1)[:, :-1]
+        else:
+            p = torch.softmax(s, -1)
+        out.append(p @ vh)
+    return torch.stack(out, 1)  # [Q, H, Dv]
+
+
+@pytest.mark.parametrize(
+    "window,softcap,use_sinks",
+    [(None, None, False), (3, None, False), (None, 5.0, False), (None, None, True), (4, 30.0, True)],
+)
+@pytest.mark.parametrize("prefill_only", [False, True])
+def test_paged_batch_matches_naive(window, softcap, use_sinks, prefill_only) -> None:
+    torch.manual_seed(0)
+    H, Hkv, Dk, Dv = 4, 2, 8, 6
+    # (cached tokens, new tokens) per sequence: a chunk after a prefix, a decode, a fresh prompt
+    shapes = [(0, 5), (0, 1), (0, 7)] if prefill_only else [(5, 3), (9, 1), (0, 6)]
+    layer = KeepwarmAttention(0, None, "Test")
+    layer.backend = TorchAttentionBackend()
+    num_blocks = 16
+    layer.k_cache = torch.zeros(num_blocks, BS, Hkv, Dk)
+    layer.v_cache = torch.zeros(num_blocks, BS, Hkv, Dv)
+    free = list(range(num_blocks))[::-1]  # hand out blocks out of order on purpose
+    seqs, slots, qs, ks, vs = [], [], [], [], []
+    for cached, new in shapes:
+        total = cached + new
+        blocks = [free.pop() for _ in range(-(-total // BS))]
+        k, v = torch.randn(total, Hkv, Dk), torch.randn(total, Hkv, Dv)
+        for p in range(cached):  # earlier steps wrote these
+            layer.k_cache[blocks[p // BS], p % BS] = k[p]
+            layer.v_cache[blocks[p // BS], p % BS] = v[p]
+        seqs.append((cached, new, blocks, k, v, torch.randn(new, H, Dk)))
+        slots += [blocks[p // BS] * BS + p % BS for p in range(cached, total)]
+        qs.append(seqs[-1][5])
+        ks.append(k[cached:])
+        vs.append(v[cached:])
+    max_blocks = max(len(s[2]) for s in seqs)
+    qlens = [s[1] for s in seqs]
+    ctx = [s[0] + s[1] for s in seqs]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        query_start=torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32),
+        query_lens=torch.tensor(qlens),
+        context_lens=torch.tensor(ctx),
+        block_tables=torch.tensor([s[2] + [0] * (max_blocks - len(s[2])) for s in seqs], dtype=torch.int32),
+        max_query_len=max(qlens),
+        max_context_len=max(ctx),
+        block_size=BS,
+        prefill_only=prefill_only,
+        query_lens_list=qlens,
+        context_lens_list=ctx,
+    )
+    sinks = torch.randn(H) if use_sinks else None
+    scale = 0.3
+    layer.scale = scale
+    q = torch.cat(qs).transpose(0, 1)[None]  # [1, H, T, D] as transformers hands it over
+    k = torch.cat(ks).transpose(0, 1)[None]
+    v = torch.cat(vs).transpose(0, 1)[None]
+    with use_metadata(meta):
+        out = layer(q, k, v, window, softcap, sinks)[0]  # [T, H, Dv]
+    start = 0
+    for _cached, new, _, k_all, v_all, q_seq in seqs:
+        want = naive(q_seq, k_all, v_all, scale, window, softcap, sinks)
+        torch.testing.assert_close(out[start : start + new], want, rtol=1e-5, atol=1e-5)
+        start += new
