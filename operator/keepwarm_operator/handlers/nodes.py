@@ -51,7 +51,7 @@ def weightcachenode_changed(body: kopf.Body, type: str | None, memo: Any, **_: A
     status = WeightCacheNodeStatus.model_validate(body.get("status") or {})
     resident = frozenset() if type == "DELETED" else frozenset(status.resident())
     with ctx.lock:
-        changed = ctx.resident.get(name) != resident
+        changed = ctx.resident.get(name, frozenset()) != resident  # a new, empty node changes nothing
         if type == "DELETED":
             ctx.resident.pop(name, None)
         else:
@@ -60,6 +60,10 @@ def weightcachenode_changed(body: kopf.Body, type: str | None, memo: Any, **_: A
         return
     with reconciling(NODE_KIND, "event"):
         sync_node_labels(ctx.kube, node)
-        if type is not None:  # not the initial listing: resume handlers cover that
+    if type is not None:  # not the initial listing: resume handlers cover that
+
+        def refresh() -> None:
             refresh_status(memo, cache)
             refresh_for_cache(memo, cache, apply=False)
+
+        ctx.coalesce(cache, refresh)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +29,32 @@ class Context:
     # every few seconds, and only a change of residency is worth a reconcile.
     resident: dict[str, frozenset[str]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    coalesce_s: float = 1.0  # residency changes within this window trigger one refresh per cache
+    pending: set[str] = field(default_factory=set)  # caches with a refresh scheduled
+
+    def coalesce(self, key: str, fn: Callable[[], None]) -> None:
+        """Run fn once, coalesce_s from now, however often this is called for `key` meanwhile.
+
+        While 100 nodes warm up, every node's change would otherwise re-reconcile every
+        InferenceDeployment of the cache; this turns that into about one pass per second.
+        """
+        with self.lock:
+            if key in self.pending:
+                return
+            self.pending.add(key)
+
+        def run() -> None:
+            with self.lock:
+                self.pending.discard(key)
+            try:
+                fn()
+            except Exception:  # the next change or resync retries
+                logging.getLogger(__name__).exception("coalesced refresh of %s failed", key)
+
+        ctx = contextvars.copy_context()  # kopf's settings, for posting events from the thread
+        timer = threading.Timer(self.coalesce_s, ctx.run, args=(run,))
+        timer.daemon = True
+        timer.start()
 
 
 def context(memo: Any) -> Context:
