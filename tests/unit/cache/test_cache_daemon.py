@@ -100,12 +100,20 @@ def test_serve_in_thread_and_attach(models, tmp_path):
         res = attach(models[0], tmp_path / "sock", dtype=torch.bfloat16, fallback=False)
         disk = attach(models[0], None, dtype=torch.bfloat16)
         assert res.source == "cache" and res.model == "m0"
+        from prometheus_client import generate_latest
+
+        text = generate_latest(d.metrics.registry).decode()
+        assert 'keepwarm_cache_hits_total{model="m0"} 1.0' in text
+        assert 'keepwarm_cache_resident_bytes{model="m0",tier="host"}' in text
+        assert "keepwarm_cache_attach_seconds_count 1.0" in text
         assert res.digest == d.snapshot()["models"]["m0"]["digest"]
         assert res.tensors.keys() == disk.tensors.keys()
         assert all(torch.equal(res.tensors[k], disk.tensors[k]) for k in disk.tensors)
         d.remove_model("m0")  # the daemon lets go; the client's mapping stays valid
         assert all(torch.equal(res.tensors[k], disk.tensors[k]) for k in disk.tensors)
         assert attach(models[0], tmp_path / "sock", dtype=torch.bfloat16).reason == "absent"
+        text = generate_latest(d.metrics.registry).decode()
+        assert 'keepwarm_cache_misses_total{reason="absent"} 1.0' in text
     finally:
         d.stop()
         thread.join(10)
