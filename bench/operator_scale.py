@@ -140,6 +140,17 @@ def memory_mib(pid: int) -> dict[str, float]:
     return out
 
 
+def counters(text: str) -> dict[str, float]:
+    """The operator's keepwarm_* counters (reconciles by trigger, errors, applies) from /metrics."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("keepwarm_operator_") and "_total" in line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            if float(value):
+                out[name.replace("keepwarm_operator_", "")] = float(value)
+    return out
+
+
 def run(cp: ControlPlane, args: argparse.Namespace, result: dict) -> None:
     t0 = time.monotonic()
     cp.add_gpu_nodes(args.nodes, labels={"pool": "scale"}, prefix="scale")
@@ -191,6 +202,8 @@ def run(cp: ControlPlane, args: argparse.Namespace, result: dict) -> None:
             result["operator_rss_mib"] = mem["VmRSS"]
             result["operator_peak_rss_mib"] = mem["VmHWM"]
         result["operator_log_errors"] = len(op.errors())
+        if result["operator_alive"]:
+            result["operator_metrics"] = counters(op.metrics())
         result["fake_kubelet"] = {
             "pods_started": cp.kubelet.stats.pods_started,
             "errors": cp.kubelet.stats.errors,
