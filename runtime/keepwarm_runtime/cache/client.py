@@ -156,7 +156,17 @@ def connect(socket_path: Path, timeout_s: float) -> socket.socket:
     return sock
 
 
-def _attach_from_cache(
+def _attach_from_cache(*args) -> AttachResult:
+    """Any failure of the cache path is a miss with a reason, never a crash of the client."""
+    try:
+        return _attach_or_raise(*args)
+    except CacheAttachError:
+        raise
+    except Exception as exc:
+        raise CacheAttachError(f"error: {type(exc).__name__}: {exc}") from exc
+
+
+def _attach_or_raise(
     model_dir: Path,
     shards: list[Shard],
     socket_dir: Path,
