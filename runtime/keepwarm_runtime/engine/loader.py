@@ -46,7 +46,7 @@ def load_model(config: EngineConfig) -> tuple[nn.Module, LoadInfo]:
     register_keepwarm_attention()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
-            hf_config, dtype=config.torch_dtype, attn_implementation=IMPLEMENTATION
+            hf_config, dtype=config.torch_dtype, attn_implementation=attention_implementations(hf_config)
         )
     model.eval()
     res = attach(
@@ -60,6 +60,19 @@ def load_model(config: EngineConfig) -> tuple[nn.Module, LoadInfo]:
     copied = fill_parameters(model, res.tensors, res.aliases)
     materialize_buffers(model, torch.device(config.device))
     return model, LoadInfo(res.source, res.seconds, res.reason, copied)
+
+
+def attention_implementations(hf_config) -> str | dict[str, str]:
+    """keepwarm for the text model only; a vision or audio encoder keeps transformers' SDPA."""
+    sub_configs = getattr(hf_config, "sub_configs", None) or {}
+    if not sub_configs:
+        return IMPLEMENTATION
+    text = hf_config.get_text_config()
+    choice = {
+        name: IMPLEMENTATION if getattr(hf_config, name, None) is text else "sdpa" for name in sub_configs
+    }
+    choice[""] = IMPLEMENTATION
+    return choice
 
 
 def _refuse_unsupported(hf_config) -> None:

@@ -171,3 +171,38 @@ def test_literal_scale_and_non_attention_modules() -> None:
 def test_model_without_registry_attention_is_refused() -> None:
     with pytest.raises(AttentionFusionError, match="no module under Sequential"):
         fuse_attention(nn.Sequential(nn.Linear(2, 2)))
+
+
+def test_only_the_text_model_of_a_multimodal_model_is_switched() -> None:
+    from transformers import AutoModelForCausalLM, Gemma3Config
+
+    from keepwarm_runtime.engine.loader import attention_implementations
+
+    register_keepwarm_attention()
+    text = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 512,
+    }
+    vision = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "image_size": 28,
+        "patch_size": 14,
+    }
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=attention_implementations(config)
+        )
+    assert model.config.get_text_config()._attn_implementation == "keepwarm"
+    assert model.config.vision_config._attn_implementation == "sdpa"
+    layers = fuse_attention(model.get_decoder())
+    assert [layer.layer_idx for layer in layers] == [0, 1]
+    assert not any(isinstance(m, KeepwarmAttention) for m in model.model.vision_tower.modules())
