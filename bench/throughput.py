@@ -1,7 +1,8 @@
 """Offline throughput: keepwarm engine vs batched transformers generate(), same model, same run.
 
     .venv/bin/python bench/throughput.py [--params 100M] [--prompts 64] [--output-tokens 128]
-        [--threads 2] [--dtype float32] [--model-dir DIR] [--json-out FILE]
+        [--threads 2] [--dtype float32] [--device cpu] [--attention-backend auto] [--model-dir DIR]
+        [--json-out FILE]
 
 Generates a random-weight Llama of about --params parameters (unless --model-dir is given), then
 runs the same --prompts random prompts (16..47 tokens) for exactly --output-tokens greedy tokens
@@ -29,6 +30,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--attention-backend", default="auto", help="auto | torch | flashinfer")
     p.add_argument("--model-dir", default=None)
     p.add_argument("--skip-hf", action="store_true", help="only run keepwarm")
     p.add_argument("--json-out", default=None)
@@ -63,10 +66,18 @@ def main() -> int:
         "output_tokens": args.output_tokens,
         "threads": args.threads,
         "dtype": args.dtype,
+        "device": args.device,
         "machine": f"{os.cpu_count()} CPUs",
     }
 
-    llm = LLM(model_dir, dtype=args.dtype, max_num_seqs=args.prompts, max_num_batched_tokens=4096)
+    llm = LLM(
+        model_dir,
+        dtype=args.dtype,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        max_num_seqs=args.prompts,
+        max_num_batched_tokens=4096,
+    )
     params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
     llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(temperature=0, max_tokens=4))  # warm-up
     started = time.perf_counter()
@@ -102,7 +113,7 @@ def run_hf(model_dir: str, prompts: list[list[int]], args) -> tuple[float, list[
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).to(args.device)
     model.eval()
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -110,6 +121,7 @@ def run_hf(model_dir: str, prompts: list[list[int]], args) -> tuple[float, list[
     for i, p in enumerate(prompts):  # left padding, as generate() expects for decoder-only models
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
+    ids, mask = ids.to(args.device), mask.to(args.device)
     n = args.output_tokens
     with torch.inference_mode():
         model.generate(
