@@ -67,7 +67,7 @@ def model_from_tensors(model_dir: str, tensors: dict, aliases: dict, dtype, devi
     for name, module in list(model.named_modules()):
         if any(b.is_meta for b in module.buffers(recurse=False)):  # non-persistent, e.g. rotary inv_freq
             parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-            setattr(parent, name.rpartition(".")[2], type(module)(config=config, device=device))
+            setattr(parent, name.rpartition(".")[2], type(module)(config=config).to(device))
     return model.eval()
 
 

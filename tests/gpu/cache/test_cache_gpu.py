@@ -115,7 +115,7 @@ def test_logits_identical_to_from_pretrained(gpu_daemon, tiny_llama):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(res.tensors, strict=False, assign=True)
     model.tie_weights()
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=config, device="cuda:0")
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=config).to("cuda:0")
     reference = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32, device_map="cuda")
     ids = torch.tensor([[1, 5, 9, 42, 7, 3]], device="cuda:0")
     with torch.no_grad():
