@@ -110,9 +110,9 @@ class ServerMetrics:
 class RequestTimer:
     """Times one request: ``tokens(n)`` when its generated-token count grows, ``done()`` at the end."""
 
-    def __init__(self, metrics: ServerMetrics, prompt_tokens: int) -> None:
+    def __init__(self, metrics: ServerMetrics, prompt_tokens: int, arrival: float | None = None) -> None:
         self._metrics = metrics
-        self._arrival = time.perf_counter()
+        self._arrival = time.perf_counter() if arrival is None else arrival  # perf_counter() at arrival
         self._first: float | None = None
         self._last = self._arrival
         self._generated = 0

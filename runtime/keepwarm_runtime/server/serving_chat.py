@@ -37,6 +37,7 @@ _ROLES = {"developer": "system"}  # OpenAI's newer name; templates know "system"
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Any:
+    arrival = time.perf_counter()  # TTFT includes rendering and grammar compilation
     ctx.check_model(req.model)
     from keepwarm_runtime.engine.chat import render_chat
 
@@ -60,7 +61,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     top_n = (req.top_logprobs or 0) if req.logprobs else None
     params = await ctx.sampling_params(req, max_tokens, top_n)
     request_id = random_id("chatcmpl")
-    outputs = ctx.stream(request_id, prompt_ids, params, RequestTimer(ctx.metrics, len(prompt_ids)))
+    timer = RequestTimer(ctx.metrics, len(prompt_ids), arrival=arrival)
+    outputs = ctx.stream(request_id, prompt_ids, params, timer)
     if req.stream:
         first = await race_disconnect(anext(outputs), raw)
         body = _stream(ctx, req, request_id, len(prompt_ids), first, outputs)

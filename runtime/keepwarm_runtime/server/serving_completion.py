@@ -27,6 +27,7 @@ MAX_PROMPTS = 64  # prompts per request
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request) -> Any:
+    arrival = time.perf_counter()  # TTFT includes tokenization and grammar compilation
     ctx.check_model(req.model)
     if req.suffix:
         raise BadRequest("suffix is not supported", param="suffix")
@@ -43,7 +44,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     params = await ctx.sampling_params(req, max_tokens, req.logprobs)
     base_id = random_id("cmpl")
     streams = [
-        ctx.stream(f"{base_id}-{i}", ids, params, RequestTimer(ctx.metrics, len(ids)))
+        ctx.stream(f"{base_id}-{i}", ids, params, RequestTimer(ctx.metrics, len(ids), arrival=arrival))
         for i, ids in enumerate(prompt_ids)
     ]
     merged = _merge(streams)
