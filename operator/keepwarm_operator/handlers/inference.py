@@ -21,14 +21,12 @@ from ..api.common import Condition, condition, merge_conditions
 from ..api.inferencedeployment import KIND, PLURAL, IDepConditionType, IDepReason, InferenceDeploymentSpec
 from ..api.weightcache import KIND as CACHE_KIND
 from ..api.weightcache import WeightCacheSpec
-from ..api.weightcachenode import KIND as NODE_KIND
-from ..api.weightcachenode import WeightCacheNodeStatus
-from ..builders.meta import CACHE_LABEL, IDEP_LABEL, runtime_labels, selector_string
+from ..builders.meta import IDEP_LABEL, runtime_labels, selector_string
 from ..builders.runtime import CacheBinding, runtime_deployment, runtime_service
-from ..kube import ApiError, Kube
+from ..kube import ApiError
 from ..metrics import APPLIES, reconciling
 from ..status import inference_status
-from .setup import context
+from .setup import Context, context
 from .weightcache import _now
 
 GROUP, VERSION = API_VERSION.split("/")
@@ -36,13 +34,13 @@ C, R = IDepConditionType, IDepReason
 
 
 def _resolve(
-    kube: Kube, spec: InferenceDeploymentSpec, gen: int
+    ctx: Context, spec: InferenceDeploymentSpec, gen: int
 ) -> tuple[CacheBinding | None, Condition, int]:
     """Step 1 and 3: the cache binding (if any), the CacheWarm condition and the warm node count."""
     ref = spec.model
     if not ref.cache_ref:
         return None, condition(C.CACHE_WARM, False, R.NO_CACHE, "no cacheRef: weights load from disk", gen), 0
-    cache = kube.get(API_VERSION, CACHE_KIND, ref.cache_ref)
+    cache = ctx.kube.get(API_VERSION, CACHE_KIND, ref.cache_ref)
     if cache is None:
         message = f"WeightCache {ref.cache_ref!r} not found; create it or fix spec.model.cacheRef"
         return None, condition(C.CACHE_WARM, False, R.CACHE_NOT_FOUND, message, gen), 0
@@ -52,12 +50,7 @@ def _resolve(
         known = ", ".join(m.name for m in cache_spec.models) or "none"
         message = f"WeightCache {ref.cache_ref!r} has no model {ref.name!r} (it has: {known})"
         return None, condition(C.CACHE_WARM, False, R.MODEL_NOT_IN_CACHE, message, gen), 0
-    wcns = kube.list(API_VERSION, NODE_KIND, labels=f"{CACHE_LABEL}={ref.cache_ref}")
-    warm = sum(
-        1
-        for o in wcns
-        if model.name in WeightCacheNodeStatus.model_validate(o.get("status") or {}).resident()
-    )
+    warm = ctx.warm_nodes(ref.cache_ref, model.name)  # from the WeightCacheNode watch, no listing
     binding = CacheBinding(ref.cache_ref, cache_spec, model)
     if warm:
         cond = condition(
@@ -76,7 +69,7 @@ def reconcile(body: dict[str, Any], memo: Any, trigger: str, apply: bool = True)
     name, namespace, gen = meta["name"], meta["namespace"], meta.get("generation", 0)
     with reconciling(KIND, trigger):
         spec = InferenceDeploymentSpec.model_validate(body.get("spec") or {})
-        binding, cache_cond, warm = _resolve(ctx.kube, spec, gen)
+        binding, cache_cond, warm = _resolve(ctx, spec, gen)
         problem = None
         deployment = None
         if spec.model.cache_ref and binding is None:
@@ -84,6 +77,8 @@ def reconcile(body: dict[str, Any], memo: Any, trigger: str, apply: bool = True)
         elif apply:
             try:
                 deployment = ctx.kube.apply(runtime_deployment(name, namespace, spec, binding, body))
+                with ctx.lock:  # later events of this generation need no apply
+                    ctx.applied[(namespace, name)] = deployment["metadata"].get("generation", 0)
                 ctx.kube.apply(runtime_service(name, namespace, spec, body))
                 APPLIES.labels("Deployment").inc()
                 APPLIES.labels("Service").inc()
@@ -137,6 +132,17 @@ def deployment_changed(body: kopf.Body, type: str | None, memo: Any, **_: Any) -
     owner = next((o for o in meta.get("ownerReferences", []) if o.get("kind") == KIND), None)
     if owner is None:
         return
-    idep = context(memo).kube.get(API_VERSION, KIND, owner["name"], meta["namespace"])
-    if idep is not None:
-        _write_status(memo, idep, "deployment", apply=True)
+    ctx = context(memo)
+    key = (meta["namespace"], owner["name"])
+    with ctx.lock:
+        drifted = type == "DELETED" or ctx.applied.get(key) != meta.get("generation")
+
+    def refresh() -> None:
+        idep = ctx.kube.get(API_VERSION, KIND, owner["name"], meta["namespace"])
+        if idep is not None:
+            _write_status(memo, idep, "deployment", apply=drifted)
+
+    if drifted:  # someone changed or deleted our Deployment: re-apply now
+        refresh()
+    else:  # a rollout's status updates come in bursts: one status refresh per burst
+        ctx.coalesce(f"idep/{key[0]}/{key[1]}", refresh)

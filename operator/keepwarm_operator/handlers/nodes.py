@@ -54,16 +54,17 @@ def weightcachenode_changed(body: kopf.Body, type: str | None, memo: Any, **_: A
         changed = ctx.resident.get(name, frozenset()) != resident  # a new, empty node changes nothing
         if type == "DELETED":
             ctx.resident.pop(name, None)
+            ctx.caches.pop(name, None)
         else:
             ctx.resident[name] = resident
+            ctx.caches[name] = cache
     if not changed:
         return
     with reconciling(NODE_KIND, "event"):
         sync_node_labels(ctx.kube, node)
-    if type is not None:  # not the initial listing: resume handlers cover that
 
-        def refresh() -> None:
-            refresh_status(memo, cache)
-            refresh_for_cache(memo, cache, apply=False)
+    def refresh() -> None:  # also after the initial listing: resumed deployments may have counted early
+        refresh_status(memo, cache)
+        refresh_for_cache(memo, cache, apply=False)
 
-        ctx.coalesce(cache, refresh)
+    ctx.coalesce(cache, refresh)

@@ -29,8 +29,17 @@ class Context:
     # every few seconds, and only a change of residency is worth a reconcile.
     resident: dict[str, frozenset[str]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    caches: dict[str, str] = field(default_factory=dict)  # WeightCacheNode name -> its cache
+    applied: dict[tuple[str, str], int] = field(default_factory=dict)  # (ns, name) -> Deployment generation
     coalesce_s: float = 1.0  # residency changes within this window trigger one refresh per cache
     pending: set[str] = field(default_factory=set)  # caches with a refresh scheduled
+
+    def warm_nodes(self, cache: str, model: str) -> int:
+        """Nodes where `cache` holds `model`, as the WeightCacheNode watch last reported."""
+        with self.lock:
+            return sum(
+                1 for n, models in self.resident.items() if self.caches.get(n) == cache and model in models
+            )
 
     def coalesce(self, key: str, fn: Callable[[], None]) -> None:
         """Run fn once, coalesce_s from now, however often this is called for `key` meanwhile.

@@ -464,6 +464,13 @@ def test_stale_heartbeats_and_vanished_nodes(env):
         "the vanished node's WeightCacheNode deleted",
         op=env.op,
     )
+    ds_path = f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets/keepwarm-agent-{WC}"
+    wait(
+        env.cp,
+        lambda: get(env.cp, ds_path)["status"]["desiredNumberScheduled"] == 2,
+        "the DaemonSet controller drops the node",
+        timeout_s=180,
+    )
     wait(env.cp, lambda: wc(env)["status"]["desiredNodes"] == 2, "desiredNodes 2", op=env.op)
     events = json.loads(
         env.cp.kubectl(
