@@ -15,6 +15,7 @@ import json
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -85,22 +86,32 @@ def main() -> int:
                         "spec": {"model": {"cacheRef": "scale", "name": "m"}, "replicas": 1, "gpusPerPod": 1},
                     }
                 )
-            for i in range(0, len(docs), 20):  # batches of 20, as a CI pipeline would apply them
-                cp.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs[i : i + 20]))
-                stamp = time.perf_counter()
-                for d in docs[i : i + 20]:
-                    created[d["metadata"]["name"]] = stamp
             reconciled: dict[str, float] = {}
             available: dict[str, float] = {}
+            done = threading.Event()
+
+            def poll() -> None:  # first-seen times, measured while the batches are still being applied
+                while not done.is_set():
+                    now = time.perf_counter()
+                    for d in items(cp, "/apis/apps/v1/namespaces/scale/deployments"):
+                        reconciled.setdefault(d["metadata"]["name"], now)
+                    for obj in items(cp, f"{GROUP_PATH}/namespaces/scale/inferencedeployments"):
+                        if condition(obj, "Available").get("status") == "True":
+                            available.setdefault(obj["metadata"]["name"], now)
+                    time.sleep(0.25)
+
+            poller = threading.Thread(target=poll, daemon=True)
+            poller.start()
+            for i in range(0, len(docs), 20):  # batches of 20, as a CI pipeline would apply them
+                stamp = time.perf_counter()  # before: the operator may react while kubectl still runs
+                cp.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs[i : i + 20]))
+                for d in docs[i : i + 20]:
+                    created[d["metadata"]["name"]] = stamp
             deadline = time.perf_counter() + args.timeout
             while len(available) < args.ideps and time.perf_counter() < deadline:
-                now = time.perf_counter()
-                for d in items(cp, "/apis/apps/v1/namespaces/scale/deployments"):
-                    reconciled.setdefault(d["metadata"]["name"], now)
-                for obj in items(cp, f"{GROUP_PATH}/namespaces/scale/inferencedeployments"):
-                    if condition(obj, "Available").get("status") == "True":
-                        available.setdefault(obj["metadata"]["name"], now)
-                time.sleep(0.25)
+                time.sleep(0.5)
+            done.set()
+            poller.join()
             wc_ready = items(cp, f"{GROUP_PATH}/weightcachenodes")
             lat = [reconciled[n] - created[n] for n in reconciled]
             avail = [available[n] - created[n] for n in available]
