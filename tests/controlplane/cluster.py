@@ -166,7 +166,8 @@ class ControlPlane:
     @property
     def http(self) -> httpx.Client:
         """An httpx client authenticated as admin, base URL set to the API server."""
-        assert self._http is not None, "control plane not started"
+        if self._http is None:
+            raise ControlPlaneError("control plane not started: call start() or use it as a context manager")
         return self._http
 
     def admin_tls(self) -> ssl.SSLContext:
@@ -213,12 +214,12 @@ class ControlPlane:
     ) -> list[str]:
         """Register n Ready fake GPU nodes (capacity `nvidia.com/gpu: gpus`); returns their names once
         the node lifecycle controller has lifted the `not-ready` taint every new Node is born with."""
-        assert self.kubelet is not None, "control plane not started"
+        kubelet = self._kubelet()
         names = []
         for _ in range(n):
             self._node_seq += 1
             name = f"{prefix}-{self._node_seq}"
-            self.kubelet.add_node(name, labels=labels, gpus=gpus, taints=taints)
+            kubelet.add_node(name, labels=labels, gpus=gpus, taints=taints)
             names.append(name)
 
         def schedulable() -> bool:
@@ -235,8 +236,8 @@ class ControlPlane:
 
     def remove_node(self, name: str, *, delete_pods: bool = True) -> None:
         """Delete a fake node (see FakeKubelet.remove_node for what happens to its pods)."""
-        assert self.kubelet is not None, "control plane not started"
-        self.kubelet.remove_node(name, delete_pods=delete_pods)
+        kubelet = self._kubelet()
+        kubelet.remove_node(name, delete_pods=delete_pods)
 
     def service_account_kubeconfig(
         self, namespace: str, name: str, *, create: bool = True, expiration_s: int = 86400
@@ -301,6 +302,11 @@ class ControlPlane:
             f"timed out after {timeout_s:.0f}s waiting for {what}"
             + (f" (last error: {last_exc!r})" if last_exc else "")
         )
+
+    def _kubelet(self) -> FakeKubelet:
+        if self.kubelet is None:
+            raise ControlPlaneError("control plane not started: call start() or use it as a context manager")
+        return self.kubelet
 
     def log_tail(self, component: str, lines: int = 40) -> str:
         return _tail(self.logs / f"{component}.log", lines)

@@ -28,6 +28,9 @@ SERVING_NAMES = [
     "IP:10.0.0.1",
 ]
 
+# A fresh unencrypted P-256 key for `openssl req`.
+NEW_EC_KEY = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
 
 @dataclass(frozen=True)
 class KeyPair:
@@ -49,27 +52,12 @@ class PKI:
         root.mkdir(parents=True, exist_ok=True)
         self.ca = KeyPair(root / "ca.crt", root / "ca.key")
         _openssl(
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            str(self.ca.key),
-            "-out",
-            str(self.ca.cert),
-            "-days",
-            "30",
-            "-subj",
-            "/CN=keepwarm-test-ca",
-            "-addext",
-            "basicConstraints=critical,CA:TRUE",
-            "-addext",
-            "keyUsage=critical,keyCertSign,cRLSign,digitalSignature",
+            "req", "-x509", *NEW_EC_KEY, "-keyout", str(self.ca.key), "-out", str(self.ca.cert),
+            "-days", "30", "-subj", "/CN=keepwarm-test-ca",
+            "-addext", "basicConstraints=critical,CA:TRUE",
+            "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature",
             cwd=root,
-        )
+        )  # fmt: skip
         self._serial = 1
 
     def issue(
@@ -89,41 +77,13 @@ class PKI:
         if alt_names:
             lines.append("subjectAltName=" + ",".join(alt_names))
         ext.write_text("\n".join(lines) + "\n")
+        key_out = ["-keyout", str(pair.key), "-out", str(csr)]
+        _openssl("req", "-new", *NEW_EC_KEY, *key_out, "-subj", subject, cwd=self.root)
         _openssl(
-            "req",
-            "-new",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            str(pair.key),
-            "-out",
-            str(csr),
-            "-subj",
-            subject,
+            "x509", "-req", "-in", str(csr), "-CA", str(self.ca.cert), "-CAkey", str(self.ca.key),
+            "-set_serial", str(self._serial), "-days", "30", "-extfile", str(ext), "-out", str(pair.cert),
             cwd=self.root,
-        )
-        _openssl(
-            "x509",
-            "-req",
-            "-in",
-            str(csr),
-            "-CA",
-            str(self.ca.cert),
-            "-CAkey",
-            str(self.ca.key),
-            "-set_serial",
-            str(self._serial),
-            "-days",
-            "30",
-            "-extfile",
-            str(ext),
-            "-out",
-            str(pair.cert),
-            cwd=self.root,
-        )
+        )  # fmt: skip
         return pair
 
     def service_account_keys(self) -> KeyPair:
