@@ -9,6 +9,9 @@
 # interrupted build resumes with the binaries it already finished.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
+# A non-login shell (CI) may miss the toolchain's usual PATH entry.
+command -v go >/dev/null || export PATH="$PATH:/usr/local/go/bin"
+command -v go >/dev/null || { echo "build.sh: Go toolchain not found (need go >= 1.26 on PATH)" >&2; exit 1; }
 cd "$here"
 
 kube_version="$(awk '$1 == "k8s.io/kubernetes" && $2 ~ /^v/ {print $2; exit}' go.mod)"
