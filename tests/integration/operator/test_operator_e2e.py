@@ -326,8 +326,32 @@ def test_spec_change_rolls_the_pods(env):
         ),
         (lambda p: inference("bad5", "default", p, replicas=-1), "spec.replicas: Invalid value: -1"),
         (lambda p: inference("bad6", "default", p, model={"cacheRef": WC}), "set either cacheRef and name"),
+        (
+            lambda p: weightcache(
+                "bad7",
+                p,
+                models=[
+                    {"name": "a", "source": {"path": "/a"}},
+                    {"name": "b", "source": {"path": "/b"}, "dtype": "float16"},
+                ],
+            ),
+            "all models of a WeightCache share one dtype",
+        ),
+        (
+            lambda p: weightcache("bad8", p, socket={"groupId": 5, "allowedGids": [7]}),
+            "socket.groupId must be one of socket.allowedGids",
+        ),
     ],
-    ids=["two-sources", "fp8-host", "bad-tier", "duplicate-model", "negative-replicas", "cacheref-no-name"],
+    ids=[
+        "two-sources",
+        "fp8-host",
+        "bad-tier",
+        "duplicate-model",
+        "negative-replicas",
+        "cacheref-no-name",
+        "mixed-dtypes",
+        "group-not-allowed",
+    ],
 )
 def test_invalid_resources_are_rejected_by_the_api_server(env, doc, message):
     result = apply(env, doc(env.pool), check=False)
