@@ -61,6 +61,13 @@ class NotReady(APIError):
     type = "service_unavailable_error"
 
 
+class ClientClosedRequest(APIError):
+    """499 (nginx's convention): the client went away first; nobody reads it, metrics count it apart."""
+
+    status = 499
+    type = "client_closed_request"
+
+
 def from_validation_error(exc: ValidationError | RequestValidationError) -> BadRequest:
     """A 400 naming the first offending field, e.g. ``temperature: Input should be <= 2``."""
     errors = exc.errors()

@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import Request
 
 from keepwarm_runtime.server.async_engine import AsyncEngine, EngineRequestError
-from keepwarm_runtime.server.errors import APIError, BadRequest, ModelNotFound, NotReady
+from keepwarm_runtime.server.errors import APIError, BadRequest, ClientClosedRequest, ModelNotFound, NotReady
 from keepwarm_runtime.server.metrics import RequestTimer, ServerMetrics
 from keepwarm_runtime.server.protocol import SamplingRequest
 
@@ -190,7 +190,7 @@ async def race_disconnect(awaitable: Any, request: Request) -> Any:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
-        raise APIError("client disconnected", code="client_disconnected")
+        raise ClientClosedRequest("client disconnected", code="client_disconnected")
     finally:
         watcher.cancel()
         if not task.done():

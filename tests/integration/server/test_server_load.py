@@ -79,7 +79,12 @@ def test_abrupt_disconnect_frees_the_sequence(served, stream):
     body = {"model": "tiny", "prompt": "x", "max_tokens": 480, "ignore_eos": True, "stream": stream}
     sock = _open_request(served.proc.url, body)
     if stream:
-        assert b"data:" in sock.recv(4096)  # generation is under way
+        sock.settimeout(60)
+        received = b""
+        while b"data:" not in received:  # headers and the first event may come in separate segments
+            chunk = sock.recv(4096)
+            assert chunk, received
+            received += chunk
     deadline = time.monotonic() + 30
     while _running(served) < 1 and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -92,4 +97,10 @@ def test_abrupt_disconnect_frees_the_sequence(served, stream):
     assert metrics["keepwarm_num_requests_running"] == 0
     assert metrics["keepwarm_kv_cache_usage_ratio"] == 0.0
     assert metrics["keepwarm_request_aborts_total"] == aborts + 1  # aborted, not run to completion
+    if not stream:  # the handler saw the disconnect itself and answered (to no one) 499
+        closed = 'keepwarm_http_requests_total{endpoint="/v1/completions",status="499"}'
+        deadline = time.monotonic() + 10
+        while served.proc.metrics().get(closed, 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert served.proc.metrics().get(closed, 0) == 1
     assert served.proc.get_json("/health")["status"] == "ok"
