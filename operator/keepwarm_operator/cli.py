@@ -48,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     # Handlers read these at import (timer periods) and at startup (client, namespaces).
     os.environ["KEEPWARM_OPERATOR_RESYNC_SECONDS"] = str(args.resync_seconds)
     os.environ["KEEPWARM_AGENT_NAMESPACE"] = args.agent_namespace
+    os.environ["KEEPWARM_OPERATOR_NAMESPACES"] = ",".join(args.namespace)
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = args.kubeconfig
     import kopf

@@ -111,7 +111,10 @@ def _write_status(memo: Any, body: dict[str, Any], trigger: str, apply: bool) ->
 
 def refresh_for_cache(memo: Any, cache: str, apply: bool = True) -> None:
     """Reconcile the InferenceDeployments served from `cache` (its spec or residency changed)."""
-    for body in context(memo).kube.list(API_VERSION, KIND):
+    ctx = context(memo)
+    for body in ctx.kube.list(API_VERSION, KIND):
+        if ctx.namespaces and body["metadata"]["namespace"] not in ctx.namespaces:
+            continue  # another operator (or none) serves that namespace
         if ((body.get("spec") or {}).get("model") or {}).get("cacheRef") == cache:
             _write_status(memo, body, "cache", apply)
 

@@ -25,6 +25,7 @@ class Context:
 
     kube: Kube  # API client
     agent_namespace: str  # where DaemonSets and agent ServiceAccounts live
+    namespaces: frozenset[str] = frozenset()  # InferenceDeployments served only here (empty: all)
     # WeightCacheNode name -> models resident there, as last seen: heartbeats rewrite the status
     # every few seconds, and only a change of residency is worth a reconcile.
     resident: dict[str, frozenset[str]] = field(default_factory=dict)
@@ -85,4 +86,5 @@ def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     memo.keepwarm = Context(
         kube=Kube(load_config(os.environ.get("KUBECONFIG"))),
         agent_namespace=os.environ.get("KEEPWARM_AGENT_NAMESPACE", "keepwarm-system"),
+        namespaces=frozenset(filter(None, os.environ.get("KEEPWARM_OPERATOR_NAMESPACES", "").split(","))),
     )
