@@ -1,0 +1,91 @@
+"""The node agent as it runs in the DaemonSet: `keepwarm cache serve --report-to-kubernetes` in a real
+process, with the agent ServiceAccount's token (the RBAC the operator grants it), on a real API server.
+It follows the WeightCache's model list (load, evict) and reports the WeightCacheNode status."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import uuid
+
+import pytest
+import yaml
+
+from keepwarm_operator.builders.agent import agent_rbac
+from tests.integration.operator.harness import GROUP_PATH, NAMESPACE, ROOT, get, install_crds, wait
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def test_cache_serve_reports_and_follows_the_weightcache(control_plane, tiny_llama, tmp_path):
+    cp = control_plane
+    install_crds(cp)
+    cache, node = f"agent{uuid.uuid4().hex[:5]}", "node-under-test"
+    models = tmp_path / "models"
+    for name in ("alpha", "beta"):
+        shutil.copytree(tiny_llama, models / name)
+    spec = {"tier": "host", "heartbeatSeconds": 1, "models": [{"name": "alpha", "source": {"path": "/x"}}]}
+    wc = {
+        "apiVersion": "keepwarm.dev/v1alpha1",
+        "kind": "WeightCache",
+        "metadata": {"name": cache},
+        "spec": spec,
+    }
+    wcn = {
+        "apiVersion": "keepwarm.dev/v1alpha1",
+        "kind": "WeightCacheNode",
+        "metadata": {"name": f"{cache}.{node}"},
+        "spec": {"weightCache": cache, "nodeName": node},
+    }  # what the operator creates once the agent pod is bound
+    cp.kubectl("create", "namespace", NAMESPACE, check=False)
+    docs = [wc, wcn, *agent_rbac(cache, NAMESPACE, None)]
+    cp.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(docs))
+    agent_kc = cp.service_account_kubeconfig(NAMESPACE, f"keepwarm-agent-{cache}", create=False)
+    env = {**cp.env(agent_kc), "KEEPWARM_MODEL_ROOT": str(models)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "keepwarm_runtime.cli",
+        "cache",
+        "serve",
+        "--socket-dir",
+        str(tmp_path / "sock"),
+        "--tier",
+        "host",
+        "--dtype",
+        "bfloat16",
+        "--report-to-kubernetes",
+        "--weightcache",
+        cache,
+        "--node-name",
+        node,
+    ]
+    log = tmp_path / "agent.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+
+        def resident(*names):
+            status = (get(cp, f"{GROUP_PATH}/weightcachenodes/{cache}.{node}") or {}).get("status") or {}
+            states = {m["name"]: m["state"] for m in status.get("models", [])}
+            return status.get("phase") == "Ready" and states == dict.fromkeys(names, "Resident") and status
+
+        status = wait(cp, lambda: resident("alpha"), f"alpha resident (agent log {log})", timeout_s=120)
+        assert status["totalBytes"] > 0 and status["models"][0]["fingerprint"] and status["agentVersion"]
+        patch = {"spec": {"models": [{"name": "beta", "source": {"path": "/y"}, "pin": True}]}}
+        cp.kubectl("patch", "wc", cache, "--type=merge", "-p", json.dumps(patch))
+        status = wait(
+            cp, lambda: resident("beta"), f"alpha evicted, beta resident (agent log {log})", timeout_s=60
+        )
+        assert status["models"][0]["pinned"] is True
+        assert proc.poll() is None, log.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        cp.kubectl("delete", "wcn", f"{cache}.{node}", check=False)
+        cp.kubectl("delete", "wc", cache, check=False)
+        agent = f"keepwarm-agent-{cache}"
+        cp.kubectl("delete", "clusterrole,clusterrolebinding", agent, check=False)
+        cp.kubectl("delete", "serviceaccount", agent, "-n", NAMESPACE, check=False)
