@@ -1,6 +1,24 @@
-"""Random-weight Hugging Face checkpoints for tests, benchmarks and the demo (no hub access)."""
+"""Random-weight Hugging Face checkpoints for tests, benchmarks and the demo (no hub access).
 
-from keepwarm_runtime.modelgen.checkpoint import make_model, parse_param_count
-from keepwarm_runtime.modelgen.tokenizer import build_tokenizer
+Exports resolve lazily: `keepwarm --help` and `keepwarm serve` import this package's CLI and must not
+pay for importing torch and transformers before they bind their port.
+"""
 
-__all__ = ["build_tokenizer", "make_model", "parse_param_count"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "make_model": "keepwarm_runtime.modelgen.checkpoint",
+    "parse_param_count": "keepwarm_runtime.modelgen.checkpoint",
+    "build_tokenizer": "keepwarm_runtime.modelgen.tokenizer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
