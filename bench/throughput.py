@@ -80,25 +80,30 @@ def main() -> int:
     )
     params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
     llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(temperature=0, max_tokens=4))  # warm-up
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     kw_seconds = time.perf_counter() - started
+    kw_cpu = time.process_time() - cpu_started
     kw_tokens = [o.outputs[0].token_ids for o in outputs]
     assert sum(len(t) for t in kw_tokens) == total_tokens
     result["keepwarm"] = {
         "seconds": round(kw_seconds, 2),
+        "cpu_seconds": round(kw_cpu, 2),
         "tokens_per_s": round(total_tokens / kw_seconds, 1),
     }
     result["keepwarm"]["attention_backend"] = llm.engine.attention_backend
     del llm
 
     if not args.skip_hf:
-        hf_seconds, hf_tokens = run_hf(model_dir, prompts, args)
+        hf_seconds, hf_cpu, hf_tokens = run_hf(model_dir, prompts, args)
         result["hf_generate"] = {
             "seconds": round(hf_seconds, 2),
+            "cpu_seconds": round(hf_cpu, 2),
             "tokens_per_s": round(total_tokens / hf_seconds, 1),
         }
         result["speedup"] = round(hf_seconds / kw_seconds, 2)
+        result["cpu_time_ratio"] = round(hf_cpu / kw_cpu, 2)  # robust when other processes share the CPUs
+        result["load_average_1m"] = os.getloadavg()[0]
         result["sequences_identical"] = sum(a == b for a, b in zip(kw_tokens, hf_tokens, strict=True))
     text = json.dumps(result, indent=2)
     print(text)
@@ -109,7 +114,7 @@ def main() -> int:
     return 0
 
 
-def run_hf(model_dir: str, prompts: list[list[int]], args) -> tuple[float, list[list[int]]]:
+def run_hf(model_dir: str, prompts: list[list[int]], args) -> tuple[float, float, list[list[int]]]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -127,7 +132,7 @@ def run_hf(model_dir: str, prompts: list[list[int]], args) -> tuple[float, list[
         model.generate(
             ids[:1, -8:], attention_mask=mask[:1, -8:], max_new_tokens=4, do_sample=False, pad_token_id=0
         )
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         out = model.generate(
             ids,
             attention_mask=mask,
@@ -137,8 +142,8 @@ def run_hf(model_dir: str, prompts: list[list[int]], args) -> tuple[float, list[
             pad_token_id=0,
             eos_token_id=None,
         )
-        seconds = time.perf_counter() - started
-    return seconds, out[:, width:].tolist()
+        seconds, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    return seconds, cpu, out[:, width:].tolist()
 
 
 if __name__ == "__main__":
