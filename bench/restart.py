@@ -30,6 +30,10 @@ import time
 from pathlib import Path
 
 CHECKPOINT_DTYPE = "bfloat16"
+# torch threads in each child. 1 by default: on a small shared machine, OpenMP threads that wait for a
+# descheduled sibling make a forward pass ~8x slower (measured: 5.3 s with 2 threads, 0.63 s with 1,
+# 1 GiB float32 model, 2 cores at load ~5); the same setting applies to every path.
+THREADS = 1
 PROMPT_LEN = 4  # a short prompt: the pass reads every weight once
 CHILD = [sys.executable, "-m", "bench.restart"]
 REPO = Path(__file__).resolve().parents[1]
@@ -72,7 +76,7 @@ def model_from_tensors(model_dir: str, tensors: dict, aliases: dict, dtype, devi
 
 
 def run_child(
-    mode: str, model_dir: str, dtype_name: str, socket_dir: str | None, device: str = "cpu"
+    mode: str, model_dir: str, dtype_name: str, socket_dir: str | None, device: str = "cpu", threads: int = 0
 ) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -80,6 +84,8 @@ def run_child(
     from keepwarm_runtime.cache.client import attach
 
     torch.set_grad_enabled(False)
+    if threads > 0:
+        torch.set_num_threads(threads)
     dtype = getattr(torch, dtype_name)
     # Imports and one-time kernel setup are not part of a load path: do them before the clock
     # (transformers imports the modelling module lazily; the first matmul initialises oneDNN).
@@ -132,8 +138,12 @@ def _child_main(argv: list[str]) -> int:
     p.add_argument("--dtype", required=True)
     p.add_argument("--socket-dir", default=None)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=0)
     a = p.parse_args(argv)
-    print("RESULT " + json.dumps(run_child(a.child, a.model, a.dtype, a.socket_dir, a.device)), flush=True)
+    print(
+        "RESULT " + json.dumps(run_child(a.child, a.model, a.dtype, a.socket_dir, a.device, a.threads)),
+        flush=True,
+    )
     return 0
 
 
@@ -142,7 +152,19 @@ def _child_main(argv: list[str]) -> int:
 
 def _spawn(mode: str, model: Path, dtype: str, socket_dir: Path | None, device: str) -> tuple[dict, float]:
     """Run one child; returns (its result, whole-process wall seconds up to the result line)."""
-    cmd = [*CHILD, "--child", mode, "--model", str(model), "--dtype", dtype, "--device", device]
+    cmd = [
+        *CHILD,
+        "--child",
+        mode,
+        "--model",
+        str(model),
+        "--dtype",
+        dtype,
+        "--device",
+        device,
+        "--threads",
+        str(THREADS),
+    ]
     if socket_dir is not None:
         cmd += ["--socket-dir", str(socket_dir)]
     env = os.environ | {
@@ -239,6 +261,7 @@ def run(
         "cpus": os.cpu_count(),
         "machine": platform.machine(),
         "loadavg_1m_start": round(os.getloadavg()[0], 2),
+        "torch_threads": THREADS,
         **_page_facts(),
     }
     hf = _best("hf", model, serving_dtype, None, repeats, device)
@@ -283,8 +306,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serving-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--device", default="cpu", help="cpu (host tier) or cuda:N (gpu tier)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per child (0: torch default)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
+    global THREADS
+    THREADS = a.threads
     result = run(a.size_gib, a.serving_dtype, a.repeats, device=a.device)
     print(json.dumps(result) if a.json else json.dumps(result, indent=2))
     return 0

@@ -22,6 +22,7 @@ def _restart_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serving-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--repeats", default="2", help="runs per path; the best is reported")
     p.add_argument("--device", default="cpu", help="cpu (host tier) or cuda:N (gpu tier)")
+    p.add_argument("--threads", default="1", help="torch threads per child process (0: torch default)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
 
