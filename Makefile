@@ -12,6 +12,9 @@ $(STAMP): runtime/pyproject.toml operator/pyproject.toml requirements-dev.txt
 	@command -v uv >/dev/null || $(PYTHON) -m pip install -q uv
 	@test -x $(BIN)/python || uv venv -q -p $(PYTHON) $(VENV)
 	VIRTUAL_ENV=$(VENV) uv pip install -q -e 'runtime[structured,kubernetes]' -e operator -r requirements-dev.txt
+	@# Bytecode ahead of time: with PYTHONDONTWRITEBYTECODE set, every fresh process would otherwise
+	@# recompile torch and transformers (seconds per process: tests, the demo and restarts all pay it).
+	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null || true
 	@touch $@
 
 venv: $(STAMP)
