@@ -30,10 +30,10 @@ import time
 from pathlib import Path
 
 CHECKPOINT_DTYPE = "bfloat16"
-# torch threads in each child. 1 by default: on a small shared machine, OpenMP threads that wait for a
+# Default torch threads per child: 1. On a small shared machine, OpenMP threads that wait for a
 # descheduled sibling make a forward pass ~8x slower (measured: 5.3 s with 2 threads, 0.63 s with 1,
 # 1 GiB float32 model, 2 cores at load ~5); the same setting applies to every path.
-THREADS = 1
+DEFAULT_THREADS = 1
 PROMPT_LEN = 4  # a short prompt: the pass reads every weight once
 CHILD = [sys.executable, "-m", "bench.restart"]
 REPO = Path(__file__).resolve().parents[1]
@@ -150,7 +150,9 @@ def _child_main(argv: list[str]) -> int:
 # -- parent side -------------------------------------------------------------------------------
 
 
-def _spawn(mode: str, model: Path, dtype: str, socket_dir: Path | None, device: str) -> tuple[dict, float]:
+def _spawn(
+    mode: str, model: Path, dtype: str, socket_dir: Path | None, device: str, threads: int
+) -> tuple[dict, float]:
     """Run one child; returns (its result, whole-process wall seconds up to the result line)."""
     cmd = [
         *CHILD,
@@ -163,7 +165,7 @@ def _spawn(mode: str, model: Path, dtype: str, socket_dir: Path | None, device: 
         "--device",
         device,
         "--threads",
-        str(THREADS),
+        str(threads),
     ]
     if socket_dir is not None:
         cmd += ["--socket-dir", str(socket_dir)]
@@ -183,8 +185,10 @@ def _spawn(mode: str, model: Path, dtype: str, socket_dir: Path | None, device: 
     return result, wall
 
 
-def _best(mode: str, model: Path, dtype: str, socket_dir: Path | None, repeats: int, device: str) -> dict:
-    runs = [_spawn(mode, model, dtype, socket_dir, device) for _ in range(repeats)]
+def _best(
+    mode: str, model: Path, dtype: str, socket_dir: Path | None, repeats: int, device: str, threads: int
+) -> dict:
+    runs = [_spawn(mode, model, dtype, socket_dir, device, threads) for _ in range(repeats)]
     best = min(runs, key=lambda r: r[0]["seconds"])
     return best[0] | {"process_s": min(r[1] for r in runs)}
 
@@ -240,7 +244,12 @@ def _page_facts() -> dict:
 
 
 def run(
-    size_gib: float, serving_dtype: str, repeats: int = 2, work_dir: Path | None = None, device: str = "cpu"
+    size_gib: float,
+    serving_dtype: str,
+    repeats: int = 2,
+    work_dir: Path | None = None,
+    device: str = "cpu",
+    threads: int = DEFAULT_THREADS,
 ) -> dict:
     from keepwarm_runtime.cache.checkpoint import read_checkpoint
 
@@ -261,15 +270,15 @@ def run(
         "cpus": os.cpu_count(),
         "machine": platform.machine(),
         "loadavg_1m_start": round(os.getloadavg()[0], 2),
-        "torch_threads": THREADS,
+        "torch_threads": threads,
         **_page_facts(),
     }
-    hf = _best("hf", model, serving_dtype, None, repeats, device)
-    disk = _best("disk", model, serving_dtype, None, repeats, device)
+    hf = _best("hf", model, serving_dtype, None, repeats, device, threads)
+    disk = _best("disk", model, serving_dtype, None, repeats, device, threads)
     with tempfile.TemporaryDirectory(prefix="keepwarm-bench-") as tmp:
         daemon = _Daemon(model, serving_dtype, Path(tmp) / "wc", device)
         try:
-            warm = _best("warm", model, serving_dtype, Path(tmp) / "wc", repeats, device)
+            warm = _best("warm", model, serving_dtype, Path(tmp) / "wc", repeats, device, threads)
         finally:
             daemon.stop()
     if warm["source"] != "cache":
@@ -306,12 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serving-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--device", default="cpu", help="cpu (host tier) or cuda:N (gpu tier)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per child (0: torch default)")
+    p.add_argument(
+        "--threads", type=int, default=DEFAULT_THREADS, help="torch threads per child (0: torch default)"
+    )
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    global THREADS
-    THREADS = a.threads
-    result = run(a.size_gib, a.serving_dtype, a.repeats, device=a.device)
+    result = run(a.size_gib, a.serving_dtype, a.repeats, device=a.device, threads=a.threads)
     print(json.dumps(result) if a.json else json.dumps(result, indent=2))
     return 0
 
