@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """`make demo`: serve a model cold, restart it warm from the node weight cache, compare.
 
-1. generate a small random-weight checkpoint (once; kept in out/demo/model),
+1. generate a 500M-parameter random-weight bf16 checkpoint (once; kept in out/demo/model), large
+   enough that loading and converting weights shows next to start-up costs, small enough for a CPU,
 2. start the cache daemon (`keepwarm cache serve`) holding that model in host shared memory,
 3. start `keepwarm serve` cold (weights from disk), ask a chat question with the `openai` client,
 4. stop it and start it warm (attached to the daemon, zero-copy), ask again,
@@ -115,7 +116,7 @@ def print_table(rows: list[dict]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", type=Path, default=ROOT / "out" / "demo" / "model")
-    parser.add_argument("--params", default="30M", help="size of the generated model (default 30M)")
+    parser.add_argument("--params", default="500M", help="size of the generated model (default 500M)")
     parser.add_argument("--dtype", default="float32", help="serving dtype, shared by daemon and server")
     args = parser.parse_args()
 
