@@ -25,9 +25,10 @@ import platform
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
+
+from keepwarm_runtime.cache.launcher import DaemonProcess
 
 CHECKPOINT_DTYPE = "bfloat16"
 # Default torch threads per child: 1. On a small shared machine, OpenMP threads that wait for a
@@ -193,40 +194,6 @@ def _best(
     return best[0] | {"process_s": min(r[1] for r in runs)}
 
 
-class _Daemon:
-    def __init__(self, model: Path, dtype: str, socket_dir: Path, device: str) -> None:
-        tier = ["--tier", "gpu", "--device", device] if device.startswith("cuda") else ["--tier", "host"]
-        cmd = [
-            sys.executable,
-            "-m",
-            "keepwarm_runtime.cli",
-            "cache",
-            "serve",
-            "--model",
-            str(model),
-            "--socket-dir",
-            str(socket_dir),
-            *tier,
-            "--dtype",
-            dtype,
-        ]
-        started = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-        self.lines: list[str] = []
-        for line in self.proc.stderr:
-            self.lines.append(line)
-            if line.startswith("READY "):
-                break
-        else:
-            raise RuntimeError("cache daemon exited before READY:\n" + "".join(self.lines[-30:]))
-        self.ready_s = time.perf_counter() - started
-        threading.Thread(target=self.proc.stderr.read, daemon=True).start()
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(60)
-
-
 def _page_facts() -> dict:
     from keepwarm_runtime.cache.backends.host import thp_shmem_mode
 
@@ -276,11 +243,19 @@ def run(
     hf = _best("hf", model, serving_dtype, None, repeats, device, threads)
     disk = _best("disk", model, serving_dtype, None, repeats, device, threads)
     with tempfile.TemporaryDirectory(prefix="keepwarm-bench-") as tmp:
-        daemon = _Daemon(model, serving_dtype, Path(tmp) / "wc", device)
+        on_gpu = device.startswith("cuda")
+        daemon = DaemonProcess(
+            Path(tmp) / "wc",
+            [model],
+            *(["--device", device] if on_gpu else []),
+            "--dtype",
+            serving_dtype,
+            tier="gpu" if on_gpu else "host",
+        ).wait_ready(timeout_s=900)
         try:
             warm = _best("warm", model, serving_dtype, Path(tmp) / "wc", repeats, device, threads)
         finally:
-            daemon.stop()
+            daemon.terminate(60)
     if warm["source"] != "cache":
         raise RuntimeError(f"warm path did not attach from the cache: {warm['reason']}")
     if not hf["logit0"] == disk["logit0"] == warm["logit0"]:

@@ -6,16 +6,15 @@ Untested where written (no GPU there): run with scripts/gpu-check on a CUDA mach
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from keepwarm_runtime.cache.client import attach
+from keepwarm_runtime.cache.launcher import DaemonProcess
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
 
@@ -35,47 +34,18 @@ if len(sys.argv) > 3:
 """
 
 
-class GpuDaemon:
-    def __init__(self, socket_dir: Path, model: Path, tier: str = "gpu") -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "keepwarm_runtime.cli",
-            "cache",
-            "serve",
-            "--model",
-            str(model),
-            "--socket-dir",
-            str(socket_dir),
-            "--tier",
-            tier,
-            "--device",
-            "cuda:0",
-            "--dtype",
-            "float32",
-        ]
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-        self.lines = []
-        for line in self.proc.stderr:
-            self.lines.append(line)
-            if line.startswith("READY "):
-                break
-        else:
-            raise AssertionError("daemon failed:\n" + "".join(self.lines))
-        threading.Thread(target=self.proc.stderr.read, daemon=True).start()
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(60)
+def _gpu_daemon(socket_dir: Path, model: Path, tier: str = "gpu") -> DaemonProcess:
+    return DaemonProcess(
+        socket_dir, [model], "--device", "cuda:0", "--dtype", "float32", tier=tier
+    ).wait_ready()
 
 
 @pytest.fixture(scope="module")
 def gpu_daemon(tiny_llama, tmp_path_factory):
     socket_dir = tmp_path_factory.mktemp("gpu") / "wc"
-    daemon = GpuDaemon(socket_dir, tiny_llama)
+    daemon = _gpu_daemon(socket_dir, tiny_llama)
     yield socket_dir, daemon
-    daemon.stop()
+    daemon.terminate(60)
 
 
 def _sha(tensors):
@@ -155,17 +125,17 @@ def test_mismatch_falls_back_on_cuda(gpu_daemon, tiny_llama):
 
 
 def test_host_tier_serves_cuda_clients_by_copy(tiny_llama, tmp_path):
-    daemon = GpuDaemon(tmp_path / "wc", tiny_llama, tier="host")
+    daemon = _gpu_daemon(tmp_path / "wc", tiny_llama, tier="host")
     try:
         res = attach(tiny_llama, tmp_path / "wc", dtype=torch.float32, device="cuda:0", fallback=False)
         assert (res.source, res.tier) == ("cache", "host")
         assert res.tensors["model.embed_tokens.weight"].device.type == "cuda"
     finally:
-        assert daemon.stop() == 0
+        assert daemon.terminate(60) == 0
 
 
 def test_killed_gpu_daemon_falls_back(tiny_llama, tmp_path):
-    daemon = GpuDaemon(tmp_path / "wc", tiny_llama)
+    daemon = _gpu_daemon(tmp_path / "wc", tiny_llama)
     daemon.proc.kill()
     daemon.proc.wait(60)
     res = attach(tiny_llama, tmp_path / "wc", dtype=torch.float32, device="cuda:0")

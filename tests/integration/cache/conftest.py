@@ -3,79 +3,12 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-READY_TIMEOUT_S = 180.0  # a fresh process imports torch: slow on a busy 2-core machine
-
-
-class DaemonProcess:
-    """`keepwarm cache serve` in a subprocess; stderr is collected line by line."""
-
-    def __init__(self, socket_dir: Path, models: list[Path], *extra: str) -> None:
-        self.socket_dir = socket_dir
-        cmd = [
-            sys.executable,
-            "-m",
-            "keepwarm_runtime.cli",
-            "cache",
-            "serve",
-            "--socket-dir",
-            str(socket_dir),
-            "--tier",
-            "host",
-        ]
-        for m in models:
-            cmd += ["--model", str(m)]
-        self.proc = subprocess.Popen([*cmd, *extra], stderr=subprocess.PIPE, text=True)
-        self.lines: list[str] = []
-        self._ready = threading.Event()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        for line in self.proc.stderr:
-            self.lines.append(line)
-            if line.startswith("READY "):
-                self._ready.set()
-        self._ready.set()  # exited
-
-    def wait_ready(self) -> DaemonProcess:
-        self._ready.wait(READY_TIMEOUT_S)
-        if self.proc.poll() is not None or not any(x.startswith("READY ") for x in self.lines):
-            raise AssertionError(f"daemon did not become ready:\n{self.stderr}")
-        return self
-
-    def wait_exit(self, timeout: float = READY_TIMEOUT_S) -> int:
-        rc = self.proc.wait(timeout)
-        deadline = time.monotonic() + 5
-        while not self._ready.is_set() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return rc
-
-    @property
-    def stderr(self) -> str:
-        return "".join(self.lines)
-
-    @property
-    def socket(self) -> Path:
-        return self.socket_dir / "host.sock"
-
-    def terminate(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.wait_exit(30)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(30)
+from keepwarm_runtime.cache.launcher import DaemonProcess
 
 
 def write_checkpoint(path: Path, seed: int, rows: int = 64) -> Path:
