@@ -212,15 +212,31 @@ class FakeKubelet:
         """Forget a node and delete its Node object (its Lease goes by garbage collection).
 
         delete_pods=True also force-deletes the pods bound to it, as if the node had been drained;
-        otherwise they wait for the pod garbage collector (about 40 s), as for a node that vanished.
+        otherwise they wait for the pod garbage collector (40 s quarantine, checked every 20 s), as
+        for a node that vanished. The Node goes first: deleting a DaemonSet pod while its node still
+        exists makes the DaemonSet controller put a new one there, which only the collector would then
+        remove. Its informers may still lag the deletion, so the sweep repeats until the node has
+        stayed empty for `settle_s`.
         """
         with self._lock:
             self._nodes.pop(name, None)
-        if delete_pods:
+        self._request("DELETE", f"/api/v1/nodes/{name}", ok=(404,))
+        if not delete_pods:
+            return
+        settle_s, deadline = 2.0, time.monotonic() + 30.0
+        empty_since: float | None = None
+        while time.monotonic() < deadline:
             pods = self._request("GET", f"/api/v1/pods?fieldSelector=spec.nodeName={name}")["items"]
             for pod in pods:
                 self._delete_pod(pod)
-        self._request("DELETE", f"/api/v1/nodes/{name}", ok=(404,))
+            now = time.monotonic()
+            if pods:
+                empty_since = None
+            elif empty_since is None:
+                empty_since = now
+            elif now - empty_since >= settle_s:
+                return
+            time.sleep(0.25)
 
     def set_heartbeat(self, name: str, alive: bool) -> None:
         """Stop (or resume) a node's lease renewals: a stopped node turns NotReady after the grace period."""
