@@ -1,0 +1,54 @@
+"""The benchmarks run end to end at toy sizes and report what their readers rely on.
+
+Numbers are not checked here (speed belongs to the benchmarks themselves); what is checked is that
+`make bench` and the scripts the notes quote still run, take their real paths (the warm path really
+attaches from a daemon) and print the fields the issues ask for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def _run(argv: list[str], tmp_path: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = os.environ | {"KEEPWARM_BENCH_DIR": str(tmp_path / "bench"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_restart_benchmark_reports_every_path_and_the_warm_one_attaches(tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "keepwarm_runtime.cli", "bench", "restart"]
+    proc = _run([*argv, "--size-gib", "0.01", "--repeats", "1", "--json"], tmp_path)
+    result = json.loads(proc.stdout)
+
+    assert result["tier"] == "host" and result["serving_dtype"] == "float32"
+    assert result["checkpoint_dtype"] == "bfloat16" and result["num_tensors"] > 0
+    assert 0.005 * 2**30 < result["size_bytes"] < 0.02 * 2**30
+    for key in ("hf_from_pretrained_s", "disk_s", "warm_attach_s", "forward_floor_s"):
+        assert result[key] > 0, key
+    hf_over_warm = result["hf_from_pretrained_s"] / result["warm_attach_s"]
+    assert result["ratio"] == pytest.approx(hf_over_warm, rel=0.02)
+    assert result["forward_floor_s"] <= min(result["hf_from_pretrained_s"], result["warm_attach_s"])
+    assert "logits_differ" not in result  # the three paths computed the same first logit
+    assert result["process_warm_s"] > result["warm_attach_s"]  # whole process includes imports
+
+
+def test_throughput_benchmark_runs_both_engines_on_the_same_prompts(tmp_path: Path) -> None:
+    out = tmp_path / "throughput.json"
+    argv = [sys.executable, "bench/throughput.py", "--params", "2M", "--prompts", "4", "--output-tokens", "6"]
+    _run([*argv, "--threads", "1", "--json-out", str(out)], tmp_path)
+    result = json.loads(out.read_text())
+
+    assert result["keepwarm"]["tokens_per_s"] > 0 and result["hf_generate"]["tokens_per_s"] > 0
+    assert result["speedup"] > 0 and result["keepwarm"]["attention_backend"] == "torch"
+    assert result["sequences_identical"] == 4  # fp32 greedy at this size: no near-ties
