@@ -185,6 +185,7 @@ def test_daemonset_puts_one_running_pod_on_each_selected_node(
     cp.wait_for(
         lambda: {p["spec"]["nodeName"] for p in pods(cp, namespace, "app=agent")} == nodes - {gone},
         what="DaemonSet pods only on the remaining nodes",
+        timeout_s=90,  # a pod the sweep missed is the pod collector's: 40 s quarantine + 20 s period
     )
 
 
