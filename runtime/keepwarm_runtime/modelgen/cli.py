@@ -30,8 +30,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"keepwarm make-model: {exc}", file=sys.stderr)
         return 2
     out = make_model(
-        args.out, arch=args.arch, params=params, dtype=args.dtype,
-        vocab_size=args.vocab_size, seed=args.seed, num_shards=args.shards,
+        args.out,
+        arch=args.arch,
+        params=params,
+        dtype=args.dtype,
+        vocab_size=args.vocab_size,
+        seed=args.seed,
+        num_shards=args.shards,
     )
     files = sorted(p.name for p in out.iterdir())
     print(json.dumps({"out": str(out), "arch": args.arch, "files": files}))
