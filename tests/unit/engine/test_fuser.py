@@ -168,6 +168,15 @@ def test_literal_scale_and_non_attention_modules() -> None:
     assert analyze_class(FakeLongcatLayer) is None
 
 
+def test_non_causal_attention_is_refused_naming_the_class() -> None:
+    model = FakeLongcat(num_layers=1)
+    model.attentions()[1].is_causal = False  # an encoder or cross-attention module
+    with pytest.raises(
+        AttentionFusionError, match=r"FakeLongcatAttention at 'layers.0.self_attn.1' is not causal"
+    ):
+        fuse_attention(model)
+
+
 def test_model_without_registry_attention_is_refused() -> None:
     with pytest.raises(AttentionFusionError, match="no module under Sequential"):
         fuse_attention(nn.Sequential(nn.Linear(2, 2)))

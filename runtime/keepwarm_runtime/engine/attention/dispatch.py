@@ -25,6 +25,10 @@ def keepwarm_attention_forward(
         raise AttentionFusionError(
             f"{type(module).__name__} dispatched to keepwarm attention but has no attached layer"
         )
+    if kwargs.get("is_causal") is False:
+        raise AttentionFusionError(
+            f"{type(module).__name__} asks for non-causal attention; keepwarm's attention is causal only"
+        )
     if kwargs.get("position_bias") is not None:
         raise AttentionFusionError(
             f"{type(module).__name__} passes position_bias, which keepwarm does not support"

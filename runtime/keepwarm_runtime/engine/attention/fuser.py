@@ -135,6 +135,11 @@ def fuse_attention(root: nn.Module) -> list[KeepwarmAttention]:
                 f"{call.class_name} at '{name}' has no integer layer_idx (got {layer_idx!r}); "
                 "keepwarm takes KV-cache layer indices from the module, never from layer counts"
             )
+        if getattr(module, "is_causal", True) is False:
+            raise AttentionFusionError(
+                f"{call.class_name} at '{name}' is not causal (is_causal=False: an encoder, cross-"
+                "attention, or a BERT-style model without is_decoder); keepwarm's attention is causal only"
+            )
         if layer_idx in attached:
             raise AttentionFusionError(
                 f"layer_idx {layer_idx} is used by both '{attached[layer_idx][0]}' and '{name}'; "
