@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from keepwarm_runtime.engine.attention.fuser import AttentionFusionError
 from keepwarm_runtime.engine.attention.layer import KeepwarmAttention, KVSpec
 from keepwarm_runtime.engine.attention.metadata import use_metadata
 from keepwarm_runtime.engine.config import EngineConfig
@@ -19,8 +20,21 @@ from keepwarm_runtime.engine.config import EngineConfig
 @torch.inference_mode()
 def probe_kv_specs(model: nn.Module, layers: list[KeepwarmAttention], device: torch.device) -> list[KVSpec]:
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    for layer in layers:
+        layer.probe_calls = 0
     with use_metadata(None):
         model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1)
+    reused = [
+        f"{layer.owner} layer_idx {layer.layer_idx} ({layer.probe_calls}x)"
+        for layer in layers
+        if layer.probe_calls > 1
+    ]
+    if reused:
+        raise AttentionFusionError(
+            f"attention runs more than once per forward pass ({', '.join(reused)}): looped or "
+            "weight-shared layers need one KV cache per call; keepwarm keeps one per module and refuses "
+            "this model"
+        )
     missing = [layer.layer_idx for layer in layers if layer.kv_spec is None]
     if missing:
         raise RuntimeError(

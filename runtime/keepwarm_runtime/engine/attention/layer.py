@@ -35,6 +35,7 @@ class KeepwarmAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads, key_dim]
         self.v_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads, value_dim]
         self.kv_spec: KVSpec | None = None  # recorded by the probe pass
+        self.probe_calls = 0  # calls during the probe pass: one KV cache serves exactly one call per step
 
     def extra_repr(self) -> str:
         return f"layer_idx={self.layer_idx}, scale={self.scale}, owner={self.owner}"
@@ -51,6 +52,7 @@ class KeepwarmAttention(nn.Module):
         meta = get_metadata()
         if meta is None:  # probe pass: learn the KV shapes, compute nothing
             self.kv_spec = KVSpec(key.shape[1], key.shape[-1], value.shape[-1], key.dtype)
+            self.probe_calls += 1
             return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[-1])
         if query.shape[0] != 1:
             raise RuntimeError("keepwarm attention expects packed sequences (batch dimension 1)")
