@@ -44,10 +44,17 @@ def load_model(config: EngineConfig) -> tuple[nn.Module, LoadInfo]:
     hf_config = AutoConfig.from_pretrained(config.model_dir)
     _refuse_unsupported(hf_config)
     register_keepwarm_attention()
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
-            hf_config, dtype=config.torch_dtype, attn_implementation=attention_implementations(hf_config)
-        )
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                hf_config, dtype=config.torch_dtype, attn_implementation=attention_implementations(hf_config)
+            )
+    except (KeyError, ValueError, NotImplementedError) as exc:  # e.g. GIT picks attention classes by name
+        raise ModelLoadError(
+            f"{hf_config.model_type}: transformers cannot build this model with "
+            f"attn_implementation={IMPLEMENTATION!r} ({type(exc).__name__}: {exc}); its attention does "
+            "not go through the transformers registry, so keepwarm cannot run it"
+        ) from exc
     model.eval()
     res = attach(
         config.model_dir,
@@ -63,14 +70,13 @@ def load_model(config: EngineConfig) -> tuple[nn.Module, LoadInfo]:
 
 
 def attention_implementations(hf_config) -> str | dict[str, str]:
-    """keepwarm for the text model only; a vision or audio encoder keeps transformers' SDPA."""
+    """keepwarm for the text model only; a vision or audio encoder keeps transformers' own default
+    (SDPA where that encoder supports it, eager where not: forcing SDPA fails on e.g. GIT's vision)."""
     sub_configs = getattr(hf_config, "sub_configs", None) or {}
     if not sub_configs:
         return IMPLEMENTATION
     text = hf_config.get_text_config()
-    choice = {
-        name: IMPLEMENTATION if getattr(hf_config, name, None) is text else "sdpa" for name in sub_configs
-    }
+    choice = {name: IMPLEMENTATION for name in sub_configs if getattr(hf_config, name, None) is text}
     choice[""] = IMPLEMENTATION
     return choice
 
@@ -160,6 +166,19 @@ class _Lookup:
         self._renamed: dict[str, str] | None = None
 
     def get(self, name: str) -> torch.Tensor | None:
+        found = self._unmerged(name)
+        if found is not None:
+            return found
+        for merge in self.merges:
+            # Experts are looked up by their renamed names: Mixtral's checkpoint says
+            # `block_sparse_moe.experts.0.w1`, the merge asks for `mlp.experts.0.w1`.
+            merged = merge(name, self._unmerged)
+            if merged is not None:
+                self.copied += 1
+                return merged
+        return None
+
+    def _unmerged(self, name: str) -> torch.Tensor | None:
         direct = self._direct(name)
         if direct is not None:
             return direct
@@ -171,14 +190,8 @@ class _Lookup:
                     target = re.sub(pattern, repl, target)
                 if target != ckpt:
                     self._renamed[target] = ckpt
-        if name in self._renamed:
-            return self._direct(self._renamed[name])
-        for merge in self.merges:
-            merged = merge(name, self._direct)
-            if merged is not None:
-                self.copied += 1
-                return merged
-        return None
+        renamed = self._renamed.get(name)
+        return self._direct(renamed) if renamed is not None else None
 
     def _direct(self, name: str) -> torch.Tensor | None:
         if name in self.tensors:
