@@ -79,6 +79,9 @@ def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
         prefix=GROUP, key="last-handled-configuration"
     )
     settings.persistence.finalizer = f"{GROUP}/operator"
+    # A WeightCache deleted while its resync timer is mid-reconcile keeps kopf's finalizer until kopf
+    # re-checks the timer: after 60 s by default, so `kubectl delete wc` hung for a minute now and then.
+    settings.background.cancellation_polling = 1.0
     settings.peering.clusterwide = True
     settings.posting.level = logging.WARNING  # handler warnings become events; the rest via kopf.event
     settings.watching.server_timeout = 300

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 import uuid
 from types import SimpleNamespace
 
@@ -510,6 +511,23 @@ def test_metrics_count_reconciles(env):
     assert "keepwarm_operator_reconcile_duration_seconds_bucket" in text
 
 
+def test_deleting_weightcaches_is_not_held_by_their_resync_timers(env):
+    """kopf keeps its finalizer until a WeightCache's timer has stopped; a deletion that lands during a
+    reconcile must not wait for kopf's default 60 s re-check (it made `kubectl delete wc` hang)."""
+    names = [f"kwdel{i}" for i in range(8)]
+    for name in names:  # selecting no node: agents' objects only, no pods
+        apply(env, weightcache(name, f"{env.pool}-none"))
+    wait(
+        env.cp,
+        lambda: all((wc(env, n) or {}).get("status", {}).get("observedGeneration") for n in names),
+        "caches reconciled",
+        op=env.op,
+    )
+    time.sleep(2.5)  # the 1 s resync timers are running now (initial delay 1 s)
+    env.cp.kubectl("delete", "wc", *names, "--wait=false")
+    wait(env.cp, lambda: all(wc(env, n) is None for n in names), "caches deleted", timeout_s=30, op=env.op)
+
+
 def test_delete_garbage_collects_everything(env):
     cp = env.cp
     cp.kubectl("delete", "idep", IDEP, "-n", env.ns, "--wait=false")
@@ -530,7 +548,18 @@ def test_delete_garbage_collects_everything(env):
         f"/apis/rbac.authorization.k8s.io/v1/clusterroles/{name}",
         f"/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/{name}",
     ]
-    wait(cp, lambda: all(get(cp, p) is None for p in paths) and not wcns(env), "agent objects collected")
+
+    def leftovers() -> list[str]:
+        left = [p for p in paths if get(cp, p) is not None] + [o["metadata"]["name"] for o in wcns(env)]
+        cache = wc(env)
+        if cache is not None:  # still held: say by which finalizers
+            left.append(f"WeightCache finalizers={cache['metadata'].get('finalizers')}")
+        return left
+
+    try:
+        wait(cp, lambda: not leftovers(), "agent objects collected", op=env.op)
+    except TimeoutError as exc:
+        raise AssertionError(f"left after 60 s: {leftovers()}\n{exc}") from None
     wait(
         cp,
         lambda: all(
