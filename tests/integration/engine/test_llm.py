@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from keepwarm_runtime import LLM, SamplingParams
+from tests.integration.engine.reference import transformers_greedy
 
 ARCHS = [
     "llama",
@@ -35,20 +36,7 @@ def _reference(model_dir, prompts: list[list[int]]) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    outs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            gen = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            outs.append(gen[0, ids.shape[1] :].tolist())
-    return outs
+    return transformers_greedy(model, prompts, NEW_TOKENS)
 
 
 @pytest.mark.integration

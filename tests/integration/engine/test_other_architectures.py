@@ -21,6 +21,7 @@ import torch
 from keepwarm_runtime import LLM, SamplingParams
 from keepwarm_runtime.engine.attention.fuser import AttentionFusionError
 from keepwarm_runtime.engine.loader import ModelLoadError
+from tests.integration.engine.reference import transformers_greedy
 
 pytestmark = pytest.mark.integration
 
@@ -77,20 +78,7 @@ def _prompts() -> list[list[int]]:
 )
 def test_unnamed_architecture_matches_transformers(model_type, overrides, tmp_path, tokenizer_dir) -> None:
     model = transformers_model(model_type, tmp_path, tokenizer_dir, **overrides)
-    expected = []
-    with torch.inference_mode():
-        for prompt in _prompts():
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            expected.append(out[0, ids.shape[1] :].tolist())
-
+    expected = transformers_greedy(model, _prompts(), NEW_TOKENS)
     llm = LLM(tmp_path, dtype="float32", block_size=4, num_kv_blocks=128, max_num_batched_tokens=32)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     got = [
