@@ -10,19 +10,9 @@ import pytest
 import torch
 
 from keepwarm_runtime import LLM, SamplingParams
+from tests.engine_architectures import ENGINE_ARCHS
 from tests.integration.engine.reference import transformers_greedy
 
-ARCHS = [
-    "llama",
-    "gemma",
-    "gemma2",
-    "gemma3",
-    "deepseek_v3",
-    "deepseek_v3_yarn",
-    "opt",
-    "qwen3_moe",
-    "mistral",
-]
 NEW_TOKENS = 8
 
 
@@ -40,7 +30,7 @@ def _reference(model_dir, prompts: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ENGINE_ARCHS)
 def test_greedy_matches_transformers(make_tiny, arch: str) -> None:
     model_dir = make_tiny(arch)
     llm = LLM(model_dir, dtype="float32", block_size=4, num_kv_blocks=256, max_num_batched_tokens=96)

@@ -13,6 +13,7 @@ from keepwarm_runtime.engine.attention.dispatch import register_keepwarm_attenti
 from keepwarm_runtime.engine.attention.fuser import AttentionFusionError, analyze_class, fuse_attention
 from keepwarm_runtime.engine.attention.layer import KeepwarmAttention
 from keepwarm_runtime.modelgen.architectures import ARCHITECTURES
+from tests.engine_architectures import ENGINE_ARCHS
 
 
 def _yarn_mscale(factor: float, mscale_all_dim: float) -> float:
@@ -43,20 +44,7 @@ def meta_model(arch: str) -> nn.Module:
         return AutoModelForCausalLM.from_config(config, attn_implementation="keepwarm")
 
 
-ARCHS = [
-    "llama",
-    "gemma",
-    "gemma2",
-    "gemma3",
-    "deepseek_v3",
-    "deepseek_v3_yarn",
-    "opt",
-    "qwen3_moe",
-    "mistral",
-]
-
-
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ENGINE_ARCHS)
 def test_attention_dispatch_is_matched(arch: str) -> None:
     model = meta_model(arch)
     layers = fuse_attention(model.get_decoder())
