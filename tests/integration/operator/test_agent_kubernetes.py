@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 import uuid
 
 import pytest
 import yaml
 
 from keepwarm_operator.builders.agent import agent_rbac
+from keepwarm_runtime.cache.launcher import serve_command
 from tests.integration.operator.harness import GROUP_PATH, NAMESPACE, ROOT, get, install_crds, wait
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -44,24 +44,10 @@ def test_cache_serve_reports_and_follows_the_weightcache(control_plane, tiny_lla
     cp.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(docs))
     agent_kc = cp.service_account_kubeconfig(NAMESPACE, f"keepwarm-agent-{cache}", create=False)
     env = {**cp.env(agent_kc), "KEEPWARM_MODEL_ROOT": str(models)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "keepwarm_runtime.cli",
-        "cache",
-        "serve",
-        "--socket-dir",
-        str(tmp_path / "sock"),
-        "--tier",
-        "host",
-        "--dtype",
-        "bfloat16",
-        "--report-to-kubernetes",
-        "--weightcache",
-        cache,
-        "--node-name",
-        node,
-    ]
+    cmd = serve_command(
+        tmp_path / "sock", [], "--dtype", "bfloat16", "--report-to-kubernetes",
+        "--weightcache", cache, "--node-name", node,
+    )  # fmt: skip
     log = tmp_path / "agent.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
