@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.integration.engine.reference import transformers_greedy
+
 pytestmark = pytest.mark.gpu
 
 
@@ -22,12 +24,7 @@ def reference(model_dir, prompts, n):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda()
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p], device="cuda")
-        gen = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-        outs.append(gen[0, len(p) :].tolist())
-    return outs
+    return transformers_greedy(model, prompts, n)
 
 
 @pytest.mark.parametrize("backend", ["torch", "flashinfer"])

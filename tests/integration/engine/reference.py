@@ -11,7 +11,7 @@ def transformers_greedy(model, prompts: list[list[int]], new_tokens: int) -> lis
     outs = []
     with torch.inference_mode():
         for prompt in prompts:
-            ids = torch.tensor([prompt])
+            ids = torch.tensor([prompt], device=model.device)
             gen = model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
