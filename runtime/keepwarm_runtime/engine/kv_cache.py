@@ -14,6 +14,7 @@ from torch import nn
 from keepwarm_runtime.engine.attention.fuser import AttentionFusionError
 from keepwarm_runtime.engine.attention.layer import KeepwarmAttention, KVSpec
 from keepwarm_runtime.engine.attention.metadata import use_metadata
+from keepwarm_runtime.engine.block_manager import cdiv
 from keepwarm_runtime.engine.config import EngineConfig
 
 
@@ -45,7 +46,7 @@ def probe_kv_specs(model: nn.Module, layers: list[KeepwarmAttention], device: to
 
 def bytes_per_block(specs: list[KVSpec], block_size: int, dtype: torch.dtype) -> int:
     width = sum(s.num_kv_heads * (s.key_dim + s.value_dim) for s in specs)
-    return block_size * width * torch.empty((), dtype=dtype).element_size()
+    return block_size * width * dtype.itemsize
 
 
 def num_blocks_for(
@@ -61,7 +62,7 @@ def num_blocks_for(
     else:
         budget = int(config.kv_cache_memory_gib * (1 << 30))
     # Never more than every sequence at full length needs.
-    ceiling = config.max_num_seqs * -(-max_model_len // config.block_size) + 1
+    ceiling = config.max_num_seqs * cdiv(max_model_len, config.block_size) + 1
     blocks = min(budget // per_block, ceiling)
     if blocks < 1:
         raise ValueError(f"no memory left for the KV cache ({budget} bytes budget, {per_block} per block)")

@@ -60,11 +60,7 @@ def _attention_calls(tree: ast.AST) -> list[ast.Call]:
         node
         for node in ast.walk(tree)
         if isinstance(node, ast.Call)
-        and (
-            (isinstance(node.func, ast.Name) and node.func.id in aliases)
-            or (_is_registry_lookup(node.func) and not isinstance(node.func, ast.Call))
-            or (isinstance(node.func, ast.Call) and _is_registry_lookup(node.func))
-        )
+        and ((isinstance(node.func, ast.Name) and node.func.id in aliases) or _is_registry_lookup(node.func))
     ]
 
 
