@@ -47,16 +47,7 @@ class FlashInferAttentionBackend:
                 f"{layer.owner}: attention sinks are not supported by the flashinfer backend; "
                 "use attention_backend='torch'"
             )
-        q = query[0].transpose(0, 1).contiguous()  # [T, H, Dk]
-        k = key[0].transpose(0, 1)
-        v = value[0].transpose(0, 1)
-        num_kv = k.shape[1]
-        layer.k_cache.view(-1, num_kv, k.shape[-1]).index_copy_(
-            0, meta.slot_mapping, k.to(layer.k_cache.dtype)
-        )
-        layer.v_cache.view(-1, num_kv, v.shape[-1]).index_copy_(
-            0, meta.slot_mapping, v.to(layer.v_cache.dtype)
-        )
+        q = query[0].transpose(0, 1).contiguous()  # [T, H, Dk]; the layer has cached this step's K/V
         wrapper = self._plan(meta, q, layer, scale, sliding_window, softcap)
         out = wrapper.run(q, (layer.k_cache, layer.v_cache))  # [T, H, Dv]
         return out.unsqueeze(0)

@@ -57,4 +57,8 @@ class KeepwarmAttention(nn.Module):
         if query.shape[0] != 1:
             raise RuntimeError("keepwarm attention expects packed sequences (batch dimension 1)")
         scale = self.scale if self.scale is not None else query.shape[-1] ** -0.5
+        # Every backend reads the paged cache, so the new tokens' K/V go in here, once, for all of them.
+        for cache, new in ((self.k_cache, key), (self.v_cache, value)):
+            flat = cache.view(-1, new.shape[1], new.shape[-1])  # [slots, kv_heads, dim]
+            flat.index_copy_(0, meta.slot_mapping, new[0].transpose(0, 1).to(cache.dtype))
         return self.backend.forward(self, query, key, value, meta, scale, sliding_window, softcap, sinks)

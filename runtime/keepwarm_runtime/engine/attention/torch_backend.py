@@ -1,8 +1,8 @@
-"""Reference attention backend in plain torch (CPU and GPU): paged KV writes, batched padded attention.
+"""Reference attention backend in plain torch (CPU and GPU): batched padded attention over the paged cache.
 
 Per forward pass (not per layer) it plans once: where each packed query goes in a [B, Q] grid, which
 cache slots form each sequence's [L] keys, and the boolean mask (causal, context length, sliding
-window). Each layer then writes its new K/V with one index_copy_, gathers with one index, and runs
+window). Each layer (which has written its new K/V into the cache) then gathers with one index and runs
 SDPA (or an explicit softmax when softcapping or sinks are needed). Prefill without cached tokens
 skips the gather and attends to the new K/V directly.
 """
@@ -34,13 +34,7 @@ class TorchAttentionBackend:
         q = query[0].transpose(0, 1)  # [T, H, Dk]
         k = key[0].transpose(0, 1)
         v = value[0].transpose(0, 1)
-        num_heads, num_kv = q.shape[1], k.shape[1]
-        layer.k_cache.view(-1, num_kv, k.shape[-1]).index_copy_(
-            0, meta.slot_mapping, k.to(layer.k_cache.dtype)
-        )
-        layer.v_cache.view(-1, num_kv, v.shape[-1]).index_copy_(
-            0, meta.slot_mapping, v.to(layer.v_cache.dtype)
-        )
+        num_heads, num_kv = q.shape[1], k.shape[1]  # the layer has written k, v into its paged cache
 
         plan = _plan(meta, q.device)
         B, Q = plan["B"], plan["Q"]
