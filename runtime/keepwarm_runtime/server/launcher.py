@@ -123,7 +123,8 @@ def start_server(
         *args,
     ]
     # The parent's serve settings (KEEPWARM_PORT, KEEPWARM_CACHE_SOCKET_DIR, ...) must not leak in.
-    child_env = {k: v for k, v in os.environ.items() if k not in serve_env_vars()}
+    serve_vars = serve_env_vars()  # builds the serve parser: once, not per environment variable
+    child_env = {k: v for k, v in os.environ.items() if k not in serve_vars}
     child_env |= {"PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
