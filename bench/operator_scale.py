@@ -37,6 +37,7 @@ from tests.controlplane.cluster import ControlPlane  # noqa: E402
 from tests.integration.operator.harness import (  # noqa: E402
     GROUP_PATH,
     OperatorProcess,
+    condition,
     install_chart_rbac,
     install_crds,
 )
@@ -124,10 +125,7 @@ def observed(obj: dict) -> bool:
 
 
 def available(obj: dict) -> bool:
-    return any(
-        c["type"] == "Available" and c["status"] == "True"
-        for c in (obj.get("status") or {}).get("conditions", [])
-    )
+    return condition(obj, "Available").get("status") == "True"
 
 
 def memory_mib(pid: int) -> dict[str, float]:
