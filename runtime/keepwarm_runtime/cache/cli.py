@@ -1,14 +1,25 @@
-"""`keepwarm cache serve|ls|stats|release`: run the node daemon and inspect it from a shell."""
+"""`keepwarm cache serve|ls|stats|release`: run the node daemon and inspect it from a shell.
+
+Bad input never ends in a traceback: every command answers it with one line on stderr naming what
+is wrong and exits with ``EXIT_BAD_INPUT`` (2). ``serve`` loads each ``--model`` on its own: a model
+that fails is logged (and listed as Failed) while the others are served; it exits 2 only when models
+were given and none loaded.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import math
 import os
 import signal
 import sys
 import threading
 from pathlib import Path
+
+log = logging.getLogger("keepwarm_runtime.cache.serve")
+EXIT_BAD_INPUT = 2
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,6 +43,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--allow-uid", action="append", type=int, default=[], help="peer uid to allow")
     serve.add_argument("--allow-gid", action="append", type=int, default=[], help="peer gid to allow")
     serve.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here")
+    serve.add_argument(
+        "--max-connections", type=_positive_int, default=256, help="open client connections, in all"
+    )
+    serve.add_argument(
+        "--max-connections-per-uid", type=_positive_int, default=32, help="open client connections per uid"
+    )
+    serve.add_argument(
+        "--request-deadline",
+        type=_positive_float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a whole request frame must arrive within this time from its first byte",
+    )
     serve.add_argument(
         "--report-to-kubernetes",
         action="store_true",
@@ -69,17 +93,45 @@ def _bytes(text: str) -> int:
     t = text.strip().upper()
     num = t.rstrip("KMGIB")
     try:
-        return int(float(num) * units[t[len(num) :]])
+        value = float(num) * units[t[len(num) :]]
     except (KeyError, ValueError):
         raise argparse.ArgumentTypeError(f"cannot parse byte count {text!r}; use e.g. 4GiB") from None
+    if not math.isfinite(value) or value < 1 or value > 2**63:
+        raise argparse.ArgumentTypeError(f"byte count {text!r} must be a finite, positive size, e.g. 4GiB")
+    return int(value)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
+def _fail(command: str, message: object) -> int:
+    print(f"keepwarm cache {command}: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from keepwarm_runtime.cache.checkpoint import CheckpointError
+    from keepwarm_runtime.cache.connections import ServerLimits
     from keepwarm_runtime.cache.daemon import CacheDaemon, DaemonConfig
-    from keepwarm_runtime.cache.registry import BudgetExceeded
-    from keepwarm_runtime.cache.security import CacheSecurityError
 
+    if args.report_to_kubernetes and not (args.weightcache and args.node_name):
+        return _fail("serve", "--report-to-kubernetes needs --weightcache and --node-name")
     config = DaemonConfig(
         socket_dir=Path(args.socket_dir),
         tier=args.tier,
@@ -91,25 +143,25 @@ def run_serve(args: argparse.Namespace) -> int:
         allow_uids=frozenset(args.allow_uid),
         allow_gids=frozenset(args.allow_gid),
         metrics_port=args.metrics_port,
+        limits=ServerLimits(args.max_connections, args.max_connections_per_uid, args.request_deadline),
     )
     try:
         daemon = CacheDaemon(config)
-        for path in args.model:
-            daemon.add_model(path)
+        daemon.claim()  # a second daemon stops here, before loading anything
+    except Exception as exc:  # bad tier/device/group/socket dir, no CUDA, lock held: one line
+        return _fail("serve", exc)
+    loaded = load_initial_models(daemon, args.model)
+    if args.model and not loaded:
+        daemon.close()
+        return _fail("serve", f"none of the {len(args.model)} models loaded; see the errors above")
+    try:
         daemon.bind()
-    except (CacheSecurityError, CheckpointError, BudgetExceeded, OSError, ValueError) as exc:
-        print(f"keepwarm cache serve: {exc}", file=sys.stderr)
-        return 1
+    except Exception as exc:
+        daemon.close()
+        return _fail("serve", exc)
     signal.signal(signal.SIGTERM, lambda *_: daemon.stop())
     signal.signal(signal.SIGINT, lambda *_: daemon.stop())
     if args.report_to_kubernetes:
-        if not (args.weightcache and args.node_name):
-            print(
-                "keepwarm cache serve: --report-to-kubernetes needs --weightcache and --node-name",
-                file=sys.stderr,
-            )
-            daemon.close()
-            return 2
         from keepwarm_runtime.agent.kubernetes import run_agent
 
         threading.Thread(target=run_agent, args=(daemon, args), daemon=True, name="node-agent").start()
@@ -117,26 +169,52 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def load_initial_models(daemon, paths: list[str]) -> list[str]:
+    """Load each model without evicting another; a failure is an ERROR line (or a WARNING when it
+    only does not fit the budget) and a Failed entry, never the end of the daemon."""
+    from keepwarm_runtime.cache.registry import BudgetExceeded
+
+    loaded = []
+    for path in paths:
+        try:
+            loaded.append(daemon.add_model(path, evict=False))
+        except BudgetExceeded as exc:
+            log.warning("not loading %s: %s", path, exc)
+        except Exception as exc:
+            log.error("cannot load %s: %s", path, exc)
+    return loaded
+
+
 def run_inspect(args: argparse.Namespace) -> int:
     from keepwarm_runtime.cache.client import CacheAttachError, connect, request
+    from keepwarm_runtime.cache.protocol import ProtocolError
 
     header = {"cmd": "list" if args.cache_cmd == "ls" else args.cache_cmd}
     if args.cache_cmd == "release":
         header |= {"model": args.model, "force": args.force}
     try:
-        sock = connect(Path(args.socket), timeout_s=10.0)
-        with sock:
-            reply, _ = request(sock, header)
-    except (CacheAttachError, OSError) as exc:
-        print(f"keepwarm cache {args.cache_cmd}: {exc}", file=sys.stderr)
-        return 1
-    if args.cache_cmd == "ls":
-        for m in reply["models"]:
-            pin = " pinned" if m["pinned"] else ""
-            print(
-                f"{m['name']}\t{m['bytes'] / 2**20:.1f} MiB\t{m['tier']}\t{m['key_digest']}{pin}\t{m['path']}"
-            )
-        return 0
+        with connect(Path(args.socket), timeout_s=10.0) as sock:
+            reply, fds = request(sock, header)
+        for fd in fds:
+            os.close(fd)
+        if args.cache_cmd == "ls":
+            for row in reply["models"]:
+                print(format_ls_row(row))
+            return 0
+    except CacheAttachError as exc:
+        return _fail(args.cache_cmd, exc)
+    except (ProtocolError, OSError) as exc:
+        return _fail(args.cache_cmd, f"{args.socket} is not a keepwarm cache daemon ({exc})")
+    except (KeyError, TypeError, ValueError) as exc:
+        return _fail(args.cache_cmd, f"unexpected reply from {args.socket}: {type(exc).__name__}: {exc}")
     reply.pop("ok", None)
     print(json.dumps(reply, indent=2))
     return 0
+
+
+def format_ls_row(m: dict) -> str:
+    """One line per model: resident ones with size and key, Failed ones with their reason."""
+    if m.get("state") == "Failed":
+        return f"{m['name']}\tFailed\t{m['reason']}"
+    pin = " pinned" if m["pinned"] else ""
+    return f"{m['name']}\t{m['bytes'] / 2**20:.1f} MiB\t{m['tier']}\t{m['key_digest']}{pin}\t{m['path']}"

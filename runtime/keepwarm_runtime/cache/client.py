@@ -9,6 +9,7 @@ reason once and counting every fallback in ``keepwarm_cache_client_misses_total`
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import socket
@@ -22,6 +23,7 @@ import torch
 from keepwarm_runtime import __version__
 from keepwarm_runtime.cache import protocol, security
 from keepwarm_runtime.cache.checkpoint import Shard, parse_dtype, read_checkpoint
+from keepwarm_runtime.cache.env import FALLBACK_ENV, MODE_ENV, SOCKET_DIR_ENV, env_flag, env_text
 from keepwarm_runtime.cache.fingerprint import compute_key
 from keepwarm_runtime.cache.loader import TensorEntry, load_from_disk
 from keepwarm_runtime.cache.metrics import client_metrics
@@ -29,6 +31,8 @@ from keepwarm_runtime.cache.metrics import client_metrics
 log = logging.getLogger(__name__)
 _FROM_ENV: Any = object()  # default of socket_dir/mode/fallback: read KEEPWARM_CACHE_* variables
 _logged_reasons: set[str] = set()
+_RETRY_ERRNOS = {errno.EAGAIN, errno.ECONNREFUSED}
+PAGE_MODES = frozenset({"4k", "thp", "hugetlb", "vmm"})  # what a daemon's arenas may report
 
 
 @dataclass
@@ -41,6 +45,8 @@ class AttachResult:
     model: str | None = None  # daemon's model name on a hit
     tier: str | None = None  # "host" | "gpu" on a hit
     digest: str | None = None  # content digest the daemon computed while loading
+    page_mode: str | None = None  # arena pages on a hit: "4k" | "thp" | "hugetlb" | "vmm"
+    gpu_uuid: str | None = None  # gpu tier: the GPU holding the arena (checked against `device`)
 
 
 class CacheAttachError(Exception):
@@ -49,11 +55,6 @@ class CacheAttachError(Exception):
     def __init__(self, reason: str, message: str | None = None) -> None:
         super().__init__(message or reason)
         self.reason = reason
-
-
-def _env_flag(name: str, default: bool) -> bool:
-    value = os.environ.get(name)
-    return default if value is None else value.strip().lower() not in ("0", "false", "no", "off", "")
 
 
 def attach(
@@ -72,16 +73,17 @@ def attach(
 
     ``socket_dir=None`` loads from disk; left out, it comes from KEEPWARM_CACHE_SOCKET_DIR (as do
     ``mode`` from KEEPWARM_CACHE_MODE, default "zero_copy", and ``fallback`` from
-    KEEPWARM_CACHE_FALLBACK, default true). ``mode="copy"`` copies out of the arena into private
-    memory. Raises CacheAttachError when the cache fails and fallback is off.
+    KEEPWARM_CACHE_FALLBACK, default true; an empty variable means its default, see ``env.py``).
+    ``mode="copy"`` copies out of the arena into private memory. Raises CacheAttachError when the
+    cache fails and fallback is off.
     """
     started = time.perf_counter()
     if socket_dir is _FROM_ENV:
-        socket_dir = os.environ.get("KEEPWARM_CACHE_SOCKET_DIR") or None
+        socket_dir = env_text(SOCKET_DIR_ENV, None)
     if mode is _FROM_ENV:
-        mode = os.environ.get("KEEPWARM_CACHE_MODE", "zero_copy")
+        mode = env_text(MODE_ENV, "zero_copy")
     if fallback is _FROM_ENV:
-        fallback = _env_flag("KEEPWARM_CACHE_FALLBACK", True)
+        fallback = env_flag(FALLBACK_ENV, True)
     if mode not in ("zero_copy", "copy"):
         raise ValueError(f"unknown cache mode {mode!r}; use zero_copy or copy")
     dtype, device = parse_dtype(dtype), torch.device(device)
@@ -138,22 +140,61 @@ def request(sock: socket.socket, header: dict[str, Any]) -> tuple[dict[str, Any]
 
 
 def connect(socket_path: Path, timeout_s: float) -> socket.socket:
-    """Connect after checking the path and the daemon's credentials; errors -> CacheAttachError."""
-    if not socket_path.exists():
-        raise CacheAttachError(f"unavailable: no daemon socket at {socket_path}")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout_s)
-    try:
-        security.check_client_path(socket_path)
-        sock.connect(str(socket_path))
-        security.check_server_peer(sock)
-    except security.CacheSecurityError as exc:
-        sock.close()
-        raise CacheAttachError(f"unavailable: {exc}") from None
-    except OSError as exc:
-        sock.close()
-        raise CacheAttachError(f"unavailable: {exc.strerror or exc}") from None
-    return sock
+    """Connect after checking the path and the daemon's credentials; errors -> CacheAttachError.
+
+    While the socket file exists, a full listen backlog (EAGAIN) or a daemon between its bind and
+    listen, or restarting (ECONNREFUSED), is retried until ``timeout_s``: a restart storm of pods
+    waits for the cache instead of going cold.
+    """
+    deadline = time.monotonic() + timeout_s
+    delay = 0.005
+    while True:
+        if not socket_path.exists():
+            raise CacheAttachError(f"unavailable: no daemon socket at {socket_path}")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(max(deadline - time.monotonic(), 0.01))
+        try:
+            security.check_client_path(socket_path)
+            sock.connect(str(socket_path))
+            security.check_server_peer(sock)
+            sock.settimeout(timeout_s)
+            return sock
+        except security.CacheSecurityError as exc:
+            sock.close()
+            raise CacheAttachError(f"unavailable: {exc}") from None
+        except OSError as exc:
+            sock.close()
+            if exc.errno in _RETRY_ERRNOS and time.monotonic() + delay < deadline:
+                time.sleep(delay)
+                delay = min(delay * 2, 0.1)
+                continue
+            raise CacheAttachError(f"unavailable: {exc.strerror or exc}") from None
+
+
+def open_session(socket_path: Path, timeout_s: float) -> socket.socket:
+    """A connection whose ``hello`` succeeded; a daemon at its connection limit ("busy") is retried
+    until ``timeout_s``, like a full backlog."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.01
+    while True:
+        sock = connect(socket_path, max(deadline - time.monotonic(), 0.01))
+        try:
+            hello, _ = request(
+                sock, {"cmd": "hello", "protocol": protocol.PROTOCOL_VERSION, "version": __version__}
+            )
+            if hello.get("protocol") != protocol.PROTOCOL_VERSION:
+                raise CacheAttachError(f"mismatch: protocol {hello.get('protocol')}")
+            return sock
+        except CacheAttachError as exc:
+            sock.close()
+            if exc.reason == "error: busy" and time.monotonic() + delay < deadline:
+                time.sleep(delay)
+                delay = min(delay * 2, 0.2)
+                continue
+            raise
+        except (OSError, protocol.ProtocolError) as exc:
+            sock.close()
+            raise CacheAttachError(f"unavailable: {exc}") from None
 
 
 def _attach_from_cache(*args) -> AttachResult:
@@ -178,14 +219,9 @@ def _attach_or_raise(
     tp_size: int,
 ) -> AttachResult:
     key = compute_key(model_dir, dtype, tp_rank, tp_size, shards=shards)
-    sock = connect(socket_path_for(socket_dir, device), timeout_s)
+    sock = open_session(socket_path_for(socket_dir, device), timeout_s)
     fds: list[int] = []
     try:
-        hello, _ = request(
-            sock, {"cmd": "hello", "protocol": protocol.PROTOCOL_VERSION, "version": __version__}
-        )
-        if hello.get("protocol") != protocol.PROTOCOL_VERSION:
-            raise CacheAttachError(f"mismatch: protocol {hello.get('protocol')}")
         reply, fds = request(sock, {"cmd": "get_state", "key": key.to_dict(), "name": model_dir.name})
     except (OSError, protocol.ProtocolError) as exc:
         raise CacheAttachError(f"unavailable: {exc}") from None
@@ -196,26 +232,74 @@ def _attach_or_raise(
             raise CacheAttachError("absent", f"no resident model matches {model_dir}")
         if reply["state"] == "mismatch":
             fields = ",".join(reply.get("fields", []))
+            why = reply.get("reason") or fields
             raise CacheAttachError(
-                f"mismatch: {fields}", f"resident model {reply.get('model')} differs in: {fields}"
+                f"mismatch: {why}", f"resident model {reply.get('model')} differs in: {fields} ({why})"
             )
-        if len(fds) != 1:
-            raise CacheAttachError("error: bad_reply", f"expected one fd on a hit, got {len(fds)}")
+        if reply["state"] != "hit" or len(fds) != 1:
+            raise CacheAttachError("error: bad_reply", f"state {reply['state']!r} with {len(fds)} fds")
+        check_hit(reply, device)
         entries = [TensorEntry.from_wire(row) for row in reply["tensors"]]
+        check_layout(entries, int(reply["size"]))
+        aliases = check_aliases(reply.get("aliases", {}), {e.name for e in entries})
         tensors = _map_tensors(reply, fds[0], entries, device, mode)
     finally:
         for fd in fds:
             os.close(fd)
     return AttachResult(
         tensors,
-        dict(reply.get("aliases", {})),
+        aliases,
         "cache",
         None,
         0.0,
         model=reply.get("model"),
         tier=reply.get("tier"),
         digest=reply.get("digest"),
+        page_mode=reply["page_mode"],
+        gpu_uuid=reply.get("gpu_uuid"),
     )
+
+
+def _bad_reply(message: str) -> CacheAttachError:
+    return CacheAttachError("error: bad_reply", f"daemon reply refused: {message}")
+
+
+def check_hit(reply: dict[str, Any], device: torch.device) -> None:
+    """Honour or refuse, by name, every field of a hit that is not the tensor table."""
+    tier, page_mode, gpu = reply.get("tier"), reply.get("page_mode"), reply.get("gpu_uuid")
+    if tier not in ("host", "gpu"):
+        raise _bad_reply(f"unknown tier {tier!r}")
+    if page_mode not in PAGE_MODES:
+        raise _bad_reply(f"unknown page_mode {page_mode!r}")
+    if tier == "host" and gpu is not None:
+        raise _bad_reply(f"a host-tier arena names gpu_uuid {gpu!r}")
+    if tier == "gpu":
+        if device.type != "cuda":
+            raise CacheAttachError("mismatch: tier", "the gpu tier serves CUDA devices only")
+        from keepwarm_runtime.cache.backends import cuda
+
+        mine = cuda.gpu_uuid(device.index or 0)
+        if gpu != mine:
+            raise CacheAttachError("mismatch: gpu_uuid", f"arena lives on {gpu}, this process uses {mine}")
+
+
+def check_layout(entries: list[TensorEntry], size: int) -> None:
+    """Every tensor lies inside the arena and its bytes match its shape."""
+    for e in entries:
+        count = e.dtype.itemsize
+        for d in e.shape:
+            count *= d
+        if e.offset < 0 or e.nbytes != count or e.offset + e.nbytes > size:
+            raise _bad_reply(f"tensor {e.name!r} does not fit the {size}-byte arena")
+
+
+def check_aliases(aliases: Any, names: set[str]) -> dict[str, str]:
+    """Aliases (tied weights) must map names to tensors of the reply."""
+    if not isinstance(aliases, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and v in names for k, v in aliases.items()
+    ):
+        raise _bad_reply("aliases must map names to tensors of the reply")
+    return dict(aliases)
 
 
 def _map_tensors(
@@ -225,8 +309,6 @@ def _map_tensors(
     if reply["tier"] == "gpu":
         from keepwarm_runtime.cache.backends.cuda import import_arena
 
-        if device.type != "cuda":
-            raise CacheAttachError("mismatch: tier", "the gpu tier serves CUDA devices only")
         mapping = import_arena(fd, size, device.index or 0)
         tensors = {e.name: mapping.tensor(e.offset, e.dtype, e.shape) for e in entries}
         return {n: t.clone() for n, t in tensors.items()} if mode == "copy" else tensors

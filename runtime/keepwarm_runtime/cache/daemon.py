@@ -1,8 +1,14 @@
 """The cache daemon: loads checkpoints once, holds them in a tier, serves them over a Unix socket.
 
 ``CacheDaemon`` is also the in-process API of the node agent (``add_model``, ``remove_model``,
-``snapshot`` are thread-safe). The socket is bound only after the initial models are resident, so
-a client that can connect can attach; one ``READY`` line on stderr says so.
+``snapshot`` are thread-safe). Start order: ``claim`` (socket directory and lock, so a second daemon
+stops before loading anything), load the initial models, ``bind``, ``serve_forever``; a client that
+can connect can attach, and one ``READY`` line on stderr says so.
+
+A model that fails to load (bad shard, no room under the budget, unsealable arena) is ``Failed`` with
+a reason naming the file, in ``stats``/``list`` and metrics; it never costs a resident model its
+place, because every header is validated before anything is evicted. A resident model whose shard
+changes on disk is dropped at the next request that touches it and reloaded in the background.
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from keepwarm_runtime import __version__
-from keepwarm_runtime.cache import protocol, security
+from keepwarm_runtime.cache import security
 from keepwarm_runtime.cache.checkpoint import parse_dtype, read_checkpoint
+from keepwarm_runtime.cache.connections import ServerLimits, SocketServer, raise_nofile_limit
 from keepwarm_runtime.cache.fingerprint import compute_key
 from keepwarm_runtime.cache.handlers import CommandHandlers
 from keepwarm_runtime.cache.loader import fill_arena, plan_layout
@@ -28,7 +35,7 @@ from keepwarm_runtime.cache.metrics import DaemonMetrics
 from keepwarm_runtime.cache.registry import ModelRegistry, ResidentModel
 
 log = logging.getLogger(__name__)
-IDLE_TIMEOUT_S = 300.0  # a connection silent this long (or stuck mid-frame) is closed
+MAX_REASON_CHARS = 1000  # a Failed model's reason, as reported in stats, list and the node status
 
 
 @dataclass
@@ -41,9 +48,19 @@ class DaemonConfig:
     pins: frozenset[str] = frozenset()  # model names (directory names) never evicted
     group: str | None = None  # socket dir 0770 / socket 0660 with this group
     allow_uids: frozenset[int] = frozenset()
-    allow_gids: frozenset[int] = frozenset()
+    allow_gids: frozenset[int] = frozenset()  # matched against primary and supplementary groups
     metrics_port: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    limits: ServerLimits = field(default_factory=ServerLimits)
+
+
+@dataclass(frozen=True)
+class FailedModel:
+    path: Path  # checkpoint directory
+    reason: str  # names the file and what is wrong with it
+
+    def describe(self) -> dict[str, Any]:
+        """Shape of a Failed model in ``stats`` (under "failed") and ``list``: stable, documented."""
+        return {"state": "Failed", "path": str(self.path), "reason": self.reason}
 
 
 def resolve_tier(tier: str) -> str:
@@ -80,57 +97,90 @@ class CacheDaemon:
         self.policy = security.PeerPolicy(allow_uids=config.allow_uids, allow_gids=config.allow_gids)
         self._gid = security.resolve_gid(config.group)
         self._load_lock = threading.Lock()
+        self._failed: dict[str, FailedModel] = {}
+        self._failed_lock = threading.Lock()
         self._stop = threading.Event()
         self._lock = security.DaemonLock(self.socket_path)
         self._listener: socket.socket | None = None
+        self._nofile = 0
         self.started_at = time.time()
 
     # -- node agent API -------------------------------------------------------------------------
 
-    def add_model(self, path: str | Path, pin: bool = False) -> str:
-        """Load ``path`` (once; a second call is a no-op) and return its model name."""
+    def add_model(self, path: str | Path, pin: bool = False, evict: bool = True) -> str:
+        """Load ``path`` (once; a second call is a no-op) and return its model name.
+
+        ``evict=False`` (the initial models) refuses a model that does not fit the budget instead
+        of evicting another. On failure the model is recorded as Failed and the error re-raised.
+        """
         path = Path(path).resolve()
-        with self._load_lock:
-            shards = read_checkpoint(path)
-            key = compute_key(path, self.dtype, shards=shards)
-            name = self.registry.unique_name(path)
-            current = self.registry.get(name)
-            if current is not None and current.key == key:
-                current.pinned = current.pinned or pin
-                return name
-            pinned = pin or name in self.config.pins or path.name in self.config.pins
-            layout = plan_layout(shards, self.dtype)
-            for victim in self.registry.reserve(layout.size, keep=name):
-                self._drop(victim, "evicted for --budget")
-                self.metrics.evictions.inc()
-            started = time.perf_counter()
-            arena = self._new_arena(name, layout.size)
-            try:
-                digest = fill_arena(arena, shards, layout)
-                arena.seal()
-            except BaseException:
-                arena.close()
-                raise
-            seconds = time.perf_counter() - started
-            model = ResidentModel(
-                name, path, key, layout, arena, self.tier, digest, pinned, seconds, gpu_uuid=self.gpu_uuid
-            )
-            old = self.registry.remove(name)
-            if old is not None:
-                self._drop(old, "replaced by a new version")
-            self.registry.insert(model)
-            self.metrics.resident_bytes.labels(name, self.tier).set(model.nbytes)
-            self.metrics.load_seconds.labels(name).set(seconds)
-            log.info(
-                "loaded %s (%d tensors, %.2f GiB %s, %s pages) in %.2fs",
-                name,
-                len(layout.entries),
-                model.nbytes / 2**30,
-                self.tier,
-                arena.page_mode,
-                seconds,
-            )
+        name = self.registry.unique_name(path)
+        try:
+            with self._load_lock:
+                name = self._load(path, name, pin, evict)
+        except Exception as exc:
+            self._record_failure(name, path, exc)
+            raise
+        with self._failed_lock:
+            self._failed.pop(name, None)
+        with contextlib.suppress(KeyError):  # it had not failed before
+            self.metrics.failed_models.remove(name)
+        return name
+
+    def _load(self, path: Path, name: str, pin: bool, evict: bool) -> str:
+        shards = read_checkpoint(path)  # validates every header before anything is evicted
+        key = compute_key(path, self.dtype, shards=shards)
+        current = self.registry.get(name)
+        if current is not None and current.key == key:
+            current.pinned = current.pinned or pin
             return name
+        pinned = pin or name in self.config.pins or path.name in self.config.pins
+        layout = plan_layout(shards, self.dtype)
+        for victim in self.registry.reserve(layout.size, keep=name, evict=evict):
+            self._drop(victim, "evicted for --budget")
+            self.metrics.evictions.inc()
+        started = time.perf_counter()
+        arena = self._new_arena(name, layout.size)
+        try:
+            digest = fill_arena(arena, shards, layout)
+            arena.seal()
+        except BaseException:
+            arena.close()
+            raise
+        seconds = time.perf_counter() - started
+        model = ResidentModel(
+            name, path, key, layout, arena, self.tier, digest, pinned, seconds, shards, gpu_uuid=self.gpu_uuid
+        )
+        old = self.registry.remove(name)
+        if old is not None:
+            self._drop(old, "replaced by a new version")
+        self.registry.insert(model)
+        self.metrics.resident_bytes.labels(name, self.tier).set(model.nbytes)
+        self.metrics.load_seconds.labels(name).set(seconds)
+        log.info(
+            "loaded %s (%d tensors, %.2f GiB %s, %s pages) in %.2fs",
+            name,
+            len(layout.entries),
+            model.nbytes / 2**30,
+            self.tier,
+            arena.page_mode,
+            seconds,
+        )
+        return name
+
+    def _record_failure(self, name: str, path: Path, exc: Exception) -> None:
+        from keepwarm_runtime.cache.backends.host import ArenaSealError
+
+        if isinstance(exc, ArenaSealError):
+            self.metrics.seal_failures.inc()
+        reason = str(exc) if str(path) in str(exc) else f"{path}: {exc}"
+        with self._failed_lock:
+            self._failed[name] = FailedModel(path, f"{type(exc).__name__}: {reason}"[:MAX_REASON_CHARS])
+        self.metrics.failed_models.labels(name).set(1)
+
+    def failed_models(self) -> dict[str, dict[str, Any]]:
+        with self._failed_lock:
+            return {name: f.describe() for name, f in self._failed.items()}
 
     def remove_model(self, name: str) -> bool:
         model = self.registry.remove(name)
@@ -139,7 +189,20 @@ class CacheDaemon:
         self._drop(model, "released")
         return True
 
+    def changed_on_disk(self, model: ResidentModel, changed: list[Path]) -> None:
+        """Drop ``model`` (its files are no longer what was loaded) and reload it in the background."""
+        if self.registry.remove(model.name, model) is None:
+            return  # another request already dropped it
+        self.metrics.changed_on_disk.inc()
+        self._drop(model, f"changed on disk: {', '.join(p.name for p in changed)}", level=logging.WARNING)
+        threading.Thread(target=self._reload, args=(model,), daemon=True, name=f"reload-{model.name}").start()
+
+    def _reload(self, model: ResidentModel) -> None:
+        with contextlib.suppress(Exception):  # a failed reload is recorded as Failed
+            self.add_model(model.path, pin=model.pinned)
+
     def snapshot(self) -> dict[str, Any]:
+        """Daemon state for ``stats`` and the node agent; ``failed`` maps name -> FailedModel.describe()."""
         return {
             "version": __version__,
             "pid": os.getpid(),
@@ -150,6 +213,7 @@ class CacheDaemon:
             "resident_bytes": self.registry.resident_bytes(),
             "gpu_uuid": self.gpu_uuid,
             "models": {m.name: m.describe() for m in self.registry.models()},
+            "failed": self.failed_models(),
         }
 
     def _new_arena(self, name: str, size: int):
@@ -161,18 +225,25 @@ class CacheDaemon:
 
         return HostArena(name, size)
 
-    def _drop(self, model: ResidentModel, why: str) -> None:
+    def _drop(self, model: ResidentModel, why: str, level: int = logging.INFO) -> None:
         # Clients that mapped it keep their mapping: the kernel/driver frees it after the last unmap.
         model.arena.close()
         self.metrics.resident_bytes.remove(model.name, model.tier)
-        log.info("dropped %s (%s)", model.name, why)
+        log.log(level, "dropped %s (%s)", model.name, why)
 
     # -- socket server --------------------------------------------------------------------------
 
+    def claim(self) -> None:
+        """Prepare the socket directory and take the lock: call before loading anything, so a second
+        daemon on the same socket stops at once instead of after a long load."""
+        if not self._lock.held:
+            security.prepare_socket_dir(self.socket_dir, self._gid)
+            self._lock.acquire()
+
     def bind(self) -> None:
-        """Take the lock, clear a stale socket, bind and listen (call once models are loaded)."""
-        security.prepare_socket_dir(self.socket_dir, self._gid)
-        self._lock.acquire()
+        """Take the lock (if ``claim`` did not), clear a stale socket, bind and listen."""
+        self.claim()
+        self._nofile = raise_nofile_limit()
         security.remove_stale_socket(self.socket_path, self._lock)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o177)
@@ -181,11 +252,15 @@ class CacheDaemon:
         finally:
             os.umask(old_umask)
         security.secure_socket_file(self.socket_path, self._gid)
-        listener.listen(64)
+        listener.listen(socket.SOMAXCONN)  # a restart storm of pods queues instead of failing
         listener.settimeout(0.2)
         self._listener = listener
         if self.config.metrics_port is not None:
             self.metrics.serve(self.config.metrics_port)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
 
     def serve_forever(self) -> None:
         if self._listener is None:
@@ -198,12 +273,7 @@ class CacheDaemon:
             flush=True,
         )
         try:
-            while not self._stop.is_set():
-                try:
-                    conn, _ = self._listener.accept()
-                except TimeoutError:
-                    continue
-                threading.Thread(target=self._serve_connection, args=(conn,), daemon=True).start()
+            SocketServer(self, self._listener, self.config.limits, self._nofile).serve(self._stop)
         finally:
             self.close()
 
@@ -221,39 +291,3 @@ class CacheDaemon:
         self._lock.release()
         for model in self.registry.models():
             self.remove_model(model.name)
-
-    def _serve_connection(self, conn: socket.socket) -> None:
-        with conn:
-            conn.settimeout(IDLE_TIMEOUT_S)
-            try:
-                cred = security.peer_cred(conn)
-                if not self.policy.allows(cred.uid, cred.gid):
-                    self.metrics.refused_peers.inc()
-                    log.warning("refused peer pid=%d uid=%d gid=%d", cred.pid, cred.uid, cred.gid)
-                    protocol.send_frame(
-                        conn,
-                        protocol.error_reply(
-                            "forbidden",
-                            f"uid {cred.uid}/gid {cred.gid} is not allowed; start the daemon "
-                            "with --allow-uid or --allow-gid",
-                        ),
-                    )
-                    return
-                while not self._stop.is_set():
-                    try:
-                        request, fds = protocol.recv_frame(conn, protocol.MAX_REQUEST_BYTES)
-                    except protocol.PeerClosed:
-                        return
-                    except protocol.ProtocolError as exc:
-                        protocol.send_frame(conn, protocol.error_reply(exc.code, str(exc)))
-                        return
-                    for fd in fds:  # clients have no business sending fds
-                        os.close(fd)
-                    reply, out_fds = self.handlers.dispatch(request)
-                    try:
-                        protocol.send_frame(conn, reply, out_fds)
-                    finally:
-                        for fd in out_fds:
-                            os.close(fd)
-            except OSError as exc:  # peer vanished, timed out, or reset mid-reply
-                log.debug("connection ended: %s", exc)

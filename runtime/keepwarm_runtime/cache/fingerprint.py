@@ -1,8 +1,17 @@
 """`WeightCacheKey`: what must be equal for a client to use weights the daemon holds.
 
-The checkpoint part hashes every shard's safetensors header and file size, never the weight bytes:
-computing a key costs a few small reads, and two directories holding identical files match. The
-daemon separately records a content digest while it reads the bytes (see ``loader.py``).
+Two hashes identify the checkpoint, both cheap to compute (a few small reads and one ``fstat`` per
+shard, never the weight bytes, so a restart costs O(shards) system calls):
+
+* ``checkpoint`` covers every shard's name, size and safetensors header: *which* tensors, laid out how.
+* ``files`` covers every shard's file identity (device, inode, size, mtime_ns, ctime_ns): *which*
+  files, unchanged since. Two checkpoints with equal headers (fine-tunes of one base model, or
+  ``make-model --seed 1`` and ``--seed 2``) differ here, and so does a shard rewritten in place.
+
+The daemon separately records a content digest while it reads the bytes (``loader.fill_arena``) and
+re-checks file identities before each hit, so a shard changed on disk after load is a miss.
+``conversion`` names the conversion settings the daemon applied while filling the arena (renames,
+expert merges, FP8 repacking); "none" until such a step exists.
 """
 
 from __future__ import annotations
@@ -18,13 +27,17 @@ import torch
 from keepwarm_runtime import __version__
 from keepwarm_runtime.cache.checkpoint import Shard, dtype_name, read_checkpoint
 
+NO_CONVERSION = "none"
+
 
 @dataclass(frozen=True)
 class WeightCacheKey:
     checkpoint: str  # sha256 over shard names, sizes and safetensors headers
+    files: str  # sha256 over shard names and file identities (device, inode, size, mtime, ctime)
     architecture: str  # config.json architectures[0] (or model_type)
     dtype: str  # serving dtype of floating tensors, e.g. "float32"
     quantization: str  # sha256 of config.json quantization_config ("none" without one)
+    conversion: str  # conversion settings applied at load ("none" without any)
     revision: str  # hub commit (HF cache snapshot dir / _commit_hash) or "local"
     tp_rank: int  # tensor-parallel rank this entry serves
     tp_size: int  # tensor-parallel world size
@@ -38,12 +51,18 @@ class WeightCacheKey:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> WeightCacheKey:
-        names = {f.name for f in fields(cls)}
-        missing = names - set(data)
+    def from_dict(cls, data: Any) -> WeightCacheKey:
+        """Parse a key from the wire; every field must be present with its declared type."""
+        if not isinstance(data, dict):
+            raise ValueError("fingerprint must be a JSON object")
+        missing = {f.name for f in fields(cls)} - set(data)
         if missing:
             raise ValueError(f"fingerprint lacks fields: {', '.join(sorted(missing))}")
-        return cls(**{k: data[k] for k in names})
+        for f in fields(cls):
+            value, kind = data[f.name], int if f.type == "int" else str
+            if type(value) is not kind or (kind is str and len(value) > 256):
+                raise ValueError(f"fingerprint field {f.name} must be a {kind.__name__}")
+        return cls(**{f.name: data[f.name] for f in fields(cls)})
 
     @property
     def digest(self) -> str:
@@ -60,9 +79,22 @@ def checkpoint_hash(shards: list[Shard]) -> str:
     return h.hexdigest()
 
 
+def files_hash(shards: list[Shard]) -> str:
+    h = hashlib.sha256()
+    for shard in shards:
+        h.update(f"{shard.path.name}\0{shard.identity.as_tuple()}\0".encode())
+    return h.hexdigest()
+
+
 def _config(model_dir: Path) -> dict[str, Any]:
     path = model_dir / "config.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    if not path.exists():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    return config if isinstance(config, dict) else {}
 
 
 def _revision(model_dir: Path, config: dict[str, Any]) -> str:
@@ -78,8 +110,9 @@ def compute_key(
     tp_rank: int = 0,
     tp_size: int = 1,
     shards: list[Shard] | None = None,
+    conversion: str = NO_CONVERSION,
 ) -> WeightCacheKey:
-    """Key of ``model_dir`` served in ``dtype``; reads only headers and config.json."""
+    """Key of ``model_dir`` served in ``dtype``; reads only headers, ``fstat`` and config.json."""
     model_dir = Path(model_dir)
     shards = shards if shards is not None else read_checkpoint(model_dir)
     config = _config(model_dir)
@@ -90,9 +123,11 @@ def compute_key(
     )
     return WeightCacheKey(
         checkpoint=checkpoint_hash(shards),
+        files=files_hash(shards),
         architecture=str(archs[0]),
         dtype=dtype if isinstance(dtype, str) else dtype_name(dtype),
         quantization=quant_hash,
+        conversion=conversion,
         revision=_revision(model_dir, config),
         tp_rank=tp_rank,
         tp_size=tp_size,

@@ -1,4 +1,10 @@
-"""One method per protocol command; each returns (reply header, fds to send and then close)."""
+"""One method per protocol command; each returns (reply header, fds to send and then close).
+
+A request that is well-formed JSON but malformed for its command (missing or mistyped fields) raises
+``BadRequest``: the connection answers it with an error frame and closes, like any bad frame. A
+well-formed request for an unknown command, or one the daemon declines (``not_found``, ``pinned``),
+is an ordinary error reply and the connection stays open.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +13,31 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from keepwarm_runtime import __version__
+from keepwarm_runtime.cache.checkpoint import changed_shards
 from keepwarm_runtime.cache.fingerprint import WeightCacheKey
-from keepwarm_runtime.cache.protocol import PROTOCOL_VERSION, error_reply
+from keepwarm_runtime.cache.protocol import PROTOCOL_VERSION, ProtocolError, error_reply
 
 if TYPE_CHECKING:
     from keepwarm_runtime.cache.daemon import CacheDaemon
 
 Reply = tuple[dict[str, Any], list[int]]
+CHANGED_ON_DISK = "changed on disk"  # get_state miss reason: a resident model's shard was rewritten
+
+
+class BadRequest(ProtocolError):
+    """The request's fields are malformed: reply with ``bad_request`` and close."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("bad_request", message)
+
+
+def _str_field(request: dict[str, Any], name: str, required: bool = True) -> str | None:
+    value = request.get(name)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str) or len(value) > 4096:
+        raise BadRequest(f"{request.get('cmd')}: field {name!r} must be a string")
+    return value
 
 
 class CommandHandlers:
@@ -21,14 +45,17 @@ class CommandHandlers:
         self.daemon = daemon
 
     def dispatch(self, request: dict[str, Any]) -> Reply:
+        """Run one request; raises BadRequest for malformed fields (never any other exception)."""
         cmd = request.get("cmd")
-        handler = getattr(self, f"cmd_{cmd}", None) if isinstance(cmd, str) else None
+        handler = getattr(self, f"cmd_{cmd}", None) if isinstance(cmd, str) and cmd.isidentifier() else None
         if handler is None:
-            return error_reply("unknown_command", f"unknown command {cmd!r}"), []
+            return error_reply("unknown_command", f"unknown command {str(cmd)[:64]!r}"), []
         try:
             return handler(request)
+        except BadRequest:
+            raise
         except (KeyError, TypeError, ValueError) as exc:
-            return error_reply("bad_request", f"{cmd}: {exc}"), []
+            raise BadRequest(f"{cmd}: {str(exc)[:300]}") from None
 
     def cmd_hello(self, request: dict[str, Any]) -> Reply:
         d = self.daemon
@@ -44,10 +71,24 @@ class CommandHandlers:
 
     def cmd_get_state(self, request: dict[str, Any]) -> Reply:
         started = time.perf_counter()
-        key = WeightCacheKey.from_dict(request["key"])
-        found = self.daemon.registry.lookup(key, request.get("name"))
+        key = WeightCacheKey.from_dict(request.get("key"))
+        found = self.daemon.registry.lookup(key, _str_field(request, "name", required=False))
         state, model, fields = found.state, found.model, found.fields
         metrics = self.daemon.metrics
+        # The daemon re-checks the files itself: a client's key alone never drops a model.
+        changed = changed_shards(model.shards) if model is not None else []
+        if changed:
+            if found.fd >= 0:
+                os.close(found.fd)
+            self.daemon.changed_on_disk(model, changed)
+            metrics.misses.labels("mismatch").inc()
+            return {
+                "ok": True,
+                "state": "mismatch",
+                "fields": ["files"],
+                "reason": CHANGED_ON_DISK,
+                "model": model.name,
+            }, []
         if state == "hit":
             metrics.hits.labels(model.name).inc()
             reply = {
@@ -74,6 +115,7 @@ class CommandHandlers:
         models = [
             {
                 "name": m.name,
+                "state": "Resident",
                 "bytes": m.nbytes,
                 "pinned": m.pinned,
                 "tier": m.tier,
@@ -82,14 +124,18 @@ class CommandHandlers:
             }
             for m in self.daemon.registry.models()
         ]
+        models += [{"name": name, **f} for name, f in self.daemon.failed_models().items()]
         return {"ok": True, "models": models}, []
 
     def cmd_release(self, request: dict[str, Any]) -> Reply:
-        name = str(request["model"])
+        name = _str_field(request, "model")
+        force = request.get("force", False)
+        if not isinstance(force, bool):
+            raise BadRequest("release: field 'force' must be a boolean")
         model = self.daemon.registry.get(name)
         if model is None:
             return error_reply("not_found", f"no resident model named {name!r}"), []
-        if model.pinned and not request.get("force"):
+        if model.pinned and not force:
             return error_reply("pinned", f"model {name!r} is pinned; pass force to release it"), []
         self.daemon.remove_model(name)
         return {"ok": True, "released": name, "bytes": model.nbytes}, []

@@ -1,19 +1,25 @@
 """Filling an arena from a checkpoint (daemon) and the plain disk load (client fallback).
 
 The daemon reads each tensor's bytes once, hashes them into the content digest as they pass, and
-writes them into the arena already converted to the serving dtype, so clients never convert.
+writes them into the arena already converted to the serving dtype, so clients never convert. The
+read path is three small steps per tensor (``read_tensor_bytes`` -> digest -> ``write_serving_tensor``)
+so that a conversion step has one place to go.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import torch
 
 from keepwarm_runtime.cache.checkpoint import (
+    CheckpointError,
+    FileIdentity,
     Shard,
+    TensorRecord,
     dtype_name,
     parse_dtype,
     serving_dtype,
@@ -64,27 +70,50 @@ class WritableArena(Protocol):
 def fill_arena(arena: WritableArena, shards: list[Shard], layout: ArenaLayout) -> str:
     """Copy every tensor into ``arena`` (converting dtype); return the sha256 content digest.
 
-    The digest covers each shard's header and tensor bytes as stored, in file order.
+    The digest covers each shard's header and tensor bytes as stored, in file order. Each shard is
+    read from a descriptor whose identity must equal the one its header was read with, before and
+    after the copy: a file replaced or rewritten meanwhile fails the load instead of mixing bytes.
     """
     by_name = {e.name: e for e in layout.entries}
     digest = hashlib.sha256()
     for shard in shards:
         digest.update(shard.header)
         with open(shard.path, "rb", buffering=0) as f:
+            _check_identity(shard, f.fileno())
             for rec in shard.tensors:
-                entry = by_name[rec.name]
-                raw = bytearray(rec.nbytes)
-                f.seek(rec.offset)
-                got = f.readinto(raw)
-                if got != rec.nbytes:
-                    raise OSError(f"{shard.path}: short read for {rec.name} ({got} of {rec.nbytes} bytes)")
+                raw = read_tensor_bytes(f, shard, rec)
                 digest.update(raw)
-                if rec.nbytes == 0:
-                    continue
-                src = torch.frombuffer(raw, dtype=torch.uint8).view(rec.dtype).view(rec.shape)
-                arena.tensor(entry.offset, entry.dtype, entry.shape).copy_(src)
-                del src, raw
+                write_serving_tensor(arena, by_name[rec.name], rec, raw)
+                del raw
+            _check_identity(shard, f.fileno())
     return digest.hexdigest()
+
+
+def _check_identity(shard: Shard, fd: int) -> None:
+    if FileIdentity.of(os.fstat(fd)) != shard.identity:
+        raise CheckpointError(f"{shard.path}: changed on disk while it was being loaded")
+
+
+def read_tensor_bytes(f: BinaryIO, shard: Shard, rec: TensorRecord) -> bytearray:
+    """The stored bytes of one tensor (what the content digest covers)."""
+    raw = bytearray(rec.nbytes)
+    f.seek(rec.offset)
+    got = f.readinto(raw)
+    if got != rec.nbytes:
+        raise CheckpointError(f"{shard.path}: short read for {rec.name} ({got} of {rec.nbytes} bytes)")
+    return raw
+
+
+def write_serving_tensor(arena: WritableArena, entry: TensorEntry, rec: TensorRecord, raw: bytearray) -> None:
+    """Convert one stored tensor to its serving layout (today: the serving dtype) into the arena.
+
+    Conversion steps (FP8 repacking, renames) slot in here; they must be named in the key's
+    ``conversion`` field.
+    """
+    if rec.nbytes == 0:
+        return
+    src = torch.frombuffer(raw, dtype=torch.uint8).view(rec.dtype).view(rec.shape)
+    arena.tensor(entry.offset, entry.dtype, entry.shape).copy_(src)
 
 
 def load_from_disk(shards: list[Shard], dtype: torch.dtype, device: str | torch.device = "cpu"):

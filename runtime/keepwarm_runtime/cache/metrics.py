@@ -43,7 +43,43 @@ class DaemonMetrics:
         )
         self.evictions = Counter("keepwarm_cache_evictions_total", "Models evicted for budget", registry=r)
         self.refused_peers = Counter(
-            "keepwarm_cache_refused_peers_total", "Connections refused by SO_PEERCRED", registry=r
+            "keepwarm_cache_refused_peers_total",
+            "Connections refused by the peer check (uid and groups)",
+            registry=r,
+        )
+        self.refused_connections = Counter(
+            "keepwarm_cache_refused_connections_total",
+            "Connections refused by a limit (busy: too many overall or for one uid)",
+            ["reason"],
+            registry=r,
+        )
+        self.accept_errors = Counter(
+            "keepwarm_cache_accept_errors_total",
+            "accept() failures the daemon backed off from, by errno (EMFILE, ENFILE, ...)",
+            ["errno"],
+            registry=r,
+        )
+        self.bad_frames = Counter(
+            "keepwarm_cache_bad_frames_total",
+            "Client frames answered with an error and a close, by code",
+            ["code"],
+            registry=r,
+        )
+        self.failed_models = Gauge(
+            "keepwarm_cache_failed_models",
+            "1 for each model that failed to load (reason in `keepwarm cache ls`/stats)",
+            ["model"],
+            registry=r,
+        )
+        self.seal_failures = Counter(
+            "keepwarm_cache_seal_failures_total",
+            "Arenas refused because their memfd seals could not be set",
+            registry=r,
+        )
+        self.changed_on_disk = Counter(
+            "keepwarm_cache_changed_on_disk_total",
+            "Resident models dropped because a shard changed on disk after load",
+            registry=r,
         )
 
     def serve(self, port: int) -> None:

@@ -13,7 +13,12 @@ Framing (both directions)::
   many with ``"nfds"``. A frame whose fd count does not match its header is a protocol error.
 * ``length`` is at most ``MAX_FRAME_BYTES`` (callers may pass a smaller ``limit``); a longer frame is
   rejected before its body is read. The peer that detects a bad frame replies with an error (when
-  it is the daemon) and closes the connection.
+  it is the daemon) and closes the connection. Anything that fails to decode (bad UTF-8, bad JSON,
+  nesting too deep, integers too long, the wrong types) is such a bad frame, never an exception
+  that escapes ``recv_frame``.
+* A reader may bound a whole frame in time (``frame_timeout_s``, counted from its first byte), so a
+  peer dripping one byte at a time cannot hold a connection open; between frames it waits at most
+  ``idle_timeout_s``.
 * Nothing received is ever unpickled or evaluated: JSON and fds only.
 
 Commands (see ``handlers.py``): ``hello``, ``get_state``, ``list``, ``release``, ``stats``.
@@ -26,6 +31,7 @@ import json
 import os
 import socket
 import struct
+import time
 from typing import Any
 
 PROTOCOL_VERSION = 1
@@ -40,7 +46,7 @@ class ProtocolError(Exception):
     """The peer sent something that is not a valid frame; the connection must be closed.
 
     ``code`` is a stable machine-readable reason (``too_large``, ``truncated``, ``bad_json``,
-    ``bad_fds``) that the daemon puts in its error reply.
+    ``bad_fds``, ``deadline``, ``idle``) that the daemon puts in its error reply.
     """
 
     def __init__(self, code: str, message: str) -> None:
@@ -74,11 +80,41 @@ def send_frame(sock: socket.socket, header: dict[str, Any], fds: list[int] | tup
         sock.sendall(data)
 
 
-def _recv_exact(sock: socket.socket, n: int, fds: list[int], *, at_start: bool) -> bytes:
+class _Clock:
+    """Time limits of one frame read: idle until the first byte, then a deadline for the whole frame."""
+
+    def __init__(self, idle_timeout_s: float | None, frame_timeout_s: float | None) -> None:
+        self.idle_timeout_s, self.frame_timeout_s = idle_timeout_s, frame_timeout_s
+        self.deadline: float | None = None
+
+    def started(self) -> None:
+        if self.deadline is None and self.frame_timeout_s is not None:
+            self.deadline = time.monotonic() + self.frame_timeout_s
+
+    def arm(self, sock: socket.socket) -> None:
+        if self.deadline is not None:
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                raise ProtocolError("deadline", f"frame not complete within {self.frame_timeout_s:g}s")
+            sock.settimeout(remaining)
+        elif self.idle_timeout_s is not None:
+            sock.settimeout(self.idle_timeout_s)
+
+    def expired(self) -> ProtocolError:
+        if self.deadline is not None:
+            return ProtocolError("deadline", f"frame not complete within {self.frame_timeout_s:g}s")
+        return ProtocolError("idle", f"no request for {self.idle_timeout_s:g}s")
+
+
+def _recv_exact(sock: socket.socket, n: int, fds: list[int], clock: _Clock, *, at_start: bool) -> bytes:
     buf = bytearray()
     cmsg_space = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
     while len(buf) < n:
-        data, ancdata, flags, _ = sock.recvmsg(n - len(buf), cmsg_space)
+        clock.arm(sock)
+        try:
+            data, ancdata, flags, _ = sock.recvmsg(n - len(buf), cmsg_space)
+        except TimeoutError:
+            raise clock.expired() from None
         for level, kind, payload in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 got = array.array("i")
@@ -90,30 +126,45 @@ def _recv_exact(sock: socket.socket, n: int, fds: list[int], *, at_start: bool) 
             if at_start and not buf:
                 raise PeerClosed()
             raise ProtocolError("truncated", f"connection closed after {len(buf)} of {n} bytes")
+        clock.started()
         buf += data
     return bytes(buf)
 
 
-def recv_frame(sock: socket.socket, limit: int = MAX_FRAME_BYTES) -> tuple[dict[str, Any], list[int]]:
+def decode_header(body: bytes) -> dict[str, Any]:
+    """The JSON object of a frame body; anything else (including decoder failures) is ``bad_json``."""
+    try:
+        header = json.loads(body)
+    except Exception as exc:  # UnicodeDecodeError, JSONDecodeError, RecursionError, int digit limit
+        why = f"{type(exc).__name__}: {str(exc)[:200]}"
+        raise ProtocolError("bad_json", f"frame is not JSON: {why}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("bad_json", "frame header must be a JSON object")
+    return header
+
+
+def recv_frame(
+    sock: socket.socket,
+    limit: int = MAX_FRAME_BYTES,
+    *,
+    idle_timeout_s: float | None = None,
+    frame_timeout_s: float | None = None,
+) -> tuple[dict[str, Any], list[int]]:
     """Read one frame; returns (header, fds). The caller owns (and must close) the fds.
 
-    Raises ``PeerClosed`` on a clean close between frames and ``ProtocolError`` on anything invalid;
-    on error every fd received so far is closed.
+    Raises ``PeerClosed`` on a clean close between frames and ``ProtocolError`` on anything invalid
+    or late; on error every fd received so far is closed. Without timeouts the socket's own applies.
     """
     fds: list[int] = []
+    clock = _Clock(idle_timeout_s, frame_timeout_s)
     try:
-        (length,) = _PREFIX.unpack(_recv_exact(sock, _PREFIX.size, fds, at_start=True))
+        (length,) = _PREFIX.unpack(_recv_exact(sock, _PREFIX.size, fds, clock, at_start=True))
         if length > limit:
             raise ProtocolError("too_large", f"frame of {length} bytes exceeds the limit of {limit}")
-        body = _recv_exact(sock, length, fds, at_start=False)
-        try:
-            header = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ProtocolError("bad_json", f"frame is not JSON: {exc}") from None
-        if not isinstance(header, dict):
-            raise ProtocolError("bad_json", "frame header must be a JSON object")
-        if header.get("nfds", 0) != len(fds):
-            raise ProtocolError("bad_fds", f"header announces {header.get('nfds', 0)} fds, got {len(fds)}")
+        header = decode_header(_recv_exact(sock, length, fds, clock, at_start=False))
+        nfds = header.get("nfds", 0)
+        if type(nfds) is not int or nfds != len(fds):
+            raise ProtocolError("bad_fds", f"header announces {str(nfds)[:20]} fds, got {len(fds)}")
         return header, fds
     except BaseException:
         for fd in fds:

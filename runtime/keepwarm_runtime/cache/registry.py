@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from keepwarm_runtime.cache.checkpoint import Shard
 from keepwarm_runtime.cache.fingerprint import WeightCacheKey
 from keepwarm_runtime.cache.loader import ArenaLayout
 
@@ -41,6 +42,7 @@ class ResidentModel:
     digest: str  # sha256 of the bytes read
     pinned: bool
     load_seconds: float
+    shards: list[Shard]  # headers and file identities as loaded (re-checked before each hit)
     gpu_uuid: str | None = None  # gpu tier: the GPU holding it
     hits: int = 0
     last_used: float = field(default_factory=time.monotonic)
@@ -63,6 +65,7 @@ class ResidentModel:
             "load_seconds": round(self.load_seconds, 4),
             "hits": self.hits,
             "page_mode": self.arena.page_mode,
+            "state": "Resident",
         }
 
 
@@ -92,11 +95,12 @@ class ModelRegistry:
                 name = f"{base}-{n}"
             return name
 
-    def reserve(self, size: int, keep: str | None = None) -> list[ResidentModel]:
-        """Evict least-recently-used unpinned models until ``size`` more bytes fit the budget.
+    def reserve(self, size: int, keep: str | None = None, evict: bool = True) -> list[ResidentModel]:
+        """Make room for ``size`` more bytes: evict least-recently-used unpinned models (only when
+        ``evict``) until it fits the budget.
 
         Returns the evicted models (the caller closes their arenas); raises BudgetExceeded, evicting
-        nothing, when even that would not be enough.
+        nothing, when that would not be enough.
         """
         with self._lock:
             if self.budget is None:
@@ -104,6 +108,11 @@ class ModelRegistry:
             used = sum(m.nbytes for m in self._models.values() if m.name != keep)
             if used + size <= self.budget:
                 return []
+            if not evict:
+                raise BudgetExceeded(
+                    f"{size} bytes do not fit --budget {self.budget} beside the {used} bytes already "
+                    "resident; at start nothing is evicted: raise --budget or load fewer models"
+                )
             victims = sorted(
                 (m for m in self._models.values() if not m.pinned and m.name != keep),
                 key=lambda m: m.last_used,
@@ -127,9 +136,13 @@ class ModelRegistry:
         with self._lock:
             self._models[model.name] = model
 
-    def remove(self, name: str) -> ResidentModel | None:
+    def remove(self, name: str, model: ResidentModel | None = None) -> ResidentModel | None:
+        """Remove ``name`` (only if it is still ``model``, when given); returns what was removed."""
         with self._lock:
-            return self._models.pop(name, None)
+            current = self._models.get(name)
+            if current is None or (model is not None and current is not model):
+                return None
+            return self._models.pop(name)
 
     def get(self, name: str) -> ResidentModel | None:
         with self._lock:
@@ -139,8 +152,9 @@ class ModelRegistry:
         """A hit carries a dup of the arena fd, taken under the lock so that a concurrent eviction
         cannot close it first; a miss names the nearest model and the differing fields.
 
-        The nearest model shares the checkpoint hash (same weights, other settings) or, failing
-        that, the requested directory name (same model, other weights).
+        The nearest model shares the checkpoint hash (same headers: same weights in other settings,
+        other files of one architecture, or the same files changed on disk) or, failing that, the
+        requested directory name (same model, other weights).
         """
         with self._lock:
             models = list(self._models.values())

@@ -2,11 +2,14 @@
 
 The socket hands out fds that map model weights, so the directory is private (0700, or 0770 with
 a shared group for pods of other users, since hostPath ignores fsGroup), the daemon checks every
-peer's uid/gid with SO_PEERCRED, and a client only trusts a socket owned by itself or root.
+peer's uid and groups (SO_PEERCRED for the primary gid, SO_PEERGROUPS for the supplementary ones:
+Kubernetes hands pods the socket's group through ``supplementalGroups``), and a client only trusts a
+socket owned by itself or root.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import grp
@@ -26,26 +29,70 @@ class DaemonAlreadyRunning(CacheSecurityError):
     """Another daemon holds the socket's lock file."""
 
 
-@dataclass(frozen=True)
-class PeerPolicy:
-    uid: int = field(default_factory=os.geteuid)  # the daemon's own uid: always allowed
-    allow_uids: frozenset[int] = frozenset()  # --allow-uid
-    allow_gids: frozenset[int] = frozenset()  # --allow-gid
-
-    def allows(self, uid: int, gid: int) -> bool:
-        return uid == self.uid or uid in self.allow_uids or gid in self.allow_gids
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13; Python may not name it
+_GID_SIZE = 4  # gid_t
 
 
 @dataclass(frozen=True)
 class PeerCred:
     pid: int
     uid: int
-    gid: int
+    gid: int  # primary gid
+    groups: frozenset[int] | None = None  # supplementary gids; None where the kernel cannot say
 
 
-def peer_cred(sock: socket.socket) -> PeerCred:
+@dataclass(frozen=True)
+class PeerPolicy:
+    uid: int = field(default_factory=os.geteuid)  # the daemon's own uid: always allowed
+    allow_uids: frozenset[int] = frozenset()  # --allow-uid
+    allow_gids: frozenset[int] = frozenset()  # --allow-gid
+
+    def allows(self, cred: PeerCred) -> bool:
+        """Own uid, an allowed uid, or an allowed gid among the primary and supplementary groups."""
+        gids = {cred.gid} | set(cred.groups or ())
+        return cred.uid == self.uid or cred.uid in self.allow_uids or bool(gids & self.allow_gids)
+
+    def refusal(self, cred: PeerCred) -> str:
+        """Why ``cred`` is refused, in words an operator can act on."""
+        if cred.groups is None:
+            groups = f"gid {cred.gid} (supplementary groups unknown: SO_PEERGROUPS needs Linux >= 4.13)"
+        else:
+            groups = f"gids {sorted({cred.gid} | cred.groups)}"
+        return (
+            f"uid {cred.uid} with {groups} is not allowed; start the daemon with --allow-uid or --allow-gid"
+        )
+
+
+def _peer_groups_ctypes(sock: socket.socket, count: int) -> bytes:
+    """getsockopt with a buffer larger than Python's 1024-byte limit (peers in > 256 groups)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(count * _GID_SIZE)
+    size = ctypes.c_uint32(len(buf))
+    if libc.getsockopt(sock.fileno(), socket.SOL_SOCKET, SO_PEERGROUPS, buf, ctypes.byref(size)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return buf.raw[: size.value]
+
+
+def peer_groups(sock: socket.socket) -> frozenset[int] | None:
+    """Supplementary gids of the peer (as of connect), or None on kernels without SO_PEERGROUPS."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 1024)
+    except OSError as exc:
+        if exc.errno == errno.ERANGE:
+            raw = _peer_groups_ctypes(sock, 65536)
+        elif exc.errno in (errno.ENOPROTOOPT, errno.EINVAL, errno.EOPNOTSUPP):
+            return None
+        else:
+            raise
+    n = len(raw) // _GID_SIZE
+    return frozenset(struct.unpack(f"{n}I", raw[: n * _GID_SIZE]))
+
+
+def peer_cred(sock: socket.socket, with_groups: bool = False) -> PeerCred:
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return PeerCred(*struct.unpack("3i", raw))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return PeerCred(pid, uid, gid, peer_groups(sock) if with_groups else None)
 
 
 def resolve_gid(group: str | int | None) -> int | None:

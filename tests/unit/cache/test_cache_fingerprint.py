@@ -1,8 +1,9 @@
-"""WeightCacheKey: header-and-size hash, field-by-field mismatch, no weight bytes read."""
+"""WeightCacheKey: headers plus file identity, field-by-field mismatch, no weight bytes read."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -13,20 +14,51 @@ from keepwarm_runtime.cache.checkpoint import read_checkpoint
 from keepwarm_runtime.cache.fingerprint import WeightCacheKey, compute_key
 
 
-def test_identical_weights_in_two_directories_match(tiny_llama: Path, tmp_path: Path):
+def test_a_copy_has_equal_headers_but_other_files(tiny_llama: Path, tmp_path: Path):
+    # Equal content in another directory is not the same key: only the daemon, having read both,
+    # may say the bytes are equal.
     copy = shutil.copytree(tiny_llama, tmp_path / "elsewhere")
-    assert compute_key(tiny_llama, torch.bfloat16) == compute_key(copy, torch.bfloat16)
+    assert compute_key(tiny_llama, torch.bfloat16).diff(compute_key(copy, torch.bfloat16)) == ["files"]
 
 
-def test_weight_bytes_are_not_hashed(tiny_llama: Path, tmp_path: Path):
+def test_same_architecture_other_seed_never_collides(tmp_path: Path):
+    from keepwarm_runtime.modelgen import make_model
+
+    one = make_model(tmp_path / "seed1", arch="llama", params="1M", dtype="bfloat16", seed=1)
+    two = make_model(tmp_path / "seed2", arch="llama", params="1M", dtype="bfloat16", seed=2)
+    a, b = compute_key(one, "bfloat16"), compute_key(two, "bfloat16")
+    assert a.checkpoint == b.checkpoint  # identical headers and sizes: the case that used to collide
+    assert a.diff(b) == ["files"]
+
+
+def test_in_place_byte_flip_changes_the_key(tiny_llama: Path, tmp_path: Path):
     copy = shutil.copytree(tiny_llama, tmp_path / "flipped")
+    before = compute_key(copy, torch.bfloat16)
     shard = read_checkpoint(copy)[0]
     rec = shard.tensors[-1]
-    with open(shard.path, "r+b") as f:  # same size, different weight bytes, same header
+    with open(shard.path, "r+b") as f:  # same size, same header, other weight bytes
         f.seek(rec.offset)
-        f.write(bytes(b ^ 0xFF for b in f.read(16)))
+        data = f.read(16)
         f.seek(rec.offset)
-    assert compute_key(copy, torch.bfloat16) == compute_key(tiny_llama, torch.bfloat16)
+        f.write(bytes(b ^ 0xFF for b in data))
+    os.utime(shard.path, ns=(shard.identity.mtime_ns, shard.identity.mtime_ns))  # even with mtime restored
+    assert before.diff(compute_key(copy, torch.bfloat16)) == ["files"]
+
+
+def test_key_reads_headers_not_weights(tmp_path: Path):
+    """A restart must not read the weights to compute its key: count the bytes read (/proc rchar)."""
+    from safetensors.torch import save_file
+
+    (tmp_path / "big").mkdir()
+    save_file({"w": torch.zeros(4096, 4096)}, tmp_path / "big" / "model.safetensors")  # 64 MiB
+
+    def rchar() -> int:
+        text = Path("/proc/self/io").read_text()
+        return int(next(line for line in text.splitlines() if line.startswith("rchar:")).split()[1])
+
+    before = rchar()
+    compute_key(tmp_path / "big", "float32")
+    assert rchar() - before < 1 << 20
 
 
 def test_mismatch_names_the_differing_fields(tiny_llama: Path):
@@ -43,7 +75,7 @@ def test_changed_header_changes_checkpoint_hash(tiny_llama: Path, tmp_path: Path
     old = shard.tensors[0].name.encode()
     new = old[:-1] + (b"X" if old[-1:] != b"X" else b"Y")  # same length: offsets stay valid
     shard.path.write_bytes(raw.replace(old, new, 1))
-    assert compute_key(tiny_llama, "bfloat16").diff(compute_key(copy, "bfloat16")) == ["checkpoint"]
+    assert compute_key(tiny_llama, "bfloat16").diff(compute_key(copy, "bfloat16")) == ["checkpoint", "files"]
 
 
 def test_quantization_and_revision(tiny_llama: Path, tmp_path: Path):
@@ -53,7 +85,7 @@ def test_quantization_and_revision(tiny_llama: Path, tmp_path: Path):
     (snap / "config.json").write_text(json.dumps(config))
     key = compute_key(snap, "bfloat16")
     assert key.revision == "abc123"
-    assert compute_key(tiny_llama, "bfloat16").diff(key) == ["quantization", "revision"]
+    assert compute_key(tiny_llama, "bfloat16").diff(key) == ["files", "quantization", "revision"]
 
 
 def test_wire_round_trip_and_missing_fields(tiny_llama: Path):
@@ -63,3 +95,8 @@ def test_wire_round_trip_and_missing_fields(tiny_llama: Path):
     del partial["dtype"]
     with pytest.raises(ValueError, match="dtype"):
         WeightCacheKey.from_dict(partial)
+    for field, bad in (("tp_rank", "0"), ("tp_rank", True), ("dtype", 3), ("files", ["x"]), ("dtype", "x" * 300)):
+        with pytest.raises(ValueError, match=field):
+            WeightCacheKey.from_dict(key.to_dict() | {field: bad})
+    with pytest.raises(ValueError, match="object"):
+        WeightCacheKey.from_dict(["checkpoint"])

@@ -96,15 +96,21 @@ def test_client_refuses_symlinked_socket(tmp_path: Path):
 
 def test_peer_policy():
     policy = security.PeerPolicy(uid=0, allow_uids=frozenset({1000}), allow_gids=frozenset({2000}))
-    assert policy.allows(0, 0)
-    assert policy.allows(1000, 5)
-    assert policy.allows(5, 2000)
-    assert not policy.allows(NOBODY, NOBODY)
+    cred = security.PeerCred
+    assert policy.allows(cred(1, 0, 0))
+    assert policy.allows(cred(1, 1000, 5))
+    assert policy.allows(cred(1, 5, 2000))
+    assert not policy.allows(cred(1, NOBODY, NOBODY))
+    assert policy.allows(cred(1, NOBODY, NOBODY, frozenset({7, 2000})))  # a supplementary group
+    assert not policy.allows(cred(1, NOBODY, NOBODY, frozenset({7})))
+    assert "SO_PEERGROUPS" in policy.refusal(cred(1, NOBODY, NOBODY, None))
+    assert "[7, 65534]" in policy.refusal(cred(1, NOBODY, NOBODY, frozenset({7})))
 
 
 def test_peer_cred_of_socketpair():
     a, b = socket.socketpair()
-    cred = security.peer_cred(a)
+    cred = security.peer_cred(a, with_groups=True)
     assert (cred.pid, cred.uid) == (os.getpid(), os.geteuid())
+    assert cred.groups == frozenset(os.getgroups())  # SO_PEERGROUPS: Linux >= 4.13
     a.close()
     b.close()

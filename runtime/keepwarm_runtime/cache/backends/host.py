@@ -5,12 +5,12 @@ The daemon writes the arena through a temporary writable mapping, unmaps it and 
 Huge pages make a multi-GiB map cheaper (512x fewer page-table entries to fault in); we try
 MFD_HUGETLB first (needs a reserved hugetlb pool: vm.nr_hugepages), then transparent huge pages
 for shmem (needs /sys/kernel/mm/transparent_hugepage/shmem_enabled = always|within_size|advise),
-and otherwise use 4 KiB pages. ``HostArena.page_mode`` says which one this kernel gave us.
+and otherwise use 4 KiB pages. ``HostArena.page_mode`` says which one this kernel gave us. An arena
+whose seals do not hold is refused (``ArenaSealError``), never served.
 """
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import mmap
 import os
@@ -24,6 +24,10 @@ HUGE_PAGE = 2 << 20
 SMALL_PAGE = mmap.PAGESIZE
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
 _THP_SHMEM = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+
+
+class ArenaSealError(OSError):
+    """The memfd could not be sealed; the daemon refuses to serve such an arena."""
 
 
 def thp_shmem_mode() -> str:
@@ -86,12 +90,21 @@ class HostArena:
         return flat.view(dtype).view(shape)
 
     def seal(self) -> None:
-        """Drop the writable mapping and seal the memfd (hugetlbfs cannot seal writes: skip those)."""
+        """Drop the writable mapping and seal the memfd (no write, grow, shrink, or more seals).
+
+        Raises ArenaSealError when the kernel refuses or the seals do not all hold: an unsealed
+        arena could be changed under the clients that map it, so the daemon never serves one.
+        """
         if self._map is not None:
             self._map.close()  # fails if a fill view is still alive: a bug worth seeing
             self._map = None
-        with contextlib.suppress(OSError):
+        try:
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
+            held = fcntl.fcntl(self.fd, fcntl.F_GET_SEALS)
+        except OSError as exc:
+            raise ArenaSealError(f"arena {self.name} ({self.page_mode} pages): cannot seal: {exc}") from None
+        if held & _SEALS != _SEALS:
+            raise ArenaSealError(f"arena {self.name}: seals {held:#x} lack {_SEALS & ~held:#x}")
 
     def close(self) -> None:
         if self._map is not None:
