@@ -49,7 +49,8 @@ def checkpoint_writer():
 
 class WarmCache:
     """One daemon shared by a test module: tiny Llama (pinned, served float32) plus two small models
-    under a budget that fits only one of them, so loading the third evicted the second."""
+    under a budget that fits only one of them: the first loads, the second is refused at start
+    (a WARNING and a Failed entry; nothing is evicted at start)."""
 
     def __init__(self, root: Path, tiny: Path) -> None:
         from keepwarm_runtime.cache.checkpoint import read_checkpoint
@@ -58,13 +59,13 @@ class WarmCache:
         self.root = root
         self.socket_dir = root / "wc"
         self.tiny = tiny
-        self.evicted = write_checkpoint(root / "models" / "evicted", seed=1, rows=512)  # 2 MiB in float32
-        self.kept = write_checkpoint(root / "models" / "kept", seed=2, rows=511)  # other header
+        self.loaded = write_checkpoint(root / "models" / "loaded", seed=1, rows=512)  # 2 MiB in float32
+        self.unfit = write_checkpoint(root / "models" / "unfit", seed=2, rows=511)  # other header
         tiny_bytes = plan_layout(read_checkpoint(tiny), torch.float32).size
         budget = tiny_bytes + (3 << 20)  # tiny + one 2 MiB model fit; tiny + two do not
         self.daemon = DaemonProcess(
             self.socket_dir,
-            [tiny, self.evicted, self.kept],
+            [tiny, self.loaded, self.unfit],
             "--dtype",
             "float32",
             "--budget",

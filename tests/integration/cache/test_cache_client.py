@@ -117,7 +117,7 @@ def test_fingerprint_mismatch_names_the_field(warm_cache):
         attach(warm_cache.tiny, warm_cache.socket_dir, dtype=torch.bfloat16, fallback=False)
 
 
-def test_eviction_under_budget_keeps_pinned(warm_cache):
+def test_model_over_budget_at_start_is_refused_not_evicting(warm_cache):
     out = subprocess.run(
         [
             sys.executable,
@@ -133,11 +133,16 @@ def test_eviction_under_budget_keeps_pinned(warm_cache):
         timeout=120,
         check=True,
     ).stdout
-    models = json.loads(out)["models"]
-    assert set(models) == {warm_cache.tiny.name, "kept"}
+    stats = json.loads(out)
+    models = stats["models"]
+    assert set(models) == {warm_cache.tiny.name, "loaded"}
     assert models[warm_cache.tiny.name]["pinned"]
-    res = attach(warm_cache.evicted, warm_cache.socket_dir, dtype=torch.float32)
+    assert stats["failed"]["unfit"]["state"] == "Failed"
+    assert "--budget" in stats["failed"]["unfit"]["reason"]
+    assert "WARNING" in warm_cache.daemon.stderr and "not loading" in warm_cache.daemon.stderr
+    res = attach(warm_cache.unfit, warm_cache.socket_dir, dtype=torch.float32)
     assert (res.source, res.reason) == ("disk", "absent")
+    assert attach(warm_cache.loaded, warm_cache.socket_dir, dtype=torch.float32).source == "cache"
 
 
 def _raw(socket_path: Path, payload: bytes, *, shut: bool = False) -> dict | None:
@@ -174,10 +179,12 @@ def test_bad_frames_get_an_error_and_the_daemon_lives_on(warm_cache):
         s.connect(str(sock))
         protocol.send_frame(s, {"cmd": "format_disk"})
         assert protocol.recv_frame(s)[0]["error"]["code"] == "unknown_command"
-        protocol.send_frame(s, {"cmd": "get_state", "key": {"dtype": "x"}})
-        assert protocol.recv_frame(s)[0]["error"]["code"] == "bad_request"
         protocol.send_frame(s, {"cmd": "release", "model": warm_cache.tiny.name})
         assert protocol.recv_frame(s)[0]["error"]["code"] == "pinned"
+        protocol.send_frame(s, {"cmd": "get_state", "key": {"dtype": "x"}})  # malformed: reply, close
+        assert protocol.recv_frame(s)[0]["error"]["code"] == "bad_request"
+        with pytest.raises(protocol.PeerClosed):
+            protocol.recv_frame(s)
     assert _hello(sock)["ok"]
     assert warm_cache.daemon.proc.poll() is None
 

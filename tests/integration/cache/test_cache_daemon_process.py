@@ -18,7 +18,7 @@ def test_lock_kill_restart_and_sigterm(daemon_factory, checkpoint_writer, tmp_pa
     assert attach(model, socket_dir, dtype=torch.bfloat16, fallback=False).source == "cache"
 
     second = daemon_factory(socket_dir, [model])
-    assert second.wait_exit() == 1
+    assert second.wait_exit() == 2
     assert "another keepwarm cache daemon" in second.stderr
     assert f"pid {first.proc.pid}" in second.stderr
     assert attach(model, socket_dir, dtype=torch.bfloat16, fallback=False).source == "cache"

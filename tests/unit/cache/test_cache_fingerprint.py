@@ -95,7 +95,13 @@ def test_wire_round_trip_and_missing_fields(tiny_llama: Path):
     del partial["dtype"]
     with pytest.raises(ValueError, match="dtype"):
         WeightCacheKey.from_dict(partial)
-    for field, bad in (("tp_rank", "0"), ("tp_rank", True), ("dtype", 3), ("files", ["x"]), ("dtype", "x" * 300)):
+    for field, bad in (
+        ("tp_rank", "0"),
+        ("tp_rank", True),
+        ("dtype", 3),
+        ("files", ["x"]),
+        ("dtype", "x" * 300),
+    ):
         with pytest.raises(ValueError, match=field):
             WeightCacheKey.from_dict(key.to_dict() | {field: bad})
     with pytest.raises(ValueError, match="object"):
