@@ -44,7 +44,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--allow-gid", action="append", type=int, default=[], help="peer gid to allow")
     serve.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here")
     serve.add_argument(
-        "--max-connections", type=_positive_int, default=256, help="open client connections, in all"
+        "--max-connections",
+        type=_positive_int,
+        default=None,
+        help="open client connections, in all (default: 256, fewer under a low open-files limit)",
     )
     serve.add_argument(
         "--max-connections-per-uid", type=_positive_int, default=32, help="open client connections per uid"

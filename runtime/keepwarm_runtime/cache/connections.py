@@ -33,13 +33,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 FD_RESERVE = 64  # descriptors kept free for arenas, loads, logs and the metrics server
+DEFAULT_MAX_CONNECTIONS = 256
 _ACCEPT_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _SEND_TIMEOUT_S = 1.0  # a refusal is one small frame into an empty socket buffer
 
 
 @dataclass(frozen=True)
 class ServerLimits:
-    max_connections: int = 256  # open client connections, all peers together
+    max_connections: int | None = None  # open client connections in all; None: DEFAULT_MAX_CONNECTIONS
+    # bounded by the open-files limit (an explicit number is taken as given)
     max_connections_per_uid: int = 32  # open client connections of one uid
     request_deadline_s: float = 10.0  # one whole request frame, from its first byte
     idle_timeout_s: float = 300.0  # silence between frames before the daemon closes
@@ -57,10 +59,12 @@ def raise_nofile_limit() -> int:
     return soft
 
 
-def connection_cap(configured: int, nofile: int) -> int:
-    """Connections the daemon admits: the configured cap, bounded so each (plus one fd it is sent)
-    fits under the open-files limit beside the reserve."""
-    return max(1, min(configured, (nofile - FD_RESERVE) // 2))
+def connection_cap(configured: int | None, nofile: int) -> int:
+    """Connections the daemon admits: as configured, or by default as many as fit (each with the
+    one fd a hit dups) under the open-files limit beside the reserve."""
+    if configured is not None:
+        return configured
+    return max(1, min(DEFAULT_MAX_CONNECTIONS, (nofile - FD_RESERVE) // 2))
 
 
 class ConnectionCounts:

@@ -7,6 +7,7 @@ with ``READY`` on stderr, so that line (not the socket file) is the readiness si
 
 from __future__ import annotations
 
+import resource
 import signal
 import subprocess
 import sys
@@ -33,12 +34,25 @@ def serve_command(socket_dir: Path, models: list[Path], *extra: str, tier: str =
 class DaemonProcess:
     """`keepwarm cache serve` in a subprocess; its stderr is collected line by line."""
 
-    def __init__(self, socket_dir: Path, models: list[Path], *extra: str, tier: str = "host") -> None:
+    def __init__(
+        self,
+        socket_dir: Path,
+        models: list[Path],
+        *extra: str,
+        tier: str = "host",
+        nofile: int | None = None,
+    ) -> None:
+        """``nofile`` sets the daemon's open-files limit (soft and hard), e.g. to test exhaustion."""
         self.socket_dir = socket_dir
         self.started = time.perf_counter()
         self.ready_s: float | None = None
         self.proc = subprocess.Popen(
-            serve_command(socket_dir, models, *extra, tier=tier), stderr=subprocess.PIPE, text=True
+            serve_command(socket_dir, models, *extra, tier=tier),
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=(lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
+            if nofile
+            else None,
         )
         self.lines: list[str] = []
         self._ready = threading.Event()

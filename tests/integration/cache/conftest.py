@@ -32,8 +32,8 @@ def write_checkpoint(path: Path, seed: int, rows: int = 64) -> Path:
 def daemon_factory():
     started: list[DaemonProcess] = []
 
-    def start(socket_dir: Path, models: list[Path], *extra: str) -> DaemonProcess:
-        d = DaemonProcess(socket_dir, models, *extra)
+    def start(socket_dir: Path, models: list[Path], *extra: str, **kw) -> DaemonProcess:
+        d = DaemonProcess(socket_dir, models, *extra, **kw)
         started.append(d)
         return d
 
@@ -89,3 +89,30 @@ def warm_cache(tiny_llama: Path):
     import shutil
 
     shutil.rmtree(root, ignore_errors=True)
+
+
+def assert_zero_copy_and_identical(res, model_dir: Path, dtype: torch.dtype) -> None:
+    """``res`` came from the cache, every tensor lies in a shared read-only keepwarm mapping of this
+    process, and the bytes equal a plain disk load of ``model_dir``."""
+    from keepwarm_runtime.cache.client import attach
+
+    assert (res.source, res.reason) == ("cache", None), res.reason
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    regions = [
+        tuple(int(x, 16) for x in line.split()[0].split("-"))
+        for line in maps
+        if "keepwarm:" in line and "r--s" in line
+    ]
+    disk = attach(model_dir, None, dtype=dtype)
+    assert res.tensors.keys() == disk.tensors.keys()
+    for name, t in disk.tensors.items():
+        assert torch.equal(res.tensors[name], t), name
+        if t.numel():
+            ptr = res.tensors[name].data_ptr()
+            assert any(lo <= ptr < hi for lo, hi in regions), f"{name} is not inside a read-only arena"
+
+
+@pytest.fixture(scope="session")
+def assert_cached():
+    """``assert_zero_copy_and_identical`` for tests (conftest is not importable as a module)."""
+    return assert_zero_copy_and_identical
