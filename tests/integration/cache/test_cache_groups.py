@@ -1,0 +1,81 @@
+"""Kubernetes hands pods the socket's group as a *supplementary* group: SO_PEERGROUPS must admit it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from keepwarm_runtime.cache.client import attach
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client under other ids"),
+]
+NOBODY = 65534
+SHARED_GID = 4242  # the socket's group, as a pod's supplementalGroups would carry it
+OTHER_GID = 4243
+
+
+def _attach_as(uid: int, gid: int, groups: list[int], model: Path, socket_dir: Path) -> dict:
+    """Fork, take the given primary and supplementary groups and uid, attach, report as JSON."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: torch is already imported; no interpreter start as the other user
+        try:
+            os.close(r)
+            os.setgroups(groups)
+            os.setgid(gid)
+            os.setuid(uid)
+            res = attach(model, socket_dir, dtype=torch.bfloat16)
+            name = "model.embed_tokens.weight"
+            out = {"source": res.source, "reason": res.reason, "sum": float(res.tensors[name].float().sum())}
+            os.write(w, json.dumps(out).encode())
+            os._exit(0)
+        except BaseException:
+            import traceback
+
+            os.write(w, json.dumps({"child_error": traceback.format_exc()}).encode())
+            os._exit(1)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    return json.loads(data)
+
+
+@pytest.fixture(scope="module")
+def shared_root(tiny_llama):
+    root = Path(tempfile.mkdtemp(prefix="keepwarm-groups-"))
+    os.chmod(root, 0o755)  # other uids must reach the socket dir and read the model
+    model = Path(shutil.copytree(tiny_llama, root / "models" / "tiny"))
+    for path in [root / "models", model, *model.rglob("*")]:
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    yield root, model
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_supplementary_group_is_admitted(shared_root, daemon_factory):
+    root, model = shared_root
+    socket_dir = root / "wc"
+    daemon_factory(
+        socket_dir, [model], "--group", str(SHARED_GID), "--allow-gid", str(SHARED_GID)
+    ).wait_ready()
+    disk_sum = float(
+        attach(model, None, dtype=torch.bfloat16).tensors["model.embed_tokens.weight"].float().sum()
+    )
+
+    admitted = _attach_as(NOBODY, NOBODY, [SHARED_GID], model, socket_dir)
+    assert admitted == {"source": "cache", "reason": None, "sum": disk_sum}, admitted
+
+    # Another supplementary group may reach the socket file only through the group's mode; here
+    # the peer check is what refuses it (primary gid and supplementary gid both not allowed).
+    os.chmod(socket_dir, 0o775)
+    os.chmod(socket_dir / "host.sock", 0o666)
+    refused = _attach_as(NOBODY, NOBODY, [OTHER_GID], model, socket_dir)
+    assert refused["source"] == "disk" and refused["reason"] == "error: forbidden", refused
