@@ -130,8 +130,8 @@ def _fail(command: str, message: object) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from keepwarm_runtime.cache.connections import ServerLimits
     from keepwarm_runtime.cache.daemon import CacheDaemon, DaemonConfig
+    from keepwarm_runtime.cache.limits import ServerLimits
 
     if args.report_to_kubernetes and not (args.weightcache and args.node_name):
         return _fail("serve", "--report-to-kubernetes needs --weightcache and --node-name")

@@ -2,9 +2,11 @@
 
 What a hostile or unlucky local client cannot do here:
 
-* exhaust the daemon's descriptors: the soft RLIMIT_NOFILE is raised to the hard limit at start,
-  connections are capped overall (and under the descriptor limit) and per uid, a refused one gets a
-  ``busy`` error frame, and EMFILE/ENFILE on ``accept`` backs off and keeps serving;
+* exhaust the daemon's descriptors or lock others out: the soft RLIMIT_NOFILE is raised to the hard
+  limit at start, connections are capped overall (by default under the descriptor limit) and per
+  uid, at a cap the longest-idle connection gives way to a newcomer (``limits.py``) and only
+  without one is the newcomer answered ``busy``, and EMFILE/ENFILE on ``accept`` backs off and
+  keeps serving;
 * hold a thread by dripping bytes: a whole request frame has a deadline from its first byte, and a
   connection idle between frames is closed;
 * crash the daemon or flood its log with malformed frames: every bad frame is an error reply and a
@@ -17,83 +19,21 @@ import contextlib
 import errno
 import logging
 import os
-import resource
 import socket
 import threading
 import time
-from collections import Counter
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from keepwarm_runtime.cache import protocol, security
 from keepwarm_runtime.cache.handlers import BadRequest
+from keepwarm_runtime.cache.limits import ConnectionTable, ServerLimits, connection_cap
 
 if TYPE_CHECKING:
     from keepwarm_runtime.cache.daemon import CacheDaemon
 
 log = logging.getLogger(__name__)
-FD_RESERVE = 64  # descriptors kept free for arenas, loads, logs and the metrics server
-DEFAULT_MAX_CONNECTIONS = 256
 _ACCEPT_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _SEND_TIMEOUT_S = 1.0  # a refusal is one small frame into an empty socket buffer
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    max_connections: int | None = None  # open client connections in all; None: DEFAULT_MAX_CONNECTIONS
-    # bounded by the open-files limit (an explicit number is taken as given)
-    max_connections_per_uid: int = 32  # open client connections of one uid
-    request_deadline_s: float = 10.0  # one whole request frame, from its first byte
-    idle_timeout_s: float = 300.0  # silence between frames before the daemon closes
-
-
-def raise_nofile_limit() -> int:
-    """Raise the soft open-files limit to the hard limit; return the soft limit now in force."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft < hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (ValueError, OSError) as exc:
-            log.warning("could not raise the open-files limit from %d to %d: %s", soft, hard, exc)
-    return soft
-
-
-def connection_cap(configured: int | None, nofile: int) -> int:
-    """Connections the daemon admits: as configured, or by default as many as fit (each with the
-    one fd a hit dups) under the open-files limit beside the reserve."""
-    if configured is not None:
-        return configured
-    return max(1, min(DEFAULT_MAX_CONNECTIONS, (nofile - FD_RESERVE) // 2))
-
-
-class ConnectionCounts:
-    """Open connections overall and per uid; ``admit`` is check-and-count under one lock."""
-
-    def __init__(self, max_total: int, max_per_uid: int) -> None:
-        self.max_total, self.max_per_uid = max_total, max_per_uid
-        self._per_uid: Counter[int] = Counter()
-        self._lock = threading.Lock()
-
-    def admit(self, uid: int) -> str | None:
-        """Count a new connection of ``uid``, or say why it is refused."""
-        with self._lock:
-            if sum(self._per_uid.values()) >= self.max_total:
-                return f"the daemon has {self.max_total} connections open (its maximum); retry later"
-            if self._per_uid[uid] >= self.max_per_uid:
-                return f"uid {uid} has {self.max_per_uid} connections open (the per-uid maximum)"
-            self._per_uid[uid] += 1
-            return None
-
-    def release(self, uid: int) -> None:
-        with self._lock:
-            self._per_uid[uid] -= 1
-            if self._per_uid[uid] <= 0:
-                del self._per_uid[uid]
-
-    def total(self) -> int:
-        with self._lock:
-            return sum(self._per_uid.values())
 
 
 class RateLimitedLog:
@@ -121,7 +61,7 @@ class RateLimitedLog:
 class SocketServer:
     def __init__(self, daemon: CacheDaemon, listener: socket.socket, limits: ServerLimits, nofile: int):
         self.daemon, self.listener, self.limits = daemon, listener, limits
-        self.counts = ConnectionCounts(
+        self.table = ConnectionTable(
             connection_cap(limits.max_connections, nofile), limits.max_connections_per_uid
         )
         self.client_log = RateLimitedLog()
@@ -151,16 +91,16 @@ class SocketServer:
             conn.close()
             self.client_log.warning("dropped a connection whose credentials are unreadable: %s", exc)
             return
-        why = self.counts.admit(cred.uid)
-        if why is not None:
+        conn_id, why = self.table.admit(cred.uid, conn)
+        if conn_id is None:
             self.daemon.metrics.refused_connections.labels("busy").inc()
             self.client_log.warning("refused pid=%d uid=%d: %s", cred.pid, cred.uid, why)
             self._refuse(conn, "busy", why)
             return
         try:
-            threading.Thread(target=self._serve_counted, args=(conn, cred), daemon=True).start()
+            threading.Thread(target=self._serve_counted, args=(conn, cred, conn_id), daemon=True).start()
         except RuntimeError as exc:  # "can't start new thread"
-            self.counts.release(cred.uid)
+            self.table.release(conn_id)
             self._refuse(conn, "busy", f"the daemon cannot start a thread: {exc}")
 
     @staticmethod
@@ -170,23 +110,23 @@ class SocketServer:
             with contextlib.suppress(OSError):
                 protocol.send_frame(conn, protocol.error_reply(code, message))
 
-    def _serve_counted(self, conn: socket.socket, cred: security.PeerCred) -> None:
+    def _serve_counted(self, conn: socket.socket, cred: security.PeerCred, conn_id: int) -> None:
         try:
             with conn:
-                self._serve(conn, cred)
+                self._serve(conn, cred, conn_id)
         except Exception as exc:  # the last line of defence: one line, never a traceback
             self.client_log.warning("connection of pid=%d ended by %s: %s", cred.pid, type(exc).__name__, exc)
         finally:
-            self.counts.release(cred.uid)
+            self.table.release(conn_id)
 
-    def _serve(self, conn: socket.socket, cred: security.PeerCred) -> None:
+    def _serve(self, conn: socket.socket, cred: security.PeerCred, conn_id: int) -> None:
         d, limits = self.daemon, self.limits
         if not d.policy.allows(cred):
             d.metrics.refused_peers.inc()
             self.client_log.warning("refused peer pid=%d: %s", cred.pid, d.policy.refusal(cred))
             self._refuse(conn, "forbidden", d.policy.refusal(cred))
             return
-        while not d.stopping:
+        while not d.stopping and self.table.waiting(conn_id, idle=True):
             try:
                 request, fds = protocol.recv_frame(
                     conn,
@@ -201,6 +141,8 @@ class SocketServer:
                 return
             for fd in fds:  # clients have no business sending fds
                 os.close(fd)
+            if not self.table.waiting(conn_id, idle=False):
+                return  # reclaimed for a newcomer just as this request arrived
             try:
                 reply, out_fds = d.handlers.dispatch(request)
             except BadRequest as exc:

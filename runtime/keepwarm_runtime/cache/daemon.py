@@ -27,9 +27,10 @@ from typing import Any
 from keepwarm_runtime import __version__
 from keepwarm_runtime.cache import security
 from keepwarm_runtime.cache.checkpoint import parse_dtype, read_checkpoint
-from keepwarm_runtime.cache.connections import ServerLimits, SocketServer, raise_nofile_limit
+from keepwarm_runtime.cache.connections import SocketServer
 from keepwarm_runtime.cache.fingerprint import compute_key
 from keepwarm_runtime.cache.handlers import CommandHandlers
+from keepwarm_runtime.cache.limits import ServerLimits, raise_nofile_limit
 from keepwarm_runtime.cache.loader import fill_arena, plan_layout
 from keepwarm_runtime.cache.metrics import DaemonMetrics
 from keepwarm_runtime.cache.registry import ModelRegistry, ResidentModel

@@ -114,6 +114,8 @@ def _recv_exact(sock: socket.socket, n: int, fds: list[int], clock: _Clock, *, a
         try:
             data, ancdata, flags, _ = sock.recvmsg(n - len(buf), cmsg_space)
         except TimeoutError:
+            if clock.deadline is None and clock.idle_timeout_s is None:
+                raise  # the caller's own socket timeout
             raise clock.expired() from None
         for level, kind, payload in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
