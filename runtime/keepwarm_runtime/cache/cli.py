@@ -17,14 +17,22 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import NoReturn
 
 log = logging.getLogger("keepwarm_runtime.cache.serve")
 EXIT_BAD_INPUT = 2
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Bad flags get one line naming the flag (and exit 2), not a usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: {message} (see --help)\n")
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     cache = subparsers.add_parser("cache", help="node weight cache daemon and inspection")
-    sub = cache.add_subparsers(dest="cache_command", required=True)
+    sub = cache.add_subparsers(dest="cache_command", required=True, parser_class=OneLineErrorParser)
 
     serve = sub.add_parser("serve", help="load checkpoints and serve them over a Unix socket")
     serve.add_argument("--model", action="append", default=[], metavar="DIR", help="checkpoint dir (repeat)")

@@ -43,3 +43,41 @@ def test_empty_tensor_view():
     buf = map_readonly(arena.fd, arena.size)
     assert readonly_tensor(buf, 0, torch.float32, (0, 3)).shape == (0, 3)
     arena.close()
+
+
+def _seal_refused(arena: HostArena) -> HostArena:
+    """Make the kernel refuse every later seal (F_SEAL_SEAL alone), as a failed seal would."""
+    import fcntl
+
+    fcntl.fcntl(arena.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL)
+    return arena
+
+
+def test_failed_seal_is_refused():
+    from keepwarm_runtime.cache.backends.host import ArenaSealError
+
+    arena = _seal_refused(HostArena("t", 4096))
+    try:
+        with pytest.raises(ArenaSealError, match="cannot seal"):
+            arena.seal()
+    finally:
+        arena.close()
+
+
+def test_daemon_never_serves_an_unsealed_arena(tmp_path, monkeypatch):
+    from prometheus_client import generate_latest
+    from safetensors.torch import save_file
+
+    from keepwarm_runtime.cache.backends.host import ArenaSealError
+    from keepwarm_runtime.cache.daemon import CacheDaemon, DaemonConfig
+
+    (tmp_path / "m").mkdir()
+    save_file({"w": torch.ones(8, 8)}, tmp_path / "m" / "model.safetensors")
+    daemon = CacheDaemon(DaemonConfig(tmp_path / "wc", tier="host", dtype="float32"))
+    monkeypatch.setattr(daemon, "_new_arena", lambda name, size: _seal_refused(HostArena(name, size)))
+    with pytest.raises(ArenaSealError):
+        daemon.add_model(tmp_path / "m")
+    snap = daemon.snapshot()
+    assert snap["models"] == {} and "cannot seal" in snap["failed"]["m"]["reason"]
+    assert "keepwarm_cache_seal_failures_total 1.0" in generate_latest(daemon.metrics.registry).decode()
+    daemon.close()
