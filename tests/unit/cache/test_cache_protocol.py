@@ -100,3 +100,64 @@ def test_fd_count_must_match_header(pair):
     finally:
         os.close(r)
         os.close(w)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[" * 60000,  # RecursionError inside json
+        b'{"n": ' + b"9" * 5000 + b"}",  # ValueError: integer string too long
+        b"\xff\xfe\x00",  # not UTF-8
+        b'{"a": NaN',
+    ],
+)
+def test_every_decoder_failure_is_bad_json(pair, body):
+    a, b = pair
+    a.sendall(struct.pack(">I", len(body)) + body)
+    with pytest.raises(protocol.ProtocolError) as info:
+        protocol.recv_frame(b, protocol.MAX_REQUEST_BYTES)
+    assert info.value.code == "bad_json"
+
+
+def test_nfds_must_be_an_integer(pair):
+    a, b = pair
+    body = b'{"cmd": "hello", "nfds": "0"}'
+    a.sendall(struct.pack(">I", len(body)) + body)
+    with pytest.raises(protocol.ProtocolError) as info:
+        protocol.recv_frame(b)
+    assert info.value.code == "bad_fds"
+
+
+def test_deadline_covers_the_whole_frame(pair):
+    """Bytes that keep trickling in do not extend the frame's deadline (each read alone is quick)."""
+    import threading
+
+    a, b = pair
+    stop = threading.Event()
+
+    def drip() -> None:
+        a.sendall(struct.pack(">I", 100))
+        while not stop.wait(0.05):
+            a.sendall(b" ")
+
+    threading.Thread(target=drip, daemon=True).start()
+    try:
+        with pytest.raises(protocol.ProtocolError) as info:
+            protocol.recv_frame(b, idle_timeout_s=5.0, frame_timeout_s=0.5)
+        assert info.value.code == "deadline"
+    finally:
+        stop.set()
+
+
+def test_idle_between_frames(pair):
+    _, b = pair
+    with pytest.raises(protocol.ProtocolError) as info:
+        protocol.recv_frame(b, idle_timeout_s=0.1, frame_timeout_s=5.0)
+    assert info.value.code == "idle"
+
+
+def test_without_limits_the_socket_timeout_applies(pair):
+    _, b = pair
+    b.settimeout(0.05)
+    with pytest.raises(TimeoutError):
+        protocol.recv_frame(b)
