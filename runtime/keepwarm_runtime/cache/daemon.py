@@ -8,7 +8,8 @@ can connect can attach, and one ``READY`` line on stderr says so.
 A model that fails to load (bad shard, no room under the budget, unsealable arena) is ``Failed`` with
 a reason naming the file, in ``stats``/``list`` and metrics; it never costs a resident model its
 place, because every header is validated before anything is evicted. A resident model whose shard
-changes on disk is dropped at the next request that touches it and reloaded in the background.
+changes on disk is never served again: the next request that touches it is a miss and starts a
+reload in the background, which replaces it (or, failing, drops it and marks it Failed).
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ class CacheDaemon:
         self._gid = security.resolve_gid(config.group)
         self._load_lock = threading.Lock()
         self._failed: dict[str, FailedModel] = {}
+        self._reloading: set[str] = set()  # names being reloaded after a change on disk
         self._failed_lock = threading.Lock()
         self._stop = threading.Event()
         self._lock = security.DaemonLock(self.socket_path)
@@ -191,16 +193,29 @@ class CacheDaemon:
         return True
 
     def changed_on_disk(self, model: ResidentModel, changed: list[Path]) -> None:
-        """Drop ``model`` (its files are no longer what was loaded) and reload it in the background."""
-        if self.registry.remove(model.name, model) is None:
-            return  # another request already dropped it
+        """Reload ``model`` in the background: its files are no longer what was loaded.
+
+        Until the new version replaces it, every request for it is a miss (the handler re-checks
+        the files before each hit); if the reload fails, the stale arena is dropped and the model
+        is Failed. A model that is already reloading is left to that reload.
+        """
+        with self._failed_lock:
+            if model.name in self._reloading:
+                return
+            self._reloading.add(model.name)
         self.metrics.changed_on_disk.inc()
-        self._drop(model, f"changed on disk: {', '.join(p.name for p in changed)}", level=logging.WARNING)
+        log.warning("%s changed on disk (%s); reloading", model.name, ", ".join(p.name for p in changed))
         threading.Thread(target=self._reload, args=(model,), daemon=True, name=f"reload-{model.name}").start()
 
     def _reload(self, model: ResidentModel) -> None:
-        with contextlib.suppress(Exception):  # a failed reload is recorded as Failed
+        try:
             self.add_model(model.path, pin=model.pinned)
+        except Exception:  # recorded as Failed by add_model; the stale bytes must go
+            if self.registry.remove(model.name, model) is not None:
+                self._drop(model, "changed on disk and the reload failed", level=logging.WARNING)
+        finally:
+            with self._failed_lock:
+                self._reloading.discard(model.name)
 
     def snapshot(self) -> dict[str, Any]:
         """Daemon state for ``stats`` and the node agent; ``failed`` maps name -> FailedModel.describe()."""

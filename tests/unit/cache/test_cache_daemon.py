@@ -135,3 +135,30 @@ def test_float32_serving_converts_floats_only(models, tmp_path):
     finally:
         d.stop()
         thread.join(10)
+
+
+def test_changed_on_disk_reload_that_fails_drops_the_stale_arena(tmp_path):
+    import shutil
+    import time
+
+    from keepwarm_runtime.cache.checkpoint import read_checkpoint
+
+    model = write_checkpoint(tmp_path / "models" / "m", seed=5)
+    d = _daemon(tmp_path)
+    try:
+        d.add_model(model)
+        key = d.snapshot()["models"]["m"]["fingerprint"]
+        shard = read_checkpoint(model)[0].path
+        with open(shard, "r+b") as f:  # now shorter than its header says
+            f.truncate(shard.stat().st_size - 1)
+        reply, fds = d.handlers.dispatch({"cmd": "get_state", "key": key})
+        assert (reply["state"], reply["reason"], fds) == ("mismatch", "changed on disk", [])
+        deadline = time.monotonic() + 30
+        while "m" in d.snapshot()["models"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        failed = d.snapshot()["failed"]["m"]
+        assert "past the end" in failed["reason"] and str(shard) in failed["reason"]
+        shutil.rmtree(model)
+    finally:
+        d.close()
