@@ -22,6 +22,14 @@ Framing (both directions)::
 * Nothing received is ever unpickled or evaluated: JSON and fds only.
 
 Commands (see ``handlers.py``): ``hello``, ``get_state``, ``list``, ``release``, ``stats``.
+
+* ``get_state`` answers ``state`` "hit" (with the arena fd, ``tensors``, ``aliases``, ``page_mode``,
+  ``gpu_uuid``, ``digest``), "mismatch" (``fields`` that differ, and ``reason`` "changed on disk"
+  when the daemon found the resident model's files rewritten) or "absent".
+* ``list`` answers ``models``: one row per model with ``state`` "Resident" (``bytes``, ``pinned``,
+  ``tier``, ``key_digest``, ``path``) or "Failed" (``path``, ``reason`` naming the file).
+* ``stats`` answers the daemon snapshot: ``models`` (name -> resident model) and ``failed``
+  (name -> ``{"state": "Failed", "path", "reason"}``), the shape the node agent reports.
 """
 
 from __future__ import annotations
