@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 FD_RESERVE = 64  # descriptors kept free for arenas, loads, logs and the metrics server
@@ -35,6 +36,11 @@ class ServerLimits:
 def raise_nofile_limit() -> int:
     """Raise the soft open-files limit to the hard limit; return the soft limit now in force."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:  # the kernel still caps descriptors at fs.nr_open
+        try:
+            hard = int(Path("/proc/sys/fs/nr_open").read_text())
+        except (OSError, ValueError):
+            hard = max(soft, 1 << 20)
     if soft != hard:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

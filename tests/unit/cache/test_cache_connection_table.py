@@ -54,3 +54,19 @@ def test_connection_cap_follows_the_fd_limit():
     assert connection_cap(None, 256) == (256 - limits.FD_RESERVE) // 2
     assert connection_cap(None, 1 << 20) == limits.DEFAULT_MAX_CONNECTIONS
     assert connection_cap(1000, 256) == 1000  # an explicit cap is taken as given
+
+
+def test_soft_open_files_limit_is_raised_to_the_hard_limit():
+    import subprocess
+    import sys
+
+    script = (
+        "import resource\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (100, 4000))\n"
+        "from keepwarm_runtime.cache.limits import raise_nofile_limit\n"
+        "print(raise_nofile_limit(), resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.split() == ["4000", "4000"]
