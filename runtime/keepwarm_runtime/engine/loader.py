@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -22,6 +22,7 @@ from keepwarm_runtime.cache.client import attach
 from keepwarm_runtime.engine.attention.dispatch import register_keepwarm_attention
 from keepwarm_runtime.engine.attention.fuser import IMPLEMENTATION
 from keepwarm_runtime.engine.config import EngineConfig
+from keepwarm_runtime.engine.moe.experts import ExpertsChoice, prepare_experts, use_keepwarm_experts
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class LoadInfo:
     seconds: float  # attach/load wall time
     reason: str | None  # why the cache was not used, if it was not
     copied_tensors: int = 0  # tensors that had to be materialised (MoE expert merges)
+    moe: list[ExpertsChoice] = field(default_factory=list)  # backend chosen per experts module, with why
 
 
 def load_model(config: EngineConfig) -> tuple[nn.Module, LoadInfo]:
@@ -66,7 +68,15 @@ def load_model(config: EngineConfig) -> tuple[nn.Module, LoadInfo]:
     )
     copied = fill_parameters(model, res.tensors, res.aliases)
     materialize_buffers(model, torch.device(config.device))
-    return model, LoadInfo(res.source, res.seconds, res.reason, copied)
+    moe = _prepare_moe(model, config)
+    return model, LoadInfo(res.source, res.seconds, res.reason, copied, moe)
+
+
+def _prepare_moe(model: nn.Module, config: EngineConfig) -> list[ExpertsChoice]:
+    """Route transformers' fused experts through keepwarm's MoE backends (engine.moe)."""
+    if not use_keepwarm_experts(model):
+        return []
+    return prepare_experts(model, config.moe_backend, torch.device(config.device))
 
 
 def attention_implementations(hf_config) -> str | dict[str, str]:
