@@ -23,6 +23,8 @@ from keepwarm_runtime.engine.attention.dispatch import register_keepwarm_attenti
 from keepwarm_runtime.engine.attention.fuser import IMPLEMENTATION
 from keepwarm_runtime.engine.config import EngineConfig
 from keepwarm_runtime.engine.moe.experts import ExpertsChoice, prepare_experts, use_keepwarm_experts
+from keepwarm_runtime.engine.quant.fp8_modules import prepare_checkpoint_fp8, quantize_online
+from keepwarm_runtime.engine.quant.settings import SCALE_SUFFIX, Fp8Settings, QuantizationError, fp8_settings
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,7 @@ def load_model(config: EngineConfig) -> tuple[nn.Module, LoadInfo]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_config = AutoConfig.from_pretrained(config.model_dir)
+    quantization = _quantization(hf_config, config)
     _refuse_unsupported(hf_config)
     register_keepwarm_attention()
     try:
@@ -66,8 +69,12 @@ def load_model(config: EngineConfig) -> tuple[nn.Module, LoadInfo]:
         mode=config.cache_mode,
         fallback=config.cache_fallback,
     )
+    if quantization is not None and quantization.source == "checkpoint":
+        prepare_checkpoint_fp8(model, quantization, lambda name: name in res.tensors or name in res.aliases)
     copied = fill_parameters(model, res.tensors, res.aliases)
     materialize_buffers(model, torch.device(config.device))
+    if quantization is not None and quantization.source == "online":
+        copied += quantize_online(model, quantization)
     moe = _prepare_moe(model, config)
     return model, LoadInfo(res.source, res.seconds, res.reason, copied, moe)
 
@@ -91,9 +98,15 @@ def attention_implementations(hf_config) -> str | dict[str, str]:
     return choice
 
 
+def _quantization(hf_config, config: EngineConfig) -> Fp8Settings | None:
+    """FP8 settings from the checkpoint's quantization_config or --quantization; any other method refused."""
+    try:
+        return fp8_settings(getattr(hf_config, "quantization_config", None), config.quantization)
+    except QuantizationError as exc:
+        raise ModelLoadError(f"{hf_config.model_type}: {exc}") from exc
+
+
 def _refuse_unsupported(hf_config) -> None:
-    if getattr(hf_config, "quantization_config", None):
-        raise ModelLoadError("quantized checkpoints are not supported by the keepwarm engine yet")
     text = hf_config.get_text_config()
     layer_types = set(getattr(text, "layer_types", None) or [])
     unsupported = layer_types - {"full_attention", "sliding_attention"}
@@ -241,7 +254,20 @@ def _conversions(model: nn.Module):
                 merges.append(_refusal(transform))
                 continue
             merges.append(_expert_merge(transform))
+            merges.append(_expert_merge(_fp8_scales_of(transform)))
     return renamings, merges
+
+
+def _fp8_scales_of(transform):
+    """The same expert merge for FP8 block scales: `experts.*.gate_proj.weight_scale_inv` + up ->
+    `experts.gate_up_proj_scale_inv` (stacked and concatenated exactly like the weights)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        source_patterns=[p + SCALE_SUFFIX for p in transform.source_patterns],
+        target_patterns=[p + SCALE_SUFFIX for p in transform.target_patterns],
+        operations=transform.operations,
+    )
 
 
 def _expert_merge(transform):

@@ -22,12 +22,13 @@ from keepwarm_runtime.engine.moe.activation import GatedActivation, apply_gated
 from keepwarm_runtime.engine.moe.oracle import MoEBackendError, MoELayerFacts, choose_backend
 from keepwarm_runtime.engine.moe.reference import ExpertWeights, reference_moe
 from keepwarm_runtime.engine.quant.fp8 import E4M3
+from keepwarm_runtime.engine.quant.settings import SCALE_SUFFIX  # FP8 block scales: gate_up_proj_scale_inv
 
 log = logging.getLogger(__name__)
 
 IMPLEMENTATION = "keepwarm"
 RUNNER_ATTR = "_keepwarm_moe"  # the callable attached to each experts module
-SCALE_SUFFIX = "_scale_inv"  # FP8 block scales ride beside the weights: gate_up_proj_scale_inv
+
 HALVES_APART_ATTR = "_keepwarm_gate_up_halves_apart"  # set by the FP8 loader when it merged per-expert scales
 
 Runner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

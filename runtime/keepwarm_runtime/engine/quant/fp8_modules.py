@@ -1,0 +1,92 @@
+"""FP8 in the model: nn.Linear layers and fused experts that hold e4m3 weights plus block scales.
+
+A quantized nn.Linear becomes `Fp8Linear` (same module, class swapped, a `weight_scale_inv` parameter
+added): its torch reference forward dequantizes the blocks into the activation dtype and runs one
+matmul, which is what transformers' own dequantizing FP8 path computes. Fused experts gain
+`gate_up_proj_scale_inv` / `down_proj_scale_inv` beside their weights; the MoE backends read them
+(engine.moe.reference). Two entry points: `prepare_checkpoint_fp8` before the weights are filled
+(placeholders on meta the loader then points at checkpoint tensors) and `quantize_online` after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from keepwarm_runtime.engine.moe.experts import HALVES_APART_ATTR, is_experts_module
+from keepwarm_runtime.engine.quant.fp8 import dequantize_blocks, quantize_blocks
+from keepwarm_runtime.engine.quant.settings import SCALE_SUFFIX, Fp8Settings
+
+
+class Fp8Linear(nn.Linear):
+    """nn.Linear with an e4m3 weight `[out, in]` and float32 `weight_scale_inv` per 128x128 block."""
+
+    block: tuple[int, int] = (128, 128)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = dequantize_blocks(self.weight, self.weight_scale_inv, x.dtype, self.block)
+        return F.linear(x, weight, self.bias)
+
+
+def _grid(shape, block) -> tuple[int, int]:
+    return -(-shape[-2] // block[0]), -(-shape[-1] // block[1])
+
+
+def _placeholder(shape) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=torch.float32, device="meta"), requires_grad=False)
+
+
+def _as_fp8_linear(module: nn.Linear, block: tuple[int, int]) -> None:
+    module.__class__ = Fp8Linear
+    module.block = block
+    module.register_parameter("weight_scale_inv", _placeholder(_grid(module.weight.shape, block)))
+
+
+def prepare_checkpoint_fp8(model: nn.Module, settings: Fp8Settings, has_tensor: Callable[[str], bool]) -> int:
+    """Before filling: make every module whose checkpoint carries block scales hold e4m3 + scales.
+    Returns how many modules were converted. `has_tensor` asks the checkpoint by model name."""
+    converted = 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and has_tensor(f"{name}.weight{SCALE_SUFFIX}"):
+            _as_fp8_linear(module, settings.block)
+            converted += 1
+        elif is_experts_module(module) and hasattr(module, "gate_up_proj"):
+            fused = has_tensor(f"{name}.gate_up_proj{SCALE_SUFFIX}")
+            per_expert = has_tensor(f"{name}.0.gate_proj.weight{SCALE_SUFFIX}")
+            if not (fused or per_expert):
+                continue
+            gate_up, down = module.gate_up_proj, module.down_proj
+            rows = _grid(gate_up.shape, settings.block)
+            if per_expert:  # each half was quantized alone: its own grid of ceil(I / 128) rows
+                half = -(-(gate_up.shape[-2] // 2) // settings.block[0])
+                rows = (2 * half, rows[1])
+                setattr(module, HALVES_APART_ATTR, True)
+            module.register_parameter("gate_up_proj" + SCALE_SUFFIX, _placeholder((gate_up.shape[0], *rows)))
+            module.register_parameter(
+                "down_proj" + SCALE_SUFFIX, _placeholder((down.shape[0], *_grid(down.shape, settings.block)))
+            )
+            converted += 1
+    return converted
+
+
+def quantize_online(model: nn.Module, settings: Fp8Settings) -> int:
+    """After filling a float model: quantize every nn.Linear (but the excluded) and every fused expert
+    stack in 128x128 blocks. Returns how many tensors were quantized (each one a new tensor)."""
+    quantized = 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and not isinstance(module, Fp8Linear) and settings.converts(name):
+            q, scale = quantize_blocks(module.weight.detach(), settings.block)
+            _as_fp8_linear(module, settings.block)
+            module.weight = nn.Parameter(q, requires_grad=False)
+            module.weight_scale_inv = nn.Parameter(scale, requires_grad=False)
+            quantized += 1
+        elif is_experts_module(module) and hasattr(module, "gate_up_proj"):
+            for attr in ("gate_up_proj", "down_proj"):
+                q, scale = quantize_blocks(getattr(module, attr).detach(), settings.block)
+                setattr(module, attr, nn.Parameter(q, requires_grad=False))
+                module.register_parameter(attr + SCALE_SUFFIX, nn.Parameter(scale, requires_grad=False))
+                quantized += 1
+    return quantized
