@@ -17,6 +17,7 @@ import torch
 
 from keepwarm_runtime import __version__
 from keepwarm_runtime.cache.checkpoint import Shard, dtype_name, read_checkpoint
+from keepwarm_runtime.engine.moe.serving_layout import CONVERSION_ID
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class WeightCacheKey:
     architecture: str  # config.json architectures[0] (or model_type)
     dtype: str  # serving dtype of floating tensors, e.g. "float32"
     quantization: str  # sha256 of config.json quantization_config ("none" without one)
+    conversion: str  # the arena's serving layout (engine.moe.serving_layout.CONVERSION_ID)
     revision: str  # hub commit (HF cache snapshot dir / _commit_hash) or "local"
     tp_rank: int  # tensor-parallel rank this entry serves
     tp_size: int  # tensor-parallel world size
@@ -93,6 +95,7 @@ def compute_key(
         architecture=str(archs[0]),
         dtype=dtype if isinstance(dtype, str) else dtype_name(dtype),
         quantization=quant_hash,
+        conversion=CONVERSION_ID,
         revision=_revision(model_dir, config),
         tp_rank=tp_rank,
         tp_size=tp_size,

@@ -1,23 +1,25 @@
 """Filling an arena from a checkpoint (daemon) and the plain disk load (client fallback).
 
 The daemon reads each tensor's bytes once, hashes them into the content digest as they pass, and
-writes them into the arena already converted to the serving dtype, so clients never convert.
+writes them into the arena already converted to the serving dtype and laid out as the engine serves
+them (expert merges; see keepwarm_runtime.engine.moe.serving_layout), so clients never convert.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from keepwarm_runtime.cache.checkpoint import (
+    CONVERTIBLE,
     Shard,
     dtype_name,
     parse_dtype,
-    serving_dtype,
 )
+from keepwarm_runtime.engine.moe import serving_layout
 
 ALIGN = 256  # bytes; satisfies every dtype and CUDA's preferred alignment
 
@@ -43,18 +45,35 @@ class TensorEntry:
 class ArenaLayout:
     entries: tuple[TensorEntry, ...]
     size: int  # bytes needed, before page rounding
+    placements: dict[str, serving_layout.Placement] = field(default_factory=dict)  # merged sources
+
+
+def tensor_serving_dtype(name: str, stored: torch.dtype, serving: torch.dtype) -> torch.dtype:
+    """Floats follow the serving dtype, except FP8 block scales (kept float32)."""
+    return serving_layout.tensor_dtype(name, stored, serving, CONVERTIBLE)
 
 
 def plan_layout(shards: list[Shard], serving: torch.dtype) -> ArenaLayout:
+    records = [(rec.name, rec.shape, rec.dtype) for shard in shards for rec in shard.tensors]
+    rules = serving_layout.merge_rules(shards[0].path.parent) if shards else []
+    conversion = serving_layout.plan(records, rules)
+    targets = {t.name: t for t in conversion.targets}
     entries, offset = [], 0
-    for shard in shards:
-        for rec in shard.tensors:
-            dtype = serving_dtype(rec.dtype, serving)
-            numel = rec.nbytes // rec.dtype.itemsize if rec.dtype.itemsize else 0
-            nbytes = numel * dtype.itemsize
-            entries.append(TensorEntry(rec.name, dtype, rec.shape, offset, nbytes))
-            offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
-    return ArenaLayout(tuple(entries), offset)
+    for name, shape, stored in records:
+        placement = conversion.placements.get(name)
+        if placement is not None:
+            target = targets.pop(placement.target, None)
+            if target is None:  # already placed with an earlier source
+                continue
+            name, shape, stored = target.name, target.shape, target.stored
+        dtype = tensor_serving_dtype(name, stored, serving)
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        nbytes = numel * dtype.itemsize
+        entries.append(TensorEntry(name, dtype, tuple(shape), offset, nbytes))
+        offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+    return ArenaLayout(tuple(entries), offset, conversion.placements)
 
 
 class WritableArena(Protocol):
@@ -72,7 +91,8 @@ def fill_arena(arena: WritableArena, shards: list[Shard], layout: ArenaLayout) -
         digest.update(shard.header)
         with open(shard.path, "rb", buffering=0) as f:
             for rec in shard.tensors:
-                entry = by_name[rec.name]
+                placement = layout.placements.get(rec.name)
+                entry = by_name[placement.target if placement else rec.name]
                 raw = bytearray(rec.nbytes)
                 f.seek(rec.offset)
                 got = f.readinto(raw)
@@ -82,7 +102,10 @@ def fill_arena(arena: WritableArena, shards: list[Shard], layout: ArenaLayout) -
                 if rec.nbytes == 0:
                     continue
                 src = torch.frombuffer(raw, dtype=torch.uint8).view(rec.dtype).view(rec.shape)
-                arena.tensor(entry.offset, entry.dtype, entry.shape).copy_(src)
+                dest = arena.tensor(entry.offset, entry.dtype, entry.shape)
+                if placement is not None:  # one expert's slice of a merged tensor
+                    dest = dest[placement.expert, placement.rows[0] : placement.rows[1]]
+                dest.copy_(src)
                 del src, raw
     return digest.hexdigest()
 
@@ -94,6 +117,5 @@ def load_from_disk(shards: list[Shard], dtype: torch.dtype, device: str | torch.
     tensors: dict[str, torch.Tensor] = {}
     for shard in shards:
         for name, t in load_file(str(shard.path), device="cpu").items():
-            target = serving_dtype(t.dtype, dtype)
-            tensors[name] = t.to(device=device, dtype=target)
+            tensors[name] = t.to(device=device, dtype=tensor_serving_dtype(name, t.dtype, dtype))
     return tensors

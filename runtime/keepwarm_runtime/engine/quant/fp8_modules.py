@@ -54,16 +54,15 @@ def prepare_checkpoint_fp8(model: nn.Module, settings: Fp8Settings, has_tensor: 
             _as_fp8_linear(module, settings.block)
             converted += 1
         elif is_experts_module(module) and hasattr(module, "gate_up_proj"):
-            fused = has_tensor(f"{name}.gate_up_proj{SCALE_SUFFIX}")
-            per_expert = has_tensor(f"{name}.0.gate_proj.weight{SCALE_SUFFIX}")
-            if not (fused or per_expert):
+            merged = has_tensor(f"{name}.gate_up_proj{SCALE_SUFFIX}")  # merged by the weight cache
+            if not (merged or has_tensor(f"{name}.0.gate_proj.weight{SCALE_SUFFIX}")):
                 continue
             gate_up, down = module.gate_up_proj, module.down_proj
-            rows = _grid(gate_up.shape, settings.block)
-            if per_expert:  # each half was quantized alone: its own grid of ceil(I / 128) rows
-                half = -(-(gate_up.shape[-2] // 2) // settings.block[0])
-                rows = (2 * half, rows[1])
-                setattr(module, HALVES_APART_ATTR, True)
+            # Checkpoint scales are per expert and projection, so gate and up carry a grid each, whether
+            # the loader or the weight cache concatenated them: ceil(I / 128) rows per half.
+            half = -(-(gate_up.shape[-2] // 2) // settings.block[0])
+            rows = (2 * half, _grid(gate_up.shape, settings.block)[1])
+            setattr(module, HALVES_APART_ATTR, True)
             module.register_parameter("gate_up_proj" + SCALE_SUFFIX, _placeholder((gate_up.shape[0], *rows)))
             module.register_parameter(
                 "down_proj" + SCALE_SUFFIX, _placeholder((down.shape[0], *_grid(down.shape, settings.block)))
