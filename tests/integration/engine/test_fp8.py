@@ -141,3 +141,26 @@ def test_online_quantization_of_an_fp8_checkpoint_is_refused(checkpoints) -> Non
         LLM(checkpoints["llama-fp8"], dtype="float32", num_kv_blocks=16, quantization="fp8")
     with pytest.raises(ValueError, match="quantization 'int4' is not supported"):
         LLM(checkpoints["llama"], dtype="float32", num_kv_blocks=16, quantization="int4")
+
+
+def test_deepseek_v3_fp8_with_partial_blocks_stays_close_to_bf16(tmp_path) -> None:
+    """MLA projections narrower than a block and experts with 2I <= 128: edge blocks are partial, and gate
+    and up each carry their own scale grid (1 + 1 rows where one fused grid would have 1). transformers'
+    dequantizer needs whole blocks, so the reference here is the bf16 model itself."""
+    from keepwarm_runtime.modelgen import make_model
+    from keepwarm_runtime.modelgen.fp8 import quantize_checkpoint
+
+    src = make_model(
+        tmp_path / "bf16", arch="deepseek_v3", params="2M", dtype="bfloat16", vocab_size=2048, hidden_size=128
+    )
+    fp8 = tmp_path / "fp8"
+    shutil.copytree(src, fp8)
+    quantize_checkpoint(fp8)
+    llm, _, logprobs = _keepwarm(fp8)
+    experts = llm.engine.model.model.layers[1].mlp.experts
+    assert experts.gate_up_proj.shape[1] <= 128 and experts.gate_up_proj_scale_inv.shape[1] == 2
+    kv_a = llm.engine.model.model.layers[0].self_attn.kv_a_proj_with_mqa
+    assert isinstance(kv_a, Fp8Linear) and kv_a.weight.shape[0] % 128 != 0
+    _, bf16 = _transformers_logprobs(src)
+    worst = max(abs(lp - float(bf16[token])) for token, lp in logprobs.items())
+    assert worst < 0.25, f"FP8 logprobs drift {worst:.3f} nats from the bf16 model"

@@ -122,3 +122,21 @@ def test_fp8_checkpoint_through_the_cache_is_zero_copy_and_half_the_bytes(fp8_pa
     print(f"arena bytes fp8/bf16: whole model {ratio:.3f}, experts {expert_ratio:.3f}")
     assert 0.5 <= expert_ratio < 0.51  # e4m3 is half of bf16, plus one float32 per 128x128 block
     assert ratio < 0.75  # embeddings, head and norms stay bf16
+
+
+def test_fp8_deepseek_with_split_scale_grids_through_the_cache(tmp_path) -> None:
+    """Experts narrower than a block: gate and up scales keep a grid each after the cache merges them."""
+    from keepwarm_runtime.modelgen import make_model
+    from keepwarm_runtime.modelgen.fp8 import quantize_checkpoint
+
+    model_dir = make_model(
+        tmp_path / "m", arch="deepseek_v3", params="2M", dtype="bfloat16", vocab_size=2048, hidden_size=128
+    )
+    quantize_checkpoint(model_dir)
+    with _Daemon(tmp_path / "sock", "float32") as cache:
+        cache.add(model_dir)
+        cached, info = _load(model_dir, "float32", cache.socket_dir)
+    disk, disk_info = _load(model_dir, "float32", None)
+    assert info.copied_tensors == 0 and disk_info.copied_tensors > 0
+    assert cached.model.layers[1].mlp.experts.gate_up_proj_scale_inv.shape[1] == 2
+    assert _same_bytes(cached, disk) == []
