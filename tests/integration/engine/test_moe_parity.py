@@ -35,6 +35,7 @@ def test_moe_greedy_matches_transformers(make_tiny, arch: str) -> None:
     experts = [m for m in model.modules() if is_experts_module(m)]
     assert experts and model.config._experts_implementation == IMPLEMENTATION
     assert all(getattr(m, RUNNER_ATTR, None) is not None for m in experts)
+    assert set(llm.engine.moe_backends.values()) == {"torch"} and len(llm.engine.moe_backends) == len(experts)
 
     prompts = _prompts(llm.engine.vocab_size)
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
