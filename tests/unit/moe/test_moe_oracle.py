@@ -40,7 +40,7 @@ def test_every_combination_answers_with_a_reason(fmt, act, params, backend, cap)
     if ok and clamp:
         assert act == "swiglu"
         if backend != "torch":  # the reference dequantizes first, so any loaded format honours a clamp
-            assert fmt in ("bf16", "fp8_block128")
+            assert fmt in ("fp16", "bf16", "fp8_block128")
     if clamp and act != "swiglu" and fmt != "mxfp8":  # mxfp8 is refused first, by its own name
         assert not ok and "SwiGLU parameters" in reason
     if fmt == "fp8_per_tensor" and clamp and act == "swiglu" and backend != "torch":
@@ -50,18 +50,20 @@ def test_every_combination_answers_with_a_reason(fmt, act, params, backend, cap)
     if (
         backend != "torch"
         and cap is None
-        and fmt in ("bf16", "fp8_block128")
+        and fmt in ("fp32", "fp16", "bf16", "fp8_block128")
         and not (clamp and act != "swiglu")
     ):
         assert not ok and "CUDA" in reason
     if backend != "torch" and cap in ((7, 0), (12, 0)):
         assert not ok  # Volta and consumer Blackwell: no family these kernels are built for
-        if fmt in ("bf16", "fp8_block128") and not (clamp and act != "swiglu"):
+        if fmt in ("fp16", "bf16", "fp8_block128") and not (clamp and act != "swiglu"):
             assert "capability" in reason
     if backend == "flashinfer_trtllm" and ok:
         assert cap is not None and cap[0] == 10 and fmt == "fp8_block128" and act == "swiglu"
     if backend == "flashinfer_cutlass" and ok and fmt == "fp8_block128":
         assert cap == (9, 0)
+    if backend != "torch" and fmt == "fp32":
+        assert not ok  # no FlashInfer MoE kernel takes float32 weights
     if backend == "torch":
         assert ok == (fmt != "mxfp8" and not (clamp and act != "swiglu"))
 
@@ -105,6 +107,7 @@ def test_auto_takes_the_first_eligible_backend_in_order(fmt, act, params, cap) -
         ("fp8_block128", "geglu", (False, False, False), (10, 0), "torch"),
         ("bf16", "swiglu", (False, False, False), None, "torch"),
         ("bf16", "geglu", (False, False, False), (12, 0), "torch"),
+        ("fp32", "swiglu", (False, False, False), (9, 0), "torch"),  # a float32-served model on H100
     ],
 )
 def test_auto_choices_for_known_models(fmt, act, params, cap, expected) -> None:

@@ -88,9 +88,14 @@ def gated_activation(module: nn.Module, dtype: torch.dtype = torch.float32) -> G
     return None
 
 
+FLOAT_FORMATS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
 def weight_format(weights: ExpertWeights) -> str:
+    if weights.gate_up.dtype in FLOAT_FORMATS:
+        return FLOAT_FORMATS[weights.gate_up.dtype]
     if weights.gate_up.dtype != E4M3:
-        return "bf16"  # any float dtype: the kernels' unquantized path
+        raise MoEBackendError(f"expert weights in {weights.gate_up.dtype} are not a format keepwarm serves")
     scale = weights.gate_up_scale_inv
     return "fp8_per_tensor" if scale is not None and scale.numel() == weights.num_experts else "fp8_block128"
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-WEIGHT_FORMATS = ("bf16", "fp8_per_tensor", "fp8_block128", "mxfp8")
+WEIGHT_FORMATS = ("fp32", "fp16", "bf16", "fp8_per_tensor", "fp8_block128", "mxfp8")
 ACTIVATIONS = ("swiglu", "geglu")  # gated SiLU (incl. gpt-oss' clamped form) | gated GELU
 SWIGLU_FAMILY = frozenset({"swiglu"})
 BACKENDS = ("flashinfer_trtllm", "flashinfer_cutlass", "torch")
@@ -111,6 +111,8 @@ def flashinfer_cutlass_eligible(facts: MoELayerFacts) -> Eligibility:
             )
         if facts.hidden_size % FP8_BLOCK or facts.intermediate_size % FP8_BLOCK:
             return False, f"FP8 block-scale needs hidden and intermediate sizes divisible by {FP8_BLOCK}"
+    elif facts.weight_format == "fp32":
+        return False, "CUTLASS MoE takes bf16/fp16 (or FP8) weights, not float32"
     elif facts.hidden_size % 16 or facts.intermediate_size % 16:
         return False, "CUTLASS needs hidden and intermediate sizes divisible by 16"
     return True, "CUTLASS fused MoE takes this format; SwiGLU parameters passed per expert"
@@ -126,8 +128,8 @@ def flashinfer_trtllm_eligible(facts: MoELayerFacts) -> Eligibility:
             False,
             f"GPU capability {cap[0]}.{cap[1]} is not Blackwell (SM100/SM103), where TRT-LLM MoE runs",
         )
-    if facts.weight_format == "bf16":
-        return False, "the TRT-LLM FP8 block-scale kernel takes e4m3 weights, not bf16"
+    if facts.weight_format in ("fp32", "fp16", "bf16"):
+        return False, f"the TRT-LLM FP8 block-scale kernel takes e4m3 weights, not {facts.weight_format}"
     if facts.activation not in SWIGLU_FAMILY:
         return False, f"the TRT-LLM FP8 block-scale kernel computes SwiGLU only, not {facts.activation!r}"
     if facts.num_experts > TRTLLM_MAX_EXPERTS:
