@@ -10,6 +10,7 @@ matmul, which is what transformers' own dequantizing FP8 path computes. Fused ex
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -17,18 +18,45 @@ from torch import nn
 from torch.nn import functional as F
 
 from keepwarm_runtime.engine.moe.experts import HALVES_APART_ATTR, is_experts_module
+from keepwarm_runtime.engine.quant import fp8_gemm
 from keepwarm_runtime.engine.quant.fp8 import dequantize_blocks, quantize_blocks
 from keepwarm_runtime.engine.quant.settings import SCALE_SUFFIX, Fp8Settings
 
+log = logging.getLogger(__name__)
+
 
 class Fp8Linear(nn.Linear):
-    """nn.Linear with an e4m3 weight `[out, in]` and float32 `weight_scale_inv` per 128x128 block."""
+    """nn.Linear with an e4m3 weight `[out, in]` and float32 `weight_scale_inv` per 128x128 block.
+
+    On CPU (and wherever the GPU kernel is not trusted) it dequantizes the weight and runs one matmul.
+    On CUDA it checks torch's block-scaled `scaled_mm` against its emulation on the first input and
+    uses it from then on if they agree (engine.quant.fp8_gemm), logging the decision once."""
 
     block: tuple[int, int] = (128, 128)
+    gpu_kernel: bool | None = None  # None: not decided yet; decided on the first CUDA input
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and self.gpu_kernel is not False:
+            flat = x.reshape(-1, x.shape[-1])
+            if self.gpu_kernel is None:
+                self.gpu_kernel, why = fp8_gemm.checked_kernel(flat, self.weight, self.weight_scale_inv)
+                _log_once(why)
+            if self.gpu_kernel:
+                out = fp8_gemm.scaled_mm(flat, self.weight, self.weight_scale_inv, x.dtype)
+                out = out if self.bias is None else out + self.bias
+                return out.reshape(*x.shape[:-1], out.shape[-1])
         weight = dequantize_blocks(self.weight, self.weight_scale_inv, x.dtype, self.block)
         return F.linear(x, weight, self.bias)
+
+
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    key = message.split(" (")[0]
+    if key not in _logged:
+        _logged.add(key)
+        log.info("FP8 linear: %s", message)
 
 
 def _grid(shape, block) -> tuple[int, int]:
