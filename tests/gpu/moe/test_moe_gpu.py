@@ -58,14 +58,18 @@ def test_torch_reference_on_cuda_matches_cpu(fp8) -> None:
     torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("act_name", sorted(ACTS))
 @pytest.mark.parametrize("biased", [False, True])
-def test_flashinfer_cutlass_matches_reference(act_name, biased) -> None:
+def test_flashinfer_cutlass_matches_reference(act_name, biased, fp8) -> None:
     from keepwarm_runtime.engine.moe import flashinfer_backend
 
     act = ACTS[act_name]
     weights, hidden, index, scores = _layer(biased)
     bf16 = _to(weights, "cuda", torch.bfloat16)
+    if fp8:  # DeepSeek block scales on Hopper: the kernel also quantizes activations (1x128)
+        (gu, gs), (d, ds) = quantize_blocks(bf16.gate_up), quantize_blocks(bf16.down)
+        bf16 = ExpertWeights(gu, d, bf16.gate_up_bias, bf16.down_bias, gs, ds)
     ok, reason = ELIGIBILITY["flashinfer_cutlass"](layer_facts(bf16, act, torch.cuda.get_device_capability()))
     missing = flashinfer_backend.unavailable_reason()
     if not ok or missing:
@@ -73,4 +77,5 @@ def test_flashinfer_cutlass_matches_reference(act_name, biased) -> None:
     run = flashinfer_backend.make_runner("flashinfer_cutlass", None, bf16, act)
     got = run(hidden.cuda().bfloat16(), index.cuda(), scores.cuda()).float().cpu()
     expected = reference_moe(hidden.cuda().bfloat16(), index.cuda(), scores.cuda(), bf16, act).float().cpu()
-    torch.testing.assert_close(got, expected, rtol=3e-2, atol=3e-2)
+    error = float((got - expected).abs().max()) / float(expected.abs().max())
+    assert error < (0.1 if fp8 else 3e-2), f"relative error {error:.3g}"

@@ -76,3 +76,44 @@ def test_forward_without_prepare_is_a_named_error() -> None:
         keepwarm_experts_forward(
             _experts("qwen3_moe"), torch.randn(1, 32), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2)
         )
+
+
+def _routing():
+    g = torch.Generator().manual_seed(5)
+    return (
+        torch.randn(6, 32, generator=g),
+        torch.randint(0, 4, (6, 2), generator=g),
+        torch.rand(6, 2, generator=g),
+    )
+
+
+def test_a_kernel_is_trusted_only_after_agreeing_with_the_reference() -> None:
+    import dataclasses
+
+    from keepwarm_runtime.engine.moe.experts import _torch_runner, checked
+
+    module = _experts("gpt_oss")
+    act = gated_activation(module)
+    reference = _torch_runner(module, act)
+    calls = []
+
+    def same(*args):
+        calls.append(1)
+        return reference(*args)
+
+    run = checked("experts", "fake", same, reference, 0.03)
+    hidden, index, weights = _routing()
+    run(hidden, index, weights)
+    run(hidden, index, weights)
+    assert len(calls) == 2  # trusted after the first check
+
+    clamp_ignored = _torch_runner(module, dataclasses.replace(act, limit=None))
+    run = checked("experts", "fake", clamp_ignored, reference, 0.03)
+    torch.testing.assert_close(run(hidden, index, weights), reference(hidden, index, weights))
+    torch.testing.assert_close(run(hidden, index, weights), reference(hidden, index, weights))
+
+    def broken(*args):
+        raise RuntimeError("no kernel image for this device")
+
+    run = checked("experts", "fake", broken, reference, 0.03)
+    torch.testing.assert_close(run(hidden, index, weights), reference(hidden, index, weights))

@@ -123,6 +123,34 @@ def _torch_runner(module: nn.Module, act: GatedActivation) -> Runner:
     return run
 
 
+def checked(name: str, backend: str, kernel: Runner, reference: Runner, tolerance: float) -> Runner:
+    """`kernel`, trusted only after it agrees with `reference` on its first input; else the reference
+    from then on, with the reason logged. A fused kernel is never the only witness of its own output."""
+    state: dict[str, Runner] = {}
+
+    def run(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        if "use" in state:
+            return state["use"](hidden, top_k_index, top_k_weights)
+        expected = reference(hidden, top_k_index, top_k_weights)
+        try:
+            got = kernel(hidden, top_k_index, top_k_weights)
+            want, have = expected.detach().float(), got.detach().float()
+            error = float((have - want).abs().max()) / max(float(want.abs().max()), 1e-6)
+            problem = None if error <= tolerance else f"relative error {error:.3g} > {tolerance}"
+        except (RuntimeError, ValueError, NotImplementedError) as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+        if problem is None:
+            state["use"] = kernel
+            return got
+        log.warning(
+            "%s: %s disagrees with the torch reference (%s); using the reference", name, backend, problem
+        )
+        state["use"] = reference
+        return expected
+
+    return run
+
+
 def _transformers_runner(module: nn.Module) -> Runner:
     from transformers.integrations.moe import grouped_mm_experts_forward
 
@@ -162,7 +190,9 @@ def prepare_experts(model: nn.Module, requested: str, device: torch.device) -> l
         else:
             from keepwarm_runtime.engine.moe import flashinfer_backend
 
-            runner = flashinfer_backend.make_runner(backend, module, weights, act)
+            kernel = flashinfer_backend.make_runner(backend, module, weights, act)
+            tolerance = 0.1 if weights.is_fp8 else 0.03  # the FP8 kernels also quantize activations
+            runner = checked(name, backend, kernel, _torch_runner(module, act), tolerance)
         setattr(module, RUNNER_ATTR, runner)
         choices.append(ExpertsChoice(name, backend, reason))
     if choices:

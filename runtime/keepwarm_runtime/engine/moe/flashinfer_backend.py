@@ -3,10 +3,13 @@
 `cutlass_fused_moe` takes the routing the model's own router chose (expert ids as int32, weights as
 float32), fc1 weights `[E, 2I, H]` with the up half first ([up; gate], TRT-LLM's w3/w1 order), fc2
 `[E, H, I]`, optional per-expert biases, and per-expert `swiglu_alpha` / `swiglu_beta` /
-`swiglu_limit` float32 tensors. FP8 128x128 block scales go in `quant_scales` with
-`use_deepseek_fp8_block_scale=True` (Hopper). The repack to the kernel's layout is done once, when
-the runner is made. The TRT-LLM FP8 block-scale kernel routes tokens itself from router logits, which
-would bypass each model's own router; keepwarm has no adapter for it yet and says so as the reason.
+`swiglu_limit` float32 tensors. FP8 128x128 block scales go in `quant_scales` as
+`[fc1_scales [E, 2I/128, H/128] in the same [up; gate] order, fc2_scales [E, H/128, I/128]]` with
+`use_deepseek_fp8_block_scale=True` (Hopper only; bf16 activations, quantized inside the kernel).
+The repack to the kernel's layout is done once, when the runner is made. `trtllm_fp8_block_scale_moe`
+routes tokens itself from router logits, bypassing each model's own router (newer FlashInfer adds a
+`..._routed_moe` variant taking packed routing); keepwarm has no adapter for either yet and says so.
+A runner is checked against the torch reference on its first input (experts.py) before it is trusted.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from keepwarm_runtime.engine.moe.reference import ExpertWeights
 EXTRA_HINT = "install keepwarm-runtime[gpu] (flashinfer-python)"
 TRTLLM_NOT_WIRED = (
     "keepwarm has no adapter for trtllm_fp8_block_scale_moe yet: it routes from router logits itself, "
-    "bypassing the model's own router"
+    "bypassing the model's own router (its routed variant is not wired either)"
 )
 
 
@@ -40,16 +43,24 @@ def unavailable_backends() -> dict[str, str]:
     return missing
 
 
+def _up_first(gate_up: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    gate, up = (gate_up[:, ::2], gate_up[:, 1::2]) if interleaved else gate_up.chunk(2, dim=1)
+    return torch.cat([up, gate], dim=1).contiguous()
+
+
 def cutlass_layout(weights: ExpertWeights, act: GatedActivation) -> tuple[torch.Tensor, torch.Tensor]:
     """(fc1 `[E, 2I, H]` as [up; gate], fc2 `[E, H, I]`) from the model's layout: one copy, at load."""
     gate_up, down = weights.gate_up, weights.down
     if weights.transposed:
         gate_up, down = gate_up.transpose(-1, -2), down.transpose(-1, -2)
-    if act.interleaved:
-        gate, up = gate_up[:, ::2], gate_up[:, 1::2]
-    else:
-        gate, up = gate_up.chunk(2, dim=1)
-    return torch.cat([up, gate], dim=1).contiguous(), down.contiguous()
+    return _up_first(gate_up, act.interleaved), down.contiguous()
+
+
+def cutlass_fp8_scales(weights: ExpertWeights) -> list[torch.Tensor]:
+    """`quant_scales` for the DeepSeek block-scale path: fc1 scales reordered [up; gate] like fc1."""
+    if weights.transposed or weights.gate_up_scale_inv is None or weights.down_scale_inv is None:
+        raise ValueError("FP8 experts for cutlass_fused_moe need (out, in) weights with block scales")
+    return [_up_first(weights.gate_up_scale_inv, False), weights.down_scale_inv.contiguous()]
 
 
 def make_runner(backend: str, module, weights: ExpertWeights, act: GatedActivation):
@@ -57,9 +68,10 @@ def make_runner(backend: str, module, weights: ExpertWeights, act: GatedActivati
         raise ValueError(f"{backend}: {TRTLLM_NOT_WIRED}")
     from flashinfer.fused_moe import cutlass_fused_moe
 
-    if weights.is_fp8:
-        raise ValueError("FP8 through cutlass_fused_moe needs its block-scale repack, not written yet")
+    if weights.is_fp8 and act.interleaved:
+        raise ValueError("FP8 experts with interleaved gate/up are not repacked for cutlass_fused_moe")
     fc1, fc2 = cutlass_layout(weights, act)
+    quant_scales = cutlass_fp8_scales(weights) if weights.is_fp8 else []
     experts = weights.num_experts
     device = fc1.device
 
@@ -81,12 +93,13 @@ def make_runner(backend: str, module, weights: ExpertWeights, act: GatedActivati
             fc1_expert_weights=fc1,
             fc2_expert_weights=fc2,
             output_dtype=hidden.dtype,
-            quant_scales=[],
+            quant_scales=quant_scales,
             fc1_expert_biases=bias1,
             fc2_expert_biases=weights.down_bias,
             swiglu_alpha=alpha,
             swiglu_beta=beta,
             swiglu_limit=limit,
+            **({"use_deepseek_fp8_block_scale": True} if weights.is_fp8 else {}),
         )
         return out[0] if isinstance(out, (list, tuple)) else out
 
