@@ -70,7 +70,7 @@ def load_model(config: EngineConfig) -> tuple[nn.Module, LoadInfo]:
         fallback=config.cache_fallback,
     )
     if quantization is not None and quantization.source == "checkpoint":
-        prepare_checkpoint_fp8(model, quantization, lambda name: name in res.tensors or name in res.aliases)
+        _prepare_fp8(model, quantization, res)
     copied = fill_parameters(model, res.tensors, res.aliases)
     materialize_buffers(model, torch.device(config.device))
     if quantization is not None and quantization.source == "online":
@@ -104,6 +104,14 @@ def _quantization(hf_config, config: EngineConfig) -> Fp8Settings | None:
         return fp8_settings(getattr(hf_config, "quantization_config", None), config.quantization)
     except QuantizationError as exc:
         raise ModelLoadError(f"{hf_config.model_type}: {exc}") from exc
+
+
+def _prepare_fp8(model: nn.Module, quantization: Fp8Settings, res) -> None:
+    """FP8 checkpoint: e4m3 + block-scale placeholders wherever the checkpoint carries scales."""
+    try:
+        prepare_checkpoint_fp8(model, quantization, lambda name: name in res.tensors or name in res.aliases)
+    except QuantizationError as exc:
+        raise ModelLoadError(str(exc)) from exc
 
 
 def _refuse_unsupported(hf_config) -> None:

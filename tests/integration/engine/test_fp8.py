@@ -164,3 +164,13 @@ def test_deepseek_v3_fp8_with_partial_blocks_stays_close_to_bf16(tmp_path) -> No
     _, bf16 = _transformers_logprobs(src)
     worst = max(abs(lp - float(bf16[token])) for token, lp in logprobs.items())
     assert worst < 0.25, f"FP8 logprobs drift {worst:.3f} nats from the bf16 model"
+
+
+def test_fp8_gpt_oss_experts_stored_transposed_are_refused(make_tiny, tmp_path) -> None:
+    from keepwarm_runtime.modelgen.fp8 import quantize_checkpoint
+
+    model_dir = tmp_path / "gpt_oss"
+    shutil.copytree(make_tiny("gpt_oss"), model_dir)
+    quantize_checkpoint(model_dir)
+    with pytest.raises(ModelLoadError, match="stored transposed"):
+        LLM(model_dir, dtype="float32", num_kv_blocks=16)

@@ -20,7 +20,7 @@ from torch.nn import functional as F
 from keepwarm_runtime.engine.moe.experts import HALVES_APART_ATTR, is_experts_module
 from keepwarm_runtime.engine.quant import fp8_gemm
 from keepwarm_runtime.engine.quant.fp8 import dequantize_blocks, quantize_blocks
-from keepwarm_runtime.engine.quant.settings import SCALE_SUFFIX, Fp8Settings
+from keepwarm_runtime.engine.quant.settings import SCALE_SUFFIX, Fp8Settings, QuantizationError
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,11 @@ def prepare_checkpoint_fp8(model: nn.Module, settings: Fp8Settings, has_tensor: 
             merged = has_tensor(f"{name}.gate_up_proj{SCALE_SUFFIX}")  # merged by the weight cache
             if not (merged or has_tensor(f"{name}.0.gate_proj.weight{SCALE_SUFFIX}")):
                 continue
+            if getattr(module, "is_transposed", False):
+                raise QuantizationError(
+                    f"{name}: FP8 experts stored transposed (gpt-oss layout) are not supported; "
+                    "serve the float checkpoint, optionally with --quantization fp8"
+                )
             gate_up, down = module.gate_up_proj, module.down_proj
             # Checkpoint scales are per expert and projection, so gate and up carry a grid each, whether
             # the loader or the weight cache concatenated them: ceil(I / 128) rows per half.
