@@ -140,3 +140,30 @@ def test_fp8_deepseek_with_split_scale_grids_through_the_cache(tmp_path) -> None
     assert info.copied_tensors == 0 and disk_info.copied_tensors > 0
     assert cached.model.layers[1].mlp.experts.gate_up_proj_scale_inv.shape[1] == 2
     assert _same_bytes(cached, disk) == []
+
+
+def test_mixtral_legacy_expert_names_merge_in_the_cache(tmp_path) -> None:
+    """transformers saves Mixtral with per-expert w1/w2/w3 names under block_sparse_moe; the arena holds
+    them merged (under the checkpoint's prefix, which the loader renames without a copy)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "mixtral",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        vocab_size=512,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+    with _Daemon(tmp_path / "sock", "float32") as cache:
+        resident = cache.add(tmp_path / "m")
+        cached, info = _load(tmp_path / "m", "float32", cache.socket_dir)
+    disk, disk_info = _load(tmp_path / "m", "float32", None)
+    assert any(e.name.endswith("experts.gate_up_proj") for e in resident.layout.entries)
+    assert info.copied_tensors == 0 and disk_info.copied_tensors > 0
+    assert _same_bytes(cached, disk) == []
