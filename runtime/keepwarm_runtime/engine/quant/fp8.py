@@ -59,7 +59,19 @@ def dequantize_blocks(
     q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, block: tuple[int, int] = BLOCK
 ) -> torch.Tensor:
     """e4m3 `[..., N, K]` and its block scales -> `dtype` (products taken in float32, rounded once)."""
-    return (q.to(torch.float32) * expand_scales(scale_inv.to(torch.float32), q.shape, block)).to(dtype)
+    rows, cols = q.shape[-2:]
+    scale = scale_inv.to(torch.float32)
+    if rows % block[0] or cols % block[1]:  # edge blocks: expand the scales to every element
+        return (q.to(torch.float32) * expand_scales(scale, q.shape, block)).to(dtype)
+    if scale.shape[-2:] != _grid(rows, cols, block):
+        expand_scales(scale, q.shape, block)  # raises, naming the mismatch
+    # Whole blocks: view the weight as [..., R, bn, C, bk] and broadcast one scale per block.
+    tiles = (
+        q.to(torch.float32)
+        .unflatten(-1, (cols // block[1], block[1]))
+        .unflatten(-3, (rows // block[0], block[0]))
+    )
+    return (tiles * scale[..., :, None, :, None]).reshape(q.shape).to(dtype)
 
 
 def dequantize_gate_up(
