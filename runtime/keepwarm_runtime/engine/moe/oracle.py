@@ -17,7 +17,9 @@ exactly, and if not, why. Facts about the FlashInfer kernels (flashinfer.fused_m
 The rule shared by every FP8 kernel: SwiGLU parameters are honoured only with block-scaled weights and
 a SwiGLU-family activation. keepwarm never loads mxfp8 weights (no converter yet), so every backend
 refuses them by name. `auto` takes the first eligible backend in `AUTO_ORDER`; the torch reference is
-eligible for everything keepwarm loads, so `auto` always has a correct path.
+eligible for everything keepwarm loads, so `auto` always has a correct path. Whether a backend's
+package is installed (or, for TRT-LLM, whether keepwarm has its adapter yet: not so far) is the
+caller's to say, through `choose_backend(..., unavailable=)`.
 """
 
 from __future__ import annotations

@@ -31,16 +31,6 @@ class Fp8Settings:
     def converts(self, module_name: str) -> bool:
         return not any(module_name == n or module_name.endswith("." + n) for n in self.not_converted)
 
-    @property
-    def fingerprint(self) -> dict:
-        """What the weight cache key must record: the same bytes in another layout are another arena."""
-        return {
-            "method": "fp8",
-            "source": self.source,
-            "block": list(self.block),
-            "not_converted": list(self.not_converted),
-        }
-
 
 def _get(config, key: str, default=None):
     return config.get(key, default) if isinstance(config, dict) else getattr(config, key, default)
