@@ -6,7 +6,9 @@ float32), fc1 weights `[E, 2I, H]` with the up half first ([up; gate], TRT-LLM's
 `swiglu_limit` float32 tensors. FP8 128x128 block scales go in `quant_scales` as
 `[fc1_scales [E, 2I/128, H/128] in the same [up; gate] order, fc2_scales [E, H/128, I/128]]` with
 `use_deepseek_fp8_block_scale=True` (Hopper only; bf16 activations, quantized inside the kernel).
-The repack to the kernel's layout is done once, when the runner is made. `trtllm_fp8_block_scale_moe`
+The repack to the kernel's layout is done once, when the runner is made: a second copy of the
+experts on the GPU (the model's own stay, for the reference the runner is checked against) until
+the weight cache stores the kernel's layout. `trtllm_fp8_block_scale_moe`
 routes tokens itself from router logits, bypassing each model's own router (newer FlashInfer adds a
 `..._routed_moe` variant taking packed routing); keepwarm has no adapter for either yet and says so.
 A runner is checked against the torch reference on its first input (experts.py) before it is trusted.
