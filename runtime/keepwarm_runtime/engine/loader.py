@@ -5,8 +5,10 @@ the tensors read from disk). Tied parameters share one tensor. Non-persistent bu
 inv_freq, Gemma's embed_scale) are materialised on the target device and recomputed by transformers'
 own initialisation, which skips every loaded tensor. Checkpoint names that transformers 5 renames
 while loading are handled: regex renamings map names (no copy); the MoE expert merge
-(per-expert gate/up/down -> fused 3-D tensors) stacks experts, the one place a copy is unavoidable.
-Any other conversion is refused with the names involved.
+(per-expert gate/up/down -> fused 3-D tensors, FP8 block scales alike) stacks experts, a copy on the
+disk path only (the node cache stores experts merged). Any other conversion is refused with the names
+involved. FP8 checkpoints and `--quantization fp8` go through engine.quant; fused experts run on the
+MoE backend engine.moe chooses per module.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class LoadInfo:
     source: str  # "cache" | "disk"
     seconds: float  # attach/load wall time
     reason: str | None  # why the cache was not used, if it was not
-    copied_tensors: int = 0  # tensors that had to be materialised (MoE expert merges)
+    copied_tensors: int = 0  # tensors materialised here (disk-path expert merges, online quantization)
     moe: list[ExpertsChoice] = field(default_factory=list)  # backend chosen per experts module, with why
 
 
