@@ -1,7 +1,7 @@
 """One MoE layer, per backend and weight format: tokens/s at batch 1, 16 and 256, and FP8/bf16 bytes.
 
     .venv/bin/python bench/moe.py [--experts 8] [--hidden 1024] [--intermediate 512] [--top-k 2]
-        [--device cpu] [--threads 2] [--repeats 5] [--json-out FILE]
+        [--device cpu] [--threads 2] [--repeats 5] [--skip-flashinfer] [--json-out FILE]
 
 Random expert weights and random routing (the router is the model's and is not timed). Backends:
 keepwarm's torch reference on bf16 and on FP8 128x128 block weights (dequantized per expert),
@@ -31,6 +31,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--skip-flashinfer", action="store_true", help="torch and transformers only (no kernel JIT)"
+    )
     p.add_argument("--json-out", default=None)
     return p.parse_args()
 
@@ -102,6 +105,8 @@ def main() -> int:
         if fmt == "bf16":
             backends["transformers_grouped_mm"] = transformers_grouped(weights)
         ok, reason = ELIGIBILITY["flashinfer_cutlass"](layer_facts(weights, act, capability))
+        if ok and args.skip_flashinfer:
+            ok, reason = False, "skipped (--skip-flashinfer)"
         if ok:
             try:
                 from keepwarm_runtime.engine.moe import flashinfer_backend
