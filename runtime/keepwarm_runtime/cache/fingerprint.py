@@ -10,8 +10,8 @@ shard, never the weight bytes, so a restart costs O(shards) system calls):
 
 The daemon separately records a content digest while it reads the bytes (``loader.fill_arena``) and
 re-checks file identities before each hit, so a shard changed on disk after load is a miss.
-``conversion`` names the conversion settings the daemon applied while filling the arena (renames,
-expert merges, FP8 repacking); "none" until such a step exists.
+``conversion`` names the serving layout the daemon wrote into the arena (expert merges, FP8 scales
+kept in float32: ``engine.moe.serving_layout.CONVERSION_ID``); a new layout version is a miss.
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ import torch
 
 from keepwarm_runtime import __version__
 from keepwarm_runtime.cache.checkpoint import Shard, dtype_name, read_checkpoint
-
-NO_CONVERSION = "none"
+from keepwarm_runtime.engine.moe.serving_layout import CONVERSION_ID
 
 
 @dataclass(frozen=True)
@@ -37,7 +36,7 @@ class WeightCacheKey:
     architecture: str  # config.json architectures[0] (or model_type)
     dtype: str  # serving dtype of floating tensors, e.g. "float32"
     quantization: str  # sha256 of config.json quantization_config ("none" without one)
-    conversion: str  # conversion settings applied at load ("none" without any)
+    conversion: str  # the arena's serving layout (engine.moe.serving_layout.CONVERSION_ID)
     revision: str  # hub commit (HF cache snapshot dir / _commit_hash) or "local"
     tp_rank: int  # tensor-parallel rank this entry serves
     tp_size: int  # tensor-parallel world size
@@ -110,7 +109,7 @@ def compute_key(
     tp_rank: int = 0,
     tp_size: int = 1,
     shards: list[Shard] | None = None,
-    conversion: str = NO_CONVERSION,
+    conversion: str = CONVERSION_ID,
 ) -> WeightCacheKey:
     """Key of ``model_dir`` served in ``dtype``; reads only headers, ``fstat`` and config.json."""
     model_dir = Path(model_dir)

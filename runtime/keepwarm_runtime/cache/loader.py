@@ -1,7 +1,8 @@
 """Filling an arena from a checkpoint (daemon) and the plain disk load (client fallback).
 
 The daemon reads each tensor's bytes once, hashes them into the content digest as they pass, and
-writes them into the arena already converted to the serving dtype, so clients never convert. The
+writes them into the arena already converted to the serving dtype and laid out as the engine serves
+them (expert merges; see keepwarm_runtime.engine.moe.serving_layout), so clients never convert. The
 read path is three small steps per tensor (``read_tensor_bytes`` -> digest -> ``write_serving_tensor``)
 so that a conversion step has one place to go.
 """
@@ -10,20 +11,21 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Protocol
 
 import torch
 
 from keepwarm_runtime.cache.checkpoint import (
+    CONVERTIBLE,
     CheckpointError,
     FileIdentity,
     Shard,
     TensorRecord,
     dtype_name,
     parse_dtype,
-    serving_dtype,
 )
+from keepwarm_runtime.engine.moe import serving_layout
 
 ALIGN = 256  # bytes; satisfies every dtype and CUDA's preferred alignment
 
@@ -49,18 +51,35 @@ class TensorEntry:
 class ArenaLayout:
     entries: tuple[TensorEntry, ...]
     size: int  # bytes needed, before page rounding
+    placements: dict[str, serving_layout.Placement] = field(default_factory=dict)  # merged sources
+
+
+def tensor_serving_dtype(name: str, stored: torch.dtype, serving: torch.dtype) -> torch.dtype:
+    """Floats follow the serving dtype, except FP8 block scales (kept float32)."""
+    return serving_layout.tensor_dtype(name, stored, serving, CONVERTIBLE)
 
 
 def plan_layout(shards: list[Shard], serving: torch.dtype) -> ArenaLayout:
+    records = [(rec.name, rec.shape, rec.dtype) for shard in shards for rec in shard.tensors]
+    rules = serving_layout.merge_rules(shards[0].path.parent) if shards else []
+    conversion = serving_layout.plan(records, rules)
+    targets = {t.name: t for t in conversion.targets}
     entries, offset = [], 0
-    for shard in shards:
-        for rec in shard.tensors:
-            dtype = serving_dtype(rec.dtype, serving)
-            numel = rec.nbytes // rec.dtype.itemsize if rec.dtype.itemsize else 0
-            nbytes = numel * dtype.itemsize
-            entries.append(TensorEntry(rec.name, dtype, rec.shape, offset, nbytes))
-            offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
-    return ArenaLayout(tuple(entries), offset)
+    for name, shape, stored in records:
+        placement = conversion.placements.get(name)
+        if placement is not None:
+            target = targets.pop(placement.target, None)
+            if target is None:  # already placed with an earlier source
+                continue
+            name, shape, stored = target.name, target.shape, target.stored
+        dtype = tensor_serving_dtype(name, stored, serving)
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        nbytes = numel * dtype.itemsize
+        entries.append(TensorEntry(name, dtype, tuple(shape), offset, nbytes))
+        offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+    return ArenaLayout(tuple(entries), offset, conversion.placements)
 
 
 class WritableArena(Protocol):
@@ -83,7 +102,9 @@ def fill_arena(arena: WritableArena, shards: list[Shard], layout: ArenaLayout) -
             for rec in shard.tensors:
                 raw = read_tensor_bytes(f, shard, rec)
                 digest.update(raw)
-                write_serving_tensor(arena, by_name[rec.name], rec, raw)
+                placement = layout.placements.get(rec.name)
+                entry = by_name[placement.target if placement else rec.name]
+                write_serving_tensor(arena, entry, rec, raw, placement)
                 del raw
             _check_identity(shard, f.fileno())
     return digest.hexdigest()
@@ -104,16 +125,25 @@ def read_tensor_bytes(f: BinaryIO, shard: Shard, rec: TensorRecord) -> bytearray
     return raw
 
 
-def write_serving_tensor(arena: WritableArena, entry: TensorEntry, rec: TensorRecord, raw: bytearray) -> None:
-    """Convert one stored tensor to its serving layout (today: the serving dtype) into the arena.
+def write_serving_tensor(
+    arena: WritableArena,
+    entry: TensorEntry,
+    rec: TensorRecord,
+    raw: bytearray,
+    placement: serving_layout.Placement | None = None,
+) -> None:
+    """Convert one stored tensor into its serving layout in the arena: the serving dtype, and for an
+    expert merged into a fused 3-D tensor, that expert's slice of it.
 
-    Conversion steps (FP8 repacking, renames) slot in here; they must be named in the key's
-    ``conversion`` field.
+    Conversion steps slot in here; they must be named in the key's ``conversion`` field.
     """
     if rec.nbytes == 0:
         return
     src = torch.frombuffer(raw, dtype=torch.uint8).view(rec.dtype).view(rec.shape)
-    arena.tensor(entry.offset, entry.dtype, entry.shape).copy_(src)
+    dest = arena.tensor(entry.offset, entry.dtype, entry.shape)
+    if placement is not None:  # one expert's slice of a merged tensor
+        dest = dest[placement.expert, placement.rows[0] : placement.rows[1]]
+    dest.copy_(src)
 
 
 def load_from_disk(shards: list[Shard], dtype: torch.dtype, device: str | torch.device = "cpu"):
@@ -123,6 +153,5 @@ def load_from_disk(shards: list[Shard], dtype: torch.dtype, device: str | torch.
     tensors: dict[str, torch.Tensor] = {}
     for shard in shards:
         for name, t in load_file(str(shard.path), device="cpu").items():
-            target = serving_dtype(t.dtype, dtype)
-            tensors[name] = t.to(device=device, dtype=target)
+            tensors[name] = t.to(device=device, dtype=tensor_serving_dtype(name, t.dtype, dtype))
     return tensors

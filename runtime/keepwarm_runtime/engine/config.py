@@ -6,8 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
+from keepwarm_runtime.engine.moe import oracle as moe_oracle
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+MOE_BACKENDS = ("auto", *moe_oracle.BACKENDS)
+QUANTIZATIONS = (None, "fp8")  # online quantization of a bf16/fp32 checkpoint
 
 
 @dataclass
@@ -23,6 +27,8 @@ class EngineConfig:
     attention_backend: str = (
         "auto"  # auto (flashinfer on CUDA when installed, else torch) | torch | flashinfer
     )
+    moe_backend: str = "auto"  # experts backend; auto: first eligible (engine.moe.oracle.AUTO_ORDER)
+    quantization: str | None = None  # "fp8": quantize linear and expert weights online, 128x128 blocks
     cache_socket_dir: str | None = None  # node weight cache socket dir; None: read the checkpoint from disk
     cache_mode: str = "zero_copy"  # zero_copy | copy (see keepwarm_runtime.cache.client.attach)
     cache_fallback: bool = True  # fall back to disk when the cache cannot serve the model
@@ -38,6 +44,14 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend {self.attention_backend!r} is unknown; "
                 f"use one of {', '.join(ATTENTION_BACKENDS)}"
+            )
+        if self.moe_backend not in MOE_BACKENDS:
+            raise ValueError(
+                f"moe_backend {self.moe_backend!r} is unknown; use one of {', '.join(MOE_BACKENDS)}"
+            )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization {self.quantization!r} is not supported; use fp8 or leave it unset"
             )
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:

@@ -41,6 +41,7 @@ class LLMEngine:
         self.device = torch.device(config.device)
         self.model, info = load_model(config)
         self.load_info = (info.source, info.seconds, info.reason)
+        self.moe_backends = {c.module: c.backend for c in info.moe}  # experts module -> MoE backend
         self.model_name = config.model_dir
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
         self.layers = fuse_attention(self.model.get_decoder())

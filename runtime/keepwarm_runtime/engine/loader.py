@@ -5,15 +5,17 @@ the tensors read from disk). Tied parameters share one tensor. Non-persistent bu
 inv_freq, Gemma's embed_scale) are materialised on the target device and recomputed by transformers'
 own initialisation, which skips every loaded tensor. Checkpoint names that transformers 5 renames
 while loading are handled: regex renamings map names (no copy); the MoE expert merge
-(per-expert gate/up/down -> fused 3-D tensors) stacks experts, the one place a copy is unavoidable.
-Any other conversion is refused with the names involved.
+(per-expert gate/up/down -> fused 3-D tensors, FP8 block scales alike) stacks experts, a copy on the
+disk path only (the node cache stores experts merged). Any other conversion is refused with the names
+involved. FP8 checkpoints and `--quantization fp8` go through engine.quant; fused experts run on the
+MoE backend engine.moe chooses per module.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -22,6 +24,9 @@ from keepwarm_runtime.cache.client import attach
 from keepwarm_runtime.engine.attention.dispatch import register_keepwarm_attention
 from keepwarm_runtime.engine.attention.fuser import IMPLEMENTATION
 from keepwarm_runtime.engine.config import EngineConfig
+from keepwarm_runtime.engine.moe.experts import ExpertsChoice, prepare_experts, use_keepwarm_experts
+from keepwarm_runtime.engine.quant.fp8_modules import prepare_checkpoint_fp8, quantize_online
+from keepwarm_runtime.engine.quant.settings import SCALE_SUFFIX, Fp8Settings, QuantizationError, fp8_settings
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +40,15 @@ class LoadInfo:
     source: str  # "cache" | "disk"
     seconds: float  # attach/load wall time
     reason: str | None  # why the cache was not used, if it was not
-    copied_tensors: int = 0  # tensors that had to be materialised (MoE expert merges)
+    copied_tensors: int = 0  # tensors materialised here (disk-path expert merges, online quantization)
+    moe: list[ExpertsChoice] = field(default_factory=list)  # backend chosen per experts module, with why
 
 
 def load_model(config: EngineConfig) -> tuple[nn.Module, LoadInfo]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_config = AutoConfig.from_pretrained(config.model_dir)
+    quantization = _quantization(hf_config, config)
     _refuse_unsupported(hf_config)
     register_keepwarm_attention()
     try:
@@ -64,9 +71,21 @@ def load_model(config: EngineConfig) -> tuple[nn.Module, LoadInfo]:
         mode=config.cache_mode,
         fallback=config.cache_fallback,
     )
+    if quantization is not None and quantization.source == "checkpoint":
+        _prepare_fp8(model, quantization, res)
     copied = fill_parameters(model, res.tensors, res.aliases)
     materialize_buffers(model, torch.device(config.device))
-    return model, LoadInfo(res.source, res.seconds, res.reason, copied)
+    if quantization is not None and quantization.source == "online":
+        copied += quantize_online(model, quantization)
+    moe = _prepare_moe(model, config)
+    return model, LoadInfo(res.source, res.seconds, res.reason, copied, moe)
+
+
+def _prepare_moe(model: nn.Module, config: EngineConfig) -> list[ExpertsChoice]:
+    """Route transformers' fused experts through keepwarm's MoE backends (engine.moe)."""
+    if not use_keepwarm_experts(model):
+        return []
+    return prepare_experts(model, config.moe_backend, torch.device(config.device))
 
 
 def attention_implementations(hf_config) -> str | dict[str, str]:
@@ -81,9 +100,23 @@ def attention_implementations(hf_config) -> str | dict[str, str]:
     return choice
 
 
+def _quantization(hf_config, config: EngineConfig) -> Fp8Settings | None:
+    """FP8 settings from the checkpoint's quantization_config or --quantization; any other method refused."""
+    try:
+        return fp8_settings(getattr(hf_config, "quantization_config", None), config.quantization)
+    except QuantizationError as exc:
+        raise ModelLoadError(f"{hf_config.model_type}: {exc}") from exc
+
+
+def _prepare_fp8(model: nn.Module, quantization: Fp8Settings, res) -> None:
+    """FP8 checkpoint: e4m3 + block-scale placeholders wherever the checkpoint carries scales."""
+    try:
+        prepare_checkpoint_fp8(model, quantization, lambda name: name in res.tensors or name in res.aliases)
+    except QuantizationError as exc:
+        raise ModelLoadError(str(exc)) from exc
+
+
 def _refuse_unsupported(hf_config) -> None:
-    if getattr(hf_config, "quantization_config", None):
-        raise ModelLoadError("quantized checkpoints are not supported by the keepwarm engine yet")
     text = hf_config.get_text_config()
     layer_types = set(getattr(text, "layer_types", None) or [])
     unsupported = layer_types - {"full_attention", "sliding_attention"}
@@ -231,7 +264,20 @@ def _conversions(model: nn.Module):
                 merges.append(_refusal(transform))
                 continue
             merges.append(_expert_merge(transform))
+            merges.append(_expert_merge(_fp8_scales_of(transform)))
     return renamings, merges
+
+
+def _fp8_scales_of(transform):
+    """The same expert merge for FP8 block scales: `experts.*.gate_proj.weight_scale_inv` + up ->
+    `experts.gate_up_proj_scale_inv` (stacked and concatenated exactly like the weights)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        source_patterns=[p + SCALE_SUFFIX for p in transform.source_patterns],
+        target_patterns=[p + SCALE_SUFFIX for p in transform.target_patterns],
+        operations=transform.operations,
+    )
 
 
 def _expert_merge(transform):

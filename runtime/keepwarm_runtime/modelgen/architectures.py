@@ -157,6 +157,31 @@ def deepseek_v3_yarn(hidden: int, layers: int, vocab: int) -> ConfigKwargs:
     }
 
 
+def gpt_oss(hidden: int, layers: int, vocab: int) -> ConfigKwargs:
+    """Attention sinks, alternating sliding windows, biased experts with gpt-oss' clamped SwiGLU. The clamp
+    limit is lowered from 7 so that a tiny random model's activations actually reach it."""
+    heads, kv_heads = _heads(hidden)
+    return {
+        "model_type": "gpt_oss",
+        "hidden_size": hidden,
+        "intermediate_size": _round_to(hidden, 16),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": hidden // heads,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": 16,
+        "layer_types": [("sliding_attention" if i % 2 == 0 else "full_attention") for i in range(layers)],
+        "swiglu_limit": 0.5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0},
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+    }
+
+
 def opt(hidden: int, layers: int, vocab: int) -> ConfigKwargs:
     heads, _ = _heads(hidden)
     return {
@@ -184,6 +209,7 @@ ARCHITECTURES: dict[str, ArchBuilder] = {
     "qwen3_moe": qwen3_moe,
     "deepseek_v3": deepseek_v3,
     "deepseek_v3_yarn": deepseek_v3_yarn,
+    "gpt_oss": gpt_oss,
     "opt": opt,
 }
 

@@ -18,6 +18,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shards", type=int, default=2, help="number of safetensors shards")
+    parser.add_argument(
+        "--fp8",
+        action="store_true",
+        help="store linear and expert weights as FP8 e4m3 with 128x128 block scales (quant_method fp8)",
+    )
     parser.set_defaults(handler=run)
 
 
@@ -38,6 +43,10 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         num_shards=args.shards,
     )
+    if args.fp8:
+        from keepwarm_runtime.modelgen.fp8 import quantize_checkpoint
+
+        quantize_checkpoint(out)
     files = sorted(p.name for p in out.iterdir())
     print(json.dumps({"out": str(out), "arch": args.arch, "files": files}))
     return 0

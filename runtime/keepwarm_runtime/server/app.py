@@ -58,6 +58,7 @@ def create_app(
     def on_ready(engine: Any) -> None:
         source, seconds = _load_info(engine)
         metrics.record_load(source, seconds, started_at)
+        metrics.record_moe(getattr(engine, "moe_backends", {}))
         logger.info(
             "ready: weights from %s in %.2fs, %.2fs after process start",
             source,

@@ -32,6 +32,16 @@ ENGINE_FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
     ("--kv-cache-memory-gib", float, "CPU KV-cache budget in GiB when --num-kv-blocks is unset"),
     ("--gpu-memory-utilization", float, "CUDA: fraction of GPU memory for weights + KV cache"),
     ("--attention-backend", str, "auto | torch | flashinfer"),
+    (
+        "--moe-backend",
+        str,
+        "experts: auto | torch | flashinfer_cutlass | flashinfer_trtllm (engine.moe.oracle)",
+    ),
+    (
+        "--quantization",
+        str,
+        "fp8: quantize a float checkpoint online in 128x128 blocks (FP8 checkpoints load as-is)",
+    ),
     ("--seed", int, "seed for requests that set none"),
 ]
 

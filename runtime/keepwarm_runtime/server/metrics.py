@@ -90,12 +90,23 @@ class ServerMetrics:
             "Seconds from process start to ready",
             registry=r,
         )
+        self.moe_layers = Gauge(
+            "keepwarm_moe_layers",
+            "MoE experts modules by the backend chosen for them at load (engine.moe.oracle)",
+            ["backend"],
+            registry=r,
+        )
         self.info = Gauge("keepwarm_model_info", "The served model (value 1)", list(m), registry=r)
         self.info.labels(**m).set(1)
 
     def record_load(self, source: str, seconds: float, started_at: float) -> None:
         self.weight_load.labels(source=source).set(seconds)
         self.start_to_ready.set(max(0.0, time.time() - started_at))
+
+    def record_moe(self, backends: dict[str, str]) -> None:
+        """`backends`: experts module name -> backend (LLMEngine.moe_backends)."""
+        for backend in set(backends.values()):
+            self.moe_layers.labels(backend=backend).set(sum(b == backend for b in backends.values()))
 
     def record_engine(self, num_running: int, num_waiting: int, kv_usage: float, preemptions: int) -> None:
         self.running.set(num_running)

@@ -1,0 +1,1 @@
+"""Mixture-of-experts layers: the eligibility oracle, the torch reference and the kernel backends."""

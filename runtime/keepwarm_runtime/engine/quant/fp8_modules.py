@@ -1,0 +1,124 @@
+"""FP8 in the model: nn.Linear layers and fused experts that hold e4m3 weights plus block scales.
+
+A quantized nn.Linear becomes `Fp8Linear` (same module, class swapped, a `weight_scale_inv` parameter
+added): its torch reference forward dequantizes the blocks into the activation dtype and runs one
+matmul, which is what transformers' own dequantizing FP8 path computes. Fused experts gain
+`gate_up_proj_scale_inv` / `down_proj_scale_inv` beside their weights; the MoE backends read them
+(engine.moe.reference). Two entry points: `prepare_checkpoint_fp8` before the weights are filled
+(placeholders on meta the loader then points at checkpoint tensors) and `quantize_online` after.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from keepwarm_runtime.engine.moe.experts import HALVES_APART_ATTR, is_experts_module
+from keepwarm_runtime.engine.quant import fp8_gemm
+from keepwarm_runtime.engine.quant.fp8 import dequantize_blocks, quantize_blocks
+from keepwarm_runtime.engine.quant.settings import SCALE_SUFFIX, Fp8Settings, QuantizationError
+
+log = logging.getLogger(__name__)
+
+
+class Fp8Linear(nn.Linear):
+    """nn.Linear with an e4m3 weight `[out, in]` and float32 `weight_scale_inv` per 128x128 block.
+
+    On CPU (and wherever the GPU kernel is not trusted) it dequantizes the weight and runs one matmul.
+    On CUDA it checks torch's block-scaled `scaled_mm` against its emulation on the first input and
+    uses it from then on if they agree (engine.quant.fp8_gemm), logging the decision once."""
+
+    block: tuple[int, int] = (128, 128)
+    gpu_kernel: bool | None = None  # None: not decided yet; decided on the first CUDA input
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and self.gpu_kernel is not False:
+            flat = x.reshape(-1, x.shape[-1])
+            if self.gpu_kernel is None:
+                self.gpu_kernel, why = fp8_gemm.checked_kernel(flat, self.weight, self.weight_scale_inv)
+                _log_once(why)
+            if self.gpu_kernel:
+                out = fp8_gemm.scaled_mm(flat, self.weight, self.weight_scale_inv, x.dtype)
+                out = out if self.bias is None else out + self.bias
+                return out.reshape(*x.shape[:-1], out.shape[-1])
+        weight = dequantize_blocks(self.weight, self.weight_scale_inv, x.dtype, self.block)
+        return F.linear(x, weight, self.bias)
+
+
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    key = message.split(" (")[0]
+    if key not in _logged:
+        _logged.add(key)
+        log.info("FP8 linear: %s", message)
+
+
+def _grid(shape, block) -> tuple[int, int]:
+    return -(-shape[-2] // block[0]), -(-shape[-1] // block[1])
+
+
+def _placeholder(shape) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=torch.float32, device="meta"), requires_grad=False)
+
+
+def _as_fp8_linear(module: nn.Linear, block: tuple[int, int]) -> None:
+    module.__class__ = Fp8Linear
+    module.block = block
+    module.register_parameter("weight_scale_inv", _placeholder(_grid(module.weight.shape, block)))
+
+
+def prepare_checkpoint_fp8(model: nn.Module, settings: Fp8Settings, has_tensor: Callable[[str], bool]) -> int:
+    """Before filling: make every module whose checkpoint carries block scales hold e4m3 + scales.
+    Returns how many modules were converted. `has_tensor` asks the checkpoint by model name."""
+    converted = 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and has_tensor(f"{name}.weight{SCALE_SUFFIX}"):
+            _as_fp8_linear(module, settings.block)
+            converted += 1
+        elif is_experts_module(module) and hasattr(module, "gate_up_proj"):
+            merged = has_tensor(f"{name}.gate_up_proj{SCALE_SUFFIX}")  # merged by the weight cache
+            if not (merged or has_tensor(f"{name}.0.gate_proj.weight{SCALE_SUFFIX}")):
+                continue
+            if getattr(module, "is_transposed", False):
+                raise QuantizationError(
+                    f"{name}: FP8 experts stored transposed (gpt-oss layout) are not supported; "
+                    "serve the float checkpoint, optionally with --quantization fp8"
+                )
+            gate_up, down = module.gate_up_proj, module.down_proj
+            # Checkpoint scales are per expert and projection, so gate and up carry a grid each, whether
+            # the loader or the weight cache concatenated them: ceil(I / 128) rows per half.
+            half = -(-(gate_up.shape[-2] // 2) // settings.block[0])
+            rows = (2 * half, _grid(gate_up.shape, settings.block)[1])
+            setattr(module, HALVES_APART_ATTR, True)
+            module.register_parameter("gate_up_proj" + SCALE_SUFFIX, _placeholder((gate_up.shape[0], *rows)))
+            module.register_parameter(
+                "down_proj" + SCALE_SUFFIX, _placeholder((down.shape[0], *_grid(down.shape, settings.block)))
+            )
+            converted += 1
+    return converted
+
+
+def quantize_online(model: nn.Module, settings: Fp8Settings) -> int:
+    """After filling a float model: quantize every nn.Linear (but the excluded) and every fused expert
+    stack in 128x128 blocks. Returns how many tensors were quantized (each one a new tensor)."""
+    quantized = 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and not isinstance(module, Fp8Linear) and settings.converts(name):
+            q, scale = quantize_blocks(module.weight.detach(), settings.block)
+            _as_fp8_linear(module, settings.block)
+            module.weight = nn.Parameter(q, requires_grad=False)
+            module.weight_scale_inv = nn.Parameter(scale, requires_grad=False)
+            quantized += 1
+        elif is_experts_module(module) and hasattr(module, "gate_up_proj"):
+            for attr in ("gate_up_proj", "down_proj"):
+                q, scale = quantize_blocks(getattr(module, attr).detach(), settings.block)
+                setattr(module, attr, nn.Parameter(q, requires_grad=False))
+                module.register_parameter(attr + SCALE_SUFFIX, nn.Parameter(scale, requires_grad=False))
+                quantized += 1
+    return quantized

@@ -1,0 +1,169 @@
+"""The weight cache holds the serving layout: MoE and FP8 models attach zero-copy, with no per-process copy.
+
+A real cache daemon (host tier, in this process's thread) loads each checkpoint; the engine's loader
+attaches it and must find every tensor it serves already in the arena (`copied_tensors == 0`), with
+the same bytes the disk path produces after its own merges.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from keepwarm_runtime.engine.config import EngineConfig
+from keepwarm_runtime.engine.loader import load_model
+
+pytestmark = pytest.mark.integration
+
+SHAPES = {  # whole 128-blocks everywhere, like the FP8 parity tests
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 32,
+}
+
+
+class _Daemon:
+    def __init__(self, socket_dir: Path, dtype: str) -> None:
+        from keepwarm_runtime.cache.daemon import CacheDaemon, DaemonConfig
+
+        self.socket_dir = socket_dir
+        self.daemon = CacheDaemon(DaemonConfig(socket_dir=socket_dir, tier="host", dtype=dtype))
+
+    def __enter__(self):
+        self.daemon.bind()
+        self.thread = threading.Thread(target=self.daemon.serve_forever, daemon=True)
+        self.thread.start()
+        return self
+
+    def add(self, model_dir: Path):
+        name = self.daemon.add_model(model_dir)
+        return self.daemon.registry.get(name)
+
+    def __exit__(self, *exc) -> None:
+        self.daemon.stop()
+        self.thread.join(timeout=10)
+
+
+def _load(model_dir: Path, dtype: str, socket_dir: Path | None):
+    config = EngineConfig(
+        str(model_dir),
+        dtype=dtype,
+        cache_socket_dir=str(socket_dir) if socket_dir else None,
+        cache_fallback=False,
+    )
+    return load_model(config)
+
+
+def _same_bytes(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    return [
+        k
+        for k in sa
+        if sa[k].dtype != sb[k].dtype
+        or not torch.equal(sa[k].view(-1).view(torch.uint8), sb[k].view(-1).view(torch.uint8))
+    ]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "gpt_oss", "llama"])
+def test_cached_model_attaches_with_no_copies(make_tiny, arch, tmp_path) -> None:
+    model_dir = make_tiny(arch)
+    with _Daemon(tmp_path / "sock", "float32") as cache:
+        cache.add(model_dir)
+        cached, info = _load(model_dir, "float32", cache.socket_dir)
+    disk, disk_info = _load(model_dir, "float32", None)
+    assert info.source == "cache" and info.copied_tensors == 0
+    if arch in ("qwen3_moe", "deepseek_v3"):  # per-expert checkpoints: the disk path has to merge (copy)
+        assert disk_info.copied_tensors > 0
+    assert _same_bytes(cached, disk) == []
+
+
+@pytest.fixture(scope="module")
+def fp8_pair(tmp_path_factory) -> tuple[Path, Path]:
+    from keepwarm_runtime.modelgen import make_model
+    from keepwarm_runtime.modelgen.fp8 import quantize_checkpoint
+
+    bf16 = make_model(
+        tmp_path_factory.mktemp("bf16"),
+        arch="qwen3_moe",
+        params="2M",
+        dtype="bfloat16",
+        vocab_size=2048,
+        **SHAPES,
+    )
+    fp8 = tmp_path_factory.mktemp("fp8")
+    shutil.copytree(bf16, fp8, dirs_exist_ok=True)
+    return bf16, quantize_checkpoint(fp8)
+
+
+def test_fp8_checkpoint_through_the_cache_is_zero_copy_and_half_the_bytes(fp8_pair, tmp_path) -> None:
+    bf16_dir, fp8_dir = fp8_pair
+    with _Daemon(tmp_path / "sock", "bfloat16") as cache:
+        bf16_model = cache.add(bf16_dir)
+        fp8_model = cache.add(fp8_dir)
+        cached, info = _load(fp8_dir, "bfloat16", cache.socket_dir)
+    disk, _ = _load(fp8_dir, "bfloat16", None)
+    assert info.source == "cache" and info.copied_tensors == 0
+    assert _same_bytes(cached, disk) == []
+    experts = cached.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    assert experts.gate_up_proj_scale_inv.dtype == torch.float32  # scales never rounded to bf16
+    ratio = fp8_model.nbytes / bf16_model.nbytes
+    expert_ratio = sum(e.nbytes for e in fp8_model.layout.entries if ".experts." in e.name) / sum(
+        e.nbytes for e in bf16_model.layout.entries if ".experts." in e.name
+    )
+    print(f"arena bytes fp8/bf16: whole model {ratio:.3f}, experts {expert_ratio:.3f}")
+    assert 0.5 <= expert_ratio < 0.51  # e4m3 is half of bf16, plus one float32 per 128x128 block
+    assert ratio < 0.75  # embeddings, head and norms stay bf16
+
+
+def test_fp8_deepseek_with_split_scale_grids_through_the_cache(tmp_path) -> None:
+    """Experts narrower than a block: gate and up scales keep a grid each after the cache merges them."""
+    from keepwarm_runtime.modelgen import make_model
+    from keepwarm_runtime.modelgen.fp8 import quantize_checkpoint
+
+    model_dir = make_model(
+        tmp_path / "m", arch="deepseek_v3", params="2M", dtype="bfloat16", vocab_size=2048, hidden_size=128
+    )
+    quantize_checkpoint(model_dir)
+    with _Daemon(tmp_path / "sock", "float32") as cache:
+        cache.add(model_dir)
+        cached, info = _load(model_dir, "float32", cache.socket_dir)
+    disk, disk_info = _load(model_dir, "float32", None)
+    assert info.copied_tensors == 0 and disk_info.copied_tensors > 0
+    assert cached.model.layers[1].mlp.experts.gate_up_proj_scale_inv.shape[1] == 2
+    assert _same_bytes(cached, disk) == []
+
+
+def test_mixtral_legacy_expert_names_merge_in_the_cache(tmp_path) -> None:
+    """transformers saves Mixtral with per-expert w1/w2/w3 names under block_sparse_moe; the arena holds
+    them merged (under the checkpoint's prefix, which the loader renames without a copy)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "mixtral",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        vocab_size=512,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+    with _Daemon(tmp_path / "sock", "float32") as cache:
+        resident = cache.add(tmp_path / "m")
+        cached, info = _load(tmp_path / "m", "float32", cache.socket_dir)
+    disk, disk_info = _load(tmp_path / "m", "float32", None)
+    assert any(e.name.endswith("experts.gate_up_proj") for e in resident.layout.entries)
+    assert info.copied_tensors == 0 and disk_info.copied_tensors > 0
+    assert _same_bytes(cached, disk) == []
