@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import socket
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -122,6 +123,40 @@ def test_concurrent_requests_each_match_generate(client: openai.OpenAI, referenc
         results = list(pool.map(transcribe, jobs))
     for (audio, language), tokens in zip(jobs, results, strict=True):
         assert tokens == reference.tokens(audio, language)
+
+
+def test_bad_requests_do_not_hurt_good_ones_in_flight(client: openai.OpenAI, reference: Reference) -> None:
+    good = [wav(40 + i, 1.0) for i in range(3)]
+    bad = [b"\x00garbage" * 50, wav(50, 2.0)[:10000], b""]
+
+    def send(audio: bytes) -> list[int] | str:
+        try:
+            out = client.audio.transcriptions.create(
+                model=MODEL, file=("x.wav", audio), language="en", response_format="verbose_json"
+            )
+        except openai.BadRequestError as exc:
+            return _error(exc)["code"]
+        return out.segments[0].tokens
+
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(send, [a for pair in zip(good, bad, strict=True) for a in pair]))
+    assert results[1::2] == ["invalid_audio", "invalid_audio", "empty_audio"]
+    assert results[0::2] == [reference.tokens(a, "en") for a in good]
+
+
+def test_a_slow_upload_does_not_block_others(client: openai.OpenAI, server: ServerProcess) -> None:
+    host, port = server.url.removeprefix("http://").split(":")
+    slow = socket.create_connection((host, int(port)), timeout=10)
+    try:
+        head = (
+            "POST /v1/audio/transcriptions HTTP/1.1\r\nHost: x\r\n"
+            "Content-Type: multipart/form-data; boundary=b\r\nContent-Length: 100000\r\n\r\n--b\r\n"
+        )
+        slow.sendall(head.encode())  # ...and never the rest
+        out = client.audio.transcriptions.create(model=MODEL, file=("a.wav", wav(60, 0.5)), language="en")
+        assert isinstance(out.text, str)
+    finally:
+        slow.close()
 
 
 def test_translation_matches_generate(client: openai.OpenAI, reference: Reference) -> None:

@@ -111,9 +111,10 @@ def test_bad_params_are_refused_by_name(
     assert not engine.has_unfinished_requests()
 
 
-def test_checkpoint_detection(engine: WhisperEngine, tiny_llama: Path) -> None:
+def test_checkpoint_detection(engine: WhisperEngine, tmp_path: Path) -> None:
     assert is_whisper_checkpoint(engine.model.name_or_path)
-    assert not is_whisper_checkpoint(tiny_llama)
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    assert not is_whisper_checkpoint(tmp_path)
     assert not is_whisper_checkpoint("/nonexistent")
 
 
