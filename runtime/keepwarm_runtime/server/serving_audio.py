@@ -85,6 +85,7 @@ def audio_settings(backend: str | None, max_upload_bytes: int, model_dir: str) -
         raise ValueError(f"--max-audio-upload-bytes must be positive (got {max_upload_bytes})")
     if is_whisper_checkpoint(model_dir):
         check_backend(name)
+        require_multipart()
         logger.info("audio: backend %s, uploads up to %d bytes", name, max_upload_bytes)
     return AudioServerSettings(backend=name, max_upload_bytes=max_upload_bytes)
 
@@ -209,7 +210,19 @@ async def _events(first: Any, outputs: AsyncIterator[Any]) -> AsyncIterator[str]
         output = await anext(outputs)
 
 
+def require_multipart() -> None:
+    """RuntimeError naming the extra when python-multipart (form parsing) is missing."""
+    from starlette import formparsers
+
+    if formparsers.multipart is None:
+        raise RuntimeError("audio uploads need python-multipart: install keepwarm-runtime[audio]")
+
+
 async def _read_form(ctx: ServingContext, raw: Request, task: str, max_bytes: int) -> _Form:
+    try:
+        require_multipart()
+    except RuntimeError as exc:
+        raise APIError(str(exc), code="audio_extra_missing") from exc
     if not raw.headers.get("content-type", "").startswith("multipart/form-data"):
         raise BadRequest(
             "send the audio as multipart/form-data with a `file` field", code="invalid_content_type"

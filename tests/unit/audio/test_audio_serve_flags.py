@@ -56,3 +56,14 @@ def test_whisper_refuses_engine_flags_it_cannot_honour(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no-cache-fallback"):
         make_speech_engine(str(tmp_path), {"cache_socket_dir": "/x", "cache_fallback": False})
     assert make_speech_engine(str(tmp_path.parent), {}) is None  # no config.json: not a speech model
+
+
+def test_missing_form_parser_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from starlette import formparsers
+
+    from keepwarm_runtime.server.serving_audio import require_multipart
+
+    require_multipart()
+    monkeypatch.setattr(formparsers, "multipart", None)
+    with pytest.raises(RuntimeError, match=r"keepwarm-runtime\[audio\]"):
+        require_multipart()
