@@ -12,9 +12,9 @@ given, ``suppress_tokens`` always, ``begin_suppress_tokens`` on the first token,
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +25,33 @@ import torch
 from keepwarm_runtime.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 
 TASKS = ("transcribe", "translate")
+
+
+def _load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    socket_dir: str | None,
+    mode: str,
+    fallback: bool,
+) -> tuple[Any, tuple[str, float, str | None]]:
+    """The model built on the meta device and filled from the node weight cache or disk, as LLMEngine's
+    loader does; returns it with (source, seconds, reason for a disk fallback)."""
+    from transformers import AutoConfig, GenerationConfig, WhisperForConditionalGeneration
+
+    from keepwarm_runtime.cache.client import attach
+    from keepwarm_runtime.engine.loader import fill_parameters, materialize_buffers
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = WhisperForConditionalGeneration._from_config(config, dtype=dtype)
+    model.eval()
+    res = attach(model_dir, socket_dir, dtype=dtype, device=device, mode=mode, fallback=fallback)
+    fill_parameters(model, res.tensors, res.aliases)
+    materialize_buffers(model, device)
+    with contextlib.suppress(OSError):  # no generation_config.json: the config's defaults
+        model.generation_config = GenerationConfig.from_pretrained(model_dir)
+    return model, (res.source, res.seconds, res.reason)
 
 
 def is_whisper_checkpoint(model_dir: str | Path) -> bool:
@@ -75,16 +102,21 @@ class WhisperEngine:
     supports_transcription = True
 
     def __init__(
-        self, model_dir: str | Path, *, device: str = "cpu", dtype: str = "float32", max_num_seqs: int = 32
+        self,
+        model_dir: str | Path,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        max_num_seqs: int = 32,
+        cache_socket_dir: str | None = None,
+        cache_mode: str = "zero_copy",
+        cache_fallback: bool = True,
     ):
         from transformers import AutoFeatureExtractor, AutoTokenizer, WhisperForConditionalGeneration
 
-        started = time.perf_counter()
         self.device = torch.device(device)
-        self.model = (
-            WhisperForConditionalGeneration.from_pretrained(model_dir, dtype=getattr(torch, dtype))
-            .to(self.device)
-            .eval()
+        self.model, self.load_info = _load_model(
+            model_dir, getattr(torch, dtype), self.device, cache_socket_dir, cache_mode, cache_fallback
         )
         self.feature_extractor = AutoFeatureExtractor.from_pretrained(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -101,11 +133,8 @@ class WhisperEngine:
         self._begin_suppress = torch.tensor(gc.begin_suppress_tokens or [], dtype=torch.long)
         self._waiting: deque[tuple[str, torch.Tensor, TranscriptionParams]] = deque()
         self._cohorts: list[_Cohort] = []
-        self.load_info = ("disk", time.perf_counter() - started)
         forward_args = inspect.signature(WhisperForConditionalGeneration.forward).parameters
-        self._cache_arg = (
-            "cache" if "cache" in forward_args else "past_key_values"
-        )  # renamed in transformers 5
+        self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"  # renamed in 5.x
 
     # --- requests ---------------------------------------------------------------------------------
 

@@ -47,7 +47,6 @@ _FIELDS = {
     "translate": _COMMON_FIELDS,
 }
 _TRUE, _FALSE = {"true", "1"}, {"false", "0", ""}
-_CACHE_SETTINGS = ("cache_socket_dir", "cache_mode", "cache_fallback")
 
 
 class PayloadTooLarge(APIError):
@@ -96,20 +95,12 @@ def make_speech_engine(model_dir: str, settings: dict[str, Any]) -> Any:
 
     if not is_whisper_checkpoint(model_dir):
         return None
-    honoured = ("device", "dtype", "max_num_seqs")
-    refused = sorted(
-        k for k, v in settings.items() if k not in {*honoured, *_CACHE_SETTINGS} and v is not None
-    )
+    honoured = ("device", "dtype", "max_num_seqs", "cache_socket_dir", "cache_mode", "cache_fallback")
+    refused = sorted(k for k, v in settings.items() if k not in honoured and v is not None)
     if refused:
         raise ValueError(
             f"not supported for Whisper models: {', '.join('--' + k.replace('_', '-') for k in refused)}"
         )
-    if settings.get("cache_socket_dir"):
-        if not settings.get("cache_fallback", True):
-            raise ValueError(
-                "the weight cache does not serve Whisper models yet and --no-cache-fallback is set"
-            )
-        logger.warning("Whisper weights load from disk: the weight cache does not serve Whisper models yet")
     kwargs = {k: settings[k] for k in honoured if settings.get(k) is not None}
     return WhisperEngine(model_dir, **kwargs)
 

@@ -279,3 +279,28 @@ def test_audio_metrics(client: openai.OpenAI, server: ServerProcess) -> None:
     assert metrics["keepwarm_audio_processed_seconds_total"] >= 1.0
     assert server.proc.poll() is None
     assert os.path.exists(server.log_path)
+
+
+def test_weights_attach_from_the_node_cache(
+    whisper_dir: Path, reference: Reference, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from keepwarm_runtime.cache.launcher import DaemonProcess
+
+    root = tmp_path_factory.mktemp("whisper-cache")
+    daemon = DaemonProcess(root / "wc", [whisper_dir], "--dtype", "float32").wait_ready()
+    args = ["--served-model-name", MODEL, "--cache-socket-dir", str(root / "wc"), "--no-cache-fallback"]
+    proc = start_server(whisper_dir, root / "serve.log", args=args, env={"OMP_NUM_THREADS": "1"})
+    try:
+        proc.wait("/ready", timeout=240)
+        assert any(
+            'source="cache"' in k for k in proc.metrics() if k.startswith("keepwarm_weight_load_seconds")
+        )
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        audio = wav(70, 1.0)
+        out = client.audio.transcriptions.create(
+            model=MODEL, file=("a.wav", audio), language="de", response_format="verbose_json"
+        )
+        assert out.segments[0].tokens == reference.tokens(audio, "de")
+    finally:
+        proc.stop()
+        daemon.kill()

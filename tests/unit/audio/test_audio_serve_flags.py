@@ -53,12 +53,10 @@ def test_whisper_refuses_engine_flags_it_cannot_honour(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"model_type": "whisper"}')
     with pytest.raises(ValueError, match="--max-model-len, --num-kv-blocks"):
         make_speech_engine(str(tmp_path), {"max_model_len": 10, "num_kv_blocks": 4, "dtype": "float32"})
-    with pytest.raises(ValueError, match="no-cache-fallback"):
-        make_speech_engine(str(tmp_path), {"cache_socket_dir": "/x", "cache_fallback": False})
     assert make_speech_engine(str(tmp_path.parent), {}) is None  # no config.json: not a speech model
 
 
-def test_missing_form_parser_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_missing_form_parser_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     from starlette import formparsers
 
     from keepwarm_runtime.server.serving_audio import require_multipart
