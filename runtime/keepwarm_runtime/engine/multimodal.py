@@ -50,34 +50,47 @@ def media_digest(*tensors: torch.Tensor) -> int:
 
 
 @torch.inference_mode()
+def audio_embeddings(
+    model: nn.Module, input_features: torch.Tensor, feature_attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[n, hidden]: the embeddings of ``input_features`` [audios, mels, frames] (from the model's
+    feature extractor), in order, as the model's own forward() computes them. Qwen2-Audio also needs
+    the extractor's ``feature_attention_mask``."""
+    kind = model.config.model_type
+    if kind == "qwen2_audio":
+        if feature_attention_mask is None:
+            raise ValueError("qwen2_audio needs the feature extractor's attention mask")
+        return _qwen2_audio_embeds(model, input_features, feature_attention_mask)
+    if kind == "voxtral":
+        tower = model.model.audio_tower
+        features = input_features.to(tower.device, tower.dtype)
+        return model.model.get_audio_features(features, return_dict=True).pooler_output
+    raise ValueError(f"{kind} models take no audio input")
+
+
+def multimodal_input(
+    prompt_ids: list[int], embeds: torch.Tensor, placeholder_id: int, digest: int
+) -> MultimodalInput:
+    """Pair ``embeds`` with the prompt's ``placeholder_id`` tokens; ValueError when the counts differ."""
+    positions = (torch.tensor(prompt_ids) == placeholder_id).nonzero().flatten()
+    if positions.numel() != embeds.shape[0]:
+        raise ValueError(
+            f"{positions.numel()} audio placeholders in the prompt, {embeds.shape[0]} audio embeddings"
+        )
+    return MultimodalInput(embeds, positions, digest)
+
+
 def encode_audio(
     model: nn.Module,
     prompt_ids: list[int],
     input_features: torch.Tensor,
     feature_attention_mask: torch.Tensor | None = None,
 ) -> MultimodalInput:
-    """The embeddings of ``input_features`` [audios, mels, frames] (from the model's feature extractor)
-    for the prompt's ``audio_token_id`` placeholders, computed as the model's own forward() does.
-    Qwen2-Audio also needs the extractor's ``feature_attention_mask``."""
-    kind = model.config.model_type
-    if kind == "qwen2_audio":
-        if feature_attention_mask is None:
-            raise ValueError("qwen2_audio needs the feature extractor's attention mask")
-        embeds = _qwen2_audio_embeds(model, input_features, feature_attention_mask)
-    elif kind == "voxtral":
-        tower = model.model.audio_tower
-        features = input_features.to(tower.device, tower.dtype)
-        embeds = model.model.get_audio_features(features, return_dict=True).pooler_output
-    else:
-        raise ValueError(f"{kind} models take no audio input")
-    ids = torch.tensor(prompt_ids)
-    positions = (ids == model.config.audio_token_id).nonzero().flatten()
-    if positions.numel() != embeds.shape[0]:
-        raise ValueError(
-            f"{positions.numel()} audio placeholders in the prompt, {embeds.shape[0]} audio embeddings"
-        )
+    """The MultimodalInput for a prompt whose ``audio_token_id`` placeholders are already expanded."""
+    embeds = audio_embeddings(model, input_features, feature_attention_mask)
     extra = () if feature_attention_mask is None else (feature_attention_mask,)
-    return MultimodalInput(embeds, positions, media_digest(input_features, *extra))
+    digest = media_digest(input_features, *extra)
+    return multimodal_input(prompt_ids, embeds, model.config.audio_token_id, digest)
 
 
 def _qwen2_audio_embeds(model: nn.Module, input_features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
