@@ -107,6 +107,7 @@ def make_speech_engine(model_dir: str, settings: dict[str, Any]) -> Any:
 
 def register_audio_routes(app: FastAPI, ctx: ServingContext, settings: AudioServerSettings) -> None:
     metrics = AudioMetrics(ctx.metrics.registry)
+    app.state.audio_settings, app.state.audio_metrics = settings, metrics  # chat audio parts use them too
 
     @app.post(TRANSCRIPTIONS)
     async def transcriptions(raw: Request) -> Any:
