@@ -6,12 +6,12 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export UV_CACHE_DIR ?= $(HOME)/.cache/uv
 
-.PHONY: venv demo test test-unit lint format crds bench clean controlplane
+.PHONY: venv demo test test-unit lint format crds bench clean controlplane ffmpeg
 
 $(STAMP): runtime/pyproject.toml operator/pyproject.toml requirements-dev.txt
 	@command -v uv >/dev/null || $(PYTHON) -m pip install -q uv
 	@test -x $(BIN)/python || uv venv -q -p $(PYTHON) $(VENV)
-	VIRTUAL_ENV=$(VENV) uv pip install -q -e 'runtime[structured,kubernetes]' -e operator -r requirements-dev.txt
+	VIRTUAL_ENV=$(VENV) uv pip install -q -e 'runtime[structured,kubernetes,audio-cpu]' -e operator -r requirements-dev.txt
 	@# Bytecode ahead of time: with PYTHONDONTWRITEBYTECODE set, every fresh process would otherwise
 	@# recompile torch and transformers (seconds per process: tests, the demo and restarts all pay it).
 	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null || true
@@ -22,15 +22,23 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
 
-test: $(STAMP) controlplane
+test: $(STAMP) controlplane ffmpeg
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# FFmpeg's shared libraries for torchcodec (the audio extra): Debian's ffmpeg, installed only when
+# missing and only as root; otherwise say so (audio then falls back to soundfile/PyAV).
+ffmpeg:
+	@command -v ffmpeg >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends ffmpeg; \
+	  else echo "warning: ffmpeg is missing (apt-get install ffmpeg); torchcodec cannot load" >&2; fi; }
 
 # Real Kubernetes control plane for tests/integration/operator: built once into ~/.cache/keepwarm.
 controlplane:
 	bash tests/controlplane/build.sh >/dev/null
 
-test-unit: $(STAMP)
+test-unit: $(STAMP) ffmpeg
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
 lint: $(STAMP)

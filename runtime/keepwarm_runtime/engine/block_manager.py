@@ -60,7 +60,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        parent = None
+        parent = seq.hash_salt
         bs = self.block_size
         for i in range((seq.num_tokens - 1) // bs):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
@@ -102,7 +102,7 @@ class BlockManager:
         num_full = min(seq.num_computed_tokens // bs, len(seq.block_ids))
         while len(seq.block_hashes) < num_full:
             i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            parent = seq.block_hashes[-1] if seq.block_hashes else seq.hash_salt
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = block_hash(parent, tokens)
             seq.block_hashes.append(h)

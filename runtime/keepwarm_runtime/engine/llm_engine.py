@@ -15,6 +15,7 @@ from keepwarm_runtime.engine.detokenizer import IncrementalDetokenizer, find_sto
 from keepwarm_runtime.engine.kv_cache import allocate_kv_cache, num_blocks_for, probe_kv_specs
 from keepwarm_runtime.engine.loader import load_model
 from keepwarm_runtime.engine.model_runner import ModelRunner
+from keepwarm_runtime.engine.multimodal import MultimodalInput
 from keepwarm_runtime.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from keepwarm_runtime.engine.sampler import SampledToken, Sampler
 from keepwarm_runtime.engine.sampling_params import SamplingParams
@@ -76,7 +77,12 @@ class LLMEngine:
         )
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        multimodal: MultimodalInput | None = None,  # embeddings for placeholder tokens (engine/multimodal.py)
     ) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -91,7 +97,7 @@ class LLMEngine:
             )
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
-        seqs = [Sequence(request_id, i, ids, params) for i in range(params.n)]
+        seqs = [Sequence(request_id, i, ids, params, multimodal=multimodal) for i in range(params.n)]
         request = _Request(request_id, prompt, ids, seqs)
         for seq in seqs:
             if params.constraint_factory is not None:

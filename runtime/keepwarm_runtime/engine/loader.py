@@ -25,6 +25,7 @@ from keepwarm_runtime.engine.attention.dispatch import register_keepwarm_attenti
 from keepwarm_runtime.engine.attention.fuser import IMPLEMENTATION
 from keepwarm_runtime.engine.config import EngineConfig
 from keepwarm_runtime.engine.moe.experts import ExpertsChoice, prepare_experts, use_keepwarm_experts
+from keepwarm_runtime.engine.multimodal import model_class as multimodal_model_class
 from keepwarm_runtime.engine.quant.fp8_modules import prepare_checkpoint_fp8, quantize_online
 from keepwarm_runtime.engine.quant.settings import SCALE_SUFFIX, Fp8Settings, QuantizationError, fp8_settings
 
@@ -53,9 +54,13 @@ def load_model(config: EngineConfig) -> tuple[nn.Module, LoadInfo]:
     register_keepwarm_attention()
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(
-                hf_config, dtype=config.torch_dtype, attn_implementation=attention_implementations(hf_config)
-            )
+            attn, cls = attention_implementations(hf_config), multimodal_model_class(hf_config)
+            if cls is not None:  # audio-language models: not registered with AutoModelForCausalLM
+                model = cls._from_config(hf_config, dtype=config.torch_dtype, attn_implementation=attn)
+            else:
+                model = AutoModelForCausalLM.from_config(
+                    hf_config, dtype=config.torch_dtype, attn_implementation=attn
+                )
     except (KeyError, ValueError, NotImplementedError) as exc:  # e.g. GIT picks attention classes by name
         raise ModelLoadError(
             f"{hf_config.model_type}: transformers cannot build this model with "

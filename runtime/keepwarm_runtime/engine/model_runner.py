@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from keepwarm_runtime.engine.attention.metadata import AttentionMetadata, use_metadata
+from keepwarm_runtime.engine.multimodal import forward_with_embeds, place
 from keepwarm_runtime.engine.scheduler import SchedulerOutput
 from keepwarm_runtime.engine.sequence import Sequence
 
@@ -66,6 +67,10 @@ class ModelRunner:
         """Sequences that get a new token this step, and their logits [N, vocab] in float32."""
         ids, pos, meta, sample_index, sample_seqs = self.prepare(out)
         keep = torch.tensor(sample_index or [0], dtype=torch.long, device=self.device)
+        if any(seq.multimodal is not None for seq in out.seqs):
+            with use_metadata(meta):
+                logits = forward_with_embeds(self.model, self._embeds(out, ids), pos, keep)
+            return (sample_seqs, logits.float()) if sample_seqs else ([], None)
         with use_metadata(meta):
             result = self.model(
                 input_ids=ids[None], position_ids=pos[None], use_cache=False, logits_to_keep=keep
@@ -73,3 +78,14 @@ class ModelRunner:
         if not sample_seqs:
             return [], None
         return sample_seqs, result.logits[0].float()
+
+    def _embeds(self, out: SchedulerOutput, ids: torch.Tensor) -> torch.Tensor:
+        """The step's token embeddings with multimodal placeholders replaced (engine/multimodal.py)."""
+        embeds = self.model.get_input_embeddings()(ids)
+        offset = 0
+        for seq, n in zip(out.seqs, out.num_scheduled_tokens, strict=True):
+            if seq.multimodal is not None:
+                start = seq.num_computed_tokens
+                place(embeds[offset : offset + n], seq.multimodal, start, start + n)
+            offset += n
+        return embeds

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from keepwarm_runtime.engine.multimodal import MultimodalInput
 from keepwarm_runtime.engine.outputs import Logprob
 from keepwarm_runtime.engine.sampling_params import SamplingParams, TokenConstraint
 
@@ -45,6 +46,8 @@ class Sequence:
     text: str = ""  # detokenized output, stop string already cut
     constraint: TokenConstraint | None = None
     generator: torch.Generator | None = None  # per-sequence RNG when the request has a seed
+    # Multimodal (engine/multimodal.py): embeddings for placeholder tokens; their digest salts block hashes.
+    multimodal: MultimodalInput | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -54,6 +57,11 @@ class Sequence:
     @property
     def seq_id(self) -> str:
         return f"{self.request_id}#{self.index}"
+
+    @property
+    def hash_salt(self) -> int | None:
+        """Starts the prefix-cache hash chain: the media digest, so other audio never shares KV."""
+        return self.multimodal.digest if self.multimodal is not None else None
 
     @property
     def num_tokens(self) -> int:

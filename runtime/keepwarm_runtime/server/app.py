@@ -25,6 +25,8 @@ from keepwarm_runtime.server.metrics import ServerMetrics, process_start_time
 from keepwarm_runtime.server.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from keepwarm_runtime.server.responses import ModelCard, ModelList
 from keepwarm_runtime.server.serving import ServingContext
+from keepwarm_runtime.server.serving_audio import ROUTES as AUDIO_ROUTES
+from keepwarm_runtime.server.serving_audio import AudioServerSettings, register_audio_routes
 from keepwarm_runtime.server.serving_chat import create_chat_completion
 from keepwarm_runtime.server.serving_completion import create_completion
 
@@ -39,6 +41,7 @@ ROUTES = (
     "/metrics",
     "/version",
     "/debug/stats",
+    *AUDIO_ROUTES,
 )
 
 
@@ -48,6 +51,7 @@ def create_app(
     model_dir: str | Path,
     served_model_name: str | None = None,
     started_at: float | None = None,
+    audio: AudioServerSettings | None = None,
 ) -> FastAPI:
     """An app serving the engine ``make_engine()`` builds (called in the engine thread at startup)."""
     model_dir = Path(model_dir)
@@ -134,6 +138,7 @@ def create_app(
     async def completions(raw: Request) -> Any:
         return await create_completion(ctx, await _parse(ctx, raw, CompletionRequest), raw)
 
+    register_audio_routes(app, ctx, audio or AudioServerSettings())
     return app
 
 

@@ -80,10 +80,13 @@ class AsyncEngine:
     def ready(self) -> bool:
         return self.state == "ready"
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: Any) -> AsyncIterator[Any]:
-        """Yield cumulative RequestOutputs until finished; abort the request if the consumer goes away."""
+    async def generate(
+        self, request_id: str, prompt_token_ids: Any, params: Any, multimodal: Any = None
+    ) -> AsyncIterator[Any]:
+        """Yield cumulative RequestOutputs until finished; abort the request if the consumer goes away.
+        ``multimodal``: embeddings for the prompt's placeholder tokens (engine/multimodal.py), or None."""
         stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
-        self._post(("add", (request_id, prompt_token_ids, params, stream)))
+        self._post(("add", (request_id, prompt_token_ids, params, stream, multimodal)))
         try:
             while True:
                 item = await stream.queue.get()
@@ -139,9 +142,10 @@ class AsyncEngine:
         while self._inbox:
             kind, payload = self._inbox.popleft()
             if kind == "add":
-                request_id, prompt_token_ids, params, stream = payload
+                request_id, prompt_token_ids, params, stream, multimodal = payload
+                extra = {} if multimodal is None else {"multimodal": multimodal}
                 try:
-                    self.engine.add_request(request_id, prompt_token_ids, params)
+                    self.engine.add_request(request_id, prompt_token_ids, params, **extra)
                 except Exception as exc:  # bad params or prompt too long: only this request fails
                     stream.finished = True
                     error = EngineRequestError(str(exc), bad_request=isinstance(exc, ValueError))

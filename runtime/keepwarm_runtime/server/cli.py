@@ -114,6 +114,17 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     for flag, kind, text in ENGINE_FLAGS:
         p.add_argument(flag, type=kind, default=_env(flag, kind), help=text)
+    p.add_argument(
+        "--audio-backend",
+        default=_env("--audio-backend", str),
+        help="audio decoder: auto (torchcodec, then soundfile, then pyav) | torchcodec | soundfile | pyav",
+    )
+    p.add_argument(
+        "--max-audio-upload-bytes",
+        type=int,
+        default=_env("--max-audio-upload-bytes", int, 25 * 1024 * 1024),
+        help="largest /v1/audio/* upload; bigger ones get 413 (default 25 MiB)",
+    )
     p.add_argument("--uvicorn-log-level", default=_env("--uvicorn-log-level", str, "info"))
     p.add_argument(
         "--access-log", action=argparse.BooleanOptionalAction, default=_env("--access-log", bool, False)
@@ -152,15 +163,27 @@ def run(args: argparse.Namespace) -> int:
 
     settings = engine_settings(args)
     model_dir = os.path.abspath(args.model_dir)
+    from keepwarm_runtime.server.serving_audio import audio_settings, make_speech_engine
+
+    try:
+        audio = audio_settings(args.audio_backend, args.max_audio_upload_bytes, model_dir)
+    except (ValueError, RuntimeError) as exc:
+        print(f"keepwarm serve: {exc}", file=sys.stderr)
+        return 2
 
     def make_engine() -> Any:
         from keepwarm_runtime.engine.config import EngineConfig
         from keepwarm_runtime.engine.llm_engine import LLMEngine
 
-        return LLMEngine(EngineConfig(model_dir, **settings))
+        speech = make_speech_engine(model_dir, settings)
+        return speech if speech is not None else LLMEngine(EngineConfig(model_dir, **settings))
 
     app = create_app(
-        make_engine, model_dir=model_dir, served_model_name=args.served_model_name, started_at=started_at
+        make_engine,
+        model_dir=model_dir,
+        served_model_name=args.served_model_name,
+        started_at=started_at,
+        audio=audio,
     )
     server = uvicorn.Server(
         uvicorn.Config(

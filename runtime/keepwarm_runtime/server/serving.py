@@ -122,11 +122,11 @@ class ServingContext:
     # --- running ---------------------------------------------------------------------------------
 
     async def stream(
-        self, request_id: str, prompt_ids: list[int], params: Any, timer: RequestTimer
+        self, request_id: str, prompt_ids: Any, params: Any, timer: RequestTimer, multimodal: Any = None
     ) -> AsyncIterator[Any]:
         """The engine's cumulative outputs, with metrics; engine rejections become 400/500 errors."""
         try:
-            async for output in self.async_engine.generate(request_id, prompt_ids, params):
+            async for output in self.async_engine.generate(request_id, prompt_ids, params, multimodal):
                 timer.tokens(sum(len(o.token_ids) for o in output.outputs))
                 yield output
         except EngineRequestError as exc:

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from keepwarm_runtime.server.chat_audio import audio_chat_prompt, has_audio_parts
 from keepwarm_runtime.server.errors import APIError, BadRequest
 from keepwarm_runtime.server.metrics import RequestTimer
 from keepwarm_runtime.server.protocol import ChatCompletionRequest
@@ -42,27 +43,39 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     from keepwarm_runtime.engine.chat import render_chat
 
     engine = ctx.engine
-    try:
-        messages = [{"role": _ROLES.get(m.role, m.role), "content": m.text()} for m in req.messages]
-    except ValueError as exc:
-        raise BadRequest(str(exc), param="messages") from exc
     if req.top_logprobs and not req.logprobs:
         raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")
-    try:
-        prompt_ids = render_chat(
-            engine.tokenizer,
-            messages,
+    multimodal = None  # audio parts: embeddings for the placeholder tokens (server/chat_audio.py)
+    if has_audio_parts(req.messages):
+        prompt_ids, multimodal = await audio_chat_prompt(
+            engine,
+            ctx.model_dir,
+            req.messages,
+            settings=getattr(raw.app.state, "audio_settings", None),
+            metrics=getattr(raw.app.state, "audio_metrics", None),
             add_generation_prompt=req.add_generation_prompt,
             chat_template_kwargs=req.chat_template_kwargs,
         )
-    except Exception as exc:  # the template raised (jinja errors, bad roles)
-        raise BadRequest(f"cannot apply the chat template: {exc}", param="messages") from exc
+    else:
+        try:
+            messages = [{"role": _ROLES.get(m.role, m.role), "content": m.text()} for m in req.messages]
+        except ValueError as exc:
+            raise BadRequest(str(exc), param="messages") from exc
+        try:
+            prompt_ids = render_chat(
+                engine.tokenizer,
+                messages,
+                add_generation_prompt=req.add_generation_prompt,
+                chat_template_kwargs=req.chat_template_kwargs,
+            )
+        except Exception as exc:  # the template raised (jinja errors, bad roles)
+            raise BadRequest(f"cannot apply the chat template: {exc}", param="messages") from exc
     max_tokens = ctx.check_length(len(prompt_ids), req.token_limit())
     top_n = (req.top_logprobs or 0) if req.logprobs else None
     params = await ctx.sampling_params(req, max_tokens, top_n)
     request_id = random_id("chatcmpl")
     timer = RequestTimer(ctx.metrics, len(prompt_ids), arrival=arrival)
-    outputs = ctx.stream(request_id, prompt_ids, params, timer)
+    outputs = ctx.stream(request_id, prompt_ids, params, timer, multimodal)
     if req.stream:
         first = await race_disconnect(anext(outputs), raw)
         body = _stream(ctx, req, request_id, len(prompt_ids), first, outputs)

@@ -1,0 +1,30 @@
+"""Which audio backend decodes: names, the ``--audio-backend`` / ``KEEPWARM_AUDIO_BACKEND`` choice.
+
+``auto`` tries the backends in ``AUTO_ORDER``: torchcodec decodes and resamples in one call that
+releases the GIL, soundfile (libsndfile) reads the common lossless and Ogg/MP3 formats, PyAV decodes
+anything FFmpeg knows, frame by frame.
+"""
+
+from __future__ import annotations
+
+import os
+
+ENV_VAR = "KEEPWARM_AUDIO_BACKEND"
+AUTO = "auto"
+AUTO_ORDER = ("torchcodec", "soundfile", "pyav")
+BACKEND_NAMES = (AUTO, *AUTO_ORDER)
+
+
+def validate_backend(name: str) -> str:
+    """``name`` normalised, or a ValueError that lists the valid names."""
+    normal = name.strip().lower()
+    if normal not in BACKEND_NAMES:
+        raise ValueError(f"unknown audio backend {name!r}; valid: {', '.join(BACKEND_NAMES)}")
+    return normal
+
+
+def resolve_backend(flag: str | None = None) -> str:
+    """The configured backend: the flag if given, else ``KEEPWARM_AUDIO_BACKEND``, else ``auto``."""
+    if flag:
+        return validate_backend(flag)
+    return validate_backend(os.environ.get(ENV_VAR) or AUTO)

@@ -1,0 +1,167 @@
+"""Chat ``input_audio`` and ``audio_url`` (``data:`` URLs) content parts for audio-language models.
+
+Each audio part becomes the model's audio marker in the message text (Qwen2-Audio:
+``<|audio_bos|><|AUDIO|><|audio_eos|>``; Voxtral: ``[BEGIN_AUDIO][AUDIO]``); after the chat template
+renders, each placeholder token is expanded to as many copies as the audio has embeddings, and the
+embeddings travel with the request (engine/multimodal.py). Remote URLs and local paths are refused:
+this server never fetches media.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import functools
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from keepwarm_runtime.audio import AudioError, load_audio
+from keepwarm_runtime.server.errors import BadRequest
+from keepwarm_runtime.server.protocol import ChatMessage, TextContentPart
+
+AUDIO_PART_TYPES = ("input_audio", "audio_url")
+AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")  # input_audio.format values accepted
+# model_type -> text that stands for one audio in a message (containing the placeholder token once).
+AUDIO_MARKERS = {
+    "qwen2_audio": "<|audio_bos|><|AUDIO|><|audio_eos|>",
+    "voxtral": "[BEGIN_AUDIO][AUDIO]",
+}
+_ROLES = {"developer": "system"}
+
+
+def has_audio_parts(messages: list[ChatMessage]) -> bool:
+    return any(
+        isinstance(m.content, list) and any(p.get("type") in AUDIO_PART_TYPES for p in m.content)
+        for m in messages
+    )
+
+
+def split_audio(messages: list[ChatMessage], marker: str) -> tuple[list[dict[str, str]], list[bytes]]:
+    """(template messages with ``marker`` where each audio was, the audio files in order)."""
+    rendered, audios = [], []
+    for i, message in enumerate(messages):
+        if not isinstance(message.content, list):
+            rendered.append(
+                {"role": _ROLES.get(message.role, message.role), "content": message.content or ""}
+            )
+            continue
+        pieces = []
+        for j, part in enumerate(message.content):
+            kind, where = part.get("type"), f"messages.{i}.content.{j}"
+            if kind == "text":
+                pieces.append(TextContentPart.model_validate(part).text)
+            elif kind in AUDIO_PART_TYPES:
+                audios.append(_audio_bytes(part, where))
+                pieces.append(marker)
+            else:
+                raise BadRequest(
+                    f"content part type {kind!r} is not supported; send text or audio", param=where
+                )
+        rendered.append({"role": _ROLES.get(message.role, message.role), "content": "".join(pieces)})
+    return rendered, audios
+
+
+def _audio_bytes(part: dict[str, Any], where: str) -> bytes:
+    if part["type"] == "input_audio":
+        spec = part.get("input_audio")
+        if not isinstance(spec, dict) or not isinstance(spec.get("data"), str):
+            raise BadRequest("input_audio needs {data: base64, format}", param=where)
+        if spec.get("format") not in AUDIO_FORMATS:
+            raise BadRequest(f"input_audio.format must be one of {', '.join(AUDIO_FORMATS)}", param=where)
+        return _b64(spec["data"], where)
+    spec = part.get("audio_url")
+    url = spec.get("url") if isinstance(spec, dict) else None
+    if not isinstance(url, str) or not url.startswith("data:"):
+        raise BadRequest(
+            "audio_url must be a data: URL; remote URLs and local paths are refused", param=where
+        )
+    header, _, payload = url.partition(",")
+    if not header.endswith(";base64"):
+        raise BadRequest("audio_url data: URLs must be base64", param=where)
+    return _b64(payload, where)
+
+
+def _b64(text: str, where: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise BadRequest(f"audio data is not valid base64: {exc}", param=where) from exc
+
+
+@functools.lru_cache(maxsize=4)
+def _feature_extractor(model_dir: str) -> Any:
+    from transformers import AutoFeatureExtractor
+
+    return AutoFeatureExtractor.from_pretrained(model_dir)
+
+
+async def audio_chat_prompt(
+    engine: Any,
+    model_dir: Path,
+    messages: list[ChatMessage],
+    *,
+    settings: Any,
+    metrics: Any,
+    **render: Any,
+) -> tuple[list[int], Any]:
+    """(prompt ids with expanded placeholders, MultimodalInput) for a chat with audio parts.
+    ``settings``: the server's AudioServerSettings (backend, limits), or None for the defaults."""
+    from keepwarm_runtime.engine.chat import render_chat
+    from keepwarm_runtime.engine.multimodal import audio_embeddings, media_digest, multimodal_input
+
+    marker = AUDIO_MARKERS.get(getattr(engine.model.config, "model_type", None))
+    if marker is None:
+        raise BadRequest("this model does not take audio input", param="messages", code="model_not_supported")
+    template_messages, audios = split_audio(messages, marker)
+    extractor = _feature_extractor(str(model_dir))
+    embeds, tensors = [], []
+    for audio in audios:
+        try:
+            decoded = await asyncio.to_thread(
+                load_audio,
+                audio,
+                sample_rate=extractor.sampling_rate,
+                max_duration_s=float(extractor.chunk_length),
+                max_decoded_bytes=getattr(settings, "max_decoded_bytes", None),
+                backend=getattr(settings, "backend", None),
+            )
+        except AudioError as exc:
+            raise BadRequest(str(exc), param="messages", code=exc.code) from exc
+        if metrics is not None:
+            metrics.record(decoded.backend, decoded.decode_seconds, decoded.duration_s)
+        features = extractor(
+            decoded.samples.numpy(),
+            sampling_rate=extractor.sampling_rate,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        mask = features.get("attention_mask")
+        embeds.append(await asyncio.to_thread(audio_embeddings, engine.model, features.input_features, mask))
+        tensors += [features.input_features] + ([mask] if mask is not None else [])
+    try:
+        ids = render_chat(engine.tokenizer, template_messages, **render)
+    except Exception as exc:  # the template raised (jinja errors, bad roles)
+        raise BadRequest(f"cannot apply the chat template: {exc}", param="messages") from exc
+    placeholder = engine.model.config.audio_token_id
+    expanded = _expand(ids, placeholder, [e.shape[0] for e in embeds])
+    return expanded, multimodal_input(expanded, torch.cat(embeds), placeholder, media_digest(*tensors))
+
+
+def _expand(ids: list[int], placeholder: int, counts: list[int]) -> list[int]:
+    """Each placeholder occurrence k becomes counts[k] copies; 400 if the template lost or added some."""
+    if ids.count(placeholder) != len(counts):
+        raise BadRequest(
+            f"the rendered chat has {ids.count(placeholder)} audio placeholders, {len(counts)} audio parts",
+            param="messages",
+        )
+    out, k = [], 0
+    for token in ids:
+        if token == placeholder:
+            out += [placeholder] * counts[k]
+            k += 1
+        else:
+            out.append(token)
+    return out

@@ -1,0 +1,67 @@
+"""`keepwarm serve` audio flags: --audio-backend / KEEPWARM_AUDIO_BACKEND, start-up refusals."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from keepwarm_runtime.server import cli
+from keepwarm_runtime.server.serving_audio import audio_settings, make_speech_engine
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["serve", *argv])
+
+
+def test_flag_wins_over_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KEEPWARM_AUDIO_BACKEND", "pyav")
+    monkeypatch.setenv("KEEPWARM_MAX_AUDIO_UPLOAD_BYTES", "1000")
+    args = parse(["/m"])
+    assert (args.audio_backend, args.max_audio_upload_bytes) == ("pyav", 1000)
+    args = parse(["/m", "--audio-backend", "soundfile"])
+    assert args.audio_backend == "soundfile"
+    assert "KEEPWARM_AUDIO_BACKEND" in cli.serve_env_vars()
+
+
+def test_settings_for_a_text_model_skip_the_backend_check(tmp_path: Path) -> None:
+    settings = audio_settings("auto", 10, str(tmp_path))
+    assert (settings.backend, settings.max_upload_bytes) == ("auto", 10)
+    with pytest.raises(ValueError, match="valid: auto, torchcodec, soundfile, pyav"):
+        audio_settings("wav", 10, str(tmp_path))
+    with pytest.raises(ValueError, match="positive"):
+        audio_settings("auto", 0, str(tmp_path))
+
+
+def test_unknown_backend_fails_at_start_up(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "keepwarm_runtime.cli", "serve", str(tmp_path), "--audio-backend", "ffmpeg"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "unknown audio backend 'ffmpeg'; valid: auto, torchcodec, soundfile, pyav" in proc.stderr
+
+
+def test_whisper_refuses_engine_flags_it_cannot_honour(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "whisper"}')
+    with pytest.raises(ValueError, match="--max-model-len, --num-kv-blocks"):
+        make_speech_engine(str(tmp_path), {"max_model_len": 10, "num_kv_blocks": 4, "dtype": "float32"})
+    assert make_speech_engine(str(tmp_path.parent), {}) is None  # no config.json: not a speech model
+
+
+def test_missing_form_parser_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    from starlette import formparsers
+
+    from keepwarm_runtime.server.serving_audio import require_multipart
+
+    require_multipart()
+    monkeypatch.setattr(formparsers, "multipart", None)
+    with pytest.raises(RuntimeError, match=r"keepwarm-runtime\[audio\]"):
+        require_multipart()
