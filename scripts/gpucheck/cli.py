@@ -23,6 +23,7 @@ def check_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gpu-check", description="Everything that needs a GPU, in one go.")
     p.add_argument("--dry-run", action="store_true", help="on a CPU machine: check carry, imports, plan")
     p.add_argument("--no-wheels", action="store_true", help="dry run without the carried archive")
+    p.add_argument("--smoke", action="store_true", help="dry run: also run the benchmarks' CPU twins")
     p.add_argument("--only", default=None, help="comma-separated step names (a rerun)")
     p.add_argument("--budget", type=float, default=plan.BUDGET_S, help="seconds for all steps")
     p.add_argument("--list", action="store_true", help="print the plan and the device command, run nothing")
@@ -38,7 +39,7 @@ def check_main(argv: list[str] | None = None) -> int:
         return 0
     if a.dry_run:
         _dev_python_or_exit(argv, "gpu-check")
-        return dryrun.main(steps, wheels=not a.no_wheels)
+        return dryrun.main(steps, wheels=not a.no_wheels, smoke=a.smoke)
     from scripts.gpucheck import runner
 
     return runner.main(steps, a.budget)

@@ -1,12 +1,13 @@
 """`scripts/gpu-check --dry-run`: on this CPU machine, prove the GPU run will start, before paying for it.
 
-Checks, each reported as a line "ok|FAIL|skip: what": the carried archive exists, matches its pins and
-sha256, and fits the device call beside the working tree; every module each step needs imports from
-the archive + the repository + packages the GPU image has (others refused, see blocker.py), with
---no-deps semantics; `keepwarm --help` builds every subcommand; each benchmark step's flags exist in
-its --help; pytest collects tests/gpu. Then prints the plan and the device command. Binary modules
-in the archive are built for the GPU machine's Python 3.12, so the same versions built for this
-interpreter stand in for them here (.whl/local/), fetched once.
+Checks, each reported as a line "ok|FAIL|skip: what": the carried archive exists, matches its pins
+and sha256, and fits the device call beside the working tree; every module each step needs imports
+from the archive + the repository + packages the GPU image has (others refused, see blocker.py),
+with --no-deps semantics; `keepwarm --help` builds every subcommand; each benchmark step's flags
+exist in its --help; pytest collects tests/gpu; with --smoke, the benchmarks' CPU twins run. Then
+prints the plan and the device command. Binary modules in the archive are built for the GPU
+machine's Python 3.12, so the same versions built for this interpreter stand in for them here
+(.whl/local/), fetched once.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def describe_plan(steps: list[plan.Step]) -> str:
 
 def check_archive(report: Report) -> bool:
     if not manifest.ARCHIVE.exists():
-        report.fail(f"{manifest.ARCHIVE.relative_to(REPO)} missing: run scripts/gpu-prepare")
+        report.fail(f"{manifest.ARCHIVE} missing: run scripts/gpu-prepare")
         return False
     if not prepare.archive_is_current():
         report.fail("the archive does not match site.json or today's pins: run scripts/gpu-prepare")
@@ -162,7 +163,21 @@ def check_collect(report: Report, env: dict[str, str], wheels: bool) -> None:
         report.fail(f"pytest --collect-only tests/gpu: {last}\n{done.stdout[-2000:]}{done.stderr[-1000:]}")
 
 
-def run(steps: list[plan.Step], wheels: bool = True) -> Report:
+def check_smoke(report: Report, env: dict[str, str]) -> None:
+    env = env | {"KEEPWARM_BENCH_DIR": str(manifest.LOCAL_DIR / "bench"), "OMP_NUM_THREADS": "1"}
+    for step in plan.SMOKE_STEPS:
+        try:
+            done = _run(step.command(sys.executable, str(manifest.LOCAL_DIR)), env, step.ceiling_s)
+        except subprocess.TimeoutExpired:
+            report.fail(f"{step.name}: over {step.ceiling_s} s")
+            continue
+        if done.returncode == 0:
+            report.ok(f"{step.name}: ran on CPU under the GPU image's packages")
+        else:
+            report.fail(f"{step.name}: rc {done.returncode}\n{done.stderr[-2000:]}")
+
+
+def run(steps: list[plan.Step], wheels: bool = True, smoke: bool = False) -> Report:
     report = Report()
     paths: list[Path] = []
     if wheels:
@@ -185,12 +200,14 @@ def run(steps: list[plan.Step], wheels: bool = True) -> Report:
         check_imports(report, env, steps, wheels)
         check_cli_and_flags(report, env, steps)
         check_collect(report, env, wheels)
+        if smoke:
+            check_smoke(report, env)
     return report
 
 
-def main(steps: list[plan.Step], wheels: bool) -> int:
+def main(steps: list[plan.Step], wheels: bool, smoke: bool = False) -> int:
     print(describe_plan(steps), flush=True)
-    report = run(steps, wheels)
+    report = run(steps, wheels, smoke)
     print("\n".join(report.lines))
     print("dry run:", "FAILED" if report.failed else "ok")
     return 1 if report.failed else 0

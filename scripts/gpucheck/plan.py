@@ -117,3 +117,18 @@ def time_box(step: Step, left_s: float) -> float | None:
     if left_s < step.ceiling_s / 2:
         return None
     return min(float(step.ceiling_s), left_s)
+
+
+# CPU twins of the benchmark steps for `--dry-run --smoke`: the same code paths at toy size, under the
+# GPU image's package set, so an import made lazily inside a function fails here, not on the GPU.
+SMOKE_RESTART = ["--size-gib", "0.02", "--serving-dtype", "float32", "--device", "cpu", "--repeats", "1"]
+SMOKE_THROUGHPUT = ["--params", "1M", "--prompts", "4", "--output-tokens", "4", "--rounds", "1"]
+SMOKE_STEPS: list[Step] = [
+    Step("smoke-restart-cpu", [*RESTART_HELP[:-1], *SMOKE_RESTART, "--threads", "1", "--json"], 300, "json"),
+    Step(
+        "smoke-throughput-cpu",
+        [*THROUGHPUT_HELP[:-1], *SMOKE_THROUGHPUT, "--threads", "1", "--device", "cpu"],
+        300,
+        "json",
+    ),
+]
