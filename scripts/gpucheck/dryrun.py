@@ -7,7 +7,7 @@ with --no-deps semantics; `keepwarm --help` builds every subcommand; each benchm
 exist in its --help; pytest collects tests/gpu; with --smoke, the benchmarks' CPU twins run. Then
 prints the plan and the device command. Binary modules in the archive are built for the GPU
 machine's Python 3.12, so the same versions built for this interpreter stand in for them here
-(.whl/local/), fetched once.
+(.whl/local/), fetched once, as do image packages this venv lacks (manifest.LOCAL_STANDINS).
 """
 
 from __future__ import annotations
@@ -95,11 +95,11 @@ def local_site() -> list[Path]:
             tar.extractall(site, filter="tar")
         stamp.write_text(record["sha256"])
     overlay = manifest.LOCAL_DIR / f"overlay-py{sys.version_info.major}{sys.version_info.minor}"
-    for pin in manifest.CARRIED:
+    for pin in [*manifest.CARRIED, *manifest.LOCAL_STANDINS]:
         shipped = prepare.wheel_for(pin, manifest.DOWNLOAD_DIR)
-        if shipped is None or shipped.name.endswith("-none-any.whl"):
+        if shipped is not None and shipped.name.endswith("-none-any.whl"):
             continue  # pure Python: the archive's copy runs here as it is
-        if all((overlay / m).exists() for m in pin.modules):
+        if all((overlay / m).exists() or (overlay / f"{m}.py").exists() for m in pin.modules):
             continue
         own = prepare.download(pin, manifest.LOCAL_DIR / "wheels", ["--only-binary=:all:"])
         argv = [prepare.pip_python(), "-m", "pip", "install", "-q", "--no-index", "--no-deps"]

@@ -47,6 +47,12 @@ CARRIED: list[Pin] = [
     Pin("apache-tvm-ffi", "0.1.15.post2", ("tvm_ffi",), "flashinfer.jit imports tvm_ffi at import time"),
 ]
 
+# In the GPU image but not in this venv, and imported by a carried package: the dry run installs
+# these here (never carried) so the import check can go past them.
+LOCAL_STANDINS: list[Pin] = [
+    Pin("nvidia-ml-py", "13.615.71", ("pynvml",), "in the GPU image; `import flashinfer` needs pynvml"),
+]
+
 # Requirements of carried packages that stay behind, each with the reason; the dry run proves the
 # GPU run's imports resolve without them. gpu-prepare fails on a requirement that is in none of:
 # the image, CARRIED, NOT_CARRIED.
