@@ -24,7 +24,7 @@ def test_core_steps_fit_the_budget_and_the_device_call():
     assert plan.BUDGET_S < plan.DEVICE_TIMEOUT_S <= 600  # one device command runs at most 10 minutes
     names = [s.name for s in plan.STEPS]
     assert len(names) == len(set(names))
-    for needed in ("tests-cache", "tests-engine", "restart-16gib-bf16", "restart-1gib-f32"):
+    for needed in ("tests-cache", "tests-engine-torch", "tests-flashinfer", "restart-16gib-bf16"):
         assert needed in names
 
 

@@ -1,10 +1,14 @@
 """On CUDA: keepwarm's greedy tokens against transformers', per attention backend.
 
 The torch backend runs float32 on every tested architecture. FlashInfer has no float32 kernels and
-only kernel head dims (64/128/256, ...), so it runs bfloat16 on models with head_dim 64, against
-both the torch backend and transformers in bfloat16. Gemma 2 alternates sliding and full layers
-(window 16, softcapping), which the prompts (3 to 45 tokens, 8 more generated) exceed. DeepSeek-V3's
-tiny MLA head dims (qk 24, v 16) are no FlashInfer kernel shape: torch backend only.
+only kernel head dims (64/128/256, ...), so it runs on models with head_dim 64 in float16, where
+greedy parity holds as in float32 (measured on CPU with the torch backend: 8/8 sequences on every
+architecture, against 5-7/8 in bfloat16, whose 7-bit mantissa flips near-ties within 8 tokens). In
+bfloat16, the serving dtype, only the first token (the prefill's argmax) is held to parity, on Llama
+(FlashInfer JIT-compiles each dtype/window/softcap variant on first use: seconds each on the GPU). Gemma 2
+alternates sliding and full layers (window 16, softcapping), which the prompts (3 to 45 tokens, 8
+more generated) exceed. DeepSeek-V3's tiny MLA head dims (qk 24, v 16) are no FlashInfer kernel
+shape: torch backend only.
 """
 
 from __future__ import annotations
@@ -77,16 +81,25 @@ def test_torch_backend_matches_transformers_float32(gpu_model, arch, record_prop
 
 
 @pytest.mark.parametrize("arch", FLASHINFER_ARCHS)
-def test_flashinfer_matches_torch_backend_and_transformers_bfloat16(gpu_model, arch, record_property) -> None:
+def test_flashinfer_matches_torch_backend_and_transformers_float16(gpu_model, arch, record_property) -> None:
     pytest.importorskip("flashinfer", reason="install keepwarm-runtime[gpu]")
     model_dir = gpu_model(arch)
-    flashinfer = keepwarm_greedy(model_dir, "flashinfer", "bfloat16")
-    torch_backend = keepwarm_greedy(model_dir, "torch", "bfloat16")
-    expected = reference(model_dir, torch.bfloat16)
+    flashinfer = keepwarm_greedy(model_dir, "flashinfer", "float16")
+    torch_backend = keepwarm_greedy(model_dir, "torch", "float16")
+    expected = reference(model_dir, torch.float16)
     n = len(expected)
     record_property("agree_torch_backend", f"{agreeing(flashinfer, torch_backend)}/{n}")
     record_property("agree_transformers", f"{agreeing(flashinfer, expected)}/{n}")
-    # Same model, same bf16 weights: only the attention kernel differs from the torch backend, so a
-    # flipped sequence there is a near-tie at most once; transformers' SDPA path rounds differently.
     assert agreeing(flashinfer, torch_backend) >= n - 1, (flashinfer, torch_backend)
-    assert agreeing(flashinfer, expected) >= n - 2, (flashinfer, expected)
+    assert agreeing(flashinfer, expected) >= n - 1, (flashinfer, expected)
+
+
+def test_flashinfer_first_tokens_match_in_bfloat16(gpu_model, record_property) -> None:
+    pytest.importorskip("flashinfer", reason="install keepwarm-runtime[gpu]")
+    model_dir = gpu_model("llama")  # the throughput benchmark's kernels: no extra JIT build
+    flashinfer = keepwarm_greedy(model_dir, "flashinfer", "bfloat16")
+    expected = reference(model_dir, torch.bfloat16)
+    n = len(expected)
+    record_property("agree_transformers_whole", f"{agreeing(flashinfer, expected)}/{n}")
+    first = sum(a[0] == b[0] for a, b in zip(flashinfer, expected, strict=True))
+    assert first >= n - 1, (flashinfer, expected)
