@@ -3,7 +3,7 @@
 The GPU machine (one H200) has Python 3.12, torch and transformers but no flashinfer, and it reaches no
 network. A run there sends the working tree plus at most 8 carried ignored paths, 64 MiB in all, so the
 missing packages travel as one solid xz archive of their installed tree (flashinfer's 101 MB wheel is
-mostly C++ sources that compress ~30x together, against ~9x file by file in the wheel).
+717 MB of mostly C++ sources, which compress ~22x together against ~7x file by file in the wheel).
 """
 
 from __future__ import annotations

@@ -51,12 +51,15 @@ CACHE_MODULES = [
 RESTART_HELP = [PY, "-m", "keepwarm_runtime.cli", "bench", "restart", "--help"]
 THROUGHPUT_HELP = [PY, "bench/throughput.py", "--help"]
 ENV_SCRIPT = "scripts/gpucheck/envinfo.py"
+OTHER_TESTS = ["--ignore=tests/gpu/cache", "--ignore=tests/gpu/engine"]  # run by their own steps
 
 
-def _pytest(name: str, path: str, ceiling_s: int, imports: list[str], *select: str) -> Step:
+def _pytest(
+    name: str, path: str, ceiling_s: int, imports: list[str], *select: str, core: bool = True
+) -> Step:
     argv = [PY, "-m", "pytest", path, *select, "-q", "-rA", "-p", "no:cacheprovider"]
     argv += [f"--junitxml={WORK}/{name}.xml", f"--timeout={ceiling_s}"]
-    return Step(name, argv, ceiling_s, "pytest", imports)
+    return Step(name, argv, ceiling_s, "pytest", imports, core=core)
 
 
 def _restart(size_gib: int, dtype: str, ceiling_s: int, core: bool = True) -> Step:
@@ -93,6 +96,8 @@ STEPS: list[Step] = [
     _throughput("flashinfer", 60),
     # Past the budget line: run when the steps above finish early, or by name in a rerun.
     _restart(1, "float32", 30, core=False),
+    # Any other GPU tests (tests/gpu/moe, ...): none yet is "empty", not a failure.
+    _pytest("tests-gpu-other", "tests/gpu", 90, [], *OTHER_TESTS, core=False),
     _restart(16, "float32", 90, core=False),
     _throughput("torch", 50, core=False, skip_hf=True),
     _restart(4, "bfloat16", 50, core=False),

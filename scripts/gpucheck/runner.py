@@ -25,6 +25,7 @@ from scripts.gpucheck import manifest, plan
 
 SUMMARY = "summary.json"
 BUNDLE = "gpu-check.tar.gz"
+PYTEST_NO_TESTS = 5  # pytest's exit code when it collected nothing
 BENCH_DIR_MIN_FREE = 40 << 30  # checkpoints of 1, 4 and 16 GiB, with room to spare
 
 
@@ -85,6 +86,8 @@ def run_step(step: plan.Step, box_s: float, py: str, work: Path, env: dict[str, 
         try:
             rc = proc.wait(timeout=box_s)
             status = "passed" if rc == 0 else "failed"
+            if step.kind == "pytest" and rc == PYTEST_NO_TESTS:
+                status = "empty"
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             rc = proc.wait()
@@ -194,6 +197,6 @@ def main(steps: list[plan.Step], budget_s: float = plan.BUDGET_S) -> int:
         write_results(out, work, summary)
     write_results(out, work, summary)
     print(json.dumps(summary["headline"], indent=1))
-    failed = [n for n, r in summary["steps"].items() if r["status"] not in ("passed", "skipped")]
+    failed = [n for n, r in summary["steps"].items() if r["status"] not in ("passed", "skipped", "empty")]
     print(f"gpu-check: {'FAILED: ' + ', '.join(failed) if failed else 'all run steps passed'}")
     return 1 if failed else 0

@@ -133,3 +133,10 @@ def test_headline_puts_flashinfer_and_torch_backends_side_by_side():
     assert figures["flashinfer_over_torch_backend"] == 2.0
     assert figures["throughput-flashinfer"]["speedup"] == 2.0
     assert "env" not in figures
+
+
+def test_a_pytest_step_that_collects_nothing_is_empty_not_failed(tmp_path):
+    step = _step("tests-gpu-other", "raise SystemExit(5)", kind="pytest")
+    record = runner.run_step(step, 30, sys.executable, tmp_path, os.environ.copy())
+    assert record["status"] == "empty"
+    assert record["tests"] == {"error": "tests-gpu-other.xml not written"}
