@@ -3,7 +3,8 @@
 Checks, each reported as a line "ok|FAIL|skip: what": the carried archive exists, matches its pins
 and sha256, and fits the device call beside the working tree; every module each step needs imports
 from the archive + the repository + packages the GPU image has (others refused, see blocker.py),
-with --no-deps semantics; `keepwarm --help` builds every subcommand; each benchmark step's flags
+with --no-deps semantics, and with the image's own transformers (manifest.LOCAL_STANDINS) in use;
+`keepwarm --help` builds every subcommand; each benchmark step's flags
 exist in its --help; pytest collects tests/gpu; with --smoke, the benchmarks' CPU twins run. Then
 prints the plan and the device command. Binary modules in the archive are built for the GPU
 machine's Python 3.12, so the same versions built for this interpreter stand in for them here
@@ -84,7 +85,8 @@ def check_carry(report: Report) -> None:
 
 
 def local_site() -> list[Path]:
-    """The archive unpacked here (once per sha256), plus this interpreter's builds of its binary wheels."""
+    """The archive unpacked here (once per sha256), plus this interpreter's builds of its binary
+    wheels and the image's versions of LOCAL_STANDINS, ahead of it on the path."""
     record = json.loads(manifest.ARCHIVE_MANIFEST.read_text())
     site = manifest.LOCAL_DIR / "site"
     stamp = site / ".sha256"
@@ -128,6 +130,25 @@ def check_imports(report: Report, env: dict[str, str], steps: list[plan.Step], w
             report.skip(f"import {module}: needs the carried archive (--no-wheels)")
         else:
             report.fail(f"import {module}: {result}")
+
+
+def check_versions(report: Report, env: dict[str, str]) -> None:
+    """The versions the checks above imported: the stand-ins and pins must be the ones in use."""
+    pins = [*manifest.LOCAL_STANDINS, *manifest.CARRIED]
+    expected = {p.modules[0]: p.version for p in pins if p.modules[0] not in ("pynvml", "tvm_ffi")}
+    code = "import importlib, json, sys; print(json.dumps({m: importlib.import_module(m).__version__ "
+    code += "for m in sys.argv[1:]}))"
+    done = _run([sys.executable, "-c", code, "torch", *expected], env)
+    if done.returncode != 0:
+        report.fail(f"version probe: {done.stderr[-1500:]}")
+        return
+    found = json.loads(done.stdout)
+    wrong = {m: v for m, v in expected.items() if found[m] != v}
+    if wrong:
+        report.fail(f"imported versions differ from the pins: {wrong} vs {found}")
+    else:
+        shown = ", ".join(f"{m} {v}" for m, v in found.items())
+        report.ok(f"versions in use: {shown} (torch differs from the GPU image's 2.11: not checkable here)")
 
 
 def check_cli_and_flags(report: Report, env: dict[str, str], steps: list[plan.Step]) -> None:
@@ -198,6 +219,10 @@ def run(steps: list[plan.Step], wheels: bool = True, smoke: bool = False) -> Rep
     env["PYTHONNOUSERSITE"] = "1"
     if not report.failed or not wheels:
         check_imports(report, env, steps, wheels)
+        if wheels:
+            check_versions(report, env)
+        else:
+            report.skip("versions (--no-wheels): this venv's transformers, not the image's")
         check_cli_and_flags(report, env, steps)
         check_collect(report, env, wheels)
         if smoke:

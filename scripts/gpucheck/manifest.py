@@ -47,9 +47,12 @@ CARRIED: list[Pin] = [
     Pin("apache-tvm-ffi", "0.1.15.post2", ("tvm_ffi",), "flashinfer.jit imports tvm_ffi at import time"),
 ]
 
-# In the GPU image but not in this venv, and imported by a carried package: the dry run installs
-# these here (never carried) so the import check can go past them.
+# For the dry run only, never carried: the GPU image's own versions of pure-Python packages the run
+# leans on (KINDS.md's pip list), and image packages this venv lacks that a carried one imports. The
+# dry run puts them ahead of this venv's copies, so it imports what the GPU machine will.
 LOCAL_STANDINS: list[Pin] = [
+    Pin("transformers", "5.17.0", ("transformers",), "the image's version (this venv's is newer)"),
+    Pin("huggingface-hub", "1.33.0", ("huggingface_hub",), "transformers 5.17 needs huggingface-hub < 2"),
     Pin("nvidia-ml-py", "13.615.71", ("pynvml",), "in the GPU image; `import flashinfer` needs pynvml"),
 ]
 
