@@ -5,7 +5,7 @@ and sha256, and fits the device call beside the working tree; every module each 
 from the archive + the repository + packages the GPU image has (others refused, see blocker.py),
 with --no-deps semantics, and with the image's own transformers (manifest.LOCAL_STANDINS) in use;
 `keepwarm --help` builds every subcommand; each benchmark step's flags
-exist in its --help; pytest collects tests/gpu; with --smoke, the benchmarks' CPU twins run. Then
+exist in its --help; pytest collects tests/gpu; with --smoke, the CPU twins run (plan.SMOKE_STEPS). Then
 prints the plan and the device command. Binary modules in the archive are built for the GPU
 machine's Python 3.12, so the same versions built for this interpreter stand in for them here
 (.whl/local/), fetched once, as do image packages this venv lacks (manifest.LOCAL_STANDINS).

@@ -129,9 +129,12 @@ def time_box(step: Step, left_s: float) -> float | None:
 
 # CPU twins of the benchmark steps for `--dry-run --smoke`: the same code paths at toy size, under the
 # GPU image's package set, so an import made lazily inside a function fails here, not on the GPU.
+SMOKE_PYTEST = ["-p", "no:cacheprovider", "tests/integration/engine/test_llm.py"]
 SMOKE_RESTART = ["--size-gib", "0.02", "--serving-dtype", "float32", "--device", "cpu", "--repeats", "1"]
 SMOKE_THROUGHPUT = ["--params", "1M", "--prompts", "4", "--output-tokens", "4", "--rounds", "1"]
 SMOKE_STEPS: list[Step] = [
+    # tests/gpu/engine's CPU twin: greedy parity with transformers on every tested architecture
+    Step("smoke-engine-parity-cpu", [PY, "-m", "pytest", "-q", *SMOKE_PYTEST], 300, "pytest"),
     Step("smoke-restart-cpu", [*RESTART_HELP[:-1], *SMOKE_RESTART, "--threads", "1", "--json"], 300, "json"),
     Step(
         "smoke-throughput-cpu",
