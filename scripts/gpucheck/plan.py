@@ -25,6 +25,7 @@ class Step:
     imports: list[str] = field(default_factory=list)  # modules the step needs: the dry run imports them
     help_argv: list[str] | None = None  # argv that prints the step's --help (flags checked in the dry run)
     core: bool = True  # inside the budget line; False: runs only if time is left
+    gate: bool = False  # when it fails, nothing after it can pass: the run stops
 
     def command(self, py: str, work: str) -> list[str]:
         return [a.replace(PY, py).replace(WORK, work) for a in self.argv]
@@ -85,11 +86,11 @@ def _throughput(backend: str, ceiling_s: int, core: bool = True, skip_hf: bool =
 
 
 STEPS: list[Step] = [
-    Step("env", [PY, ENV_SCRIPT], 15, "json", ["torch", "transformers", "flashinfer"]),
+    Step("env", [PY, ENV_SCRIPT], 25, "json", ["torch", "transformers", "flashinfer"], gate=True),
     _pytest("tests-cache", "tests/gpu/cache", 60, CACHE_MODULES),
     _pytest("tests-engine-torch", "tests/gpu/engine", 60, ENGINE_MODULES, "-k", "not flashinfer"),
     _restart(1, "bfloat16", 35),
-    _restart(16, "bfloat16", 130),
+    _restart(16, "bfloat16", 120),  # includes writing the 16 GiB checkpoint (reused by f32)
     # FlashInfer JIT-compiles its kernels (nvcc) on first use: after the restart figures, so a slow
     # build costs the steps past the budget line, not those.
     _pytest("tests-flashinfer", "tests/gpu/engine", 150, ENGINE_MODULES, "-k", "flashinfer"),

@@ -184,16 +184,20 @@ def main(steps: list[plan.Step], budget_s: float = plan.BUDGET_S) -> int:
     env = step_env(site if (site / ".sha256").exists() else None)
     summary: dict = {"python": py, "install": note, "budget_s": budget_s, "steps": {}}
     deadline = time.monotonic() + budget_s
+    stopped = None  # the gate step that failed, if any
     for step in steps:
         box = plan.time_box(step, deadline - time.monotonic())
-        if box is None:
-            summary["steps"][step.name] = {"status": "skipped", "why": "budget spent"}
-            print(f"gpu-check: {step.name}: skipped (budget spent)", flush=True)
+        if box is None or stopped:
+            why = f"{stopped} failed" if stopped else "budget spent"
+            summary["steps"][step.name] = {"status": "skipped", "why": why}
+            print(f"gpu-check: {step.name}: skipped ({why})", flush=True)
             continue
         print(f"gpu-check: {step.name} (box {box:.0f} s) ...", flush=True)
         record = run_step(step, box, py, work, env)
         summary["steps"][step.name] = record
         print(f"gpu-check: {step.name}: {record['status']} in {record['seconds']} s", flush=True)
+        if step.gate and record["status"] != "passed":
+            stopped = step.name
         write_results(out, work, summary)
     write_results(out, work, summary)
     print(json.dumps(summary["headline"], indent=1))

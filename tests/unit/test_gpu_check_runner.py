@@ -140,3 +140,13 @@ def test_a_pytest_step_that_collects_nothing_is_empty_not_failed(tmp_path):
     record = runner.run_step(step, 30, sys.executable, tmp_path, os.environ.copy())
     assert record["status"] == "empty"
     assert record["tests"] == {"error": "tests-gpu-other.xml not written"}
+
+
+def test_a_failed_gate_step_stops_the_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    monkeypatch.setattr(manifest, "ARCHIVE", tmp_path / "absent.tar.xz")
+    monkeypatch.setattr(manifest, "SITE_ON_DEVICE", str(tmp_path / "site"))
+    gate = plan.Step("env", [plan.PY, "-c", "raise SystemExit(2)"], 10, "json", gate=True)
+    assert runner.main([gate, _step("after", "print(1)", 5)], budget_s=30) == 1
+    summary = json.loads((tmp_path / "out" / runner.SUMMARY).read_text())
+    assert summary["steps"]["after"] == {"status": "skipped", "why": "env failed"}
