@@ -1,0 +1,1 @@
+"""Repository scripts; a package so that `scripts.gpucheck` never resolves to a stray `scripts` elsewhere."""

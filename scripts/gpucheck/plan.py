@@ -1,0 +1,156 @@
+"""The GPU run's steps, in the order they run, each with its time box; one list for the run and the dry run.
+
+Steps run most-valuable first under one deadline (BUDGET_S): a step gets min(its ceiling, time left)
+and is skipped once less than half its ceiling is left, so a slow early step costs the last ones,
+never the whole run. Steps past the budget line run only when earlier ones finish early; rerun any
+step by name with ``scripts/gpu-check --only NAME,...``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+BUDGET_S = 510  # the whole run, unpacking excluded: leaves a 15-minute lease time to rerun a part
+DEVICE_TIMEOUT_S = 570  # timeout_s of the device call: BUDGET_S + unpacking + margin
+PY = "{py}"  # replaced by the interpreter running gpu-check
+WORK = "{work}"  # replaced by the run's scratch folder (bundled into the results)
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    argv: list[str]  # with {py} / {work} placeholders
+    ceiling_s: int  # the step's own time box
+    kind: str  # "pytest" (junit xml in {work}) | "json" (stdout is one JSON document) | "text"
+    imports: list[str] = field(default_factory=list)  # modules the step needs: the dry run imports them
+    help_argv: list[str] | None = None  # argv that prints the step's --help (flags checked in the dry run)
+    core: bool = True  # inside the budget line; False: runs only if time is left
+    gate: bool = False  # when it fails, nothing after it can pass: the run stops
+
+    def command(self, py: str, work: str) -> list[str]:
+        return [a.replace(PY, py).replace(WORK, work) for a in self.argv]
+
+    def flags(self) -> list[str]:
+        return [a for a in self.argv if a.startswith("--")]
+
+
+ENGINE_MODULES = [
+    "keepwarm_runtime.engine.llm",
+    "keepwarm_runtime.engine.attention.flashinfer_backend",
+    "keepwarm_runtime.modelgen",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.gemma2.modeling_gemma2",
+    "transformers.models.deepseek_v3.modeling_deepseek_v3",
+]
+CACHE_MODULES = [
+    "keepwarm_runtime.cache.client",
+    "keepwarm_runtime.cache.daemon",
+    "keepwarm_runtime.cache.backends.cuda",
+    "keepwarm_runtime.cache.cli",
+    "keepwarm_runtime.cli",
+]
+RESTART_HELP = [PY, "-m", "keepwarm_runtime.cli", "bench", "restart", "--help"]
+THROUGHPUT_HELP = [PY, "bench/throughput.py", "--help"]
+MOE_HELP = [PY, "bench/moe.py", "--help"]
+ENV_SCRIPT = "scripts/gpucheck/envinfo.py"
+OTHER_TESTS = ["--ignore=tests/gpu/cache", "--ignore=tests/gpu/engine"]  # run by their own steps
+
+
+def _pytest(
+    name: str, path: str, ceiling_s: int, imports: list[str], *select: str, core: bool = True
+) -> Step:
+    argv = [PY, "-m", "pytest", path, *select, "-q", "-rA", "-p", "no:cacheprovider"]
+    argv += [f"--junitxml={WORK}/{name}.xml", f"--timeout={ceiling_s}"]
+    return Step(name, argv, ceiling_s, "pytest", imports, core=core)
+
+
+def _restart(size_gib: int, dtype: str, ceiling_s: int, core: bool = True) -> Step:
+    argv = [PY, "-m", "keepwarm_runtime.cli", "bench", "restart", "--size-gib", str(size_gib)]
+    argv += ["--serving-dtype", dtype, "--device", "cuda:0", "--repeats", "1", "--threads", "0", "--json"]
+    short = {"bfloat16": "bf16", "float32": "f32"}[dtype]
+    return Step(
+        f"restart-{size_gib}gib-{short}",
+        argv,
+        ceiling_s,
+        "json",
+        ["bench.restart", *CACHE_MODULES],
+        RESTART_HELP,
+        core,
+    )
+
+
+def _throughput(backend: str, ceiling_s: int, core: bool = True, skip_hf: bool = False) -> Step:
+    argv = [PY, "bench/throughput.py", "--params", "100M", "--dtype", "bfloat16", "--device", "cuda:0"]
+    argv += ["--prompts", "64", "--output-tokens", "128", "--rounds", "2", "--threads", "4"]
+    argv += ["--attention-backend", backend, *(["--skip-hf"] if skip_hf else [])]
+    return Step(f"throughput-{backend}", argv, ceiling_s, "json", ENGINE_MODULES, THROUGHPUT_HELP, core)
+
+
+def _moe(flashinfer: bool, ceiling_s: int) -> Step:
+    argv = [PY, "bench/moe.py", "--device", "cuda:0", "--experts", "16", "--hidden", "2048"]
+    argv += ["--intermediate", "1024", "--repeats", "5", *([] if flashinfer else ["--skip-flashinfer"])]
+    name = "moe-layer-flashinfer" if flashinfer else "moe-layer-torch"
+    return Step(name, argv, ceiling_s, "json", ["keepwarm_runtime.engine.moe.experts"], MOE_HELP, False)
+
+
+STEPS: list[Step] = [
+    Step("env", [PY, ENV_SCRIPT], 25, "json", ["torch", "transformers", "flashinfer"], gate=True),
+    _pytest("tests-cache", "tests/gpu/cache", 60, CACHE_MODULES),
+    _pytest("tests-engine-torch", "tests/gpu/engine", 60, ENGINE_MODULES, "-k", "not flashinfer"),
+    _restart(1, "bfloat16", 35),
+    _restart(16, "bfloat16", 120),  # includes writing the 16 GiB checkpoint (reused by f32)
+    # FlashInfer JIT-compiles its kernels (nvcc) on first use: after the restart figures, so a slow
+    # build costs the steps past the budget line, not those.
+    _pytest("tests-flashinfer", "tests/gpu/engine", 150, ENGINE_MODULES, "-k", "flashinfer"),
+    _throughput("flashinfer", 60),
+    # Past the budget line: run when the steps above finish early, or by name in a rerun.
+    _restart(1, "float32", 30, core=False),
+    # Any other GPU tests (tests/gpu/moe, ...): none yet is "empty", not a failure.
+    _pytest("tests-gpu-other", "tests/gpu", 90, [], *OTHER_TESTS, core=False),
+    _restart(16, "float32", 90, core=False),
+    _throughput("torch", 50, core=False, skip_hf=True),
+    _restart(4, "bfloat16", 50, core=False),
+    _restart(4, "float32", 40, core=False),
+    _moe(flashinfer=False, ceiling_s=40),
+    _moe(flashinfer=True, ceiling_s=120),  # compiles the CUTLASS MoE kernels on first use
+]
+
+
+def select(names: list[str] | None) -> list[Step]:
+    """The steps to run: all, or those named (in plan order); an unknown name is an error."""
+    if not names:
+        return list(STEPS)
+    known = {s.name for s in STEPS}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown step(s) {', '.join(unknown)}; steps: {', '.join(sorted(known))}")
+    return [s for s in STEPS if s.name in names]
+
+
+def core_ceiling_s(steps: list[Step]) -> int:
+    return sum(s.ceiling_s for s in steps if s.core)
+
+
+def time_box(step: Step, left_s: float) -> float | None:
+    """Seconds this step may run with `left_s` left in the budget, or None: skip it (under half its box)."""
+    if left_s < step.ceiling_s / 2:
+        return None
+    return min(float(step.ceiling_s), left_s)
+
+
+# CPU twins of the benchmark steps for `--dry-run --smoke`: the same code paths at toy size, under the
+# GPU image's package set, so an import made lazily inside a function fails here, not on the GPU.
+SMOKE_PYTEST = ["-p", "no:cacheprovider", "tests/integration/engine/test_llm.py"]
+SMOKE_RESTART = ["--size-gib", "0.02", "--serving-dtype", "float32", "--device", "cpu", "--repeats", "1"]
+SMOKE_THROUGHPUT = ["--params", "1M", "--prompts", "4", "--output-tokens", "4", "--rounds", "1"]
+SMOKE_STEPS: list[Step] = [
+    # tests/gpu/engine's CPU twin: greedy parity with transformers on every tested architecture
+    Step("smoke-engine-parity-cpu", [PY, "-m", "pytest", "-q", *SMOKE_PYTEST], 300, "pytest"),
+    Step("smoke-restart-cpu", [*RESTART_HELP[:-1], *SMOKE_RESTART, "--threads", "1", "--json"], 300, "json"),
+    Step(
+        "smoke-throughput-cpu",
+        [*THROUGHPUT_HELP[:-1], *SMOKE_THROUGHPUT, "--threads", "1", "--device", "cpu"],
+        300,
+        "json",
+    ),
+]

@@ -1,0 +1,202 @@
+"""scripts/gpu-check and gpu-prepare on CPU: the plan, the carry sizes, requirement checks, the blocker
+that makes this venv import like the GPU machine, and the dry run itself."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from scripts.gpucheck import blocker, carry, dryrun, manifest, plan, prepare
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# -- plan --------------------------------------------------------------------------------------
+
+
+def test_core_steps_fit_the_budget_and_the_device_call():
+    assert plan.core_ceiling_s(plan.STEPS) <= plan.BUDGET_S
+    assert plan.BUDGET_S < plan.DEVICE_TIMEOUT_S <= 600  # one device command runs at most 10 minutes
+    names = [s.name for s in plan.STEPS]
+    assert len(names) == len(set(names))
+    for needed in ("tests-cache", "tests-engine-torch", "tests-flashinfer", "restart-16gib-bf16"):
+        assert needed in names
+
+
+def test_select_keeps_plan_order_and_refuses_unknown_names():
+    assert [s.name for s in plan.select(["restart-1gib-f32", "env"])] == ["env", "restart-1gib-f32"]
+    with pytest.raises(ValueError, match="restart-2gib"):
+        plan.select(["restart-2gib"])
+
+
+def test_time_box_shrinks_to_what_is_left_and_skips_under_half():
+    step = plan.STEPS[0]
+    assert plan.time_box(step, 10_000) == step.ceiling_s
+    assert plan.time_box(step, step.ceiling_s * 0.75) == step.ceiling_s * 0.75
+    assert plan.time_box(step, step.ceiling_s * 0.4) is None
+
+
+def test_device_command_and_carry_are_printed():
+    text = dryrun.describe_plan(plan.STEPS)
+    assert "scripts/gpu-check" in text and str(manifest.CARRY_PATHS) in text
+    assert f"timeout_s={plan.DEVICE_TIMEOUT_S}" in text
+
+
+# -- carry -------------------------------------------------------------------------------------
+
+
+def test_plan_calls_packs_paths_into_as_few_calls_as_fit():
+    mib = 1 << 20
+    one = carry.plan_calls(2 * mib, {"a": 30 * mib, "b": 20 * mib}, 64 * mib)
+    assert [c.carry for c in one] == [["a", "b"]] and one[0].total_bytes == 52 * mib
+    two = carry.plan_calls(2 * mib, {"a": 40 * mib, "b": 30 * mib}, 64 * mib)
+    assert [c.carry for c in two] == [["a"], ["b"]]
+    assert all(c.total_bytes <= 64 * mib for c in two)
+    with pytest.raises(ValueError, match="split it"):
+        carry.plan_calls(2 * mib, {"big": 63 * mib}, 64 * mib)
+
+
+def test_tree_bytes_counts_tracked_and_untracked_but_not_ignored(tmp_path):
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / ".gitignore").write_text("ignored/\n")
+    (tmp_path / "tracked").write_bytes(b"x" * 1000)
+    git("add", ".gitignore", "tracked")
+    (tmp_path / "untracked").write_bytes(b"y" * 300)
+    (tmp_path / "ignored").mkdir()
+    (tmp_path / "ignored" / "big").write_bytes(b"z" * 100_000)
+    assert carry.tree_bytes(tmp_path) == 1000 + 300 + len("ignored/\n")
+    assert carry.path_bytes(tmp_path / "ignored") == 100_000
+
+
+# -- requirements of carried wheels --------------------------------------------------------------
+
+
+def _wheel(path: Path, requires: list[str]) -> Path:
+    with zipfile.ZipFile(path, "w") as z:
+        meta = "Metadata-Version: 2.1\nName: demo\nVersion: 1.0\n"
+        meta += "".join(f"Requires-Dist: {r}\n" for r in requires)
+        z.writestr("demo-1.0.dist-info/METADATA", meta)
+    return path
+
+
+def test_unresolved_requirements_honour_markers_and_extras(tmp_path):
+    wheel = _wheel(
+        tmp_path / "demo-1.0-py3-none-any.whl",
+        [
+            "torch",
+            "tvm-ffi-thing>=0.1",
+            "only-on-windows; sys_platform == 'win32'",
+            "old-python-shim; python_version < '3.10'",
+            "extra-only; extra == 'gpu'",
+            "Needed_Here>=2",
+        ],
+    )
+    reqs = prepare.requirements(wheel)
+    assert len(reqs) == 6
+    assert prepare.unresolved(reqs, {"torch", "tvm-ffi-thing"}) == ["Needed_Here>=2"]
+
+
+def test_manifest_never_carries_what_the_image_has():
+    decided = manifest.image_packages() | manifest.carried_names() | set(manifest.NOT_CARRIED)
+    assert not manifest.carried_names() & manifest.image_packages()
+    assert {"torch", "transformers", "prometheus-client", "pytest"} <= manifest.image_packages()
+    assert not manifest.KNOWN_ABSENT & manifest.image_packages()
+    assert all(manifest.normalize(n) == n for n in decided)
+
+
+# -- blocker: this venv importing like the GPU machine ----------------------------------------
+
+
+def _blocked_env(tmp_path: Path, blocked: dict[str, str]) -> dict[str, str]:
+    import os
+
+    env = os.environ | blocker.write_sitecustomize(tmp_path / "site", blocked)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "site"), str(REPO / "runtime"), str(REPO)])
+    return env
+
+
+def test_blocked_package_fails_to_import_in_every_child_process(tmp_path):
+    env = _blocked_env(tmp_path, {"pydantic": "pydantic"})
+    code = (
+        "import subprocess, sys\n"
+        "try:\n    import pydantic\nexcept ModuleNotFoundError as e:\n    print('parent:', e)\n"
+        "subprocess.run([sys.executable, '-c', 'import keepwarm_runtime.server.protocol'])\n"
+        "import json, keepwarm_runtime.cache.protocol\nprint('allowed ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "parent: No module named 'pydantic' (pydantic is not on the GPU machine)" in done.stdout
+    assert "No module named 'pydantic'" in done.stderr  # the child, through sitecustomize
+    assert "allowed ok" in done.stdout
+
+
+def test_block_list_refuses_what_the_gpu_image_lacks_and_keeps_what_it_has():
+    blocked = blocker.blocked_modules(
+        manifest.image_packages(),
+        manifest.carried_names() | manifest.FROM_REPO,
+        manifest.KNOWN_ABSENT,
+        manifest.normalize,
+    )
+    assert {"pydantic", "fastapi", "uvicorn", "kopf", "keepwarm_operator"} <= set(blocked)
+    assert not {"torch", "transformers", "safetensors", "numpy", "keepwarm_runtime", "_pytest"} & set(blocked)
+
+
+# -- dry run ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_dry_run_passes_on_this_checkout_without_the_archive():
+    done = subprocess.run(
+        [sys.executable, "scripts/gpu-check", "--dry-run", "--no-wheels"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "ok:   import keepwarm_runtime.cache.backends.cuda" in done.stdout
+    assert "ok:   pytest collects tests/gpu" in done.stdout
+    assert "skip: import flashinfer: needs the carried archive" in done.stdout
+
+
+@pytest.mark.integration
+def test_dry_run_fails_on_a_step_that_imports_what_the_gpu_lacks():
+    server_step = plan.Step("serve", ["{py}", "-c", "pass"], 10, "text", ["keepwarm_runtime.server.protocol"])
+    report = dryrun.run([server_step], wheels=False)
+    assert report.failed
+    assert any(
+        line.startswith("FAIL: import keepwarm_runtime.server.protocol") and "pydantic" in line
+        for line in report.lines
+    ), report.lines
+
+
+def test_missing_archive_fails_the_dry_run_with_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setattr(manifest, "ARCHIVE", tmp_path / "site.tar.xz")
+    report = dryrun.Report()
+    assert dryrun.check_archive(report) is False
+    assert report.failed and "run scripts/gpu-prepare" in report.lines[0]
+
+
+def test_gpu_check_refuses_an_unknown_step():
+    done = subprocess.run(
+        [sys.executable, "scripts/gpu-check", "--only", "nope"], cwd=REPO, capture_output=True, text=True
+    )
+    assert done.returncode == 2 and "unknown step(s) nope" in done.stderr
+
+
+def test_archive_record_round_trip(tmp_path, monkeypatch):
+    monkeypatch.setattr(manifest, "ARCHIVE", tmp_path / "site.tar.xz")
+    monkeypatch.setattr(manifest, "ARCHIVE_MANIFEST", tmp_path / "site.json")
+    manifest.ARCHIVE.write_bytes(b"archive bytes")
+    record = {"pins": prepare.pins_record(), "sha256": prepare.sha256(manifest.ARCHIVE)}
+    manifest.ARCHIVE_MANIFEST.write_text(json.dumps(record))
+    assert prepare.archive_is_current()
+    manifest.ARCHIVE.write_bytes(b"other bytes")
+    assert not prepare.archive_is_current()
