@@ -45,7 +45,22 @@ class Blocker(importlib.abc.MetaPathFinder):
 
 
 def install(blocked: dict[str, str]) -> None:
+    """Refuse imports of `blocked`, and answer availability probes as a machine without them would.
+
+    Libraries probe optional packages with ``importlib.util.find_spec(name) is not None`` (transformers
+    does, for soundfile and others); there a missing package is ``None``, not an exception.
+    """
+    import importlib.util
+
     sys.meta_path.insert(0, Blocker(blocked))
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name: str, package: str | None = None):
+        if not name.startswith(".") and name.partition(".")[0] in blocked:
+            return None
+        return real_find_spec(name, package)
+
+    importlib.util.find_spec = find_spec
 
 
 def with_requirements(allowed: set[str], normalize) -> set[str]:
