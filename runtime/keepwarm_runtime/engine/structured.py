@@ -9,6 +9,12 @@ vLLM behave the same here.
 
 The engine calls the factory once per output sequence; each call gets a fresh matcher over the shared
 compiled grammar.
+
+xgrammar silently ignores some JSON-schema keywords (measured against its matcher: ``not``,
+``uniqueItems``, ``if``/``then``/``else``, ``dependentRequired``/``dependentSchemas``, the
+exclusivity of ``oneOf``, ``allOf`` merges, unknown ``format`` values, ``format`` or ``pattern`` next
+to a length bound, and string/number bounds on a schema without a ``type``). A schema using one is
+refused with the keyword and its location named (``unenforceable_keyword``), never served loosely.
 """
 
 from __future__ import annotations
@@ -128,6 +134,9 @@ class StructuredOutputCompiler:
                     raise ValueError(f"invalid structured outputs json: schema is not JSON ({exc})") from exc
             if not isinstance(schema, dict):
                 raise ValueError("invalid structured outputs json: the schema must be a JSON object")
+            problem = unenforceable_keyword(schema)
+            if problem is not None:
+                raise ValueError(f"structured outputs json: {problem}")
             return self._compiler.compile_json_schema(
                 json.dumps(bounded_strings_as_patterns(schema)),
                 any_whitespace=params.any_whitespace,
@@ -148,6 +157,84 @@ class StructuredOutputCompiler:
         if "::=" in grammar:
             return self._compiler.compile_grammar(grammar)
         return self._compiler.compile_lark(grammar)
+
+
+UNENFORCED_KEYWORDS = frozenset(
+    {"not", "uniqueItems", "if", "then", "else", "dependentRequired", "dependentSchemas", "allOf", "oneOf"}
+    | {"$dynamicRef", "$recursiveRef"}
+)
+ENFORCED_FORMATS = frozenset(
+    {
+        "date",
+        "time",
+        "date-time",
+        "duration",
+        "email",
+        "hostname",
+        "ipv4",
+        "ipv6",
+        "uri",
+        "uri-reference",
+        "uuid",
+    }
+)
+_STRING_BOUNDS = ("minLength", "maxLength")
+_TYPED_KEYWORDS = {
+    "minLength": {"string"},
+    "maxLength": {"string"},
+    "pattern": {"string"},
+    "format": {"string"},
+    "minimum": {"integer", "number"},
+    "maximum": {"integer", "number"},
+    "exclusiveMinimum": {"integer", "number"},
+    "exclusiveMaximum": {"integer", "number"},
+    "multipleOf": {"integer", "number"},
+}
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SUBSCHEMA_ONE = ("items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems", "contains")
+_SUBSCHEMA_ONE += ("propertyNames",)
+_SUBSCHEMA_LISTS = ("anyOf", "prefixItems", "items")
+
+
+def unenforceable_keyword(schema: Any, where: str = "the schema root") -> str | None:
+    """The first keyword xgrammar would ignore, as "`kw` at <location> ...", or None."""
+    if not isinstance(schema, dict):
+        return None
+    for keyword in schema:
+        if keyword in UNENFORCED_KEYWORDS:
+            return (
+                f"the keyword `{keyword}` (at {where}) cannot be enforced by the grammar backend (xgrammar); "
+                "remove it or express it with anyOf/enum/pattern"
+            )
+    fmt = schema.get("format")
+    if fmt is not None and fmt not in ENFORCED_FORMATS:
+        supported = ", ".join(sorted(ENFORCED_FORMATS))
+        return f"`format: {fmt}` (at {where}) is not enforced; supported formats: {supported}"
+    bounds = [k for k in _STRING_BOUNDS if k in schema]
+    for other in ("format", "pattern"):
+        if other in schema and bounds:
+            return f"`{other}` together with `{bounds[0]}` (at {where}) cannot be enforced; keep one of them"
+    types = schema.get("type")
+    types = {types} if isinstance(types, str) else set(types or [])
+    for keyword, needs in _TYPED_KEYWORDS.items():
+        if keyword in schema and not types & needs and "enum" not in schema and "const" not in schema:
+            return f"`{keyword}` (at {where}) is only enforced with `type: {' or '.join(sorted(needs))}`"
+    for key in _SUBSCHEMA_MAPS:
+        children = schema.get(key)
+        if isinstance(children, dict):
+            for name, child in children.items():
+                if (found := unenforceable_keyword(child, f"{where} > {key} > {name}")) is not None:
+                    return found
+    for key in _SUBSCHEMA_ONE:
+        if (found := unenforceable_keyword(schema.get(key), f"{where} > {key}")) is not None:
+            return found
+    for key in _SUBSCHEMA_LISTS:
+        children = schema.get(key)
+        if isinstance(children, list):
+            for i, child in enumerate(children):
+                if (found := unenforceable_keyword(child, f"{where} > {key}[{i}]")) is not None:
+                    return found
+    return None
 
 
 def bounded_strings_as_patterns(schema: Any) -> Any:

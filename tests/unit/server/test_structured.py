@@ -9,7 +9,11 @@ import jsonschema
 import pytest
 import torch
 
-from keepwarm_runtime.engine.structured import StructuredOutputCompiler, StructuredOutputsParams
+from keepwarm_runtime.engine.structured import (
+    StructuredOutputCompiler,
+    StructuredOutputsParams,
+    unenforceable_keyword,
+)
 from keepwarm_runtime.modelgen.tokenizer import END_OF_TURN, build_tokenizer
 
 SCHEMA = {
@@ -88,3 +92,40 @@ def test_regex_choice_grammar_and_json_object(tokenizer, compiler):
 def test_invalid_constraints_raise_value_error(compiler, params, match):
     with pytest.raises(ValueError, match=match):
         compiler.factory(params)
+
+
+@pytest.mark.parametrize(
+    "schema, named",
+    [
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+        ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "not"),
+        ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, "if"),
+        ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
+        ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "allOf"),
+        ({"type": "string", "format": "frobnicate"}, "format: frobnicate"),
+        ({"type": "string", "format": "date", "maxLength": 3}, "format"),
+        (
+            {"$defs": {"t": {"type": "string", "pattern": "a+", "minLength": 2}}, "$ref": "#/$defs/t"},
+            "pattern",
+        ),
+        ({"minimum": 3}, "minimum"),
+        ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+    ],
+)
+def test_keywords_xgrammar_would_ignore_are_refused_by_name(compiler, schema, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        compiler.factory(StructuredOutputsParams(json=schema))
+
+
+def test_enforced_keywords_compile(compiler):
+    schema = {
+        "type": "object",
+        "properties": {
+            "when": {"type": "string", "format": "date"},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 3},
+            "n": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "null"}]},
+        },
+        "required": ["when"],
+    }
+    assert unenforceable_keyword(schema) is None
+    compiler.factory(StructuredOutputsParams(json=schema))
