@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from keepwarm_runtime.server.errors import APIError, PayloadTooLarge, Unauthorized
+from keepwarm_runtime.server.limits import DEFAULT_MAX_BODY_BYTES
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -20,7 +21,6 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 EXEMPT_FROM_AUTH = frozenset({"/health", "/ready", "/ping", "/metrics"})
 
 

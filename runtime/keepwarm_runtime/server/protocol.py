@@ -267,3 +267,18 @@ class CompletionRequest(SamplingRequest):
         if prompt and all(isinstance(p, int) for p in prompt):
             return [list(prompt)]
         return list(prompt)
+
+
+class TokenizeRequest(OpenAIRequest):
+    """POST /tokenize: a text ``prompt``, or chat ``messages`` rendered with the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # prompt only: add BOS like /v1/completions does
+    add_generation_prompt: bool = True  # messages only
+
+
+class DetokenizeRequest(OpenAIRequest):
+    model: str | None = None
+    tokens: list[int] = Field(max_length=MAX_TOKEN_LIST)
