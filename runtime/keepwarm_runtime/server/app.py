@@ -35,11 +35,13 @@ from keepwarm_runtime.server.protocol import (
     OpenAIRequest,
     TokenizeRequest,
 )
+from keepwarm_runtime.server.protocol_responses import ResponsesRequest
 from keepwarm_runtime.server.request_body import parse_json_object
 from keepwarm_runtime.server.responses import ModelCard, ModelList
 from keepwarm_runtime.server.serving import ServingContext, ServingOptions
 from keepwarm_runtime.server.serving_chat import create_chat_completion
 from keepwarm_runtime.server.serving_completion import create_completion
+from keepwarm_runtime.server.serving_responses import create_response
 from keepwarm_runtime.server.serving_tokens import detokenize, tokenize
 
 logger = logging.getLogger(__name__)
@@ -176,9 +178,11 @@ def create_app(
 
     post("/v1/chat/completions", ChatCompletionRequest, create_chat_completion)
     post("/v1/completions", CompletionRequest, create_completion)
+    post("/v1/responses", ResponsesRequest, create_response)
     post("/tokenize", TokenizeRequest, tokenize)
     post("/detokenize", DetokenizeRequest, detokenize)
-    install_openapi(app, [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest])
+    bodies = [ChatCompletionRequest, CompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest]
+    install_openapi(app, bodies)
     return app
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -46,6 +47,9 @@ from keepwarm_runtime.server.tools import (
     plan_tools,
 )
 
+if TYPE_CHECKING:
+    from keepwarm_runtime.engine.sampling_params import SamplingParams
+
 _ROLES = {"developer": "system"}  # OpenAI's newer name; templates know "system"
 # apply_chat_template arguments the server sets itself: a request may not override them.
 RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -69,8 +73,18 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 
 
-async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Any:
-    arrival = time.perf_counter()  # TTFT includes rendering and grammar compilation
+@dataclass
+class PreparedChat:
+    """A chat request made ready for the engine (shared with /v1/responses)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    plan: ToolPlan
+    top_n: int | None  # logprob alternatives per token, None: no logprobs
+
+
+async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedChat:
+    """Render, tokenize and turn ``req`` into SamplingParams; every refusal is a 400 naming its field."""
     ctx.check_model(req.model)
     engine = ctx.engine
     plan = plan_tools(req, ctx.options.tool_call_parser)
@@ -95,14 +109,21 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
 
         structured = StructuredOutputsParams(json=plan.schema)
     params = await ctx.sampling_params(req, max_tokens, top_n, structured, structured_param="tools")
+    return PreparedChat(prompt_ids, params, plan, top_n)
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Any:
+    arrival = time.perf_counter()  # TTFT includes rendering and grammar compilation
+    prepared = await prepare_chat(ctx, req)
+    prompt_ids, plan, top_n = prepared.prompt_ids, prepared.plan, prepared.top_n
     request_id = random_id("chatcmpl")
     timer = RequestTimer(ctx.metrics, len(prompt_ids), arrival=arrival)
-    outputs = ctx.stream(request_id, prompt_ids, params, timer, req.priority)
+    outputs = ctx.stream(request_id, prompt_ids, prepared.params, timer, req.priority)
     if req.stream:
         first = await race_disconnect(anext(outputs), raw)
         body = _stream(req, plan, request_id, ctx.served_model_name, len(prompt_ids), first, outputs)
         return StreamingResponse(body, media_type="text/event-stream")
-    final = await race_disconnect(_last(outputs), raw)
+    final = await race_disconnect(last_output(outputs), raw)
     choices = [_choice(req, plan, o, top_n) for o in final.outputs]
     usage = _usage(len(prompt_ids), final.outputs)
     response = ChatCompletionResponse(
@@ -172,7 +193,7 @@ def _render(tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[str, An
         raise BadRequest(f"cannot apply the chat template: {exc}", param="messages") from exc
 
 
-async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+async def last_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
     final = None
     async for final in outputs:  # noqa: B007 - keep the last
         pass
@@ -209,7 +230,7 @@ def _choice(req: ChatCompletionRequest, plan: ToolPlan, o: CompletionOutput, top
     )
 
 
-def _held(plan: ToolPlan, text: str) -> int:
+def held_back(plan: ToolPlan, text: str) -> int:
     """Characters at the end of ``text`` a stream must hold back under ``plan``."""
     if plan.forced:
         return len(text)
@@ -248,7 +269,7 @@ async def _stream(
         while output is not None:
             choices = []
             for o in output.outputs:
-                d = tracker.delta(o.index, o, hold_back=_held(plan, o.text))
+                d = tracker.delta(o.index, o, hold_back=held_back(plan, o.text))
                 if d is None:
                     continue
                 logprobs = None
