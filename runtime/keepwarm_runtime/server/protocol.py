@@ -122,7 +122,7 @@ class SamplingRequest(OpenAIRequest):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
-    user: str | None = Field(default=None, max_length=256)  # the end user's id (logged, not used)
+    user: str | None = Field(default=None, max_length=256)  # OpenAI's end-user id: accepted, not used
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsOptions | None = None
     # vLLM extras

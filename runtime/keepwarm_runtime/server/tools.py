@@ -4,7 +4,7 @@ and the answer.
 - ``none``: tools are left out of the prompt and nothing is parsed.
 - ``auto`` (the default when tools are given): tools go into the chat template and the answer is
   parsed by the server's ``--tool-call-parser``; without one, ``auto`` is refused (400), because the
-  server could not recognise the calls it asked for.
+  server could not recognise the calls it asked for. ``parallel_tool_calls=false`` keeps the first.
 - ``required``: the output is constrained to a JSON array of ``{"name", "parameters"}`` objects, one
   alternative per tool, so it always parses into calls that match a function's schema.
 - a named function: the output is constrained to that function's parameters schema.
@@ -31,6 +31,7 @@ class ToolPlan:
     schema: dict[str, Any] | None  # JSON schema forcing the output (required / named)
     function: str | None = None  # the named function
     parser: ToolParser | None = None  # auto: recognises calls in free text
+    single: bool = False  # parallel_tool_calls=false: at most one call per answer
 
     @property
     def forced(self) -> bool:
@@ -58,7 +59,8 @@ def plan_tools(req: ChatCompletionRequest, parser_name: str | None) -> ToolPlan:
                 f"({', '.join(TOOL_PARSERS)}), or send tool_choice `required`, `none` or a named function",
                 param="tool_choice",
             )
-        return ToolPlan("auto", template_tools, None, parser=TOOL_PARSERS[parser_name]())
+        parser = TOOL_PARSERS[parser_name]()
+        return ToolPlan("auto", template_tools, None, parser=parser, single=not req.parallel_tool_calls)
     if choice == "required":
         schema = _required_schema(tools, single=not req.parallel_tool_calls)
         return ToolPlan("required", template_tools, schema)
@@ -94,7 +96,10 @@ def parse_output(plan: ToolPlan, text: str) -> ParsedOutput:
     if plan.mode == "none":
         return ParsedOutput(text, [])
     if plan.parser is not None:
-        return plan.parser.parse(text)
+        parsed = plan.parser.parse(text)
+        if plan.single:
+            parsed.tool_calls = parsed.tool_calls[:1]
+        return parsed
     try:
         data = json.loads(text)
     except ValueError:
