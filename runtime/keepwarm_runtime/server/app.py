@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from keepwarm_runtime import __version__
+from keepwarm_runtime.engine.outputs import EngineStats
 from keepwarm_runtime.server.async_engine import AsyncEngine
 from keepwarm_runtime.server.engine_client import EngineClient
 from keepwarm_runtime.server.errors import BadRequest, from_validation_error, install_error_handlers
@@ -88,7 +89,7 @@ def create_app(
             time.time() - started_at,
         )
 
-    def on_stats(stats: Any) -> None:
+    def on_stats(stats: EngineStats) -> None:
         metrics.record_engine(
             stats.num_running, stats.num_waiting, stats.kv_cache_usage, stats.num_preemptions
         )
@@ -156,7 +157,8 @@ def create_app(
         return JSONResponse({f: getattr(stats, f) for f in fields})
 
     def card() -> ModelCard:
-        max_len = async_engine.engine.max_model_len if async_engine.ready else None
+        engine = async_engine.engine
+        max_len = engine.max_model_len if async_engine.ready and engine is not None else None
         return ModelCard(id=name, root=str(model_dir), max_model_len=max_len)
 
     @app.get("/v1/models")
@@ -187,9 +189,16 @@ def create_app(
 
 
 async def _parse(ctx: ServingContext, raw: Request, model: type[R]) -> R:
-    """503 before ready, then 400 for malformed JSON or invalid fields, else the request model."""
+    """503 before ready, then 400 for malformed JSON or invalid fields, else the request model.
+
+    Parsing and validating (up to --max-request-body-bytes of JSON) run in the preprocessing pool, so a
+    large body does not hold the event loop."""
     ctx.engine  # noqa: B018
-    data = parse_json_object(await raw.body())
+    return await ctx.preprocess(_validate, await raw.body(), model)
+
+
+def _validate(body: bytes, model: type[R]) -> R:
+    data = parse_json_object(body)
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -21,7 +21,12 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from keepwarm_runtime.engine.outputs import EngineStats, RequestOutput
+    from keepwarm_runtime.engine.sampling_params import SamplingParams
+    from keepwarm_runtime.server.engine_client import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -48,16 +53,16 @@ class AsyncEngine:
 
     def __init__(
         self,
-        make_engine: Callable[[], Any],
-        on_stats: Callable[[Any], None] | None = None,
-        on_ready: Callable[[Any], None] | None = None,
+        make_engine: Callable[[], EngineClient],
+        on_stats: Callable[[EngineStats], None] | None = None,
+        on_ready: Callable[[EngineClient], None] | None = None,
         on_abort: Callable[[str], None] | None = None,
     ) -> None:
         self._make_engine = make_engine
         self._on_stats = on_stats  # called with engine.stats() after each step, in the engine thread
         self._on_ready = on_ready  # called with the engine once loaded, in the engine thread
         self._on_abort = on_abort  # called with the id of each request aborted while in flight
-        self.engine: Any = None  # the LLMEngine once ready; read-only from other threads
+        self.engine: EngineClient | None = None  # the LLMEngine once ready; read-only from other threads
         self.state = "loading"
         self.error: str | None = None  # why loading failed
         self._inbox: deque[tuple[str, Any]] = deque()  # ("add", (id, ids, params, stream)) | ("abort", id)
@@ -83,8 +88,8 @@ class AsyncEngine:
         return self.state == "ready"
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: Any, priority: int = 0
-    ) -> AsyncIterator[Any]:
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative RequestOutputs until finished; abort the request if the consumer goes away."""
         stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
         self._post(("add", (request_id, prompt_token_ids, params, priority, stream)))

@@ -80,13 +80,13 @@ class ServingContext:
     @property
     def engine(self) -> EngineClient:
         """The loaded engine, or a 503 while weights are loading (or after the engine failed)."""
-        state = self.async_engine.state
-        if state != "ready":
+        state, engine = self.async_engine.state, self.async_engine.engine
+        if state != "ready" or engine is None:
             detail = f": {self.async_engine.error}" if self.async_engine.error else ""
             raise NotReady(
                 f"the model is not ready (engine {state}{detail}); retry shortly", code="model_not_ready"
             )
-        return self.async_engine.engine
+        return engine
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.served_model_name, str(self.model_dir)):
