@@ -162,3 +162,43 @@ def test_without_a_parser_auto_is_refused_and_none_answers_in_text(served):
             tool_choice={"type": "function", "function": {"name": "nope"}},
         )
     assert unknown.value.body["param"] == "tool_choice"
+
+
+HERMES_CALL = (
+    '<tool_call>{"name": "weather", "arguments": {"city": "Oslo", "days": 2, "metric": true}}</tool_call>'
+)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_parses_a_hermes_call_and_streams_it_whole(client, stream):
+    """The random model cannot choose to call a tool, so a regex makes it write one: the parser must
+    find the call, and a stream must not leak any of the call's text as content."""
+    import re
+
+    kwargs = dict(
+        model="tiny",
+        messages=MESSAGES,
+        tools=TOOLS,
+        max_tokens=120,
+        extra_body={"structured_outputs": {"regex": "Sure\\. " + re.escape(HERMES_CALL)}},
+    )
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        content, calls, finish = choice.message.content, choice.message.tool_calls, choice.finish_reason
+        calls = [(c.function.name, c.function.arguments) for c in calls]
+    else:
+        content, finish, parts = "", None, {}
+        for chunk in client.chat.completions.create(**kwargs, stream=True):
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                finish = choice.finish_reason or finish
+                for delta in choice.delta.tool_calls or []:
+                    parts.setdefault(delta.index, ["", ""])
+                    parts[delta.index][0] += delta.function.name or ""
+                    parts[delta.index][1] += delta.function.arguments or ""
+        calls = [tuple(p) for p in parts.values()]
+    assert finish == "tool_calls"
+    assert content.strip() == "Sure." and "<tool_call>" not in content
+    assert [(name, json.loads(args)) for name, args in calls] == [
+        ("weather", {"city": "Oslo", "days": 2, "metric": True})
+    ]
