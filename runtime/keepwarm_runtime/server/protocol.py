@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from keepwarm_runtime.engine.sampling_params import MAX_LOGIT_BIAS, MAX_TOP_K, SEED_RANGE
 from keepwarm_runtime.server.log_once import warning_once
@@ -141,26 +141,34 @@ class SamplingRequest(OpenAIRequest):
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>"
     priority: int = Field(default=0, ge=-INT32, le=INT32)  # lower is scheduled first
 
-    @model_validator(mode="after")
-    def _check_lists(self) -> SamplingRequest:
-        stops = self.stop_list()
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
         if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
-            raise ValueError(
-                f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters"
-            )
-        if self.logit_bias is not None:
-            if len(self.logit_bias) > MAX_TOKEN_LIST:
-                raise ValueError(f"logit_bias: at most {MAX_TOKEN_LIST} entries")
-            for key, value in self.logit_bias.items():
-                if not key.strip().lstrip("-").isdigit():
-                    raise ValueError(f"logit_bias: keys are token ids, got {key[:40]!r}")
-                if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-                    raise ValueError(
-                        f"logit_bias: values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
-                    )
-        if self.bad_words is not None and any(not w or len(w) > MAX_STOP_CHARS for w in self.bad_words):
-            raise ValueError(f"bad_words: non-empty strings of at most {MAX_STOP_CHARS} characters")
-        return self
+            raise ValueError(f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters")
+        return stop
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias is None:
+            return bias
+        if len(bias) > MAX_TOKEN_LIST:
+            raise ValueError(f"at most {MAX_TOKEN_LIST} entries")
+        for key, value in bias.items():
+            if not key.strip().lstrip("-").isdigit():
+                raise ValueError(f"keys are token ids, got {key[:40]!r}")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise ValueError(f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        return bias
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bounded_words(cls, words: list[str] | None) -> list[str] | None:
+        if words is not None and any(not w or len(w) > MAX_STOP_CHARS for w in words):
+            raise ValueError(f"non-empty strings of at most {MAX_STOP_CHARS} characters")
+        return words
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

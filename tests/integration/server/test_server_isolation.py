@@ -80,7 +80,7 @@ def test_bad_request_is_a_400_naming_the_field(served, path, body, param):
     response = _post(served, path, body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert param in (error["param"] or "") or param in error["message"], error
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
 
 
 def test_after_every_bad_request_the_engine_is_idle_and_healthy(served):
