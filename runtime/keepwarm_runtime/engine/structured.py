@@ -13,8 +13,9 @@ compiled grammar.
 xgrammar silently ignores some JSON-schema keywords (measured against its matcher: ``not``,
 ``uniqueItems``, ``if``/``then``/``else``, ``dependentRequired``/``dependentSchemas``, the
 exclusivity of ``oneOf``, ``allOf`` merges, unknown ``format`` values, ``format`` or ``pattern`` next
-to a length bound, and string/number bounds on a schema without a ``type``). A schema using one is
-refused with the keyword and its location named (``unenforceable_keyword``), never served loosely.
+to a length bound, and string/number bounds on a schema without a ``type``). Such a schema goes to
+llguidance (``structured_guidance``) when it can enforce it exactly, and is otherwise refused with
+the keyword and its location named (``unenforceable_keyword``): never served loosely.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from keepwarm_runtime.engine.sampling_params import TokenConstraint
+from keepwarm_runtime.engine.structured_guidance import LLGuidanceBackend
 
 try:  # optional extra: keepwarm-runtime[structured]
     import xgrammar as xgr
@@ -96,6 +100,7 @@ class StructuredOutputCompiler:
         )
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=True)
         self._vocab_size = vocab_size
+        self._guidance = LLGuidanceBackend.create(tokenizer, vocab_size, list(stop_token_ids or []))
         self._lock = threading.Lock()
 
     def compile(self, params: StructuredOutputsParams) -> Any:
@@ -115,8 +120,21 @@ class StructuredOutputCompiler:
         except Exception as exc:  # xgrammar raises RuntimeError and friends for bad input
             raise ValueError(f"invalid structured outputs {kind}: {_first_line(exc)}") from exc
 
-    def factory(self, params: StructuredOutputsParams) -> Callable[[], XGrammarConstraint]:
-        """A zero-argument callable the engine calls once per output sequence."""
+    def factory(self, params: StructuredOutputsParams) -> Callable[[], TokenConstraint]:
+        """A zero-argument callable the engine calls once per output sequence.
+
+        A JSON schema xgrammar would enforce only loosely goes to llguidance when it can enforce it
+        exactly; otherwise the ValueError names the keyword and llguidance's reason."""
+        schema = _schema_dict(params.json) if params.json is not None and len(params.kinds()) == 1 else None
+        problem = unenforceable_keyword(schema) if schema is not None else None
+        if problem is not None:
+            if self._guidance is None:
+                raise ValueError(f"structured outputs json: {problem}")
+            try:
+                with self._lock:
+                    return self._guidance.json_factory(schema, params.any_whitespace)
+            except ValueError as exc:
+                raise ValueError(f"structured outputs json: {problem} (llguidance: {exc})") from exc
         compiled = self.compile(params)
         vocab_size = self._vocab_size
         return lambda: XGrammarConstraint(compiled, vocab_size)
@@ -126,14 +144,7 @@ class StructuredOutputCompiler:
             schema = '{"type": "object"}'
             return self._compiler.compile_json_schema(schema, any_whitespace=params.any_whitespace)
         if kind == "json":
-            schema = params.json
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"invalid structured outputs json: schema is not JSON ({exc})") from exc
-            if not isinstance(schema, dict):
-                raise ValueError("invalid structured outputs json: the schema must be a JSON object")
+            schema = _schema_dict(params.json)
             problem = unenforceable_keyword(schema)
             if problem is not None:
                 raise ValueError(f"structured outputs json: {problem}")
@@ -157,6 +168,18 @@ class StructuredOutputCompiler:
         if "::=" in grammar:
             return self._compiler.compile_grammar(grammar)
         return self._compiler.compile_lark(grammar)
+
+
+def _schema_dict(schema: dict[str, Any] | str | None) -> dict[str, Any]:
+    """The schema as a dict; ValueError when it is not JSON or not an object."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"invalid structured outputs json: schema is not JSON ({exc})") from exc
+    if not isinstance(schema, dict):
+        raise ValueError("invalid structured outputs json: the schema must be a JSON object")
+    return schema
 
 
 UNENFORCED_KEYWORDS = frozenset(

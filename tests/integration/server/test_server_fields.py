@@ -128,3 +128,30 @@ def test_schema_keywords_the_grammar_cannot_enforce_are_refused_by_name(client):
             response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
         )
     assert "uniqueItems" in info.value.body["message"] and info.value.body["param"] == "response_format"
+
+
+def test_a_schema_xgrammar_would_loosen_is_enforced_by_llguidance(client):
+    import json
+
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "day": {"type": "string", "format": "date", "maxLength": 10},
+            "n": {"allOf": [{"type": "integer", "minimum": 3}, {"type": "integer", "maximum": 9}]},
+        },
+        "required": ["day", "n"],
+        "additionalProperties": False,
+    }
+    for seed in range(4):
+        response = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "a date and a number"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "d", "schema": schema}},
+            max_tokens=80,
+            temperature=1.0,
+            seed=seed,
+        )
+        content = response.choices[0].message.content
+        jsonschema.validate(json.loads(content), schema, format_checker=jsonschema.FormatChecker())

@@ -51,10 +51,10 @@ def _walk(tokenizer, factory, seed: int, max_steps: int = 200) -> tuple[str, boo
         token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
         assert token < len(tokenizer), "a padded id slipped through the mask"
         constraint.accept(token)
-        if constraint.is_terminated():
-            return tokenizer.decode(ids), True
-        ids.append(token)
-    return tokenizer.decode(ids), False
+        ids.append(token)  # as the engine does: the terminating token is part of the output
+        if constraint.is_terminated():  # after a stop token (xgrammar) or the last one possible (llguidance)
+            return tokenizer.decode(ids, skip_special_tokens=True), True
+    return tokenizer.decode(ids, skip_special_tokens=True), False
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -101,20 +101,30 @@ def test_invalid_constraints_raise_value_error(compiler, params, match):
         ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "not"),
         ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, "if"),
         ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
-        ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "allOf"),
         ({"type": "string", "format": "frobnicate"}, "format: frobnicate"),
-        ({"type": "string", "format": "date", "maxLength": 3}, "format"),
-        (
-            {"$defs": {"t": {"type": "string", "pattern": "a+", "minLength": 2}}, "$ref": "#/$defs/t"},
-            "pattern",
-        ),
-        ({"minimum": 3}, "minimum"),
         ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
     ],
 )
-def test_keywords_xgrammar_would_ignore_are_refused_by_name(compiler, schema, named):
+def test_keywords_neither_backend_enforces_are_refused_by_name(compiler, schema, named):
     with pytest.raises(ValueError, match=re.escape(named)):
         compiler.factory(StructuredOutputsParams(json=schema))
+
+
+FALLBACK_SCHEMAS = [
+    {"allOf": [{"type": "integer", "minimum": 3}, {"type": "integer", "maximum": 9}]},
+    {"type": "string", "pattern": "^a+$", "minLength": 2, "maxLength": 4},
+    {"type": "string", "format": "date", "maxLength": 10},
+    {"type": "object", "properties": {"n": {"minimum": 3}}, "required": ["n"], "additionalProperties": False},
+]
+
+
+@pytest.mark.parametrize("schema", FALLBACK_SCHEMAS)
+@pytest.mark.parametrize("seed", range(5))
+def test_schemas_xgrammar_would_loosen_are_enforced_by_llguidance(tokenizer, compiler, schema, seed):
+    assert unenforceable_keyword(schema) is not None  # xgrammar alone would serve these loosely
+    text, terminated = _walk(tokenizer, compiler.factory(StructuredOutputsParams(json=schema)), seed)
+    assert terminated, text
+    jsonschema.validate(json.loads(text), schema, format_checker=jsonschema.FormatChecker())
 
 
 def test_enforced_keywords_compile(compiler):
