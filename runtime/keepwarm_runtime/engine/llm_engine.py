@@ -1,4 +1,10 @@
-"""LLMEngine: add requests, step, get outputs. One thread drives it (the server's loop or LLM)."""
+"""LLMEngine: add requests, step, get outputs. One thread drives it (the server's loop or LLM).
+
+A request enters whole or not at all: every sequence, constraint and generator is built before any
+reaches the scheduler. A fault while sampling or post-processing one request (a constraint that
+raises, a detokenizer error) finishes that request alone, with ``RequestOutput.error`` set; the
+other sequences of the step carry on.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ from keepwarm_runtime.engine.block_manager import BlockManager
 from keepwarm_runtime.engine.config import EngineConfig
 from keepwarm_runtime.engine.detokenizer import IncrementalDetokenizer, find_stop
 from keepwarm_runtime.engine.kv_cache import allocate_kv_cache, num_blocks_for, probe_kv_specs
-from keepwarm_runtime.engine.loader import load_model
+from keepwarm_runtime.engine.loader import LoadInfo, load_model
 from keepwarm_runtime.engine.model_runner import ModelRunner
 from keepwarm_runtime.engine.multimodal import MultimodalInput
 from keepwarm_runtime.engine.outputs import CompletionOutput, EngineStats, RequestOutput
@@ -41,7 +47,7 @@ class LLMEngine:
         self.config = config
         self.device = torch.device(config.device)
         self.model, info = load_model(config)
-        self.load_info = (info.source, info.seconds, info.reason)
+        self.load_info: LoadInfo = info
         self.moe_backends = {c.module: c.backend for c in info.moe}  # experts module -> MoE backend
         self.model_name = config.model_dir
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
@@ -66,6 +72,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, config.block_size, self.device)
         self.sampler = Sampler(self.eos_token_ids, config.seed, self.device)
         self.requests: dict[str, _Request] = {}
+        self._token_text: dict[int, str] = {}  # decoded single tokens, for logprob alternatives
         log.info(
             "engine ready: %s from %s in %.2fs, %d KV blocks x %d tokens, attention %s",
             config.model_dir,
@@ -82,11 +89,13 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
+        priority: int = 0,
         multimodal: MultimodalInput | None = None,  # embeddings for placeholder tokens (engine/multimodal.py)
     ) -> None:
+        """Queue a request (lower ``priority`` first); ValueError, and nothing queued, if it is invalid."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        params.validate()
+        params.validate(self.vocab_size)
         ids = list(prompt_token_ids)
         if not ids:
             raise ValueError("the prompt is empty")
@@ -97,16 +106,38 @@ class LLMEngine:
             )
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
-        seqs = [Sequence(request_id, i, ids, params, multimodal=multimodal) for i in range(params.n)]
+        seqs = [self._new_sequence(request_id, i, ids, params, priority, multimodal) for i in range(params.n)]
         request = _Request(request_id, prompt, ids, seqs)
-        for seq in seqs:
-            if params.constraint_factory is not None:
-                seq.constraint = params.constraint_factory()
-            if params.seed is not None:
-                seq.generator = torch.Generator(device=self.device).manual_seed(params.seed + seq.index)
-            request.detokenizers.append(IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens))
+        request.detokenizers = [
+            IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) for _ in seqs
+        ]
+        for seq in seqs:  # nothing below can fail: the request is complete
             self.scheduler.add(seq)
         self.requests[request_id] = request
+
+    def _new_sequence(
+        self,
+        request_id: str,
+        index: int,
+        ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        multimodal: MultimodalInput | None,
+    ) -> Sequence:
+        seq = Sequence(request_id, index, ids, params, priority=priority, multimodal=multimodal)
+        if params.constraint_factory is not None:
+            seq.constraint = params.constraint_factory()
+        seed = params.sequence_seed(index)
+        if seed is not None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(seed)
+        return seq
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text as a client reads it (not its byte-level symbol such as 'Ġthe')."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
@@ -132,16 +163,27 @@ class LLMEngine:
 
     def _postprocess(self, seqs: list[Sequence], sampled: list[SampledToken]) -> list[RequestOutput]:
         touched: dict[str, _Request] = {}
+        failed: dict[str, str] = {}  # request id -> why it alone failed
         for seq, token in zip(seqs, sampled, strict=True):
             request = self.requests.get(seq.request_id)
-            if request is None or seq.is_finished:
+            if request is None or seq.is_finished or seq.request_id in failed:
                 continue
-            self._append(seq, token, request.detokenizers[seq.index])
             touched[seq.request_id] = request
+            if token.error is not None:
+                failed[seq.request_id] = token.error
+                continue
+            try:
+                self._append(seq, token, request.detokenizers[seq.index])
+            except Exception as exc:
+                log.exception("post-processing request %s failed; failing it alone", seq.request_id)
+                failed[seq.request_id] = f"{type(exc).__name__}: {exc}"
         outputs = []
         for request in touched.values():
-            output = self._output(request)
-            if output.finished:
+            error = failed.get(request.request_id)
+            if error is not None:
+                self.abort_request(request.request_id)
+            output = self._output(request, error)
+            if output.finished and request.request_id in self.requests:
                 del self.requests[request.request_id]
             outputs.append(output)
         return outputs
@@ -151,7 +193,7 @@ class LLMEngine:
         seq.token_ids.append(token.token_id)
         if token.logprobs is not None:
             for tid, lp in token.logprobs.items():
-                lp.decoded_token = self.tokenizer.convert_ids_to_tokens(tid)
+                lp.decoded_token = self.token_text(tid)
             seq.logprobs.append(token.logprobs)
             seq.cumulative_logprob += token.logprob
         if seq.constraint is not None:
@@ -179,7 +221,7 @@ class LLMEngine:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.scheduler.finish(seq)
 
-    def _output(self, request: _Request) -> RequestOutput:
+    def _output(self, request: _Request, error: str | None = None) -> RequestOutput:
         completions = [
             CompletionOutput(
                 index=seq.index,
@@ -199,6 +241,7 @@ class LLMEngine:
             outputs=completions,
             finished=all(seq.is_finished for seq in request.seqs),
             num_cached_tokens=request.seqs[0].num_cached_tokens,
+            error=error,
         )
 
 

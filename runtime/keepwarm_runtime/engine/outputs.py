@@ -34,6 +34,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]  # n completions, in index order
     finished: bool  # all completions finished
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # set when this request alone failed (its sequences were aborted)
 
 
 @dataclass

@@ -1,9 +1,14 @@
 """Sampler: logits of a batch of sequences -> one token each, with logprobs when asked.
 
 Order per row, as in vLLM: penalties (repetition over prompt+output, presence/frequency over the
-output), min_tokens masking of EOS/stop ids, the structured-output constraint's mask; then greedy
-argmax, or temperature, top-k, top-p, min-p and a draw (exponential race, so seeded rows use their
-own generator without a per-row multinomial). Logprobs are taken from the raw model distribution.
+output), logit_bias, allowed_token_ids, bad words, min_tokens masking of EOS/stop ids, the
+structured-output constraint's mask; then greedy argmax, or temperature, top-k, top-p, min-p and a
+draw (exponential race, so seeded rows use their own generator without a per-row multinomial).
+Logprobs are taken from the raw model distribution.
+
+Isolation: one request's fault (a constraint that raises, a parameter that overflows) must not cost
+the other rows their step. Per-row work catches per row; the batched draw, if it raises, is redone
+row by row. A failed row comes back as a ``SampledToken`` with ``error`` set and no token.
 """
 
 from __future__ import annotations
@@ -18,9 +23,14 @@ from keepwarm_runtime.engine.sequence import Sequence
 
 @dataclass
 class SampledToken:
-    token_id: int
+    token_id: int  # -1 when the row failed
     logprob: float | None  # the token's raw logprob, when the sequence asked for logprobs
     logprobs: dict[int, Logprob] | None  # sampled token + top alternatives (decoded_token filled later)
+    error: str | None = None  # why this row could not be sampled (its request fails, no one else's)
+
+
+def _failure(exc: BaseException) -> str:
+    return f"sampling failed: {type(exc).__name__}: {exc}"
 
 
 class Sampler:
@@ -31,45 +41,87 @@ class Sampler:
     def __call__(self, seqs: list[Sequence], logits: torch.Tensor) -> list[SampledToken]:
         want_logprobs = [s.params.logprobs is not None for s in seqs]
         raw = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
-        logits = self._process(seqs, logits)
-        tokens = self._choose(seqs, logits)
+        failed: dict[int, str] = {}  # row -> why
+        logits = self._process(seqs, logits, failed)
+        tokens = self._choose_isolated(seqs, logits, failed)
         out = []
         for row, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
-            if not want_logprobs[row]:
+            if row in failed:
+                out.append(SampledToken(-1, None, None, failed[row]))
+            elif not want_logprobs[row]:
                 out.append(SampledToken(token, None, None))
-                continue
-            out.append(SampledToken(token, *_logprobs(raw[row], token, seq.params.logprobs)))
+            else:
+                try:
+                    out.append(SampledToken(token, *_logprobs(raw[row], token, seq.params.logprobs)))
+                except Exception as exc:
+                    out.append(SampledToken(-1, None, None, _failure(exc)))
         return out
 
-    def _process(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+    def _process(
+        self, seqs: list[Sequence], logits: torch.Tensor, failed: dict[int, str] | None = None
+    ) -> torch.Tensor:
+        """The processed logits (a copy when any row changes); rows that raise go into ``failed``."""
+        failed = {} if failed is None else failed
         touched = False
         for row, seq in enumerate(seqs):
             p = seq.params
             banned = []
             if seq.num_output_tokens < p.min_tokens:
                 banned = [*self.eos_token_ids, *p.stop_token_ids]
-            if not (p.needs_penalties or banned or seq.constraint is not None):
+            if not (p.needs_masks or banned or seq.constraint is not None):
                 continue
             if not touched:
                 logits, touched = logits.clone(), True
-            line = logits[row]
-            if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=line.device)
-                values = line[seen]
-                line[seen] = torch.where(
-                    values > 0, values / p.repetition_penalty, values * p.repetition_penalty
-                )
-            if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
-                out_ids = torch.tensor(seq.output_token_ids, dtype=torch.long, device=line.device)
-                counts = torch.bincount(out_ids, minlength=line.shape[0])[: line.shape[0]].to(line.dtype)
-                line -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(line.dtype)
-            if banned:
-                line[torch.tensor([t for t in banned if 0 <= t < line.shape[0]], dtype=torch.long)] = float(
-                    "-inf"
-                )
-            if seq.constraint is not None:
-                seq.constraint.fill_mask(line)
+            try:
+                self._process_row(seq, logits[row], banned)
+            except Exception as exc:
+                failed[row] = _failure(exc)
+                logits[row] = 0.0  # keep the batched draw finite; this row's token is discarded
         return logits
+
+    @staticmethod
+    def _process_row(seq: Sequence, line: torch.Tensor, banned: list[int]) -> None:
+        """Apply one sequence's penalties, biases and masks to its logits row, in place."""
+        p = seq.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=line.device)
+            values = line[seen]
+            line[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
+            out_ids = torch.tensor(seq.output_token_ids, dtype=torch.long, device=line.device)
+            counts = torch.bincount(out_ids, minlength=line.shape[0])[: line.shape[0]].to(line.dtype)
+            line -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(line.dtype)
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=line.device)
+            bias = torch.tensor(list(p.logit_bias.values()), dtype=line.dtype, device=line.device)
+            line.index_add_(0, ids, bias)
+        if p.allowed_token_ids is not None:
+            keep = torch.full_like(line, float("-inf"))
+            keep[torch.tensor(p.allowed_token_ids, dtype=torch.long, device=line.device)] = 0.0
+            line += keep
+        banned = banned + _bad_word_tokens(seq.output_token_ids, p.bad_words_token_ids)
+        if banned:
+            ids = torch.tensor([t for t in banned if 0 <= t < line.shape[0]], dtype=torch.long)
+            line[ids.to(line.device)] = float("-inf")
+        if seq.constraint is not None:
+            seq.constraint.fill_mask(line)
+
+    def _choose_isolated(
+        self, seqs: list[Sequence], logits: torch.Tensor, failed: dict[int, str]
+    ) -> list[int]:
+        """The batched draw; if it raises, each row alone, so only the faulty rows fail."""
+        try:
+            return self._choose(seqs, logits)
+        except Exception:
+            tokens = [-1] * len(seqs)
+            for row, seq in enumerate(seqs):
+                if row in failed:
+                    continue
+                try:
+                    tokens[row] = self._choose([seq], logits[row : row + 1])[0]
+                except Exception as exc:
+                    failed[row] = _failure(exc)
+            return tokens
 
     def _choose(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         tokens = logits.argmax(dim=-1).tolist()
@@ -98,6 +150,16 @@ class Sampler:
         for j, i in enumerate(rows):
             tokens[i] = chosen[j]
         return tokens
+
+
+def _bad_word_tokens(output: list[int], bad_words: list[list[int]]) -> list[int]:
+    """Last tokens of the bad words whose other tokens the output just produced (vLLM's rule)."""
+    banned = []
+    for words in bad_words:
+        prefix = words[:-1]
+        if not prefix or output[len(output) - len(prefix) :] == prefix:
+            banned.append(words[-1])
+    return banned
 
 
 def _top_k_top_p(logits: torch.Tensor, params) -> torch.Tensor:

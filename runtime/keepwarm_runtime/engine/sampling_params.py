@@ -9,6 +9,9 @@ from typing import Protocol, runtime_checkable
 import torch
 
 _GREEDY_EPS = 1e-5
+MAX_TOP_K = 2**31 - 1  # top_k beyond the vocabulary keeps all tokens; past int32 it is an overflow
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on one token's logit bias
 
 
 @runtime_checkable
@@ -43,6 +46,9 @@ class SamplingParams:
     ignore_eos: bool = False  # keep going past EOS (benchmarks, parity tests)
     logprobs: int | None = None  # return the sampled token's logprob plus this many top alternatives
     prompt_logprobs: int | None = None  # not supported yet: must stay None
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None  # when set, only these tokens may be sampled
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # token sequences never generated
     skip_special_tokens: bool = True  # drop special tokens from the text
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     constraint_factory: Callable[[], TokenConstraint] | None = None  # one constraint per output sequence
@@ -52,17 +58,26 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
+        self.bad_words_token_ids = [list(words) for words in self.bad_words_token_ids or []]
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
 
-    def validate(self) -> None:
-        """Raise ValueError naming the first bad field."""
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the first bad field; with ``vocab_size``, token ids are checked too."""
         checks = [
             (self.n >= 1, f"n must be at least 1, got {self.n}"),
             (self.temperature >= 0, f"temperature must be non-negative, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= 0, f"top_k must be -1, 0 (off) or positive, got {self.top_k}"),
+            (
+                0 <= self.top_k <= MAX_TOP_K,
+                f"top_k must be -1, 0 (off) or in [1, {MAX_TOP_K}], got {self.top_k}",
+            ),
+            (
+                self.seed is None or SEED_RANGE[0] <= self.seed <= SEED_RANGE[1],
+                f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}",
+            ),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (
                 -2 <= self.presence_penalty <= 2,
@@ -91,15 +106,55 @@ class SamplingParams:
             ),
             (self.prompt_logprobs is None, "prompt_logprobs is not supported by the keepwarm engine"),
             (all(s for s in self.stop), "stop strings must be non-empty"),
+            (
+                all(abs(b) <= MAX_LOGIT_BIAS for b in self.logit_bias.values()),
+                f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+            ),
+            (
+                self.allowed_token_ids is None or bool(self.allowed_token_ids),
+                "allowed_token_ids must not be empty",
+            ),
+            (all(self.bad_words_token_ids), "bad_words must be non-empty token sequences"),
         ]
+        if vocab_size is not None:
+            checks += [
+                (_in_vocab(self.stop_token_ids, vocab_size), f"stop_token_ids must be in [0, {vocab_size})"),
+                (
+                    _in_vocab(self.logit_bias, vocab_size),
+                    f"logit_bias token ids must be in [0, {vocab_size})",
+                ),
+                (
+                    _in_vocab(self.allowed_token_ids or [], vocab_size),
+                    f"allowed_token_ids must be in [0, {vocab_size})",
+                ),
+                (
+                    all(_in_vocab(words, vocab_size) for words in self.bad_words_token_ids),
+                    f"bad_words token ids must be in [0, {vocab_size})",
+                ),
+            ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    def sequence_seed(self, index: int) -> int | None:
+        """The seed of output sequence ``index``: distinct per sequence, always a valid torch seed."""
+        return None if self.seed is None else (self.seed + index) % 2**64
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
     @property
+    def needs_masks(self) -> bool:
+        """True when the sampler must edit this request's logits row before choosing."""
+        return bool(
+            self.needs_penalties or self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids
+        )
+
+    @property
     def needs_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+def _in_vocab(ids, vocab_size: int) -> bool:
+    return all(isinstance(t, int) and 0 <= t < vocab_size for t in ids)

@@ -2,7 +2,8 @@
 
 Every sequence's `num_computed_tokens` chases its `num_tokens`. Each step hands out a budget of
 `max_num_batched_tokens`: running sequences first (a decode needs one token, an unfinished prefill its
-next chunk), then waiting ones in arrival order while there is room for another sequence. Prefix hits
+next chunk), then waiting ones by priority (lower first), then arrival, while there is room for another
+sequence. Prefix hits
 and chunked prefill need no special mode: they just start a sequence at a later `num_computed_tokens`
 or give it fewer tokens than it has left. When blocks run out the newest running sequence is
 preempted: its blocks are freed and it is recomputed later from the start.
@@ -40,7 +41,11 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queue behind every waiting sequence of the same or a more urgent (lower) priority."""
+        position = len(self.waiting)
+        while position and self.waiting[position - 1].priority > seq.priority:
+            position -= 1
+        self.waiting.insert(position, seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -34,6 +34,7 @@ class Sequence:
     params: SamplingParams
     token_ids: list[int] = field(init=False)  # prompt + generated tokens
     arrival: int = field(init=False, default_factory=lambda: next(_arrivals))  # FCFS order
+    priority: int = 0  # lower values are admitted first; FCFS among equals
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache at admission

@@ -9,6 +9,13 @@ vLLM behave the same here.
 
 The engine calls the factory once per output sequence; each call gets a fresh matcher over the shared
 compiled grammar.
+
+xgrammar silently ignores some JSON-schema keywords (measured against its matcher: ``not``,
+``uniqueItems``, ``if``/``then``/``else``, ``dependentRequired``/``dependentSchemas``, the
+exclusivity of ``oneOf``, ``allOf`` merges, unknown ``format`` values, ``format`` or ``pattern`` next
+to a length bound, and string/number bounds on a schema without a ``type``). Such a schema goes to
+llguidance (``structured_guidance``) when it can enforce it exactly, and is otherwise refused with
+the keyword and its location named (``unenforceable_keyword``): never served loosely.
 """
 
 from __future__ import annotations
@@ -21,6 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from keepwarm_runtime.engine.sampling_params import TokenConstraint
+from keepwarm_runtime.engine.structured_guidance import LLGuidanceBackend
 
 try:  # optional extra: keepwarm-runtime[structured]
     import xgrammar as xgr
@@ -90,6 +100,7 @@ class StructuredOutputCompiler:
         )
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=True)
         self._vocab_size = vocab_size
+        self._guidance = LLGuidanceBackend.create(tokenizer, vocab_size, list(stop_token_ids or []))
         self._lock = threading.Lock()
 
     def compile(self, params: StructuredOutputsParams) -> Any:
@@ -109,8 +120,21 @@ class StructuredOutputCompiler:
         except Exception as exc:  # xgrammar raises RuntimeError and friends for bad input
             raise ValueError(f"invalid structured outputs {kind}: {_first_line(exc)}") from exc
 
-    def factory(self, params: StructuredOutputsParams) -> Callable[[], XGrammarConstraint]:
-        """A zero-argument callable the engine calls once per output sequence."""
+    def factory(self, params: StructuredOutputsParams) -> Callable[[], TokenConstraint]:
+        """A zero-argument callable the engine calls once per output sequence.
+
+        A JSON schema xgrammar would enforce only loosely goes to llguidance when it can enforce it
+        exactly; otherwise the ValueError names the keyword and llguidance's reason."""
+        schema = _schema_dict(params.json) if params.json is not None and len(params.kinds()) == 1 else None
+        problem = unenforceable_keyword(schema) if schema is not None else None
+        if problem is not None:
+            if self._guidance is None:
+                raise ValueError(f"structured outputs json: {problem}")
+            try:
+                with self._lock:
+                    return self._guidance.json_factory(schema, params.any_whitespace)
+            except ValueError as exc:
+                raise ValueError(f"structured outputs json: {problem} (llguidance: {exc})") from exc
         compiled = self.compile(params)
         vocab_size = self._vocab_size
         return lambda: XGrammarConstraint(compiled, vocab_size)
@@ -120,14 +144,10 @@ class StructuredOutputCompiler:
             schema = '{"type": "object"}'
             return self._compiler.compile_json_schema(schema, any_whitespace=params.any_whitespace)
         if kind == "json":
-            schema = params.json
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"invalid structured outputs json: schema is not JSON ({exc})") from exc
-            if not isinstance(schema, dict):
-                raise ValueError("invalid structured outputs json: the schema must be a JSON object")
+            schema = _schema_dict(params.json)
+            problem = unenforceable_keyword(schema)
+            if problem is not None:
+                raise ValueError(f"structured outputs json: {problem}")
             return self._compiler.compile_json_schema(
                 json.dumps(bounded_strings_as_patterns(schema)),
                 any_whitespace=params.any_whitespace,
@@ -148,6 +168,96 @@ class StructuredOutputCompiler:
         if "::=" in grammar:
             return self._compiler.compile_grammar(grammar)
         return self._compiler.compile_lark(grammar)
+
+
+def _schema_dict(schema: dict[str, Any] | str | None) -> dict[str, Any]:
+    """The schema as a dict; ValueError when it is not JSON or not an object."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"invalid structured outputs json: schema is not JSON ({exc})") from exc
+    if not isinstance(schema, dict):
+        raise ValueError("invalid structured outputs json: the schema must be a JSON object")
+    return schema
+
+
+UNENFORCED_KEYWORDS = frozenset(
+    {"not", "uniqueItems", "if", "then", "else", "dependentRequired", "dependentSchemas", "allOf", "oneOf"}
+    | {"$dynamicRef", "$recursiveRef"}
+)
+ENFORCED_FORMATS = frozenset(
+    {
+        "date",
+        "time",
+        "date-time",
+        "duration",
+        "email",
+        "hostname",
+        "ipv4",
+        "ipv6",
+        "uri",
+        "uri-reference",
+        "uuid",
+    }
+)
+_STRING_BOUNDS = ("minLength", "maxLength")
+_TYPED_KEYWORDS = {
+    "minLength": {"string"},
+    "maxLength": {"string"},
+    "pattern": {"string"},
+    "format": {"string"},
+    "minimum": {"integer", "number"},
+    "maximum": {"integer", "number"},
+    "exclusiveMinimum": {"integer", "number"},
+    "exclusiveMaximum": {"integer", "number"},
+    "multipleOf": {"integer", "number"},
+}
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SUBSCHEMA_ONE = ("items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems", "contains")
+_SUBSCHEMA_ONE += ("propertyNames",)
+_SUBSCHEMA_LISTS = ("anyOf", "prefixItems", "items")
+
+
+def unenforceable_keyword(schema: Any, where: str = "the schema root") -> str | None:
+    """The first keyword xgrammar would ignore, as "`kw` at <location> ...", or None."""
+    if not isinstance(schema, dict):
+        return None
+    for keyword in schema:
+        if keyword in UNENFORCED_KEYWORDS:
+            return (
+                f"the keyword `{keyword}` (at {where}) cannot be enforced by the grammar backend (xgrammar); "
+                "remove it or express it with anyOf/enum/pattern"
+            )
+    fmt = schema.get("format")
+    if fmt is not None and fmt not in ENFORCED_FORMATS:
+        supported = ", ".join(sorted(ENFORCED_FORMATS))
+        return f"`format: {fmt}` (at {where}) is not enforced; supported formats: {supported}"
+    bounds = [k for k in _STRING_BOUNDS if k in schema]
+    for other in ("format", "pattern"):
+        if other in schema and bounds:
+            return f"`{other}` together with `{bounds[0]}` (at {where}) cannot be enforced; keep one of them"
+    types = schema.get("type")
+    types = {types} if isinstance(types, str) else set(types or [])
+    for keyword, needs in _TYPED_KEYWORDS.items():
+        if keyword in schema and not types & needs and "enum" not in schema and "const" not in schema:
+            return f"`{keyword}` (at {where}) is only enforced with `type: {' or '.join(sorted(needs))}`"
+    for key in _SUBSCHEMA_MAPS:
+        children = schema.get(key)
+        if isinstance(children, dict):
+            for name, child in children.items():
+                if (found := unenforceable_keyword(child, f"{where} > {key} > {name}")) is not None:
+                    return found
+    for key in _SUBSCHEMA_ONE:
+        if (found := unenforceable_keyword(schema.get(key), f"{where} > {key}")) is not None:
+            return found
+    for key in _SUBSCHEMA_LISTS:
+        children = schema.get(key)
+        if isinstance(children, list):
+            for i, child in enumerate(children):
+                if (found := unenforceable_keyword(child, f"{where} > {key}[{i}]")) is not None:
+                    return found
+    return None
 
 
 def bounded_strings_as_patterns(schema: Any) -> Any:

@@ -1,16 +1,19 @@
-"""The FastAPI app: OpenAI routes, health/ready/metrics/version, errors as OpenAI bodies.
+"""The FastAPI app: OpenAI routes, tokenizer routes, probes, metrics; errors as OpenAI bodies.
 
 The engine loads in its own thread once the app starts, so the port answers /health (alive) at once
-while /ready and the inference routes answer 503 until the weights are in.
+while /ready and the inference routes answer 503 until the weights are in. /health also answers 503
+once the engine has failed in a way no single request can be blamed for, so the pod gets restarted.
+
+Request bodies are parsed here (``request_body``) rather than by FastAPI, so size, depth and Unicode
+checks come first; the pydantic request models are still published in /openapi.json.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -19,16 +22,30 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from keepwarm_runtime import __version__
+from keepwarm_runtime.engine.outputs import EngineStats
 from keepwarm_runtime.server.async_engine import AsyncEngine
+from keepwarm_runtime.server.engine_client import EngineClient
 from keepwarm_runtime.server.errors import BadRequest, from_validation_error, install_error_handlers
+from keepwarm_runtime.server.guards import ApiKey, BodyLimit
 from keepwarm_runtime.server.metrics import ServerMetrics, process_start_time
-from keepwarm_runtime.server.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from keepwarm_runtime.server.openapi import body_schema, install_openapi
+from keepwarm_runtime.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    OpenAIRequest,
+    TokenizeRequest,
+)
+from keepwarm_runtime.server.protocol_responses import ResponsesRequest
+from keepwarm_runtime.server.request_body import parse_json_object
 from keepwarm_runtime.server.responses import ModelCard, ModelList
-from keepwarm_runtime.server.serving import ServingContext
+from keepwarm_runtime.server.serving import ServingContext, ServingOptions
 from keepwarm_runtime.server.serving_audio import ROUTES as AUDIO_ROUTES
 from keepwarm_runtime.server.serving_audio import AudioServerSettings, register_audio_routes
 from keepwarm_runtime.server.serving_chat import create_chat_completion
 from keepwarm_runtime.server.serving_completion import create_completion
+from keepwarm_runtime.server.serving_responses import create_response
+from keepwarm_runtime.server.serving_tokens import detokenize, tokenize
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R", bound=OpenAIRequest)
@@ -36,50 +53,61 @@ ROUTES = (
     "/v1/models",
     "/v1/completions",
     "/v1/chat/completions",
+    "/v1/responses",
+    "/tokenize",
+    "/detokenize",
     "/health",
     "/ready",
+    "/ping",
     "/metrics",
     "/version",
     "/debug/stats",
     *AUDIO_ROUTES,
 )
+NOT_INFERENCE = ("/v1/models",)
 
 
 def create_app(
-    make_engine: Callable[[], Any],
+    make_engine: Callable[[], EngineClient],
     *,
     model_dir: str | Path,
     served_model_name: str | None = None,
     started_at: float | None = None,
+    options: ServingOptions | None = None,
     audio: AudioServerSettings | None = None,
 ) -> FastAPI:
     """An app serving the engine ``make_engine()`` builds (called in the engine thread at startup)."""
     model_dir = Path(model_dir)
+    options = options or ServingOptions()
     name = served_model_name or model_dir.name
     metrics = ServerMetrics(name)
     started_at = process_start_time() if started_at is None else started_at
 
-    def on_ready(engine: Any) -> None:
-        source, seconds = _load_info(engine)
-        metrics.record_load(source, seconds, started_at)
+    def on_ready(engine: EngineClient) -> None:
+        info = engine.load_info
+        metrics.record_load(info.source, info.seconds, started_at)
         metrics.record_moe(getattr(engine, "moe_backends", {}))
         logger.info(
             "ready: weights from %s in %.2fs, %.2fs after process start",
-            source,
-            seconds,
+            info.source,
+            info.seconds,
             time.time() - started_at,
         )
 
-    def on_stats(stats: Any) -> None:
+    def on_stats(stats: EngineStats) -> None:
         metrics.record_engine(
-            stats.num_running, stats.num_waiting, stats.kv_cache_usage, getattr(stats, "num_preemptions", 0)
+            stats.num_running, stats.num_waiting, stats.kv_cache_usage, stats.num_preemptions
         )
 
     async_engine = AsyncEngine(
         make_engine, on_stats=on_stats, on_ready=on_ready, on_abort=lambda _: metrics.aborts.inc()
     )
     ctx = ServingContext(
-        async_engine=async_engine, metrics=metrics, served_model_name=name, model_dir=model_dir
+        async_engine=async_engine,
+        metrics=metrics,
+        served_model_name=name,
+        model_dir=model_dir,
+        options=options,
     )
 
     @contextlib.asynccontextmanager
@@ -87,11 +115,21 @@ def create_app(
         async_engine.start()
         yield
         async_engine.shutdown()
+        ctx.close()
 
     app = FastAPI(title="keepwarm", version=__version__, lifespan=lifespan)
     app.state.ctx = ctx
     install_error_handlers(app)
     app.add_middleware(_RequestMetrics, metrics=metrics)
+    audio = audio or AudioServerSettings()
+    upload_limit = (audio.max_upload_bytes, "--max-audio-upload-bytes")
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=options.max_request_body_bytes,
+        per_path=dict.fromkeys(AUDIO_ROUTES, upload_limit),
+    )
+    if options.api_key:
+        app.add_middleware(ApiKey, key=options.api_key)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -104,6 +142,11 @@ def create_app(
             },
             status_code=status,
         )
+
+    @app.get("/ping")
+    async def ping() -> JSONResponse:
+        """Liveness alias of /health (SageMaker and some load balancers probe /ping)."""
+        return await health()
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
@@ -122,49 +165,58 @@ def create_app(
     async def debug_stats() -> JSONResponse:
         stats = ctx.engine.stats()
         fields = ("num_running", "num_waiting", "kv_cache_usage", "num_preemptions")
-        return JSONResponse({f: getattr(stats, f, None) for f in fields})
+        return JSONResponse({f: getattr(stats, f) for f in fields})
+
+    def card() -> ModelCard:
+        engine = async_engine.engine
+        max_len = engine.max_model_len if async_engine.ready and engine is not None else None
+        return ModelCard(id=name, root=str(model_dir), max_model_len=max_len)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        max_len = async_engine.engine.max_model_len if async_engine.ready else None
-        card = ModelCard(id=name, root=str(model_dir), max_model_len=max_len)
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        return JSONResponse(ModelList(data=[card()]).model_dump())
 
-    @app.post("/v1/chat/completions")
-    async def chat(raw: Request) -> Any:
-        return await create_chat_completion(ctx, await _parse(ctx, raw, ChatCompletionRequest), raw)
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        ctx.check_model(model_id)
+        return JSONResponse(card().model_dump())
 
-    @app.post("/v1/completions")
-    async def completions(raw: Request) -> Any:
-        return await create_completion(ctx, await _parse(ctx, raw, CompletionRequest), raw)
+    def post(
+        path: str, model: type[R], handler: Callable[[ServingContext, R, Request], Awaitable[Any]]
+    ) -> None:
+        async def route(raw: Request) -> Any:
+            return await handler(ctx, await _parse(ctx, raw, model), raw)
 
-    register_audio_routes(app, ctx, audio or AudioServerSettings())
+        app.post(path, openapi_extra=body_schema(model), name=handler.__name__)(route)
+
+    post("/v1/chat/completions", ChatCompletionRequest, create_chat_completion)
+    post("/v1/completions", CompletionRequest, create_completion)
+    post("/v1/responses", ResponsesRequest, create_response)
+    post("/tokenize", TokenizeRequest, tokenize)
+    post("/detokenize", DetokenizeRequest, detokenize)
+    register_audio_routes(app, ctx, audio)
+    bodies = [ChatCompletionRequest, CompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest]
+    install_openapi(app, bodies)
     return app
 
 
 async def _parse(ctx: ServingContext, raw: Request, model: type[R]) -> R:
-    """503 before ready, then 400 for malformed JSON or invalid fields, else the request model."""
+    """503 before ready, then 400 for malformed JSON or invalid fields, else the request model.
+
+    Parsing and validating (up to --max-request-body-bytes of JSON) run in the preprocessing pool, so a
+    large body does not hold the event loop."""
     ctx.engine  # noqa: B018
-    body = await raw.body()
-    try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"malformed JSON body: {exc}", code="invalid_json") from exc
-    if not isinstance(data, dict):
-        raise BadRequest("the request body must be a JSON object", code="invalid_json")
+    return await ctx.preprocess(_validate, await raw.body(), model)
+
+
+def _validate(body: bytes, model: type[R]) -> R:
+    data = parse_json_object(body)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise from_validation_error(exc) from exc
-
-
-def _load_info(engine: Any) -> tuple[str, float]:
-    info = getattr(engine, "load_info", None)
-    if info is None:
-        return "disk", 0.0
-    if isinstance(info, tuple):
-        return str(info[0]), float(info[1])
-    return str(info.source), float(info.seconds)
+    except RecursionError as exc:
+        raise BadRequest("the request is nested too deeply", code="invalid_json") from exc
 
 
 class _RequestMetrics:
@@ -178,7 +230,7 @@ class _RequestMetrics:
             await self.app(scope, receive, send)
             return
         endpoint = scope["path"] if scope["path"] in ROUTES else "other"
-        inference = endpoint.startswith("/v1/") and endpoint != "/v1/models"
+        inference = endpoint.startswith("/v1/") and endpoint not in NOT_INFERENCE
         status = 500
 
         async def send_status(message: dict) -> None:

@@ -4,9 +4,11 @@ The thread builds the engine (loading weights while the HTTP server already answ
 loops: apply queued adds and aborts, ``step()``, hand each output to its request's asyncio queue via
 ``loop.call_soon_threadsafe``. Only that thread touches the engine, so the engine needs no locks.
 
-Failure containment: ``add_request`` errors (prompt too long, bad params) go to that request alone;
-an exception inside ``step()`` cannot be pinned on one request, so every in-flight request gets the
-error and is aborted (freeing its KV blocks) and the loop carries on. The process stays up either way.
+Failure containment: ``add_request`` errors (prompt too long, bad params) go to that request alone,
+and so do the faults the engine pins on one request (``RequestOutput.error``: a constraint or sampling
+fault). An exception escaping ``step()`` cannot be pinned on anyone and may have left the engine's
+state inconsistent: every in-flight request gets the error, the state becomes "failed" (so /health
+answers 503 and Kubernetes restarts the pod) and no further work is accepted.
 """
 
 from __future__ import annotations
@@ -19,7 +21,13 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from keepwarm_runtime.engine.multimodal import MultimodalInput
+    from keepwarm_runtime.engine.outputs import EngineStats, RequestOutput
+    from keepwarm_runtime.engine.sampling_params import SamplingParams
+    from keepwarm_runtime.server.engine_client import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -46,16 +54,16 @@ class AsyncEngine:
 
     def __init__(
         self,
-        make_engine: Callable[[], Any],
-        on_stats: Callable[[Any], None] | None = None,
-        on_ready: Callable[[Any], None] | None = None,
+        make_engine: Callable[[], EngineClient],
+        on_stats: Callable[[EngineStats], None] | None = None,
+        on_ready: Callable[[EngineClient], None] | None = None,
         on_abort: Callable[[str], None] | None = None,
     ) -> None:
         self._make_engine = make_engine
         self._on_stats = on_stats  # called with engine.stats() after each step, in the engine thread
         self._on_ready = on_ready  # called with the engine once loaded, in the engine thread
         self._on_abort = on_abort  # called with the id of each request aborted while in flight
-        self.engine: Any = None  # the LLMEngine once ready; read-only from other threads
+        self.engine: EngineClient | None = None  # the LLMEngine once ready; read-only from other threads
         self.state = "loading"
         self.error: str | None = None  # why loading failed
         self._inbox: deque[tuple[str, Any]] = deque()  # ("add", (id, ids, params, stream)) | ("abort", id)
@@ -81,12 +89,17 @@ class AsyncEngine:
         return self.state == "ready"
 
     async def generate(
-        self, request_id: str, prompt_token_ids: Any, params: Any, multimodal: Any = None
-    ) -> AsyncIterator[Any]:
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        multimodal: MultimodalInput | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative RequestOutputs until finished; abort the request if the consumer goes away.
         ``multimodal``: embeddings for the prompt's placeholder tokens (engine/multimodal.py), or None."""
         stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
-        self._post(("add", (request_id, prompt_token_ids, params, stream, multimodal)))
+        self._post(("add", (request_id, prompt_token_ids, params, priority, multimodal, stream)))
         try:
             while True:
                 item = await stream.queue.get()
@@ -136,16 +149,17 @@ class AsyncEngine:
                     break  # wait for new work instead of spinning on a failing step
                 self._drain_inbox()
             self._report_stats()
-        self.state = "stopped"
+        if self.state != "failed":
+            self.state = "stopped"
 
     def _drain_inbox(self) -> None:
         while self._inbox:
             kind, payload = self._inbox.popleft()
             if kind == "add":
-                request_id, prompt_token_ids, params, stream, multimodal = payload
+                request_id, prompt_token_ids, params, priority, multimodal, stream = payload
                 extra = {} if multimodal is None else {"multimodal": multimodal}
                 try:
-                    self.engine.add_request(request_id, prompt_token_ids, params, **extra)
+                    self.engine.add_request(request_id, prompt_token_ids, params, priority=priority, **extra)
                 except Exception as exc:  # bad params or prompt too long: only this request fails
                     stream.finished = True
                     error = EngineRequestError(str(exc), bad_request=isinstance(exc, ValueError))
@@ -165,7 +179,10 @@ class AsyncEngine:
             outputs = self.engine.step()
         except Exception as exc:
             logger.exception("engine step failed; failing the %d requests in flight", len(self._streams))
-            error = EngineRequestError(f"engine step failed: {type(exc).__name__}: {exc}", bad_request=False)
+            self.error = f"engine step failed: {type(exc).__name__}: {exc}"
+            self.state = "failed"  # /health now answers 503: the pod needs a restart
+            self._stop = True
+            error = EngineRequestError(self.error, bad_request=False)
             for request_id, stream in list(self._streams.items()):
                 self._abort_quietly(request_id)
                 stream.finished = True
@@ -180,7 +197,8 @@ class AsyncEngine:
             if output.finished:
                 stream.finished = True
                 del self._streams[output.request_id]
-            by_stream.setdefault(id(stream), (stream, []))[1].append(output)
+            item = output if output.error is None else EngineRequestError(output.error, bad_request=False)
+            by_stream.setdefault(id(stream), (stream, []))[1].append(item)
         for stream, items in by_stream.values():
             self._send(stream, items)
         self._report_stats()

@@ -16,9 +16,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from keepwarm_runtime.cache.env import env_flag
+from keepwarm_runtime.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_PREPROCESS_TIMEOUT_S
+from keepwarm_runtime.server.tool_parsers import TOOL_PARSERS
+
 logger = logging.getLogger(__name__)
 
-_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 # Engine settings: (flag, type, help). Unset ones keep EngineConfig's defaults.
 ENGINE_FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
@@ -59,13 +62,14 @@ def serve_env_vars() -> set[str]:
 
 
 def _env(flag: str, kind: Callable[[str], Any], default: Any = None) -> Any:
+    if kind is bool:  # the one rule for boolean KEEPWARM_* values, shared with the cache client
+        try:
+            return env_flag(env_name(flag), default)
+        except ValueError as exc:
+            raise SystemExit(f"keepwarm serve: {exc}") from None
     raw = os.environ.get(env_name(flag))
-    if raw is None or raw == "":
+    if raw is None or not raw.strip():
         return default
-    if kind is bool:
-        if raw.lower() not in _TRUE | _FALSE:
-            raise SystemExit(f"keepwarm serve: {env_name(flag)}={raw!r} is not a boolean (use true/false)")
-        return raw.lower() in _TRUE
     try:
         return kind(raw)
     except ValueError:
@@ -125,6 +129,36 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         default=_env("--max-audio-upload-bytes", int, 25 * 1024 * 1024),
         help="largest /v1/audio/* upload; bigger ones get 413 (default 25 MiB)",
     )
+    p.add_argument(
+        "--api-key",
+        default=_env("--api-key", str),
+        help="require `Authorization: Bearer <key>` on every route but /health, /ready, /ping and /metrics "
+        "(prefer the env KEEPWARM_API_KEY: flags show in ps)",
+    )
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=_env("--max-request-body-bytes", int, DEFAULT_MAX_BODY_BYTES),
+        help=f"larger request bodies get 413 before they are read (default {DEFAULT_MAX_BODY_BYTES})",
+    )
+    p.add_argument(
+        "--trust-request-chat-template",
+        action=argparse.BooleanOptionalAction,
+        default=_env("--trust-request-chat-template", bool, False),
+        help="let requests send their own chat template (it runs in this process; default: refused)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=_env("--tool-call-parser", str),
+        help="how to recognise tool calls in the model's text (needed for tool_choice auto)",
+    )
+    p.add_argument(
+        "--preprocess-timeout",
+        type=float,
+        default=_env("--preprocess-timeout", float, DEFAULT_PREPROCESS_TIMEOUT_S),
+        help=f"seconds one request may spend preparing its prompt (default {DEFAULT_PREPROCESS_TIMEOUT_S:g})",
+    )
     p.add_argument("--uvicorn-log-level", default=_env("--uvicorn-log-level", str, "info"))
     p.add_argument(
         "--access-log", action=argparse.BooleanOptionalAction, default=_env("--access-log", bool, False)
@@ -160,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from keepwarm_runtime.server.app import create_app
+    from keepwarm_runtime.server.serving import ServingOptions
 
     settings = engine_settings(args)
     model_dir = os.path.abspath(args.model_dir)
@@ -178,11 +213,19 @@ def run(args: argparse.Namespace) -> int:
         speech = make_speech_engine(model_dir, settings)
         return speech if speech is not None else LLMEngine(EngineConfig(model_dir, **settings))
 
+    options = ServingOptions(
+        trust_request_chat_template=args.trust_request_chat_template,
+        tool_call_parser=args.tool_call_parser,
+        preprocess_timeout_s=args.preprocess_timeout,
+        max_request_body_bytes=args.max_request_body_bytes,
+        api_key=args.api_key or None,
+    )
     app = create_app(
         make_engine,
         model_dir=model_dir,
         served_model_name=args.served_model_name,
         started_at=started_at,
+        options=options,
         audio=audio,
     )
     server = uvicorn.Server(
@@ -204,6 +247,13 @@ def run(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     threading.Thread(target=stop_if_load_fails, name="keepwarm-load-watch", daemon=True).start()
-    logger.info("serving %s on http://%s:%d (engine settings: %s)", model_dir, args.host, args.port, settings)
+    logger.info(
+        "serving %s on http://%s:%d (engine settings: %s, api key %s)",
+        model_dir,
+        args.host,
+        args.port,
+        settings,
+        "required" if options.api_key else "off",
+    )
     server.run()
     return 1 if async_engine.state == "failed" else 0

@@ -40,6 +40,20 @@ class BadRequest(APIError):
     type = "invalid_request_error"
 
 
+class Unauthorized(APIError):
+    """401: --api-key is set and the request's Bearer token is missing or wrong."""
+
+    status = 401
+    type = "authentication_error"
+
+
+class PayloadTooLarge(APIError):
+    """413: the body is larger than --max-request-body-bytes."""
+
+    status = 413
+    type = "invalid_request_error"
+
+
 class ModelNotFound(APIError):
     """404: the request names a model this server does not serve."""
 

@@ -13,11 +13,17 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from keepwarm_runtime.engine.sampling_params import MAX_LOGIT_BIAS, MAX_TOP_K, SEED_RANGE
 from keepwarm_runtime.server.log_once import warning_once
 
 logger = logging.getLogger(__name__)
+
+MAX_STOP_STRINGS = 64  # stop strings per request
+MAX_STOP_CHARS = 1024  # characters per stop string
+MAX_TOKEN_LIST = 1 << 20  # ids in stop_token_ids / allowed_token_ids / logit_bias
+INT32 = 2**31 - 1  # bound for counts and priorities: past it a value is a mistake or an attack
 
 # Fields vLLM accepted before `structured_outputs` replaced them; we keep reporting them, not honouring.
 REMOVED_FIELDS: frozenset[str] = frozenset(
@@ -97,41 +103,98 @@ class StreamOptions(OpenAIBaseModel):
 
 
 class SamplingRequest(OpenAIRequest):
-    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI names, plus vLLM extras)."""
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI names, plus vLLM extras).
+
+    Every bound that the engine would otherwise trip over (an int64 overflow, a huge list) is checked
+    here, so nothing invalid reaches the engine thread.
+    """
 
     model: str | None = None  # served model name; None means the only one
-    max_tokens: int | None = Field(default=None, ge=1)  # None: up to the context length
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32)  # None: up to the context length
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)  # None: 1.0
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=16)  # choices per prompt
+    best_of: int | None = Field(default=None, ge=1, le=16)  # only best_of == n (all candidates returned)
     stop: str | list[str] | None = None  # stop strings (not included in the output)
-    seed: int | None = None  # per-request sampling seed: same seed, same output
+    seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])  # same seed, same output
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    user: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    user: str | None = Field(default=None, max_length=256)  # OpenAI's end-user id: accepted, not used
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsOptions | None = None
     # vLLM extras
-    top_k: int | None = None  # 0 or -1: disabled
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_TOP_K)  # 0 or -1: disabled
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
-    min_tokens: int | None = Field(default=None, ge=0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
+    min_tokens: int | None = Field(default=None, ge=0, le=INT32)
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_TOKEN_LIST)
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=MAX_TOKEN_LIST)
+    bad_words: list[str] | None = Field(default=None, max_length=MAX_STOP_STRINGS)  # never generated
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    prompt_logprobs: int | None = None  # refused: the engine computes logits for new tokens only
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1, le=INT32)  # keep the last k tokens
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>"
+    priority: int = Field(default=0, ge=-INT32, le=INT32)  # lower is scheduled first
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters")
+        return stop
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias is None:
+            return bias
+        if len(bias) > MAX_TOKEN_LIST:
+            raise ValueError(f"at most {MAX_TOKEN_LIST} entries")
+        for key, value in bias.items():
+            if not key.strip().lstrip("-").isdigit():
+                raise ValueError(f"keys are token ids, got {key[:40]!r}")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise ValueError(f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        return bias
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bounded_words(cls, words: list[str] | None) -> list[str] | None:
+        if words is not None and any(not w or len(w) > MAX_STOP_CHARS for w in words):
+            raise ValueError(f"non-empty strings of at most {MAX_STOP_CHARS} characters")
+        return words
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def token_bias(self) -> dict[int, float]:
+        return {int(key): value for key, value in (self.logit_bias or {}).items()}
+
 
 class TextContentPart(OpenAIBaseModel):
     type: Literal["text"] = "text"
     text: str
+
+
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # JSON text (OpenAI) or an object
+
+
+class ToolCall(OpenAIBaseModel):
+    """An earlier assistant turn's tool call, sent back in the conversation."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(OpenAIBaseModel):
@@ -140,6 +203,8 @@ class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool turns: which call this answers
 
     def text(self) -> str:
         """The content as one string; raises ValueError for non-text parts."""
@@ -153,13 +218,39 @@ class ChatMessage(OpenAIBaseModel):
         return "".join(pieces)
 
 
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema for the arguments object
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False  # return the sampled tokens' logprobs
     top_logprobs: int | None = Field(default=None, ge=0, le=20)  # alternatives per token (needs logprobs)
-    max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32)  # OpenAI's newer max_tokens
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # extend the last (assistant) message instead of a new turn
+    chat_template: str | None = None  # needs --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    parallel_tool_calls: bool = True  # False: at most one call per answer
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -184,3 +275,18 @@ class CompletionRequest(SamplingRequest):
         if prompt and all(isinstance(p, int) for p in prompt):
             return [list(prompt)]
         return list(prompt)
+
+
+class TokenizeRequest(OpenAIRequest):
+    """POST /tokenize: a text ``prompt``, or chat ``messages`` rendered with the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # prompt only: add BOS like /v1/completions does
+    add_generation_prompt: bool = True  # messages only
+
+
+class DetokenizeRequest(OpenAIRequest):
+    model: str | None = None
+    tokens: list[int] = Field(max_length=MAX_TOKEN_LIST)

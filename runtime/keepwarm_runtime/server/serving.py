@@ -1,28 +1,39 @@
-"""What chat and completions share: model check, request -> SamplingParams, running a request.
+"""The serving base every OpenAI route shares: model check, prompt work off the event loop,
+request -> SamplingParams with every field honoured or refused by name, running a request.
 
-``ServingContext`` is the one object the route handlers get; it never reaches into the scheduler,
-only into the public engine attributes (tokenizer, max_model_len) and the AsyncEngine queues.
+``ServingContext`` is the one object the route handlers get; it talks to the engine only through the
+``EngineClient`` protocol and the AsyncEngine queues, never the scheduler. Tokenizing and template
+rendering run in a small worker pool with a time bound, so a huge prompt never stalls /health.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 
 from keepwarm_runtime.server.async_engine import AsyncEngine, EngineRequestError
+from keepwarm_runtime.server.engine_client import EngineClient
 from keepwarm_runtime.server.errors import APIError, BadRequest, ClientClosedRequest, ModelNotFound, NotReady
+from keepwarm_runtime.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_PREPROCESS_TIMEOUT_S
 from keepwarm_runtime.server.metrics import RequestTimer, ServerMetrics
 from keepwarm_runtime.server.protocol import SamplingRequest
 
+if TYPE_CHECKING:
+    from keepwarm_runtime.engine.multimodal import MultimodalInput
+    from keepwarm_runtime.engine.outputs import RequestOutput
+    from keepwarm_runtime.engine.sampling_params import SamplingParams
+    from keepwarm_runtime.engine.structured import StructuredOutputCompiler, StructuredOutputsParams
+
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Request fields copied to SamplingParams under the same name when set.
 _PASSTHROUGH = (
@@ -35,11 +46,26 @@ _PASSTHROUGH = (
     "frequency_penalty",
     "repetition_penalty",
     "stop_token_ids",
+    "allowed_token_ids",
     "min_tokens",
     "ignore_eos",
     "skip_special_tokens",
     "include_stop_str_in_output",
 )
+# SamplingParams field -> the request field a client would recognise in an error.
+_PARAM_NAMES = {"bad_words_token_ids": "bad_words"}
+
+
+@dataclass(frozen=True)
+class ServingOptions:
+    """Server-wide settings the routes honour (flags of `keepwarm serve`)."""
+
+    trust_request_chat_template: bool = False  # let requests send their own Jinja chat template
+    tool_call_parser: str | None = None  # parses tool calls for tool_choice "auto"
+    preprocess_timeout_s: float = DEFAULT_PREPROCESS_TIMEOUT_S  # bound on tokenizing/rendering one request
+    preprocess_workers: int = 2  # threads for tokenizing/rendering
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    api_key: str | None = None  # Bearer key every route but probes and metrics needs
 
 
 @dataclass
@@ -48,25 +74,51 @@ class ServingContext:
     metrics: ServerMetrics
     served_model_name: str  # the name clients put in `model`
     model_dir: Path
-    _compiler: Any = None  # StructuredOutputCompiler, built on first use
-    _token_text: dict[int, str] | None = None  # decoded single tokens, for logprobs
+    options: ServingOptions = field(default_factory=ServingOptions)
+    _compiler: StructuredOutputCompiler | None = None  # built on first use
+    _pool: ThreadPoolExecutor | None = None
 
     @property
-    def engine(self) -> Any:
-        """The loaded LLMEngine, or a 503 while weights are loading."""
-        state = self.async_engine.state
-        if state != "ready":
+    def engine(self) -> EngineClient:
+        """The loaded engine, or a 503 while weights are loading (or after the engine failed)."""
+        state, engine = self.async_engine.state, self.async_engine.engine
+        if state != "ready" or engine is None:
             detail = f": {self.async_engine.error}" if self.async_engine.error else ""
             raise NotReady(
-                f"the model is not ready yet (engine {state}{detail}); retry shortly", code="model_not_ready"
+                f"the model is not ready (engine {state}{detail}); retry shortly", code="model_not_ready"
             )
-        return self.async_engine.engine
+        return engine
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.served_model_name, str(self.model_dir)):
             raise ModelNotFound(model, self.served_model_name)
 
-    # --- prompt and parameters -------------------------------------------------------------------
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # --- prompt work, off the event loop -----------------------------------------------------------
+
+    async def preprocess(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` in the worker pool; 400 if it takes longer than the preprocess bound."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                self.options.preprocess_workers, thread_name_prefix="keepwarm-prep"
+            )
+        future = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        try:
+            return await asyncio.wait_for(future, self.options.preprocess_timeout_s)
+        except TimeoutError as exc:
+            raise BadRequest(
+                f"preparing the prompt took longer than {self.options.preprocess_timeout_s:g}s; send less",
+                code="preprocess_timeout",
+            ) from exc
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        return await self.preprocess(
+            lambda: list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        )
 
     def check_length(self, prompt_len: int, max_tokens: int | None) -> int:
         """The generation budget; 400 when the prompt (plus max_tokens) exceeds the context."""
@@ -82,51 +134,87 @@ class ServingContext:
             )
         return max_tokens if max_tokens is not None else limit - prompt_len
 
-    async def sampling_params(self, request: SamplingRequest, max_tokens: int, logprobs: int | None) -> Any:
-        from keepwarm_runtime import SamplingParams
+    # --- parameters --------------------------------------------------------------------------------
 
+    async def sampling_params(
+        self,
+        request: SamplingRequest,
+        max_tokens: int,
+        logprobs: int | None,
+        structured: StructuredOutputsParams | None = None,
+        structured_param: str = "structured_outputs",
+    ) -> SamplingParams:
+        """Every sampling field of ``request`` honoured, or a 400 naming the one that cannot be."""
+        from keepwarm_runtime.engine.sampling_params import SamplingParams
+
+        refuse_unsupported(request)
         kwargs: dict[str, Any] = {
             name: getattr(request, name) for name in _PASSTHROUGH if getattr(request, name) is not None
         }
         kwargs.update(n=request.n, stop=request.stop_list(), max_tokens=max_tokens, logprobs=logprobs)
-        structured = structured_params(request)
+        kwargs["logit_bias"] = request.token_bias()
+        if request.bad_words:
+            kwargs["bad_words_token_ids"] = await self.preprocess(self._bad_words_ids, request.bad_words)
+        if structured is None:
+            structured = structured_params(request)
+            structured_param = (
+                "response_format" if request.response_format is not None else "structured_outputs"
+            )
         if structured is not None:
-            compiler = self.structured_compiler()
+            compiler = await self.preprocess(self.structured_compiler)
             try:
-                kwargs["constraint_factory"] = await asyncio.to_thread(compiler.factory, structured)
+                kwargs["constraint_factory"] = await self.preprocess(compiler.factory, structured)
             except ValueError as exc:
-                param = "response_format" if request.response_format is not None else "structured_outputs"
-                raise BadRequest(str(exc), param=param, code="invalid_schema") from exc
+                raise BadRequest(str(exc), param=structured_param, code="invalid_schema") from exc
         try:
-            return SamplingParams(**kwargs)
+            params = SamplingParams(**kwargs)
+            params.validate(self.engine.vocab_size)
         except (ValueError, TypeError) as exc:
-            raise BadRequest(f"invalid sampling parameters: {exc}", code="invalid_value") from exc
+            field_name = str(exc).split(" ", 1)[0]
+            raise BadRequest(
+                f"invalid sampling parameters: {exc}",
+                param=_PARAM_NAMES.get(field_name, field_name if field_name.isidentifier() else None),
+                code="invalid_value",
+            ) from exc
+        return params
 
-    def structured_compiler(self) -> Any:
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as token ids, with and without a leading space (how it appears mid-text)."""
+        tokenizer, sequences = self.engine.tokenizer, []
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                ids = list(tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
+
+    def structured_compiler(self) -> StructuredOutputCompiler:
+        """The grammar compiler for this engine's tokenizer, built once (vocab and EOS from the engine)."""
         if self._compiler is None:
             from keepwarm_runtime.engine.structured import StructuredOutputCompiler
 
-            vocab_size, stop_ids = _model_vocab(self.model_dir, self.engine.tokenizer)
-            vocab_size = getattr(self.engine, "vocab_size", None) or vocab_size
-            stop_ids = sorted(getattr(self.engine, "eos_token_ids", None) or stop_ids)
-            self._compiler = StructuredOutputCompiler(self.engine.tokenizer, vocab_size, stop_ids)
+            engine = self.engine
+            self._compiler = StructuredOutputCompiler(
+                engine.tokenizer, engine.vocab_size, sorted(engine.eos_token_ids)
+            )
         return self._compiler
 
-    def token_text(self, token_id: int) -> str:
-        """The text of one token (engines may report byte-level symbols like 'Ġthe'; clients want text)."""
-        cache = self._token_text = self._token_text if self._token_text is not None else {}
-        if token_id not in cache:
-            cache[token_id] = self.engine.tokenizer.decode([token_id])
-        return cache[token_id]
-
-    # --- running ---------------------------------------------------------------------------------
+    # --- running -----------------------------------------------------------------------------------
 
     async def stream(
-        self, request_id: str, prompt_ids: Any, params: Any, timer: RequestTimer, multimodal: Any = None
-    ) -> AsyncIterator[Any]:
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        timer: RequestTimer,
+        priority: int = 0,
+        multimodal: MultimodalInput | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """The engine's cumulative outputs, with metrics; engine rejections become 400/500 errors."""
         try:
-            async for output in self.async_engine.generate(request_id, prompt_ids, params, multimodal):
+            async for output in self.async_engine.generate(
+                request_id, prompt_ids, params, priority, multimodal
+            ):
                 timer.tokens(sum(len(o.token_ids) for o in output.outputs))
                 yield output
         except EngineRequestError as exc:
@@ -137,7 +225,26 @@ class ServingContext:
             timer.done()
 
 
-def structured_params(request: SamplingRequest) -> Any:
+def refuse_unsupported(request: SamplingRequest) -> None:
+    """400s for fields this server accepts in the schema but cannot honour."""
+    if request.prompt_logprobs is not None:
+        raise BadRequest(
+            "prompt_logprobs is not supported: the engine computes logits for generated tokens only",
+            param="prompt_logprobs",
+        )
+    if request.best_of is not None and request.best_of != request.n:
+        raise BadRequest(
+            "best_of must equal n (or be left out): candidates are not ranked, all n are returned",
+            param="best_of",
+        )
+
+
+def truncate_prompt(ids: list[int], keep: int | None) -> list[int]:
+    """``truncate_prompt_tokens``: keep the last ``keep`` tokens (the end of a prompt matters most)."""
+    return ids if keep is None or len(ids) <= keep else ids[-keep:]
+
+
+def structured_params(request: SamplingRequest) -> StructuredOutputsParams | None:
     """The request's constraint as StructuredOutputsParams, or None; ``structured_outputs`` wins."""
     from keepwarm_runtime.engine.structured import StructuredOutputsParams
 
@@ -159,24 +266,6 @@ def structured_params(request: SamplingRequest) -> Any:
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:
         raise BadRequest("response_format json_schema needs json_schema.schema", param="response_format")
     return StructuredOutputsParams(json=fmt.json_schema.schema_)
-
-
-def _model_vocab(model_dir: Path, tokenizer: Any) -> tuple[int, list[int]]:
-    """(logits width, stop token ids) from config.json / generation_config.json, else the tokenizer."""
-
-    def read(name: str) -> dict:
-        try:
-            return json.loads((model_dir / name).read_text())
-        except (OSError, ValueError):
-            return {}
-
-    config = read("config.json")
-    vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size") or len(tokenizer)
-    eos = read("generation_config.json").get("eos_token_id", config.get("eos_token_id"))
-    stop = [eos] if isinstance(eos, int) else list(eos or [])
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in stop:
-        stop.append(tokenizer.eos_token_id)
-    return int(vocab), stop
 
 
 async def race_disconnect(awaitable: Any, request: Request) -> Any:

@@ -1,169 +1,287 @@
 """POST /v1/chat/completions: render the chat with the engine's template (one BOS), generate, answer.
 
-Streaming sends OpenAI chunks over SSE: a role chunk per choice, content deltas, a finish chunk per
-choice, an optional usage chunk, then ``data: [DONE]``. The first output is awaited before the 200
-goes out, so a request the engine rejects still gets a proper 400.
+Streaming sends OpenAI chunks over SSE: a role chunk per choice, content deltas, tool-call deltas, a
+finish chunk per choice, an optional usage chunk, then ``data: [DONE]``. The first output is awaited
+before the 200 goes out, so a request the engine rejects still gets a proper 400. Tool calls are held
+back until complete (content before them streams), then sent whole in one delta per call.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from keepwarm_runtime.engine.outputs import CompletionOutput, RequestOutput
 from keepwarm_runtime.server.chat_audio import audio_chat_prompt, has_audio_parts
+from keepwarm_runtime.server.deltas import DeltaTracker
 from keepwarm_runtime.server.errors import APIError, BadRequest
+from keepwarm_runtime.server.logprobs import chat_logprobs
 from keepwarm_runtime.server.metrics import RequestTimer
 from keepwarm_runtime.server.protocol import ChatCompletionRequest
 from keepwarm_runtime.server.responses import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
-    ChatLogprobs,
     ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
-    TokenLogprob,
-    TopLogprob,
+    FunctionCallOut,
+    ToolCallDelta,
+    ToolCallOut,
     UsageInfo,
     random_id,
 )
-from keepwarm_runtime.server.serving import ServingContext, race_disconnect
+from keepwarm_runtime.server.serving import ServingContext, race_disconnect, truncate_prompt
 from keepwarm_runtime.server.sse import sse_done, sse_event
+from keepwarm_runtime.server.tool_parsers import ParsedOutput
+from keepwarm_runtime.server.tools import (
+    ToolPlan,
+    call_id,
+    finish_reason,
+    message_for_template,
+    parse_output,
+    plan_tools,
+)
+
+if TYPE_CHECKING:
+    from keepwarm_runtime.engine.multimodal import MultimodalInput
+    from keepwarm_runtime.engine.sampling_params import SamplingParams
 
 _ROLES = {"developer": "system"}  # OpenAI's newer name; templates know "system"
+# apply_chat_template arguments the server sets itself: a request may not override them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
-async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Any:
-    arrival = time.perf_counter()  # TTFT includes rendering and grammar compilation
+@dataclass
+class PreparedChat:
+    """A chat request made ready for the engine (shared with /v1/responses)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    plan: ToolPlan
+    top_n: int | None  # logprob alternatives per token, None: no logprobs
+    multimodal: MultimodalInput | None = None  # audio embeddings for the placeholder tokens, or None
+
+
+async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> PreparedChat:
+    """Render, tokenize and turn ``req`` into SamplingParams; every refusal is a 400 naming its field.
+
+    Audio content parts (server/chat_audio.py) are decoded and encoded into embeddings that replace
+    the prompt's placeholder tokens."""
     ctx.check_model(req.model)
-    from keepwarm_runtime.engine.chat import render_chat
-
     engine = ctx.engine
+    plan = plan_tools(req, ctx.options.tool_call_parser)
+    template_kwargs = _template_kwargs(ctx, req, plan)
+    messages = _messages(req)
     if req.top_logprobs and not req.logprobs:
         raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")
-    multimodal = None  # audio parts: embeddings for the placeholder tokens (server/chat_audio.py)
+    multimodal = None
     if has_audio_parts(req.messages):
+        if req.truncate_prompt_tokens is not None:
+            raise BadRequest(
+                "truncate_prompt_tokens cannot cut through audio", param="truncate_prompt_tokens"
+            )
+        add_generation_prompt = template_kwargs.pop("add_generation_prompt")
         prompt_ids, multimodal = await audio_chat_prompt(
             engine,
             ctx.model_dir,
             req.messages,
             settings=getattr(raw.app.state, "audio_settings", None),
             metrics=getattr(raw.app.state, "audio_metrics", None),
-            add_generation_prompt=req.add_generation_prompt,
-            chat_template_kwargs=req.chat_template_kwargs,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=template_kwargs,
         )
     else:
-        try:
-            messages = [{"role": _ROLES.get(m.role, m.role), "content": m.text()} for m in req.messages]
-        except ValueError as exc:
-            raise BadRequest(str(exc), param="messages") from exc
-        try:
-            prompt_ids = render_chat(
-                engine.tokenizer,
-                messages,
-                add_generation_prompt=req.add_generation_prompt,
-                chat_template_kwargs=req.chat_template_kwargs,
-            )
-        except Exception as exc:  # the template raised (jinja errors, bad roles)
-            raise BadRequest(f"cannot apply the chat template: {exc}", param="messages") from exc
+        prompt_ids = truncate_prompt(
+            await ctx.preprocess(_render, engine.tokenizer, messages, template_kwargs),
+            req.truncate_prompt_tokens,
+        )
     max_tokens = ctx.check_length(len(prompt_ids), req.token_limit())
     top_n = (req.top_logprobs or 0) if req.logprobs else None
-    params = await ctx.sampling_params(req, max_tokens, top_n)
+    structured = None
+    if plan.forced:
+        if req.response_format is not None or req.structured_outputs is not None:
+            raise BadRequest(
+                "tool_choice `required` or a named function constrains the output already; "
+                "drop response_format/structured_outputs",
+                param="tool_choice",
+            )
+        from keepwarm_runtime.engine.structured import StructuredOutputsParams
+
+        structured = StructuredOutputsParams(json=plan.schema)
+    params = await ctx.sampling_params(req, max_tokens, top_n, structured, structured_param="tools")
+    return PreparedChat(prompt_ids, params, plan, top_n, multimodal)
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Any:
+    arrival = time.perf_counter()  # TTFT includes rendering and grammar compilation
+    prepared = await prepare_chat(ctx, req, raw)
+    prompt_ids, plan, top_n = prepared.prompt_ids, prepared.plan, prepared.top_n
     request_id = random_id("chatcmpl")
     timer = RequestTimer(ctx.metrics, len(prompt_ids), arrival=arrival)
-    outputs = ctx.stream(request_id, prompt_ids, params, timer, multimodal)
+    outputs = ctx.stream(request_id, prompt_ids, prepared.params, timer, req.priority, prepared.multimodal)
     if req.stream:
         first = await race_disconnect(anext(outputs), raw)
-        body = _stream(ctx, req, request_id, len(prompt_ids), first, outputs)
+        body = _stream(req, plan, request_id, ctx.served_model_name, len(prompt_ids), first, outputs)
         return StreamingResponse(body, media_type="text/event-stream")
-    final = await race_disconnect(_last(outputs), raw)
-    choices = [
-        ChatChoice(
-            index=o.index,
-            message=ChatResponseMessage(content=o.text),
-            logprobs=_logprobs(ctx, o.token_ids, o.logprobs, top_n) if top_n is not None else None,
-            finish_reason=o.finish_reason,
-            stop_reason=o.stop_reason,
-        )
-        for o in final.outputs
-    ]
+    final = await race_disconnect(last_output(outputs), raw)
+    choices = [_choice(req, plan, o, top_n) for o in final.outputs]
     usage = _usage(len(prompt_ids), final.outputs)
     response = ChatCompletionResponse(
         id=request_id, model=ctx.served_model_name, choices=choices, usage=usage
     )
-    return JSONResponse(response.model_dump())
+    return JSONResponse(response.model_dump(exclude_none=False))
 
 
-async def _last(outputs: AsyncIterator[Any]) -> Any:
+def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    try:
+        messages = [message_for_template(m, _ROLES.get(m.role, m.role), m.text()) for m in req.messages]
+    except ValueError as exc:
+        raise BadRequest(str(exc), param="messages") from exc
+    if req.continue_final_message and messages[-1]["role"] != "assistant":
+        raise BadRequest(
+            "continue_final_message needs the last message to be the assistant's", param="messages"
+        )
+    return messages
+
+
+def _template_kwargs(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolPlan) -> dict[str, Any]:
+    """apply_chat_template's keyword arguments; 400 for what a request may not set."""
+    extra = dict(req.chat_template_kwargs or {})
+    template = req.chat_template
+    if "chat_template" in extra:
+        template = extra.pop("chat_template")
+    if template is not None and not ctx.options.trust_request_chat_template:
+        raise BadRequest(
+            "request-supplied chat templates are refused (the server runs the template): start the server "
+            "with --trust-request-chat-template to allow them",
+            param="chat_template",
+        )
+    if template is not None and not isinstance(template, str):
+        raise BadRequest("chat_template must be a string", param="chat_template")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & extra.keys())
+    if reserved:
+        raise BadRequest(
+            f"chat_template_kwargs may not set {', '.join(reserved)} (the server sets it)",
+            param=f"chat_template_kwargs.{reserved[0]}",
+        )
+    if req.continue_final_message and req.add_generation_prompt:
+        raise BadRequest(
+            "continue_final_message and add_generation_prompt cannot both be true (set add_generation_prompt "
+            "false to continue the last message)",
+            param="continue_final_message",
+        )
+    kwargs = extra | {
+        "add_generation_prompt": req.add_generation_prompt,
+        "continue_final_message": req.continue_final_message,
+    }
+    if template is not None:
+        kwargs["chat_template"] = template
+    if plan.template_tools is not None:
+        kwargs["tools"] = plan.template_tools
+    return kwargs
+
+
+def _render(tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> list[int]:
+    from keepwarm_runtime.engine.chat import render_chat
+
+    add_generation_prompt = kwargs.pop("add_generation_prompt")
+    try:
+        return render_chat(
+            tokenizer, messages, add_generation_prompt=add_generation_prompt, chat_template_kwargs=kwargs
+        )
+    except Exception as exc:  # the template raised (jinja errors, bad roles)
+        raise BadRequest(f"cannot apply the chat template: {exc}", param="messages") from exc
+
+
+async def last_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
     final = None
     async for final in outputs:  # noqa: B007 - keep the last
         pass
+    if final is None:
+        raise APIError("the engine ended the request without an output")
     return final
 
 
-def _usage(prompt_tokens: int, outputs: list[Any]) -> UsageInfo:
+def _usage(prompt_tokens: int, outputs: list[CompletionOutput]) -> UsageInfo:
     completion = sum(len(o.token_ids) for o in outputs)
     return UsageInfo(
         prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion
     )
 
 
-def _logprobs(
-    ctx: ServingContext, token_ids: list[int], logprobs: list[dict] | None, top_n: int
-) -> ChatLogprobs:
-    """OpenAI chat logprobs from the engine's per-token {token_id: Logprob} dicts."""
-    content = []
-    for token_id, alternatives in zip(token_ids, logprobs or [], strict=False):
-        chosen = alternatives.get(token_id)
-        text = ctx.token_text(token_id)
-        ranked = sorted(alternatives.items(), key=lambda kv: kv[1].rank)[:top_n]
-        top = [
-            TopLogprob(
-                token=(t := ctx.token_text(tid)),
-                logprob=_finite(lp.logprob),
-                bytes=list(t.encode()),
-            )
-            for tid, lp in ranked
-        ]
-        content.append(
-            TokenLogprob(
-                token=text,
-                logprob=_finite(chosen.logprob if chosen else float("-inf")),
-                bytes=list(text.encode()),
-                top_logprobs=top,
-            )
-        )
-    return ChatLogprobs(content=content)
+def _tool_calls(parsed: ParsedOutput) -> list[ToolCallOut]:
+    return [
+        ToolCallOut(id=call_id(), function=FunctionCallOut(name=c.name, arguments=c.arguments))
+        for c in parsed.tool_calls
+    ]
 
 
-def _finite(value: float) -> float:
-    """JSON has no -inf; OpenAI clients expect a number."""
-    return max(float(value), -9999.0)
+def _choice(req: ChatCompletionRequest, plan: ToolPlan, o: CompletionOutput, top_n: int | None) -> ChatChoice:
+    parsed = parse_output(plan, o.text)
+    logprobs = None
+    if top_n is not None:
+        logprobs = chat_logprobs(o.token_ids, o.logprobs or [], top_n, req.return_tokens_as_token_ids)
+    return ChatChoice(
+        index=o.index,
+        message=ChatResponseMessage(content=parsed.content, tool_calls=_tool_calls(parsed)),
+        logprobs=logprobs,
+        finish_reason=finish_reason(plan, parsed, o.finish_reason),
+        stop_reason=o.stop_reason,
+    )
+
+
+def held_back(plan: ToolPlan, text: str) -> int:
+    """Characters at the end of ``text`` a stream must hold back under ``plan``."""
+    if plan.forced:
+        return len(text)
+    if plan.parser is not None:
+        return len(text) - plan.parser.safe_content_length(text)
+    return 0
 
 
 async def _stream(
-    ctx: ServingContext,
     req: ChatCompletionRequest,
+    plan: ToolPlan,
     request_id: str,
+    model: str,
     prompt_tokens: int,
-    first: Any,
-    outputs: AsyncIterator[Any],
+    first: RequestOutput,
+    outputs: AsyncIterator[RequestOutput],
 ) -> AsyncIterator[str]:
-    created, model = int(time.time()), ctx.served_model_name
+    created = int(time.time())
     top_n = (req.top_logprobs or 0) if req.logprobs else None
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-    sent_text: dict[int, int] = {}  # choice index -> characters sent
-    sent_tokens: dict[int, int] = {}  # choice index -> tokens whose logprobs were sent
-    done: set[int] = set()
+    tracker = DeltaTracker()
 
     def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
         body = ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage)
         return sse_event(body.model_dump(exclude_none=True))
 
+    last = first
     try:
         yield chunk(
             [
@@ -171,29 +289,26 @@ async def _stream(
                 for i in range(req.n)
             ]
         )
-        output = first
+        output: RequestOutput | None = first
         while output is not None:
             choices = []
             for o in output.outputs:
-                if o.index in done:
-                    continue
-                text, n_sent = o.text[sent_text.get(o.index, 0) :], sent_tokens.get(o.index, 0)
-                new_ids = o.token_ids[n_sent:]
-                if not text and not new_ids and o.finish_reason is None:
+                d = tracker.delta(o.index, o, hold_back=held_back(plan, o.text))
+                if d is None:
                     continue
                 logprobs = None
-                if top_n is not None and o.logprobs is not None:
-                    logprobs = _logprobs(ctx, new_ids, o.logprobs[n_sent:], top_n)
-                sent_text[o.index], sent_tokens[o.index] = len(o.text), len(o.token_ids)
-                if o.finish_reason is not None:
-                    done.add(o.index)
+                if top_n is not None and d.logprobs is not None:
+                    logprobs = chat_logprobs(d.token_ids, d.logprobs, top_n, req.return_tokens_as_token_ids)
+                delta, reason = DeltaMessage(content=d.text), d.finish_reason
+                if d.finish_reason is not None and plan.mode != "none":
+                    delta, reason = _final_delta(plan, o, d.text)
                 choices.append(
                     ChatStreamChoice(
                         index=o.index,
-                        delta=DeltaMessage(content=text),
+                        delta=delta,
                         logprobs=logprobs,
-                        finish_reason=o.finish_reason,
-                        stop_reason=o.stop_reason,
+                        finish_reason=reason,
+                        stop_reason=d.stop_reason,
                     )
                 )
             if choices:
@@ -207,3 +322,18 @@ async def _stream(
     finally:
         await outputs.aclose()  # a client that went away aborts its sequence here
     yield sse_done()
+
+
+def _final_delta(plan: ToolPlan, o: CompletionOutput, unsent: str) -> tuple[DeltaMessage, str | None]:
+    """The last delta of a choice under a tool plan: remaining content, then every call whole."""
+    parsed = parse_output(plan, o.text)
+    if not parsed.tool_calls:
+        return DeltaMessage(content=unsent), o.finish_reason
+    sent = o.text[: len(o.text) - len(unsent)].strip()
+    content = parsed.content or ""
+    rest = content[len(sent) :] if content.startswith(sent) else ""
+    calls = [
+        ToolCallDelta(index=i, id=call.id, type="function", function=call.function)
+        for i, call in enumerate(_tool_calls(parsed))
+    ]
+    return DeltaMessage(content=rest or None, tool_calls=calls), finish_reason(plan, parsed, o.finish_reason)

@@ -10,17 +10,19 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from keepwarm_runtime.engine.outputs import RequestOutput
+from keepwarm_runtime.server.deltas import DeltaTracker
 from keepwarm_runtime.server.errors import APIError, BadRequest
+from keepwarm_runtime.server.logprobs import completion_logprobs
 from keepwarm_runtime.server.metrics import RequestTimer
 from keepwarm_runtime.server.protocol import CompletionRequest
 from keepwarm_runtime.server.responses import (
     CompletionChoice,
-    CompletionLogprobs,
     CompletionResponse,
     UsageInfo,
     random_id,
 )
-from keepwarm_runtime.server.serving import ServingContext, race_disconnect
+from keepwarm_runtime.server.serving import ServingContext, race_disconnect, truncate_prompt
 from keepwarm_runtime.server.sse import sse_done, sse_event
 
 MAX_PROMPTS = 64  # prompts per request
@@ -35,8 +37,11 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     prompts = req.prompts()
     if not prompts or len(prompts) > MAX_PROMPTS:
         raise BadRequest(f"give between 1 and {MAX_PROMPTS} prompts", param="prompt")
-    vocab = len(engine.tokenizer)
-    prompt_ids = [engine.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    vocab = engine.vocab_size
+    prompt_ids = [
+        truncate_prompt(await ctx.encode(p) if isinstance(p, str) else list(p), req.truncate_prompt_tokens)
+        for p in prompts
+    ]
     for ids in prompt_ids:
         if not ids or any(not 0 <= t < vocab for t in ids):
             raise BadRequest(f"token-id prompts must be non-empty with ids in [0, {vocab})", param="prompt")
@@ -44,22 +49,30 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     params = await ctx.sampling_params(req, max_tokens, req.logprobs)
     base_id = random_id("cmpl")
     streams = [
-        ctx.stream(f"{base_id}-{i}", ids, params, RequestTimer(ctx.metrics, len(ids), arrival=arrival))
+        ctx.stream(
+            f"{base_id}-{i}", ids, params, RequestTimer(ctx.metrics, len(ids), arrival=arrival), req.priority
+        )
         for i, ids in enumerate(prompt_ids)
     ]
     merged = _merge(streams)
-    echo = [engine.tokenizer.decode(ids, skip_special_tokens=True) if req.echo else "" for ids in prompt_ids]
+    echo = [""] * len(prompt_ids)
+    if req.echo:
+        echo = await ctx.preprocess(
+            lambda: [engine.tokenizer.decode(ids, skip_special_tokens=True) for ids in prompt_ids]
+        )
     n_prompt_tokens = sum(len(ids) for ids in prompt_ids)
     if req.stream:
         first = await race_disconnect(anext(merged), raw)
         body = _stream(ctx, req, base_id, n_prompt_tokens, echo, first, merged)
         return StreamingResponse(body, media_type="text/event-stream")
-    finals: dict[int, Any] = await race_disconnect(_collect(merged), raw)
+    finals: dict[int, RequestOutput] = await race_disconnect(_collect(merged), raw)
     choices = [
         CompletionChoice(
             index=i * req.n + o.index,
             text=echo[i] + o.text,
-            logprobs=_logprobs(ctx, o.token_ids, o.logprobs, req.logprobs, 0)
+            logprobs=completion_logprobs(
+                o.token_ids, o.logprobs or [], req.logprobs, len(echo[i]), req.return_tokens_as_token_ids
+            )
             if req.logprobs is not None
             else None,
             finish_reason=o.finish_reason,
@@ -76,7 +89,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     return JSONResponse(response.model_dump())
 
 
-async def _merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave per-prompt streams as (prompt index, output); closing this cancels them all."""
     if len(streams) == 1:
         try:
@@ -87,7 +100,7 @@ async def _merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, 
         return
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(i: int, stream: AsyncIterator[Any]) -> None:
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
         try:
             async for output in stream:
                 queue.put_nowait((i, output))
@@ -113,28 +126,11 @@ async def _merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, 
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _collect(merged: AsyncIterator[tuple[int, Any]]) -> dict[int, Any]:
-    finals: dict[int, Any] = {}
+async def _collect(merged: AsyncIterator[tuple[int, RequestOutput]]) -> dict[int, RequestOutput]:
+    finals: dict[int, RequestOutput] = {}
     async for i, output in merged:
         finals[i] = output
     return finals
-
-
-def _logprobs(
-    ctx: ServingContext, token_ids: list[int], logprobs: list[dict] | None, top_n: int, offset: int
-) -> CompletionLogprobs:
-    """Legacy completions logprobs: parallel lists; ``offset`` is the text offset of the first token."""
-    result = CompletionLogprobs()
-    for token_id, alternatives in zip(token_ids, logprobs or [], strict=False):
-        chosen = alternatives.get(token_id)
-        text = ctx.token_text(token_id)
-        result.tokens.append(text)
-        result.token_logprobs.append(max(chosen.logprob, -9999.0) if chosen else None)
-        ranked = sorted(alternatives.items(), key=lambda kv: kv[1].rank)[:top_n]
-        result.top_logprobs.append({ctx.token_text(tid): max(lp.logprob, -9999.0) for tid, lp in ranked})
-        result.text_offset.append(offset)
-        offset += len(text)
-    return result
 
 
 async def _stream(
@@ -143,44 +139,38 @@ async def _stream(
     request_id: str,
     prompt_tokens: int,
     echo: list[str],
-    first: tuple[int, Any],
-    merged: AsyncIterator[tuple[int, Any]],
+    first: tuple[int, RequestOutput],
+    merged: AsyncIterator[tuple[int, RequestOutput]],
 ) -> AsyncIterator[str]:
     created, model = int(time.time()), ctx.served_model_name
-    sent_text: dict[int, int] = {}  # choice index -> characters sent
-    sent_tokens: dict[int, int] = {}  # choice index -> tokens sent
-    done: set[int] = set()
+    tracker = DeltaTracker()
+    sent_chars: dict[int, int] = {}  # choice index -> characters of generated text sent (for offsets)
     completion_tokens: dict[int, int] = {}
     try:
-        item: tuple[int, Any] | None = first
+        item: tuple[int, RequestOutput] | None = first
         while item is not None:
             i, output = item
             choices = []
             for o in output.outputs:
                 index = i * req.n + o.index
-                if index in done:
-                    continue
-                started = index in sent_text
-                text = o.text[sent_text.get(index, 0) :]
-                n_sent = sent_tokens.get(index, 0)
-                new_ids = o.token_ids[n_sent:]
-                if started and not text and not new_ids and o.finish_reason is None:
+                d = tracker.delta(index, o)
+                if d is None:
                     continue
                 logprobs = None
-                if req.logprobs is not None and o.logprobs is not None:
-                    offset = len(echo[i]) + sent_text.get(index, 0)
-                    logprobs = _logprobs(ctx, new_ids, o.logprobs[n_sent:], req.logprobs, offset)
-                sent_text[index], sent_tokens[index] = len(o.text), len(o.token_ids)
-                completion_tokens[index] = len(o.token_ids)
-                if o.finish_reason is not None:
-                    done.add(index)
+                if req.logprobs is not None and d.logprobs is not None:
+                    offset = len(echo[i]) + sent_chars.get(index, 0)
+                    logprobs = completion_logprobs(
+                        d.token_ids, d.logprobs, req.logprobs, offset, req.return_tokens_as_token_ids
+                    )
+                sent_chars[index] = sent_chars.get(index, 0) + len(d.text)
+                completion_tokens[index] = d.total_tokens
                 choices.append(
                     CompletionChoice(
                         index=index,
-                        text=(echo[i] if not started else "") + text,
+                        text=(echo[i] if d.first else "") + d.text,
                         logprobs=logprobs,
-                        finish_reason=o.finish_reason,
-                        stop_reason=o.stop_reason,
+                        finish_reason=d.finish_reason,
+                        stop_reason=d.stop_reason,
                     )
                 )
             if choices:

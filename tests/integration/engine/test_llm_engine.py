@@ -53,7 +53,7 @@ def test_weights_from_the_cache_match_weights_from_disk(model_dir, llm, tmp_path
             cache_socket_dir=str(tmp_path / "sock"),
             cache_fallback=False,
         )
-        assert cached.engine.load_info[0] == "cache" and llm.engine.load_info[0] == "disk"
+        assert cached.engine.load_info.source == "cache" and llm.engine.load_info.source == "disk"
         batch = prompts(6)
         assert tokens(cached.generate(batch, GREEDY)) == tokens(llm.generate(batch, GREEDY))
     finally:

@@ -68,3 +68,38 @@ def served(tiny_llama: Path, hung_cache_dir: Path, tmp_path_factory: pytest.Temp
     finally:
         code = proc.stop()
         assert code is not None
+
+
+API_KEY = "s3cret-key"  # the key of the `served_secure` server
+
+
+@pytest.fixture(scope="session")
+def served_secure(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A second server: API key (from KEEPWARM_API_KEY), the hermes tool-call parser, trusted request
+    chat templates, and room for only 4 sequences at a time."""
+    log = tmp_path_factory.mktemp("server-secure-log") / "serve.log"
+    args = ["--served-model-name", "tiny", "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "256"]
+    args += ["--max-num-seqs", "4", "--tool-call-parser", "hermes", "--trust-request-chat-template"]
+    proc = start_server(tiny_llama, log, args=args, env={"KEEPWARM_API_KEY": API_KEY})
+    try:
+        proc.wait("/ready", timeout=240)
+        yield Served(proc, "tiny", {})
+    finally:
+        code = proc.stop()
+        assert code is not None
+
+
+def engine_is_idle(proc: ServerProcess, headers: dict[str, str] | None = None) -> dict:
+    """The engine's counters once nothing is in flight (polls briefly: aborts are asynchronous)."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + 10
+    while True:
+        stats = httpx.get(proc.url + "/debug/stats", headers=headers, timeout=5).raise_for_status().json()
+        if (stats["num_running"], stats["num_waiting"], stats["kv_cache_usage"]) == (0, 0, 0) or (
+            time.monotonic() > deadline
+        ):
+            return stats
+        time.sleep(0.1)

@@ -16,14 +16,14 @@ from keepwarm_runtime.server.async_engine import AsyncEngine, EngineRequestError
 
 
 class ScriptedEngine:
-    """Emits one token per step per request; 'boom' in a prompt makes step() raise once."""
+    """Emits one token per step per request; prompt [666] makes step() raise, [13] fails that request."""
 
     def __init__(self) -> None:
         self.requests: dict[str, dict] = {}
         self.aborted: list[str] = []
         self.thread_ids: set[int] = set()
 
-    def add_request(self, request_id, prompt_token_ids, params):
+    def add_request(self, request_id, prompt_token_ids, params, priority=0):
         self.thread_ids.add(threading.get_ident())
         if len(prompt_token_ids) > 8:
             raise ValueError("prompt is longer than the context")
@@ -45,13 +45,16 @@ class ScriptedEngine:
                 state["prompt"] = [0]
                 raise RuntimeError("boom")
             state["done"] += 1
-            finished = state["done"] >= state["max"]
+            error = "sampling failed: overflow" if state["prompt"] == [13] else None
+            finished = state["done"] >= state["max"] or error is not None
             if finished:
                 del self.requests[request_id]
             out = SimpleNamespace(
                 index=0, token_ids=list(range(state["done"])), finish_reason="length" if finished else None
             )
-            outputs.append(SimpleNamespace(request_id=request_id, outputs=[out], finished=finished))
+            outputs.append(
+                SimpleNamespace(request_id=request_id, outputs=[out], finished=finished, error=error)
+            )
         return outputs
 
     def stats(self):
@@ -106,17 +109,32 @@ def test_add_error_fails_only_that_request(engine_pair):
     assert asyncio.run(main())[-1].finished
 
 
-def test_step_exception_fails_in_flight_requests_and_engine_keeps_serving(engine_pair):
+def test_a_request_the_engine_pins_a_fault_on_fails_alone(engine_pair):
+    async_engine, _, _ = engine_pair
+
+    async def main():
+        good = asyncio.create_task(_collect(async_engine, "good", [1], 5))
+        with pytest.raises(EngineRequestError, match="overflow") as info:
+            await _collect(async_engine, "faulty", [13], 5)
+        assert not info.value.bad_request
+        return await good
+
+    assert asyncio.run(main())[-1].finished
+    assert async_engine.state == "ready"
+
+
+def test_step_exception_fails_in_flight_requests_and_marks_the_engine_failed(engine_pair):
     async_engine, _, _ = engine_pair
 
     async def main():
         with pytest.raises(EngineRequestError, match="boom") as info:
             await _collect(async_engine, "bomb", [666], 5)
         assert not info.value.bad_request
-        return await _collect(async_engine, "after", [1], 2)
+        with pytest.raises(EngineRequestError, match="failed"):
+            await _collect(async_engine, "after", [1], 2)
 
-    assert asyncio.run(main())[-1].finished
-    assert async_engine._thread.is_alive()
+    asyncio.run(main())
+    assert async_engine.state == "failed" and "boom" in async_engine.error  # /health answers 503
 
 
 def test_cancelled_consumer_aborts_its_request(engine_pair):

@@ -9,7 +9,11 @@ import jsonschema
 import pytest
 import torch
 
-from keepwarm_runtime.engine.structured import StructuredOutputCompiler, StructuredOutputsParams
+from keepwarm_runtime.engine.structured import (
+    StructuredOutputCompiler,
+    StructuredOutputsParams,
+    unenforceable_keyword,
+)
 from keepwarm_runtime.modelgen.tokenizer import END_OF_TURN, build_tokenizer
 
 SCHEMA = {
@@ -47,10 +51,10 @@ def _walk(tokenizer, factory, seed: int, max_steps: int = 200) -> tuple[str, boo
         token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
         assert token < len(tokenizer), "a padded id slipped through the mask"
         constraint.accept(token)
-        if constraint.is_terminated():
-            return tokenizer.decode(ids), True
-        ids.append(token)
-    return tokenizer.decode(ids), False
+        ids.append(token)  # as the engine does: the terminating token is part of the output
+        if constraint.is_terminated():  # after a stop token (xgrammar) or the last one possible (llguidance)
+            return tokenizer.decode(ids, skip_special_tokens=True), True
+    return tokenizer.decode(ids, skip_special_tokens=True), False
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -88,3 +92,50 @@ def test_regex_choice_grammar_and_json_object(tokenizer, compiler):
 def test_invalid_constraints_raise_value_error(compiler, params, match):
     with pytest.raises(ValueError, match=match):
         compiler.factory(params)
+
+
+@pytest.mark.parametrize(
+    "schema, named",
+    [
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+        ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "not"),
+        ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, "if"),
+        ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
+        ({"type": "string", "format": "frobnicate"}, "format: frobnicate"),
+        ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+    ],
+)
+def test_keywords_neither_backend_enforces_are_refused_by_name(compiler, schema, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        compiler.factory(StructuredOutputsParams(json=schema))
+
+
+FALLBACK_SCHEMAS = [
+    {"allOf": [{"type": "integer", "minimum": 3}, {"type": "integer", "maximum": 9}]},
+    {"type": "string", "pattern": "^a+$", "minLength": 2, "maxLength": 4},
+    {"type": "string", "format": "date", "maxLength": 10},
+    {"type": "object", "properties": {"n": {"minimum": 3}}, "required": ["n"], "additionalProperties": False},
+]
+
+
+@pytest.mark.parametrize("schema", FALLBACK_SCHEMAS)
+@pytest.mark.parametrize("seed", range(5))
+def test_schemas_xgrammar_would_loosen_are_enforced_by_llguidance(tokenizer, compiler, schema, seed):
+    assert unenforceable_keyword(schema) is not None  # xgrammar alone would serve these loosely
+    text, terminated = _walk(tokenizer, compiler.factory(StructuredOutputsParams(json=schema)), seed)
+    assert terminated, text
+    jsonschema.validate(json.loads(text), schema, format_checker=jsonschema.FormatChecker())
+
+
+def test_enforced_keywords_compile(compiler):
+    schema = {
+        "type": "object",
+        "properties": {
+            "when": {"type": "string", "format": "date"},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 3},
+            "n": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "null"}]},
+        },
+        "required": ["when"],
+    }
+    assert unenforceable_keyword(schema) is None
+    compiler.factory(StructuredOutputsParams(json=schema))

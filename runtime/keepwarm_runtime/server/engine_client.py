@@ -1,0 +1,45 @@
+"""What the server needs from an engine: the ``EngineClient`` protocol, the one type at that boundary.
+
+``LLMEngine`` satisfies it; tests may pass any object that does. The server asks the engine about the
+model (vocabulary width, EOS ids, token texts) instead of re-reading checkpoint files, so the two can
+never disagree.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from keepwarm_runtime.engine.loader import LoadInfo
+    from keepwarm_runtime.engine.multimodal import MultimodalInput
+    from keepwarm_runtime.engine.outputs import EngineStats, RequestOutput
+    from keepwarm_runtime.engine.sampling_params import SamplingParams
+
+
+class EngineClient(Protocol):
+    tokenizer: Any  # a transformers tokenizer (PreTrainedTokenizerBase)
+    max_model_len: int  # prompt + output tokens per sequence
+    vocab_size: int  # the logits width (may exceed len(tokenizer): padded lm_head)
+    eos_token_ids: set[int]  # ids that end a sequence
+    load_info: LoadInfo  # where the weights came from and how long it took
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text as a client reads it."""
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        priority: int = 0,
+        multimodal: MultimodalInput | None = None,
+    ) -> None: ...
+
+    def abort_request(self, request_id: str) -> None: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def stats(self) -> EngineStats: ...

@@ -1,0 +1,4 @@
+"""Server-wide default limits, defined once (the CLI, the guards and the serving base import them)."""
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # larger bodies get 413 before they are read
+DEFAULT_PREPROCESS_TIMEOUT_S = 30.0  # tokenizing + rendering one request
