@@ -217,6 +217,10 @@ def run(steps: list[plan.Step], wheels: bool = True, smoke: bool = False) -> Rep
     env = os.environ | blocker.write_sitecustomize(scratch, blocked)
     env["PYTHONPATH"] = blocker.pythonpath(scratch, *paths, REPO / "runtime", REPO)
     env["PYTHONNOUSERSITE"] = "1"
+    # pytest loads every installed plugin; the image has pytest-timeout (gpu-check's --timeout) but not
+    # this venv's others (schemathesis, ...), whose imports the blocker would refuse.
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    env["PYTEST_PLUGINS"] = "pytest_timeout"
     if not report.failed or not wheels:
         check_imports(report, env, steps, wheels)
         if wheels:

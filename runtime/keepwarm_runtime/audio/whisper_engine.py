@@ -18,11 +18,14 @@ import json
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from keepwarm_runtime.engine.outputs import CompletionOutput, EngineStats, RequestOutput
+
+if TYPE_CHECKING:
+    from keepwarm_runtime.engine.loader import LoadInfo
 
 TASKS = ("transcribe", "translate")
 
@@ -34,13 +37,13 @@ def _load_model(
     socket_dir: str | None,
     mode: str,
     fallback: bool,
-) -> tuple[Any, tuple[str, float, str | None]]:
+) -> tuple[Any, LoadInfo]:
     """The model built on the meta device and filled from the node weight cache or disk, as LLMEngine's
-    loader does; returns it with (source, seconds, reason for a disk fallback)."""
+    loader does; returns it with the engine's one LoadInfo type."""
     from transformers import AutoConfig, GenerationConfig, WhisperForConditionalGeneration
 
     from keepwarm_runtime.cache.client import attach
-    from keepwarm_runtime.engine.loader import fill_parameters, materialize_buffers
+    from keepwarm_runtime.engine.loader import LoadInfo, fill_parameters, materialize_buffers
 
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
@@ -51,7 +54,7 @@ def _load_model(
     materialize_buffers(model, device)
     with contextlib.suppress(OSError):  # no generation_config.json: the config's defaults
         model.generation_config = GenerationConfig.from_pretrained(model_dir)
-    return model, (res.source, res.seconds, res.reason)
+    return model, LoadInfo(res.source, res.seconds, res.reason)
 
 
 def is_whisper_checkpoint(model_dir: str | Path) -> bool:

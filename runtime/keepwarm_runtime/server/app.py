@@ -121,13 +121,7 @@ def create_app(
     app.state.ctx = ctx
     install_error_handlers(app)
     app.add_middleware(_RequestMetrics, metrics=metrics)
-    audio = audio or AudioServerSettings()
-    upload_limit = (audio.max_upload_bytes, "--max-audio-upload-bytes")
-    app.add_middleware(
-        BodyLimit,
-        max_bytes=options.max_request_body_bytes,
-        per_path=dict.fromkeys(AUDIO_ROUTES, upload_limit),
-    )
+    app.add_middleware(BodyLimit, max_bytes=options.max_request_body_bytes, exempt=frozenset(AUDIO_ROUTES))
     if options.api_key:
         app.add_middleware(ApiKey, key=options.api_key)
 
@@ -194,7 +188,7 @@ def create_app(
     post("/v1/responses", ResponsesRequest, create_response)
     post("/tokenize", TokenizeRequest, tokenize)
     post("/detokenize", DetokenizeRequest, detokenize)
-    register_audio_routes(app, ctx, audio)
+    register_audio_routes(app, ctx, audio or AudioServerSettings())
     bodies = [ChatCompletionRequest, CompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest]
     install_openapi(app, bodies)
     return app

@@ -157,9 +157,12 @@ class AsyncEngine:
             kind, payload = self._inbox.popleft()
             if kind == "add":
                 request_id, prompt_token_ids, params, priority, multimodal, stream = payload
-                extra = {} if multimodal is None else {"multimodal": multimodal}
+                # Only what the request set: engines without priorities or audio (WhisperEngine) take neither.
+                extra: dict[str, Any] = {} if multimodal is None else {"multimodal": multimodal}
+                if priority:
+                    extra["priority"] = priority
                 try:
-                    self.engine.add_request(request_id, prompt_token_ids, params, priority=priority, **extra)
+                    self.engine.add_request(request_id, prompt_token_ids, params, **extra)
                 except Exception as exc:  # bad params or prompt too long: only this request fails
                     stream.finished = True
                     error = EngineRequestError(str(exc), bad_request=isinstance(exc, ValueError))

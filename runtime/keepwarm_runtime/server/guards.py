@@ -53,27 +53,26 @@ class BodyLimit:
     """413 for bodies over ``max_bytes``: at once from Content-Length, else while they stream in."""
 
     def __init__(
-        self,
-        app: ASGIApp,
-        max_bytes: int = DEFAULT_MAX_BODY_BYTES,
-        per_path: dict[str, tuple[int, str]] | None = None,
+        self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_BODY_BYTES, exempt: frozenset[str] = frozenset()
     ) -> None:
-        """``per_path``: path -> (limit, the flag that sets it), for routes with their own limit
-        (audio uploads: --max-audio-upload-bytes)."""
-        self.app, self.max_bytes, self.per_path = app, max_bytes, per_path or {}
+        """``exempt``: paths whose routes enforce a limit of their own (audio uploads:
+        --max-audio-upload-bytes, answered as ``audio_too_large``)."""
+        self.app, self.max_bytes, self.exempt = app, max_bytes, exempt
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        limit, flag = self.per_path.get(scope.get("path", ""), (self.max_bytes, "--max-request-body-bytes"))
-        error = PayloadTooLarge(
-            f"the request body is larger than this server's limit of {limit} bytes ({flag})",
+    def _error(self) -> PayloadTooLarge:
+        return PayloadTooLarge(
+            f"the request body is larger than this server's limit of {self.max_bytes} bytes "
+            "(--max-request-body-bytes)",
             code="request_too_large",
         )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path") in self.exempt:
+            await self.app(scope, receive, send)
+            return
         declared = _header(scope, b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            await send_error(send, error)
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            await send_error(send, self._error())
             return
         seen = 0
 
@@ -82,8 +81,8 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > limit:
-                    raise error
+                if seen > self.max_bytes:
+                    raise self._error()
             return message
 
         await self.app(scope, counted, send)

@@ -95,7 +95,6 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: Req
     engine = ctx.engine
     plan = plan_tools(req, ctx.options.tool_call_parser)
     template_kwargs = _template_kwargs(ctx, req, plan)
-    messages = _messages(req)
     if req.top_logprobs and not req.logprobs:
         raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")
     multimodal = None
@@ -115,6 +114,7 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: Req
             chat_template_kwargs=template_kwargs,
         )
     else:
+        messages = _messages(req)
         prompt_ids = truncate_prompt(
             await ctx.preprocess(_render, engine.tokenizer, messages, template_kwargs),
             req.truncate_prompt_tokens,
