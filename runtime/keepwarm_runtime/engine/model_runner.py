@@ -40,6 +40,7 @@ class ModelRunner:
             if end == seq.num_tokens:  # the last known token is in: its logits give the next one
                 sample_index.append(query_start[-1] - 1)
                 sample_seqs.append(seq)
+        prompt_lens = [seq.num_prompt_tokens for seq in out.seqs]
         query_lens = [e - s for s, e in itertools.pairwise(query_start)]
         max_blocks = max(len(seq.block_ids) for seq in out.seqs)
         tables = [seq.block_ids + [0] * (max_blocks - len(seq.block_ids)) for seq in out.seqs]
@@ -54,6 +55,8 @@ class ModelRunner:
             max_context_len=max(context_lens),
             block_size=bs,
             prefill_only=all(c == q for c, q in zip(context_lens, query_lens, strict=True)),
+            prompt_lens=torch.tensor(prompt_lens, dtype=torch.long, device=dev),
+            prompt_lens_list=prompt_lens,
             query_lens_list=query_lens,
             context_lens_list=context_lens,
         )

@@ -16,6 +16,7 @@ import torch
 
 from keepwarm_runtime.engine.attention.layer import KeepwarmAttention
 from keepwarm_runtime.engine.attention.metadata import AttentionMetadata
+from keepwarm_runtime.engine.attention.window import Window, effective_window
 
 WORKSPACE_BYTES = 256 << 20
 
@@ -30,6 +31,16 @@ class FlashInferAttentionBackend:
             self.workspace, "NHD", use_tensor_cores=True
         )
 
+    def check_layer(self, layer: KeepwarmAttention) -> None:
+        """Refuse, at load, a layer whose window differs between prompt and generated positions."""
+        window = effective_window(layer.probe_window, layer.cache_window)
+        if not window.uniform:
+            raise NotImplementedError(
+                f"{layer.owner} layer_idx {layer.layer_idx}: transformers windows generated tokens "
+                f"({window.generated}) but not the prompt ({window.prompt}); the flashinfer backend plans "
+                "one window per pass: use attention_backend='torch'"
+            )
+
     def forward(
         self,
         layer: KeepwarmAttention,
@@ -38,7 +49,7 @@ class FlashInferAttentionBackend:
         value: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-        sliding_window: int | None,
+        window: Window,
         softcap: float | None,
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
@@ -47,8 +58,10 @@ class FlashInferAttentionBackend:
                 f"{layer.owner}: attention sinks are not supported by the flashinfer backend; "
                 "use attention_backend='torch'"
             )
+        if not window.uniform:
+            raise NotImplementedError(f"{layer.owner}: window {window} is not uniform; use the torch backend")
         q = query[0].transpose(0, 1).contiguous()  # [T, H, Dk]; the layer has cached this step's K/V
-        wrapper = self._plan(meta, q, layer, scale, sliding_window, softcap)
+        wrapper = self._plan(meta, q, layer, scale, window.prompt, softcap)
         out = wrapper.run(q, (layer.k_cache, layer.v_cache))  # [T, H, Dv]
         return out.unsqueeze(0)
 

@@ -26,8 +26,10 @@ class AttentionMetadata:
     max_context_len: int
     block_size: int
     prefill_only: bool  # no sequence has cached K/V: attend to the new K/V directly
+    prompt_lens: torch.Tensor | None = None  # [B] int64: prompt length per sequence (None: all prompt)
     query_lens_list: list[int] = field(default_factory=list)  # the same on the host
     context_lens_list: list[int] = field(default_factory=list)
+    prompt_lens_list: list[int] | None = None
     memo: dict[Any, Any] = field(default_factory=dict)  # per-pass plans backends share across layers
 
 

@@ -14,10 +14,14 @@ import torch.nn.functional as F
 
 from keepwarm_runtime.engine.attention.layer import KeepwarmAttention
 from keepwarm_runtime.engine.attention.metadata import AttentionMetadata
+from keepwarm_runtime.engine.attention.window import Window
 
 
 class TorchAttentionBackend:
     name = "torch"
+
+    def check_layer(self, layer: KeepwarmAttention) -> None:
+        """Every layer the fuser attaches runs here: windows, softcapping, sinks, MLA widths."""
 
     def forward(
         self,
@@ -27,7 +31,7 @@ class TorchAttentionBackend:
         value: torch.Tensor,  # [1, Hkv, T, Dv]
         meta: AttentionMetadata,
         scale: float,
-        sliding_window: int | None,
+        window: Window,
         softcap: float | None,
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:  # [1, T, H, Dv]
@@ -46,7 +50,7 @@ class TorchAttentionBackend:
             values = layer.v_cache.view(-1, num_kv, v.shape[-1])[index]
         q_grid = _pad(q, plan).transpose(1, 2)  # [B, H, Q, Dk]
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, L, D]
-        mask = _mask(meta, plan, sliding_window)  # [B, 1, Q, L] or None (plain causal)
+        mask = _mask(meta, plan, window)  # [B, 1, Q, L] or None (plain causal)
 
         if softcap or sinks is not None:
             out = _explicit_attention(q_grid, keys, values, mask, scale, softcap, sinks)
@@ -97,23 +101,36 @@ def _pad(x: torch.Tensor, plan: dict) -> torch.Tensor:
     return grid.view(B, Q, *x.shape[1:])
 
 
-def _mask(meta: AttentionMetadata, plan: dict, window: int | None) -> torch.Tensor | None:
+def _mask(meta: AttentionMetadata, plan: dict, window: Window) -> torch.Tensor | None:
     key = ("torch-mask", window)
     if key in meta.memo:
         return meta.memo[key]
     q_pos, k_pos = plan["q_pos"], plan["k_pos"]
-    if plan["B"] == 1 and meta.prefill_only and (window is None or window >= plan["Q"]):
+    if plan["B"] == 1 and meta.prefill_only and _plain_causal(meta, plan["Q"], window):
         mask = None  # one fresh sequence: plain causal attention
     else:
         allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # causal, in absolute positions
         allowed &= (k_pos[None, :] < meta.context_lens[:, None])[:, None, :]
-        if window is not None:
-            allowed &= (q_pos[:, :, None] - k_pos[None, None, :]) < window
+        distance = q_pos[:, :, None] - k_pos[None, None, :]
+        if window.prompt is not None:
+            allowed &= distance < window.prompt
+        if window.generated != window.prompt:
+            prompt_lens = meta.context_lens if meta.prompt_lens is None else meta.prompt_lens
+            in_prompt = (q_pos < prompt_lens[:, None])[:, :, None]  # [B, Q, 1]
+            allowed &= in_prompt | (distance < window.generated)
         padding_rows = torch.arange(plan["Q"], device=q_pos.device)[None, :] >= meta.query_lens[:, None]
         allowed[..., 0] |= padding_rows  # padded query rows see one key instead of none (no NaNs)
         mask = allowed.unsqueeze(1)
     meta.memo[key] = mask
     return mask
+
+
+def _plain_causal(meta: AttentionMetadata, num_queries: int, window: Window) -> bool:
+    """One fresh sequence whose every query sees all earlier keys."""
+    prompt_only = meta.prompt_lens_list is None or meta.context_lens_list[0] <= meta.prompt_lens_list[0]
+    return all(
+        w is None or w >= num_queries for w in (window.prompt, None if prompt_only else window.generated)
+    )
 
 
 def _explicit_attention(q, k, v, mask, scale, softcap, sinks) -> torch.Tensor:
