@@ -1,9 +1,9 @@
 """The paged KV cache tensors: one [num_blocks, block_size, kv_heads, dim] pair per attention layer.
 
 Shapes come from a probe pass (one token through the model with no metadata set: each layer records
-what it was handed, and its window; the backend then accepts or refuses each layer), so MLA's separate key/value widths and per-layer head counts need no model
-knowledge here. Sizing: an explicit block count, else a memory budget (CPU) or what is left of the
-GPU after the weights.
+what it was handed and the window it was called with; the backend then accepts or refuses each
+layer), so MLA's separate key/value widths and per-layer head counts need no model knowledge here.
+Sizing: an explicit block count, else a memory budget (CPU) or what is left of the GPU after the weights.
 """
 
 from __future__ import annotations
