@@ -2,7 +2,7 @@
 
 Starting from the type's default config (its own `to_dict()`), every size the config has is set small:
 width 64, 4 heads of 16 with 2 KV heads (GQA), FFN 128, vocab 2048, 512 positions, and the MoE/MLA
-sizes (4 experts, top-2, LoRA ranks 32); special token ids past the vocabulary become 0/1/2. A
+sizes (4 experts, top-2, LoRA ranks 32); special token ids are the shared tokenizer's (0/1/2). A
 window the model uses is set to 8, shorter than the long prompts. Layers: one per distinct entry of
 `layer_types` (at least 2), in first-seen order, so a sliding/full hybrid keeps both kinds; other
 per-layer lists are cut to the same length. Every config nested in the dict (text, vision, audio) is
@@ -61,7 +61,8 @@ SIZES: dict[str, Any] = {
 }
 LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers")
 WINDOWS = ("sliding_window",)
-# Special tokens must lie inside the shrunk vocabulary (embeddings use pad as padding_idx).
+# The shared tokenizer's special tokens (make-model's): the config's must agree, or generate() and
+# keepwarm would disagree on which token is EOS (keepwarm also honours the tokenizer's).
 TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 1}
 # Defaults that must not be replaced by a size: None means "derived" or "off" in these configs.
 KEEP_NONE = {"head_dim", "q_lora_rank", "num_key_value_heads", "sliding_window", "moe_intermediate_size"}
@@ -74,11 +75,8 @@ def shrink_dict(config: dict[str, Any]) -> dict[str, Any]:
         if key in out and not (out[key] is None and key in KEEP_NONE):
             out[key] = value
     for key, token in TOKENS.items():
-        value = out.get(key)
-        if isinstance(value, int) and value >= SIZES["vocab_size"]:
+        if key in out:
             out[key] = token
-        elif isinstance(value, list) and any(v >= SIZES["vocab_size"] for v in value):
-            out[key] = [token]
     for key in WINDOWS:
         if isinstance(out.get(key), int):
             out[key] = WINDOW
