@@ -2,7 +2,8 @@
 
 Starting from the type's default config (its own `to_dict()`), every size the config has is set small:
 width 64, 4 heads of 16 with 2 KV heads (GQA), FFN 128, vocab 2048, 512 positions, and the MoE/MLA
-sizes (4 experts, top-2, LoRA ranks 32); special token ids are the shared tokenizer's (0/1/2). A
+sizes (4 experts, top-2, LoRA ranks 32; MLA keeps one K/V head per head and head_dim as its rotary
+width); special token ids are the shared tokenizer's (0/1/2). A
 window the model uses is set to 8, shorter than the long prompts. Layers: one per distinct entry of
 `layer_types` (at least 2), in first-seen order, so a sliding/full hybrid keeps both kinds; other
 per-layer lists are cut to the same length. Every config nested in the dict (text, vision, audio) is
@@ -74,6 +75,10 @@ def shrink_dict(config: dict[str, Any]) -> dict[str, Any]:
     for key, value in SIZES.items():
         if key in out and not (out[key] is None and key in KEEP_NONE):
             out[key] = value
+    if "qk_rope_head_dim" in out and config.get("head_dim") == config["qk_rope_head_dim"]:
+        out["head_dim"] = out["qk_rope_head_dim"]  # MLA configs keep head_dim as the rotary width
+    if "kv_lora_rank" in out and out.get("num_key_value_heads") is not None:
+        out["num_key_value_heads"] = out["num_attention_heads"]  # MLA expands K/V to every head
     for key, token in TOKENS.items():
         if key in out:
             out[key] = token
