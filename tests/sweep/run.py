@@ -2,7 +2,7 @@
 
     python -m tests.sweep.run --report sweep-report.json [--types llama gemma2] [--timeout 600]
 
-One child process per type (`--one`), with an address-space cap and a wall-clock limit, so a type that
+One forked child process per type, with an address-space cap and a wall-clock limit, so a type that
 hangs, crashes or eats memory cannot sink the run. The report is rewritten after every type, and a
 rerun with the same report skips the types already in it (`--fresh` starts over). A child killed while
 transformers was still building or generating leaves the type not judged; killed while keepwarm ran,
@@ -16,7 +16,7 @@ import dataclasses
 import json
 import os
 import resource
-import subprocess
+import signal
 import sys
 import tempfile
 import time
@@ -51,24 +51,21 @@ def _limit_memory(gib: float) -> None:
 def judge_in_child(
     model_type: str, work: Path, tokenizer_dir: Path, timeout: float, memory_gib: float
 ) -> dict:
+    """Fork a child that judges `model_type` (torch and transformers are imported once, in the parent:
+    a fresh interpreter per type would spend most of its time importing them)."""
     out = work / f"{model_type}.verdict.json"
     phase = out.with_suffix(".phase")
-    cmd = [sys.executable, "-m", "tests.sweep.run", "--one", model_type]
-    cmd += ["--work", str(work), "--tokenizer", str(tokenizer_dir), "--verdict", str(out)]
     start = time.monotonic()
-    env = os.environ | {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    try:
-        proc = subprocess.run(
-            cmd,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=env,
-            preexec_fn=lambda: _limit_memory(memory_gib),
-        )
-        failure = None if proc.returncode == 0 else f"exit status {proc.returncode}: {proc.stderr[-400:]}"
-    except subprocess.TimeoutExpired:
-        failure = f"no verdict within {timeout:.0f} s"
+    pid = os.fork()
+    if pid == 0:  # child: cap, judge, exit without running the parent's cleanup
+        status = 1
+        try:
+            _limit_memory(memory_gib)
+            run_one(model_type, work, tokenizer_dir, out)
+            status = 0
+        finally:
+            os._exit(status)
+    failure = _wait(pid, timeout)
     if failure is None and out.exists():
         return json.loads(out.read_text())
     last = phase.read_text() if phase.exists() else "transformers"
@@ -82,6 +79,22 @@ def judge_in_child(
         "features": [],
         "seconds": time.monotonic() - start,
     }
+
+
+def _wait(pid: int, timeout: float) -> str | None:
+    """None when the child exited cleanly in time, else what happened to it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            if os.WIFSIGNALED(status):
+                return f"killed by signal {os.WTERMSIG(status)} (memory cap {MEMORY_CAP_GIB} GiB?)"
+            code = os.WEXITSTATUS(status)
+            return None if code == 0 else f"exit status {code}"
+        time.sleep(0.2)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return f"no verdict within {timeout:.0f} s"
 
 
 def summary(results: dict[str, dict]) -> dict[str, int]:
@@ -106,6 +119,7 @@ def write_report(path: Path, results: dict[str, dict], started: float) -> None:
 
 def sweep(report: Path, types: list[str], timeout: float, memory_gib: float, fresh: bool) -> dict:
     from keepwarm_runtime.modelgen import make_model
+    from tests.sweep import judge  # noqa: F401  (imported once here, inherited by every child)
 
     results: dict[str, dict] = {}
     if report.exists() and not fresh:
@@ -133,14 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per type")
     parser.add_argument("--memory-gib", type=float, default=MEMORY_CAP_GIB, help="address space per type")
     parser.add_argument("--fresh", action="store_true", help="ignore types already in the report")
-    parser.add_argument("--one", help=argparse.SUPPRESS)
-    parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--tokenizer", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--verdict", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.one:
-        run_one(args.one, args.work, args.tokenizer, args.verdict)
-        return 0
     results = sweep(args.report, args.types or causal_lm_types(), args.timeout, args.memory_gib, args.fresh)
     counts = summary(results)
     print(json.dumps(counts))
