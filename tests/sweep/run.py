@@ -3,15 +3,17 @@
     python -m tests.sweep.run --report sweep-report.json [--types llama gemma2] [--timeout 600]
 
 One forked child process per type, with an address-space cap and a wall-clock limit, so a type that
-hangs, crashes or eats memory cannot sink the run. The report is rewritten after every type, and a
-rerun with the same report skips the types already in it (`--fresh` starts over). A child killed while
-transformers was still building or generating leaves the type not judged; killed while keepwarm ran,
-it is an error. Exit status 1 when any type is different or an error.
+hangs, crashes or eats memory cannot sink the run. The report is rewritten after every type;
+`--resume` keeps the types already in it (after an interruption; with `--types`, those few are judged
+again). A child killed while transformers was still building or generating leaves the type not
+judged; killed while keepwarm ran, it is an error. Exit status 1 when any type is different or an
+error.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -43,6 +45,14 @@ def run_one(model_type: str, work: Path, tokenizer_dir: Path, out: Path) -> None
     out.write_text(json.dumps(dataclasses.asdict(verdict)))
 
 
+def _die_with_parent() -> None:
+    """Linux prctl(PR_SET_PDEATHSIG, SIGKILL): a child never outlives an interrupted sweep."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+
 def _limit_memory(gib: float) -> None:
     cap = int(gib * (1 << 30))
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
@@ -60,6 +70,7 @@ def judge_in_child(
     if pid == 0:  # child: cap, judge, exit without running the parent's cleanup
         status = 1
         try:
+            _die_with_parent()
             _limit_memory(memory_gib)
             run_one(model_type, work, tokenizer_dir, out)
             status = 0
@@ -117,18 +128,22 @@ def write_report(path: Path, results: dict[str, dict], started: float) -> None:
     tmp.replace(path)
 
 
-def sweep(report: Path, types: list[str], timeout: float, memory_gib: float, fresh: bool) -> dict:
+def sweep(
+    report: Path, types: list[str], timeout: float, memory_gib: float, resume: bool, rejudge: bool
+) -> dict:
+    """Judge `types` into `report`; with `resume`, types already there are kept (and skipped unless
+    `rejudge`: types named on the command line are judged again)."""
     from keepwarm_runtime.modelgen import make_model
     from tests.sweep import judge  # noqa: F401  (imported once here, inherited by every child)
 
     results: dict[str, dict] = {}
-    if report.exists() and not fresh:
+    if report.exists() and resume:
         results = json.loads(report.read_text()).get("types", {})
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="keepwarm-sweep-") as tmp:
         tokenizer_dir = make_model(Path(tmp) / "tokenizer", arch="llama", params="400K", vocab_size=2048)
         for model_type in types:
-            if model_type in results:
+            if model_type in results and not rejudge:
                 continue
             work = Path(tmp) / "types"
             work.mkdir(exist_ok=True)
@@ -146,9 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--types", nargs="*", help="model types (default: the whole causal-LM mapping)")
     parser.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per type")
     parser.add_argument("--memory-gib", type=float, default=MEMORY_CAP_GIB, help="address space per type")
-    parser.add_argument("--fresh", action="store_true", help="ignore types already in the report")
+    parser.add_argument("--resume", action="store_true", help="keep the types already in the report")
     args = parser.parse_args(argv)
-    results = sweep(args.report, args.types or causal_lm_types(), args.timeout, args.memory_gib, args.fresh)
+    types = args.types or causal_lm_types()
+    results = sweep(args.report, types, args.timeout, args.memory_gib, args.resume, bool(args.types))
     counts = summary(results)
     print(json.dumps(counts))
     return 1 if any(counts[v] for v in FAILING) else 0
