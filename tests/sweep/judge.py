@@ -174,9 +174,26 @@ def judge(model_type: str, work: Path, tokenizer_dir: Path, progress=lambda phas
     try:
         config = build_checkpoint(model_type, model_dir, tokenizer_dir)
         verdict.features = features(config)
-        conds = conditions()
-        prompts = list(dict.fromkeys(p for c in conds for p in c.prompts))
-        expected = reference(model_dir, prompts)
+    except Exception as exc:
+        verdict.reason = f"transformers: {_short(exc)}"
+        verdict.seconds = time.monotonic() - start
+        return verdict
+    conds = conditions()
+    # A refusal needs no reference: keepwarm loads first (transformers may not even generate).
+    progress(f"keepwarm {conds[0].name}")
+    try:
+        first = LLM(model_dir, dtype="float32", block_size=BLOCK_SIZE, **conds[0].engine)
+    except refusals as exc:  # refused up front, while loading
+        verdict.verdict, verdict.reason = "refused", f"{type(exc).__name__}: {exc}"
+        verdict.seconds = time.monotonic() - start
+        return verdict
+    except Exception as exc:
+        verdict.verdict, verdict.reason = "error", f"loading: {_short(exc)}"
+        verdict.seconds = time.monotonic() - start
+        return verdict
+    progress("transformers")
+    try:
+        expected = reference(model_dir, list(dict.fromkeys(p for c in conds for p in c.prompts)))
     except Exception as exc:
         verdict.reason = f"transformers: {_short(exc)}"
         verdict.seconds = time.monotonic() - start
@@ -184,12 +201,13 @@ def judge(model_type: str, work: Path, tokenizer_dir: Path, progress=lambda phas
     for cond in conds:
         progress(f"keepwarm {cond.name}")
         try:
-            llm = LLM(model_dir, dtype="float32", block_size=BLOCK_SIZE, **cond.engine)
-        except refusals as exc:  # refused up front, while loading
-            verdict.verdict, verdict.reason = "refused", f"{type(exc).__name__}: {exc}"
-            break
-        except Exception as exc:
-            verdict.verdict, verdict.reason = "error", f"loading: {_short(exc)}"
+            llm = (
+                first
+                if cond is conds[0]
+                else LLM(model_dir, dtype="float32", block_size=BLOCK_SIZE, **cond.engine)
+            )
+        except Exception as exc:  # loaded once already: failing now is no refusal
+            verdict.verdict, verdict.reason = "error", f"loading for {cond.name}: {_short(exc)}"
             break
         try:
             verdict.conditions[cond.name] = run_condition(llm, cond, expected)

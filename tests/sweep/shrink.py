@@ -35,6 +35,7 @@ SIZES: dict[str, Any] = {
     "encoder_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 16,
+    "rotary_dim": 8,  # GPT-J / CodeGen: rotary width within head_dim
     "vocab_size": 2048,
     "max_position_embeddings": 512,
     "n_positions": 512,
@@ -59,6 +60,12 @@ SIZES: dict[str, Any] = {
     "qk_rope_head_dim": 8,
     "qk_nope_head_dim": 16,
     "v_head_dim": 16,
+    # Mamba layers of hybrid models (refused, but only a valid config reaches the refusal)
+    "mamba_n_heads": 8,
+    "mamba_d_head": 16,  # 8 x 16 = mamba_expand x hidden_size
+    "mamba_expand": 2,
+    "mamba_d_state": 16,
+    "mamba_n_groups": 1,
 }
 LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers")
 WINDOWS = ("sliding_window",)
@@ -66,7 +73,7 @@ WINDOWS = ("sliding_window",)
 # keepwarm would disagree on which token is EOS (keepwarm also honours the tokenizer's).
 TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 1}
 # Defaults that must not be replaced by a size: None means "derived" or "off" in these configs.
-KEEP_NONE = {"head_dim", "q_lora_rank", "num_key_value_heads", "sliding_window", "moe_intermediate_size"}
+KEEP_NONE = {"q_lora_rank", "num_key_value_heads", "sliding_window", "moe_intermediate_size"}
 
 
 def shrink_dict(config: dict[str, Any]) -> dict[str, Any]:
