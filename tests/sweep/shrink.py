@@ -8,7 +8,8 @@ window the model uses is set to 8, shorter than the long prompts. Layers: one pe
 `layer_types` (at least 2), in first-seen order, so a sliding/full hybrid keeps both kinds; other
 per-layer lists are cut to the same length. Every config nested in the dict (text, vision, audio) is
 shrunk the same way. transformers' validators then run on the result; a shrink they reject is
-retried on the text config alone, then reported with the error.
+retried on the text config alone, then with the sizes alone as constructor arguments (the config
+derives its own layer_types), then reported with the errors.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ SIZES: dict[str, Any] = {
     "head_dim": 16,
     "rotary_dim": 8,  # GPT-J / CodeGen: rotary width within head_dim
     "vocab_size": 2048,
+    "vocab_size_per_layer_input": 2048,  # Gemma 3n/4 per-layer embeddings
     "max_position_embeddings": 512,
     "n_positions": 512,
     "initializer_range": 0.15,  # sharp attention: a wrong mask or scale changes greedy tokens
@@ -95,10 +97,19 @@ def shrink_dict(config: dict[str, Any]) -> dict[str, Any]:
     old_layers = next((out[k] for k in LAYER_COUNTS if isinstance(out.get(k), int)), None)
     new_layers = 2
     layer_types = out.get("layer_types")
+    kinds: list = []
     if isinstance(layer_types, list) and layer_types:
         kinds = list(dict.fromkeys(layer_types))
         new_layers = max(2, len(kinds))
         out["layer_types"] = (kinds * new_layers)[:new_layers]
+    if "n_recurrent_layers" in out:  # looped models (Dory): input + recurrent + output layers
+        new_layers = max(new_layers, 3)
+        out["layer_types"] = (kinds * new_layers)[:new_layers] if isinstance(layer_types, list) else None
+        out |= {"n_input_layers": 1, "n_recurrent_layers": new_layers - 2, "n_output_layers": 1}
+    if isinstance(out.get("per_layer_config"), dict):  # per-layer overrides, keyed by layer index
+        out["per_layer_config"] = {
+            k: shrink_dict(v) for k, v in out["per_layer_config"].items() if int(k) < new_layers
+        }
     if old_layers is not None:
         for key in LAYER_COUNTS:
             if isinstance(out.get(key), int):
@@ -118,8 +129,8 @@ def tiny_config(model_type: str):
 
     default = AutoConfig.for_model(model_type).to_dict()
     errors = []
-    for shrink_nested in (True, False):
-        shrunk = shrink_dict(default) if shrink_nested else _shrink_text_only(default)
+    for shrink in (shrink_dict, _shrink_text_only, _sizes_only):
+        shrunk = shrink(default)
         kwargs = {k: v for k, v in shrunk.items() if k not in ("model_type", "transformers_version")}
         try:
             return AutoConfig.for_model(model_type, **kwargs)
@@ -134,3 +145,20 @@ def _shrink_text_only(config: dict[str, Any]) -> dict[str, Any]:
         return config | {"text_config": shrink_dict(text)}
     top = {k: v for k, v in config.items() if not (isinstance(v, dict) and "model_type" in v)}
     return config | shrink_dict(top)
+
+
+def _sizes_only(config: dict[str, Any]) -> dict[str, Any]:
+    """Only the sizes, as constructor arguments: the config derives the rest (its own layer_types)."""
+    shrunk = shrink_dict(config)
+    keys = [
+        *SIZES,
+        *TOKENS,
+        *WINDOWS,
+        *LAYER_COUNTS,
+        "n_input_layers",
+        "n_recurrent_layers",
+        "n_output_layers",
+    ]
+    return {k: shrunk[k] for k in keys if k in shrunk and k != "layer_types"} | {
+        "model_type": config["model_type"]
+    }

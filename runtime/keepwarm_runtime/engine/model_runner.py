@@ -7,6 +7,7 @@ import itertools
 import torch
 from torch import nn
 
+from keepwarm_runtime.engine.attention.layer import KeepwarmAttention
 from keepwarm_runtime.engine.attention.metadata import AttentionMetadata, use_metadata
 from keepwarm_runtime.engine.scheduler import SchedulerOutput
 from keepwarm_runtime.engine.sequence import Sequence
@@ -17,6 +18,18 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
+        self._backend = None  # the attached layers' attention backend, found on the first step
+
+    def backend(self):
+        """The one backend every attached layer uses: its build() runs once per step, for all layers."""
+        if self._backend is None:
+            backends = {
+                id(m.backend): m.backend for m in self.model.modules() if isinstance(m, KeepwarmAttention)
+            }
+            if len(backends) != 1:
+                raise RuntimeError(f"expected one attention backend for all layers, found {len(backends)}")
+            self._backend = next(iter(backends.values()))
+        return self._backend
 
     def prepare(
         self, out: SchedulerOutput
