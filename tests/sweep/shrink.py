@@ -28,6 +28,8 @@ SIZES: dict[str, Any] = {
     "n_inner": 128,
     "ffn_dim": 128,
     "decoder_ffn_dim": 128,
+    "ffn_hidden_size": 128,  # LongCat-Flash
+    "expert_ffn_hidden_size": 32,
     "encoder_ffn_dim": 128,
     "num_attention_heads": 4,
     "n_head": 4,
