@@ -41,6 +41,8 @@ SIZES: dict[str, Any] = {
     "rotary_dim": 8,  # GPT-J / CodeGen: rotary width within head_dim
     "vocab_size": 2048,
     "vocab_size_per_layer_input": 2048,  # Gemma 3n/4 per-layer embeddings
+    "hidden_size_per_layer_input": 16,
+    "unpadded_vocab_size": 2048,
     "max_position_embeddings": 512,
     "n_positions": 512,
     "initializer_range": 0.15,  # sharp attention: a wrong mask or scale changes greedy tokens
@@ -70,6 +72,7 @@ SIZES: dict[str, Any] = {
     "mamba_expand": 2,
     "mamba_d_state": 16,
     "mamba_n_groups": 1,
+    "mamba_d_ssm": 128,
 }
 LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers")
 WINDOWS = ("sliding_window",)
@@ -104,6 +107,10 @@ def shrink_dict(config: dict[str, Any]) -> dict[str, Any]:
         kinds = list(dict.fromkeys(layer_types))
         new_layers = max(2, len(kinds))
         out["layer_types"] = (kinds * new_layers)[:new_layers]
+    if (out.get("num_kv_shared_layers") or 0) > 0 and kinds:  # KV sharing (Gemma 3n): every kind both
+        new_layers = 2 * len(kinds)  # produces (first half) and reuses (second half) a KV cache
+        out["layer_types"] = kinds * 2
+        out["num_kv_shared_layers"] = len(kinds)
     if "n_recurrent_layers" in out:  # looped models (Dory): input + recurrent + output layers
         new_layers = max(new_layers, 3)
         out["layer_types"] = (kinds * new_layers)[:new_layers] if isinstance(layer_types, list) else None
