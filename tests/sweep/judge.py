@@ -188,14 +188,18 @@ def judge(model_type: str, work: Path, tokenizer_dir: Path, progress=lambda phas
         verdict.seconds = time.monotonic() - start
         return verdict
     except Exception as exc:
-        verdict.verdict, verdict.reason = "error", f"loading: {_short(exc)}"
-        verdict.seconds = time.monotonic() - start
-        return verdict
+        first, load_error = None, exc  # keepwarm's fault only if transformers itself can generate
+    else:
+        load_error = None
     progress("transformers")
     try:
         expected = reference(model_dir, list(dict.fromkeys(p for c in conds for p in c.prompts)))
     except Exception as exc:
         verdict.reason = f"transformers: {_short(exc)}"
+        verdict.seconds = time.monotonic() - start
+        return verdict
+    if load_error is not None:
+        verdict.verdict, verdict.reason = "error", f"loading: {_short(load_error)}"
         verdict.seconds = time.monotonic() - start
         return verdict
     for cond in conds:

@@ -24,14 +24,18 @@ GROUPS = [
         "one attention module called several times per step (looped models)",
     ),
     (r"no module under", "attention computed outside transformers' attention registry"),
-    (r"layer types \[([^\]]*)\]", "layers that are not attention through the registry: {0}"),
+    (r"layer types \[", "layers that are not attention (linear, recurrent, conv, indexed, chunked, hybrid)"),
+    (
+        r"has no integer layer_idx",
+        "an attention module without a layer index (a vision encoder inside the decoder)",
+    ),
     (r"transformers cannot build this model", "transformers cannot build it with a registered attention"),
     (r"calls the attention registry \d+ times", "two attention calls in one module"),
     (r"cannot resolve the softmax scale", "a softmax scale computed at call time"),
     (r"not in the checkpoint|converts checkpoint tensors", "weight conversions keepwarm does not implement"),
     (r"quantized", "quantized checkpoints"),
-    (r"no valid tiny config", "no tiny config passes the config's validators"),
-    (r"parameters$", "the shrunk model is not tiny"),
+    (r"no valid tiny config", "no tiny config passes the config's validators (shrink)"),
+    (r"parameters$", "the shrunk model is not tiny (shrink)"),
 ]
 
 
@@ -39,7 +43,7 @@ def group_of(reason: str) -> str:
     for pattern, group in GROUPS:
         match = re.search(pattern, reason)
         if match:
-            return group.format(*match.groups())
+            return group
     return re.sub(r"\s+", " ", reason)[:120]
 
 
@@ -70,7 +74,7 @@ def render(report: dict) -> str:
         ("refused", "Refused"),
         ("different", "Different"),
         ("error", "Errors"),
-        ("not_judged", "Not judged (transformers itself fails)"),
+        ("not_judged", "Not judged (transformers fails on the tiny config)"),
     ):
         for reason, names in grouped(types, verdict).items():
             lines.append(f"- {title}, {reason} ({len(names)}): {', '.join(names)}.")

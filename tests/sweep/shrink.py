@@ -24,6 +24,7 @@ SIZES: dict[str, Any] = {
     "n_embd": 64,
     "d_model": 64,
     "n_embed": 64,
+    "emb_dim": 64,  # XLM
     "intermediate_size": 128,
     "n_inner": 128,
     "ffn_dim": 128,
@@ -66,6 +67,7 @@ SIZES: dict[str, Any] = {
     "qk_rope_head_dim": 8,
     "qk_nope_head_dim": 16,
     "v_head_dim": 16,
+    "qk_head_dim": 24,  # nope + rope, where the config stores it (LongCat-Flash)
     # Mamba layers of hybrid models (refused, but only a valid config reaches the refusal)
     "mamba_n_heads": 8,
     "mamba_d_head": 16,  # 8 x 16 = mamba_expand x hidden_size
@@ -80,7 +82,7 @@ WINDOWS = ("sliding_window",)
 # keepwarm would disagree on which token is EOS (keepwarm also honours the tokenizer's).
 TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 1}
 # Defaults that must not be replaced by a size: None means "derived" or "off" in these configs.
-KEEP_NONE = {"q_lora_rank", "num_key_value_heads", "sliding_window", "moe_intermediate_size"}
+KEEP_NONE = {"q_lora_rank", "sliding_window", "moe_intermediate_size"}
 
 
 def shrink_dict(config: dict[str, Any]) -> dict[str, Any]:
