@@ -1,4 +1,8 @@
-"""ModelRunner: turns a SchedulerOutput into one packed forward pass and returns next-token logits."""
+"""ModelRunner: turns a SchedulerOutput into one packed forward pass and returns next-token logits.
+
+It builds the step's AttentionMetadata from the scheduler's host lists, and has the attention backend
+derive its own typed metadata from it once (`backend.build`), before any layer runs.
+"""
 
 from __future__ import annotations
 
