@@ -47,7 +47,7 @@ class TorchAttentionBackend:
         dense = T == B * Q
         q_dest = None
         if not dense:
-            seq_of = torch.repeat_interleave(torch.arange(B, device=device), meta.query_lens)
+            seq_of = torch.repeat_interleave(torch.arange(B, device=device), meta.query_lens, output_size=T)
             offset = torch.arange(T, device=device) - meta.query_start[:-1].long()[seq_of]
             q_dest = seq_of * Q + offset
         L = Q if meta.prefill_only else meta.max_context_len
