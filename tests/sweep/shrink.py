@@ -3,13 +3,14 @@
 Starting from the type's default config (its own `to_dict()`), every size the config has is set small:
 width 64, 4 heads of 16 with 2 KV heads (GQA), FFN 128, vocab 2048, 512 positions, and the MoE/MLA
 sizes (4 experts, top-2, LoRA ranks 32; MLA keeps one K/V head per head and head_dim as its rotary
-width); special token ids are the shared tokenizer's (0/1/2). A
-window the model uses is set to 8, shorter than the long prompts. Layers: one per distinct entry of
-`layer_types` (at least 2), in first-seen order, so a sliding/full hybrid keeps both kinds; other
-per-layer lists are cut to the same length. Every config nested in the dict (text, vision, audio) is
-shrunk the same way. transformers' validators then run on the result; a shrink they reject is
-retried on the text config alone, then with the sizes alone as constructor arguments (the config
-derives its own layer_types), then reported with the errors.
+width); special token ids are the shared tokenizer's (0/1/2). A window the model uses is set to 8,
+shorter than the long prompts. A config with `is_decoder` (the BERT family) is built as a decoder, the
+way its causal-LM class is meant to be used. Layers: one per distinct entry of `layer_types` (at least
+2), in first-seen order, so a sliding/full hybrid keeps both kinds; other per-layer lists are cut to
+the same length. Every config nested in the dict (text, vision, audio) is shrunk the same way.
+transformers' validators then run on the result; a shrink they reject is retried on the text config
+alone, then with the sizes alone as constructor arguments (the config derives its own layer_types),
+then reported with the errors.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ SIZES: dict[str, Any] = {
     "max_position_embeddings": 512,
     "n_positions": 512,
     "initializer_range": 0.15,  # sharp attention: a wrong mask or scale changes greedy tokens
+    "is_decoder": True,  # BERT-style configs: their causal-LM classes are meant to run as decoders
     # MoE
     "num_experts": 4,
     "num_local_experts": 4,
