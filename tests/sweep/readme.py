@@ -18,7 +18,7 @@ END = "<!-- sweep:end -->"
 
 # (pattern in the reason, the group it belongs to), first match wins.
 GROUPS = [
-    (r"is not causal", "bidirectional attention (encoders, BERT-style models)"),
+    (r"is not causal", "non-causal attention modules (cross-attention of encoder-decoder models, encoders)"),
     (
         r"more than once per forward pass",
         "one attention module called several times per step (looped models)",

@@ -51,7 +51,10 @@ def test_readme_block_groups_reasons_and_replaces_only_its_section() -> None:
     }
     block = readme.render(report)
     assert "**1 identical, 2 refused up front" in block
-    assert "- Refused, bidirectional attention (encoders, BERT-style models) (2): bert, roberta." in block
+    assert (
+        "- Refused, non-causal attention modules (cross-attention of encoder-decoder models, "
+        "encoders) (2): bert, roberta." in block
+    )
     text = f"before\n{readme.BEGIN}\nold\n{readme.END}\nafter\n"
     assert readme.update(text, block) == f"before\n{block}\nafter\n"
     with pytest.raises(ValueError, match="no"):
