@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export UV_CACHE_DIR ?= $(HOME)/.cache/uv
 
-.PHONY: venv demo test test-unit lint format crds bench clean controlplane ffmpeg
+.PHONY: venv demo test test-unit lint format crds bench clean controlplane ffmpeg sweep
 
 $(STAMP): runtime/pyproject.toml operator/pyproject.toml requirements-dev.txt
 	@command -v uv >/dev/null || $(PYTHON) -m pip install -q uv
@@ -50,6 +50,14 @@ format: $(STAMP)
 
 crds: $(STAMP)
 	$(BIN)/python -m keepwarm_operator.crdgen crds charts/keepwarm/crds
+
+# Conformance sweep: every transformers causal-LM type against generate() (tests/sweep/run.py); rewrites
+# the committed report and the README's architecture list from it. After an interrupted run:
+# `make sweep SWEEP_ARGS=--resume`; one type: `make sweep SWEEP_ARGS="--resume --types moshi"`.
+SWEEP_REPORT := tests/sweep/report.json
+sweep: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m tests.sweep.run --report $(SWEEP_REPORT) $(SWEEP_ARGS); status=$$?; \
+	$(BIN)/python -m tests.sweep.readme $(SWEEP_REPORT) README.md && exit $$status
 
 bench: $(STAMP)
 	$(BIN)/python -m keepwarm_runtime.cli bench restart --size-gib 2 --serving-dtype float32 --json

@@ -1,9 +1,9 @@
 """The paged KV cache tensors: one [num_blocks, block_size, kv_heads, dim] pair per attention layer.
 
 Shapes come from a probe pass (one token through the model with no metadata set: each layer records
-what it was handed), so MLA's separate key/value widths and per-layer head counts need no model
-knowledge here. Sizing: an explicit block count, else a memory budget (CPU) or what is left of the
-GPU after the weights.
+what it was handed and the window it was called with; the backend then accepts or refuses each
+layer), so MLA's separate key/value widths and per-layer head counts need no model knowledge here.
+Sizing: an explicit block count, else a memory budget (CPU) or what is left of the GPU after the weights.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from torch import nn
 from keepwarm_runtime.engine.attention.fuser import AttentionFusionError
 from keepwarm_runtime.engine.attention.layer import KeepwarmAttention, KVSpec
 from keepwarm_runtime.engine.attention.metadata import use_metadata
+from keepwarm_runtime.engine.attention.window import cache_windows
 from keepwarm_runtime.engine.block_manager import cdiv
 from keepwarm_runtime.engine.config import EngineConfig
 
@@ -41,6 +42,12 @@ def probe_kv_specs(model: nn.Module, layers: list[KeepwarmAttention], device: to
         raise RuntimeError(
             f"attention layers {missing} were never called in a forward pass; cannot size the KV cache"
         )
+    text_config = model.config.get_text_config(decoder=True)
+    windows = cache_windows(text_config, max(layer.layer_idx for layer in layers) + 1)
+    for layer in layers:
+        layer.cache_window = windows[layer.layer_idx]
+        if layer.backend is not None:
+            layer.backend.check_layer(layer)
     return [layer.kv_spec for layer in layers]
 
 

@@ -1,4 +1,8 @@
-"""ModelRunner: turns a SchedulerOutput into one packed forward pass and returns next-token logits."""
+"""ModelRunner: turns a SchedulerOutput into one packed forward pass and returns next-token logits.
+
+It builds the step's AttentionMetadata from the scheduler's host lists, and has the attention backend
+derive its own typed metadata from it once (`backend.build`), before any layer runs.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import itertools
 import torch
 from torch import nn
 
+from keepwarm_runtime.engine.attention.layer import KeepwarmAttention
 from keepwarm_runtime.engine.attention.metadata import AttentionMetadata, use_metadata
 from keepwarm_runtime.engine.multimodal import forward_with_embeds, place
 from keepwarm_runtime.engine.scheduler import SchedulerOutput
@@ -18,6 +23,18 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
+        self._backend = None  # the attached layers' attention backend, found on the first step
+
+    def backend(self):
+        """The one backend every attached layer uses: its build() runs once per step, for all layers."""
+        if self._backend is None:
+            backends = {
+                id(m.backend): m.backend for m in self.model.modules() if isinstance(m, KeepwarmAttention)
+            }
+            if len(backends) != 1:
+                raise RuntimeError(f"expected one attention backend for all layers, found {len(backends)}")
+            self._backend = next(iter(backends.values()))
+        return self._backend
 
     def prepare(
         self, out: SchedulerOutput
@@ -41,6 +58,7 @@ class ModelRunner:
             if end == seq.num_tokens:  # the last known token is in: its logits give the next one
                 sample_index.append(query_start[-1] - 1)
                 sample_seqs.append(seq)
+        prompt_lens = [seq.num_prompt_tokens for seq in out.seqs]
         query_lens = [e - s for s, e in itertools.pairwise(query_start)]
         max_blocks = max(len(seq.block_ids) for seq in out.seqs)
         tables = [seq.block_ids + [0] * (max_blocks - len(seq.block_ids)) for seq in out.seqs]
@@ -55,6 +73,8 @@ class ModelRunner:
             max_context_len=max(context_lens),
             block_size=bs,
             prefill_only=all(c == q for c, q in zip(context_lens, query_lens, strict=True)),
+            prompt_lens=torch.tensor(prompt_lens, dtype=torch.long, device=dev),
+            prompt_lens_list=prompt_lens,
             query_lens_list=query_lens,
             context_lens_list=context_lens,
         )

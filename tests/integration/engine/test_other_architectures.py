@@ -87,6 +87,20 @@ def test_unnamed_architecture_matches_transformers(model_type, overrides, tmp_pa
     assert got == expected
 
 
+def test_window_shorter_than_the_prompt_matches_transformers(tmp_path, tokenizer_dir) -> None:
+    """Moshi's attention call passes no window, yet generate() keeps only the last window-1 tokens in its
+    cache: prompt tokens see the whole prompt, generated tokens only the window (differed before)."""
+    overrides = {"sliding_window": 8, "audio_vocab_size": 64, "num_codebooks": 2}
+    model = transformers_model("moshi", tmp_path, tokenizer_dir, **overrides)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(10, 2000, (n,), generator=g).tolist() for n in (20, 29, 40)]
+    expected = transformers_greedy(model, prompts, NEW_TOKENS)
+    llm = LLM(tmp_path, dtype="float32", block_size=4, num_kv_blocks=128, max_num_batched_tokens=12)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    assert got == expected
+
+
 @pytest.mark.parametrize(
     ("model_type", "overrides", "error", "message"),
     [

@@ -140,6 +140,39 @@ class LiteralScaleAttention(FakeLongcatAttention):
         )
 
 
+class HelperDispatchAttention(FakeLongcatAttention):
+    def forward(self, hidden, **kwargs):
+        return _dispatch(ALL_ATTENTION_FUNCTIONS, self, hidden)
+
+
+class CommentOnlyModule(nn.Module):
+    def forward(self, hidden):
+        # Not an ALL_ATTENTION_FUNCTIONS call site: a comment must not make this an attention module
+        return hidden
+
+
+def _dispatch(registry, module, hidden):
+    return registry.get_interface("keepwarm", _eager)(module, hidden, hidden, hidden, None, scaling=1.0)
+
+
+def test_registry_used_but_unresolvable_is_refused_by_name() -> None:
+    with pytest.raises(AttentionFusionError, match=r"HelperDispatchAttention.forward uses ALL_ATTENTION"):
+        analyze_class(HelperDispatchAttention)
+    assert analyze_class(CommentOnlyModule) is None
+
+
+def test_transformers_class_without_source_is_refused_by_name() -> None:
+    namespace: dict = {}
+    exec("def forward(self, hidden):\n    return hidden\n", namespace)  # no source file to read
+    cls = type("GeneratedAttention", (nn.Module,), {"forward": namespace["forward"]})
+    cls.__module__ = "transformers.models.generated.modeling_generated"
+    with pytest.raises(AttentionFusionError, match=r"GeneratedAttention\.forward has no readable source"):
+        analyze_class(cls)
+    cls.__module__ = "somewhere_else"
+    analyze_class.cache_clear()
+    assert analyze_class(cls) is None
+
+
 def test_unresolvable_scale_names_the_class() -> None:
     with pytest.raises(AttentionFusionError, match="ComputedScaleAttention: cannot resolve"):
         analyze_class(ComputedScaleAttention)

@@ -15,8 +15,9 @@ from keepwarm_runtime.engine.attention.torch_backend import TorchAttentionBacken
 BS = 4  # block size
 
 
-def naive(q, k, v, scale, window=None, softcap=None, sinks=None):
-    """q [Q, H, D] at the last Q positions of k/v [L, Hkv, D]."""
+def naive(q, k, v, scale, window=None, softcap=None, sinks=None, prompt_len=None, generated_window=None):
+    """q [Q, H, D] at the last Q positions of k/v [L, Hkv, D]; queries at or past `prompt_len` also
+    see no further back than `generated_window`."""
     Q, H, _ = q.shape
     L, Hkv, _ = k.shape
     g = H // Hkv
@@ -31,6 +32,8 @@ def naive(q, k, v, scale, window=None, softcap=None, sinks=None):
         allowed = kpos <= qpos
         if window:
             allowed &= qpos - kpos < window
+        if generated_window:
+            allowed &= (qpos < prompt_len) | (qpos - kpos < generated_window)
         s = s.masked_fill(~allowed, -math.inf)
         if sinks is not None:
             s = torch.cat([s, sinks[h].expand(Q, 1)], dim=1)
@@ -46,13 +49,15 @@ def naive(q, k, v, scale, window=None, softcap=None, sinks=None):
     [(None, None, False), (3, None, False), (None, 5.0, False), (None, None, True), (4, 30.0, True)],
 )
 @pytest.mark.parametrize("prefill_only", [False, True])
-def test_paged_batch_matches_naive(window, softcap, use_sinks, prefill_only) -> None:
+@pytest.mark.parametrize("cache_window", [None, 2])  # generate()'s cache window: generated tokens only
+def test_paged_batch_matches_naive(window, softcap, use_sinks, prefill_only, cache_window) -> None:
     torch.manual_seed(0)
     H, Hkv, Dk, Dv = 4, 2, 8, 6
     # (cached tokens, new tokens) per sequence: a chunk after a prefix, a decode, a fresh prompt
     shapes = [(0, 5), (0, 1), (0, 7)] if prefill_only else [(5, 3), (9, 1), (0, 6)]
     layer = KeepwarmAttention(0, None, "Test")
     layer.backend = TorchAttentionBackend()
+    layer.cache_window = cache_window
     num_blocks = 16
     layer.k_cache = torch.zeros(num_blocks, BS, Hkv, Dk)
     layer.v_cache = torch.zeros(num_blocks, BS, Hkv, Dv)
@@ -73,6 +78,7 @@ def test_paged_batch_matches_naive(window, softcap, use_sinks, prefill_only) -> 
     max_blocks = max(len(s[2]) for s in seqs)
     qlens = [s[1] for s in seqs]
     ctx = [s[0] + s[1] for s in seqs]
+    prompt_lens = [max(1, c - 2) for c in ctx]  # the last two positions were generated (or recomputed)
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots),
         query_start=torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32),
@@ -85,6 +91,8 @@ def test_paged_batch_matches_naive(window, softcap, use_sinks, prefill_only) -> 
         prefill_only=prefill_only,
         query_lens_list=qlens,
         context_lens_list=ctx,
+        prompt_lens=torch.tensor(prompt_lens),
+        prompt_lens_list=prompt_lens,
     )
     sinks = torch.randn(H) if use_sinks else None
     scale = 0.3
@@ -95,7 +103,8 @@ def test_paged_batch_matches_naive(window, softcap, use_sinks, prefill_only) -> 
     with use_metadata(meta):
         out = layer(q, k, v, window, softcap, sinks)[0]  # [T, H, Dv]
     start = 0
-    for _cached, new, _, k_all, v_all, q_seq in seqs:
-        want = naive(q_seq, k_all, v_all, scale, window, softcap, sinks)
+    generated_window = window if cache_window is None else min(cache_window, window or cache_window)
+    for (_cached, new, _, k_all, v_all, q_seq), prompt_len in zip(seqs, prompt_lens, strict=True):
+        want = naive(q_seq, k_all, v_all, scale, window, softcap, sinks, prompt_len, generated_window)
         torch.testing.assert_close(out[start : start + new], want, rtol=1e-5, atol=1e-5)
         start += new

@@ -1,23 +1,42 @@
 """FlashInfer attention backend (CUDA): paged prefill/decode wrappers over the same KV layout.
 
 The cache layout [num_blocks, block_size, kv_heads, dim] is FlashInfer's "NHD" paged layout, so the
-blocks the scheduler hands out are FlashInfer pages as they are. Each forward pass plans once per
-distinct (scale, window, softcap, head dims) and reuses the plan for every layer that shares it; a
-batch of single-token queries uses the decode wrapper, anything else the prefill wrapper (which
-handles chunked prefill and prefix hits mixed with decodes). Sinks are refused: use the torch
-backend for models with attention sinks. Importing this module fails without flashinfer-python
-(extra `keepwarm-runtime[gpu]`). Untested on GPU in CI: scripts/gpu-check runs it.
+blocks the scheduler hands out are FlashInfer pages as they are. `build()` makes the page table
+(indptr, indices, last page lengths) once per forward pass on the host, from the scheduler's host
+lists, so nothing is copied back from the device. Each pass plans once per distinct (scale, window,
+softcap, head dims) and reuses the plan for every layer that shares it; a batch of single-token
+queries uses the decode wrapper, anything else the prefill wrapper (which handles chunked prefill
+and prefix hits mixed with decodes). Sinks, and a window that differs between prompt and generated
+positions, are refused at load (`check_layer`): use the torch backend. Importing this module fails
+without flashinfer-python (extra `keepwarm-runtime[gpu]`). Untested on GPU in CI: scripts/gpu-check
+runs it.
 """
 
 from __future__ import annotations
+
+from dataclasses import astuple, dataclass
+from typing import Any
 
 import flashinfer
 import torch
 
 from keepwarm_runtime.engine.attention.layer import KeepwarmAttention
 from keepwarm_runtime.engine.attention.metadata import AttentionMetadata
+from keepwarm_runtime.engine.attention.page_table import page_table
+from keepwarm_runtime.engine.attention.window import Window, effective_window
 
 WORKSPACE_BYTES = 256 << 20
+
+
+@dataclass
+class FlashInferStepMetadata:
+    common: AttentionMetadata
+    query_start: torch.Tensor  # [B+1] int32, host: cumulative new-token counts
+    indptr: torch.Tensor  # [B+1] int32, host: each sequence's first page in `indices`
+    indices: torch.Tensor  # [pages] int32, host: the KV blocks (pages) of every sequence, in order
+    last_page_len: torch.Tensor  # [B] int32, host: tokens in each sequence's last page
+    planned: tuple | None = None  # the (scale, window, softcap, dims) the wrappers are planned for
+    wrapper: Any = None  # the planned wrapper (prefill or decode)
 
 
 class FlashInferAttentionBackend:
@@ -30,15 +49,41 @@ class FlashInferAttentionBackend:
             self.workspace, "NHD", use_tensor_cores=True
         )
 
+    def check_layer(self, layer: KeepwarmAttention) -> None:
+        """Refuse, at load, layers with sinks or a window that differs between prompt and generated
+        positions (one window per plan)."""
+        if layer.probe_sinks:
+            raise NotImplementedError(
+                f"{layer.owner} layer_idx {layer.layer_idx}: attention sinks are not supported by the "
+                "flashinfer backend; use attention_backend='torch'"
+            )
+        window = effective_window(layer.probe_window, layer.cache_window)
+        if not window.uniform:
+            raise NotImplementedError(
+                f"{layer.owner} layer_idx {layer.layer_idx}: transformers windows generated tokens "
+                f"({window.generated}) but not the prompt ({window.prompt}); the flashinfer backend plans "
+                "one window per pass: use attention_backend='torch'"
+            )
+
+    def build(self, meta: AttentionMetadata) -> FlashInferStepMetadata:
+        """The step's page table, from host lists (FlashInfer's plan() wants host tensors)."""
+        table = page_table(meta.context_lens_list, meta.block_tables_list, meta.block_size)
+        query_start = [0]
+        for n in meta.query_lens_list:
+            query_start.append(query_start[-1] + n)
+        return FlashInferStepMetadata(
+            meta, *(torch.tensor(v, dtype=torch.int32) for v in (query_start, *astuple(table)))
+        )
+
     def forward(
         self,
         layer: KeepwarmAttention,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        meta: AttentionMetadata,
+        step: FlashInferStepMetadata,
         scale: float,
-        sliding_window: int | None,
+        window: Window,
         softcap: float | None,
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
@@ -47,24 +92,18 @@ class FlashInferAttentionBackend:
                 f"{layer.owner}: attention sinks are not supported by the flashinfer backend; "
                 "use attention_backend='torch'"
             )
+        if not window.uniform:
+            raise NotImplementedError(f"{layer.owner}: window {window} is not uniform; use the torch backend")
         q = query[0].transpose(0, 1).contiguous()  # [T, H, Dk]; the layer has cached this step's K/V
-        wrapper = self._plan(meta, q, layer, scale, sliding_window, softcap)
+        wrapper = self._plan(step, q, layer, scale, window.prompt, softcap)
         out = wrapper.run(q, (layer.k_cache, layer.v_cache))  # [T, H, Dv]
         return out.unsqueeze(0)
 
-    def _plan(self, meta, q, layer, scale, window, softcap):
-        key = (
-            "flashinfer",
-            scale,
-            window,
-            softcap,
-            q.shape[1],
-            layer.k_cache.shape[2:],
-            layer.v_cache.shape[-1],
-        )
-        if meta.memo.get("flashinfer-current") == key:
-            return meta.memo["flashinfer-wrapper"]
-        indptr, indices, last = _page_table(meta)
+    def _plan(self, step: FlashInferStepMetadata, q, layer, scale, window, softcap):
+        key = (scale, window, softcap, q.shape[1], tuple(layer.k_cache.shape[2:]), layer.v_cache.shape[-1])
+        if step.planned == key:
+            return step.wrapper
+        meta = step.common
         heads, kv_heads, dk = q.shape[1], layer.k_cache.shape[2], q.shape[-1]
         dv = layer.v_cache.shape[-1]
         common = {
@@ -74,15 +113,14 @@ class FlashInferAttentionBackend:
             "q_data_type": q.dtype,
             "kv_data_type": layer.k_cache.dtype,
         }
+        pages = (step.indptr, step.indices, step.last_page_len)
         if meta.max_query_len == 1 and dk == dv:
-            self.decode.plan(indptr, indices, last, heads, kv_heads, dk, meta.block_size, **common)
+            self.decode.plan(*pages, heads, kv_heads, dk, meta.block_size, **common)
             wrapper = self.decode
         else:
             self.prefill.plan(
-                meta.query_start.cpu(),
-                indptr,
-                indices,
-                last,
+                step.query_start,
+                *pages,
                 heads,
                 kv_heads,
                 dk,
@@ -92,22 +130,5 @@ class FlashInferAttentionBackend:
                 **common,
             )
             wrapper = self.prefill
-        meta.memo["flashinfer-current"] = key
-        meta.memo["flashinfer-wrapper"] = wrapper
+        step.planned, step.wrapper = key, wrapper
         return wrapper
-
-
-def _page_table(meta: AttentionMetadata):
-    memo = meta.memo.get("flashinfer-pages")
-    if memo is None:
-        bs = meta.block_size
-        ctx = torch.tensor(meta.context_lens_list, dtype=torch.int32)
-        pages = (ctx + bs - 1) // bs
-        indptr = torch.zeros(len(ctx) + 1, dtype=torch.int32)
-        indptr[1:] = pages.cumsum(0)
-        tables = meta.block_tables.cpu()
-        used = torch.arange(tables.shape[1])[None, :] < pages[:, None]
-        indices = tables[used].to(torch.int32).to(meta.block_tables.device)
-        last = ctx - (pages - 1) * bs
-        memo = meta.memo["flashinfer-pages"] = (indptr, indices, last)
-    return memo

@@ -3,7 +3,9 @@
 For every module class, the forward source is parsed once: the call made through transformers'
 attention registry (`ALL_ATTENTION_FUNCTIONS.get_interface(...)` or `ALL_ATTENTION_FUNCTIONS[...]`,
 usually via a local variable) must be unique, and its `scaling=` argument must be a constant or
-`self.<attr>`, which is read from the module at attach time. The layer index is the module's own
+`self.<attr>`, which is read from the module at attach time. A class whose attention cannot be
+resolved (the registry used some other way, or a transformers forward without readable source) is
+refused by name, never skipped. The layer index is the module's own
 `layer_idx` (LongCat-Flash style decoders hold two attentions per layer, 2L and 2L+1), never a count.
 """
 
@@ -73,12 +75,23 @@ def analyze_class(cls: type) -> AttentionCall | None:
     try:
         source = textwrap.dedent(inspect.getsource(inspect.unwrap(forward)))
     except (OSError, TypeError):
+        if cls.__module__.startswith("transformers."):
+            raise AttentionFusionError(
+                f"{cls.__name__}.forward has no readable source; keepwarm cannot tell whether it "
+                "dispatches attention, so it refuses the model rather than skip the module"
+            ) from None
         return None
     if REGISTRY_NAME not in source:
         return None
-    calls = _attention_calls(ast.parse(source))
+    tree = ast.parse(source)
+    if not any(isinstance(node, ast.Name) and node.id == REGISTRY_NAME for node in ast.walk(tree)):
+        return None  # named in a comment or string only
+    calls = _attention_calls(tree)
     if not calls:
-        return None
+        raise AttentionFusionError(
+            f"{cls.__name__}.forward uses {REGISTRY_NAME} but not as a call keepwarm can resolve "
+            "(e.g. handed to a helper); keepwarm refuses the model rather than skip the module"
+        )
     if len(calls) > 1:
         raise AttentionFusionError(
             f"{cls.__name__}.forward calls the attention registry {len(calls)} times; "

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from keepwarm_runtime.engine.attention.metadata import get_metadata
+from keepwarm_runtime.engine.attention.window import effective_window
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,9 @@ class KeepwarmAttention(nn.Module):
         self.v_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads, value_dim]
         self.kv_spec: KVSpec | None = None  # recorded by the probe pass
         self.probe_calls = 0  # calls during the probe pass: one KV cache serves exactly one call per step
+        self.probe_window: int | None = None  # the call's sliding_window= during the probe pass
+        self.probe_sinks = False  # whether the probe call passed attention sinks
+        self.cache_window: int | None = None  # generate()'s cache window for this layer (attention/window.py)
 
     def extra_repr(self) -> str:
         return f"layer_idx={self.layer_idx}, scale={self.scale}, owner={self.owner}"
@@ -52,6 +56,8 @@ class KeepwarmAttention(nn.Module):
         meta = get_metadata()
         if meta is None:  # probe pass: learn the KV shapes, compute nothing
             self.kv_spec = KVSpec(key.shape[1], key.shape[-1], value.shape[-1], key.dtype)
+            self.probe_window = sliding_window
+            self.probe_sinks = sinks is not None
             self.probe_calls += 1
             return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[-1])
         if query.shape[0] != 1:
@@ -61,4 +67,9 @@ class KeepwarmAttention(nn.Module):
         for cache, new in ((self.k_cache, key), (self.v_cache, value)):
             flat = cache.view(-1, new.shape[1], new.shape[-1])  # [slots, kv_heads, dim]
             flat.index_copy_(0, meta.slot_mapping, new[0].transpose(0, 1).to(cache.dtype))
-        return self.backend.forward(self, query, key, value, meta, scale, sliding_window, softcap, sinks)
+        if meta.backend_metadata is None:  # the model runner builds it; a bare caller (tests) gets it here
+            meta.backend_metadata = self.backend.build(meta)
+        window = effective_window(sliding_window, self.cache_window)
+        return self.backend.forward(
+            self, query, key, value, meta.backend_metadata, scale, window, softcap, sinks
+        )

@@ -2,7 +2,10 @@
 
 One small object per forward pass, set by the model runner around the call (nano-vllm's context), so
 the transformers model keeps its plain `forward(input_ids, position_ids)` signature. Tokens of all
-sequences are packed into one row: sequence b owns tokens query_start[b]:query_start[b+1].
+sequences are packed into one row: sequence b owns tokens query_start[b]:query_start[b+1]. What a
+backend derives from it for every layer (gather indices, page tables, plans) is that backend's own
+typed object, built once per pass by its `build()` (vLLM v1's AttentionMetadataBuilder), never
+looked up by string keys.
 """
 
 from __future__ import annotations
@@ -26,9 +29,12 @@ class AttentionMetadata:
     max_context_len: int
     block_size: int
     prefill_only: bool  # no sequence has cached K/V: attend to the new K/V directly
+    prompt_lens: torch.Tensor | None = None  # [B] int64: prompt length per sequence (None: all prompt)
     query_lens_list: list[int] = field(default_factory=list)  # the same on the host
     context_lens_list: list[int] = field(default_factory=list)
-    memo: dict[Any, Any] = field(default_factory=dict)  # per-pass plans backends share across layers
+    prompt_lens_list: list[int] | None = None
+    block_tables_list: list[list[int]] = field(default_factory=list)  # the same on the host, unpadded
+    backend_metadata: Any = None  # the backend's typed metadata for this pass, from its build()
 
 
 _current: AttentionMetadata | None = None

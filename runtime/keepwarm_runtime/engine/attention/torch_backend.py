@@ -1,23 +1,63 @@
 """Reference attention backend in plain torch (CPU and GPU): batched padded attention over the paged cache.
 
-Per forward pass (not per layer) it plans once: where each packed query goes in a [B, Q] grid, which
-cache slots form each sequence's [L] keys, and the boolean mask (causal, context length, sliding
-window). Each layer (which has written its new K/V into the cache) then gathers with one index and runs
-SDPA (or an explicit softmax when softcapping or sinks are needed). Prefill without cached tokens
-skips the gather and attends to the new K/V directly.
+`build()` runs once per forward pass (the model runner calls it) and returns a TorchStepMetadata: where
+each packed query goes in a [B, Q] grid and which cache slots form each sequence's [L] keys; the
+boolean masks (causal, context length, windows) are made on first use per distinct window and kept
+for the other layers. Each layer (which has written its new K/V into the cache) then gathers with one
+index and runs SDPA (or an explicit softmax when softcapping or sinks are needed). Prefill without
+cached tokens skips the gather and attends to the new K/V directly.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from keepwarm_runtime.engine.attention.layer import KeepwarmAttention
 from keepwarm_runtime.engine.attention.metadata import AttentionMetadata
+from keepwarm_runtime.engine.attention.window import Window
+
+
+@dataclass
+class TorchStepMetadata:
+    common: AttentionMetadata
+    batch: int  # B: sequences in the step
+    max_query: int  # Q: the padded grid's query rows per sequence
+    dense: bool  # every sequence has Q new tokens: the packed rows reshape to the grid as they are
+    q_dest: torch.Tensor | None  # [T] grid row (b * Q + i) of each packed query; None when dense
+    kv_index: torch.Tensor | None  # [B, L] cache slot of each key position; None for fresh prefill
+    q_pos: torch.Tensor  # [B, Q] absolute position of each grid query
+    k_pos: torch.Tensor  # [L] key positions
+    masks: dict[Window, torch.Tensor | None] = field(default_factory=dict)  # [B, 1, Q, L] per window
 
 
 class TorchAttentionBackend:
     name = "torch"
+
+    def check_layer(self, layer: KeepwarmAttention) -> None:
+        """Every layer the fuser attaches runs here: windows, softcapping, sinks, MLA widths."""
+
+    def build(self, meta: AttentionMetadata) -> TorchStepMetadata:
+        """The step's grid and gather index, once for every layer."""
+        device = meta.query_start.device
+        B, Q = len(meta.query_lens_list), meta.max_query_len
+        T = sum(meta.query_lens_list)
+        dense = T == B * Q
+        q_dest = None
+        if not dense:
+            seq_of = torch.repeat_interleave(torch.arange(B, device=device), meta.query_lens, output_size=T)
+            offset = torch.arange(T, device=device) - meta.query_start[:-1].long()[seq_of]
+            q_dest = seq_of * Q + offset
+        L = Q if meta.prefill_only else meta.max_context_len
+        k_pos = torch.arange(L, device=device)
+        kv_index = None
+        if not meta.prefill_only:
+            bs = meta.block_size
+            kv_index = meta.block_tables.long()[:, k_pos // bs] * bs + k_pos % bs
+        q_pos = (meta.context_lens - meta.query_lens)[:, None] + torch.arange(Q, device=device)
+        return TorchStepMetadata(meta, B, Q, dense, q_dest, kv_index, q_pos, k_pos)
 
     def forward(
         self,
@@ -25,9 +65,9 @@ class TorchAttentionBackend:
         query: torch.Tensor,  # [1, H, T, Dk]
         key: torch.Tensor,  # [1, Hkv, T, Dk]
         value: torch.Tensor,  # [1, Hkv, T, Dv]
-        meta: AttentionMetadata,
+        step: TorchStepMetadata,
         scale: float,
-        sliding_window: int | None,
+        window: Window,
         softcap: float | None,
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:  # [1, T, H, Dv]
@@ -36,17 +76,17 @@ class TorchAttentionBackend:
         v = value[0].transpose(0, 1)
         num_heads, num_kv = q.shape[1], k.shape[1]  # the layer has written k, v into its paged cache
 
-        plan = _plan(meta, q.device)
-        B, Q = plan["B"], plan["Q"]
-        if meta.prefill_only:
-            keys, values = _pad(k, plan), _pad(v, plan)  # [B, Q, Hkv, D]
+        B, Q = step.batch, step.max_query
+        if step.kv_index is None:
+            keys, values = _pad(k, step), _pad(v, step)  # [B, Q, Hkv, D]
         else:
-            index = plan["kv_index"]
-            keys = layer.k_cache.view(-1, num_kv, k.shape[-1])[index]  # [B, L, Hkv, Dk]
-            values = layer.v_cache.view(-1, num_kv, v.shape[-1])[index]
-        q_grid = _pad(q, plan).transpose(1, 2)  # [B, H, Q, Dk]
+            keys = layer.k_cache.view(-1, num_kv, k.shape[-1])[step.kv_index]  # [B, L, Hkv, Dk]
+            values = layer.v_cache.view(-1, num_kv, v.shape[-1])[step.kv_index]
+        q_grid = _pad(q, step).transpose(1, 2)  # [B, H, Q, Dk]
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, L, D]
-        mask = _mask(meta, plan, sliding_window)  # [B, 1, Q, L] or None (plain causal)
+        if window not in step.masks:
+            step.masks[window] = _mask(step, window)
+        mask = step.masks[window]  # [B, 1, Q, L] or None (plain causal)
 
         if softcap or sinks is not None:
             out = _explicit_attention(q_grid, keys, values, mask, scale, softcap, sinks)
@@ -59,61 +99,45 @@ class TorchAttentionBackend:
                 q_grid, keys, values, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv
             )
         out = out.transpose(1, 2).reshape(B * Q, num_heads, -1)  # [B*Q, H, Dv]
-        if not plan["dense"]:
-            out = out[plan["q_dest"]]
+        if step.q_dest is not None:
+            out = out[step.q_dest]
         return out.unsqueeze(0)
 
 
-def _plan(meta: AttentionMetadata, device: torch.device) -> dict:
-    plan = meta.memo.get("torch")
-    if plan is not None:
-        return plan
-    B, Q = len(meta.query_lens_list), meta.max_query_len
-    T = sum(meta.query_lens_list)
-    plan = {"B": B, "Q": Q, "dense": T == B * Q}
-    if not plan["dense"]:
-        seq_of = torch.repeat_interleave(torch.arange(B, device=device), meta.query_lens)
-        offset = torch.arange(T, device=device) - meta.query_start[:-1].long()[seq_of]
-        plan["q_dest"] = seq_of * Q + offset
-    L = Q if meta.prefill_only else meta.max_context_len
-    k_pos = torch.arange(L, device=device)
-    if not meta.prefill_only:
-        bs = meta.block_size
-        plan["kv_index"] = meta.block_tables.long()[:, k_pos // bs] * bs + k_pos % bs
-    q_pos = (meta.context_lens - meta.query_lens)[:, None] + torch.arange(Q, device=device)  # [B, Q]
-    plan["q_pos"], plan["k_pos"] = q_pos, k_pos
-    plan["L"] = L
-    meta.memo["torch"] = plan
-    return plan
-
-
-def _pad(x: torch.Tensor, plan: dict) -> torch.Tensor:
+def _pad(x: torch.Tensor, step: TorchStepMetadata) -> torch.Tensor:
     """Packed [T, heads, D] -> [B, Q, heads, D] (rows past a sequence's length are zero)."""
-    B, Q = plan["B"], plan["Q"]
-    if plan["dense"]:
+    B, Q = step.batch, step.max_query
+    if step.q_dest is None:
         return x.reshape(B, Q, *x.shape[1:])
     grid = x.new_zeros(B * Q, *x.shape[1:])
-    grid[plan["q_dest"]] = x
+    grid[step.q_dest] = x
     return grid.view(B, Q, *x.shape[1:])
 
 
-def _mask(meta: AttentionMetadata, plan: dict, window: int | None) -> torch.Tensor | None:
-    key = ("torch-mask", window)
-    if key in meta.memo:
-        return meta.memo[key]
-    q_pos, k_pos = plan["q_pos"], plan["k_pos"]
-    if plan["B"] == 1 and meta.prefill_only and (window is None or window >= plan["Q"]):
-        mask = None  # one fresh sequence: plain causal attention
-    else:
-        allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # causal, in absolute positions
-        allowed &= (k_pos[None, :] < meta.context_lens[:, None])[:, None, :]
-        if window is not None:
-            allowed &= (q_pos[:, :, None] - k_pos[None, None, :]) < window
-        padding_rows = torch.arange(plan["Q"], device=q_pos.device)[None, :] >= meta.query_lens[:, None]
-        allowed[..., 0] |= padding_rows  # padded query rows see one key instead of none (no NaNs)
-        mask = allowed.unsqueeze(1)
-    meta.memo[key] = mask
-    return mask
+def _mask(step: TorchStepMetadata, window: Window) -> torch.Tensor | None:
+    meta, q_pos, k_pos = step.common, step.q_pos, step.k_pos
+    if step.batch == 1 and meta.prefill_only and _plain_causal(meta, step.max_query, window):
+        return None  # one fresh sequence: plain causal attention
+    allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # causal, in absolute positions
+    allowed &= (k_pos[None, :] < meta.context_lens[:, None])[:, None, :]
+    distance = q_pos[:, :, None] - k_pos[None, None, :]
+    if window.prompt is not None:
+        allowed &= distance < window.prompt
+    if window.generated != window.prompt:
+        prompt_lens = meta.context_lens if meta.prompt_lens is None else meta.prompt_lens
+        in_prompt = (q_pos < prompt_lens[:, None])[:, :, None]  # [B, Q, 1]
+        allowed &= in_prompt | (distance < window.generated)
+    padding_rows = torch.arange(step.max_query, device=q_pos.device)[None, :] >= meta.query_lens[:, None]
+    allowed[..., 0] |= padding_rows  # padded query rows see one key instead of none (no NaNs)
+    return allowed.unsqueeze(1)
+
+
+def _plain_causal(meta: AttentionMetadata, num_queries: int, window: Window) -> bool:
+    """One fresh sequence whose every query sees all earlier keys."""
+    prompt_only = meta.prompt_lens_list is None or meta.context_lens_list[0] <= meta.prompt_lens_list[0]
+    return all(
+        w is None or w >= num_queries for w in (window.prompt, None if prompt_only else window.generated)
+    )
 
 
 def _explicit_attention(q, k, v, mask, scale, softcap, sinks) -> torch.Tensor:
