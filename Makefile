@@ -8,10 +8,10 @@ export UV_CACHE_DIR ?= $(HOME)/.cache/uv
 
 .PHONY: venv demo test test-unit lint format crds bench clean controlplane
 
-$(STAMP): runtime/pyproject.toml operator/pyproject.toml requirements-dev.txt
+$(STAMP): api/pyproject.toml runtime/pyproject.toml operator/pyproject.toml requirements-dev.txt
 	@command -v uv >/dev/null || $(PYTHON) -m pip install -q uv
 	@test -x $(BIN)/python || uv venv -q -p $(PYTHON) $(VENV)
-	VIRTUAL_ENV=$(VENV) uv pip install -q -e 'runtime[structured,kubernetes]' -e operator -r requirements-dev.txt
+	VIRTUAL_ENV=$(VENV) uv pip install -q -e api -e 'runtime[structured,kubernetes]' -e operator -r requirements-dev.txt
 	@# Bytecode ahead of time: with PYTHONDONTWRITEBYTECODE set, every fresh process would otherwise
 	@# recompile torch and transformers (seconds per process: tests, the demo and restarts all pay it).
 	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null || true
@@ -41,7 +41,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 crds: $(STAMP)
-	$(BIN)/python -m keepwarm_operator.crdgen crds charts/keepwarm/crds
+	$(BIN)/python -m keepwarm_api.crdgen crds charts/keepwarm/crds
 
 bench: $(STAMP)
 	$(BIN)/python -m keepwarm_runtime.cli bench restart --size-gib 2 --serving-dtype float32 --json

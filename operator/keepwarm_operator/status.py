@@ -5,16 +5,17 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from .api.common import Condition, condition
-from .api.inferencedeployment import IDepConditionType, IDepReason, InferenceDeploymentStatus
-from .api.weightcache import (
+from keepwarm_api.common import Condition, condition
+from keepwarm_api.inferencedeployment import IDepConditionType, IDepReason, InferenceDeploymentStatus
+from keepwarm_api.weightcache import (
     ModelResidency,
     WeightCacheConditionType,
     WeightCacheReason,
     WeightCacheSpec,
     WeightCacheStatus,
 )
-from .api.weightcachenode import STALE_HEARTBEATS, ModelState, NodePhase, WeightCacheNodeStatus
+from keepwarm_api.weightcachenode import STALE_HEARTBEATS, ModelState, NodePhase, WeightCacheNodeStatus
+
 from .builders.meta import warm_label_key
 
 

@@ -15,8 +15,9 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
-from ..api import GROUP
-from ..api.weightcache import GPUAccessMode, SocketMode, Tier, WeightCacheSpec
+from keepwarm_api import GROUP
+from keepwarm_api.weightcache import GPUAccessMode, SocketMode, Tier, WeightCacheSpec
+
 from .meta import agent_labels, agent_name, object_meta
 from .volumes import hf_volume, model_mount
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..api.inferencedeployment import InferenceDeploymentSpec
-from ..api.weightcache import CachedModel, WeightCacheSpec
+from keepwarm_api.inferencedeployment import InferenceDeploymentSpec
+from keepwarm_api.weightcache import CachedModel, WeightCacheSpec
+
 from .agent import socket_dir
 from .meta import object_meta, runtime_labels, warm_label_key
 from .volumes import hf_volume, model_mount

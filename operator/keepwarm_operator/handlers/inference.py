@@ -16,11 +16,18 @@ from typing import Any
 
 import kopf
 
-from ..api import API_VERSION
-from ..api.common import Condition, condition, merge_conditions
-from ..api.inferencedeployment import KIND, PLURAL, IDepConditionType, IDepReason, InferenceDeploymentSpec
-from ..api.weightcache import KIND as CACHE_KIND
-from ..api.weightcache import WeightCacheSpec
+from keepwarm_api import API_VERSION
+from keepwarm_api.common import Condition, condition, merge_conditions
+from keepwarm_api.inferencedeployment import (
+    KIND,
+    PLURAL,
+    IDepConditionType,
+    IDepReason,
+    InferenceDeploymentSpec,
+)
+from keepwarm_api.weightcache import KIND as CACHE_KIND
+from keepwarm_api.weightcache import WeightCacheSpec
+
 from ..builders.meta import IDEP_LABEL, runtime_labels, selector_string
 from ..builders.runtime import CacheBinding, runtime_deployment, runtime_service
 from ..kube import ApiError

@@ -11,9 +11,10 @@ from typing import Any
 
 import kopf
 
-from ..api import API_VERSION
-from ..api.weightcachenode import KIND as NODE_KIND
-from ..api.weightcachenode import PLURAL, WeightCacheNodeStatus
+from keepwarm_api import API_VERSION
+from keepwarm_api.weightcachenode import KIND as NODE_KIND
+from keepwarm_api.weightcachenode import PLURAL, WeightCacheNodeStatus
+
 from ..kube import ApiError
 from ..metrics import reconciling
 from ..status import node_warm_labels

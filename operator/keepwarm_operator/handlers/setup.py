@@ -12,7 +12,8 @@ from typing import Any
 
 import kopf
 
-from ..api import GROUP
+from keepwarm_api import GROUP
+
 from ..kube import Kube, load_config
 
 # Timers are declared at import, so their period comes from the environment (the CLI sets it).

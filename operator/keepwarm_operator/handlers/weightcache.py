@@ -16,11 +16,25 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
-from ..api import API_VERSION
-from ..api.common import condition, merge_conditions
-from ..api.weightcache import KIND, PLURAL, WeightCacheConditionType, WeightCacheReason, WeightCacheSpec
-from ..api.weightcachenode import KIND as NODE_KIND
-from ..api.weightcachenode import NodePhase, WeightCacheNodeStatus, object_name
+from keepwarm_api import API_VERSION
+from keepwarm_api.common import condition, merge_conditions
+from keepwarm_api.weightcache import (
+    KIND,
+    PLURAL,
+    WeightCacheConditionType,
+    WeightCacheReason,
+    WeightCacheSpec,
+)
+from keepwarm_api.weightcachenode import (
+    HEARTBEAT_MISSED,
+    STALE,
+    NodePhase,
+    WeightCacheNodeStatus,
+    node_spec,
+    object_name,
+)
+from keepwarm_api.weightcachenode import KIND as NODE_KIND
+
 from ..builders.agent import agent_children
 from ..builders.meta import CACHE_LABEL, agent_labels, agent_name, object_meta, selector_string
 from ..kube import ApiError, Kube
@@ -57,7 +71,7 @@ def _sync_nodes(
             "apiVersion": API_VERSION,
             "kind": NODE_KIND,
             "metadata": object_meta(name, {CACHE_LABEL: cache}, body),
-            "spec": {"weightCache": cache, "nodeName": node},
+            "spec": node_spec(cache, node).wire(),
         }
         existing[name] = kube.apply(wcn)
         APPLIES.labels(NODE_KIND).inc()
@@ -85,7 +99,7 @@ def _sync_nodes(
         if status.phase != NodePhase.STALE and is_stale(status, spec.heartbeat_seconds, now, created):
             since = status.heartbeat or "creation"
             message = f"no heartbeat since {since} (agents report every {spec.heartbeat_seconds}s)"
-            stale = condition("Stale", True, "HeartbeatMissed", message, None)
+            stale = condition(STALE, True, HEARTBEAT_MISSED, message, None)
             conditions = merge_conditions((obj.get("status") or {}).get("conditions"), [stale], now)
             patch = {"status": {"phase": NodePhase.STALE.value, "message": message, "conditions": conditions}}
             kube.merge_patch(API_VERSION, NODE_KIND, name, patch, status=True)

@@ -13,13 +13,18 @@ import os
 import threading
 from typing import Any
 
+from keepwarm_api import GROUP, VERSION
+from keepwarm_api import weightcache as wc
+from keepwarm_api import weightcachenode as wcn
+from keepwarm_api.common import Quantization
+from keepwarm_api.paths import MODELS_ROOT, hf_cache_dir
+from keepwarm_api.weightcache import WeightCacheSpec
 from keepwarm_runtime import __version__
 
-from .state import HF_ROOT, AgentState, WantedModel, node_status, wanted_models
+from .state import AgentState, WantedModel, node_status, now, wanted_models
 
 log = logging.getLogger(__name__)
-GROUP, VERSION = "keepwarm.dev", "v1alpha1"
-DEFAULT_HEARTBEAT_S = 15.0
+DEFAULT_HEARTBEAT_S = float(WeightCacheSpec.model_fields["heartbeat_seconds"].default)
 
 
 class AgentDependencyError(ImportError):
@@ -45,22 +50,23 @@ def _client() -> Any:
 class NodeAgent:
     def __init__(self, daemon: Any, cache: str, node: str, api: Any, model_root: str | None = None):
         self.daemon, self.cache, self.node, self.api = daemon, cache, node, api
-        self.model_root = model_root or os.environ.get("KEEPWARM_MODEL_ROOT", "/models")
+        self.model_root = model_root or os.environ.get("KEEPWARM_MODEL_ROOT", MODELS_ROOT)
         self.state = AgentState()
         self.wanted: list[WantedModel] = []
         self.heartbeat_s = DEFAULT_HEARTBEAT_S
         self.lock = threading.Lock()
         self.wake = threading.Event()
+        self.last_report = self.state.reporting_since
 
     @property
     def object_name(self) -> str:
-        return f"{self.cache}.{self.node}"
+        return wcn.object_name(self.cache, self.node)
 
     def fetch(self) -> dict[str, Any] | None:
         from kubernetes.client import ApiException
 
         try:
-            return self.api.get_cluster_custom_object(GROUP, VERSION, "weightcaches", self.cache)
+            return self.api.get_cluster_custom_object(GROUP, VERSION, wc.PLURAL, self.cache)
         except ApiException as exc:
             if exc.status == 404:
                 self.state.message = f"WeightCache {self.cache!r} not found"
@@ -70,9 +76,9 @@ class NodeAgent:
     def reconcile(self, cache: dict[str, Any]) -> None:
         """One pass: load what is wanted and missing, release what is no longer wanted."""
         generation = cache["metadata"].get("generation")
-        spec = cache.get("spec") or {}
-        self.heartbeat_s = float(spec.get("heartbeatSeconds", DEFAULT_HEARTBEAT_S))
-        wanted = wanted_models(cache, self.model_root)
+        spec = WeightCacheSpec.model_validate(cache.get("spec") or {})
+        self.heartbeat_s = float(spec.heartbeat_seconds)
+        wanted = wanted_models(spec, self.model_root)
         with self.lock:
             self.wanted = wanted
             self.state.message = ""
@@ -104,13 +110,17 @@ class NodeAgent:
         from huggingface_hub import snapshot_download  # a transformers dependency
 
         token = os.environ.get(f"KEEPWARM_HF_TOKEN_{w.name.upper().replace('-', '_')}")
-        return snapshot_download(w.repo, revision=w.revision, cache_dir=HF_ROOT, token=token)
+        return snapshot_download(w.repo, revision=w.revision, cache_dir=hf_cache_dir(), token=token)
 
     def _load(self, w: WantedModel) -> None:
         with self.lock:
             self.state.loading.add(w.name)
         self.wake.set()  # report Loading now
         try:
+            if w.quantization != Quantization.NONE:  # refused by name, never loaded unquantized
+                raise NotImplementedError(
+                    f"quantization {w.quantization.value}: the cache daemon cannot apply it"
+                )
             self.state.daemon_names[w.name] = self.daemon.add_model(self._path(w), pin=w.pin)
         except Exception as exc:  # a bad checkpoint fails this model, not the agent
             log.warning("loading %s failed: %s", w.name, exc)
@@ -126,12 +136,15 @@ class NodeAgent:
         from kubernetes.client import ApiException
 
         with self.lock:
-            body = {"status": node_status(self.state, self.daemon.snapshot(), self.wanted, __version__)}
+            if (now() - self.last_report).total_seconds() > wcn.STALE_HEARTBEATS * self.heartbeat_s:
+                self.state.reporting_since = now()  # silent long enough to be Stale: a transition
+            status = node_status(self.state, self.daemon.snapshot(), self.wanted, __version__)
         try:
             self.api.patch_cluster_custom_object_status(
-                GROUP, VERSION, "weightcachenodes", self.object_name, body,
+                GROUP, VERSION, wcn.PLURAL, self.object_name, {"status": status.wire()},
                 _content_type="application/merge-patch+json",
             )  # fmt: skip
+            self.last_report = now()
             return True
         except ApiException as exc:
             if exc.status == 404:

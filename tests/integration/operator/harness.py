@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -151,7 +150,3 @@ def wait(
     except TimeoutError as exc:
         detail = f"\n--- operator log ---\n{op.tail()}" if op else ""
         raise TimeoutError(f"{exc}{detail}") from None
-
-
-def now_z() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

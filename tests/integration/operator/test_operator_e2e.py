@@ -8,6 +8,7 @@ nodes, garbage collection. Missing RBAC in the chart fails these tests (the oper
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import shutil
 import time
@@ -17,6 +18,8 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+from keepwarm_api.weightcachenode import ResidentModel
+from keepwarm_api.weightcachenode import agent_status as wcn_status
 from keepwarm_operator.builders.meta import warm_label_key
 from tests.integration.operator.harness import (
     GROUP_PATH,
@@ -27,7 +30,6 @@ from tests.integration.operator.harness import (
     install_chart_rbac,
     install_crds,
     items,
-    now_z,
     wait,
 )
 
@@ -111,12 +113,11 @@ def runtime_pods(env, name=IDEP):
     return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
 
 
-def agent_status(node: str, *states: str) -> dict:
-    models = [
-        {"name": MODEL, "state": s, "bytes": 1 << 20, "fingerprint": "f", "tier": "gpu"} for s in states
-    ]
-    phase = "Ready" if states == ("Resident",) else "Loading"
-    return {"status": {"phase": phase, "heartbeat": now_z(), "models": models, "totalBytes": 1 << 20}}
+def agent_status(*states: str) -> dict:
+    """The status patch an agent holding MODEL in these states sends, built by the product's function."""
+    models = [ResidentModel(name=MODEL, state=s, bytes=1 << 20, fingerprint="f", tier="gpu") for s in states]
+    now = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    return {"status": wcn_status(models, [], "e2e", "", now, now).wire()}
 
 
 def test_weightcache_runs_agents_on_exactly_the_selected_nodes(env):
@@ -177,7 +178,7 @@ def test_agent_reports_aggregate_into_weightcache_status(env, tiny_llama, tmp_pa
         daemon.close()
     node0 = get(cp, f"{GROUP_PATH}/weightcachenodes/{WC}.{env.nodes[0]}")["status"]
     assert node0["phase"] == "Ready" and node0["models"][0]["state"] == "Resident" and node0["totalBytes"] > 0
-    patch = json.dumps(agent_status(env.nodes[1], "Resident"))
+    patch = json.dumps(agent_status("Resident"))
     cp.kubectl(
         "patch",
         "wcn",

@@ -1,6 +1,6 @@
 """WeightCache -> agent DaemonSet and RBAC."""
 
-from keepwarm_operator.api.weightcache import WeightCacheSpec
+from keepwarm_api.weightcache import WeightCacheSpec
 from keepwarm_operator.builders.agent import agent_children, agent_daemonset, agent_rbac
 
 OWNER = {

@@ -9,8 +9,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from keepwarm_operator.api.inferencedeployment import InferenceDeploymentSpec
-from keepwarm_operator.api.weightcache import WeightCacheSpec
+from keepwarm_api.inferencedeployment import InferenceDeploymentSpec
+from keepwarm_api.weightcache import WeightCacheSpec
 from keepwarm_operator.builders.agent import agent_children
 from keepwarm_operator.builders.runtime import CacheBinding, runtime_deployment, runtime_service
 

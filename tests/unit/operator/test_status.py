@@ -2,9 +2,9 @@
 
 import datetime as dt
 
-from keepwarm_operator.api.common import condition, merge_conditions
-from keepwarm_operator.api.weightcache import WeightCacheSpec
-from keepwarm_operator.api.weightcachenode import WeightCacheNodeStatus
+from keepwarm_api.common import condition, merge_conditions
+from keepwarm_api.weightcache import WeightCacheSpec
+from keepwarm_api.weightcachenode import WeightCacheNodeStatus
 from keepwarm_operator.builders.meta import warm_label_key
 from keepwarm_operator.status import inference_status, is_stale, node_warm_labels, weightcache_status
 
