@@ -1,4 +1,5 @@
-"""Warm-node labels: warm.keepwarm.dev/<cache>.<model>=true on each Node holding a model.
+"""WeightCacheNodes: kopf's residency index, and warm-node labels warm.keepwarm.dev/<cache>.<model>=true
+on each Node holding a model.
 
 Runtime pods prefer nodes with their label. Labels are server-side applied under their own field
 manager, so applying the current set removes the ones no longer true (including those of deleted
@@ -40,25 +41,31 @@ def sync_node_labels(kube: Any, node: str) -> dict[str, str]:
     return labels
 
 
+def _resident(body: kopf.Body) -> frozenset[str]:
+    return frozenset(WeightCacheNodeStatus.model_validate(body.get("status") or {}).resident())
+
+
+@kopf.index(GROUP, VERSION, PLURAL)
+def residency(body: kopf.Body, **_: Any) -> dict[str, frozenset[str]]:
+    """WeightCache name -> the models resident on this node (kopf keeps one value per WeightCacheNode)."""
+    cache = (body.get("spec") or {}).get("weightCache")
+    return {cache: _resident(body)} if cache else {}
+
+
 @kopf.on.event(GROUP, VERSION, PLURAL)
 def weightcachenode_changed(body: kopf.Body, type: str | None, memo: Any, **_: Any) -> None:
-    """On a change of residency (not every heartbeat): node labels, cache status, its deployments."""
+    """On a change of residency (not every heartbeat): node labels, cache status, its deployments.
+
+    `memo` is kopf's per-object memo here: it remembers this node's residency as last acted on.
+    """
     spec = body.get("spec") or {}
     node, cache = spec.get("nodeName"), spec.get("weightCache")
     if not node or not cache:
         return
     ctx = context(memo)
-    name = body["metadata"]["name"]
-    status = WeightCacheNodeStatus.model_validate(body.get("status") or {})
-    resident = frozenset() if type == "DELETED" else frozenset(status.resident())
-    with ctx.lock:
-        changed = ctx.resident.get(name, frozenset()) != resident  # a new, empty node changes nothing
-        if type == "DELETED":
-            ctx.resident.pop(name, None)
-            ctx.caches.pop(name, None)
-        else:
-            ctx.resident[name] = resident
-            ctx.caches[name] = cache
+    resident = frozenset() if type == "DELETED" else _resident(body)
+    changed = memo.get("resident", frozenset()) != resident  # a new, empty node changes nothing
+    memo["resident"] = resident
     if not changed:
         return
     with reconciling(NODE_KIND, "event"):

@@ -6,7 +6,7 @@ import contextvars
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,22 +26,19 @@ class Context:
 
     kube: Kube  # API client
     agent_namespace: str  # where DaemonSets and agent ServiceAccounts live
+    # kopf's index of WeightCacheNodes (handlers/nodes.py): cache name -> the resident model set of
+    # each of its nodes, kept by kopf from its watch (read-only here).
+    residency: Mapping[str, Iterable[frozenset[str]]]
     namespaces: frozenset[str] = frozenset()  # InferenceDeployments served only here (empty: all)
-    # WeightCacheNode name -> models resident there, as last seen: heartbeats rewrite the status
-    # every few seconds, and only a change of residency is worth a reconcile.
-    resident: dict[str, frozenset[str]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    caches: dict[str, str] = field(default_factory=dict)  # WeightCacheNode name -> its cache
     applied: dict[tuple[str, str], int] = field(default_factory=dict)  # (ns, name) -> Deployment generation
     coalesce_s: float = 1.0  # residency changes within this window trigger one refresh per cache
     pending: set[str] = field(default_factory=set)  # caches with a refresh scheduled
 
     def warm_nodes(self, cache: str, model: str) -> int:
         """Nodes where `cache` holds `model`, as the WeightCacheNode watch last reported."""
-        with self.lock:
-            return sum(
-                1 for n, models in self.resident.items() if self.caches.get(n) == cache and model in models
-            )
+        nodes = list(self.residency.get(cache, ()))  # one C-level copy: kopf updates it from its loop
+        return sum(1 for models in nodes if model in models)
 
     def coalesce(self, key: str, fn: Callable[[], None]) -> None:
         """Run fn once, coalesce_s from now, however often this is called for `key` meanwhile.
@@ -73,7 +70,7 @@ def context(memo: Any) -> Context:
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
+def configure(settings: kopf.OperatorSettings, memo: Any, residency: kopf.Index, **_: Any) -> None:
     # Our CRDs prune unknown status fields, so kopf keeps its progress in annotations.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -90,5 +87,6 @@ def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     memo.keepwarm = Context(
         kube=Kube(load_config(os.environ.get("KUBECONFIG"))),
         agent_namespace=os.environ.get("KEEPWARM_AGENT_NAMESPACE", "keepwarm-system"),
+        residency=residency,
         namespaces=frozenset(filter(None, os.environ.get("KEEPWARM_OPERATOR_NAMESPACES", "").split(","))),
     )
