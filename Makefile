@@ -8,10 +8,10 @@ export UV_CACHE_DIR ?= $(HOME)/.cache/uv
 
 .PHONY: venv demo test test-unit lint format crds bench clean controlplane
 
-$(STAMP): api/pyproject.toml runtime/pyproject.toml operator/pyproject.toml requirements-dev.txt
+$(STAMP): api/pyproject.toml runtime/pyproject.toml operator/pyproject.toml testing/pyproject.toml requirements-dev.txt
 	@command -v uv >/dev/null || $(PYTHON) -m pip install -q uv
 	@test -x $(BIN)/python || uv venv -q -p $(PYTHON) $(VENV)
-	VIRTUAL_ENV=$(VENV) uv pip install -q -e api -e 'runtime[structured,kubernetes]' -e operator -r requirements-dev.txt
+	VIRTUAL_ENV=$(VENV) uv pip install -q -e api -e 'runtime[structured,kubernetes]' -e operator -e testing -r requirements-dev.txt
 	@# Bytecode ahead of time: with PYTHONDONTWRITEBYTECODE set, every fresh process would otherwise
 	@# recompile torch and transformers (seconds per process: tests, the demo and restarts all pay it).
 	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null || true
@@ -28,7 +28,7 @@ test: $(STAMP) controlplane
 
 # Real Kubernetes control plane for tests/integration/operator: built once into ~/.cache/keepwarm.
 controlplane:
-	bash tests/controlplane/build.sh >/dev/null
+	bash testing/keepwarm_testing/controlplane/build.sh >/dev/null
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)

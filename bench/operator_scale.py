@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/operator_scale.py [--crs 200] [--nodes 100] [--json-out FILE]
 
-Starts etcd + kube-apiserver + controller-manager + scheduler + fake kubelet (tests/controlplane),
+Starts etcd + kube-apiserver + controller-manager + scheduler + fake kubelet (keepwarm_testing),
 installs the CRDs and the chart's RBAC, runs `keepwarm-operator run` in a subprocess as the chart's
 ServiceAccount (the end-to-end tests' harness), makes one WeightCache over all nodes, creates the
 InferenceDeployments one after another as fast as one client can, and prints JSON:
@@ -29,12 +29,9 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tests.controlplane.build import build_control_plane  # noqa: E402
-from tests.controlplane.cluster import ControlPlane  # noqa: E402
-from tests.integration.operator.harness import (  # noqa: E402
+from keepwarm_testing.controlplane.build import build_control_plane
+from keepwarm_testing.controlplane.cluster import ControlPlane
+from keepwarm_testing.operator import (
     GROUP_PATH,
     OperatorProcess,
     condition,
@@ -138,14 +135,13 @@ def memory_mib(pid: int) -> dict[str, float]:
     return out
 
 
-def counters(text: str) -> dict[str, float]:
-    """The operator's keepwarm_* counters (reconciles by trigger, errors, applies) from /metrics."""
+def counters(op: OperatorProcess) -> dict[str, float]:
+    """The operator's nonzero keepwarm_operator_*_total counters (reconciles, errors, applies)."""
     out = {}
-    for line in text.splitlines():
-        if line.startswith("keepwarm_operator_") and "_total" in line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            if float(value):
-                out[name.replace("keepwarm_operator_", "")] = float(value)
+    for s in op.samples():
+        if s.name.startswith("keepwarm_operator_") and s.name.endswith("_total") and s.value:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name.removeprefix('keepwarm_operator_')}{{{labels}}}"] = s.value
     return out
 
 
@@ -201,7 +197,7 @@ def run(cp: ControlPlane, args: argparse.Namespace, result: dict) -> None:
             result["operator_peak_rss_mib"] = mem["VmHWM"]
         result["operator_log_errors"] = len(op.errors())
         if result["operator_alive"]:
-            result["operator_metrics"] = counters(op.metrics())
+            result["operator_metrics"] = counters(op)
         result["fake_kubelet"] = {
             "pods_started": cp.kubelet.stats.pods_started,
             "errors": cp.kubelet.stats.errors,

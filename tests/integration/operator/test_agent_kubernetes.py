@@ -14,7 +14,7 @@ import yaml
 
 from keepwarm_operator.builders.agent import agent_rbac
 from keepwarm_runtime.cache.launcher import serve_command
-from tests.integration.operator.harness import GROUP_PATH, NAMESPACE, ROOT, get, install_crds, wait
+from keepwarm_testing.operator import GROUP_PATH, NAMESPACE, ROOT, get, install_crds, wait
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -21,7 +21,7 @@ import yaml
 from keepwarm_api.weightcachenode import ResidentModel
 from keepwarm_api.weightcachenode import agent_status as wcn_status
 from keepwarm_operator.builders.meta import warm_label_key
-from tests.integration.operator.harness import (
+from keepwarm_testing.operator import (
     GROUP_PATH,
     NAMESPACE,
     OperatorProcess,
@@ -36,6 +36,7 @@ from tests.integration.operator.harness import (
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 WC, MODEL, IDEP = "kwe2e", "tiny", "chat"
 WARM = warm_label_key(WC, MODEL)
+RECONCILES = "keepwarm_operator_reconcile_total"
 
 
 @pytest.fixture(scope="module")
@@ -267,9 +268,8 @@ def test_kubectl_scale_drives_replicas_through_the_scale_subresource(env):
 
 
 def _reconciles(env) -> float:
-    lines = env.op.metrics().splitlines()
-    prefix = 'keepwarm_operator_reconcile_total{kind="InferenceDeployment"'
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(prefix))
+    reconciles = env.op.samples(RECONCILES)
+    return sum(s.value for s in reconciles if s.labels["kind"] == "InferenceDeployment")
 
 
 def test_spec_change_rolls_the_pods(env):
@@ -432,9 +432,7 @@ def test_operator_restart_midway_converges_without_duplicates(env):
 
 
 def _reconcile_samples(op: OperatorProcess) -> int:
-    return sum(
-        1 for line in op.metrics().splitlines() if line.startswith("keepwarm_operator_reconcile_total{")
-    )
+    return len(op.samples(RECONCILES))
 
 
 def test_peering_standby_idles_then_takes_over(env, tmp_path):
@@ -507,9 +505,9 @@ def test_stale_heartbeats_and_vanished_nodes(env):
 
 
 def test_metrics_count_reconciles(env):
-    text = env.op.metrics()
-    assert 'keepwarm_operator_reconcile_total{kind="WeightCache",trigger="timer"}' in text
-    assert "keepwarm_operator_reconcile_duration_seconds_bucket" in text
+    timer = [s for s in env.op.samples(RECONCILES) if s.labels == {"kind": "WeightCache", "trigger": "timer"}]
+    assert timer and timer[0].value > 0
+    assert env.op.samples("keepwarm_operator_reconcile_duration_seconds_bucket")
 
 
 def test_deleting_weightcaches_is_not_held_by_their_resync_timers(env):

@@ -1,11 +1,11 @@
-"""Helpers for the operator's end-to-end tests: install CRDs and the chart's RBAC, run the operator
-as the chart's ServiceAccount in a subprocess, read objects as admin."""
+"""The operator on a test control plane, for the end-to-end tests and bench/operator_scale.py: install
+the CRDs and the chart's RBAC, run `keepwarm-operator run` as the chart's ServiceAccount in a
+subprocess, read objects as admin, read the operator's metrics with prometheus_client's parser."""
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,18 +13,16 @@ from typing import Any
 
 import helm_python as helm
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
-ROOT = Path(__file__).resolve().parents[3]
+from keepwarm_runtime.server.launcher import free_port
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this package is installed editable)
 CHART = ROOT / "charts" / "keepwarm"
 RELEASE, NAMESPACE = "kw", "keepwarm-system"
 OPERATOR_SA = f"{RELEASE}-keepwarm"
 GROUP_PATH = "/apis/keepwarm.dev/v1alpha1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(cp: Any, path: str) -> dict | None:
@@ -66,6 +64,16 @@ def install_chart_rbac(cp: Any) -> None:
     ]
     cp.kubectl("create", "namespace", NAMESPACE, check=False)
     cp.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(docs))
+
+
+def samples(text: str, name: str | None = None) -> list[Sample]:
+    """Samples of a Prometheus exposition text, parsed by prometheus_client (optionally one name)."""
+    return [
+        s
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if name is None or s.name == name
+    ]
 
 
 class OperatorProcess:
@@ -116,6 +124,10 @@ class OperatorProcess:
         import httpx
 
         return httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
+
+    def samples(self, name: str | None = None) -> list[Sample]:
+        """The operator's /metrics samples (all, or those of one sample name, e.g. ..._total)."""
+        return samples(self.metrics(), name)
 
     def kill(self) -> None:
         """SIGKILL: no graceful shutdown, as a crashed or evicted pod."""

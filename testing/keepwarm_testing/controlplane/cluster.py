@@ -1,7 +1,7 @@
 """A real Kubernetes control plane on loopback for tests: etcd, kube-apiserver (RBAC on),
 kube-controller-manager, kube-scheduler, plus a kubelet stand-in with fake GPU nodes.
 
-    from tests.controlplane.build import build_control_plane
+    from keepwarm_testing.controlplane.build import build_control_plane
     with ControlPlane(build_control_plane()) as cp:
         cp.add_gpu_nodes(3)
         cp.kubectl("get", "nodes")
@@ -16,7 +16,6 @@ import ctypes
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -28,6 +27,8 @@ from typing import Any
 
 import httpx
 
+from keepwarm_runtime.server.launcher import free_port
+
 from .kubelet import FakeKubelet
 from .pki import PKI, SERVING_NAMES, client_ssl_context, write_kubeconfig
 
@@ -38,12 +39,6 @@ COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-schedul
 
 class ControlPlaneError(RuntimeError):
     """A component failed to start or answer; the message carries its log tail and the log path."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:
@@ -71,7 +66,9 @@ class ControlPlane:
         self.bin_dir = Path(bin_dir)
         for name in (*COMPONENTS, "kubectl"):
             if not (self.bin_dir / name).is_file():
-                raise ControlPlaneError(f"{self.bin_dir / name} missing: run tests/controlplane/build.sh")
+                raise ControlPlaneError(
+                    f"{self.bin_dir / name} missing: run testing/keepwarm_testing/controlplane/build.sh"
+                )
         self.root = Path(workdir or tempfile.mkdtemp(prefix="keepwarm-cp-"))
         self.data = self.root / "data"
         self.logs = self.root / "logs"
