@@ -99,7 +99,6 @@ def runtime_deployment(
     env += [
         {"name": "KEEPWARM_CACHE_MODE", "value": spec.runtime.cache_mode.value},
         {"name": "KEEPWARM_CACHE_FALLBACK", "value": _bool(spec.runtime.cache_fallback)},
-        {"name": "KEEPWARM_MODEL_NAME", "value": model_name},
     ]
     env += [e.wire() for e in spec.env]
     if spec.pod.run_as_user is not None:

@@ -1,23 +1,21 @@
-"""Operator-wide settings: API client, peering, where kopf keeps its own bookkeeping."""
+"""Operator start-up: kopf's login and settings, the shared Context built from OperatorSettings."""
 
 from __future__ import annotations
 
 import contextvars
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
+from kubernetes import client
 
 from keepwarm_api import GROUP
 
-from ..kube import Kube, load_config
-
-# Timers are declared at import, so their period comes from the environment (the CLI sets it).
-RESYNC_SECONDS = float(os.environ.get("KEEPWARM_OPERATOR_RESYNC_SECONDS", "30"))
+from ..kube import Kube, client_configuration, connection_info
+from ..settings import OperatorSettings
 
 
 @dataclass
@@ -30,6 +28,7 @@ class Context:
     # each of its nodes, kept by kopf from its watch (read-only here).
     residency: Mapping[str, Iterable[frozenset[str]]]
     namespaces: frozenset[str] = frozenset()  # InferenceDeployments served only here (empty: all)
+    resync_seconds: float = 30.0  # resync period (also the retry delay after a failed apply)
     lock: threading.Lock = field(default_factory=threading.Lock)
     applied: dict[tuple[str, str], int] = field(default_factory=dict)  # (ns, name) -> Deployment generation
     coalesce_s: float = 1.0  # residency changes within this window trigger one refresh per cache
@@ -69,6 +68,17 @@ def context(memo: Any) -> Context:
     return memo.keepwarm
 
 
+def operator_settings(memo: Any) -> OperatorSettings:
+    """The CLI's settings (kopf.operator(memo=...)); defaults when the handlers run without the CLI."""
+    return memo.get("settings") or OperatorSettings()
+
+
+@kopf.on.login()
+def login(memo: Any, **kwargs: Any) -> kopf.ConnectionInfo:
+    """kopf connects as our own client does: --kubeconfig, else in-cluster, else $KUBECONFIG."""
+    return connection_info(client_configuration(operator_settings(memo).kubeconfig), kwargs["settings"])
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: Any, residency: kopf.Index, **_: Any) -> None:
     # Our CRDs prune unknown status fields, so kopf keeps its progress in annotations.
@@ -83,10 +93,12 @@ def configure(settings: kopf.OperatorSettings, memo: Any, residency: kopf.Index,
     settings.peering.clusterwide = True
     settings.posting.level = logging.WARNING  # handler warnings become events; the rest via kopf.event
     settings.watching.server_timeout = 300
-    settings.execution.max_workers = int(os.environ.get("KEEPWARM_OPERATOR_WORKERS", "8"))
+    ours = operator_settings(memo)
+    settings.execution.max_workers = ours.workers
     memo.keepwarm = Context(
-        kube=Kube(load_config(os.environ.get("KUBECONFIG"))),
-        agent_namespace=os.environ.get("KEEPWARM_AGENT_NAMESPACE", "keepwarm-system"),
+        kube=Kube(client.ApiClient(client_configuration(ours.kubeconfig))),
+        agent_namespace=ours.agent_namespace,
         residency=residency,
-        namespaces=frozenset(filter(None, os.environ.get("KEEPWARM_OPERATOR_NAMESPACES", "").split(","))),
+        namespaces=ours.namespaces,
+        resync_seconds=ours.resync_seconds,
     )

@@ -40,7 +40,7 @@ from ..builders.meta import CACHE_LABEL, agent_labels, agent_name, object_meta, 
 from ..kube import ApiError, Kube
 from ..metrics import APPLIES, STALE_NODES, reconciling
 from ..status import is_stale, weightcache_status
-from .setup import RESYNC_SECONDS, context
+from .setup import context
 
 GROUP, VERSION = API_VERSION.split("/")
 
@@ -165,7 +165,7 @@ def _run(body: kopf.Body, patch: kopf.Patch, memo: Any, trigger: str) -> None:
         patch.status.update(reconcile(dict(body), memo, trigger))
     except ApplyFailed as exc:
         patch.status.update(exc.status)
-        raise kopf.TemporaryError(str(exc), delay=max(5.0, RESYNC_SECONDS)) from exc
+        raise kopf.TemporaryError(str(exc), delay=max(5.0, context(memo).resync_seconds)) from exc
 
 
 def refresh_status(memo: Any, cache: str) -> None:
@@ -189,8 +189,14 @@ def on_change(body: kopf.Body, patch: kopf.Patch, memo: Any, reason: str, name: 
     refresh_for_cache(memo, name)
 
 
-# The only timer (stale heartbeats need a clock). kopf guards timers with its finalizer
-# (keepwarm.dev/operator) so it can stop them on deletion; nothing else needs one.
-@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=min(RESYNC_SECONDS, 5))
 def resync(body: kopf.Body, patch: kopf.Patch, memo: Any, **_: Any) -> None:
     _run(body, patch, memo, "timer")
+
+
+def register_resync(interval: float) -> None:
+    """The only timer (stale heartbeats need a clock), registered with the configured period.
+
+    kopf guards timers with its finalizer (keepwarm.dev/operator) so it can stop them on deletion;
+    nothing else needs one.
+    """
+    kopf.timer(GROUP, VERSION, PLURAL, interval=interval, initial_delay=min(interval, 5))(resync)
