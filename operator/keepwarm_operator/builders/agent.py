@@ -30,17 +30,16 @@ def socket_dir(spec: WeightCacheSpec, cache: str) -> str:
 
 
 def agent_rbac(cache: str, namespace: str, owner: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """The agent may read its own WeightCache and write WeightCacheNode status; nothing else.
+    """The agent may read its own WeightCache and patch WeightCacheNode status: the calls it makes.
 
     RBAC cannot name "the object for my node" (names are per node), so any agent of this cache may
-    patch the status of any WeightCacheNode; it cannot create, delete or change their spec.
+    patch the status of any WeightCacheNode; it cannot read, create, delete or change their spec.
     """
     name = agent_name(cache)
     labels = agent_labels(cache)
     rules = [
         {"apiGroups": [GROUP], "resources": ["weightcaches"], "resourceNames": [cache], "verbs": ["get"]},
-        {"apiGroups": [GROUP], "resources": ["weightcachenodes"], "verbs": ["get"]},
-        {"apiGroups": [GROUP], "resources": ["weightcachenodes/status"], "verbs": ["get", "patch"]},
+        {"apiGroups": [GROUP], "resources": ["weightcachenodes/status"], "verbs": ["patch"]},
     ]
     return [
         {

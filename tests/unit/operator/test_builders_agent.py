@@ -89,8 +89,7 @@ def test_agent_rbac_is_least_privilege():
     }
     assert verbs == {
         (("weightcaches",), ("llama",)): {"get"},
-        (("weightcachenodes",), ()): {"get"},
-        (("weightcachenodes/status",), ()): {"get", "patch"},
+        (("weightcachenodes/status",), ()): {"patch"},
     }
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": "keepwarm-agent-llama", "namespace": "keepwarm-system"}
