@@ -19,6 +19,12 @@ from keepwarm_api.weightcachenode import STALE_HEARTBEATS, ModelState, NodePhase
 from .builders.meta import warm_label_key
 
 
+def status_changed(old: dict[str, Any] | None, new: dict[str, Any]) -> bool:
+    """Whether merging `new` into the stored status changes it: status is written only on change."""
+    old = old or {}
+    return any(old.get(key) != value for key, value in new.items())
+
+
 def is_stale(
     status: WeightCacheNodeStatus, heartbeat_seconds: int, now: dt.datetime, created: dt.datetime
 ) -> bool:

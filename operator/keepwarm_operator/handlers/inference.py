@@ -32,7 +32,7 @@ from ..builders.meta import IDEP_LABEL, runtime_labels, selector_string
 from ..builders.runtime import CacheBinding, runtime_deployment, runtime_service
 from ..kube import ApiError
 from ..metrics import APPLIES, reconciling
-from ..status import inference_status
+from ..status import inference_status, status_changed
 from .setup import Context, context
 from .weightcache import _now
 
@@ -111,9 +111,10 @@ def _write_status(memo: Any, body: dict[str, Any], trigger: str, apply: bool) ->
     if meta.get("deletionTimestamp"):
         return
     status = reconcile(body, memo, trigger, apply=apply)
-    context(memo).kube.merge_patch(
-        API_VERSION, KIND, meta["name"], {"status": status}, meta["namespace"], status=True
-    )
+    if status_changed(body.get("status"), status):
+        context(memo).kube.merge_patch(
+            API_VERSION, KIND, meta["name"], {"status": status}, meta["namespace"], status=True
+        )
 
 
 def refresh_for_cache(memo: Any, cache: str, apply: bool = True) -> None:
@@ -130,7 +131,9 @@ def refresh_for_cache(memo: Any, cache: str, apply: bool = True) -> None:
 @kopf.on.update(GROUP, VERSION, PLURAL)
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 def on_change(body: kopf.Body, patch: kopf.Patch, memo: Any, reason: str, **_: Any) -> None:
-    patch.status.update(reconcile(dict(body), memo, str(reason)))
+    status = reconcile(dict(body), memo, str(reason))
+    if status_changed(body.get("status"), status):
+        patch.status.update(status)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={IDEP_LABEL: kopf.PRESENT})

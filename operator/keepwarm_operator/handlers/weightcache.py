@@ -39,7 +39,7 @@ from ..builders.agent import agent_children
 from ..builders.meta import CACHE_LABEL, agent_labels, agent_name, object_meta, selector_string
 from ..kube import ApiError, Kube
 from ..metrics import APPLIES, STALE_NODES, reconciling
-from ..status import is_stale, weightcache_status
+from ..status import is_stale, status_changed, weightcache_status
 from .setup import context
 
 GROUP, VERSION = API_VERSION.split("/")
@@ -101,8 +101,18 @@ def _sync_nodes(
             message = f"no heartbeat since {since} (agents report every {spec.heartbeat_seconds}s)"
             stale = condition(STALE, True, HEARTBEAT_MISSED, message, None)
             conditions = merge_conditions((obj.get("status") or {}).get("conditions"), [stale], now)
-            patch = {"status": {"phase": NodePhase.STALE.value, "message": message, "conditions": conditions}}
-            kube.merge_patch(API_VERSION, NODE_KIND, name, patch, status=True)
+            patch = {
+                # Precondition: an agent that reported since we read the object wins (409, no write).
+                "metadata": {"resourceVersion": obj["metadata"]["resourceVersion"]},
+                "status": {"phase": NodePhase.STALE.value, "message": message, "conditions": conditions},
+            }
+            try:
+                kube.merge_patch(API_VERSION, NODE_KIND, name, patch, status=True)
+            except ApiError as exc:
+                if exc.status != 409:
+                    raise
+                statuses.append(status)  # a fresh heartbeat arrived: not stale
+                continue
             kopf.warn(body, reason="NodeStale", message=f"{node}: {message}")
             status = status.model_copy(update={"phase": NodePhase.STALE})
         statuses.append(status)
@@ -162,7 +172,9 @@ def reconcile(body: dict[str, Any], memo: Any, trigger: str, apply: bool = True)
 
 def _run(body: kopf.Body, patch: kopf.Patch, memo: Any, trigger: str) -> None:
     try:
-        patch.status.update(reconcile(dict(body), memo, trigger))
+        status = reconcile(dict(body), memo, trigger)
+        if status_changed(body.get("status"), status):
+            patch.status.update(status)
     except ApplyFailed as exc:
         patch.status.update(exc.status)
         raise kopf.TemporaryError(str(exc), delay=max(5.0, context(memo).resync_seconds)) from exc
@@ -174,9 +186,9 @@ def refresh_status(memo: Any, cache: str) -> None:
     body = kube.get(API_VERSION, KIND, cache)
     if body is None or body["metadata"].get("deletionTimestamp"):
         return
-    kube.merge_patch(
-        API_VERSION, KIND, cache, {"status": reconcile(body, memo, "node", apply=False)}, status=True
-    )
+    status = reconcile(body, memo, "node", apply=False)
+    if status_changed(body.get("status"), status):
+        kube.merge_patch(API_VERSION, KIND, cache, {"status": status}, status=True)
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)

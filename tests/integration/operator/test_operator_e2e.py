@@ -378,6 +378,25 @@ def test_missing_cache_is_a_condition_not_a_crash(env):
     env.cp.kubectl("delete", "idep", "orphan", "-n", env.ns)
 
 
+def test_resyncs_write_nothing_when_nothing_changed(env):
+    """Level-based resyncs (every 1 s here) that find nothing new leave every object untouched."""
+
+    def versions():
+        objs = [wc(env), idep(env), *wcns(env)]
+        return {o["metadata"]["name"]: o["metadata"]["resourceVersion"] for o in objs}
+
+    wait(
+        env.cp,
+        lambda: condition(idep(env), "Progressing").get("reason") == "RolloutComplete",
+        "rollout settled",
+        op=env.op,
+    )
+    time.sleep(2)  # in-flight refreshes land
+    before = versions()
+    time.sleep(4)  # four resync periods
+    assert versions() == before
+
+
 def _row(table: str, name: str) -> list[str]:
     """The cells of one object's row, starting at its NAME (with -A a NAMESPACE cell may come first)."""
     for line in table.splitlines():
