@@ -19,6 +19,11 @@ from keepwarm_api.weightcachenode import STALE_HEARTBEATS, ModelState, NodePhase
 from .builders.meta import warm_label_key
 
 
+def node_belongs(labels: dict[str, str] | None, selector: dict[str, str]) -> bool:
+    """Whether a node (its labels; None when it is gone) is one the cache's agents run on."""
+    return labels is not None and all(labels.get(k) == v for k, v in selector.items())
+
+
 def status_changed(old: dict[str, Any] | None, new: dict[str, Any]) -> bool:
     """Whether merging `new` into the stored status changes it: status is written only on change."""
     old = old or {}

@@ -3,8 +3,8 @@
 Reconcile, in order:
   1. validate the spec (the CRD schema already did; what it cannot judge becomes a condition)
   2. apply ServiceAccount, ClusterRole(+Binding) and DaemonSet, owned by the WeightCache
-  3. ensure a WeightCacheNode for every node an agent pod is bound to
-  4. delete WeightCacheNodes whose Node is gone; mark silent ones Stale
+  3. ensure a WeightCacheNode for every selected node an agent pod is bound to
+  4. delete WeightCacheNodes whose Node is gone or no longer selected; mark silent ones Stale
   5. aggregate the WeightCacheNodes into status
 """
 
@@ -39,7 +39,7 @@ from ..builders.agent import agent_children
 from ..builders.meta import CACHE_LABEL, agent_labels, agent_name, object_meta, selector_string
 from ..kube import ApiError, Kube
 from ..metrics import APPLIES, STALE_NODES, reconciling
-from ..status import is_stale, status_changed, weightcache_status
+from ..status import is_stale, node_belongs, status_changed, weightcache_status
 from .setup import context
 
 GROUP, VERSION = API_VERSION.split("/")
@@ -58,12 +58,17 @@ def _sync_nodes(
 ) -> list[WeightCacheNodeStatus]:
     """Steps 3-4: WeightCacheNodes follow the agent pods; returns the live ones' statuses."""
     cache = body["metadata"]["name"]
+    node_labels = {n["metadata"]["name"]: n["metadata"].get("labels") or {} for n in kube.list("v1", "Node")}
     pods = kube.list("v1", "Pod", agent_ns, selector_string(agent_labels(cache)))
-    agent_nodes = {p["spec"]["nodeName"] for p in pods if p["spec"].get("nodeName")}
+    agent_nodes = {
+        p["spec"]["nodeName"]
+        for p in pods
+        if p["spec"].get("nodeName") and not p["metadata"].get("deletionTimestamp")
+    }
     existing = {
         o["metadata"]["name"]: o for o in kube.list(API_VERSION, NODE_KIND, labels=f"{CACHE_LABEL}={cache}")
     }
-    for node in sorted(agent_nodes):
+    for node in sorted(n for n in agent_nodes if node_belongs(node_labels.get(n), spec.node_selector)):
         name = object_name(cache, node)
         if name in existing:
             continue
@@ -81,17 +86,17 @@ def _sync_nodes(
             reason="NodeAdded",
             message=f"agent scheduled on {node}; created WeightCacheNode {name}",
         )
-    live_nodes = {n["metadata"]["name"] for n in kube.list("v1", "Node")}
     now, statuses = _now(), []
     for name, obj in existing.items():
         node = obj["spec"]["nodeName"]
-        if node not in live_nodes:
+        if not node_belongs(node_labels.get(node), spec.node_selector):
             kube.delete(API_VERSION, NODE_KIND, name)
+            why = "is gone" if node not in node_labels else "no longer matches spec.nodeSelector"
             kopf.event(
                 body,
                 type="Normal",
                 reason="NodeRemoved",
-                message=f"node {node} is gone; deleted WeightCacheNode {name}",
+                message=f"node {node} {why}; deleted WeightCacheNode {name}",
             )
             continue
         status = WeightCacheNodeStatus.model_validate(obj.get("status") or {})

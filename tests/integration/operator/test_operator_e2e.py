@@ -481,6 +481,38 @@ def test_peering_standby_idles_then_takes_over(env, tmp_path):
         env.cp.kubectl("delete", "idep", "second", "third", "fourth", "-n", env.ns, check=False)
 
 
+def test_shrinking_the_node_selector_removes_the_weightcachenode_and_the_cache_returns_to_ready(env):
+    cp, name = env.cp, "kwshrink"
+    for node in env.nodes[:2]:
+        cp.kubectl("label", "node", node, "kw-shrink=in", "--overwrite")
+    apply(env, weightcache(name, env.pool))
+    wait(cp, lambda: len(wcns(env, name)) == 3, "3 WeightCacheNodes", op=env.op)
+    for obj in wcns(env, name):
+        patch = json.dumps(agent_status("Resident"))
+        cp.kubectl(
+            "patch", "wcn", obj["metadata"]["name"], "--subresource=status", "--type=merge", "-p", patch
+        )
+    wait(cp, lambda: condition(wc(env, name), "Ready").get("status") == "True", "Ready 3/3", op=env.op)
+    selector = {"spec": {"nodeSelector": {"pool": env.pool, "kw-shrink": "in"}}}
+    cp.kubectl("patch", "wc", name, "--type=merge", "-p", json.dumps(selector))
+    wait(
+        cp,
+        lambda: {o["spec"]["nodeName"] for o in wcns(env, name)} == set(env.nodes[:2]),
+        "the unselected node's WeightCacheNode deleted",
+        op=env.op,
+    )
+
+    def ready_on_two():
+        obj = wc(env, name)
+        ready = condition(obj, "Ready")
+        return ready.get("status") == "True" and obj["status"]["desiredNodes"] == 2 and ready
+
+    ready = wait(cp, ready_on_two, "Ready again on 2 nodes", timeout_s=90, op=env.op)
+    assert ready["message"].startswith("2/2")
+    assert warm_label_key(name, MODEL) not in get(cp, f"/api/v1/nodes/{env.nodes[2]}")["metadata"]["labels"]
+    cp.kubectl("delete", "wc", name)
+
+
 def test_stale_heartbeats_and_vanished_nodes(env):
     apply(env, weightcache("kwstale", env.pool, heartbeatSeconds=1))
     wait(

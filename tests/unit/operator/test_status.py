@@ -9,6 +9,7 @@ from keepwarm_operator.builders.meta import warm_label_key
 from keepwarm_operator.status import (
     inference_status,
     is_stale,
+    node_belongs,
     node_warm_labels,
     status_changed,
     weightcache_status,
@@ -151,3 +152,10 @@ def test_status_is_written_only_when_merging_it_changes_something():
     assert status_changed(stored, {**again, "desiredNodes": 3})
     assert status_changed(None, again) and status_changed({}, {"observedGeneration": 1})
     assert not status_changed({**stored, "extra": 1}, again)  # a merge patch would leave it anyway
+
+
+def test_node_belongs_while_it_exists_and_matches_the_selector():
+    assert node_belongs({"pool": "a", "x": "1"}, {"pool": "a"})
+    assert node_belongs({}, {})  # an empty selector means every node
+    assert not node_belongs({"pool": "b"}, {"pool": "a"}) and not node_belongs({}, {"pool": "a"})
+    assert not node_belongs(None, {})  # the Node is gone
