@@ -1,5 +1,5 @@
-"""WeightCacheNodes: kopf's residency index, and warm-node labels warm.keepwarm.dev/<cache>.<model>=true
-on each Node holding a model.
+"""WeightCacheNodes: kopf's indices (residency per cache, warm labels per node), and the warm-node
+labels warm.keepwarm.dev/<cache>.<model>=true on each Node holding a model, rebuilt at start.
 
 Runtime pods prefer nodes with their label. Labels are server-side applied under their own field
 manager, so applying the current set removes the ones no longer true (including those of deleted
@@ -16,6 +16,7 @@ from keepwarm_api import API_VERSION
 from keepwarm_api.weightcachenode import KIND as NODE_KIND
 from keepwarm_api.weightcachenode import PLURAL, WeightCacheNodeStatus
 
+from ..builders.meta import WARM_LABEL_PREFIX
 from ..kube import ApiError
 from ..metrics import reconciling
 from ..status import node_warm_labels
@@ -27,18 +28,57 @@ GROUP, VERSION = API_VERSION.split("/")
 LABEL_MANAGER = "keepwarm-operator-warm-labels"
 
 
-def sync_node_labels(kube: Any, node: str) -> dict[str, str]:
-    wcns = [o for o in kube.list(API_VERSION, NODE_KIND) if o["spec"]["nodeName"] == node]
-    labels = node_warm_labels(wcns)
-    if kube.get("v1", "Node", node) is None:  # gone: apply would try to create it
-        return labels
+def current_warm_labels(node: dict[str, Any]) -> dict[str, str]:
+    labels = node["metadata"].get("labels") or {}
+    return {k: v for k, v in labels.items() if k.startswith(WARM_LABEL_PREFIX)}
+
+
+def apply_node_labels(kube: Any, node: str, labels: dict[str, str]) -> bool:
+    """Give `node` exactly these warm labels; no write when it already has them. False when gone."""
+    current = kube.get("v1", "Node", node)
+    if current is None:  # gone: apply would try to create it
+        return False
+    if current_warm_labels(current) == labels:
+        return True
     patch = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node, "labels": labels}}
     try:
         kube.apply(patch, manager=LABEL_MANAGER)
     except ApiError as exc:
         if exc.status not in (403, 404):  # deleted meanwhile (apply then means create: forbidden)
             raise
+        return False
+    return True
+
+
+def sync_node_labels(kube: Any, node: str, warm: kopf.Index) -> dict[str, str]:
+    """The node's labels from kopf's index of WeightCacheNodes (no listing)."""
+    labels: dict[str, str] = {}
+    for wcn_labels in list(warm.get(node, ())):
+        labels |= wcn_labels
+    apply_node_labels(kube, node, labels)
     return labels
+
+
+@kopf.on.startup()
+def rebuild_warm_labels(memo: Any, **_: Any) -> None:
+    """Labels from the WeightCacheNodes as they are now: catches up on whatever changed (or was
+    deleted) while no operator ran, including nodes whose caches hold nothing any more."""
+    kube = context(memo).kube
+    by_node: dict[str, list[dict[str, Any]]] = {}
+    for wcn in kube.list(API_VERSION, NODE_KIND):
+        by_node.setdefault(wcn["spec"]["nodeName"], []).append(wcn)
+    for node in kube.list("v1", "Node"):
+        name = node["metadata"]["name"]
+        wanted = node_warm_labels(by_node.get(name, []))
+        if current_warm_labels(node) != wanted:
+            apply_node_labels(kube, name, wanted)
+
+
+@kopf.index(GROUP, VERSION, PLURAL)
+def warm_labels(body: kopf.Body, **_: Any) -> dict[str, dict[str, str]]:
+    """Node name -> the warm labels this WeightCacheNode asks for."""
+    node = (body.get("spec") or {}).get("nodeName")
+    return {node: node_warm_labels([dict(body)])} if node else {}
 
 
 def _resident(body: kopf.Body) -> frozenset[str]:
@@ -53,7 +93,9 @@ def residency(body: kopf.Body, **_: Any) -> dict[str, frozenset[str]]:
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-def weightcachenode_changed(body: kopf.Body, type: str | None, memo: Any, **_: Any) -> None:
+def weightcachenode_changed(
+    body: kopf.Body, type: str | None, memo: Any, warm_labels: kopf.Index, **_: Any
+) -> None:
     """On a change of residency (not every heartbeat): node labels, cache status, its deployments.
 
     `memo` is kopf's per-object memo here: it remembers this node's residency as last acted on.
@@ -69,7 +111,7 @@ def weightcachenode_changed(body: kopf.Body, type: str | None, memo: Any, **_: A
     if not changed:
         return
     with reconciling(NODE_KIND, "event"):
-        sync_node_labels(ctx.kube, node)
+        sync_node_labels(ctx.kube, node, warm_labels)
 
     def refresh() -> None:  # also after the initial listing: resumed deployments may have counted early
         refresh_status(memo, cache)

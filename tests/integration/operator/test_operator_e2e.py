@@ -513,6 +513,42 @@ def test_shrinking_the_node_selector_removes_the_weightcachenode_and_the_cache_r
     cp.kubectl("delete", "wc", name)
 
 
+def test_operator_restart_rebuilds_warm_labels(env):
+    """Changes made while no operator runs: a node that lost its model, a label left behind."""
+    cp, manager = env.cp, "keepwarm-operator-warm-labels"
+    node0, node1 = env.nodes[:2]
+    left_behind = warm_label_key("deleted-cache", MODEL)
+    env.op.kill()
+    try:
+        cp.kubectl(
+            "patch", "wcn", f"{WC}.{node1}", "--subresource=status", "--type=merge",
+            "-p", json.dumps(agent_status("Loading")),
+        )  # fmt: skip
+        labels = {WARM: "true", left_behind: "true"}
+        node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node0, "labels": labels}}
+        cp.kubectl(
+            "apply", "--server-side", f"--field-manager={manager}", "-f", "-", input=json.dumps(node)
+        )  # as if the operator had labelled it for a cache deleted meanwhile
+    finally:
+        env.op.start()
+
+    def node_labels(name):
+        return get(cp, f"/api/v1/nodes/{name}")["metadata"].get("labels", {})
+
+    wait(
+        cp,
+        lambda: WARM not in node_labels(node1) and left_behind not in node_labels(node0),
+        "labels rebuilt from the WeightCacheNodes",
+        op=env.op,
+    )
+    assert node_labels(node0).get(WARM) == "true"
+    cp.kubectl(
+        "patch", "wcn", f"{WC}.{node1}", "--subresource=status", "--type=merge",
+        "-p", json.dumps(agent_status("Resident")),
+    )  # fmt: skip
+    wait(cp, lambda: node_labels(node1).get(WARM) == "true", "node1 warm again", op=env.op)
+
+
 def test_stale_heartbeats_and_vanished_nodes(env):
     apply(env, weightcache("kwstale", env.pool, heartbeatSeconds=1))
     wait(
