@@ -13,3 +13,4 @@ __all__ = ["inference", "nodes", "register", "setup", "weightcache"]
 def register(settings: OperatorSettings) -> None:
     """Register the handlers whose policy comes from settings (call once, before kopf runs)."""
     weightcache.register_resync(settings.resync_seconds)
+    inference.register_resync(settings.resync_seconds)

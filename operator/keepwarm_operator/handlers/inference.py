@@ -6,8 +6,10 @@ Reconcile, in order:
   3. count warm nodes (WeightCacheNodes reporting the model resident) -> CacheWarm
   4. status from the Deployment -> Available, Progressing
 A missing cache or model is a condition with a message, not an error loop; the InferenceDeployment is
-reconciled again when its cache changes (WeightCache handlers) or its model's residency does (nodes).
-No timer, hence no finalizer: deleting an InferenceDeployment never waits for the operator.
+reconciled again when its cache changes (WeightCache handlers) or its model's residency does (nodes),
+and every resync period (a timer): a deleted or edited Service or Deployment is re-applied and a status
+another client overwrote is restored. kopf guards the timer with its finalizer, so deleting an
+InferenceDeployment waits for a running operator (as for WeightCaches).
 """
 
 from __future__ import annotations
@@ -134,6 +136,19 @@ def on_change(body: kopf.Body, patch: kopf.Patch, memo: Any, reason: str, **_: A
     status = reconcile(dict(body), memo, str(reason))
     if status_changed(body.get("status"), status):
         patch.status.update(status)
+
+
+def resync(body: kopf.Body, patch: kopf.Patch, memo: Any, **_: Any) -> None:
+    """Level-based: re-apply the children (a no-op write when nothing drifted), restore status."""
+    if body["metadata"].get("deletionTimestamp"):
+        return
+    status = reconcile(dict(body), memo, "timer")
+    if status_changed(body.get("status"), status):
+        patch.status.update(status)
+
+
+def register_resync(interval: float) -> None:
+    kopf.timer(GROUP, VERSION, PLURAL, interval=interval, initial_delay=interval)(resync)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={IDEP_LABEL: kopf.PRESENT})

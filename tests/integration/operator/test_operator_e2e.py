@@ -397,6 +397,37 @@ def test_resyncs_write_nothing_when_nothing_changed(env):
     assert versions() == before
 
 
+def test_deleted_service_and_overwritten_status_come_back_within_a_resync(env):
+    cp = env.cp
+    svc_path = f"/api/v1/namespaces/{env.ns}/services/{IDEP}"
+    old_uid = get(cp, svc_path)["metadata"]["uid"]
+    cp.kubectl("delete", "service", IDEP, "-n", env.ns)
+    wait(cp, lambda: (get(cp, svc_path) or {}).get("metadata", {}).get("uid") not in (None, old_uid),
+         "the Service recreated", timeout_s=30, op=env.op)  # fmt: skip
+    ready = idep(env)["status"]["readyReplicas"]
+    cp.kubectl(
+        "patch", "idep", IDEP, "-n", env.ns, "--subresource=status", "--type=merge",
+        "-p", json.dumps({"status": {"readyReplicas": 99, "warmNodes": 0}}),
+    )  # fmt: skip
+    cp.kubectl(
+        "patch", "wc", WC, "--subresource=status", "--type=merge", "-p", '{"status": {"readyNodes": 99}}'
+    )
+    wait(
+        cp,
+        lambda: idep(env)["status"]["readyReplicas"] == ready and idep(env)["status"]["warmNodes"] == 2,
+        "InferenceDeployment status restored",
+        timeout_s=30,
+        op=env.op,
+    )
+    wait(
+        cp,
+        lambda: wc(env)["status"]["readyNodes"] == 2,
+        "WeightCache status restored",
+        timeout_s=30,
+        op=env.op,
+    )
+
+
 def _row(table: str, name: str) -> list[str]:
     """The cells of one object's row, starting at its NAME (with -A a NAMESPACE cell may come first)."""
     for line in table.splitlines():

@@ -42,4 +42,5 @@ def test_resync_timer_period_comes_from_settings():
         for h in kopf.get_default_registry()._spawning.get_all_handlers()
         if getattr(h, "interval", None) is not None
     ]
-    assert 1.5 in {h.interval for h in timers}
+    plurals = {h.selector.any_name for h in timers if h.interval == 1.5}
+    assert plurals == {"weightcaches", "inferencedeployments"}  # every owner object is resynced
