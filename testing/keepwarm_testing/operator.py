@@ -51,17 +51,18 @@ def install_crds(cp: Any) -> None:
         cp.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
 
 
+def render_chart(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The chart's manifests as Helm renders them for release RELEASE in NAMESPACE."""
+    rendered = helm.Chart.load(CHART).render(values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    return [
+        d for path, text in rendered.items() if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d
+    ]
+
+
 def install_chart_rbac(cp: Any) -> None:
     """The chart's ServiceAccount, ClusterRole(+Binding) and peering object, as Helm renders them."""
-    rendered = helm.Chart.load(CHART).render({}, name=RELEASE, namespace=NAMESPACE, is_install=True)
     wanted = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering"}
-    docs = [
-        d
-        for path, text in rendered.items()
-        if path.endswith(".yaml")
-        for d in yaml.safe_load_all(text)
-        if d and d.get("kind") in wanted
-    ]
+    docs = [d for d in render_chart() if d.get("kind") in wanted]
     cp.kubectl("create", "namespace", NAMESPACE, check=False)
     cp.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(docs))
 
@@ -162,3 +163,40 @@ def wait(
     except TimeoutError as exc:
         detail = f"\n--- operator log ---\n{op.tail()}" if op else ""
         raise TimeoutError(f"{exc}{detail}") from None
+
+
+# Granted for admission checks, never requested on their own: blockOwnerDeletion in an owner reference
+# needs update on the owner's finalizers.
+IMPLIED_GRANTS = {("update", "keepwarm.dev", "weightcaches/finalizers"),
+                  ("update", "keepwarm.dev", "inferencedeployments/finalizers")}  # fmt: skip
+
+
+def granted(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    """(verb, apiGroup, resource[/subresource]) for every rule of a ClusterRole."""
+    return {
+        (verb, group, resource)
+        for rule in rules
+        for verb in rule["verbs"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+    }
+
+
+def used(events: list[dict[str, Any]]) -> tuple[set[tuple[str, str, str]], set[tuple[str, str, str]]]:
+    """(allowed, forbidden) (verb, apiGroup, resource) triples from audit events; a server-side apply
+    that created its object (201) also needed create."""
+    allowed, forbidden = set(), set()
+    for event in events:
+        ref = event.get("objectRef")
+        if not ref:  # discovery and other non-resource URLs
+            continue
+        resource = ref["resource"] + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+        triple = (event["verb"], ref.get("apiGroup", ""), resource)
+        code = event.get("responseStatus", {}).get("code", 0)
+        if code == 403:
+            forbidden.add(triple)
+            continue
+        allowed.add(triple)
+        if event["verb"] == "patch" and code == 201:
+            allowed.add(("create", triple[1], resource))
+    return allowed, forbidden

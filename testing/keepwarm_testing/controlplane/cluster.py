@@ -13,6 +13,7 @@ are kept and their path is printed. Child processes die with the parent (PR_SET_
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -35,6 +36,17 @@ from .pki import PKI, SERVING_NAMES, client_ssl_context, write_kubeconfig
 SERVICE_CIDR = "10.0.0.0/24"
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
+# What the tests check RBAC against: every request a ServiceAccount (operator, agents) makes, with
+# verb, resource and response code; nothing from the control plane's own components.
+AUDIT_POLICY = {
+    "apiVersion": "audit.k8s.io/v1",
+    "kind": "Policy",
+    "omitStages": ["RequestReceived"],
+    "rules": [
+        {"level": "Metadata", "userGroups": ["system:serviceaccounts"]},
+        {"level": "None"},
+    ],
+}
 
 
 class ControlPlaneError(RuntimeError):
@@ -335,9 +347,31 @@ class ControlPlane:
             "--log-level=warn",
         ]
 
+    @property
+    def audit_log(self) -> Path:
+        """Metadata-level audit events of every ServiceAccount's request (JSON lines)."""
+        return self.logs / "audit.log"
+
+    def audit_events(self, user: str) -> list[dict[str, Any]]:
+        """The audit events (ResponseComplete stage) of one user, e.g. system:serviceaccount:NS:NAME."""
+        events = []
+        with open(self.audit_log, errors="replace") as lines:
+            for line in lines:
+                event = json.loads(line)
+                if event.get("user", {}).get("username") == user and event.get("stage") == "ResponseComplete":
+                    events.append(event)
+        return events
+
     def _apiserver_args(self) -> list[str]:
         d = self.data
+        policy = d / "audit-policy.yaml"
+        policy.write_text(json.dumps(AUDIT_POLICY))
         return [
+            f"--audit-policy-file={policy}",
+            f"--audit-log-path={self.audit_log}",
+            "--audit-log-format=json",
+            "--audit-log-mode=batch",
+            "--audit-log-batch-max-wait=1s",
             f"--etcd-servers=http://127.0.0.1:{self.ports['etcd']}",
             "--bind-address=127.0.0.1",
             "--advertise-address=127.0.0.1",

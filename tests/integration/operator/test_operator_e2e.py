@@ -23,13 +23,18 @@ from keepwarm_api.weightcachenode import agent_status as wcn_status
 from keepwarm_operator.builders.meta import warm_label_key
 from keepwarm_testing.operator import (
     GROUP_PATH,
+    IMPLIED_GRANTS,
     NAMESPACE,
+    OPERATOR_SA,
     OperatorProcess,
     condition,
     get,
+    granted,
     install_chart_rbac,
     install_crds,
     items,
+    render_chart,
+    used,
     wait,
 )
 
@@ -687,3 +692,22 @@ def test_delete_garbage_collects_everything(env):
     )
     assert env.op.healthy()
     assert not [e for e in env.op.errors() if "Traceback" in e], env.op.tail()
+
+
+def test_chart_rbac_grants_exactly_what_the_operator_used(env, request):
+    """From the API server's audit log of this module's run: every verb/resource the chart grants the
+    operator was used, and the operator was never refused one (the chart grants what the code calls)."""
+    here = {item.originalname for item in request.session.items if item.module is request.module}
+    if not set(MODULE_TESTS) <= here:
+        pytest.skip("needs the traffic of the whole module (run the file, not one test)")
+    role = next(d for d in render_chart() if d["kind"] == "ClusterRole")
+    env.op.stop()  # flush its last requests; the audit log batches for up to 1 s
+    time.sleep(2)
+    allowed, forbidden = used(env.cp.audit_events(f"system:serviceaccount:{NAMESPACE}:{OPERATOR_SA}"))
+    assert not forbidden, f"the operator was refused: {sorted(forbidden)}"
+    unused = granted(role["rules"]) - allowed - IMPLIED_GRANTS
+    assert not unused, f"the chart grants what the operator never used: {sorted(unused)}"
+    env.op.start()
+
+
+MODULE_TESTS = [name for name in dir() if name.startswith("test_")]
