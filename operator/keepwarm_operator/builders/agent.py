@@ -159,6 +159,13 @@ def agent_daemonset(
             "periodSeconds": 20,
             "failureThreshold": 3,
         },
+        # The daemon serves /metrics only once its socket listens: Ready then, so the rolling
+        # update's maxUnavailable: 1 waits for each node's daemon before moving to the next.
+        "readinessProbe": {
+            "httpGet": {"path": "/metrics", "port": "metrics"},
+            "periodSeconds": 5,
+            "failureThreshold": 2,
+        },
     }
     if spec.agent.resources:
         container["resources"] = spec.agent.resources.wire()

@@ -105,3 +105,9 @@ def test_children_order_rbac_before_pods():
 def test_private_socket_mode_drops_group():
     cmd = agent_daemonset("c", spec(socket={"mode": "0700"}), "ns", OWNER)["spec"]["template"]["spec"]
     assert "--group" not in cmd["containers"][0]["command"]
+
+
+def test_agent_is_ready_only_when_its_daemon_answers():
+    (container,) = agent_daemonset("llama", spec(), "ns", OWNER)["spec"]["template"]["spec"]["containers"]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+    assert container["ports"] == [{"name": "metrics", "containerPort": spec().agent.metrics_port}]
