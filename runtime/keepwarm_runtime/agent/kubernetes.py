@@ -1,5 +1,8 @@
 """The node agent loop: follow the WeightCache, load/evict in the daemon, report the WeightCacheNode.
 
+Failed and evicted models are retried by themselves with exponential backoff (state.retry_delay), the
+next try reported in the model's message; a spec change retries at once.
+
 Started by `keepwarm cache serve --report-to-kubernetes --weightcache NAME --node-name NODE` in a
 daemon thread. Two threads: this one reconciles (loads can take minutes), a reporter writes the
 status every heartbeat so a long load never looks like a dead agent. The kubernetes client is an
@@ -8,6 +11,7 @@ optional dependency (extra `kubernetes`).
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import os
 import threading
@@ -21,7 +25,7 @@ from keepwarm_api.paths import MODELS_ROOT, hf_cache_dir
 from keepwarm_api.weightcache import WeightCacheSpec
 from keepwarm_runtime import __version__
 
-from .state import AgentState, WantedModel, node_status, now, wanted_models
+from .state import RETRY_BASE_S, AgentState, WantedModel, node_status, now, retry_delay, wanted_models
 
 log = logging.getLogger(__name__)
 DEFAULT_HEARTBEAT_S = float(WeightCacheSpec.model_fields["heartbeat_seconds"].default)
@@ -48,8 +52,12 @@ def _client() -> Any:
 
 
 class NodeAgent:
-    def __init__(self, daemon: Any, cache: str, node: str, api: Any, model_root: str | None = None):
+    def __init__(
+        self, daemon: Any, cache: str, node: str, api: Any, model_root: str | None = None,
+        retry_base_s: float = RETRY_BASE_S,
+    ):  # fmt: skip
         self.daemon, self.cache, self.node, self.api = daemon, cache, node, api
+        self.retry_base_s = retry_base_s  # failed/evicted models: first retry after this, then doubling
         self.model_root = model_root or os.environ.get("KEEPWARM_MODEL_ROOT", MODELS_ROOT)
         self.state = AgentState()
         self.wanted: list[WantedModel] = []
@@ -82,9 +90,11 @@ class NodeAgent:
         with self.lock:
             self.wanted = wanted
             self.state.message = ""
-            if generation != self.state.generation:  # spec changed: retry failures and evictions
+            if generation != self.state.generation:  # spec changed: retry failures and evictions now
                 self.state.failed.clear()
                 self.state.evicted.clear()
+                self.state.attempts.clear()
+                self.state.retry_at.clear()
                 self.state.generation = generation
         names = {w.name for w in wanted}
         for name in sorted(set(self.state.daemon_names) - names):
@@ -99,10 +109,20 @@ class NodeAgent:
                 continue
             if daemon_name is not None:  # was loaded, now gone: evicted under the budget
                 self.state.daemon_names.pop(w.name)
-                self.state.evicted.add(w.name)
-            if w.name in self.state.failed or w.name in self.state.evicted:
-                continue
+                with self.lock:
+                    self.state.evicted.add(w.name)
+                    self._schedule_retry(w.name)
+            retry_at = self.state.retry_at.get(w.name)
+            if retry_at is not None and now() < retry_at:
+                continue  # failed or evicted: wait for the backoff
             self._load(w)
+
+    def _schedule_retry(self, name: str) -> None:
+        """Caller holds the lock: one more failure in a row, next try after the backoff."""
+        attempts = self.state.attempts.get(name, 0) + 1
+        self.state.attempts[name] = attempts
+        delay = retry_delay(attempts, self.retry_base_s)
+        self.state.retry_at[name] = now() + dt.timedelta(seconds=delay)
 
     def _path(self, w: WantedModel) -> str:
         if w.path is not None:
@@ -126,6 +146,13 @@ class NodeAgent:
             log.warning("loading %s failed: %s", w.name, exc)
             with self.lock:
                 self.state.failed[w.name] = f"{type(exc).__name__}: {exc}"
+                self._schedule_retry(w.name)
+        else:
+            with self.lock:
+                self.state.failed.pop(w.name, None)
+                self.state.evicted.discard(w.name)
+                self.state.attempts.pop(w.name, None)
+                self.state.retry_at.pop(w.name, None)
         finally:
             with self.lock:
                 self.state.loading.discard(w.name)

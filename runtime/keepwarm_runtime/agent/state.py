@@ -16,7 +16,9 @@ from keepwarm_api.paths import MODELS_ROOT, model_dir
 from keepwarm_api.weightcache import WeightCacheSpec
 from keepwarm_api.weightcachenode import ModelState, ResidentModel, WeightCacheNodeStatus, agent_status
 
-EVICTED_MESSAGE = "evicted under the budget; re-added on the next spec change"
+EVICTED_MESSAGE = "evicted under the budget"
+RETRY_BASE_S = 10.0  # first retry of a failed or evicted model after this long, then doubling
+RETRY_CAP_S = 600.0  # ... up to this
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,8 @@ class AgentState:
     loading: set[str] = field(default_factory=set)
     failed: dict[str, str] = field(default_factory=dict)  # name -> message
     evicted: set[str] = field(default_factory=set)
+    attempts: dict[str, int] = field(default_factory=dict)  # name -> failed loads/evictions in a row
+    retry_at: dict[str, dt.datetime] = field(default_factory=dict)  # name -> next try (failed/evicted)
     generation: int | None = None  # WeightCache generation last acted on
     message: str = ""
     reporting_since: dt.datetime = field(default_factory=lambda: now())  # Stale=False since then
@@ -57,6 +61,19 @@ def now() -> dt.datetime:
     return dt.datetime.now(dt.UTC).replace(microsecond=0)
 
 
+def retry_delay(attempts: int, base_s: float = RETRY_BASE_S, cap_s: float = RETRY_CAP_S) -> float:
+    """Exponential backoff after `attempts` failures in a row (1 -> base), capped."""
+    return min(cap_s, base_s * 2 ** max(0, attempts - 1))
+
+
+def _retry_note(state: AgentState, name: str) -> str:
+    at = state.retry_at.get(name)
+    if at is None:
+        return ""
+    stamp = at.isoformat().replace("+00:00", "Z")
+    return f" (attempt {state.attempts.get(name, 1)}; retrying at {stamp})"
+
+
 def resident_model(w: WantedModel, state: AgentState, snapshot: dict[str, Any]) -> ResidentModel:
     """One model's entry in the status, from the daemon's snapshot and the agent's bookkeeping."""
     base = ResidentModel(name=w.name, state=ModelState.LOADING, pinned=w.pin, tier=snapshot.get("tier", ""))
@@ -72,10 +89,12 @@ def resident_model(w: WantedModel, state: AgentState, snapshot: dict[str, Any]) 
                 "gpu_uuids": info.get("gpu_uuids", []),
             }
         )
+    note = _retry_note(state, w.name)
     if w.name in state.failed:
-        return base.model_copy(update={"state": ModelState.FAILED, "message": state.failed[w.name][:1000]})
+        message = state.failed[w.name][: 1000 - len(note)] + note
+        return base.model_copy(update={"state": ModelState.FAILED, "message": message})
     if w.name in state.evicted:
-        return base.model_copy(update={"state": ModelState.EVICTED, "message": EVICTED_MESSAGE})
+        return base.model_copy(update={"state": ModelState.EVICTED, "message": EVICTED_MESSAGE + note})
     return base
 
 

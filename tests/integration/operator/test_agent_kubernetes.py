@@ -26,7 +26,8 @@ def test_cache_serve_reports_and_follows_the_weightcache(control_plane, tiny_lla
     models = tmp_path / "models"
     for name in ("alpha", "beta"):
         shutil.copytree(tiny_llama, models / name)
-    spec = {"tier": "host", "heartbeatSeconds": 1, "models": [{"name": "alpha", "source": {"path": "/x"}}]}
+    first = [{"name": "alpha", "source": {"path": "/x"}}, {"name": "gamma", "source": {"path": "/z"}}]
+    spec = {"tier": "host", "heartbeatSeconds": 1, "models": first}  # gamma's files are not there yet
     wc = {
         "apiVersion": "keepwarm.dev/v1alpha1",
         "kind": "WeightCache",
@@ -58,7 +59,20 @@ def test_cache_serve_reports_and_follows_the_weightcache(control_plane, tiny_lla
             states = {m["name"]: m["state"] for m in status.get("models", [])}
             return status.get("phase") == "Ready" and states == dict.fromkeys(names, "Resident") and status
 
-        status = wait(cp, lambda: resident("alpha"), f"alpha resident (agent log {log})", timeout_s=120)
+        def states():
+            status = (get(cp, f"{GROUP_PATH}/weightcachenodes/{cache}.{node}") or {}).get("status") or {}
+            return {m["name"]: m["state"] for m in status.get("models", [])}
+
+        wait(
+            cp,
+            lambda: states() == {"alpha": "Resident", "gamma": "Failed"},
+            f"alpha resident, gamma failed (agent log {log})",
+            timeout_s=120,
+        )
+        shutil.copytree(tiny_llama, models / "gamma")  # the fault goes away; nobody touches the spec
+        status = wait(
+            cp, lambda: resident("alpha", "gamma"), f"gamma retried by itself (agent log {log})", timeout_s=90
+        )
         assert status["totalBytes"] > 0 and status["models"][0]["fingerprint"] and status["agentVersion"]
         patch = {"spec": {"models": [{"name": "beta", "source": {"path": "/y"}, "pin": True}]}}
         cp.kubectl("patch", "wc", cache, "--type=merge", "-p", json.dumps(patch))

@@ -7,7 +7,7 @@ import pytest
 
 from keepwarm_api.weightcache import WeightCacheSpec
 from keepwarm_runtime.agent.kubernetes import NodeAgent
-from keepwarm_runtime.agent.state import AgentState, node_status, wanted_models
+from keepwarm_runtime.agent.state import AgentState, node_status, retry_delay, wanted_models
 
 
 def spec(models):
@@ -124,5 +124,36 @@ def test_quantization_reaches_the_agent_and_is_refused_by_name(model_root, tmp_p
         assert (
             status["models"][0]["state"] == "Failed" and "quantization fp8" in status["models"][0]["message"]
         )
+    finally:
+        daemon.close()
+
+
+def test_retry_backoff_doubles_and_is_capped():
+    assert [retry_delay(n, 10, 600) for n in (1, 2, 3, 7, 50)] == [10, 20, 40, 600, 600]
+
+
+def test_a_failed_model_recovers_by_itself_once_the_fault_is_gone(model_root, tiny_llama, tmp_path):
+    from keepwarm_runtime.cache.daemon import CacheDaemon, DaemonConfig
+
+    daemon = CacheDaemon(DaemonConfig(socket_dir=tmp_path / "sock", tier="host", dtype="bfloat16"))
+    waiting = NodeAgent(daemon, "wc", "node-1", api=None, model_root=str(model_root))
+    eager = NodeAgent(daemon, "wc", "node-1", api=None, model_root=str(model_root), retry_base_s=0)
+    try:
+        models = [{"name": "broken", "source": {"path": "/y"}}]
+        waiting.reconcile(cache(models))
+        status = node_status(waiting.state, daemon.snapshot(), waiting.wanted, "v").wire()
+        assert status["models"][0]["state"] == "Failed"
+        assert "(attempt 1; retrying at " in status["models"][0]["message"]
+        eager.reconcile(cache(models))
+        eager.reconcile(cache(models))
+        assert eager.state.attempts["broken"] == 2  # retried at once (no backoff), failed again
+        shutil.rmtree(model_root / "broken")
+        shutil.copytree(tiny_llama, model_root / "broken")  # the fault is fixed; the spec is not touched
+        waiting.reconcile(cache(models))
+        assert "broken" in waiting.state.failed  # its backoff has not passed yet
+        eager.reconcile(cache(models))
+        status = node_status(eager.state, daemon.snapshot(), eager.wanted, "v").wire()
+        assert status["models"][0]["state"] == "Resident" and status["phase"] == "Ready"
+        assert not eager.state.attempts and not eager.state.failed
     finally:
         daemon.close()
