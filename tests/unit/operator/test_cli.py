@@ -44,3 +44,24 @@ def test_resync_timer_period_comes_from_settings():
     ]
     plurals = {h.selector.any_name for h in timers if h.interval == 1.5}
     assert plurals == {"weightcaches", "inferencedeployments"}  # every owner object is resynced
+
+
+def test_kopf_logs_in_with_the_kubeconfig_from_settings(tmp_path):
+    import kopf
+
+    from keepwarm_operator.kube import client_configuration, connection_info
+
+    kubeconfig = tmp_path / "kc.yaml"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: x\n"
+        "clusters: [{name: c, cluster: {server: 'https://127.0.0.1:6443', insecure-skip-tls-verify: true}}]\n"
+        "users: [{name: u, user: {token: abc123}}]\n"
+        "contexts: [{name: x, context: {cluster: c, user: u}}]\n"
+    )
+    info = connection_info(client_configuration(str(kubeconfig)), kopf.OperatorSettings())
+    assert (info.server, info.scheme, info.token, info.insecure) == (
+        "https://127.0.0.1:6443",
+        "Bearer",
+        "abc123",
+        True,
+    )
