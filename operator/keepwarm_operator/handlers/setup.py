@@ -14,6 +14,7 @@ from kubernetes import client
 
 from keepwarm_api import GROUP
 
+from ..builders.meta import IDEP_LABEL
 from ..kube import Kube, client_configuration, connection_info
 from ..settings import OperatorSettings
 
@@ -79,6 +80,13 @@ def login(memo: Any, **kwargs: Any) -> kopf.ConnectionInfo:
     return connection_info(client_configuration(operator_settings(memo).kubeconfig), kwargs["settings"])
 
 
+def configure_watching(settings: kopf.OperatorSettings) -> None:
+    """Server-side filters: the API server streams only the Deployments the operator owns, not all
+    Deployments of the cluster (kopf's handler label filters alone act client-side)."""
+    settings.watching.label_selectors["apps", "deployments"] = IDEP_LABEL
+    settings.watching.server_timeout = 300
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: Any, residency: kopf.Index, **_: Any) -> None:
     # Our CRDs prune unknown status fields, so kopf keeps its progress in annotations.
@@ -92,7 +100,7 @@ def configure(settings: kopf.OperatorSettings, memo: Any, residency: kopf.Index,
     settings.background.cancellation_polling = 1.0
     settings.peering.clusterwide = True
     settings.posting.level = logging.WARNING  # handler warnings become events; the rest via kopf.event
-    settings.watching.server_timeout = 300
+    configure_watching(settings)
     ours = operator_settings(memo)
     settings.execution.max_workers = ours.workers
     memo.keepwarm = Context(

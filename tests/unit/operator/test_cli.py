@@ -65,3 +65,16 @@ def test_kopf_logs_in_with_the_kubeconfig_from_settings(tmp_path):
         "abc123",
         True,
     )
+
+
+def test_deployments_are_filtered_by_the_api_server():
+    import kopf
+
+    from keepwarm_operator.builders.meta import IDEP_LABEL
+    from keepwarm_operator.handlers.setup import configure_watching
+
+    settings = kopf.OperatorSettings()
+    configure_watching(settings)
+    (selector,) = list(settings.watching.label_selectors)
+    assert (selector.group, selector.any_name) == ("apps", "deployments")
+    assert settings.watching.label_selectors[selector] == IDEP_LABEL
