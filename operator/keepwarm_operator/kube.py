@@ -46,6 +46,7 @@ RESOURCES = {
     ("v1", "ServiceAccount"): Resource("", "v1", "serviceaccounts", True),
     ("v1", "Service"): Resource("", "v1", "services", True),
     ("v1", "Node"): Resource("", "v1", "nodes", False),
+    ("v1", "Namespace"): Resource("", "v1", "namespaces", False),
     ("v1", "Pod"): Resource("", "v1", "pods", True),
     ("apps/v1", "DaemonSet"): Resource("apps", "v1", "daemonsets", True),
     ("apps/v1", "Deployment"): Resource("apps", "v1", "deployments", True),

@@ -1,7 +1,8 @@
 """InferenceDeployment: Deployment + Service, status from the Deployment and the cache.
 
 Reconcile, in order:
-  1. resolve the model: the WeightCache's entry (cacheRef + name) or the inline source
+  1. resolve the model: the WeightCache's entry (cacheRef + name; the cache must allow the namespace)
+     or the inline source
   2. apply Deployment (replicas copied from spec.replicas, which the scale subresource owns) and Service
   3. count warm nodes (WeightCacheNodes reporting the model resident) -> CacheWarm
   4. status from the Deployment -> Available, Progressing
@@ -42,8 +43,16 @@ GROUP, VERSION = API_VERSION.split("/")
 C, R = IDepConditionType, IDepReason
 
 
+def _namespace_allowed(ctx: Context, cache_spec: WeightCacheSpec, namespace: str) -> bool:
+    allowed = cache_spec.allowed_namespaces
+    if allowed is None:
+        return True
+    ns = ctx.kube.get("v1", "Namespace", namespace) or {"metadata": {}}
+    return allowed.matches(ns["metadata"].get("labels") or {})
+
+
 def _resolve(
-    ctx: Context, spec: InferenceDeploymentSpec, gen: int
+    ctx: Context, spec: InferenceDeploymentSpec, gen: int, namespace: str
 ) -> tuple[CacheBinding | None, Condition, int]:
     """Step 1 and 3: the cache binding (if any), the CacheWarm condition and the warm node count."""
     ref = spec.model
@@ -54,6 +63,11 @@ def _resolve(
         message = f"WeightCache {ref.cache_ref!r} not found; create it or fix spec.model.cacheRef"
         return None, condition(C.CACHE_WARM, False, R.CACHE_NOT_FOUND, message, gen), 0
     cache_spec = WeightCacheSpec.model_validate(cache.get("spec") or {})
+    if not _namespace_allowed(ctx, cache_spec, namespace):
+        message = (
+            f"WeightCache {ref.cache_ref!r} does not allow namespace {namespace!r} (spec.allowedNamespaces)"
+        )
+        return None, condition(C.CACHE_WARM, False, R.NAMESPACE_NOT_ALLOWED, message, gen), 0
     model = cache_spec.model(ref.name or "")
     if model is None:
         known = ", ".join(m.name for m in cache_spec.models) or "none"
@@ -78,7 +92,7 @@ def reconcile(body: dict[str, Any], memo: Any, trigger: str, apply: bool = True)
     name, namespace, gen = meta["name"], meta["namespace"], meta.get("generation", 0)
     with reconciling(KIND, trigger):
         spec = InferenceDeploymentSpec.model_validate(body.get("spec") or {})
-        binding, cache_cond, warm = _resolve(ctx, spec, gen)
+        binding, cache_cond, warm = _resolve(ctx, spec, gen, namespace)
         problem = None
         deployment = None
         if spec.model.cache_ref and binding is None:

@@ -402,6 +402,32 @@ def test_resyncs_write_nothing_when_nothing_changed(env):
     assert versions() == before
 
 
+def test_a_namespace_outside_allowed_namespaces_is_refused(env):
+    cp, name, other = env.cp, "kwtenant", f"{env.pool}-other"
+    cp.kubectl("create", "namespace", other)
+    allowed = {"matchLabels": {"kubernetes.io/metadata.name": env.ns}}
+    apply(env, weightcache(name, f"{env.pool}-none", allowedNamespaces=allowed))
+    model = {"cacheRef": name, "name": MODEL}
+    apply(env, inference("tenant", other, env.pool, model=model, replicas=0))
+    apply(env, inference("tenant", env.ns, env.pool, model=model, replicas=0))
+
+    def available(ns):
+        obj = get(cp, f"{GROUP_PATH}/namespaces/{ns}/inferencedeployments/tenant")
+        return condition(obj, "Available")
+
+    refused = wait(
+        cp, lambda: available(other).get("reason") == "NamespaceNotAllowed" and available(other), "refused",
+        op=env.op,
+    )  # fmt: skip
+    assert refused["status"] == "False" and other in refused["message"]
+    assert get(cp, f"/apis/apps/v1/namespaces/{other}/deployments/tenant") is None
+    wait(cp, lambda: available(env.ns).get("status") == "True", "the allowed namespace is served", op=env.op)
+    assert get(cp, f"/apis/apps/v1/namespaces/{env.ns}/deployments/tenant") is not None
+    cp.kubectl("delete", "idep", "tenant", "-n", other)
+    cp.kubectl("delete", "idep", "tenant", "-n", env.ns)
+    cp.kubectl("delete", "wc", name)
+
+
 def test_deleted_service_and_overwritten_status_come_back_within_a_resync(env):
     cp = env.cp
     svc_path = f"/api/v1/namespaces/{env.ns}/services/{IDEP}"
