@@ -354,7 +354,9 @@ class ControlPlane:
 
     def audit_events(self, user: str) -> list[dict[str, Any]]:
         """The audit events (ResponseComplete stage) of one user, e.g. system:serviceaccount:NS:NAME."""
-        events = []
+        events: list[dict[str, Any]] = []
+        if not self.audit_log.exists():  # no ServiceAccount has made a request yet
+            return events
         with open(self.audit_log, errors="replace") as lines:
             for line in lines:
                 event = json.loads(line)
