@@ -359,7 +359,10 @@ class ControlPlane:
             return events
         with open(self.audit_log, errors="replace") as lines:
             for line in lines:
-                event = json.loads(line)
+                try:
+                    event = json.loads(line)
+                except ValueError:  # the line being written right now
+                    continue
                 if event.get("user", {}).get("username") == user and event.get("stage") == "ResponseComplete":
                     events.append(event)
         return events
