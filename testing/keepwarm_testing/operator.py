@@ -60,8 +60,11 @@ def render_chart(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
 
 
 def install_chart_rbac(cp: Any) -> None:
-    """The chart's ServiceAccount, ClusterRole(+Binding) and peering object, as Helm renders them."""
-    wanted = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering"}
+    """The chart's ServiceAccount, ClusterRole(+Binding), peering object and agent admission policy."""
+    wanted = {
+        "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering",
+        "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
+    }  # fmt: skip
     docs = [d for d in render_chart() if d.get("kind") in wanted]
     cp.kubectl("create", "namespace", NAMESPACE, check=False)
     cp.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(docs))

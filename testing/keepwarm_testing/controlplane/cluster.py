@@ -53,6 +53,13 @@ class ControlPlaneError(RuntimeError):
     """A component failed to start or answer; the message carries its log tail and the log path."""
 
 
+def _bound_to(pod: dict[str, Any] | None) -> dict[str, Any]:
+    if pod is None:
+        return {}
+    meta = pod["metadata"]
+    return {"boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": meta["name"], "uid": meta["uid"]}}
+
+
 def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
@@ -249,10 +256,13 @@ class ControlPlane:
         kubelet.remove_node(name, delete_pods=delete_pods)
 
     def service_account_kubeconfig(
-        self, namespace: str, name: str, *, create: bool = True, expiration_s: int = 86400
-    ) -> Path:
+        self, namespace: str, name: str, *, create: bool = True, expiration_s: int = 86400,
+        bound_pod: dict[str, Any] | None = None,
+    ) -> Path:  # fmt: skip
         """A kubeconfig holding a fresh token of ServiceAccount namespace/name: whatever runs with it is
-        authorized by that account's RBAC only. create=True makes the namespace and account if missing."""
+        authorized by that account's RBAC only. create=True makes the namespace and account if missing.
+        bound_pod (a Pod running as that account) binds the token to it, as the kubelet does: the API
+        server then names the pod's node in the token's user info."""
         if create:
             for path, body in (
                 ("/api/v1/namespaces", {"metadata": {"name": namespace}}),
@@ -273,12 +283,13 @@ class ControlPlane:
             json={
                 "apiVersion": "authentication.k8s.io/v1",
                 "kind": "TokenRequest",
-                "spec": {"expirationSeconds": expiration_s},
+                "spec": {"expirationSeconds": expiration_s, **_bound_to(bound_pod)},
             },
         )
         if resp.status_code != 201:
             raise ControlPlaneError(f"token for {namespace}/{name}: HTTP {resp.status_code}: {resp.text}")
-        path = self.data / f"sa-{namespace}-{name}.kubeconfig"
+        suffix = f"-{bound_pod['metadata']['name']}" if bound_pod else ""
+        path = self.data / f"sa-{namespace}-{name}{suffix}.kubeconfig"
         return write_kubeconfig(
             path,
             self.server,

@@ -119,6 +119,17 @@ def runtime_pods(env, name=IDEP):
     return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
 
 
+def agent_kubeconfig(env, node: str, cache: str = WC):
+    """The agent ServiceAccount's token bound to the agent pod on `node` (as its kubelet mounts it)."""
+    pods = items(
+        env.cp, f"/api/v1/namespaces/{NAMESPACE}/pods?labelSelector=keepwarm.dev/weightcache={cache}"
+    )
+    pod = next(p for p in pods if p["spec"].get("nodeName") == node)
+    return env.cp.service_account_kubeconfig(
+        NAMESPACE, f"keepwarm-agent-{cache}", create=False, bound_pod=pod
+    )
+
+
 def agent_status(*states: str) -> dict:
     """The status patch an agent holding MODEL in these states sends, built by the product's function."""
     models = [ResidentModel(name=MODEL, state=s, bytes=1 << 20, fingerprint="f", tier="gpu") for s in states]
@@ -171,7 +182,7 @@ def test_agent_reports_aggregate_into_weightcache_status(env, tiny_llama, tmp_pa
     from keepwarm_runtime.cache.daemon import CacheDaemon, DaemonConfig
 
     cp = env.cp
-    agent_kc = cp.service_account_kubeconfig(NAMESPACE, f"keepwarm-agent-{WC}", create=False)
+    agent_kc = agent_kubeconfig(env, env.nodes[0])  # as the agent pod on node 0 gets it from its kubelet
     (tmp_path / "models").mkdir()
     shutil.copytree(tiny_llama, tmp_path / "models" / MODEL)
     daemon = CacheDaemon(DaemonConfig(socket_dir=tmp_path / "sock", tier="host", dtype="bfloat16"))
@@ -185,7 +196,7 @@ def test_agent_reports_aggregate_into_weightcache_status(env, tiny_llama, tmp_pa
     node0 = get(cp, f"{GROUP_PATH}/weightcachenodes/{WC}.{env.nodes[0]}")["status"]
     assert node0["phase"] == "Ready" and node0["models"][0]["state"] == "Resident" and node0["totalBytes"] > 0
     patch = json.dumps(agent_status("Resident"))
-    cp.kubectl(
+    status_patch = (
         "patch",
         "wcn",
         f"{WC}.{env.nodes[1]}",
@@ -193,8 +204,11 @@ def test_agent_reports_aggregate_into_weightcache_status(env, tiny_llama, tmp_pa
         "--type=merge",
         "-p",
         patch,
-        kubeconfig=agent_kc,
     )
+    # The agent of node 0 may not write node 1's status (the chart's ValidatingAdmissionPolicy)...
+    refused = cp.kubectl(*status_patch, kubeconfig=agent_kc, check=False)
+    assert refused.returncode != 0 and "its own node" in refused.stderr, refused.stderr
+    cp.kubectl(*status_patch, kubeconfig=agent_kubeconfig(env, env.nodes[1]))  # ...node 1's agent may
 
     def two_ready():
         s = wc(env)["status"]
