@@ -196,19 +196,13 @@ def test_agent_reports_aggregate_into_weightcache_status(env, tiny_llama, tmp_pa
     node0 = get(cp, f"{GROUP_PATH}/weightcachenodes/{WC}.{env.nodes[0]}")["status"]
     assert node0["phase"] == "Ready" and node0["models"][0]["state"] == "Resident" and node0["totalBytes"] > 0
     patch = json.dumps(agent_status("Resident"))
-    status_patch = (
-        "patch",
-        "wcn",
-        f"{WC}.{env.nodes[1]}",
-        "--subresource=status",
-        "--type=merge",
-        "-p",
-        patch,
-    )
     # The agent of node 0 may not write node 1's status (the chart's ValidatingAdmissionPolicy)...
-    refused = cp.kubectl(*status_patch, kubeconfig=agent_kc, check=False)
-    assert refused.returncode != 0 and "its own node" in refused.stderr, refused.stderr
-    cp.kubectl(*status_patch, kubeconfig=agent_kubeconfig(env, env.nodes[1]))  # ...node 1's agent may
+    node1, body = f"{WC}.{env.nodes[1]}", json.loads(patch)
+    with pytest.raises(client.ApiException) as refused:
+        api.patch_cluster_custom_object_status("keepwarm.dev", "v1alpha1", "weightcachenodes", node1, body)
+    assert refused.value.status == 403 and "its own node" in refused.value.body
+    own = client.CustomObjectsApi(cp.api_client(agent_kubeconfig(env, env.nodes[1])))
+    own.patch_cluster_custom_object_status("keepwarm.dev", "v1alpha1", "weightcachenodes", node1, body)
 
     def two_ready():
         s = wc(env)["status"]
