@@ -434,6 +434,11 @@ def test_a_namespace_outside_allowed_namespaces_is_refused(env):
     cp.kubectl("delete", "idep", "tenant", "-n", other)
     cp.kubectl("delete", "idep", "tenant", "-n", env.ns)
     cp.kubectl("delete", "wc", name)
+    wait(
+        cp,
+        lambda: get(cp, f"/apis/apps/v1/namespaces/{env.ns}/deployments/tenant") is None,
+        "the tenant Deployment garbage-collected",
+    )
 
 
 def test_deleted_service_and_overwritten_status_come_back_within_a_resync(env):
