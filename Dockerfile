@@ -5,18 +5,19 @@
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 
-# -- wheels: build both distributions once, install them without build tools below ---------------
+# -- wheels: build the distributions once, install them without build tools below ----------------
 FROM ${PYTHON_IMAGE} AS wheels
 WORKDIR /src
+COPY api/ api/
 COPY runtime/ runtime/
 COPY operator/ operator/
-RUN pip wheel --no-cache-dir --no-deps -w /wheels ./runtime ./operator
+RUN pip wheel --no-cache-dir --no-deps -w /wheels ./api ./runtime ./operator
 
 # -- operator: kopf, kubernetes client, pydantic, prometheus-client ------------------------------
 FROM ${PYTHON_IMAGE} AS operator
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
-COPY --from=wheels /wheels/keepwarm_operator-*.whl /tmp/
-RUN pip install /tmp/keepwarm_operator-*.whl && rm /tmp/*.whl
+COPY --from=wheels /wheels/keepwarm_api-*.whl /wheels/keepwarm_operator-*.whl /tmp/
+RUN pip install /tmp/keepwarm_api-*.whl /tmp/keepwarm_operator-*.whl && rm /tmp/*.whl
 # Non-root; the chart also sets runAsNonRoot and a read-only root filesystem.
 USER 65532:65532
 ENTRYPOINT ["keepwarm-operator"]
@@ -30,9 +31,10 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv ffmpeg \
  && rm -rf /var/lib/apt/lists/* \
  && python3 -m venv /opt/keepwarm
-COPY --from=wheels /wheels/keepwarm_runtime-*.whl /tmp/
+COPY --from=wheels /wheels/keepwarm_api-*.whl /wheels/keepwarm_runtime-*.whl /tmp/
 # All extras: GPU kernels, structured outputs, the node agent's kubernetes client, audio decoding.
-RUN WHL=$(ls /tmp/keepwarm_runtime-*.whl) && pip install "${WHL}[gpu,structured,kubernetes,audio]" && rm /tmp/*.whl
+RUN WHL=$(ls /tmp/keepwarm_runtime-*.whl) && pip install /tmp/keepwarm_api-*.whl "${WHL}[gpu,structured,kubernetes,audio]" \
+ && rm /tmp/*.whl
 # Inference pods run as this user (plus the cache's group); the agent DaemonSet runs as root with
 # only CHOWN/FOWNER to create the shared socket directory.
 RUN useradd --uid 1000 --create-home keepwarm

@@ -8,10 +8,10 @@ export UV_CACHE_DIR ?= $(HOME)/.cache/uv
 
 .PHONY: venv demo test test-unit lint format crds bench clean controlplane ffmpeg sweep
 
-$(STAMP): runtime/pyproject.toml operator/pyproject.toml requirements-dev.txt
+$(STAMP): api/pyproject.toml runtime/pyproject.toml operator/pyproject.toml testing/pyproject.toml requirements-dev.txt
 	@command -v uv >/dev/null || $(PYTHON) -m pip install -q uv
 	@test -x $(BIN)/python || uv venv -q -p $(PYTHON) $(VENV)
-	VIRTUAL_ENV=$(VENV) uv pip install -q -e 'runtime[structured,kubernetes,audio-cpu]' -e operator -r requirements-dev.txt
+	VIRTUAL_ENV=$(VENV) uv pip install -q -e api -e 'runtime[structured,kubernetes,audio-cpu]' -e operator -e testing -r requirements-dev.txt
 	@# Bytecode ahead of time: with PYTHONDONTWRITEBYTECODE set, every fresh process would otherwise
 	@# recompile torch and transformers (seconds per process: tests, the demo and restarts all pay it).
 	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null || true
@@ -36,7 +36,7 @@ ffmpeg:
 
 # Real Kubernetes control plane for tests/integration/operator: built once into ~/.cache/keepwarm.
 controlplane:
-	bash tests/controlplane/build.sh >/dev/null
+	bash testing/keepwarm_testing/controlplane/build.sh >/dev/null
 
 test-unit: $(STAMP) ffmpeg
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
@@ -49,7 +49,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 crds: $(STAMP)
-	$(BIN)/python -m keepwarm_operator.crdgen crds charts/keepwarm/crds
+	$(BIN)/python -m keepwarm_api.crdgen crds charts/keepwarm/crds
 
 # Conformance sweep: every transformers causal-LM type against generate() (tests/sweep/run.py); rewrites
 # the committed report and the README's architecture list from it. After an interrupted run:

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/operator_scale.py [--crs 200] [--nodes 100] [--json-out FILE]
 
-Starts etcd + kube-apiserver + controller-manager + scheduler + fake kubelet (tests/controlplane),
+Starts etcd + kube-apiserver + controller-manager + scheduler + fake kubelet (keepwarm_testing),
 installs the CRDs and the chart's RBAC, runs `keepwarm-operator run` in a subprocess as the chart's
 ServiceAccount (the end-to-end tests' harness), makes one WeightCache over all nodes, creates the
 InferenceDeployments one after another as fast as one client can, and prints JSON:
@@ -11,6 +11,7 @@ InferenceDeployments one after another as fast as one client can, and prints JSO
   available_latency_s    CR created -> condition Available=True (scheduling + fake kubelet included)
   operator_rss_mib       operator resident memory at the end; operator_peak_rss_mib its VmHWM;
                          operator_rss_mib_idle before the first CR
+  operator_steady_state  the operator's API requests/s and writes/s once converged (audit log)
 Latencies run from a client timestamp taken just before each create to the watch event that shows
 the result, so they include watch delivery. A benchmark, not a test: nothing here asserts speed.
 """
@@ -29,18 +30,17 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tests.controlplane.build import build_control_plane  # noqa: E402
-from tests.controlplane.cluster import ControlPlane  # noqa: E402
-from tests.integration.operator.harness import (  # noqa: E402
+from keepwarm_testing.controlplane.build import build_control_plane
+from keepwarm_testing.controlplane.cluster import ControlPlane
+from keepwarm_testing.operator import (
     GROUP_PATH,
+    OPERATOR_SA,
     OperatorProcess,
     condition,
     install_chart_rbac,
     install_crds,
 )
+from keepwarm_testing.operator import NAMESPACE as OPERATOR_NAMESPACE
 
 NAMESPACE = "scale"
 
@@ -138,15 +138,36 @@ def memory_mib(pid: int) -> dict[str, float]:
     return out
 
 
-def counters(text: str) -> dict[str, float]:
-    """The operator's keepwarm_* counters (reconciles by trigger, errors, applies) from /metrics."""
+def counters(op: OperatorProcess) -> dict[str, float]:
+    """The operator's nonzero keepwarm_operator_*_total counters (reconciles, errors, applies)."""
     out = {}
-    for line in text.splitlines():
-        if line.startswith("keepwarm_operator_") and "_total" in line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            if float(value):
-                out[name.replace("keepwarm_operator_", "")] = float(value)
+    for s in op.samples():
+        if s.name.startswith("keepwarm_operator_") and s.name.endswith("_total") and s.value:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name.removeprefix('keepwarm_operator_')}{{{labels}}}"] = s.value
     return out
+
+
+WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection"}
+
+
+def steady_state_rates(cp: ControlPlane, window_s: float) -> dict[str, float]:
+    """The operator's API requests per second over `window_s` once everything converged, from the
+    API server's audit log (goal: zero writes when nothing changes)."""
+    user = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SA}"
+    before = len(cp.audit_events(user))
+    time.sleep(window_s + 1.5)  # the audit log batches for up to 1 s
+    events = cp.audit_events(user)[before:]
+    writes = [e for e in events if e["verb"] in WRITE_VERBS]
+    by_verb: dict[str, int] = {}
+    for e in events:
+        by_verb[e["verb"]] = by_verb.get(e["verb"], 0) + 1
+    return {
+        "window_s": window_s,
+        "requests_per_s": round(len(events) / window_s, 2),
+        "writes_per_s": round(len(writes) / window_s, 2),
+        "requests_by_verb": by_verb,
+    }
 
 
 def run(cp: ControlPlane, args: argparse.Namespace, result: dict) -> None:
@@ -201,7 +222,8 @@ def run(cp: ControlPlane, args: argparse.Namespace, result: dict) -> None:
             result["operator_peak_rss_mib"] = mem["VmHWM"]
         result["operator_log_errors"] = len(op.errors())
         if result["operator_alive"]:
-            result["operator_metrics"] = counters(op.metrics())
+            result["operator_metrics"] = counters(op)
+            result["operator_steady_state"] = steady_state_rates(cp, args.steady_window_s)
         result["fake_kubelet"] = {
             "pods_started": cp.kubelet.stats.pods_started,
             "errors": cp.kubelet.stats.errors,
@@ -216,6 +238,7 @@ def main() -> int:
     ap.add_argument("--nodes", type=int, default=100, help="fake GPU nodes (8 GPUs each)")
     ap.add_argument("--resync-seconds", type=float, default=30.0, help="operator resync period")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="give up waiting after this long")
+    ap.add_argument("--steady-window-s", type=float, default=60.0, help="steady-state request sampling")
     ap.add_argument("--json-out", type=Path, default=None)
     ap.add_argument("--keep-logs", type=Path, default=None, help="copy the component and operator logs here")
     args = ap.parse_args()

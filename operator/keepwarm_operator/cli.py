@@ -11,9 +11,14 @@ import logging
 import os
 import random
 import sys
+from collections.abc import Mapping
+
+from .settings import ENV_AGENT_NAMESPACE, ENV_RESYNC_SECONDS, ENV_WORKERS, OperatorSettings
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(env: Mapping[str, str] = os.environ) -> argparse.ArgumentParser:
+    """The CLI; KEEPWARM_* variables in `env` supply defaults, flags win."""
+    defaults = OperatorSettings()
     parser = argparse.ArgumentParser(prog="keepwarm-operator", description="keepwarm Kubernetes operator")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="watch WeightCaches and InferenceDeployments and reconcile them")
@@ -23,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="serve InferenceDeployments only here (repeatable; default: all)",
     )
-    agent_ns = os.environ.get("KEEPWARM_AGENT_NAMESPACE", "keepwarm-system")
+    agent_ns = env.get(ENV_AGENT_NAMESPACE) or defaults.agent_namespace
     run.add_argument(
         "--agent-namespace", default=agent_ns, help="namespace of agent DaemonSets (default: %(default)s)"
     )
@@ -35,26 +40,35 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-port", type=int, default=8080, help="/metrics port, 0 to disable (default: %(default)s)"
     )
     run.add_argument("--liveness-port", type=int, default=8081, help="/healthz port (default: %(default)s)")
-    resync = float(os.environ.get("KEEPWARM_OPERATOR_RESYNC_SECONDS", 30))
+    resync = float(env.get(ENV_RESYNC_SECONDS) or defaults.resync_seconds)
     run.add_argument(
         "--resync-seconds", type=float, default=resync, help="resync period (default: %(default)s)"
     )
+    workers = int(env.get(ENV_WORKERS) or defaults.workers)
+    run.add_argument("--workers", type=int, default=workers, help="handler threads (default: %(default)s)")
     run.add_argument("--kubeconfig", default=None, help="kubeconfig (default: in-cluster, then $KUBECONFIG)")
     run.add_argument("--log-level", default="INFO")
     return parser
 
 
+def settings_from(args: argparse.Namespace) -> OperatorSettings:
+    return OperatorSettings(
+        agent_namespace=args.agent_namespace,
+        namespaces=frozenset(args.namespace),
+        resync_seconds=args.resync_seconds,
+        workers=args.workers,
+        kubeconfig=args.kubeconfig,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
-    # Handlers read these at import (timer periods) and at startup (client, namespaces).
-    os.environ["KEEPWARM_OPERATOR_RESYNC_SECONDS"] = str(args.resync_seconds)
-    os.environ["KEEPWARM_AGENT_NAMESPACE"] = args.agent_namespace
-    os.environ["KEEPWARM_OPERATOR_NAMESPACES"] = ",".join(args.namespace)
-    if args.kubeconfig:
-        os.environ["KUBECONFIG"] = args.kubeconfig
     import kopf
     from prometheus_client import start_http_server
 
-    from . import handlers  # noqa: F401  (registers the handlers)
+    from . import handlers
+
+    settings = settings_from(args)
+    handlers.register(settings)  # what depends on settings (timer periods); the rest registers on import
 
     if args.metrics_port:
         start_http_server(args.metrics_port)
@@ -71,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
             peering_name=None if args.standalone else args.peering,
             priority=priority,
             liveness_endpoint=f"http://0.0.0.0:{args.liveness_port}/healthz",
+            memo=kopf.Memo(settings=settings),
         )
     )
     return 0

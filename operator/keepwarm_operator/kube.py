@@ -46,6 +46,7 @@ RESOURCES = {
     ("v1", "ServiceAccount"): Resource("", "v1", "serviceaccounts", True),
     ("v1", "Service"): Resource("", "v1", "services", True),
     ("v1", "Node"): Resource("", "v1", "nodes", False),
+    ("v1", "Namespace"): Resource("", "v1", "namespaces", False),
     ("v1", "Pod"): Resource("", "v1", "pods", True),
     ("apps/v1", "DaemonSet"): Resource("apps", "v1", "daemonsets", True),
     ("apps/v1", "Deployment"): Resource("apps", "v1", "deployments", True),
@@ -72,13 +73,38 @@ def resource(api_version: str, kind: str) -> Resource:
         raise ValueError(f"keepwarm's client does not know {kind} ({api_version})") from None
 
 
-def load_config(kubeconfig: str | None = None) -> client.ApiClient:
-    """In-cluster config when running in a pod, else the kubeconfig ($KUBECONFIG or the given path)."""
-    try:
-        config.load_incluster_config()
-        return client.ApiClient()
-    except config.ConfigException:
-        return config.new_client_from_config(config_file=kubeconfig)
+def client_configuration(kubeconfig: str | None = None) -> client.Configuration:
+    """The given kubeconfig; without one, in-cluster config in a pod, else $KUBECONFIG/~/.kube/config."""
+    cfg = client.Configuration()
+    if kubeconfig is None:
+        try:
+            config.load_incluster_config(client_configuration=cfg)
+            return cfg
+        except config.ConfigException:
+            pass
+    config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+    return cfg
+
+
+def connection_info(cfg: client.Configuration, settings: Any) -> Any:
+    """kopf's credentials from a client Configuration (as kopf.login_via_client reads its global one)."""
+    import kopf
+
+    header = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix("authorization")
+    parts = header.split(" ", 1) if header else []
+    scheme, token = (None, None) if not parts else (None, parts[0]) if len(parts) == 1 else tuple(parts)
+    return kopf.ConnectionInfo(
+        server=cfg.host,
+        ca_path=cfg.ssl_ca_cert,
+        insecure=not cfg.verify_ssl,
+        username=cfg.username or None,
+        password=cfg.password or None,
+        scheme=scheme,
+        token=token,
+        certificate_path=cfg.cert_file,
+        private_key_path=cfg.key_file,
+        trust_env=settings.networking.trust_env,
+    )
 
 
 class Kube:

@@ -5,17 +5,29 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from .api.common import Condition, condition
-from .api.inferencedeployment import IDepConditionType, IDepReason, InferenceDeploymentStatus
-from .api.weightcache import (
+from keepwarm_api.common import Condition, condition
+from keepwarm_api.inferencedeployment import IDepConditionType, IDepReason, InferenceDeploymentStatus
+from keepwarm_api.weightcache import (
     ModelResidency,
     WeightCacheConditionType,
     WeightCacheReason,
     WeightCacheSpec,
     WeightCacheStatus,
 )
-from .api.weightcachenode import STALE_HEARTBEATS, ModelState, NodePhase, WeightCacheNodeStatus
+from keepwarm_api.weightcachenode import STALE_HEARTBEATS, ModelState, NodePhase, WeightCacheNodeStatus
+
 from .builders.meta import warm_label_key
+
+
+def node_belongs(labels: dict[str, str] | None, selector: dict[str, str]) -> bool:
+    """Whether a node (its labels; None when it is gone) is one the cache's agents run on."""
+    return labels is not None and all(labels.get(k) == v for k, v in selector.items())
+
+
+def status_changed(old: dict[str, Any] | None, new: dict[str, Any]) -> bool:
+    """Whether merging `new` into the stored status changes it: status is written only on change."""
+    old = old or {}
+    return any(old.get(key) != value for key, value in new.items())
 
 
 def is_stale(

@@ -15,8 +15,9 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
-from ..api import GROUP
-from ..api.weightcache import GPUAccessMode, SocketMode, Tier, WeightCacheSpec
+from keepwarm_api import GROUP
+from keepwarm_api.weightcache import GPUAccessMode, SocketMode, Tier, WeightCacheSpec
+
 from .meta import agent_labels, agent_name, object_meta
 from .volumes import hf_volume, model_mount
 
@@ -29,17 +30,16 @@ def socket_dir(spec: WeightCacheSpec, cache: str) -> str:
 
 
 def agent_rbac(cache: str, namespace: str, owner: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """The agent may read its own WeightCache and write WeightCacheNode status; nothing else.
+    """The agent may read its own WeightCache and patch WeightCacheNode status: the calls it makes.
 
     RBAC cannot name "the object for my node" (names are per node), so any agent of this cache may
-    patch the status of any WeightCacheNode; it cannot create, delete or change their spec.
+    patch the status of any WeightCacheNode; it cannot read, create, delete or change their spec.
     """
     name = agent_name(cache)
     labels = agent_labels(cache)
     rules = [
         {"apiGroups": [GROUP], "resources": ["weightcaches"], "resourceNames": [cache], "verbs": ["get"]},
-        {"apiGroups": [GROUP], "resources": ["weightcachenodes"], "verbs": ["get"]},
-        {"apiGroups": [GROUP], "resources": ["weightcachenodes/status"], "verbs": ["get", "patch"]},
+        {"apiGroups": [GROUP], "resources": ["weightcachenodes/status"], "verbs": ["patch"]},
     ]
     return [
         {
@@ -158,6 +158,13 @@ def agent_daemonset(
             "httpGet": {"path": "/metrics", "port": "metrics"},
             "periodSeconds": 20,
             "failureThreshold": 3,
+        },
+        # The daemon serves /metrics only once its socket listens: Ready then, so the rolling
+        # update's maxUnavailable: 1 waits for each node's daemon before moving to the next.
+        "readinessProbe": {
+            "httpGet": {"path": "/metrics", "port": "metrics"},
+            "periodSeconds": 5,
+            "failureThreshold": 2,
         },
     }
     if spec.agent.resources:

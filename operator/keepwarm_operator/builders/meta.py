@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from ..api import GROUP
+from keepwarm_api import GROUP
 
 MANAGED_BY = {"app.kubernetes.io/managed-by": "keepwarm-operator"}
 CACHE_LABEL = f"{GROUP}/weightcache"  # value: WeightCache name

@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..api.inferencedeployment import InferenceDeploymentSpec
-from ..api.weightcache import CachedModel, WeightCacheSpec
+from keepwarm_api.inferencedeployment import InferenceDeploymentSpec
+from keepwarm_api.weightcache import CachedModel, WeightCacheSpec
+
 from .agent import socket_dir
 from .meta import object_meta, runtime_labels, warm_label_key
 from .volumes import hf_volume, model_mount
@@ -98,7 +99,6 @@ def runtime_deployment(
     env += [
         {"name": "KEEPWARM_CACHE_MODE", "value": spec.runtime.cache_mode.value},
         {"name": "KEEPWARM_CACHE_FALLBACK", "value": _bool(spec.runtime.cache_fallback)},
-        {"name": "KEEPWARM_MODEL_NAME", "value": model_name},
     ]
     env += [e.wire() for e in spec.env]
     if spec.pod.run_as_user is not None:

@@ -1,18 +1,13 @@
-"""How a model source appears inside a pod: a volume, its mount, and the directory to load from.
-
-Agents and runtime pods use the same convention (`/models/<model name>`), so a path the agent
-fingerprinted is the path the runtime reads on fallback.
-"""
+"""How a model source appears inside a pod: a volume and its mount, at the directory keepwarm_api.paths
+names (the node agent loads from the same directories)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from ..api.common import ModelSource
-
-MODELS_ROOT = "/models"
-HF_MOUNT = "/var/cache/keepwarm"
+from keepwarm_api.common import ModelSource
+from keepwarm_api.paths import HF_MOUNT, source_dir
 
 
 @dataclass(frozen=True)
@@ -22,15 +17,10 @@ class ModelMount:
     path: str  # directory inside the container with config.json + safetensors
 
 
-def hf_snapshot_dir(repo: str, revision: str, root: str = HF_MOUNT) -> str:
-    """huggingface_hub's cache layout; revision should be a commit sha for this path to exist."""
-    return f"{root}/huggingface/models--{repo.replace('/', '--')}/snapshots/{revision}"
-
-
 def model_mount(name: str, source: ModelSource) -> ModelMount:
     """Volume and mount for one model; read-only: pods never write checkpoints."""
     volume_name = f"model-{name}"[:63]
-    path = f"{MODELS_ROOT}/{name}"
+    path = source_dir(name, source)
     if source.path is not None:
         volume = {"name": volume_name, "hostPath": {"path": source.path, "type": "Directory"}}
         return ModelMount(volume, {"name": volume_name, "mountPath": path, "readOnly": True}, path)
@@ -43,10 +33,7 @@ def model_mount(name: str, source: ModelSource) -> ModelMount:
         if source.pvc.sub_path:
             mount["subPath"] = source.pvc.sub_path
         return ModelMount(volume, mount, path)
-    hf = source.hugging_face
-    if hf is None:  # the CRD's CEL rule makes this unreachable for stored objects
-        raise ValueError(f"model {name!r}: source needs one of path, pvc, huggingFace")
-    return ModelMount(None, None, hf_snapshot_dir(hf.repo, hf.revision))
+    return ModelMount(None, None, path)  # Hugging Face: inside the shared download mount
 
 
 def hf_volume(host_dir: str, read_only: bool) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -4,6 +4,13 @@ Handlers are level-based: every trigger (create, update, resume, timer, child ev
 reconcile, which recomputes desired state, server-side applies it and rewrites status.
 """
 
+from ..settings import OperatorSettings
 from . import inference, nodes, setup, weightcache
 
-__all__ = ["inference", "nodes", "setup", "weightcache"]
+__all__ = ["inference", "nodes", "register", "setup", "weightcache"]
+
+
+def register(settings: OperatorSettings) -> None:
+    """Register the handlers whose policy comes from settings (call once, before kopf runs)."""
+    weightcache.register_resync(settings.resync_seconds)
+    inference.register_resync(settings.resync_seconds)

@@ -1,13 +1,16 @@
 """InferenceDeployment: Deployment + Service, status from the Deployment and the cache.
 
 Reconcile, in order:
-  1. resolve the model: the WeightCache's entry (cacheRef + name) or the inline source
+  1. resolve the model: the WeightCache's entry (cacheRef + name; the cache must allow the namespace)
+     or the inline source
   2. apply Deployment (replicas copied from spec.replicas, which the scale subresource owns) and Service
   3. count warm nodes (WeightCacheNodes reporting the model resident) -> CacheWarm
   4. status from the Deployment -> Available, Progressing
 A missing cache or model is a condition with a message, not an error loop; the InferenceDeployment is
-reconciled again when its cache changes (WeightCache handlers) or its model's residency does (nodes).
-No timer, hence no finalizer: deleting an InferenceDeployment never waits for the operator.
+reconciled again when its cache changes (WeightCache handlers) or its model's residency does (nodes),
+and every resync period (a timer): a deleted or edited Service or Deployment is re-applied and a status
+another client overwrote is restored. kopf guards the timer with its finalizer, so deleting an
+InferenceDeployment waits for a running operator (as for WeightCaches).
 """
 
 from __future__ import annotations
@@ -16,16 +19,23 @@ from typing import Any
 
 import kopf
 
-from ..api import API_VERSION
-from ..api.common import Condition, condition, merge_conditions
-from ..api.inferencedeployment import KIND, PLURAL, IDepConditionType, IDepReason, InferenceDeploymentSpec
-from ..api.weightcache import KIND as CACHE_KIND
-from ..api.weightcache import WeightCacheSpec
+from keepwarm_api import API_VERSION
+from keepwarm_api.common import Condition, condition, merge_conditions
+from keepwarm_api.inferencedeployment import (
+    KIND,
+    PLURAL,
+    IDepConditionType,
+    IDepReason,
+    InferenceDeploymentSpec,
+)
+from keepwarm_api.weightcache import KIND as CACHE_KIND
+from keepwarm_api.weightcache import WeightCacheSpec
+
 from ..builders.meta import IDEP_LABEL, runtime_labels, selector_string
 from ..builders.runtime import CacheBinding, runtime_deployment, runtime_service
 from ..kube import ApiError
 from ..metrics import APPLIES, reconciling
-from ..status import inference_status
+from ..status import inference_status, status_changed
 from .setup import Context, context
 from .weightcache import _now
 
@@ -33,8 +43,16 @@ GROUP, VERSION = API_VERSION.split("/")
 C, R = IDepConditionType, IDepReason
 
 
+def _namespace_allowed(ctx: Context, cache_spec: WeightCacheSpec, namespace: str) -> bool:
+    allowed = cache_spec.allowed_namespaces
+    if allowed is None:
+        return True
+    ns = ctx.kube.get("v1", "Namespace", namespace) or {"metadata": {}}
+    return allowed.matches(ns["metadata"].get("labels") or {})
+
+
 def _resolve(
-    ctx: Context, spec: InferenceDeploymentSpec, gen: int
+    ctx: Context, spec: InferenceDeploymentSpec, gen: int, namespace: str
 ) -> tuple[CacheBinding | None, Condition, int]:
     """Step 1 and 3: the cache binding (if any), the CacheWarm condition and the warm node count."""
     ref = spec.model
@@ -45,6 +63,11 @@ def _resolve(
         message = f"WeightCache {ref.cache_ref!r} not found; create it or fix spec.model.cacheRef"
         return None, condition(C.CACHE_WARM, False, R.CACHE_NOT_FOUND, message, gen), 0
     cache_spec = WeightCacheSpec.model_validate(cache.get("spec") or {})
+    if not _namespace_allowed(ctx, cache_spec, namespace):
+        message = (
+            f"WeightCache {ref.cache_ref!r} does not allow namespace {namespace!r} (spec.allowedNamespaces)"
+        )
+        return None, condition(C.CACHE_WARM, False, R.NAMESPACE_NOT_ALLOWED, message, gen), 0
     model = cache_spec.model(ref.name or "")
     if model is None:
         known = ", ".join(m.name for m in cache_spec.models) or "none"
@@ -69,7 +92,7 @@ def reconcile(body: dict[str, Any], memo: Any, trigger: str, apply: bool = True)
     name, namespace, gen = meta["name"], meta["namespace"], meta.get("generation", 0)
     with reconciling(KIND, trigger):
         spec = InferenceDeploymentSpec.model_validate(body.get("spec") or {})
-        binding, cache_cond, warm = _resolve(ctx, spec, gen)
+        binding, cache_cond, warm = _resolve(ctx, spec, gen, namespace)
         problem = None
         deployment = None
         if spec.model.cache_ref and binding is None:
@@ -104,9 +127,10 @@ def _write_status(memo: Any, body: dict[str, Any], trigger: str, apply: bool) ->
     if meta.get("deletionTimestamp"):
         return
     status = reconcile(body, memo, trigger, apply=apply)
-    context(memo).kube.merge_patch(
-        API_VERSION, KIND, meta["name"], {"status": status}, meta["namespace"], status=True
-    )
+    if status_changed(body.get("status"), status):
+        context(memo).kube.merge_patch(
+            API_VERSION, KIND, meta["name"], {"status": status}, meta["namespace"], status=True
+        )
 
 
 def refresh_for_cache(memo: Any, cache: str, apply: bool = True) -> None:
@@ -123,7 +147,22 @@ def refresh_for_cache(memo: Any, cache: str, apply: bool = True) -> None:
 @kopf.on.update(GROUP, VERSION, PLURAL)
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 def on_change(body: kopf.Body, patch: kopf.Patch, memo: Any, reason: str, **_: Any) -> None:
-    patch.status.update(reconcile(dict(body), memo, str(reason)))
+    status = reconcile(dict(body), memo, str(reason))
+    if status_changed(body.get("status"), status):
+        patch.status.update(status)
+
+
+def resync(body: kopf.Body, patch: kopf.Patch, memo: Any, **_: Any) -> None:
+    """Level-based: re-apply the children (a no-op write when nothing drifted), restore status."""
+    if body["metadata"].get("deletionTimestamp"):
+        return
+    status = reconcile(dict(body), memo, "timer")
+    if status_changed(body.get("status"), status):
+        patch.status.update(status)
+
+
+def register_resync(interval: float) -> None:
+    kopf.timer(GROUP, VERSION, PLURAL, interval=interval, initial_delay=interval)(resync)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={IDEP_LABEL: kopf.PRESENT})

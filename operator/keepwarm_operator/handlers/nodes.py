@@ -1,4 +1,5 @@
-"""Warm-node labels: warm.keepwarm.dev/<cache>.<model>=true on each Node holding a model.
+"""WeightCacheNodes: kopf's indices (residency per cache, warm labels per node), and the warm-node
+labels warm.keepwarm.dev/<cache>.<model>=true on each Node holding a model, rebuilt at start.
 
 Runtime pods prefer nodes with their label. Labels are server-side applied under their own field
 manager, so applying the current set removes the ones no longer true (including those of deleted
@@ -11,9 +12,11 @@ from typing import Any
 
 import kopf
 
-from ..api import API_VERSION
-from ..api.weightcachenode import KIND as NODE_KIND
-from ..api.weightcachenode import PLURAL, WeightCacheNodeStatus
+from keepwarm_api import API_VERSION
+from keepwarm_api.weightcachenode import KIND as NODE_KIND
+from keepwarm_api.weightcachenode import PLURAL, WeightCacheNodeStatus
+
+from ..builders.meta import WARM_LABEL_PREFIX
 from ..kube import ApiError
 from ..metrics import reconciling
 from ..status import node_warm_labels
@@ -25,43 +28,90 @@ GROUP, VERSION = API_VERSION.split("/")
 LABEL_MANAGER = "keepwarm-operator-warm-labels"
 
 
-def sync_node_labels(kube: Any, node: str) -> dict[str, str]:
-    wcns = [o for o in kube.list(API_VERSION, NODE_KIND) if o["spec"]["nodeName"] == node]
-    labels = node_warm_labels(wcns)
-    if kube.get("v1", "Node", node) is None:  # gone: apply would try to create it
-        return labels
+def current_warm_labels(node: dict[str, Any]) -> dict[str, str]:
+    labels = node["metadata"].get("labels") or {}
+    return {k: v for k, v in labels.items() if k.startswith(WARM_LABEL_PREFIX)}
+
+
+def apply_node_labels(kube: Any, node: str, labels: dict[str, str]) -> bool:
+    """Give `node` exactly these warm labels; no write when it already has them. False when gone."""
+    current = kube.get("v1", "Node", node)
+    if current is None:  # gone: apply would try to create it
+        return False
+    if current_warm_labels(current) == labels:
+        return True
     patch = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node, "labels": labels}}
     try:
         kube.apply(patch, manager=LABEL_MANAGER)
     except ApiError as exc:
         if exc.status not in (403, 404):  # deleted meanwhile (apply then means create: forbidden)
             raise
+        return False
+    return True
+
+
+def sync_node_labels(kube: Any, node: str, warm: kopf.Index) -> dict[str, str]:
+    """The node's labels from kopf's index of WeightCacheNodes (no listing)."""
+    labels: dict[str, str] = {}
+    for wcn_labels in list(warm.get(node, ())):
+        labels |= wcn_labels
+    apply_node_labels(kube, node, labels)
     return labels
 
 
+@kopf.on.startup()
+def rebuild_warm_labels(memo: Any, **_: Any) -> None:
+    """Labels from the WeightCacheNodes as they are now: catches up on whatever changed (or was
+    deleted) while no operator ran, including nodes whose caches hold nothing any more."""
+    kube = context(memo).kube
+    by_node: dict[str, list[dict[str, Any]]] = {}
+    for wcn in kube.list(API_VERSION, NODE_KIND):
+        by_node.setdefault(wcn["spec"]["nodeName"], []).append(wcn)
+    for node in kube.list("v1", "Node"):
+        name = node["metadata"]["name"]
+        wanted = node_warm_labels(by_node.get(name, []))
+        if current_warm_labels(node) != wanted:
+            apply_node_labels(kube, name, wanted)
+
+
+@kopf.index(GROUP, VERSION, PLURAL)
+def warm_labels(body: kopf.Body, **_: Any) -> dict[str, dict[str, str]]:
+    """Node name -> the warm labels this WeightCacheNode asks for."""
+    node = (body.get("spec") or {}).get("nodeName")
+    return {node: node_warm_labels([dict(body)])} if node else {}
+
+
+def _resident(body: kopf.Body) -> frozenset[str]:
+    return frozenset(WeightCacheNodeStatus.model_validate(body.get("status") or {}).resident())
+
+
+@kopf.index(GROUP, VERSION, PLURAL)
+def residency(body: kopf.Body, **_: Any) -> dict[str, frozenset[str]]:
+    """WeightCache name -> the models resident on this node (kopf keeps one value per WeightCacheNode)."""
+    cache = (body.get("spec") or {}).get("weightCache")
+    return {cache: _resident(body)} if cache else {}
+
+
 @kopf.on.event(GROUP, VERSION, PLURAL)
-def weightcachenode_changed(body: kopf.Body, type: str | None, memo: Any, **_: Any) -> None:
-    """On a change of residency (not every heartbeat): node labels, cache status, its deployments."""
+def weightcachenode_changed(
+    body: kopf.Body, type: str | None, memo: Any, warm_labels: kopf.Index, **_: Any
+) -> None:
+    """On a change of residency (not every heartbeat): node labels, cache status, its deployments.
+
+    `memo` is kopf's per-object memo here: it remembers this node's residency as last acted on.
+    """
     spec = body.get("spec") or {}
     node, cache = spec.get("nodeName"), spec.get("weightCache")
     if not node or not cache:
         return
     ctx = context(memo)
-    name = body["metadata"]["name"]
-    status = WeightCacheNodeStatus.model_validate(body.get("status") or {})
-    resident = frozenset() if type == "DELETED" else frozenset(status.resident())
-    with ctx.lock:
-        changed = ctx.resident.get(name, frozenset()) != resident  # a new, empty node changes nothing
-        if type == "DELETED":
-            ctx.resident.pop(name, None)
-            ctx.caches.pop(name, None)
-        else:
-            ctx.resident[name] = resident
-            ctx.caches[name] = cache
+    resident = frozenset() if type == "DELETED" else _resident(body)
+    changed = memo.get("resident", frozenset()) != resident  # a new, empty node changes nothing
+    memo["resident"] = resident
     if not changed:
         return
     with reconciling(NODE_KIND, "event"):
-        sync_node_labels(ctx.kube, node)
+        sync_node_labels(ctx.kube, node, warm_labels)
 
     def refresh() -> None:  # also after the initial listing: resumed deployments may have counted early
         refresh_status(memo, cache)

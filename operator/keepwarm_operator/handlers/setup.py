@@ -1,22 +1,22 @@
-"""Operator-wide settings: API client, peering, where kopf keeps its own bookkeeping."""
+"""Operator start-up: kopf's login and settings, the shared Context built from OperatorSettings."""
 
 from __future__ import annotations
 
 import contextvars
 import logging
-import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
+from kubernetes import client
 
-from ..api import GROUP
-from ..kube import Kube, load_config
+from keepwarm_api import GROUP
 
-# Timers are declared at import, so their period comes from the environment (the CLI sets it).
-RESYNC_SECONDS = float(os.environ.get("KEEPWARM_OPERATOR_RESYNC_SECONDS", "30"))
+from ..builders.meta import IDEP_LABEL
+from ..kube import Kube, client_configuration, connection_info
+from ..settings import OperatorSettings
 
 
 @dataclass
@@ -25,22 +25,20 @@ class Context:
 
     kube: Kube  # API client
     agent_namespace: str  # where DaemonSets and agent ServiceAccounts live
+    # kopf's index of WeightCacheNodes (handlers/nodes.py): cache name -> the resident model set of
+    # each of its nodes, kept by kopf from its watch (read-only here).
+    residency: Mapping[str, Iterable[frozenset[str]]]
     namespaces: frozenset[str] = frozenset()  # InferenceDeployments served only here (empty: all)
-    # WeightCacheNode name -> models resident there, as last seen: heartbeats rewrite the status
-    # every few seconds, and only a change of residency is worth a reconcile.
-    resident: dict[str, frozenset[str]] = field(default_factory=dict)
+    resync_seconds: float = 30.0  # resync period (also the retry delay after a failed apply)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    caches: dict[str, str] = field(default_factory=dict)  # WeightCacheNode name -> its cache
     applied: dict[tuple[str, str], int] = field(default_factory=dict)  # (ns, name) -> Deployment generation
     coalesce_s: float = 1.0  # residency changes within this window trigger one refresh per cache
     pending: set[str] = field(default_factory=set)  # caches with a refresh scheduled
 
     def warm_nodes(self, cache: str, model: str) -> int:
         """Nodes where `cache` holds `model`, as the WeightCacheNode watch last reported."""
-        with self.lock:
-            return sum(
-                1 for n, models in self.resident.items() if self.caches.get(n) == cache and model in models
-            )
+        nodes = list(self.residency.get(cache, ()))  # one C-level copy: kopf updates it from its loop
+        return sum(1 for models in nodes if model in models)
 
     def coalesce(self, key: str, fn: Callable[[], None]) -> None:
         """Run fn once, coalesce_s from now, however often this is called for `key` meanwhile.
@@ -71,8 +69,26 @@ def context(memo: Any) -> Context:
     return memo.keepwarm
 
 
+def operator_settings(memo: Any) -> OperatorSettings:
+    """The CLI's settings (kopf.operator(memo=...)); defaults when the handlers run without the CLI."""
+    return memo.get("settings") or OperatorSettings()
+
+
+@kopf.on.login()
+def login(memo: Any, **kwargs: Any) -> kopf.ConnectionInfo:
+    """kopf connects as our own client does: --kubeconfig, else in-cluster, else $KUBECONFIG."""
+    return connection_info(client_configuration(operator_settings(memo).kubeconfig), kwargs["settings"])
+
+
+def configure_watching(settings: kopf.OperatorSettings) -> None:
+    """Server-side filters: the API server streams only the Deployments the operator owns, not all
+    Deployments of the cluster (kopf's handler label filters alone act client-side)."""
+    settings.watching.label_selectors["apps", "deployments"] = IDEP_LABEL
+    settings.watching.server_timeout = 300
+
+
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
+def configure(settings: kopf.OperatorSettings, memo: Any, residency: kopf.Index, **_: Any) -> None:
     # Our CRDs prune unknown status fields, so kopf keeps its progress in annotations.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -84,10 +100,13 @@ def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     settings.background.cancellation_polling = 1.0
     settings.peering.clusterwide = True
     settings.posting.level = logging.WARNING  # handler warnings become events; the rest via kopf.event
-    settings.watching.server_timeout = 300
-    settings.execution.max_workers = int(os.environ.get("KEEPWARM_OPERATOR_WORKERS", "8"))
+    configure_watching(settings)
+    ours = operator_settings(memo)
+    settings.execution.max_workers = ours.workers
     memo.keepwarm = Context(
-        kube=Kube(load_config(os.environ.get("KUBECONFIG"))),
-        agent_namespace=os.environ.get("KEEPWARM_AGENT_NAMESPACE", "keepwarm-system"),
-        namespaces=frozenset(filter(None, os.environ.get("KEEPWARM_OPERATOR_NAMESPACES", "").split(","))),
+        kube=Kube(client.ApiClient(client_configuration(ours.kubeconfig))),
+        agent_namespace=ours.agent_namespace,
+        residency=residency,
+        namespaces=ours.namespaces,
+        resync_seconds=ours.resync_seconds,
     )

@@ -3,8 +3,8 @@
 Reconcile, in order:
   1. validate the spec (the CRD schema already did; what it cannot judge becomes a condition)
   2. apply ServiceAccount, ClusterRole(+Binding) and DaemonSet, owned by the WeightCache
-  3. ensure a WeightCacheNode for every node an agent pod is bound to
-  4. delete WeightCacheNodes whose Node is gone; mark silent ones Stale
+  3. ensure a WeightCacheNode for every selected node an agent pod is bound to
+  4. delete WeightCacheNodes whose Node is gone or no longer selected; mark silent ones Stale
   5. aggregate the WeightCacheNodes into status
 """
 
@@ -16,17 +16,31 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
-from ..api import API_VERSION
-from ..api.common import condition, merge_conditions
-from ..api.weightcache import KIND, PLURAL, WeightCacheConditionType, WeightCacheReason, WeightCacheSpec
-from ..api.weightcachenode import KIND as NODE_KIND
-from ..api.weightcachenode import NodePhase, WeightCacheNodeStatus, object_name
+from keepwarm_api import API_VERSION
+from keepwarm_api.common import condition, merge_conditions
+from keepwarm_api.weightcache import (
+    KIND,
+    PLURAL,
+    WeightCacheConditionType,
+    WeightCacheReason,
+    WeightCacheSpec,
+)
+from keepwarm_api.weightcachenode import (
+    HEARTBEAT_MISSED,
+    STALE,
+    NodePhase,
+    WeightCacheNodeStatus,
+    node_spec,
+    object_name,
+)
+from keepwarm_api.weightcachenode import KIND as NODE_KIND
+
 from ..builders.agent import agent_children
 from ..builders.meta import CACHE_LABEL, agent_labels, agent_name, object_meta, selector_string
 from ..kube import ApiError, Kube
 from ..metrics import APPLIES, STALE_NODES, reconciling
-from ..status import is_stale, weightcache_status
-from .setup import RESYNC_SECONDS, context
+from ..status import is_stale, node_belongs, status_changed, weightcache_status
+from .setup import context
 
 GROUP, VERSION = API_VERSION.split("/")
 
@@ -44,12 +58,17 @@ def _sync_nodes(
 ) -> list[WeightCacheNodeStatus]:
     """Steps 3-4: WeightCacheNodes follow the agent pods; returns the live ones' statuses."""
     cache = body["metadata"]["name"]
+    node_labels = {n["metadata"]["name"]: n["metadata"].get("labels") or {} for n in kube.list("v1", "Node")}
     pods = kube.list("v1", "Pod", agent_ns, selector_string(agent_labels(cache)))
-    agent_nodes = {p["spec"]["nodeName"] for p in pods if p["spec"].get("nodeName")}
+    agent_nodes = {
+        p["spec"]["nodeName"]
+        for p in pods
+        if p["spec"].get("nodeName") and not p["metadata"].get("deletionTimestamp")
+    }
     existing = {
         o["metadata"]["name"]: o for o in kube.list(API_VERSION, NODE_KIND, labels=f"{CACHE_LABEL}={cache}")
     }
-    for node in sorted(agent_nodes):
+    for node in sorted(n for n in agent_nodes if node_belongs(node_labels.get(n), spec.node_selector)):
         name = object_name(cache, node)
         if name in existing:
             continue
@@ -57,7 +76,7 @@ def _sync_nodes(
             "apiVersion": API_VERSION,
             "kind": NODE_KIND,
             "metadata": object_meta(name, {CACHE_LABEL: cache}, body),
-            "spec": {"weightCache": cache, "nodeName": node},
+            "spec": node_spec(cache, node).wire(),
         }
         existing[name] = kube.apply(wcn)
         APPLIES.labels(NODE_KIND).inc()
@@ -67,17 +86,17 @@ def _sync_nodes(
             reason="NodeAdded",
             message=f"agent scheduled on {node}; created WeightCacheNode {name}",
         )
-    live_nodes = {n["metadata"]["name"] for n in kube.list("v1", "Node")}
     now, statuses = _now(), []
     for name, obj in existing.items():
         node = obj["spec"]["nodeName"]
-        if node not in live_nodes:
+        if not node_belongs(node_labels.get(node), spec.node_selector):
             kube.delete(API_VERSION, NODE_KIND, name)
+            why = "is gone" if node not in node_labels else "no longer matches spec.nodeSelector"
             kopf.event(
                 body,
                 type="Normal",
                 reason="NodeRemoved",
-                message=f"node {node} is gone; deleted WeightCacheNode {name}",
+                message=f"node {node} {why}; deleted WeightCacheNode {name}",
             )
             continue
         status = WeightCacheNodeStatus.model_validate(obj.get("status") or {})
@@ -85,10 +104,20 @@ def _sync_nodes(
         if status.phase != NodePhase.STALE and is_stale(status, spec.heartbeat_seconds, now, created):
             since = status.heartbeat or "creation"
             message = f"no heartbeat since {since} (agents report every {spec.heartbeat_seconds}s)"
-            stale = condition("Stale", True, "HeartbeatMissed", message, None)
+            stale = condition(STALE, True, HEARTBEAT_MISSED, message, None)
             conditions = merge_conditions((obj.get("status") or {}).get("conditions"), [stale], now)
-            patch = {"status": {"phase": NodePhase.STALE.value, "message": message, "conditions": conditions}}
-            kube.merge_patch(API_VERSION, NODE_KIND, name, patch, status=True)
+            patch = {
+                # Precondition: an agent that reported since we read the object wins (409, no write).
+                "metadata": {"resourceVersion": obj["metadata"]["resourceVersion"]},
+                "status": {"phase": NodePhase.STALE.value, "message": message, "conditions": conditions},
+            }
+            try:
+                kube.merge_patch(API_VERSION, NODE_KIND, name, patch, status=True)
+            except ApiError as exc:
+                if exc.status != 409:
+                    raise
+                statuses.append(status)  # a fresh heartbeat arrived: not stale
+                continue
             kopf.warn(body, reason="NodeStale", message=f"{node}: {message}")
             status = status.model_copy(update={"phase": NodePhase.STALE})
         statuses.append(status)
@@ -148,10 +177,12 @@ def reconcile(body: dict[str, Any], memo: Any, trigger: str, apply: bool = True)
 
 def _run(body: kopf.Body, patch: kopf.Patch, memo: Any, trigger: str) -> None:
     try:
-        patch.status.update(reconcile(dict(body), memo, trigger))
+        status = reconcile(dict(body), memo, trigger)
+        if status_changed(body.get("status"), status):
+            patch.status.update(status)
     except ApplyFailed as exc:
         patch.status.update(exc.status)
-        raise kopf.TemporaryError(str(exc), delay=max(5.0, RESYNC_SECONDS)) from exc
+        raise kopf.TemporaryError(str(exc), delay=max(5.0, context(memo).resync_seconds)) from exc
 
 
 def refresh_status(memo: Any, cache: str) -> None:
@@ -160,9 +191,9 @@ def refresh_status(memo: Any, cache: str) -> None:
     body = kube.get(API_VERSION, KIND, cache)
     if body is None or body["metadata"].get("deletionTimestamp"):
         return
-    kube.merge_patch(
-        API_VERSION, KIND, cache, {"status": reconcile(body, memo, "node", apply=False)}, status=True
-    )
+    status = reconcile(body, memo, "node", apply=False)
+    if status_changed(body.get("status"), status):
+        kube.merge_patch(API_VERSION, KIND, cache, {"status": status}, status=True)
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)
@@ -175,8 +206,14 @@ def on_change(body: kopf.Body, patch: kopf.Patch, memo: Any, reason: str, name: 
     refresh_for_cache(memo, name)
 
 
-# The only timer (stale heartbeats need a clock). kopf guards timers with its finalizer
-# (keepwarm.dev/operator) so it can stop them on deletion; nothing else needs one.
-@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=min(RESYNC_SECONDS, 5))
 def resync(body: kopf.Body, patch: kopf.Patch, memo: Any, **_: Any) -> None:
     _run(body, patch, memo, "timer")
+
+
+def register_resync(interval: float) -> None:
+    """The only timer (stale heartbeats need a clock), registered with the configured period.
+
+    kopf guards timers with its finalizer (keepwarm.dev/operator) so it can stop them on deletion;
+    nothing else needs one.
+    """
+    kopf.timer(GROUP, VERSION, PLURAL, interval=interval, initial_delay=min(interval, 5))(resync)

@@ -1,5 +1,8 @@
 """The node agent loop: follow the WeightCache, load/evict in the daemon, report the WeightCacheNode.
 
+Failed and evicted models are retried by themselves with exponential backoff (state.retry_delay), the
+next try reported in the model's message; a spec change retries at once.
+
 Started by `keepwarm cache serve --report-to-kubernetes --weightcache NAME --node-name NODE` in a
 daemon thread. Two threads: this one reconciles (loads can take minutes), a reporter writes the
 status every heartbeat so a long load never looks like a dead agent. The kubernetes client is an
@@ -8,18 +11,24 @@ optional dependency (extra `kubernetes`).
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import os
 import threading
 from typing import Any
 
+from keepwarm_api import GROUP, VERSION
+from keepwarm_api import weightcache as wc
+from keepwarm_api import weightcachenode as wcn
+from keepwarm_api.common import Quantization
+from keepwarm_api.paths import MODELS_ROOT, hf_cache_dir
+from keepwarm_api.weightcache import WeightCacheSpec
 from keepwarm_runtime import __version__
 
-from .state import HF_ROOT, AgentState, WantedModel, node_status, wanted_models
+from .state import RETRY_BASE_S, AgentState, WantedModel, node_status, now, retry_delay, wanted_models
 
 log = logging.getLogger(__name__)
-GROUP, VERSION = "keepwarm.dev", "v1alpha1"
-DEFAULT_HEARTBEAT_S = 15.0
+DEFAULT_HEARTBEAT_S = float(WeightCacheSpec.model_fields["heartbeat_seconds"].default)
 
 
 class AgentDependencyError(ImportError):
@@ -43,24 +52,29 @@ def _client() -> Any:
 
 
 class NodeAgent:
-    def __init__(self, daemon: Any, cache: str, node: str, api: Any, model_root: str | None = None):
+    def __init__(
+        self, daemon: Any, cache: str, node: str, api: Any, model_root: str | None = None,
+        retry_base_s: float = RETRY_BASE_S,
+    ):  # fmt: skip
         self.daemon, self.cache, self.node, self.api = daemon, cache, node, api
-        self.model_root = model_root or os.environ.get("KEEPWARM_MODEL_ROOT", "/models")
+        self.retry_base_s = retry_base_s  # failed/evicted models: first retry after this, then doubling
+        self.model_root = model_root or os.environ.get("KEEPWARM_MODEL_ROOT", MODELS_ROOT)
         self.state = AgentState()
         self.wanted: list[WantedModel] = []
         self.heartbeat_s = DEFAULT_HEARTBEAT_S
         self.lock = threading.Lock()
         self.wake = threading.Event()
+        self.last_report = self.state.reporting_since
 
     @property
     def object_name(self) -> str:
-        return f"{self.cache}.{self.node}"
+        return wcn.object_name(self.cache, self.node)
 
     def fetch(self) -> dict[str, Any] | None:
         from kubernetes.client import ApiException
 
         try:
-            return self.api.get_cluster_custom_object(GROUP, VERSION, "weightcaches", self.cache)
+            return self.api.get_cluster_custom_object(GROUP, VERSION, wc.PLURAL, self.cache)
         except ApiException as exc:
             if exc.status == 404:
                 self.state.message = f"WeightCache {self.cache!r} not found"
@@ -70,15 +84,17 @@ class NodeAgent:
     def reconcile(self, cache: dict[str, Any]) -> None:
         """One pass: load what is wanted and missing, release what is no longer wanted."""
         generation = cache["metadata"].get("generation")
-        spec = cache.get("spec") or {}
-        self.heartbeat_s = float(spec.get("heartbeatSeconds", DEFAULT_HEARTBEAT_S))
-        wanted = wanted_models(cache, self.model_root)
+        spec = WeightCacheSpec.model_validate(cache.get("spec") or {})
+        self.heartbeat_s = float(spec.heartbeat_seconds)
+        wanted = wanted_models(spec, self.model_root)
         with self.lock:
             self.wanted = wanted
             self.state.message = ""
-            if generation != self.state.generation:  # spec changed: retry failures and evictions
+            if generation != self.state.generation:  # spec changed: retry failures and evictions now
                 self.state.failed.clear()
                 self.state.evicted.clear()
+                self.state.attempts.clear()
+                self.state.retry_at.clear()
                 self.state.generation = generation
         names = {w.name for w in wanted}
         for name in sorted(set(self.state.daemon_names) - names):
@@ -93,10 +109,20 @@ class NodeAgent:
                 continue
             if daemon_name is not None:  # was loaded, now gone: evicted under the budget
                 self.state.daemon_names.pop(w.name)
-                self.state.evicted.add(w.name)
-            if w.name in self.state.failed or w.name in self.state.evicted:
-                continue
+                with self.lock:
+                    self.state.evicted.add(w.name)
+                    self._schedule_retry(w.name)
+            retry_at = self.state.retry_at.get(w.name)
+            if retry_at is not None and now() < retry_at:
+                continue  # failed or evicted: wait for the backoff
             self._load(w)
+
+    def _schedule_retry(self, name: str) -> None:
+        """Caller holds the lock: one more failure in a row, next try after the backoff."""
+        attempts = self.state.attempts.get(name, 0) + 1
+        self.state.attempts[name] = attempts
+        delay = retry_delay(attempts, self.retry_base_s)
+        self.state.retry_at[name] = now() + dt.timedelta(seconds=delay)
 
     def _path(self, w: WantedModel) -> str:
         if w.path is not None:
@@ -104,18 +130,29 @@ class NodeAgent:
         from huggingface_hub import snapshot_download  # a transformers dependency
 
         token = os.environ.get(f"KEEPWARM_HF_TOKEN_{w.name.upper().replace('-', '_')}")
-        return snapshot_download(w.repo, revision=w.revision, cache_dir=HF_ROOT, token=token)
+        return snapshot_download(w.repo, revision=w.revision, cache_dir=hf_cache_dir(), token=token)
 
     def _load(self, w: WantedModel) -> None:
         with self.lock:
             self.state.loading.add(w.name)
         self.wake.set()  # report Loading now
         try:
+            if w.quantization != Quantization.NONE:  # refused by name, never loaded unquantized
+                raise NotImplementedError(
+                    f"quantization {w.quantization.value}: the cache daemon cannot apply it"
+                )
             self.state.daemon_names[w.name] = self.daemon.add_model(self._path(w), pin=w.pin)
         except Exception as exc:  # a bad checkpoint fails this model, not the agent
             log.warning("loading %s failed: %s", w.name, exc)
             with self.lock:
                 self.state.failed[w.name] = f"{type(exc).__name__}: {exc}"
+                self._schedule_retry(w.name)
+        else:
+            with self.lock:
+                self.state.failed.pop(w.name, None)
+                self.state.evicted.discard(w.name)
+                self.state.attempts.pop(w.name, None)
+                self.state.retry_at.pop(w.name, None)
         finally:
             with self.lock:
                 self.state.loading.discard(w.name)
@@ -126,12 +163,15 @@ class NodeAgent:
         from kubernetes.client import ApiException
 
         with self.lock:
-            body = {"status": node_status(self.state, self.daemon.snapshot(), self.wanted, __version__)}
+            if (now() - self.last_report).total_seconds() > wcn.STALE_HEARTBEATS * self.heartbeat_s:
+                self.state.reporting_since = now()  # silent long enough to be Stale: a transition
+            status = node_status(self.state, self.daemon.snapshot(), self.wanted, __version__)
         try:
             self.api.patch_cluster_custom_object_status(
-                GROUP, VERSION, "weightcachenodes", self.object_name, body,
+                GROUP, VERSION, wcn.PLURAL, self.object_name, {"status": status.wire()},
                 _content_type="application/merge-patch+json",
             )  # fmt: skip
+            self.last_report = now()
             return True
         except ApiException as exc:
             if exc.status == 404:

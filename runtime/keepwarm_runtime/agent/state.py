@@ -1,18 +1,24 @@
 """Pure parts of the node agent: which models the WeightCache wants here, and the status to report.
 
-The operator's API models live in another distribution (keepwarm-operator), so this reads the
-WeightCache as the plain dict the API server returns; field names are the CRD's.
+The WeightCache arrives as the typed spec of keepwarm_api (the operator's own models); model
+directories follow keepwarm_api.paths, the convention the operator mounts sources by; the status is
+built by keepwarm_api.weightcachenode.agent_status from the daemon's snapshot.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
-MODEL_ROOT = os.environ.get("KEEPWARM_MODEL_ROOT", "/models")  # where the DaemonSet mounts sources
-HF_ROOT = "/var/cache/keepwarm/huggingface"
+from keepwarm_api.common import Quantization
+from keepwarm_api.paths import MODELS_ROOT, model_dir
+from keepwarm_api.weightcache import WeightCacheSpec
+from keepwarm_api.weightcachenode import ModelState, ResidentModel, WeightCacheNodeStatus, agent_status
+
+EVICTED_MESSAGE = "evicted under the budget"
+RETRY_BASE_S = 10.0  # first retry of a failed or evicted model after this long, then doubling
+RETRY_CAP_S = 600.0  # ... up to this
 
 
 @dataclass(frozen=True)
@@ -22,6 +28,7 @@ class WantedModel:
     pin: bool
     repo: str | None = None  # Hugging Face source
     revision: str | None = None
+    quantization: Quantization = Quantization.NONE  # applied by the daemon at load
 
 
 @dataclass
@@ -32,80 +39,69 @@ class AgentState:
     loading: set[str] = field(default_factory=set)
     failed: dict[str, str] = field(default_factory=dict)  # name -> message
     evicted: set[str] = field(default_factory=set)
+    attempts: dict[str, int] = field(default_factory=dict)  # name -> failed loads/evictions in a row
+    retry_at: dict[str, dt.datetime] = field(default_factory=dict)  # name -> next try (failed/evicted)
     generation: int | None = None  # WeightCache generation last acted on
     message: str = ""
-    started: str = field(default_factory=lambda: _now())  # reporting since (Stale=False transition)
+    reporting_since: dt.datetime = field(default_factory=lambda: now())  # Stale=False since then
 
 
-def wanted_models(cache: dict[str, Any], model_root: str = MODEL_ROOT) -> list[WantedModel]:
+def wanted_models(spec: WeightCacheSpec, model_root: str = MODELS_ROOT) -> list[WantedModel]:
     out = []
-    for m in (cache.get("spec") or {}).get("models", []):
-        source = m.get("source") or {}
-        pin = bool(m.get("pin", False))
-        if "huggingFace" in source:
-            hf = source["huggingFace"]
-            out.append(WantedModel(m["name"], None, pin, hf["repo"], hf["revision"]))
-        else:  # path and pvc sources are mounted at <root>/<name> by the DaemonSet
-            out.append(WantedModel(m["name"], f"{model_root}/{m['name']}", pin))
+    for m in spec.models:
+        hf = m.source.hugging_face
+        if hf is not None:
+            out.append(WantedModel(m.name, None, m.pin, hf.repo, hf.revision, m.quantization))
+        else:  # path and pvc sources are mounted by the DaemonSet
+            out.append(WantedModel(m.name, model_dir(m.name, model_root), m.pin, quantization=m.quantization))
     return out
 
 
-def _now() -> str:
-    return dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+def now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC).replace(microsecond=0)
 
 
-def node_status(
-    state: AgentState, snapshot: dict[str, Any], wanted: list[WantedModel], version: str
-) -> dict[str, Any]:
-    """The WeightCacheNode status body (CRD field names) from the daemon's snapshot."""
-    resident = snapshot.get("models", {})
-    models = []
-    for w in wanted:
-        entry: dict[str, Any] = {"name": w.name, "pinned": w.pin, "tier": snapshot.get("tier", "")}
-        daemon_name = state.daemon_names.get(w.name)
-        if daemon_name in resident:
-            info = resident[daemon_name]
-            entry |= {
-                "state": "Resident",
+def retry_delay(attempts: int, base_s: float = RETRY_BASE_S, cap_s: float = RETRY_CAP_S) -> float:
+    """Exponential backoff after `attempts` failures in a row (1 -> base), capped."""
+    return min(cap_s, base_s * 2 ** max(0, attempts - 1))
+
+
+def _retry_note(state: AgentState, name: str) -> str:
+    at = state.retry_at.get(name)
+    if at is None:
+        return ""
+    stamp = at.isoformat().replace("+00:00", "Z")
+    return f" (attempt {state.attempts.get(name, 1)}; retrying at {stamp})"
+
+
+def resident_model(w: WantedModel, state: AgentState, snapshot: dict[str, Any]) -> ResidentModel:
+    """One model's entry in the status, from the daemon's snapshot and the agent's bookkeeping."""
+    base = ResidentModel(name=w.name, state=ModelState.LOADING, pinned=w.pin, tier=snapshot.get("tier", ""))
+    info = snapshot.get("models", {}).get(state.daemon_names.get(w.name, ""))
+    if info is not None:
+        return base.model_copy(
+            update={
+                "state": ModelState.RESIDENT,
                 "bytes": info["bytes"],
                 "fingerprint": info.get("key_digest", ""),
                 "digest": info.get("digest", ""),
                 "pinned": info.get("pinned", w.pin),
-                "gpuUuids": info.get("gpu_uuids", []),
+                "gpu_uuids": info.get("gpu_uuids", []),
             }
-        elif w.name in state.failed:
-            entry |= {"state": "Failed", "message": state.failed[w.name][:1000]}
-        elif w.name in state.evicted:
-            entry |= {
-                "state": "Evicted",
-                "message": "evicted under the budget; re-added on the next spec change",
-            }
-        else:
-            entry["state"] = "Loading"
-        models.append(entry)
-    states = {m["state"] for m in models}
-    if "Failed" in states:
-        phase = "Degraded"
-    elif states <= {"Resident", "Evicted"}:
-        phase = "Ready"
-    else:
-        phase = "Loading"
-    gpus = sorted({u for m in models for u in m.get("gpuUuids", [])} | ({snapshot["gpu_uuid"]} - {None}))
-    return {
-        "phase": phase,
-        "heartbeat": _now(),
-        "models": models,
-        "totalBytes": sum(m.get("bytes", 0) for m in models),
-        "gpuUuids": gpus,
-        "agentVersion": version,
-        "message": state.message,
-        "conditions": [
-            {
-                "type": "Stale",
-                "status": "False",
-                "reason": "HeartbeatFresh",
-                "message": "",
-                "lastTransitionTime": _now(),
-            }
-        ],
-    }
+        )
+    note = _retry_note(state, w.name)
+    if w.name in state.failed:
+        message = state.failed[w.name][: 1000 - len(note)] + note
+        return base.model_copy(update={"state": ModelState.FAILED, "message": message})
+    if w.name in state.evicted:
+        return base.model_copy(update={"state": ModelState.EVICTED, "message": EVICTED_MESSAGE + note})
+    return base
+
+
+def node_status(
+    state: AgentState, snapshot: dict[str, Any], wanted: list[WantedModel], version: str
+) -> WeightCacheNodeStatus:
+    """The WeightCacheNode status this agent reports now (the one place agent status is built)."""
+    models = [resident_model(w, state, snapshot) for w in wanted]
+    gpus = [snapshot["gpu_uuid"]] if snapshot.get("gpu_uuid") else []
+    return agent_status(models, gpus, version, state.message, now(), state.reporting_since)

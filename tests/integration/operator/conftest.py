@@ -1,6 +1,6 @@
-"""Session fixture `control_plane`: a real Kubernetes control plane (tests/controlplane) on loopback.
+"""Session fixture `control_plane`: a real Kubernetes control plane (keepwarm_testing) on loopback.
 
-The binaries come from tests/controlplane/build.sh's cache (`make test` builds it first, so a cold
+The binaries come from keepwarm_testing/controlplane/build.sh's cache (`make test` builds it first, so a cold
 build does not eat a test's timeout). A build failure fails the tests with the build log's tail;
 there is no fallback to a fake API.
 """
@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.controlplane.build import ControlPlaneBuildError, build_control_plane
-from tests.controlplane.cluster import ControlPlane
+from keepwarm_testing.controlplane.build import ControlPlaneBuildError, build_control_plane
+from keepwarm_testing.controlplane.cluster import ControlPlane
 
 
 @pytest.fixture(scope="session")

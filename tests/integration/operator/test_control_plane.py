@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.controlplane.cluster import ControlPlane
+from keepwarm_testing.controlplane.cluster import ControlPlane
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

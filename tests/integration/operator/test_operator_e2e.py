@@ -8,6 +8,7 @@ nodes, garbage collection. Missing RBAC in the chart fails these tests (the oper
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import shutil
 import time
@@ -17,23 +18,30 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+from keepwarm_api.weightcachenode import ResidentModel
+from keepwarm_api.weightcachenode import agent_status as wcn_status
 from keepwarm_operator.builders.meta import warm_label_key
-from tests.integration.operator.harness import (
+from keepwarm_testing.operator import (
     GROUP_PATH,
+    IMPLIED_GRANTS,
     NAMESPACE,
+    OPERATOR_SA,
     OperatorProcess,
     condition,
     get,
+    granted,
     install_chart_rbac,
     install_crds,
     items,
-    now_z,
+    render_chart,
+    used,
     wait,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 WC, MODEL, IDEP = "kwe2e", "tiny", "chat"
 WARM = warm_label_key(WC, MODEL)
+RECONCILES = "keepwarm_operator_reconcile_total"
 
 
 @pytest.fixture(scope="module")
@@ -111,12 +119,22 @@ def runtime_pods(env, name=IDEP):
     return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
 
 
-def agent_status(node: str, *states: str) -> dict:
-    models = [
-        {"name": MODEL, "state": s, "bytes": 1 << 20, "fingerprint": "f", "tier": "gpu"} for s in states
-    ]
-    phase = "Ready" if states == ("Resident",) else "Loading"
-    return {"status": {"phase": phase, "heartbeat": now_z(), "models": models, "totalBytes": 1 << 20}}
+def agent_kubeconfig(env, node: str, cache: str = WC):
+    """The agent ServiceAccount's token bound to the agent pod on `node` (as its kubelet mounts it)."""
+    pods = items(
+        env.cp, f"/api/v1/namespaces/{NAMESPACE}/pods?labelSelector=keepwarm.dev/weightcache={cache}"
+    )
+    pod = next(p for p in pods if p["spec"].get("nodeName") == node)
+    return env.cp.service_account_kubeconfig(
+        NAMESPACE, f"keepwarm-agent-{cache}", create=False, bound_pod=pod
+    )
+
+
+def agent_status(*states: str) -> dict:
+    """The status patch an agent holding MODEL in these states sends, built by the product's function."""
+    models = [ResidentModel(name=MODEL, state=s, bytes=1 << 20, fingerprint="f", tier="gpu") for s in states]
+    now = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    return {"status": wcn_status(models, [], "e2e", "", now, now).wire()}
 
 
 def test_weightcache_runs_agents_on_exactly_the_selected_nodes(env):
@@ -164,7 +182,7 @@ def test_agent_reports_aggregate_into_weightcache_status(env, tiny_llama, tmp_pa
     from keepwarm_runtime.cache.daemon import CacheDaemon, DaemonConfig
 
     cp = env.cp
-    agent_kc = cp.service_account_kubeconfig(NAMESPACE, f"keepwarm-agent-{WC}", create=False)
+    agent_kc = agent_kubeconfig(env, env.nodes[0])  # as the agent pod on node 0 gets it from its kubelet
     (tmp_path / "models").mkdir()
     shutil.copytree(tiny_llama, tmp_path / "models" / MODEL)
     daemon = CacheDaemon(DaemonConfig(socket_dir=tmp_path / "sock", tier="host", dtype="bfloat16"))
@@ -177,17 +195,14 @@ def test_agent_reports_aggregate_into_weightcache_status(env, tiny_llama, tmp_pa
         daemon.close()
     node0 = get(cp, f"{GROUP_PATH}/weightcachenodes/{WC}.{env.nodes[0]}")["status"]
     assert node0["phase"] == "Ready" and node0["models"][0]["state"] == "Resident" and node0["totalBytes"] > 0
-    patch = json.dumps(agent_status(env.nodes[1], "Resident"))
-    cp.kubectl(
-        "patch",
-        "wcn",
-        f"{WC}.{env.nodes[1]}",
-        "--subresource=status",
-        "--type=merge",
-        "-p",
-        patch,
-        kubeconfig=agent_kc,
-    )
+    patch = json.dumps(agent_status("Resident"))
+    # The agent of node 0 may not write node 1's status (the chart's ValidatingAdmissionPolicy)...
+    node1, body = f"{WC}.{env.nodes[1]}", json.loads(patch)
+    with pytest.raises(client.ApiException) as refused:
+        api.patch_cluster_custom_object_status("keepwarm.dev", "v1alpha1", "weightcachenodes", node1, body)
+    assert refused.value.status == 403 and "its own node" in refused.value.body
+    own = client.CustomObjectsApi(cp.api_client(agent_kubeconfig(env, env.nodes[1])))
+    own.patch_cluster_custom_object_status("keepwarm.dev", "v1alpha1", "weightcachenodes", node1, body)
 
     def two_ready():
         s = wc(env)["status"]
@@ -266,9 +281,8 @@ def test_kubectl_scale_drives_replicas_through_the_scale_subresource(env):
 
 
 def _reconciles(env) -> float:
-    lines = env.op.metrics().splitlines()
-    prefix = 'keepwarm_operator_reconcile_total{kind="InferenceDeployment"'
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(prefix))
+    reconciles = env.op.samples(RECONCILES)
+    return sum(s.value for s in reconciles if s.labels["kind"] == "InferenceDeployment")
 
 
 def test_spec_change_rolls_the_pods(env):
@@ -377,6 +391,87 @@ def test_missing_cache_is_a_condition_not_a_crash(env):
     env.cp.kubectl("delete", "idep", "orphan", "-n", env.ns)
 
 
+def test_resyncs_write_nothing_when_nothing_changed(env):
+    """Level-based resyncs (every 1 s here) that find nothing new leave every object untouched."""
+
+    def versions():
+        objs = [wc(env), idep(env), *wcns(env)]
+        return {o["metadata"]["name"]: o["metadata"]["resourceVersion"] for o in objs}
+
+    wait(
+        env.cp,
+        lambda: condition(idep(env), "Progressing").get("reason") == "RolloutComplete",
+        "rollout settled",
+        op=env.op,
+    )
+    time.sleep(2)  # in-flight refreshes land
+    before = versions()
+    time.sleep(4)  # four resync periods
+    assert versions() == before
+
+
+def test_a_namespace_outside_allowed_namespaces_is_refused(env):
+    cp, name, other = env.cp, "kwtenant", f"{env.pool}-other"
+    cp.kubectl("create", "namespace", other)
+    allowed = {"matchLabels": {"kubernetes.io/metadata.name": env.ns}}
+    apply(env, weightcache(name, f"{env.pool}-none", allowedNamespaces=allowed))
+    model = {"cacheRef": name, "name": MODEL}
+    apply(env, inference("tenant", other, env.pool, model=model, replicas=0))
+    apply(env, inference("tenant", env.ns, env.pool, model=model, replicas=0))
+
+    def available(ns):
+        obj = get(cp, f"{GROUP_PATH}/namespaces/{ns}/inferencedeployments/tenant")
+        return condition(obj, "Available")
+
+    refused = wait(
+        cp, lambda: available(other).get("reason") == "NamespaceNotAllowed" and available(other), "refused",
+        op=env.op,
+    )  # fmt: skip
+    assert refused["status"] == "False" and other in refused["message"]
+    assert get(cp, f"/apis/apps/v1/namespaces/{other}/deployments/tenant") is None
+    wait(cp, lambda: available(env.ns).get("status") == "True", "the allowed namespace is served", op=env.op)
+    assert get(cp, f"/apis/apps/v1/namespaces/{env.ns}/deployments/tenant") is not None
+    cp.kubectl("delete", "idep", "tenant", "-n", other)
+    cp.kubectl("delete", "idep", "tenant", "-n", env.ns)
+    cp.kubectl("delete", "wc", name)
+    wait(
+        cp,
+        lambda: get(cp, f"/apis/apps/v1/namespaces/{env.ns}/deployments/tenant") is None,
+        "the tenant Deployment garbage-collected",
+    )
+
+
+def test_deleted_service_and_overwritten_status_come_back_within_a_resync(env):
+    cp = env.cp
+    svc_path = f"/api/v1/namespaces/{env.ns}/services/{IDEP}"
+    old_uid = get(cp, svc_path)["metadata"]["uid"]
+    cp.kubectl("delete", "service", IDEP, "-n", env.ns)
+    wait(cp, lambda: (get(cp, svc_path) or {}).get("metadata", {}).get("uid") not in (None, old_uid),
+         "the Service recreated", timeout_s=30, op=env.op)  # fmt: skip
+    ready = idep(env)["status"]["readyReplicas"]
+    cp.kubectl(
+        "patch", "idep", IDEP, "-n", env.ns, "--subresource=status", "--type=merge",
+        "-p", json.dumps({"status": {"readyReplicas": 99, "warmNodes": 0}}),
+    )  # fmt: skip
+    cp.kubectl(
+        "patch", "wc", WC, "--subresource=status", "--type=merge", "-p", '{"status": {"readyNodes": 99}}'
+    )
+    wait(
+        cp,
+        lambda: idep(env)["status"]["readyReplicas"] == ready and idep(env)["status"]["warmNodes"] == 2,
+        "InferenceDeployment status restored",
+        timeout_s=30,
+        op=env.op,
+    )
+    wait(
+        cp,
+        lambda: wc(env)["status"]["readyNodes"] == 2,
+        "WeightCache status restored",
+        timeout_s=30,
+        op=env.op,
+    )
+
+
 def _row(table: str, name: str) -> list[str]:
     """The cells of one object's row, starting at its NAME (with -A a NAMESPACE cell may come first)."""
     for line in table.splitlines():
@@ -431,9 +526,7 @@ def test_operator_restart_midway_converges_without_duplicates(env):
 
 
 def _reconcile_samples(op: OperatorProcess) -> int:
-    return sum(
-        1 for line in op.metrics().splitlines() if line.startswith("keepwarm_operator_reconcile_total{")
-    )
+    return len(op.samples(RECONCILES))
 
 
 def test_peering_standby_idles_then_takes_over(env, tmp_path):
@@ -461,6 +554,74 @@ def test_peering_standby_idles_then_takes_over(env, tmp_path):
         env.op.start()
         standby.stop()
         env.cp.kubectl("delete", "idep", "second", "third", "fourth", "-n", env.ns, check=False)
+
+
+def test_shrinking_the_node_selector_removes_the_weightcachenode_and_the_cache_returns_to_ready(env):
+    cp, name = env.cp, "kwshrink"
+    for node in env.nodes[:2]:
+        cp.kubectl("label", "node", node, "kw-shrink=in", "--overwrite")
+    apply(env, weightcache(name, env.pool))
+    wait(cp, lambda: len(wcns(env, name)) == 3, "3 WeightCacheNodes", op=env.op)
+    for obj in wcns(env, name):
+        patch = json.dumps(agent_status("Resident"))
+        cp.kubectl(
+            "patch", "wcn", obj["metadata"]["name"], "--subresource=status", "--type=merge", "-p", patch
+        )
+    wait(cp, lambda: condition(wc(env, name), "Ready").get("status") == "True", "Ready 3/3", op=env.op)
+    selector = {"spec": {"nodeSelector": {"pool": env.pool, "kw-shrink": "in"}}}
+    cp.kubectl("patch", "wc", name, "--type=merge", "-p", json.dumps(selector))
+    wait(
+        cp,
+        lambda: {o["spec"]["nodeName"] for o in wcns(env, name)} == set(env.nodes[:2]),
+        "the unselected node's WeightCacheNode deleted",
+        op=env.op,
+    )
+
+    def ready_on_two():
+        obj = wc(env, name)
+        ready = condition(obj, "Ready")
+        return ready.get("status") == "True" and obj["status"]["desiredNodes"] == 2 and ready
+
+    ready = wait(cp, ready_on_two, "Ready again on 2 nodes", timeout_s=90, op=env.op)
+    assert ready["message"].startswith("2/2")
+    assert warm_label_key(name, MODEL) not in get(cp, f"/api/v1/nodes/{env.nodes[2]}")["metadata"]["labels"]
+    cp.kubectl("delete", "wc", name)
+
+
+def test_operator_restart_rebuilds_warm_labels(env):
+    """Changes made while no operator runs: a node that lost its model, a label left behind."""
+    cp, manager = env.cp, "keepwarm-operator-warm-labels"
+    node0, node1 = env.nodes[:2]
+    left_behind = warm_label_key("deleted-cache", MODEL)
+    env.op.kill()
+    try:
+        cp.kubectl(
+            "patch", "wcn", f"{WC}.{node1}", "--subresource=status", "--type=merge",
+            "-p", json.dumps(agent_status("Loading")),
+        )  # fmt: skip
+        labels = {WARM: "true", left_behind: "true"}
+        node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node0, "labels": labels}}
+        cp.kubectl(
+            "apply", "--server-side", f"--field-manager={manager}", "-f", "-", input=json.dumps(node)
+        )  # as if the operator had labelled it for a cache deleted meanwhile
+    finally:
+        env.op.start()
+
+    def node_labels(name):
+        return get(cp, f"/api/v1/nodes/{name}")["metadata"].get("labels", {})
+
+    wait(
+        cp,
+        lambda: WARM not in node_labels(node1) and left_behind not in node_labels(node0),
+        "labels rebuilt from the WeightCacheNodes",
+        op=env.op,
+    )
+    assert node_labels(node0).get(WARM) == "true"
+    cp.kubectl(
+        "patch", "wcn", f"{WC}.{node1}", "--subresource=status", "--type=merge",
+        "-p", json.dumps(agent_status("Resident")),
+    )  # fmt: skip
+    wait(cp, lambda: node_labels(node1).get(WARM) == "true", "node1 warm again", op=env.op)
 
 
 def test_stale_heartbeats_and_vanished_nodes(env):
@@ -506,9 +667,9 @@ def test_stale_heartbeats_and_vanished_nodes(env):
 
 
 def test_metrics_count_reconciles(env):
-    text = env.op.metrics()
-    assert 'keepwarm_operator_reconcile_total{kind="WeightCache",trigger="timer"}' in text
-    assert "keepwarm_operator_reconcile_duration_seconds_bucket" in text
+    timer = [s for s in env.op.samples(RECONCILES) if s.labels == {"kind": "WeightCache", "trigger": "timer"}]
+    assert timer and timer[0].value > 0
+    assert env.op.samples("keepwarm_operator_reconcile_duration_seconds_bucket")
 
 
 def test_deleting_weightcaches_is_not_held_by_their_resync_timers(env):
@@ -570,3 +731,22 @@ def test_delete_garbage_collects_everything(env):
     )
     assert env.op.healthy()
     assert not [e for e in env.op.errors() if "Traceback" in e], env.op.tail()
+
+
+def test_chart_rbac_grants_exactly_what_the_operator_used(env, request):
+    """From the API server's audit log of this module's run: every verb/resource the chart grants the
+    operator was used, and the operator was never refused one (the chart grants what the code calls)."""
+    here = {item.originalname for item in request.session.items if item.module is request.module}
+    if not set(MODULE_TESTS) <= here:
+        pytest.skip("needs the traffic of the whole module (run the file, not one test)")
+    role = next(d for d in render_chart() if d["kind"] == "ClusterRole")
+    env.op.stop()  # flush its last requests; the audit log batches for up to 1 s
+    time.sleep(2)
+    allowed, forbidden = used(env.cp.audit_events(f"system:serviceaccount:{NAMESPACE}:{OPERATOR_SA}"))
+    assert not forbidden, f"the operator was refused: {sorted(forbidden)}"
+    unused = granted(role["rules"]) - allowed - IMPLIED_GRANTS
+    assert not unused, f"the chart grants what the operator never used: {sorted(unused)}"
+    env.op.start()
+
+
+MODULE_TESTS = [name for name in dir() if name.startswith("test_")]

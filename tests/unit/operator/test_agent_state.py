@@ -1,11 +1,17 @@
 """Node agent: desired models from a WeightCache, load/evict in a real host-tier CacheDaemon, status body."""
 
+import datetime as dt
 import shutil
 
 import pytest
 
+from keepwarm_api.weightcache import WeightCacheSpec
 from keepwarm_runtime.agent.kubernetes import NodeAgent
-from keepwarm_runtime.agent.state import AgentState, node_status, wanted_models
+from keepwarm_runtime.agent.state import AgentState, node_status, retry_delay, wanted_models
+
+
+def spec(models):
+    return WeightCacheSpec.model_validate({"models": models, "heartbeatSeconds": 5})
 
 
 def cache(models, generation=1):
@@ -17,7 +23,7 @@ def cache(models, generation=1):
 
 def test_wanted_models_map_sources_to_mounts():
     wanted = wanted_models(
-        cache(
+        spec(
             [
                 {"name": "a", "source": {"path": "/host/a"}, "pin": True},
                 {"name": "b", "source": {"pvc": {"claimName": "x"}}},
@@ -36,7 +42,7 @@ def test_wanted_models_map_sources_to_mounts():
 
 def test_status_phases():
     wanted = wanted_models(
-        cache([{"name": "a", "source": {"path": "/a"}}, {"name": "b", "source": {"path": "/b"}}])
+        spec([{"name": "a", "source": {"path": "/a"}}, {"name": "b", "source": {"path": "/b"}}])
     )
     state = AgentState(daemon_names={"a": "a"})
     snap = {
@@ -44,11 +50,11 @@ def test_status_phases():
         "gpu_uuid": None,
         "models": {"a": {"bytes": 10, "key_digest": "k", "digest": "d", "pinned": False, "gpu_uuids": []}},
     }
-    status = node_status(state, snap, wanted, "0.1.0")
+    status = node_status(state, snap, wanted, "0.1.0").wire()
     assert status["phase"] == "Loading" and status["totalBytes"] == 10
     assert [(m["name"], m["state"]) for m in status["models"]] == [("a", "Resident"), ("b", "Loading")]
     state.failed["b"] = "CheckpointError: no safetensors"
-    status = node_status(state, snap, wanted, "0.1.0")
+    status = node_status(state, snap, wanted, "0.1.0").wire()
     assert status["phase"] == "Degraded" and status["models"][1]["message"].startswith("CheckpointError")
     assert status["heartbeat"].endswith("Z")
 
@@ -76,7 +82,7 @@ def test_agent_loads_evicts_and_reports_failures(model_root, tmp_path):
         agent.reconcile(cache(models))
         snap = daemon.snapshot()
         assert set(snap["models"]) == {"llama-a"} and snap["models"]["llama-a"]["pinned"]
-        status = node_status(agent.state, snap, agent.wanted, "v")
+        status = node_status(agent.state, snap, agent.wanted, "v").wire()
         assert status["phase"] == "Degraded"
         assert {m["name"]: m["state"] for m in status["models"]} == {
             "llama-a": "Resident",
@@ -87,7 +93,67 @@ def test_agent_loads_evicts_and_reports_failures(model_root, tmp_path):
         assert set(daemon.snapshot()["models"]) == {"llama-a"} and "broken" in agent.state.failed
         agent.reconcile(cache([{"name": "llama-b", "source": {"path": "/z"}}], generation=2))
         assert set(daemon.snapshot()["models"]) == {"llama-b"}
-        status = node_status(agent.state, daemon.snapshot(), agent.wanted, "v")
+        status = node_status(agent.state, daemon.snapshot(), agent.wanted, "v").wire()
         assert status["phase"] == "Ready" and [m["name"] for m in status["models"]] == ["llama-b"]
+    finally:
+        daemon.close()
+
+
+def test_stale_condition_keeps_its_transition_time_across_heartbeats():
+    wanted = wanted_models(spec([{"name": "a", "source": {"path": "/a"}}]))
+    state = AgentState(reporting_since=dt.datetime(2026, 1, 1, tzinfo=dt.UTC))
+    snap = {"tier": "host", "gpu_uuid": None, "models": {}}
+    first = node_status(state, snap, wanted, "v").wire()
+    second = node_status(state, snap, wanted, "v").wire()
+    assert first["conditions"] == second["conditions"]
+    assert first["conditions"][0] | {"lastTransitionTime": "2026-01-01T00:00:00Z"} == first["conditions"][0]
+    assert first["conditions"][0]["status"] == "False" and first["conditions"][0]["type"] == "Stale"
+
+
+def test_quantization_reaches_the_agent_and_is_refused_by_name(model_root, tmp_path):
+    from keepwarm_runtime.cache.daemon import CacheDaemon, DaemonConfig
+
+    daemon = CacheDaemon(DaemonConfig(socket_dir=tmp_path / "sock", tier="host", dtype="bfloat16"))
+    agent = NodeAgent(daemon, "wc", "node-1", api=None, model_root=str(model_root))
+    try:
+        models = [{"name": "llama-a", "source": {"path": "/x"}, "quantization": "fp8"}]
+        agent.reconcile(cache(models))
+        assert agent.wanted[0].quantization == "fp8"
+        assert daemon.snapshot()["models"] == {}  # never loaded unquantized
+        status = node_status(agent.state, daemon.snapshot(), agent.wanted, "v").wire()
+        assert (
+            status["models"][0]["state"] == "Failed" and "quantization fp8" in status["models"][0]["message"]
+        )
+    finally:
+        daemon.close()
+
+
+def test_retry_backoff_doubles_and_is_capped():
+    assert [retry_delay(n, 10, 600) for n in (1, 2, 3, 7, 50)] == [10, 20, 40, 600, 600]
+
+
+def test_a_failed_model_recovers_by_itself_once_the_fault_is_gone(model_root, tiny_llama, tmp_path):
+    from keepwarm_runtime.cache.daemon import CacheDaemon, DaemonConfig
+
+    daemon = CacheDaemon(DaemonConfig(socket_dir=tmp_path / "sock", tier="host", dtype="bfloat16"))
+    waiting = NodeAgent(daemon, "wc", "node-1", api=None, model_root=str(model_root))
+    eager = NodeAgent(daemon, "wc", "node-1", api=None, model_root=str(model_root), retry_base_s=0)
+    try:
+        models = [{"name": "broken", "source": {"path": "/y"}}]
+        waiting.reconcile(cache(models))
+        status = node_status(waiting.state, daemon.snapshot(), waiting.wanted, "v").wire()
+        assert status["models"][0]["state"] == "Failed"
+        assert "(attempt 1; retrying at " in status["models"][0]["message"]
+        eager.reconcile(cache(models))
+        eager.reconcile(cache(models))
+        assert eager.state.attempts["broken"] == 2  # retried at once (no backoff), failed again
+        shutil.rmtree(model_root / "broken")
+        shutil.copytree(tiny_llama, model_root / "broken")  # the fault is fixed; the spec is not touched
+        waiting.reconcile(cache(models))
+        assert "broken" in waiting.state.failed  # its backoff has not passed yet
+        eager.reconcile(cache(models))
+        status = node_status(eager.state, daemon.snapshot(), eager.wanted, "v").wire()
+        assert status["models"][0]["state"] == "Resident" and status["phase"] == "Ready"
+        assert not eager.state.attempts and not eager.state.failed
     finally:
         daemon.close()

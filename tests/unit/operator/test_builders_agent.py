@@ -1,6 +1,6 @@
 """WeightCache -> agent DaemonSet and RBAC."""
 
-from keepwarm_operator.api.weightcache import WeightCacheSpec
+from keepwarm_api.weightcache import WeightCacheSpec
 from keepwarm_operator.builders.agent import agent_children, agent_daemonset, agent_rbac
 
 OWNER = {
@@ -89,8 +89,7 @@ def test_agent_rbac_is_least_privilege():
     }
     assert verbs == {
         (("weightcaches",), ("llama",)): {"get"},
-        (("weightcachenodes",), ()): {"get"},
-        (("weightcachenodes/status",), ()): {"get", "patch"},
+        (("weightcachenodes/status",), ()): {"patch"},
     }
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": "keepwarm-agent-llama", "namespace": "keepwarm-system"}
@@ -106,3 +105,9 @@ def test_children_order_rbac_before_pods():
 def test_private_socket_mode_drops_group():
     cmd = agent_daemonset("c", spec(socket={"mode": "0700"}), "ns", OWNER)["spec"]["template"]["spec"]
     assert "--group" not in cmd["containers"][0]["command"]
+
+
+def test_agent_is_ready_only_when_its_daemon_answers():
+    (container,) = agent_daemonset("llama", spec(), "ns", OWNER)["spec"]["template"]["spec"]["containers"]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+    assert container["ports"] == [{"name": "metrics", "containerPort": spec().agent.metrics_port}]

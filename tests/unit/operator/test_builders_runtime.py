@@ -2,8 +2,8 @@
 
 import pytest
 
-from keepwarm_operator.api.inferencedeployment import InferenceDeploymentSpec
-from keepwarm_operator.api.weightcache import WeightCacheSpec
+from keepwarm_api.inferencedeployment import InferenceDeploymentSpec
+from keepwarm_api.weightcache import WeightCacheSpec
 from keepwarm_operator.builders.meta import warm_label_key
 from keepwarm_operator.builders.runtime import CacheBinding, runtime_deployment, runtime_service
 

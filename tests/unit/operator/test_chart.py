@@ -9,9 +9,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from keepwarm_operator.api.inferencedeployment import InferenceDeploymentSpec
-from keepwarm_operator.api.weightcache import WeightCacheSpec
+from keepwarm_api.inferencedeployment import InferenceDeploymentSpec
+from keepwarm_api.weightcache import WeightCacheSpec
 from keepwarm_operator.builders.agent import agent_children
+from keepwarm_operator.builders.meta import agent_name
 from keepwarm_operator.builders.runtime import CacheBinding, runtime_deployment, runtime_service
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -60,8 +61,10 @@ def test_values_files_change_what_renders():
     assert "ServiceMonitor" in kinds["full-values"] and "ConfigMap" in kinds["full-values"]
     assert "ServiceAccount" not in kinds["minimal-values"] and "ClusterRole" not in kinds["minimal-values"]
     assert kinds["default-values"] == sorted(
-        ["ClusterKopfPeering", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"]
-    )
+        ["ClusterKopfPeering", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount",
+         "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+    )  # fmt: skip
+    assert "ValidatingAdmissionPolicy" not in kinds["minimal-values"]
     full = next(d for d in render(CHART / "ci" / "full-values.yaml") if d["kind"] == "Deployment")
     args = full["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=team-a" in args and "--agent-namespace=keepwarm-agents" in args
@@ -141,3 +144,18 @@ def test_builder_output_validates_strict(kube):
     ]
     for doc in docs:
         kubernetes_validate.validate(doc, kube, strict=True)
+
+
+def test_agent_policy_matches_the_agents_the_operator_creates():
+    """The policy names agents by the ServiceAccount prefix builders.meta.agent_name gives them."""
+    policy = next(
+        d for d in render(CHART / "ci" / "default-values.yaml") if d["kind"] == "ValidatingAdmissionPolicy"
+    )
+    (match,) = policy["spec"]["matchConditions"]
+    assert f"system:serviceaccount:keepwarm-system:{agent_name('')}" in match["expression"]
+    binding = next(
+        d
+        for d in render(CHART / "ci" / "default-values.yaml")
+        if d["kind"] == "ValidatingAdmissionPolicyBinding"
+    )
+    assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import yaml
 
-from keepwarm_operator.crdgen import KINDS, crd, render_all
+from keepwarm_api.crdgen import KINDS, crd, render_all
 
 ROOT = Path(__file__).resolve().parents[3]
 

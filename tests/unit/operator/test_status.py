@@ -2,11 +2,18 @@
 
 import datetime as dt
 
-from keepwarm_operator.api.common import condition, merge_conditions
-from keepwarm_operator.api.weightcache import WeightCacheSpec
-from keepwarm_operator.api.weightcachenode import WeightCacheNodeStatus
+from keepwarm_api.common import condition, merge_conditions
+from keepwarm_api.weightcache import WeightCacheSpec
+from keepwarm_api.weightcachenode import WeightCacheNodeStatus
 from keepwarm_operator.builders.meta import warm_label_key
-from keepwarm_operator.status import inference_status, is_stale, node_warm_labels, weightcache_status
+from keepwarm_operator.status import (
+    inference_status,
+    is_stale,
+    node_belongs,
+    node_warm_labels,
+    status_changed,
+    weightcache_status,
+)
 
 SPEC = WeightCacheSpec.model_validate(
     {"models": [{"name": "a", "source": {"path": "/a"}}, {"name": "b", "source": {"path": "/b"}}]}
@@ -127,3 +134,28 @@ def test_merge_conditions_keeps_transition_time_when_unchanged():
     assert same[0]["lastTransitionTime"] == first[0]["lastTransitionTime"]
     flipped = merge_conditions(first, [condition("Ready", False, "NodesNotReady", "", 2)], later)
     assert flipped[0]["lastTransitionTime"] != first[0]["lastTransitionTime"]
+
+
+def test_status_is_written_only_when_merging_it_changes_something():
+    spec = WeightCacheSpec.model_validate({"models": [{"name": "m", "source": {"path": "/m"}}]})
+    now = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    status = weightcache_status(spec, 1, 2, []).wire()
+    stored = {
+        **status,
+        "conditions": merge_conditions(None, weightcache_status(spec, 1, 2, []).conditions, now),
+    }
+    again = weightcache_status(spec, 1, 2, []).wire()
+    again["conditions"] = merge_conditions(
+        stored["conditions"], weightcache_status(spec, 1, 2, []).conditions, now
+    )
+    assert not status_changed(stored, again)  # a resync that finds nothing new writes nothing
+    assert status_changed(stored, {**again, "desiredNodes": 3})
+    assert status_changed(None, again) and status_changed({}, {"observedGeneration": 1})
+    assert not status_changed({**stored, "extra": 1}, again)  # a merge patch would leave it anyway
+
+
+def test_node_belongs_while_it_exists_and_matches_the_selector():
+    assert node_belongs({"pool": "a", "x": "1"}, {"pool": "a"})
+    assert node_belongs({}, {})  # an empty selector means every node
+    assert not node_belongs({"pool": "b"}, {"pool": "a"}) and not node_belongs({}, {"pool": "a"})
+    assert not node_belongs(None, {})  # the Node is gone

@@ -173,6 +173,47 @@ class EnvVar(KubeModel):
     """A core/v1 EnvVarSource (secretKeyRef, configMapKeyRef, fieldRef, resourceFieldRef)."""
 
 
+class SelectorOperator(StrEnum):
+    IN = "In"
+    NOT_IN = "NotIn"
+    EXISTS = "Exists"
+    DOES_NOT_EXIST = "DoesNotExist"
+
+
+class LabelSelectorRequirement(KubeModel):
+    """A metav1.LabelSelectorRequirement."""
+
+    key: str = Field(min_length=1)
+    """Label key."""
+    operator: SelectorOperator
+    """In, NotIn, Exists or DoesNotExist."""
+    values: list[str] = Field(default_factory=list)
+    """Values for In and NotIn."""
+
+    def matches(self, labels: dict[str, str]) -> bool:
+        present = self.key in labels
+        if self.operator == SelectorOperator.EXISTS:
+            return present
+        if self.operator == SelectorOperator.DOES_NOT_EXIST:
+            return not present
+        inside = present and labels[self.key] in self.values
+        return inside if self.operator == SelectorOperator.IN else not inside
+
+
+class LabelSelector(KubeModel):
+    """A metav1.LabelSelector: matchLabels and matchExpressions, all of which must hold."""
+
+    match_labels: dict[str, str] = Field(default_factory=dict)
+    """Labels the object must carry with these values."""
+    match_expressions: list[LabelSelectorRequirement] = Field(default_factory=list)
+    """Further requirements on the object's labels."""
+
+    def matches(self, labels: dict[str, str]) -> bool:
+        return all(labels.get(k) == v for k, v in self.match_labels.items()) and all(
+            r.matches(labels) for r in self.match_expressions
+        )
+
+
 def condition(
     type_: str, status: bool | None, reason: str, message: str, generation: int | None
 ) -> Condition:

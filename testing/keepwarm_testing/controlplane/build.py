@@ -24,6 +24,6 @@ def build_control_plane(timeout_s: float | None = None) -> Path:
     if proc.returncode != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-60:])
         raise ControlPlaneBuildError(
-            f"tests/controlplane/build.sh exited {proc.returncode} (full log {log}):\n{tail}"
+            f"{HERE / 'build.sh'} exited {proc.returncode} (full log {log}):\n{tail}"
         )
     return Path(proc.stdout.strip().splitlines()[-1])

@@ -2,7 +2,7 @@
 # Build the real control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
 # kubectl) pinned in go.mod into a cache outside the repo, keyed by version; reuse it when present.
 #
-#   tests/controlplane/build.sh          # prints the bin directory on its last line
+#   testing/keepwarm_testing/controlplane/build.sh          # prints the bin directory on its last line
 #
 # Env: KEEPWARM_CONTROLPLANE_CACHE (default ~/.cache/keepwarm/controlplane). Needs only Go and the
 # Go module proxy. A second concurrent call waits on a lock instead of building twice; an

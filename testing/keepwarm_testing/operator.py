@@ -1,31 +1,28 @@
-"""Helpers for the operator's end-to-end tests: install CRDs and the chart's RBAC, run the operator
-as the chart's ServiceAccount in a subprocess, read objects as admin."""
+"""The operator on a test control plane, for the end-to-end tests and bench/operator_scale.py: install
+the CRDs and the chart's RBAC, run `keepwarm-operator run` as the chart's ServiceAccount in a
+subprocess, read objects as admin, read the operator's metrics with prometheus_client's parser."""
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import helm_python as helm
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
-ROOT = Path(__file__).resolve().parents[3]
+from keepwarm_runtime.server.launcher import free_port
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this package is installed editable)
 CHART = ROOT / "charts" / "keepwarm"
 RELEASE, NAMESPACE = "kw", "keepwarm-system"
 OPERATOR_SA = f"{RELEASE}-keepwarm"
 GROUP_PATH = "/apis/keepwarm.dev/v1alpha1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(cp: Any, path: str) -> dict | None:
@@ -54,19 +51,33 @@ def install_crds(cp: Any) -> None:
         cp.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
 
 
-def install_chart_rbac(cp: Any) -> None:
-    """The chart's ServiceAccount, ClusterRole(+Binding) and peering object, as Helm renders them."""
-    rendered = helm.Chart.load(CHART).render({}, name=RELEASE, namespace=NAMESPACE, is_install=True)
-    wanted = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering"}
-    docs = [
-        d
-        for path, text in rendered.items()
-        if path.endswith(".yaml")
-        for d in yaml.safe_load_all(text)
-        if d and d.get("kind") in wanted
+def render_chart(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The chart's manifests as Helm renders them for release RELEASE in NAMESPACE."""
+    rendered = helm.Chart.load(CHART).render(values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    return [
+        d for path, text in rendered.items() if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d
     ]
+
+
+def install_chart_rbac(cp: Any) -> None:
+    """The chart's ServiceAccount, ClusterRole(+Binding), peering object and agent admission policy."""
+    wanted = {
+        "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering",
+        "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
+    }  # fmt: skip
+    docs = [d for d in render_chart() if d.get("kind") in wanted]
     cp.kubectl("create", "namespace", NAMESPACE, check=False)
     cp.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(docs))
+
+
+def samples(text: str, name: str | None = None) -> list[Sample]:
+    """Samples of a Prometheus exposition text, parsed by prometheus_client (optionally one name)."""
+    return [
+        s
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if name is None or s.name == name
+    ]
 
 
 class OperatorProcess:
@@ -118,6 +129,10 @@ class OperatorProcess:
 
         return httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
 
+    def samples(self, name: str | None = None) -> list[Sample]:
+        """The operator's /metrics samples (all, or those of one sample name, e.g. ..._total)."""
+        return samples(self.metrics(), name)
+
     def kill(self) -> None:
         """SIGKILL: no graceful shutdown, as a crashed or evicted pod."""
         if self.proc and self.proc.poll() is None:
@@ -153,5 +168,38 @@ def wait(
         raise TimeoutError(f"{exc}{detail}") from None
 
 
-def now_z() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+# Granted for admission checks, never requested on their own: blockOwnerDeletion in an owner reference
+# needs update on the owner's finalizers.
+IMPLIED_GRANTS = {("update", "keepwarm.dev", "weightcaches/finalizers"),
+                  ("update", "keepwarm.dev", "inferencedeployments/finalizers")}  # fmt: skip
+
+
+def granted(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    """(verb, apiGroup, resource[/subresource]) for every rule of a ClusterRole."""
+    return {
+        (verb, group, resource)
+        for rule in rules
+        for verb in rule["verbs"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+    }
+
+
+def used(events: list[dict[str, Any]]) -> tuple[set[tuple[str, str, str]], set[tuple[str, str, str]]]:
+    """(allowed, forbidden) (verb, apiGroup, resource) triples from audit events; a server-side apply
+    that created its object (201) also needed create."""
+    allowed, forbidden = set(), set()
+    for event in events:
+        ref = event.get("objectRef")
+        if not ref:  # discovery and other non-resource URLs
+            continue
+        resource = ref["resource"] + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+        triple = (event["verb"], ref.get("apiGroup", ""), resource)
+        code = event.get("responseStatus", {}).get("code", 0)
+        if code == 403:
+            forbidden.add(triple)
+            continue
+        allowed.add(triple)
+        if event["verb"] == "patch" and code == 201:
+            allowed.add(("create", triple[1], resource))
+    return allowed, forbidden

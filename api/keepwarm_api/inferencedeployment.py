@@ -140,6 +140,7 @@ class IDepReason(StrEnum):
     ROLLING = "RollingUpdate"
     INVALID_SPEC = "InvalidSpec"
     CACHE_NOT_FOUND = "CacheNotFound"
+    NAMESPACE_NOT_ALLOWED = "NamespaceNotAllowed"
     MODEL_NOT_IN_CACHE = "ModelNotInCache"
     MODEL_RESIDENT = "ModelResident"
     MODEL_NOT_RESIDENT = "ModelNotResident"

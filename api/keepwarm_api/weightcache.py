@@ -15,6 +15,7 @@ from .common import (
     Condition,
     DType,
     KubeModel,
+    LabelSelector,
     ModelSource,
     Quantity,
     Quantization,
@@ -147,6 +148,9 @@ class WeightCacheSpec(KubeModel):
     """The node agent pods."""
     socket: SocketSpec = Field(default_factory=SocketSpec, json_schema_extra={"default": {}})
     """Socket directory, group and access control."""
+    allowed_namespaces: LabelSelector | None = None
+    """Namespaces whose InferenceDeployments may use this cache, as a namespace label selector (every
+    namespace carries kubernetes.io/metadata.name=<its name>); unset allows every namespace."""
     download_directory: str = Field(default="/var/cache/keepwarm", pattern=r"^/.*")
     """Host directory where Hugging Face sources are downloaded."""
     heartbeat_seconds: int = Field(default=15, ge=1, le=3600)

@@ -1,7 +1,7 @@
 """A real Kubernetes control plane on loopback for tests: etcd, kube-apiserver (RBAC on),
 kube-controller-manager, kube-scheduler, plus a kubelet stand-in with fake GPU nodes.
 
-    from tests.controlplane.build import build_control_plane
+    from keepwarm_testing.controlplane.build import build_control_plane
     with ControlPlane(build_control_plane()) as cp:
         cp.add_gpu_nodes(3)
         cp.kubectl("get", "nodes")
@@ -13,10 +13,10 @@ are kept and their path is printed. Child processes die with the parent (PR_SET_
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -28,22 +28,36 @@ from typing import Any
 
 import httpx
 
+from keepwarm_runtime.server.launcher import free_port
+
 from .kubelet import FakeKubelet
 from .pki import PKI, SERVING_NAMES, client_ssl_context, write_kubeconfig
 
 SERVICE_CIDR = "10.0.0.0/24"
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
+# What the tests check RBAC against: every request a ServiceAccount (operator, agents) makes, with
+# verb, resource and response code; nothing from the control plane's own components.
+AUDIT_POLICY = {
+    "apiVersion": "audit.k8s.io/v1",
+    "kind": "Policy",
+    "omitStages": ["RequestReceived"],
+    "rules": [
+        {"level": "Metadata", "userGroups": ["system:serviceaccounts"]},
+        {"level": "None"},
+    ],
+}
 
 
 class ControlPlaneError(RuntimeError):
     """A component failed to start or answer; the message carries its log tail and the log path."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _bound_to(pod: dict[str, Any] | None) -> dict[str, Any]:
+    if pod is None:
+        return {}
+    meta = pod["metadata"]
+    return {"boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": meta["name"], "uid": meta["uid"]}}
 
 
 def _die_with_parent() -> None:
@@ -71,7 +85,9 @@ class ControlPlane:
         self.bin_dir = Path(bin_dir)
         for name in (*COMPONENTS, "kubectl"):
             if not (self.bin_dir / name).is_file():
-                raise ControlPlaneError(f"{self.bin_dir / name} missing: run tests/controlplane/build.sh")
+                raise ControlPlaneError(
+                    f"{self.bin_dir / name} missing: run testing/keepwarm_testing/controlplane/build.sh"
+                )
         self.root = Path(workdir or tempfile.mkdtemp(prefix="keepwarm-cp-"))
         self.data = self.root / "data"
         self.logs = self.root / "logs"
@@ -240,10 +256,13 @@ class ControlPlane:
         kubelet.remove_node(name, delete_pods=delete_pods)
 
     def service_account_kubeconfig(
-        self, namespace: str, name: str, *, create: bool = True, expiration_s: int = 86400
-    ) -> Path:
+        self, namespace: str, name: str, *, create: bool = True, expiration_s: int = 86400,
+        bound_pod: dict[str, Any] | None = None,
+    ) -> Path:  # fmt: skip
         """A kubeconfig holding a fresh token of ServiceAccount namespace/name: whatever runs with it is
-        authorized by that account's RBAC only. create=True makes the namespace and account if missing."""
+        authorized by that account's RBAC only. create=True makes the namespace and account if missing.
+        bound_pod (a Pod running as that account) binds the token to it, as the kubelet does: the API
+        server then names the pod's node in the token's user info."""
         if create:
             for path, body in (
                 ("/api/v1/namespaces", {"metadata": {"name": namespace}}),
@@ -264,12 +283,13 @@ class ControlPlane:
             json={
                 "apiVersion": "authentication.k8s.io/v1",
                 "kind": "TokenRequest",
-                "spec": {"expirationSeconds": expiration_s},
+                "spec": {"expirationSeconds": expiration_s, **_bound_to(bound_pod)},
             },
         )
         if resp.status_code != 201:
             raise ControlPlaneError(f"token for {namespace}/{name}: HTTP {resp.status_code}: {resp.text}")
-        path = self.data / f"sa-{namespace}-{name}.kubeconfig"
+        suffix = f"-{bound_pod['metadata']['name']}" if bound_pod else ""
+        path = self.data / f"sa-{namespace}-{name}{suffix}.kubeconfig"
         return write_kubeconfig(
             path,
             self.server,
@@ -338,9 +358,36 @@ class ControlPlane:
             "--log-level=warn",
         ]
 
+    @property
+    def audit_log(self) -> Path:
+        """Metadata-level audit events of every ServiceAccount's request (JSON lines)."""
+        return self.logs / "audit.log"
+
+    def audit_events(self, user: str) -> list[dict[str, Any]]:
+        """The audit events (ResponseComplete stage) of one user, e.g. system:serviceaccount:NS:NAME."""
+        events: list[dict[str, Any]] = []
+        if not self.audit_log.exists():  # no ServiceAccount has made a request yet
+            return events
+        with open(self.audit_log, errors="replace") as lines:
+            for line in lines:
+                try:
+                    event = json.loads(line)
+                except ValueError:  # the line being written right now
+                    continue
+                if event.get("user", {}).get("username") == user and event.get("stage") == "ResponseComplete":
+                    events.append(event)
+        return events
+
     def _apiserver_args(self) -> list[str]:
         d = self.data
+        policy = d / "audit-policy.yaml"
+        policy.write_text(json.dumps(AUDIT_POLICY))
         return [
+            f"--audit-policy-file={policy}",
+            f"--audit-log-path={self.audit_log}",
+            "--audit-log-format=json",
+            "--audit-log-mode=batch",
+            "--audit-log-batch-max-wait=1s",
             f"--etcd-servers=http://127.0.0.1:{self.ports['etcd']}",
             "--bind-address=127.0.0.1",
             "--advertise-address=127.0.0.1",

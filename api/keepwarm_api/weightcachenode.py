@@ -1,7 +1,8 @@
 """WeightCacheNode (cluster-scoped, named <cache>.<node>, owned by its WeightCache).
 
-The operator creates one per node an agent runs on; the agent on that node writes its status. The
-operator only marks it Stale when the heartbeat stops and deletes it when the Node is gone.
+The operator creates one per node an agent runs on (node_spec); the agent on that node writes its
+status (agent_status). The operator only marks it Stale when the heartbeat stops and deletes it when
+the Node is gone.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ from enum import StrEnum
 
 from pydantic import Field
 
-from .common import Condition, KubeModel
+from .common import Condition, ConditionStatus, KubeModel
 
 KIND = "WeightCacheNode"
 PLURAL = "weightcachenodes"
 SHORT_NAMES = ["wcn"]
 STALE_HEARTBEATS = 4  # missed heartbeats before a node is Stale
+STALE = "Stale"  # condition type: True (set by the operator) when the heartbeat stopped
+HEARTBEAT_FRESH, HEARTBEAT_MISSED = "HeartbeatFresh", "HeartbeatMissed"  # its reasons
 
 
 def object_name(cache: str, node: str) -> str:
@@ -114,3 +117,45 @@ PRINTER_COLUMNS = [
     {"name": "Bytes", "type": "integer", "jsonPath": ".status.totalBytes"},
     {"name": "Heartbeat", "type": "date", "jsonPath": ".status.heartbeat"},
 ]
+
+
+def node_spec(cache: str, node: str) -> WeightCacheNodeSpec:
+    """What the operator writes when an agent pod is bound to `node`."""
+    return WeightCacheNodeSpec(weight_cache=cache, node_name=node)
+
+
+def phase_of(models: list[ResidentModel]) -> NodePhase:
+    """Degraded when a model failed, Ready when none is still loading, else Loading."""
+    states = {m.state for m in models}
+    if ModelState.FAILED in states:
+        return NodePhase.DEGRADED
+    if states <= {ModelState.RESIDENT, ModelState.EVICTED}:
+        return NodePhase.READY
+    return NodePhase.LOADING
+
+
+def agent_status(
+    models: list[ResidentModel],
+    gpu_uuids: list[str],
+    version: str,
+    message: str,
+    now: dt.datetime,
+    reporting_since: dt.datetime,
+) -> WeightCacheNodeStatus:
+    """The status an agent reports: phase from its models, Stale=False since it started reporting."""
+    fresh = Condition(
+        type=STALE,
+        status=ConditionStatus.FALSE,
+        reason=HEARTBEAT_FRESH,
+        last_transition_time=reporting_since,
+    )
+    return WeightCacheNodeStatus(
+        phase=phase_of(models),
+        heartbeat=now,
+        models=models,
+        total_bytes=sum(m.bytes for m in models),
+        gpu_uuids=sorted(set(gpu_uuids) | {u for m in models for u in m.gpu_uuids}),
+        agent_version=version,
+        message=message,
+        conditions=[fresh],
+    )

@@ -1,0 +1,1 @@
+"""Real Kubernetes control plane for the integration tests and benchmarks (see cluster.py)."""

@@ -1,1 +1,0 @@
-"""Real Kubernetes control plane for the integration tests (see cluster.py)."""
