@@ -56,12 +56,17 @@ class Dashboard:
         return f"{self.uid}.json"
 
 
-def quantiles(metric: str, by: str = "", legend: str = "") -> list[Target]:
-    """p50 and p99 of a histogram, aggregated over instances (and `by` labels, when given)."""
+def quantiles(metric: str, by: str = "", legend: str = "", window: str | None = RATE) -> list[Target]:
+    """p50 and p99 of a histogram, aggregated over instances (and `by` labels, when given).
+
+    window=None reads the cumulative buckets of the live processes: for an event that happens once
+    per process, before its first scrape (the client's attach), a rate or increase stays empty.
+    """
     labels = f"le, {by}" if by else "le"
     suffix = f" {legend}" if legend else ""
+    buckets = f"{metric}_bucket" if window is None else f"rate({metric}_bucket[{window}])"
     return [
-        Target(f"histogram_quantile({q}, sum by ({labels}) (rate({metric}_bucket[{RATE}])))", f"p{p}{suffix}")
+        Target(f"histogram_quantile({q}, sum by ({labels}) ({buckets}))", f"p{p}{suffix}")
         for q, p in ((0.5, 50), (0.99, 99))
     ]
 
@@ -186,7 +191,8 @@ CACHE = Dashboard(
                 Panel(
                     "Client attach time by source",
                     "s",
-                    quantiles("keepwarm_cache_client_attach_seconds", "source", "{{source}}"),
+                    quantiles("keepwarm_cache_client_attach_seconds", "source", "{{source}}", window=None),
+                    "Across the servers running now: each attaches (or loads from disk) once, at start.",
                 ),
                 Panel(
                     "Client attaches: cache hits and disk fallbacks",
@@ -218,7 +224,8 @@ CACHE = Dashboard(
                 Panel(
                     "Daemon get_state time",
                     "s",
-                    quantiles("keepwarm_cache_attach_seconds"),
+                    quantiles("keepwarm_cache_attach_seconds", window="1h"),
+                    "Over the last hour: clients ask once per process start.",
                 ),
                 Panel(
                     "Model load time in the daemon",
