@@ -3,10 +3,8 @@ registers plotted or deliberately unplotted, ConfigMaps/PodMonitors/ServiceMonit
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 
 import helm_python as helm
@@ -18,21 +16,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from keepwarm_operator.api.weightcache import WeightCacheSpec
 from keepwarm_operator.builders.agent import agent_children
 from keepwarm_operator.builders.meta import agent_labels, runtime_labels
+from tests.unit.delivery.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[3]
 CHART = ROOT / "charts" / "keepwarm"
 METRIC = re.compile(r"\b(?:keepwarm|process|python)_[a-z0-9_]+\b")
 
 
-def load_generator():
-    spec = importlib.util.spec_from_file_location("keepwarm_dashboards", ROOT / "scripts" / "dashboards.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
-
-
-GEN = load_generator()
+GEN = load_script("dashboards")
 
 
 def sample_names(family_name: str, family_type: str) -> set[str]:
