@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export UV_CACHE_DIR ?= $(HOME)/.cache/uv
 
-.PHONY: venv demo test test-unit lint lint-delivery format crds bench clean controlplane prometheus
+.PHONY: venv demo test test-unit lint lint-delivery format crds bench clean controlplane prometheus dashboards
 # Tools outside PyPI, built or installed once and cached outside the repo.
 TOOLS := $(HOME)/.cache/keepwarm/bin
 ACTIONLINT_VERSION := 1.7.12
@@ -59,6 +59,11 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(BIN)/ruff format runtime operator tests bench scripts
 	$(BIN)/ruff check --fix .
+
+# Grafana dashboards and the metrics reference in docs/architecture.md, generated from the code.
+dashboards: $(STAMP)
+	$(BIN)/python scripts/dashboards.py
+	$(BIN)/python scripts/metrics_reference.py
 
 crds: $(STAMP)
 	$(BIN)/python -m keepwarm_operator.crdgen crds charts/keepwarm/crds
