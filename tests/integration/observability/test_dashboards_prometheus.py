@@ -86,30 +86,41 @@ def send_traffic(base_url: str, seconds: float, clients: int = 4) -> int:
     from openai import BadRequestError, OpenAI
 
     deadline = time.monotonic() + seconds
-    done = []
+    done: list[int] = []
+    errors: list[BaseException] = []
 
-    def client_loop() -> None:
-        client = OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    def rounds(client: OpenAI) -> None:
         long = client.completions.create(model="tiny", prompt="Count:", max_tokens=200, stream=True)
         next(iter(long))
         long.close()  # went away mid-stream: the server aborts the request
+        messages = [{"role": "user", "content": "Tell me about caches."}]
         while time.monotonic() < deadline:
-            messages = [{"role": "user", "content": "Tell me about caches."}]
             client.chat.completions.create(model="tiny", messages=messages, max_tokens=12)
             for _ in client.chat.completions.create(
                 model="tiny", messages=messages, max_tokens=12, stream=True
             ):
                 pass
             client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8)
-            with pytest.raises(BadRequestError):
+            try:
                 client.chat.completions.create(model="tiny", messages=messages, max_tokens=-1)
+                raise AssertionError("max_tokens=-1 was accepted")
+            except BadRequestError:
+                pass
             done.append(1)
+
+    def client_loop() -> None:
+        try:
+            rounds(OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=60))
+        except BaseException as exc:  # reported by the caller: a thread's exception is otherwise lost
+            errors.append(exc)
 
     threads = [threading.Thread(target=client_loop) for _ in range(clients)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if errors:
+        raise errors[0]
     return len(done)
 
 
