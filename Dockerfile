@@ -78,6 +78,11 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv ffmpeg \
  && rm -rf /var/lib/apt/lists/* \
  && python3 -m venv /opt/keepwarm
+# Before the heavy layers, so it stays cached. The CUDA Ubuntu base already has user `ubuntu` with
+# uid/gid 1000: keepwarm gets 10001, which no base user holds. Inference pods run as this user (plus
+# the cache's group); the agent DaemonSet runs as root with only CHOWN/FOWNER for the socket dir.
+RUN groupadd --gid 10001 keepwarm \
+ && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin keepwarm
 COPY --from=runtime-wheel /wheels/ /tmp/wheels/
 # torch first and pinned, so the extras' resolver can never swap in another CUDA build; then all
 # extras (FlashInfer kernels, structured outputs, the agent's kubernetes client, audio decoding).
@@ -89,11 +94,6 @@ RUN pip install "torch==${TORCH_VERSION}" \
       "flashinfer-jit-cache==${FLASHINFER_VERSION}" \
       "/tmp/wheels/keepwarm_runtime-${KEEPWARM_VERSION}-py3-none-any.whl[gpu,structured,kubernetes,audio]" \
  && rm -rf /tmp/wheels
-# The CUDA Ubuntu base already has user `ubuntu` with uid/gid 1000: keepwarm gets 10001, which no
-# base user holds. Inference pods run as this user (plus the cache's group); the agent DaemonSet runs
-# as root with only CHOWN/FOWNER to create the shared socket directory.
-RUN groupadd --gid 10001 keepwarm \
- && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin keepwarm
 USER 10001:10001
 WORKDIR /home/keepwarm
 EXPOSE 8000
