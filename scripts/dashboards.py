@@ -21,7 +21,16 @@ DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 
 # Metrics deliberately left off the dashboards, with why. Standard process/platform collectors
 # (process_*, python_*) are left to generic dashboards as well.
-UNPLOTTED: dict[str, str] = {}
+UNPLOTTED: dict[str, str] = {
+    # The cache's defences against hostile or unlucky clients: labelled counters with no series until
+    # the first incident, so they belong in alerts (rate > 0), not on panels that would stay empty.
+    "keepwarm_cache_accept_errors": "alert on it: accept() failures backed off from (fd exhaustion)",
+    "keepwarm_cache_bad_frames": "alert on it: malformed client frames answered with an error",
+    "keepwarm_cache_refused_connections": "alert on it: connections over the overall/per-uid limits",
+    "keepwarm_cache_seal_failures": "alert on it: arenas refused because memfd seals failed",
+    "keepwarm_cache_changed_on_disk": "alert on it: resident models dropped after a shard changed on disk",
+    "keepwarm_moe_layers": "a load-time fact (experts backend per module), read from /metrics or the log",
+}
 STANDARD_PREFIXES = ("process_", "python_")
 
 
@@ -233,11 +242,12 @@ CACHE = Dashboard(
                     [Target("max by (model) (keepwarm_cache_load_seconds)", "{{model}}")],
                 ),
                 Panel(
-                    "Evictions and refused peers",
+                    "Evictions, refused peers, failed models",
                     "short",
                     [
                         Target("sum(keepwarm_cache_evictions_total)", "evicted for budget"),
                         Target("sum(keepwarm_cache_refused_peers_total)", "refused by SO_PEERCRED"),
+                        Target("sum(keepwarm_cache_failed_models)", "models failed to load"),
                     ],
                 ),
             ],

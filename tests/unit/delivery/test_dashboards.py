@@ -13,10 +13,10 @@ import yaml
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from keepwarm_operator.api.weightcache import WeightCacheSpec
+from keepwarm_api.weightcache import WeightCacheSpec
 from keepwarm_operator.builders.agent import agent_children
 from keepwarm_operator.builders.meta import agent_labels, runtime_labels
-from tests.unit.delivery.scripts import load_script
+from tests.unit.delivery.script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[3]
 CHART = ROOT / "charts" / "keepwarm"

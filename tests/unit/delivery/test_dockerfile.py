@@ -40,7 +40,9 @@ def test_both_targets_exist_and_each_has_its_own_wheel_stage():
         sources = {re.search(r"--from=(\S+)", c).group(1) for c in DF.stages[target].all("COPY")}
         assert sources == {f"{target}-wheel"}, f"{target} copies from {sources}"
         wheel_copies = DF.stages[f"{target}-wheel"].all("COPY")
-        assert [c.split()[0] for c in wheel_copies] == [f"{target}/"], "one distribution per wheel stage"
+        # its own distribution, plus keepwarm-api (the CRD models both images share)
+        copied = [c.split()[0] for c in wheel_copies]
+        assert copied == ["api/", f"{target}/"], "one distribution (and the API package) per wheel stage"
 
 
 @pytest.mark.parametrize("target", ["operator", "runtime"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tests.unit.delivery.scripts import load_script
+from tests.unit.delivery.script_loader import load_script
 from tests.unit.delivery.test_dashboards import exported
 
 ROOT = Path(__file__).resolve().parents[3]
