@@ -23,6 +23,7 @@ CHART = ROOT / "charts" / "keepwarm"
 RELEASE, NAMESPACE = "kw", "keepwarm-system"
 OPERATOR_SA = f"{RELEASE}-keepwarm"
 GROUP_PATH = "/apis/keepwarm.dev/v1alpha1"
+AUTHZ_DECISION = "authorization.k8s.io/decision"  # audit annotation: "allow" or "forbid"
 
 
 def get(cp: Any, path: str) -> dict | None:
@@ -187,7 +188,10 @@ def granted(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
 
 def used(events: list[dict[str, Any]]) -> tuple[set[tuple[str, str, str]], set[tuple[str, str, str]]]:
     """(allowed, forbidden) (verb, apiGroup, resource) triples from audit events; a server-side apply
-    that created its object (201) also needed create."""
+    that created its object (201) also needed create.
+
+    Forbidden means refused by the authorizer (RBAC). A 403 from admission, such as an exceeded
+    ResourceQuota, passed authorization: the grant was used."""
     allowed, forbidden = set(), set()
     for event in events:
         ref = event.get("objectRef")
@@ -196,7 +200,7 @@ def used(events: list[dict[str, Any]]) -> tuple[set[tuple[str, str, str]], set[t
         resource = ref["resource"] + (f"/{ref['subresource']}" if ref.get("subresource") else "")
         triple = (event["verb"], ref.get("apiGroup", ""), resource)
         code = event.get("responseStatus", {}).get("code", 0)
-        if code == 403:
+        if event.get("annotations", {}).get(AUTHZ_DECISION) == "forbid":
             forbidden.add(triple)
             continue
         allowed.add(triple)

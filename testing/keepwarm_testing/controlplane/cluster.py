@@ -13,6 +13,7 @@ are kept and their path is printed. Child processes die with the parent (PR_SET_
 from __future__ import annotations
 
 import ctypes
+import datetime as dt
 import json
 import os
 import shutil
@@ -47,6 +48,11 @@ AUDIT_POLICY = {
         {"level": "None"},
     ],
 }
+
+
+def _unix_time(rfc3339: str) -> float:
+    """An audit timestamp such as 2026-12-03T06:40:01.123456Z as a Unix time."""
+    return dt.datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp()
 
 
 class ControlPlaneError(RuntimeError):
@@ -363,8 +369,9 @@ class ControlPlane:
         """Metadata-level audit events of every ServiceAccount's request (JSON lines)."""
         return self.logs / "audit.log"
 
-    def audit_events(self, user: str) -> list[dict[str, Any]]:
-        """The audit events (ResponseComplete stage) of one user, e.g. system:serviceaccount:NS:NAME."""
+    def audit_events(self, user: str, since: float = 0.0) -> list[dict[str, Any]]:
+        """The audit events (ResponseComplete stage) of one user, e.g. system:serviceaccount:NS:NAME,
+        received at or after `since` (a Unix time): tests sharing the control plane share its log."""
         events: list[dict[str, Any]] = []
         if not self.audit_log.exists():  # no ServiceAccount has made a request yet
             return events
@@ -374,7 +381,11 @@ class ControlPlane:
                     event = json.loads(line)
                 except ValueError:  # the line being written right now
                     continue
-                if event.get("user", {}).get("username") == user and event.get("stage") == "ResponseComplete":
+                if (
+                    event.get("user", {}).get("username") == user
+                    and event.get("stage") == "ResponseComplete"
+                    and _unix_time(event["requestReceivedTimestamp"]) >= since
+                ):
                     events.append(event)
         return events
 

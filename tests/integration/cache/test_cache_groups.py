@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -22,31 +24,32 @@ SHARED_GID = 4242  # the socket's group, as a pod's supplementalGroups would car
 OTHER_GID = 4243
 
 
-def _attach_as(uid: int, gid: int, groups: list[int], model: Path, socket_dir: Path) -> dict:
-    """Fork, take the given primary and supplementary groups and uid, attach, report as JSON."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: torch is already imported; no interpreter start as the other user
-        try:
-            os.close(r)
-            os.setgroups(groups)
-            os.setgid(gid)
-            os.setuid(uid)
-            res = attach(model, socket_dir, dtype=torch.bfloat16)
-            name = "model.embed_tokens.weight"
-            out = {"source": res.source, "reason": res.reason, "sum": float(res.tensors[name].float().sum())}
-            os.write(w, json.dumps(out).encode())
-            os._exit(0)
-        except BaseException:
-            import traceback
+# Runs in a fresh interpreter started as root: it imports everything first, then takes the client's
+# ids (the interpreter itself is not readable by other uids). Not a fork of the test process: a fork
+# of a process whose OpenMP pool and helper threads are running can hang in the child.
+CLIENT = """
+import json, os, sys
+from pathlib import Path
+import torch
+from keepwarm_runtime.cache.client import attach
+uid, gid, groups, model, socket_dir = json.loads(sys.argv[1])
+os.setgroups(groups)
+os.setgid(gid)
+os.setuid(uid)
+res = attach(Path(model), Path(socket_dir), dtype=torch.bfloat16)
+total = float(res.tensors["model.embed_tokens.weight"].float().sum())
+print(json.dumps({"source": res.source, "reason": res.reason, "sum": total}))
+"""
 
-            os.write(w, json.dumps({"child_error": traceback.format_exc()}).encode())
-            os._exit(1)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        data = f.read()
-    os.waitpid(pid, 0)
-    return json.loads(data)
+
+def _attach_as(uid: int, gid: int, groups: list[int], model: Path, socket_dir: Path) -> dict:
+    """Attach as another uid with the given primary and supplementary groups; the result as a dict."""
+    args = json.dumps([uid, gid, groups, str(model), str(socket_dir)])
+    done = subprocess.run(
+        [sys.executable, "-c", CLIENT, args], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")

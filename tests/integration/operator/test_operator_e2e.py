@@ -47,6 +47,7 @@ RECONCILES = "keepwarm_operator_reconcile_total"
 @pytest.fixture(scope="module")
 def env(control_plane, tmp_path_factory):
     cp = control_plane
+    started = time.time()
     install_crds(cp)
     install_chart_rbac(cp)
     runtime_class = {
@@ -62,7 +63,7 @@ def env(control_plane, tmp_path_factory):
     ns = f"{pool}-apps"
     cp.kubectl("create", "namespace", ns)
     op = OperatorProcess(cp, tmp_path_factory.mktemp("operator")).start()
-    yield SimpleNamespace(cp=cp, op=op, pool=pool, nodes=nodes, other=other, ns=ns)
+    yield SimpleNamespace(cp=cp, op=op, pool=pool, nodes=nodes, other=other, ns=ns, started=started)
     op.stop()
 
 
@@ -742,7 +743,8 @@ def test_chart_rbac_grants_exactly_what_the_operator_used(env, request):
     role = next(d for d in render_chart() if d["kind"] == "ClusterRole")
     env.op.stop()  # flush its last requests; the audit log batches for up to 1 s
     time.sleep(2)
-    allowed, forbidden = used(env.cp.audit_events(f"system:serviceaccount:{NAMESPACE}:{OPERATOR_SA}"))
+    user = f"system:serviceaccount:{NAMESPACE}:{OPERATOR_SA}"
+    allowed, forbidden = used(env.cp.audit_events(user, since=env.started))
     assert not forbidden, f"the operator was refused: {sorted(forbidden)}"
     unused = granted(role["rules"]) - allowed - IMPLIED_GRANTS
     assert not unused, f"the chart grants what the operator never used: {sorted(unused)}"
