@@ -45,6 +45,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=["float32", "bfloat16", "float16"],
         help="serving dtype of floating tensors (clients must ask for the same)",
     )
+    serve.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "fp8"],
+        help="fp8: quantize each float --model in 128x128 blocks once, at load, into the arena "
+        "(clients asking for --quantization fp8 attach it; part of the cache key)",
+    )
     serve.add_argument("--budget", type=_bytes, default=None, help="bytes (or 4GiB, 512MiB); LRU beyond")
     serve.add_argument("--pin", action="append", default=[], metavar="NAME", help="never evict NAME")
     serve.add_argument("--group", default=None, help="share the socket with this group (0770/0660)")
@@ -155,13 +162,14 @@ def run_serve(args: argparse.Namespace) -> int:
         allow_gids=frozenset(args.allow_gid),
         metrics_port=args.metrics_port,
         limits=ServerLimits(args.max_connections, args.max_connections_per_uid, args.request_deadline),
+        quantization=None if args.quantization == "none" else args.quantization,
     )
     try:
         daemon = CacheDaemon(config)
         daemon.claim()  # a second daemon stops here, before loading anything
     except Exception as exc:  # bad tier/device/group/socket dir, no CUDA, lock held: one line
         return _fail("serve", exc)
-    loaded = load_initial_models(daemon, args.model)
+    loaded = load_initial_models(daemon, args.model, config.quantization)
     if args.model and not loaded:
         daemon.close()
         return _fail("serve", f"none of the {len(args.model)} models loaded; see the errors above")
@@ -180,15 +188,16 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_initial_models(daemon, paths: list[str]) -> list[str]:
-    """Load each model without evicting another; a failure is an ERROR line (or a WARNING when it
-    only does not fit the budget) and a Failed entry, never the end of the daemon."""
+def load_initial_models(daemon, paths: list[str], quantization: str | None = None) -> list[str]:
+    """Load each model without evicting another (quantized online when ``quantization`` is set); a
+    failure is an ERROR line (or a WARNING when it only does not fit the budget) and a Failed entry,
+    never the end of the daemon."""
     from keepwarm_runtime.cache.registry import BudgetExceeded
 
     loaded = []
     for path in paths:
         try:
-            loaded.append(daemon.add_model(path, evict=False))
+            loaded.append(daemon.add_model(path, evict=False, quantization=quantization))
         except BudgetExceeded as exc:
             log.warning("not loading %s: %s", path, exc)
         except Exception as exc:

@@ -27,6 +27,7 @@ from keepwarm_runtime.cache.env import FALLBACK_ENV, MODE_ENV, SOCKET_DIR_ENV, e
 from keepwarm_runtime.cache.fingerprint import compute_key
 from keepwarm_runtime.cache.loader import TensorEntry, load_from_disk
 from keepwarm_runtime.cache.metrics import client_metrics
+from keepwarm_runtime.engine.quant.settings import Fp8Settings
 
 log = logging.getLogger(__name__)
 _FROM_ENV: Any = object()  # default of socket_dir/mode/fallback: read KEEPWARM_CACHE_* variables
@@ -68,8 +69,13 @@ def attach(
     timeout_s: float = 5.0,
     tp_rank: int = 0,
     tp_size: int = 1,
+    online: Fp8Settings | None = None,
 ) -> AttachResult:
     """Named tensors of ``model_dir`` in ``dtype`` on ``device``: from the cache or from disk.
+
+    ``online`` (FP8 settings of ``--quantization fp8``) asks the cache for the arena its daemon
+    quantized at load: e4m3 weights plus ``_scale_inv`` block scales. The disk path ignores it and
+    returns float tensors, which the engine then quantizes itself.
 
     ``socket_dir=None`` loads from disk; left out, it comes from KEEPWARM_CACHE_SOCKET_DIR (as do
     ``mode`` from KEEPWARM_CACHE_MODE, default "zero_copy", and ``fallback`` from
@@ -94,7 +100,7 @@ def attach(
     if socket_dir is not None:
         try:
             result = _attach_from_cache(
-                model_dir, shards, Path(socket_dir), dtype, device, mode, timeout_s, tp_rank, tp_size
+                model_dir, shards, Path(socket_dir), dtype, device, mode, timeout_s, tp_rank, tp_size, online
             )
             result.seconds = time.perf_counter() - started
             metrics.hits.inc()
@@ -217,8 +223,9 @@ def _attach_or_raise(
     timeout_s: float,
     tp_rank: int,
     tp_size: int,
+    online: Fp8Settings | None,
 ) -> AttachResult:
-    key = compute_key(model_dir, dtype, tp_rank, tp_size, shards=shards)
+    key = compute_key(model_dir, dtype, tp_rank, tp_size, shards=shards, online=online)
     sock = open_session(socket_path_for(socket_dir, device), timeout_s)
     fds: list[int] = []
     try:

@@ -29,12 +29,13 @@ from keepwarm_runtime import __version__
 from keepwarm_runtime.cache import security
 from keepwarm_runtime.cache.checkpoint import parse_dtype, read_checkpoint
 from keepwarm_runtime.cache.connections import SocketServer
-from keepwarm_runtime.cache.fingerprint import compute_key
+from keepwarm_runtime.cache.fingerprint import compute_key, read_config
 from keepwarm_runtime.cache.handlers import CommandHandlers
 from keepwarm_runtime.cache.limits import ServerLimits, raise_nofile_limit
 from keepwarm_runtime.cache.loader import fill_arena, plan_layout
 from keepwarm_runtime.cache.metrics import DaemonMetrics
 from keepwarm_runtime.cache.registry import ModelRegistry, ResidentModel
+from keepwarm_runtime.engine.quant.settings import Fp8Settings, fp8_settings
 
 log = logging.getLogger(__name__)
 MAX_REASON_CHARS = 1000  # a Failed model's reason, as reported in stats, list and the node status
@@ -53,6 +54,7 @@ class DaemonConfig:
     allow_gids: frozenset[int] = frozenset()  # matched against primary and supplementary groups
     metrics_port: int | None = None
     limits: ServerLimits = field(default_factory=ServerLimits)
+    quantization: str | None = None  # "fp8": quantize the --model checkpoints online at load
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,16 @@ class FailedModel:
     def describe(self) -> dict[str, Any]:
         """Shape of a Failed model in ``stats`` (under "failed") and ``list``: stable, documented."""
         return {"state": "Failed", "path": str(self.path), "reason": self.reason}
+
+
+def online_settings(path: Path, quantization: str | None) -> Fp8Settings | None:
+    """The online FP8 settings for ``path`` asked with ``quantization``, exactly as the engine reads
+    them (engine.quant.settings.fp8_settings): None without one; an FP8 checkpoint asked to be
+    quantized again, or any method but fp8, is refused by name (QuantizationError)."""
+    if quantization in (None, "none"):
+        return None
+    settings = fp8_settings(read_config(path).get("quantization_config"), quantization)
+    return settings if settings is not None and settings.source == "online" else None
 
 
 def resolve_tier(tier: str) -> str:
@@ -110,17 +122,21 @@ class CacheDaemon:
 
     # -- node agent API -------------------------------------------------------------------------
 
-    def add_model(self, path: str | Path, pin: bool = False, evict: bool = True) -> str:
-        """Load ``path`` (once; a second call is a no-op) and return its model name.
+    def add_model(
+        self, path: str | Path, pin: bool = False, evict: bool = True, quantization: str | None = None
+    ) -> str:
+        """Load ``path`` (once; a second call with the same settings is a no-op) and return its name.
 
         ``evict=False`` (the initial models) refuses a model that does not fit the budget instead
-        of evicting another. On failure the model is recorded as Failed and the error re-raised.
+        of evicting another. ``quantization="fp8"`` quantizes a float checkpoint online into the
+        arena (``loader.plan_layout``); an FP8 checkpoint or another method is refused by name.
+        On failure the model is recorded as Failed and the error re-raised.
         """
         path = Path(path).resolve()
         name = self.registry.unique_name(path)
         try:
             with self._load_lock:
-                name = self._load(path, name, pin, evict)
+                name = self._load(path, name, pin, evict, quantization)
         except Exception as exc:
             self._record_failure(name, path, exc)
             raise
@@ -130,15 +146,16 @@ class CacheDaemon:
             self.metrics.failed_models.remove(name)
         return name
 
-    def _load(self, path: Path, name: str, pin: bool, evict: bool) -> str:
+    def _load(self, path: Path, name: str, pin: bool, evict: bool, quantization: str | None) -> str:
         shards = read_checkpoint(path)  # validates every header before anything is evicted
-        key = compute_key(path, self.dtype, shards=shards)
+        online = online_settings(path, quantization)
+        key = compute_key(path, self.dtype, shards=shards, online=online)
         current = self.registry.get(name)
         if current is not None and current.key == key:
             current.pinned = current.pinned or pin
             return name
         pinned = pin or name in self.config.pins or path.name in self.config.pins
-        layout = plan_layout(shards, self.dtype)
+        layout = plan_layout(shards, self.dtype, online)
         for victim in self.registry.reserve(layout.size, keep=name, evict=evict):
             self._drop(victim, "evicted for --budget")
             self.metrics.evictions.inc()
@@ -152,7 +169,18 @@ class CacheDaemon:
             raise
         seconds = time.perf_counter() - started
         model = ResidentModel(
-            name, path, key, layout, arena, self.tier, digest, pinned, seconds, shards, gpu_uuid=self.gpu_uuid
+            name,
+            path,
+            key,
+            layout,
+            arena,
+            self.tier,
+            digest,
+            pinned,
+            seconds,
+            shards,
+            gpu_uuid=self.gpu_uuid,
+            quantization=quantization if online is not None else None,
         )
         old = self.registry.remove(name)
         if old is not None:
@@ -161,9 +189,10 @@ class CacheDaemon:
         self.metrics.resident_bytes.labels(name, self.tier).set(model.nbytes)
         self.metrics.load_seconds.labels(name).set(seconds)
         log.info(
-            "loaded %s (%d tensors, %.2f GiB %s, %s pages) in %.2fs",
+            "loaded %s (%d tensors%s, %.2f GiB %s, %s pages) in %.2fs",
             name,
             len(layout.entries),
+            f", {len(layout.quantized)} quantized to fp8 online" if online is not None else "",
             model.nbytes / 2**30,
             self.tier,
             arena.page_mode,
@@ -209,7 +238,7 @@ class CacheDaemon:
 
     def _reload(self, model: ResidentModel) -> None:
         try:
-            self.add_model(model.path, pin=model.pinned)
+            self.add_model(model.path, pin=model.pinned, quantization=model.quantization)
         except Exception:  # recorded as Failed by add_model; the stale bytes must go
             if self.registry.remove(model.name, model) is not None:
                 self._drop(model, "changed on disk and the reload failed", level=logging.WARNING)

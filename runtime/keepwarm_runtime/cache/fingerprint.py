@@ -12,6 +12,9 @@ The daemon separately records a content digest while it reads the bytes (``loade
 re-checks file identities before each hit, so a shard changed on disk after load is a miss.
 ``conversion`` names the serving layout the daemon wrote into the arena (expert merges, FP8 scales
 kept in float32: ``engine.moe.serving_layout.CONVERSION_ID``); a new layout version is a miss.
+``quantization`` is the checkpoint's own ``quantization_config`` (hashed), or for online FP8
+(``--quantization fp8``) the settings and quantizer version (``Fp8Settings.key_text``): a client that
+asks for online FP8 never attaches float weights, nor a float client FP8 ones.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 from keepwarm_runtime import __version__
 from keepwarm_runtime.cache.checkpoint import Shard, dtype_name, read_checkpoint
 from keepwarm_runtime.engine.moe.serving_layout import CONVERSION_ID
+from keepwarm_runtime.engine.quant.settings import Fp8Settings
 
 
 @dataclass(frozen=True)
@@ -35,7 +39,7 @@ class WeightCacheKey:
     files: str  # sha256 over shard names and file identities (device, inode, size, mtime, ctime)
     architecture: str  # config.json architectures[0] (or model_type)
     dtype: str  # serving dtype of floating tensors, e.g. "float32"
-    quantization: str  # sha256 of config.json quantization_config ("none" without one)
+    quantization: str  # sha256 of config.json quantization_config, online settings, or "none"
     conversion: str  # the arena's serving layout (engine.moe.serving_layout.CONVERSION_ID)
     revision: str  # hub commit (HF cache snapshot dir / _commit_hash) or "local"
     tp_rank: int  # tensor-parallel rank this entry serves
@@ -85,7 +89,8 @@ def files_hash(shards: list[Shard]) -> str:
     return h.hexdigest()
 
 
-def _config(model_dir: Path) -> dict[str, Any]:
+def read_config(model_dir: Path) -> dict[str, Any]:
+    """config.json as a dict ({} without one); invalid JSON raises ValueError naming the file."""
     path = model_dir / "config.json"
     if not path.exists():
         return {}
@@ -110,16 +115,20 @@ def compute_key(
     tp_size: int = 1,
     shards: list[Shard] | None = None,
     conversion: str = CONVERSION_ID,
+    online: Fp8Settings | None = None,
 ) -> WeightCacheKey:
-    """Key of ``model_dir`` served in ``dtype``; reads only headers, ``fstat`` and config.json."""
+    """Key of ``model_dir`` served in ``dtype`` (quantized at load when ``online`` is given); reads
+    only headers, ``fstat`` and config.json."""
     model_dir = Path(model_dir)
     shards = shards if shards is not None else read_checkpoint(model_dir)
-    config = _config(model_dir)
+    config = read_config(model_dir)
     archs = config.get("architectures") or [config.get("model_type", "unknown")]
     quant = config.get("quantization_config")
     quant_hash = (
         hashlib.sha256(json.dumps(quant, sort_keys=True).encode()).hexdigest()[:16] if quant else "none"
     )
+    if online is not None:
+        quant_hash = online.key_text() if not quant else f"{quant_hash}+{online.key_text()}"
     return WeightCacheKey(
         checkpoint=checkpoint_hash(shards),
         files=files_hash(shards),

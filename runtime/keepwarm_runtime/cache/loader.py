@@ -5,6 +5,12 @@ writes them into the arena already converted to the serving dtype and laid out a
 them (expert merges; see keepwarm_runtime.engine.moe.serving_layout), so clients never convert. The
 read path is three small steps per tensor (``read_tensor_bytes`` -> digest -> ``write_serving_tensor``)
 so that a conversion step has one place to go.
+
+Online FP8 quantization (``keepwarm cache serve --quantization fp8``) is one more such step: the
+tensors ``engine.quant.fp8_modules.online_targets`` names are staged in the serving dtype (a merged
+expert stack until its last expert arrives), then quantized in 128x128 blocks with the engine's own
+``quantize_blocks`` into an e4m3 entry plus a float32 ``<name>_scale_inv`` entry. The engine's disk
+path quantizes the same serving-dtype tensors with the same function, so both give the same bits.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
 import torch
@@ -26,6 +33,8 @@ from keepwarm_runtime.cache.checkpoint import (
     parse_dtype,
 )
 from keepwarm_runtime.engine.moe import serving_layout
+from keepwarm_runtime.engine.quant.fp8 import E4M3, quantize_blocks
+from keepwarm_runtime.engine.quant.settings import SCALE_SUFFIX, Fp8Settings, QuantizationError
 
 ALIGN = 256  # bytes; satisfies every dtype and CUDA's preferred alignment
 
@@ -48,10 +57,29 @@ class TensorEntry:
 
 
 @dataclass(frozen=True)
+class QuantizedEntry:
+    """An arena tensor the daemon quantizes online: staged in ``staging`` dtype, then block-quantized."""
+
+    scale: str  # name of its float32 block-scale entry (`<name>_scale_inv`)
+    staging: torch.dtype  # the serving dtype it is quantized from (what the engine's disk path holds)
+    sources: int  # checkpoint tensors that fill it (experts x projections for a merged stack, else 1)
+    block: tuple[int, int]
+
+
+@dataclass(frozen=True)
 class ArenaLayout:
     entries: tuple[TensorEntry, ...]
     size: int  # bytes needed, before page rounding
     placements: dict[str, serving_layout.Placement] = field(default_factory=dict)  # merged sources
+    quantized: dict[str, QuantizedEntry] = field(default_factory=dict)  # online FP8, by entry name
+
+
+@dataclass(frozen=True)
+class _Served:
+    name: str  # arena name (checkpoint name, or a merged target's name)
+    shape: tuple[int, ...]
+    dtype: torch.dtype  # serving dtype
+    sources: int
 
 
 def tensor_serving_dtype(name: str, stored: torch.dtype, serving: torch.dtype) -> torch.dtype:
@@ -59,12 +87,47 @@ def tensor_serving_dtype(name: str, stored: torch.dtype, serving: torch.dtype) -
     return serving_layout.tensor_dtype(name, stored, serving, CONVERTIBLE)
 
 
-def plan_layout(shards: list[Shard], serving: torch.dtype) -> ArenaLayout:
+def plan_layout(
+    shards: list[Shard], serving: torch.dtype, quantization: Fp8Settings | None = None
+) -> ArenaLayout:
+    """Where each served tensor lies in the arena; ``quantization`` (online FP8) adds the conversion
+    of every linear weight and expert stack to e4m3 plus block scales (QuantizationError if the
+    model cannot be built to tell which those are)."""
     records = [(rec.name, rec.shape, rec.dtype) for shard in shards for rec in shard.tensors]
-    rules = serving_layout.merge_rules(shards[0].path.parent) if shards else []
-    conversion = serving_layout.plan(records, rules)
-    targets = {t.name: t for t in conversion.targets}
+    model_dir = shards[0].path.parent if shards else None
+    model = serving_layout.meta_model(model_dir) if model_dir is not None else None
+    conversion = serving_layout.plan(records, serving_layout.merge_rules(model))
+    served = _served_tensors(records, conversion, serving)
+    quantized = {} if quantization is None else _online_quantized(served, model, quantization, model_dir)
     entries, offset = [], 0
+
+    def add(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        nonlocal offset
+        nbytes = dtype.itemsize
+        for dim in shape:
+            nbytes *= dim
+        entries.append(TensorEntry(name, dtype, tuple(shape), offset, nbytes))
+        offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+
+    for t in served:
+        q = quantized.get(t.name)
+        add(t.name, E4M3 if q else t.dtype, t.shape)
+        if q:
+            add(q.scale, torch.float32, (*t.shape[:-2], *_grid(t.shape, q.block)))
+    return ArenaLayout(tuple(entries), offset, conversion.placements, quantized)
+
+
+def _grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
+    return -(-shape[-2] // block[0]), -(-shape[-1] // block[1])
+
+
+def _served_tensors(records, conversion: serving_layout.ServingPlan, serving: torch.dtype) -> list[_Served]:
+    """The arena's tensors in checkpoint order: unmerged ones as stored, merged targets once."""
+    targets = {t.name: t for t in conversion.targets}
+    sources: dict[str, int] = {}
+    for placement in conversion.placements.values():
+        sources[placement.target] = sources.get(placement.target, 0) + 1
+    served = []
     for name, shape, stored in records:
         placement = conversion.placements.get(name)
         if placement is not None:
@@ -73,13 +136,39 @@ def plan_layout(shards: list[Shard], serving: torch.dtype) -> ArenaLayout:
                 continue
             name, shape, stored = target.name, target.shape, target.stored
         dtype = tensor_serving_dtype(name, stored, serving)
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        nbytes = numel * dtype.itemsize
-        entries.append(TensorEntry(name, dtype, tuple(shape), offset, nbytes))
-        offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
-    return ArenaLayout(tuple(entries), offset, conversion.placements)
+        served.append(_Served(name, tuple(shape), dtype, sources.get(name, 1)))
+    return served
+
+
+def _online_quantized(
+    served: list[_Served], model, settings: Fp8Settings, model_dir: Path | None
+) -> dict[str, QuantizedEntry]:
+    """The arena tensors online quantization converts: those whose model name is one of the engine's
+    `online_targets`. Every target must be an arena tensor, or the load is refused by name (an engine
+    attaching this arena would otherwise find a float weight where it expects e4m3)."""
+    from keepwarm_runtime.engine.quant.fp8_modules import online_targets
+
+    if model is None:
+        raise QuantizationError(
+            f"{model_dir}: transformers cannot build this model, so the cache cannot tell which tensors are "
+            "linear weights to quantize online; serve it without --quantization"
+        )
+    targets = set(online_targets(model, settings))
+    pairs = serving_layout.model_renamings(model)
+    out: dict[str, QuantizedEntry] = {}
+    found: set[str] = set()
+    for t in served:
+        name = serving_layout.model_name(t.name, pairs)
+        if name in targets and t.dtype in CONVERTIBLE and len(t.shape) >= 2:
+            out[t.name] = QuantizedEntry(t.name + SCALE_SUFFIX, t.dtype, t.sources, settings.block)
+            found.add(name)
+    missing = sorted(targets - found)
+    if missing:
+        raise QuantizationError(
+            f"{model_dir}: online fp8 quantization needs {len(missing)} weights the checkpoint does not "
+            f"hold as float tensors in the serving layout: {', '.join(missing[:6])}"
+        )
+    return out
 
 
 class WritableArena(Protocol):
@@ -94,6 +183,7 @@ def fill_arena(arena: WritableArena, shards: list[Shard], layout: ArenaLayout) -
     after the copy: a file replaced or rewritten meanwhile fails the load instead of mixing bytes.
     """
     by_name = {e.name: e for e in layout.entries}
+    staged = _Staging(arena, layout, by_name)
     digest = hashlib.sha256()
     for shard in shards:
         digest.update(shard.header)
@@ -104,10 +194,60 @@ def fill_arena(arena: WritableArena, shards: list[Shard], layout: ArenaLayout) -
                 digest.update(raw)
                 placement = layout.placements.get(rec.name)
                 entry = by_name[placement.target if placement else rec.name]
-                write_serving_tensor(arena, entry, rec, raw, placement)
+                if entry.name in layout.quantized:
+                    staged.write(entry, rec, raw, placement)
+                else:
+                    write_serving_tensor(arena, entry, rec, raw, placement)
                 del raw
             _check_identity(shard, f.fileno())
+    staged.check_done()
     return digest.hexdigest()
+
+
+class _Staging:
+    """Tensors quantized online: each is gathered in its serving dtype (a merged stack from all its
+    experts), then quantized into its e4m3 entry and its scale entry, and the staging freed."""
+
+    def __init__(self, arena: WritableArena, layout: ArenaLayout, by_name: dict[str, TensorEntry]) -> None:
+        self.arena, self.layout, self.by_name = arena, layout, by_name
+        self.pending: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (staging tensor, sources seen)
+
+    def write(
+        self,
+        entry: TensorEntry,
+        rec: TensorRecord,
+        raw: bytearray,
+        placement: serving_layout.Placement | None,
+    ) -> None:
+        q = self.layout.quantized[entry.name]
+        staging, seen = self.pending.get(entry.name) or (torch.empty(entry.shape, dtype=q.staging), 0)
+        staging_entry = TensorEntry(entry.name, q.staging, entry.shape, 0, staging.nbytes)
+        write_serving_tensor(_Whole(staging), staging_entry, rec, raw, placement)
+        seen += 1
+        if seen < q.sources:
+            self.pending[entry.name] = (staging, seen)
+            return
+        self.pending.pop(entry.name, None)
+        if staging.numel():
+            weight, scale = quantize_blocks(staging, q.block)
+            self.arena.tensor(entry.offset, entry.dtype, entry.shape).copy_(weight)
+            scale_entry = self.by_name[q.scale]
+            self.arena.tensor(scale_entry.offset, scale_entry.dtype, scale_entry.shape).copy_(scale)
+
+    def check_done(self) -> None:
+        if self.pending:
+            names = ", ".join(sorted(self.pending))
+            raise CheckpointError(f"tensors never completed for quantization: {names}")
+
+
+class _Whole:
+    """A single tensor seen as an arena whose only entry starts at offset 0 (staging for quantization)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+
+    def tensor(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        return self._tensor
 
 
 def _check_identity(shard: Shard, fd: int) -> None:

@@ -44,6 +44,7 @@ class ResidentModel:
     load_seconds: float
     shards: list[Shard]  # headers and file identities as loaded (re-checked before each hit)
     gpu_uuid: str | None = None  # gpu tier: the GPU holding it
+    quantization: str | None = None  # online quantization applied at load ("fp8"), kept for reloads
     hits: int = 0
     last_used: float = field(default_factory=time.monotonic)
 

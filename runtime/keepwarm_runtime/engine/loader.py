@@ -14,7 +14,6 @@ MoE backend engine.moe chooses per module.
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +23,7 @@ from keepwarm_runtime.cache.client import attach
 from keepwarm_runtime.engine.attention.dispatch import register_keepwarm_attention
 from keepwarm_runtime.engine.attention.fuser import IMPLEMENTATION
 from keepwarm_runtime.engine.config import EngineConfig
+from keepwarm_runtime.engine.moe import serving_layout
 from keepwarm_runtime.engine.moe.experts import ExpertsChoice, prepare_experts, use_keepwarm_experts
 from keepwarm_runtime.engine.multimodal import model_class as multimodal_model_class
 from keepwarm_runtime.engine.quant.fp8_modules import prepare_checkpoint_fp8, quantize_online
@@ -41,7 +41,7 @@ class LoadInfo:
     source: str  # "cache" | "disk"
     seconds: float  # attach/load wall time
     reason: str | None  # why the cache was not used, if it was not
-    copied_tensors: int = 0  # tensors materialised here (disk-path expert merges, online quantization)
+    copied_tensors: int = 0  # tensors materialised here (disk-path expert merges and online quantization)
     moe: list[ExpertsChoice] = field(default_factory=list)  # backend chosen per experts module, with why
 
 
@@ -68,6 +68,7 @@ def load_model(config: EngineConfig) -> tuple[nn.Module, LoadInfo]:
             "not go through the transformers registry, so keepwarm cannot run it"
         ) from exc
     model.eval()
+    online = quantization if quantization is not None and quantization.source == "online" else None
     res = attach(
         config.model_dir,
         config.cache_socket_dir,
@@ -75,13 +76,16 @@ def load_model(config: EngineConfig) -> tuple[nn.Module, LoadInfo]:
         device=config.device,
         mode=config.cache_mode,
         fallback=config.cache_fallback,
+        online=online,
     )
-    if quantization is not None and quantization.source == "checkpoint":
+    # A cache hit for online FP8 is an arena the daemon already quantized (the key says so).
+    quantized_by_cache = online is not None and res.source == "cache"
+    if quantization is not None and (quantization.source == "checkpoint" or quantized_by_cache):
         _prepare_fp8(model, quantization, res)
     copied = fill_parameters(model, res.tensors, res.aliases)
     materialize_buffers(model, torch.device(config.device))
-    if quantization is not None and quantization.source == "online":
-        copied += quantize_online(model, quantization)
+    if online is not None and not quantized_by_cache:
+        copied += quantize_online(model, online)
     moe = _prepare_moe(model, config)
     return model, LoadInfo(res.source, res.seconds, res.reason, copied, moe)
 
@@ -223,9 +227,7 @@ class _Lookup:
         if self._renamed is None:
             self._renamed = {}
             for ckpt in [*self.tensors, *self.aliases]:
-                target = ckpt
-                for pattern, repl in self.renamings:
-                    target = re.sub(pattern, repl, target)
+                target = serving_layout.model_name(ckpt, self.renamings)
                 if target != ckpt:
                     self._renamed[target] = ckpt
         renamed = self._renamed.get(name)
@@ -243,24 +245,13 @@ def _conversions(model: nn.Module):
     """transformers' own load-time conversions for this model, as (renamings, merge functions)."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import (
-            Concatenate,
-            MergeModulelist,
-            WeightConverter,
-            WeightRenaming,
-        )
+        from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
     except ImportError:  # an older transformers without conversion mappings
         return [], []
-    renamings, merges = [], []
-    for transform in get_model_conversion_mapping(model):
-        if isinstance(transform, WeightRenaming):
-            for src, dst in zip(
-                transform.source_patterns,
-                transform.target_patterns * len(transform.source_patterns),
-                strict=False,
-            ):
-                renamings.append((src, dst))
-        elif isinstance(transform, WeightConverter):
+    mapping = get_model_conversion_mapping(model)
+    merges = []
+    for transform in mapping:
+        if isinstance(transform, WeightConverter):
             ops = [type(op) for op in transform.operations]
             if (
                 ops not in ([MergeModulelist], [MergeModulelist, Concatenate])
@@ -270,7 +261,7 @@ def _conversions(model: nn.Module):
                 continue
             merges.append(_expert_merge(transform))
             merges.append(_expert_merge(_fp8_scales_of(transform)))
-    return renamings, merges
+    return serving_layout.renamings(mapping), merges
 
 
 def _fp8_scales_of(transform):

@@ -123,26 +123,43 @@ def plan(records: Iterable[tuple[str, tuple[int, ...], torch.dtype]], rules: lis
     return ServingPlan(tuple(t for _, t in sorted(targets, key=lambda x: x[0])), placements)
 
 
-def merge_rules(model_dir: str | Path) -> list[MergeRule]:
-    """transformers' expert merges for the model in `model_dir` (builds it on the meta device; no
-    weights read). Empty for a model without merges, or when transformers cannot build it."""
+def meta_model(model_dir: str | Path):
+    """The model of `model_dir` built on the meta device (no weights read), or None when there is no
+    config.json or transformers cannot build it."""
     config_path = Path(model_dir) / "config.json"
     if not config_path.exists():
-        return []
+        return None
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
 
-        json.loads(config_path.read_text())  # a broken config is "no merges", not a daemon crash
+        json.loads(config_path.read_text())  # a broken config is "no model", not a daemon crash
         config = AutoConfig.from_pretrained(model_dir)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-        mapping = get_model_conversion_mapping(model)
+            return AutoModelForCausalLM.from_config(config)
     except Exception:  # an architecture transformers cannot build: serve the checkpoint as stored
+        return None
+
+
+def _conversion_mapping(model) -> list:
+    if model is None:
+        return []
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        return list(get_model_conversion_mapping(model))
+    except Exception:  # an older transformers without conversion mappings
+        return []
+
+
+def merge_rules(model) -> list[MergeRule]:
+    """transformers' expert merges for `model` (from `meta_model`). Empty for a model without merges,
+    or None (transformers could not build it)."""
+    try:
+        from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+    except ImportError:
         return []
     rules = []
-    for transform in mapping:
+    for transform in _conversion_mapping(model):
         if not isinstance(transform, WeightConverter) or len(transform.target_patterns) != 1:
             continue
         ops = [type(op) for op in transform.operations]
@@ -152,3 +169,28 @@ def merge_rules(model_dir: str | Path) -> list[MergeRule]:
         elif ops == [MergeModulelist, Concatenate] and stacked_on_0 and transform.operations[1].dim == 1:
             rules.append(MergeRule(tuple(transform.source_patterns), transform.target_patterns[0], True))
     return with_scales(rules)
+
+
+def renamings(mapping: Iterable) -> list[tuple[str, str]]:
+    """transformers' regex renamings (checkpoint name -> model name) among a conversion mapping."""
+    try:
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:
+        return []
+    pairs = []
+    for transform in mapping:
+        if isinstance(transform, WeightRenaming):
+            targets = transform.target_patterns * len(transform.source_patterns)
+            pairs += list(zip(transform.source_patterns, targets, strict=False))
+    return pairs
+
+
+def model_renamings(model) -> list[tuple[str, str]]:
+    return renamings(_conversion_mapping(model))
+
+
+def model_name(checkpoint_name: str, pairs: list[tuple[str, str]]) -> str:
+    """The model's name for a checkpoint (or arena) tensor name, after transformers' renamings."""
+    for pattern, repl in pairs:
+        checkpoint_name = re.sub(pattern, repl, checkpoint_name)
+    return checkpoint_name

@@ -5,7 +5,9 @@ added): its torch reference forward dequantizes the blocks into the activation d
 matmul, which is what transformers' own dequantizing FP8 path computes. Fused experts gain
 `gate_up_proj_scale_inv` / `down_proj_scale_inv` beside their weights; the MoE backends read them
 (engine.moe.reference). Two entry points: `prepare_checkpoint_fp8` before the weights are filled
-(placeholders on meta the loader then points at checkpoint tensors) and `quantize_online` after.
+(placeholders on meta the loader then points at checkpoint tensors, or at tensors the weight cache
+quantized online) and `quantize_online` after (the disk path). `online_targets` names what online
+quantization converts; the cache daemon quantizes exactly those tensors into its arena.
 """
 
 from __future__ import annotations
@@ -74,9 +76,15 @@ def _as_fp8_linear(module: nn.Linear, block: tuple[int, int]) -> None:
 
 
 def prepare_checkpoint_fp8(model: nn.Module, settings: Fp8Settings, has_tensor: Callable[[str], bool]) -> int:
-    """Before filling: make every module whose checkpoint carries block scales hold e4m3 + scales.
-    Returns how many modules were converted. `has_tensor` asks the checkpoint by model name."""
+    """Before filling: make every module whose tensors carry block scales hold e4m3 + scales.
+    Returns how many modules were converted. `has_tensor` asks the attached tensors by model name.
+
+    `settings.source == "online"` is a float checkpoint the weight cache quantized at load
+    (`online_targets`, `quantize_blocks`): each fused expert stack is one quantized tensor with one
+    scale grid over its stored shape, as `quantize_online` makes on the disk path. A checkpoint's
+    experts are quantized per expert and projection, so gate and up carry a grid each."""
     converted = 0
+    online = settings.source == "online"
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and has_tensor(f"{name}.weight{SCALE_SUFFIX}"):
             _as_fp8_linear(module, settings.block)
@@ -85,17 +93,20 @@ def prepare_checkpoint_fp8(model: nn.Module, settings: Fp8Settings, has_tensor: 
             merged = has_tensor(f"{name}.gate_up_proj{SCALE_SUFFIX}")  # merged by the weight cache
             if not (merged or has_tensor(f"{name}.0.gate_proj.weight{SCALE_SUFFIX}")):
                 continue
-            if getattr(module, "is_transposed", False):
+            gate_up, down = module.gate_up_proj, module.down_proj
+            if online:
+                rows = _grid(gate_up.shape, settings.block)
+            elif getattr(module, "is_transposed", False):
                 raise QuantizationError(
                     f"{name}: FP8 experts stored transposed (gpt-oss layout) are not supported; "
                     "serve the float checkpoint, optionally with --quantization fp8"
                 )
-            gate_up, down = module.gate_up_proj, module.down_proj
-            # Checkpoint scales are per expert and projection, so gate and up carry a grid each, whether
-            # the loader or the weight cache concatenated them: ceil(I / 128) rows per half.
-            half = -(-(gate_up.shape[-2] // 2) // settings.block[0])
-            rows = (2 * half, _grid(gate_up.shape, settings.block)[1])
-            setattr(module, HALVES_APART_ATTR, True)
+            else:
+                # Checkpoint scales are per expert and projection, so gate and up carry a grid each,
+                # whether the loader or the weight cache concatenated them: ceil(I / 128) rows per half.
+                half = -(-(gate_up.shape[-2] // 2) // settings.block[0])
+                rows = (2 * half, _grid(gate_up.shape, settings.block)[1])
+                setattr(module, HALVES_APART_ATTR, True)
             module.register_parameter("gate_up_proj" + SCALE_SUFFIX, _placeholder((gate_up.shape[0], *rows)))
             module.register_parameter(
                 "down_proj" + SCALE_SUFFIX, _placeholder((down.shape[0], *_grid(down.shape, settings.block)))
@@ -104,21 +115,33 @@ def prepare_checkpoint_fp8(model: nn.Module, settings: Fp8Settings, has_tensor: 
     return converted
 
 
-def quantize_online(model: nn.Module, settings: Fp8Settings) -> int:
-    """After filling a float model: quantize every nn.Linear (but the excluded) and every fused expert
-    stack in 128x128 blocks. Returns how many tensors were quantized (each one a new tensor)."""
-    quantized = 0
+def online_targets(model: nn.Module, settings: Fp8Settings) -> list[str]:
+    """Names of the parameters online quantization converts: the weight of every nn.Linear (but the
+    excluded, e.g. lm_head, and those already FP8) and every fused expert stack. Defined once here for
+    both places that quantize: `quantize_online` (disk path) and the weight cache daemon (arena)."""
+    names = []
     for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
         if isinstance(module, nn.Linear) and not isinstance(module, Fp8Linear) and settings.converts(name):
-            q, scale = quantize_blocks(module.weight.detach(), settings.block)
+            names.append(prefix + "weight")
+        elif is_experts_module(module) and hasattr(module, "gate_up_proj"):
+            names += [prefix + "gate_up_proj", prefix + "down_proj"]
+    return names
+
+
+def quantize_online(model: nn.Module, settings: Fp8Settings) -> int:
+    """After filling a float model: quantize every tensor `online_targets` names in 128x128 blocks.
+    Returns how many tensors were quantized (each one a new tensor)."""
+    targets = online_targets(model, settings)
+    for full in targets:
+        module_name, _, attr = full.rpartition(".")
+        module = model.get_submodule(module_name)
+        q, scale = quantize_blocks(getattr(module, attr).detach(), settings.block)
+        if isinstance(module, nn.Linear):
             _as_fp8_linear(module, settings.block)
             module.weight = nn.Parameter(q, requires_grad=False)
             module.weight_scale_inv = nn.Parameter(scale, requires_grad=False)
-            quantized += 1
-        elif is_experts_module(module) and hasattr(module, "gate_up_proj"):
-            for attr in ("gate_up_proj", "down_proj"):
-                q, scale = quantize_blocks(getattr(module, attr).detach(), settings.block)
-                setattr(module, attr, nn.Parameter(q, requires_grad=False))
-                module.register_parameter(attr + SCALE_SUFFIX, nn.Parameter(scale, requires_grad=False))
-                quantized += 1
-    return quantized
+        else:
+            setattr(module, attr, nn.Parameter(q, requires_grad=False))
+            module.register_parameter(attr + SCALE_SUFFIX, nn.Parameter(scale, requires_grad=False))
+    return len(targets)

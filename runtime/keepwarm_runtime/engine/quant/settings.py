@@ -15,6 +15,7 @@ from keepwarm_runtime.engine.quant.fp8 import BLOCK
 SCALE_SUFFIX = (
     "_scale_inv"  # `x.weight` -> `x.weight_scale_inv`; a fused `experts.gate_up_proj` -> `..._scale_inv`
 )
+ONLINE_QUANTIZER = "quantizer-v1"  # bump when quantize_blocks or online_targets change their output
 DEFAULT_NOT_CONVERTED = ("lm_head",)  # output head stays in the serving dtype, as in released checkpoints
 
 
@@ -30,6 +31,12 @@ class Fp8Settings:
 
     def converts(self, module_name: str) -> bool:
         return not any(module_name == n or module_name.endswith("." + n) for n in self.not_converted)
+
+    def key_text(self) -> str:
+        """What the weight cache key's `quantization` field says for online quantization: method,
+        block, the modules left float and the quantizer's version (a change to any is a cache miss)."""
+        skip = ",".join(self.not_converted)
+        return f"online:fp8:block={self.block[0]}x{self.block[1]}:skip={skip}:{ONLINE_QUANTIZER}"
 
 
 def _get(config, key: str, default=None):
