@@ -26,6 +26,7 @@ class Step:
     help_argv: list[str] | None = None  # argv that prints the step's --help (flags checked in the dry run)
     core: bool = True  # inside the budget line; False: runs only if time is left
     gate: bool = False  # when it fails, nothing after it can pass: the run stops
+    env: dict[str, str] = field(default_factory=dict)  # set for this step only (e.g. an opt-in)
 
     def command(self, py: str, work: str) -> list[str]:
         return [a.replace(PY, py).replace(WORK, work) for a in self.argv]
@@ -54,14 +55,24 @@ THROUGHPUT_HELP = [PY, "bench/throughput.py", "--help"]
 MOE_HELP = [PY, "bench/moe.py", "--help"]
 ENV_SCRIPT = "scripts/gpucheck/envinfo.py"
 OTHER_TESTS = ["--ignore=tests/gpu/cache", "--ignore=tests/gpu/engine"]  # run by their own steps
+# tests/gpu/moe's FlashInfer fused-MoE parity cases (CUTLASS FP8 block-scale and bf16, SwiGLU with
+# alpha/beta/limit, biases) run only with this set: their first call JIT-compiles for minutes.
+FLASHINFER_MOE_OPT_IN = "KEEPWARM_GPU_FLASHINFER_MOE"
+MOE_MODULES = ["keepwarm_runtime.engine.moe.experts", "keepwarm_runtime.engine.moe.flashinfer_backend"]
 
 
 def _pytest(
-    name: str, path: str, ceiling_s: int, imports: list[str], *select: str, core: bool = True
+    name: str,
+    path: str,
+    ceiling_s: int,
+    imports: list[str],
+    *select: str,
+    core: bool = True,
+    env: dict[str, str] | None = None,
 ) -> Step:
     argv = [PY, "-m", "pytest", path, *select, "-q", "-rA", "-p", "no:cacheprovider"]
     argv += [f"--junitxml={WORK}/{name}.xml", f"--timeout={ceiling_s}"]
-    return Step(name, argv, ceiling_s, "pytest", imports, core=core)
+    return Step(name, argv, ceiling_s, "pytest", imports, core=core, env=env or {})
 
 
 def _restart(size_gib: int, dtype: str, ceiling_s: int, core: bool = True) -> Step:
@@ -90,7 +101,7 @@ def _moe(flashinfer: bool, ceiling_s: int) -> Step:
     argv = [PY, "bench/moe.py", "--device", "cuda:0", "--experts", "16", "--hidden", "2048"]
     argv += ["--intermediate", "1024", "--repeats", "5", *([] if flashinfer else ["--skip-flashinfer"])]
     name = "moe-layer-flashinfer" if flashinfer else "moe-layer-torch"
-    return Step(name, argv, ceiling_s, "json", ["keepwarm_runtime.engine.moe.experts"], MOE_HELP, False)
+    return Step(name, argv, ceiling_s, "json", MOE_MODULES, MOE_HELP, False)
 
 
 STEPS: list[Step] = [
@@ -113,6 +124,17 @@ STEPS: list[Step] = [
     _restart(4, "float32", 40, core=False),
     _moe(flashinfer=False, ceiling_s=40),
     _moe(flashinfer=True, ceiling_s=120),  # compiles the CUTLASS MoE kernels on first use
+    # FlashInfer fused-MoE parity against the torch reference, after the bench has warmed the JIT cache.
+    _pytest(
+        "tests-flashinfer-moe",
+        "tests/gpu/moe",
+        240,
+        MOE_MODULES,
+        "-k",
+        "flashinfer",
+        core=False,
+        env={FLASHINFER_MOE_OPT_IN: "1"},
+    ),
 ]
 
 

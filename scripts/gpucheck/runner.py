@@ -78,7 +78,7 @@ def run_step(step: plan.Step, box_s: float, py: str, work: Path, env: dict[str, 
         proc = subprocess.Popen(
             step.command(py, str(work)),
             cwd=manifest.REPO,
-            env=env,
+            env=env | step.env,
             stdout=stdout,
             stderr=stderr,
             start_new_session=True,

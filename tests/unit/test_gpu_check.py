@@ -28,6 +28,21 @@ def test_core_steps_fit_the_budget_and_the_device_call():
         assert needed in names
 
 
+def test_flashinfer_moe_kernels_and_their_parity_tests_are_steps():
+    """bench/moe.py with FlashInfer (tokens/s and each kernel's error vs the torch reference) and the
+    tests/gpu/moe parity cases, with the opt-in that test module reads set for that step only."""
+    import tests.gpu.moe.test_moe_gpu as moe_tests
+
+    steps = {s.name: s for s in plan.STEPS}
+    bench = steps["moe-layer-flashinfer"]
+    assert "bench/moe.py" in bench.argv and "--skip-flashinfer" not in bench.argv
+    parity = steps["tests-flashinfer-moe"]
+    assert parity.kind == "pytest" and "tests/gpu/moe" in parity.argv and "flashinfer" in parity.argv
+    assert parity.env == {moe_tests.RUN_FLASHINFER_MOE: "1"}
+    assert not any(s.env for s in plan.STEPS if s is not parity)  # other steps keep the opt-in off
+    assert [s.name for s in plan.STEPS].index("moe-layer-flashinfer") < plan.STEPS.index(parity)
+
+
 def test_select_keeps_plan_order_and_refuses_unknown_names():
     assert [s.name for s in plan.select(["restart-1gib-f32", "env"])] == ["env", "restart-1gib-f32"]
     with pytest.raises(ValueError, match="restart-2gib"):

@@ -29,6 +29,14 @@ def test_run_step_records_status_and_json(tmp_path):
     assert bad["status"] == "failed" and bad["rc"] == 1 and "boom" in bad["stderr_tail"]
 
 
+def test_a_step_runs_with_its_own_environment_on_top(tmp_path):
+    names = "'KEEPWARM_GPU_FLASHINFER_MOE', 'HOME'"
+    code = f"import json, os; print(json.dumps([os.environ[k] for k in ({names})]))"
+    step = plan.Step("env-step", [plan.PY, "-c", code], 30, "json", env={"KEEPWARM_GPU_FLASHINFER_MOE": "1"})
+    record = runner.run_step(step, 30, sys.executable, tmp_path, os.environ | {"HOME": "/h"})
+    assert record["status"] == "passed" and record["result"] == ["1", "/h"]
+
+
 def test_a_step_past_its_box_is_killed_with_its_children(tmp_path):
     pid_file = tmp_path / "child.pid"
     code = (

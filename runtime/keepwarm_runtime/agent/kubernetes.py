@@ -20,12 +20,20 @@ from typing import Any
 from keepwarm_api import GROUP, VERSION
 from keepwarm_api import weightcache as wc
 from keepwarm_api import weightcachenode as wcn
-from keepwarm_api.common import Quantization
 from keepwarm_api.paths import MODELS_ROOT, hf_cache_dir
 from keepwarm_api.weightcache import WeightCacheSpec
 from keepwarm_runtime import __version__
 
-from .state import RETRY_BASE_S, AgentState, WantedModel, node_status, now, retry_delay, wanted_models
+from .state import (
+    RETRY_BASE_S,
+    AgentState,
+    WantedModel,
+    load_options,
+    node_status,
+    now,
+    retry_delay,
+    wanted_models,
+)
 
 log = logging.getLogger(__name__)
 DEFAULT_HEARTBEAT_S = float(WeightCacheSpec.model_fields["heartbeat_seconds"].default)
@@ -105,7 +113,7 @@ class NodeAgent:
             daemon_name = self.state.daemon_names.get(w.name)
             if daemon_name in resident:
                 if w.pin and not resident[daemon_name]["pinned"]:
-                    self.daemon.add_model(self._path(w), pin=True)  # no-op reload; marks pinned
+                    self.daemon.add_model(self._path(w), **load_options(w))  # no reload; marks pinned
                 continue
             if daemon_name is not None:  # was loaded, now gone: evicted under the budget
                 self.state.daemon_names.pop(w.name)
@@ -137,11 +145,7 @@ class NodeAgent:
             self.state.loading.add(w.name)
         self.wake.set()  # report Loading now
         try:
-            if w.quantization != Quantization.NONE:  # refused by name, never loaded unquantized
-                raise NotImplementedError(
-                    f"quantization {w.quantization.value}: the cache daemon cannot apply it"
-                )
-            self.state.daemon_names[w.name] = self.daemon.add_model(self._path(w), pin=w.pin)
+            self.state.daemon_names[w.name] = self.daemon.add_model(self._path(w), **load_options(w))
         except Exception as exc:  # a bad checkpoint fails this model, not the agent
             log.warning("loading %s failed: %s", w.name, exc)
             with self.lock:

@@ -46,6 +46,13 @@ class AgentState:
     reporting_since: dt.datetime = field(default_factory=lambda: now())  # Stale=False since then
 
 
+def load_options(w: WantedModel) -> dict[str, Any]:
+    """Keywords of `CacheDaemon.add_model` for a wanted model: its pin and the quantization the
+    daemon applies at load (`quantization: fp8` -> online FP8 in the arena, part of the cache key)."""
+    online = None if w.quantization == Quantization.NONE else w.quantization.value
+    return {"pin": w.pin, "quantization": online}
+
+
 def wanted_models(spec: WeightCacheSpec, model_root: str = MODELS_ROOT) -> list[WantedModel]:
     out = []
     for m in spec.models:

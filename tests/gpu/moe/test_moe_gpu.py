@@ -2,8 +2,9 @@
 
 The FlashInfer path has never run on a GPU before these tests: they are its first check (fc1 [up; gate]
 order, per-expert swiglu_alpha/beta/limit, biases, FP8 block scales). Skipped without CUDA; FlashInfer
-cases run only with KEEPWARM_GPU_FLASHINFER_MOE=1 (their first call compiles kernels for minutes) and
-skip where the oracle refuses the device or flashinfer-python is missing, with the oracle's reason.
+cases run only with KEEPWARM_GPU_FLASHINFER_MOE=1 (their first call compiles kernels for minutes; the
+gpu-check step tests-flashinfer-moe sets it) and skip where the oracle refuses the device or
+flashinfer-python is missing, with the oracle's reason.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from keepwarm_runtime.engine.moe.experts import layer_facts
 from keepwarm_runtime.engine.moe.oracle import ELIGIBILITY
 from keepwarm_runtime.engine.moe.reference import ExpertWeights, reference_moe
 from keepwarm_runtime.engine.quant.fp8 import quantize_blocks
+from scripts.gpucheck.plan import FLASHINFER_MOE_OPT_IN
 
 pytestmark = pytest.mark.gpu
-RUN_FLASHINFER_MOE = "KEEPWARM_GPU_FLASHINFER_MOE"  # opt-in: keeps scripts/gpu-check's pytest budget safe
+# Opt-in (its own gpu-check step, tests-flashinfer-moe, sets it): keeps the other pytest steps' budgets safe.
+RUN_FLASHINFER_MOE = FLASHINFER_MOE_OPT_IN
 
 E, H, INTER, T, K = 8, 256, 256, 64, 2
 ACTS = {
@@ -71,7 +74,7 @@ def test_flashinfer_cutlass_matches_reference(act_name, biased, fp8) -> None:
     if os.environ.get(RUN_FLASHINFER_MOE) != "1":
         pytest.skip(
             f"set {RUN_FLASHINFER_MOE}=1: the first call JIT-compiles FlashInfer's fused MoE (minutes); "
-            "bench/moe.py reports the same parity inside scripts/gpu-check"
+            "scripts/gpu-check --only tests-flashinfer-moe sets it"
         )
     act = ACTS[act_name]
     weights, hidden, index, scores = _layer(biased)

@@ -4,10 +4,11 @@ import datetime as dt
 import shutil
 
 import pytest
+import torch
 
 from keepwarm_api.weightcache import WeightCacheSpec
 from keepwarm_runtime.agent.kubernetes import NodeAgent
-from keepwarm_runtime.agent.state import AgentState, node_status, retry_delay, wanted_models
+from keepwarm_runtime.agent.state import AgentState, load_options, node_status, retry_delay, wanted_models
 
 
 def spec(models):
@@ -110,20 +111,44 @@ def test_stale_condition_keeps_its_transition_time_across_heartbeats():
     assert first["conditions"][0]["status"] == "False" and first["conditions"][0]["type"] == "Stale"
 
 
-def test_quantization_reaches_the_agent_and_is_refused_by_name(model_root, tmp_path):
+def test_load_options_carry_pin_and_quantization():
+    wanted = wanted_models(
+        spec(
+            [
+                {"name": "a", "source": {"path": "/a"}, "quantization": "fp8", "pin": True},
+                {"name": "b", "source": {"path": "/b"}},
+            ]
+        )
+    )
+    assert [load_options(w) for w in wanted] == [
+        {"pin": True, "quantization": "fp8"},
+        {"pin": False, "quantization": None},
+    ]
+
+
+def test_quantization_reaches_the_daemon_which_quantizes_at_load(model_root, tmp_path):
+    """WeightCache `quantization: fp8` -> the agent -> `add_model(quantization="fp8")`: the arena holds
+    FP8 weights under a key that says so; the same directory unquantized is a key of its own."""
     from keepwarm_runtime.cache.daemon import CacheDaemon, DaemonConfig
 
     daemon = CacheDaemon(DaemonConfig(socket_dir=tmp_path / "sock", tier="host", dtype="bfloat16"))
     agent = NodeAgent(daemon, "wc", "node-1", api=None, model_root=str(model_root))
     try:
-        models = [{"name": "llama-a", "source": {"path": "/x"}, "quantization": "fp8"}]
+        models = [
+            {"name": "llama-a", "source": {"path": "/x"}, "quantization": "fp8", "pin": True},
+            {"name": "llama-b", "source": {"path": "/y"}},
+        ]
         agent.reconcile(cache(models))
-        assert agent.wanted[0].quantization == "fp8"
-        assert daemon.snapshot()["models"] == {}  # never loaded unquantized
+        resident = daemon.snapshot()["models"]
+        assert resident["llama-a"]["fingerprint"]["quantization"].startswith("online:fp8:block=128x128")
+        assert resident["llama-b"]["fingerprint"]["quantization"] == "none"
+        a = daemon.registry.get("llama-a")
+        assert a.quantization == "fp8" and a.layout.quantized
+        assert {e.dtype for e in a.layout.entries if e.name in a.layout.quantized} == {torch.float8_e4m3fn}
+        agent.reconcile(cache(models))  # the pinned model is neither reloaded nor loaded unquantized
+        assert daemon.registry.get("llama-a") is a
         status = node_status(agent.state, daemon.snapshot(), agent.wanted, "v").wire()
-        assert (
-            status["models"][0]["state"] == "Failed" and "quantization fp8" in status["models"][0]["message"]
-        )
+        assert [m["state"] for m in status["models"]] == ["Resident", "Resident"]
     finally:
         daemon.close()
 
