@@ -16,6 +16,7 @@ import torch
 
 from keepwarm_runtime.engine.config import EngineConfig
 from keepwarm_runtime.engine.loader import load_model
+from tests.engine_architectures import ENGINE_ARCHS
 
 pytestmark = pytest.mark.integration
 
@@ -72,8 +73,9 @@ def _same_bytes(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "gpt_oss", "llama"])
+@pytest.mark.parametrize("arch", sorted({*ENGINE_ARCHS, "gpt_oss"}))
 def test_cached_model_attaches_with_no_copies(make_tiny, arch, tmp_path) -> None:
+    """Every architecture the engine is tested on (tests/engine_architectures.py), and gpt-oss."""
     model_dir = make_tiny(arch)
     with _Daemon(tmp_path / "sock", "float32") as cache:
         cache.add(model_dir)
