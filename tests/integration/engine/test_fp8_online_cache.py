@@ -9,6 +9,7 @@ attaches float weights, nor a float client FP8 ones. The arena holds about half 
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -39,11 +40,12 @@ class Caches:
     def __init__(self, root: Path, models: dict[str, Path], fp8_checkpoint: Path) -> None:
         dirs = list(models.values())
         self.models = models
-        self.fp8_checkpoint = fp8_checkpoint  # asked to quantize again: refused by name, daemon lives on
+        self.fp8_checkpoint = fp8_checkpoint  # FP8 made from "wide" offline (modelgen.fp8)
+        # The FP8 checkpoint asked to be quantized again: refused by name, the daemon serves the rest.
         self.fp8 = DaemonProcess(
             root / "fp8", [*dirs, fp8_checkpoint], "--dtype", "bfloat16", "--quantization", "fp8"
         )
-        self.bf16 = DaemonProcess(root / "bf16", dirs, "--dtype", "bfloat16")
+        self.bf16 = DaemonProcess(root / "bf16", [*dirs, fp8_checkpoint], "--dtype", "bfloat16")
         self.fp8.wait_ready()
         self.bf16.wait_ready()
 
@@ -70,9 +72,9 @@ def caches(tmp_path_factory):
     models["wide"] = make_model(
         root / "wide", arch="qwen3_moe", params="2M", dtype="bfloat16", vocab_size=2048, **WIDE
     )
-    fp8_checkpoint = quantize_checkpoint(
-        make_model(root / "already-fp8", arch="llama", params="400K", dtype="bfloat16", vocab_size=2048)
-    )
+    fp8_checkpoint = root / "wide-fp8"
+    shutil.copytree(models["wide"], fp8_checkpoint)
+    quantize_checkpoint(fp8_checkpoint)
     made = Caches(root, models, fp8_checkpoint)
     yield made
     made.close()
@@ -101,12 +103,11 @@ def _arena_regions() -> list[tuple[int, int]]:
 def _differing(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()
-    return [
-        k
-        for k in sa
-        if sa[k].dtype != sb[k].dtype
-        or not torch.equal(sa[k].reshape(-1).view(torch.uint8), sb[k].reshape(-1).view(torch.uint8))
-    ]
+    return [k for k in sa if sa[k].dtype != sb[k].dtype or not torch.equal(_bits(sa[k]), _bits(sb[k]))]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -166,11 +167,14 @@ def test_an_fp8_checkpoint_is_not_quantized_again(caches) -> None:
     assert "ERROR" in caches.fp8.stderr and caches.fp8.proc.poll() is None
 
 
-def test_online_fp8_arena_is_about_half_the_bf16_one(caches) -> None:
+def test_online_fp8_arena_is_about_half_the_bf16_one_and_equals_the_fp8_checkpoint(caches) -> None:
+    """Online quantization in the daemon gives the bytes an FP8 checkpoint quantized offline from the
+    same weights gives (whole blocks here, so per-expert and fused-stack grids coincide)."""
     model_dir = caches.models["wide"]
     fp8_stats, bf16_stats = caches.stats(caches.fp8), caches.stats(caches.bf16)
     fp8_bytes = fp8_stats["models"][model_dir.name]["bytes"]
     bf16_bytes = bf16_stats["models"][model_dir.name]["bytes"]
+    checkpoint_bytes = bf16_stats["models"][caches.fp8_checkpoint.name]["bytes"]
     fp8 = attach(model_dir, caches.fp8.socket_dir, dtype="bfloat16", fallback=False, online=_online())
     bf16 = attach(model_dir, caches.bf16.socket_dir, dtype="bfloat16", fallback=False)
     quantized = [n for n in fp8.tensors if n + "_scale_inv" in fp8.tensors]
@@ -178,11 +182,16 @@ def test_online_fp8_arena_is_about_half_the_bf16_one(caches) -> None:
     float_bytes = sum(_nbytes(bf16.tensors[n]) for n in quantized)
     print(
         f"\narena bytes (qwen3_moe, hidden 128, 4 experts x 128, vocab 2048): fp8 online {fp8_bytes}, "
-        f"bf16 {bf16_bytes}, ratio {fp8_bytes / bf16_bytes:.3f}; quantized weights "
-        f"{q_bytes} vs {float_bytes} ({q_bytes / float_bytes:.4f})"
+        f"fp8 checkpoint {checkpoint_bytes}, bf16 {bf16_bytes}, ratio {fp8_bytes / bf16_bytes:.3f}; "
+        f"quantized weights {q_bytes} vs {float_bytes} ({q_bytes / float_bytes:.4f})"
     )
     assert 0.5 <= q_bytes / float_bytes < 0.51  # e4m3 + one float32 per 128x128 block
     assert fp8_bytes / bf16_bytes < 0.75  # embeddings, head and norms stay bf16
+    checkpoint = attach(caches.fp8_checkpoint, caches.bf16.socket_dir, dtype="bfloat16", fallback=False)
+    assert checkpoint_bytes == fp8_bytes and checkpoint.tensors.keys() == fp8.tensors.keys()
+    for name, tensor in fp8.tensors.items():
+        assert tensor.dtype == checkpoint.tensors[name].dtype, name
+        assert _bits(tensor).equal(_bits(checkpoint.tensors[name])), name
 
 
 def _online():
