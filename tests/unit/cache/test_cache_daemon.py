@@ -162,3 +162,47 @@ def test_changed_on_disk_reload_that_fails_drops_the_stale_arena(tmp_path):
         shutil.rmtree(model)
     finally:
         d.close()
+
+
+def test_online_quantization_is_refused_by_name_where_it_cannot_apply(models, tmp_path):
+    """A model transformers cannot build (so no one can tell its linear weights) and a method other than
+    fp8 are Failed with the reason; nothing is loaded unquantized under either name."""
+    from keepwarm_runtime.engine.quant.settings import QuantizationError
+
+    d = _daemon(tmp_path)
+    try:
+        with pytest.raises(QuantizationError, match="transformers cannot build"):
+            d.add_model(models[0], quantization="fp8")
+        with pytest.raises(QuantizationError, match="online quantization 'int4' is not supported"):
+            d.add_model(models[1], quantization="int4")
+        snap = d.snapshot()
+        assert snap["models"] == {} and set(snap["failed"]) == {"m0", "m1"}
+    finally:
+        d.close()
+
+
+def test_a_quantized_model_changed_on_disk_reloads_quantized(tiny_llama, tmp_path):
+    import os
+    import shutil
+    import time
+
+    from keepwarm_runtime.cache.checkpoint import read_checkpoint
+
+    model = shutil.copytree(tiny_llama, tmp_path / "models" / "llama")
+    d = _daemon(tmp_path)
+    try:
+        name = d.add_model(model, quantization="fp8")
+        before = d.registry.get(name)
+        assert before.layout.quantized and before.key.quantization.startswith("online:fp8")
+        shard = read_checkpoint(model)[0].path
+        os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 1_000_000_000))
+        reply, _ = d.handlers.dispatch({"cmd": "get_state", "key": before.key.to_dict()})
+        assert (reply["state"], reply["reason"]) == ("mismatch", "changed on disk")
+        deadline = time.monotonic() + 60
+        while (after := d.registry.get(name)) is before or after is None:  # replaced, not between
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert after.quantization == "fp8" and after.key.diff(before.key) == ["files"]
+        assert after.layout.quantized.keys() == before.layout.quantized.keys()
+    finally:
+        d.close()

@@ -88,6 +88,18 @@ def test_quantization_and_revision(tiny_llama: Path, tmp_path: Path):
     assert compute_key(tiny_llama, "bfloat16").diff(key) == ["files", "quantization", "revision"]
 
 
+def test_online_quantization_is_its_own_key(tiny_llama: Path):
+    from keepwarm_runtime.engine.quant.settings import Fp8Settings, fp8_settings
+
+    online = fp8_settings(None, "fp8")
+    plain, quantized = compute_key(tiny_llama, "bfloat16"), compute_key(tiny_llama, "bfloat16", online=online)
+    assert plain.diff(quantized) == ["quantization"]
+    assert quantized.quantization == "online:fp8:block=128x128:skip=lm_head:quantizer-v1"
+    other = Fp8Settings("online", not_converted=("lm_head", "gate"))  # other settings, another key
+    assert compute_key(tiny_llama, "bfloat16", online=other).diff(quantized) == ["quantization"]
+    assert WeightCacheKey.from_dict(quantized.to_dict()) == quantized
+
+
 def test_wire_round_trip_and_missing_fields(tiny_llama: Path):
     key = compute_key(tiny_llama, "bfloat16")
     assert WeightCacheKey.from_dict(key.to_dict()) == key
