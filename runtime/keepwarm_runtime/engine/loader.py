@@ -26,6 +26,7 @@ from keepwarm_runtime.engine.config import EngineConfig
 from keepwarm_runtime.engine.moe import serving_layout
 from keepwarm_runtime.engine.moe.experts import ExpertsChoice, prepare_experts, use_keepwarm_experts
 from keepwarm_runtime.engine.multimodal import model_class as multimodal_model_class
+from keepwarm_runtime.engine.quant.fp8 import E4M3
 from keepwarm_runtime.engine.quant.fp8_modules import prepare_checkpoint_fp8, quantize_online
 from keepwarm_runtime.engine.quant.settings import SCALE_SUFFIX, Fp8Settings, QuantizationError, fp8_settings
 
@@ -86,6 +87,7 @@ def load_model(config: EngineConfig) -> tuple[nn.Module, LoadInfo]:
     materialize_buffers(model, torch.device(config.device))
     if online is not None and not quantized_by_cache:
         copied += quantize_online(model, online)
+    _check_fp8_scales(model)
     moe = _prepare_moe(model, config)
     return model, LoadInfo(res.source, res.seconds, res.reason, copied, moe)
 
@@ -118,11 +120,29 @@ def _quantization(hf_config, config: EngineConfig) -> Fp8Settings | None:
 
 
 def _prepare_fp8(model: nn.Module, quantization: Fp8Settings, res) -> None:
-    """FP8 checkpoint: e4m3 + block-scale placeholders wherever the checkpoint carries scales."""
+    """FP8 weights (a checkpoint's, or the cache's online quantization): e4m3 + block-scale placeholders
+    wherever the attached tensors carry scales, asked by model name through transformers' renamings
+    (Mixtral's `block_sparse_moe.experts.*` are the model's `mlp.experts.*`)."""
+    lookup = _Lookup(res.tensors, res.aliases, _conversions(model))
     try:
-        prepare_checkpoint_fp8(model, quantization, lambda name: name in res.tensors or name in res.aliases)
+        prepare_checkpoint_fp8(model, quantization, lambda name: lookup.unmerged(name) is not None)
     except QuantizationError as exc:
         raise ModelLoadError(str(exc)) from exc
+
+
+def _check_fp8_scales(model: nn.Module) -> None:
+    """Every e4m3 weight must have its block scales: e4m3 read as if it were float is silently wrong."""
+    unscaled = [
+        f"{module_name}.{name}" if module_name else name
+        for module_name, module in model.named_modules()
+        for name, param in module.named_parameters(recurse=False)
+        if param.dtype == E4M3 and not hasattr(module, name + SCALE_SUFFIX)
+    ]
+    if unscaled:
+        raise ModelLoadError(
+            f"{len(unscaled)} FP8 weights have no block scales (weight_scale_inv) in the checkpoint or "
+            f"cache: {', '.join(unscaled[:6])}"
+        )
 
 
 def _refuse_unsupported(hf_config) -> None:
@@ -208,19 +228,19 @@ class _Lookup:
         self._renamed: dict[str, str] | None = None
 
     def get(self, name: str) -> torch.Tensor | None:
-        found = self._unmerged(name)
+        found = self.unmerged(name)
         if found is not None:
             return found
         for merge in self.merges:
             # Experts are looked up by their renamed names: Mixtral's checkpoint says
             # `block_sparse_moe.experts.0.w1`, the merge asks for `mlp.experts.0.w1`.
-            merged = merge(name, self._unmerged)
+            merged = merge(name, self.unmerged)
             if merged is not None:
                 self.copied += 1
                 return merged
         return None
 
-    def _unmerged(self, name: str) -> torch.Tensor | None:
+    def unmerged(self, name: str) -> torch.Tensor | None:
         direct = self._direct(name)
         if direct is not None:
             return direct

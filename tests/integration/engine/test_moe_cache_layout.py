@@ -52,12 +52,13 @@ class _Daemon:
         self.thread.join(timeout=10)
 
 
-def _load(model_dir: Path, dtype: str, socket_dir: Path | None):
+def _load(model_dir: Path, dtype: str, socket_dir: Path | None, quantization: str | None = None):
     config = EngineConfig(
         str(model_dir),
         dtype=dtype,
         cache_socket_dir=str(socket_dir) if socket_dir else None,
         cache_fallback=False,
+        quantization=quantization,
     )
     return load_model(config)
 
@@ -144,9 +145,7 @@ def test_fp8_deepseek_with_split_scale_grids_through_the_cache(tmp_path) -> None
     assert _same_bytes(cached, disk) == []
 
 
-def test_mixtral_legacy_expert_names_merge_in_the_cache(tmp_path) -> None:
-    """transformers saves Mixtral with per-expert w1/w2/w3 names under block_sparse_moe; the arena holds
-    them merged (under the checkpoint's prefix, which the loader renames without a copy)."""
+def _mixtral(path: Path) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(
@@ -161,11 +160,32 @@ def test_mixtral_legacy_expert_names_merge_in_the_cache(tmp_path) -> None:
         vocab_size=512,
     )
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+def test_mixtral_legacy_expert_names_merge_in_the_cache(tmp_path) -> None:
+    """transformers saves Mixtral with per-expert w1/w2/w3 names under block_sparse_moe; the arena holds
+    them merged (under the checkpoint's prefix, which the loader renames without a copy)."""
+    _mixtral(tmp_path / "m")
     with _Daemon(tmp_path / "sock", "float32") as cache:
         resident = cache.add(tmp_path / "m")
         cached, info = _load(tmp_path / "m", "float32", cache.socket_dir)
     disk, disk_info = _load(tmp_path / "m", "float32", None)
     assert any(e.name.endswith("experts.gate_up_proj") for e in resident.layout.entries)
     assert info.copied_tensors == 0 and disk_info.copied_tensors > 0
+    assert _same_bytes(cached, disk) == []
+
+
+def test_mixtral_quantized_online_by_the_cache_finds_its_scales_under_renamed_names(tmp_path) -> None:
+    """The arena keeps the checkpoint's `block_sparse_moe.experts.gate_up_proj(_scale_inv)`; the engine
+    must find those scales under the model's `mlp.experts` names, or it would read e4m3 as float."""
+    _mixtral(tmp_path / "m")
+    with _Daemon(tmp_path / "sock", "float32") as cache:
+        cache.daemon.add_model(tmp_path / "m", quantization="fp8")
+        cached, info = _load(tmp_path / "m", "float32", cache.socket_dir, quantization="fp8")
+    disk, disk_info = _load(tmp_path / "m", "float32", None, quantization="fp8")
+    assert info.source == "cache" and info.copied_tensors == 0 and disk_info.copied_tensors > 0
+    experts = cached.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.dtype == torch.float8_e4m3fn and experts.gate_up_proj_scale_inv.ndim == 3
     assert _same_bytes(cached, disk) == []
