@@ -14,28 +14,28 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from torch import nn
 
 from keepwarm_runtime.engine.quant.fp8 import BLOCK, quantize_blocks
-from keepwarm_runtime.engine.quant.settings import DEFAULT_NOT_CONVERTED, SCALE_SUFFIX
+from keepwarm_runtime.engine.quant.settings import DEFAULT_NOT_CONVERTED, SCALE_SUFFIX, Fp8Settings
 
 _PER_EXPERT = re.compile(r"^(?P<experts>.*\.experts)\.\d+\.(gate|up|down)_proj\.weight$")
 
 
 def quantizable_names(config_dir: Path, not_converted: tuple[str, ...]) -> tuple[set[str], set[str]]:
-    """(nn.Linear module names to quantize, fused experts module names) of the model in `config_dir`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """(nn.Linear module names to quantize, fused experts module names) of the model in `config_dir`:
+    what the engine's online quantization converts (`fp8_modules.online_targets`), so an FP8
+    checkpoint written here and a float one quantized at load hold the same tensors."""
+    from keepwarm_runtime.engine.moe.serving_layout import meta_model
+    from keepwarm_runtime.engine.quant.fp8_modules import online_targets
 
-    config = AutoConfig.from_pretrained(config_dir)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    skipped = (*DEFAULT_NOT_CONVERTED, *not_converted)
+    model = meta_model(config_dir)
+    if model is None:
+        raise ValueError(f"{config_dir}: transformers cannot build this model to find its linear layers")
+    settings = Fp8Settings("checkpoint", BLOCK, (*DEFAULT_NOT_CONVERTED, *not_converted))
     linears, experts = set(), set()
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and not any(name == s or name.endswith("." + s) for s in skipped):
-            linears.add(name)
-        elif hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):
-            experts.add(name)
+    for name in online_targets(model, settings):
+        owner, _, leaf = name.rpartition(".")
+        (linears if leaf == "weight" else experts).add(owner)
     return linears, experts
 
 
