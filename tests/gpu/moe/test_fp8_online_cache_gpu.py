@@ -1,0 +1,93 @@
+"""On CUDA: a gpu-tier daemon quantizes a float MoE checkpoint online; the engine attaches it zero-copy.
+
+The daemon quantizes on the CPU and copies into its CUDA arena; the engine's disk path quantizes on
+the GPU. The test asks whether both give the same bits (IEEE division and the e4m3 cast, rounded to
+nearest even on both devices), and whether the FP8 model then generates. Untested where written
+(no GPU there): scripts/gpu-check runs it (step tests-gpu-other).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from keepwarm_runtime.cache.launcher import DaemonProcess
+from keepwarm_runtime.engine.config import EngineConfig
+from keepwarm_runtime.engine.loader import load_model
+
+pytestmark = [pytest.mark.gpu, pytest.mark.integration]
+
+SHAPES = {"hidden_size": 256, "moe_intermediate_size": 128, "intermediate_size": 256, "head_dim": 64}
+
+
+@pytest.fixture(scope="module")
+def quantizing_daemon(tmp_path_factory):
+    from keepwarm_runtime.modelgen import make_model
+
+    root = tmp_path_factory.mktemp("fp8-online-gpu")
+    model = make_model(root / "qwen3_moe", arch="qwen3_moe", params="4M", dtype="bfloat16", **SHAPES)
+    daemon = DaemonProcess(
+        root / "wc",
+        [model],
+        "--device",
+        "cuda:0",
+        "--dtype",
+        "bfloat16",
+        "--quantization",
+        "fp8",
+        tier="gpu",
+    ).wait_ready()
+    yield model, root / "wc"
+    daemon.terminate(60)
+
+
+def _load(model, socket_dir):
+    config = EngineConfig(
+        str(model),
+        dtype="bfloat16",
+        device="cuda:0",
+        quantization="fp8",
+        cache_socket_dir=str(socket_dir) if socket_dir else None,
+        cache_fallback=False,
+    )
+    return load_model(config)
+
+
+def test_online_fp8_gpu_tier_attaches_zero_copy_with_the_disk_paths_bits(quantizing_daemon) -> None:
+    model_dir, socket_dir = quantizing_daemon
+    cached, info = _load(model_dir, socket_dir)
+    disk, _ = _load(model_dir, None)
+    assert (info.source, info.copied_tensors) == ("cache", 0), info.reason
+    sc, sd = cached.state_dict(), disk.state_dict()
+    assert sc.keys() == sd.keys()
+    differing = [
+        name
+        for name in sc
+        if sc[name].dtype != sd[name].dtype
+        or not torch.equal(sc[name].reshape(-1).view(torch.uint8), sd[name].reshape(-1).view(torch.uint8))
+    ]
+    assert differing == [], f"CPU (daemon) and CUDA (disk path) quantization differ: {differing[:6]}"
+    experts = cached.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.is_cuda and experts.gate_up_proj.dtype == torch.float8_e4m3fn
+
+
+def test_online_fp8_from_the_gpu_tier_generates_what_the_disk_path_does(quantizing_daemon) -> None:
+    from keepwarm_runtime import LLM, SamplingParams
+
+    model_dir, socket_dir = quantizing_daemon
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8, logprobs=5)
+    outs = []
+    for where in (socket_dir, None):
+        llm = LLM(
+            model_dir,
+            dtype="bfloat16",
+            device="cuda:0",
+            quantization="fp8",
+            num_kv_blocks=64,
+            cache_socket_dir=str(where) if where else None,
+            cache_fallback=False,
+        )
+        assert llm.engine.load_info.source == ("cache" if where else "disk")
+        outs.append(llm.generate({"prompt_token_ids": list(range(10, 40))}, params)[0].outputs[0])
+        del llm
+    assert outs[0].token_ids == outs[1].token_ids
