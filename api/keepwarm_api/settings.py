@@ -95,6 +95,7 @@ class _Meta:
     env: str | None  # an explicit variable name (a Kubernetes convention such as NODE_NAME)
     metavar: str | None
     unset: str | None  # what a None default means, for --help and the README
+    flag: str | None  # an explicit flag (a singular flag for a plural field, e.g. --namespace)
 
 
 def setting(
@@ -109,16 +110,27 @@ def setting(
     env: str | None = None,
     metavar: str | None = None,
     unset: str | None = None,
+    flag: str | None = None,
 ) -> Any:
     """A field of a settings dataclass. ``parse`` turns one text value into the field's type (default:
     the annotation's type); ``group`` lets a program pick fields out (e.g. "engine"); ``env`` replaces
-    the derived variable name where another convention owns it; ``required`` settings have no usable
-    default and must come from the flag or the variable; ``unset`` says what a None default means."""
+    the derived variable name and ``flag`` the derived flag where an older name must stay;
+    ``required`` settings have no usable default and must come from the flag or the variable;
+    ``unset`` says what a None default means."""
     meta = _Meta(
-        help, tuple(choices) if choices else None, parse, positional, required, group, env, metavar, unset
+        help,
+        tuple(choices) if choices else None,
+        parse,
+        positional,
+        required,
+        group,
+        env,
+        metavar,
+        unset,
+        flag,
     )
     if isinstance(default, list | set):
-        raise TypeError("use a tuple for the default of a repeatable setting")
+        raise TypeError("use a tuple or frozenset for the default of a repeatable setting")
     return dataclasses.field(default=default, metadata={_META_KEY: meta})
 
 
@@ -128,7 +140,7 @@ class Spec:
 
     name: str  # the dataclass field
     kind: type  # str, int, float or bool (the element type of a repeatable setting)
-    repeat: bool  # tuple[...]: repeatable flag, comma-separated variable
+    repeat: type | None  # tuple or frozenset: a repeatable flag, a comma-separated variable
     optional: bool  # None is a value (unset)
     default: Any
     meta: _Meta
@@ -136,7 +148,7 @@ class Spec:
 
     @property
     def flag(self) -> str:
-        return flag_name(self.name)
+        return self.meta.flag or flag_name(self.name)
 
     @property
     def env(self) -> str:
@@ -156,12 +168,12 @@ class Spec:
 
     def parse_env(self, text: str) -> Any:
         if self.repeat:
-            return tuple(self.parse_one(part) for part in text.split(",") if part.strip())
+            return self.repeat(self.parse_one(part.strip()) for part in text.split(",") if part.strip())
         return self.parse_one(text)
 
     def shown_default(self) -> str | None:
         """The default as --help and the README show it; None when there is none to show."""
-        if self.default in (None, ()):
+        if _empty(self.default):
             return self.meta.unset
         return _show(self.default)
 
@@ -170,11 +182,16 @@ class Spec:
         return f"{self.meta.help} ({said}; env {self.env})".replace("%", "%%")
 
 
+def _empty(value: Any) -> bool:
+    """No value: None, or a repeatable setting with no element."""
+    return value is None or (isinstance(value, tuple | frozenset) and not value)
+
+
 def _show(value: Any) -> str:
     if isinstance(value, bool):
         return "on" if value else "off"
-    if isinstance(value, tuple):
-        return ",".join(map(str, value))
+    if isinstance(value, tuple | frozenset):
+        return ",".join(map(str, sorted(value) if isinstance(value, frozenset) else value))
     return str(value)
 
 
@@ -193,8 +210,8 @@ def specs(cls: type) -> list[Spec]:
     return out
 
 
-def _unpack(hint: Any, where: str) -> tuple[type, bool, bool]:
-    """(element type, repeatable, optional) of an annotation such as ``int | None``, ``tuple[str, ...]``."""
+def _unpack(hint: Any, where: str) -> tuple[type, type | None, bool]:
+    """(element type, container, optional) of an annotation such as ``int | None``, ``tuple[str, ...]``."""
     optional = False
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -202,12 +219,14 @@ def _unpack(hint: Any, where: str) -> tuple[type, bool, bool]:
         if len(args) != 1:
             raise TypeError(f"{where}: one type (or it | None) per setting, got {hint}")
         hint = args[0]
-    if typing.get_origin(hint) is tuple:
-        element = typing.get_args(hint)[0]
-        return element, True, optional
+    container = typing.get_origin(hint)
+    if container in (tuple, frozenset):
+        return typing.get_args(hint)[0], container, optional
     if hint not in (str, int, float, bool):
-        raise TypeError(f"{where}: settings are str, int, float, bool or tuples of them, got {hint}")
-    return hint, False, optional
+        raise TypeError(
+            f"{where}: settings are str, int, float, bool, or tuples or frozensets of them, got {hint}"
+        )
+    return hint, None, optional
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
@@ -218,11 +237,13 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         if spec.meta.metavar:
             common["metavar"] = spec.meta.metavar
         if spec.meta.positional:
-            parser.add_argument(spec.name, nargs="?", type=spec.parse_one, **common)
-        elif spec.kind is bool and not spec.repeat:
+            parser.add_argument(spec.name, nargs="?", type=_argparse_type(spec), **common)
+            continue
+        common["dest"] = spec.name
+        if spec.kind is bool and not spec.repeat:
             parser.add_argument(spec.flag, action=argparse.BooleanOptionalAction, **common)
         elif spec.repeat:
-            parser.add_argument(spec.flag, action="append", type=spec.parse_one, **common)
+            parser.add_argument(spec.flag, action="append", type=_argparse_type(spec), **common)
         else:
             parser.add_argument(spec.flag, type=_argparse_type(spec), choices=spec.meta.choices, **common)
 
@@ -252,10 +273,10 @@ def resolve(
     for spec in specs(cls):  # every value is parsed first: a bad one is named before a missing one
         flagged = getattr(args, spec.name, None)
         if flagged is not None:
-            value = tuple(flagged) if spec.repeat else flagged
+            value = spec.repeat(flagged) if spec.repeat else flagged
         else:
             value = env_value(spec.env, spec.parse_env, spec.default, environ)
-        if spec.meta.required and value in (None, ()):
+        if spec.meta.required and _empty(value):
             missing.append(
                 f"give {spec.name.upper() if spec.meta.positional else spec.flag} (or set {spec.env})"
             )
@@ -297,6 +318,6 @@ def markdown_table(cls: type) -> str:
 def _table_default(spec: Spec) -> str:
     if spec.meta.required:
         return "required"
-    if spec.default in (None, ()):
+    if _empty(spec.default):
         return spec.meta.unset or ""
     return f"`{_show(spec.default)}`"

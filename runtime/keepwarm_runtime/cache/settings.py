@@ -72,7 +72,7 @@ class CacheServeSettings:
 
     model: tuple[str, ...] = setting((), "checkpoint directory to load at start", metavar="DIR")
     socket_dir: str | None = setting(
-        None, "socket directory, e.g. /var/run/keepwarm/<weightcache>", required=True
+        None, "socket directory, e.g. /var/run/keepwarm/WEIGHTCACHE", required=True
     )
     tier: str = setting(
         "auto", "gpu (CUDA VMM) or host (shared memory); auto: gpu when CUDA is present", choices=TIERS
