@@ -229,6 +229,26 @@ def _unpack(hint: Any, where: str) -> tuple[type, type | None, bool]:
     return hint, None, optional
 
 
+PRECEDENCE = (
+    "Every flag also reads its environment variable; a flag wins, an empty variable means the default."
+)
+
+
+def add_command(
+    subparsers: argparse._SubParsersAction,
+    name: str,
+    cls: type,
+    help: str,
+    handler: Callable[[argparse.Namespace], int] | None = None,
+) -> argparse.ArgumentParser:
+    """A subcommand whose flags are the settings of ``cls``; ``handler`` becomes ``args.handler``."""
+    parser = subparsers.add_parser(name, help=help, description=f"{help[:1].upper()}{help[1:]}. {PRECEDENCE}")
+    add_arguments(parser, cls)
+    if handler is not None:
+        parser.set_defaults(handler=handler)
+    return parser
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     """One argparse argument per setting. Its parsed default is None ("not on the command line"), so
     ``resolve`` can tell a flag from the environment and the declared default."""
@@ -284,6 +304,13 @@ def resolve(
     if missing:
         raise SettingError("; ".join(missing))
     return cls(**values)
+
+
+def carry_over(settings: Any, target: type[T], **overrides: Any) -> T:
+    """``target`` (a dataclass of a lower layer) built from the same-named fields of ``settings``,
+    then ``overrides``: the settings object is handed down, never argv or os.environ."""
+    shared = {f.name for f in dataclasses.fields(target)} & {f.name for f in dataclasses.fields(settings)}
+    return target(**({name: getattr(settings, name) for name in shared} | overrides))
 
 
 def env_names(cls: type) -> frozenset[str]:

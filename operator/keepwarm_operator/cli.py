@@ -13,7 +13,7 @@ import random
 import sys
 from collections.abc import Mapping
 
-from keepwarm_api.settings import SettingError, add_arguments, resolve
+from keepwarm_api.settings import SettingError, add_command, resolve
 
 from .settings import OperatorSettings
 
@@ -22,12 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The CLI, generated from OperatorSettings (flags, KEEPWARM_OPERATOR_* variables, --help)."""
     parser = argparse.ArgumentParser(prog="keepwarm-operator", description="keepwarm Kubernetes operator")
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser(
-        "run",
-        help="watch WeightCaches and InferenceDeployments and reconcile them",
-        description="Every flag also reads its variable; a flag wins, an empty variable means the default.",
+    add_command(
+        sub, "run", OperatorSettings, "watch WeightCaches and InferenceDeployments and reconcile them"
     )
-    add_arguments(run, OperatorSettings)
     return parser
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from keepwarm_api.settings import SettingError, add_arguments, resolve, setting
+from keepwarm_api.settings import SettingError, add_command, resolve, setting
 
 # Default torch threads per child: 1. On a small shared machine, OpenMP threads that wait for a
 # descheduled sibling make a forward pass ~8x slower (measured: 5.3 s with 2 threads, 0.63 s with 1,
@@ -57,9 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="run a benchmark (prints JSON)")
     sub = bench.add_subparsers(dest="bench_name", required=True)
     for name, (help_text, settings) in BENCHMARKS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        add_arguments(p, settings)
-        p.set_defaults(handler=run)
+        add_command(sub, name, settings, help_text, run)
 
 
 def _import_bench(name: str):

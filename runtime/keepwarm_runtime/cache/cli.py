@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from keepwarm_api.settings import SettingError, add_arguments, resolve
+from keepwarm_api.settings import SettingError, add_command, carry_over, resolve
 from keepwarm_runtime.cache.settings import CacheServeSettings
 
 if TYPE_CHECKING:
@@ -39,14 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cache = subparsers.add_parser("cache", help="node weight cache daemon and inspection")
     sub = cache.add_subparsers(dest="cache_command", required=True, parser_class=OneLineErrorParser)
 
-    serve = sub.add_parser(
-        "serve",
-        help="load checkpoints and serve them over a Unix socket",
-        description="Load checkpoints and serve them over a Unix socket. Every flag also reads "
-        "KEEPWARM_CACHE_<FLAG>; a flag wins, an empty variable means the default.",
+    add_command(
+        sub, "serve", CacheServeSettings, "load checkpoints and serve them over a Unix socket", run_serve
     )
-    add_arguments(serve, CacheServeSettings)
-    serve.set_defaults(handler=run_serve)
 
     for name, help_text in (("ls", "list resident models"), ("stats", "daemon statistics as JSON")):
         p = sub.add_parser(name, help=help_text)
@@ -74,26 +69,15 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def daemon_config(settings: CacheServeSettings) -> DaemonConfig:
-    """The daemon's configuration from the program's settings."""
+    """The daemon's configuration: the settings' same-named fields, the socket dir and the limits."""
     from keepwarm_runtime.cache.daemon import DaemonConfig
     from keepwarm_runtime.cache.limits import ServerLimits
 
     assert settings.socket_dir is not None  # required: resolve() refuses settings without it
-    return DaemonConfig(
-        socket_dir=Path(settings.socket_dir),
-        tier=settings.tier,
-        device=settings.device,
-        dtype=settings.dtype,
-        budget=settings.budget,
-        pins=frozenset(settings.pin),
-        group=settings.group,
-        allow_uids=frozenset(settings.allow_uid),
-        allow_gids=frozenset(settings.allow_gid),
-        metrics_port=settings.metrics_port,
-        limits=ServerLimits(
-            settings.max_connections, settings.max_connections_per_uid, settings.request_deadline
-        ),
+    limits = ServerLimits(
+        settings.max_connections, settings.max_connections_per_uid, settings.request_deadline
     )
+    return carry_over(settings, DaemonConfig, socket_dir=Path(settings.socket_dir), limits=limits)
 
 
 def serve(settings: CacheServeSettings) -> int:

@@ -3,7 +3,8 @@ KEEPWARM_CACHE_* variables, --help and the README's table from this class).
 
 Every setting is ``--flag`` and ``KEEPWARM_CACHE_<FIELD>`` (``--budget`` <- ``KEEPWARM_CACHE_BUDGET``),
 except the node name, which agent pods get as ``NODE_NAME`` from the downward API; repeatable flags
-(``--model``, ``--pin``, ``--allow-uid``, ``--allow-gid``) take comma-separated variables.
+(``--model``, ``--pin``, ``--allow-uid``, ``--allow-gid``) take comma-separated variables. Fields
+that DaemonConfig also has carry over to it by name (``keepwarm_api.settings.carry_over``).
 """
 
 from __future__ import annotations
@@ -84,10 +85,10 @@ class CacheServeSettings:
     budget: int | None = setting(
         None, "bytes (or 4GiB, 512MiB); least recently used beyond", parse=parse_bytes
     )
-    pin: tuple[str, ...] = setting((), "never evict this model", metavar="NAME")
+    pins: frozenset[str] = setting(frozenset(), "never evict this model", flag="--pin", metavar="NAME")
     group: str | None = setting(None, "share the socket with this group (0770/0660)")
-    allow_uid: tuple[int, ...] = setting((), "peer uid to allow")
-    allow_gid: tuple[int, ...] = setting((), "peer gid to allow")
+    allow_uids: frozenset[int] = setting(frozenset(), "peer uid to allow", flag="--allow-uid", metavar="UID")
+    allow_gids: frozenset[int] = setting(frozenset(), "peer gid to allow", flag="--allow-gid", metavar="GID")
     metrics_port: int | None = setting(None, "serve Prometheus /metrics on this port", unset="off")
     max_connections: int | None = setting(
         None,

@@ -16,7 +16,7 @@ import sys
 import threading
 from typing import Any
 
-from keepwarm_api.settings import SettingError, add_arguments, env_names, group, resolve
+from keepwarm_api.settings import SettingError, add_command, env_names, group, resolve
 from keepwarm_runtime.server.settings import ENGINE, ServeSettings
 
 logger = logging.getLogger(__name__)
@@ -32,15 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "serve",
-        help="serve a model over an OpenAI-compatible HTTP API",
-        description="Serve MODEL_DIR over an OpenAI-compatible API. Every flag also reads KEEPWARM_<FLAG>; "
-        "a flag wins, an empty variable means the default.",
+    return add_command(
+        subparsers, "serve", ServeSettings, "serve MODEL_DIR over an OpenAI-compatible HTTP API", run
     )
-    add_arguments(p, ServeSettings)
-    p.set_defaults(handler=run)
-    return p
 
 
 def serve_settings(args: argparse.Namespace, environ: Any = os.environ) -> ServeSettings:
