@@ -163,3 +163,17 @@ def test_runtime_pods_get_only_variables_keepwarm_serve_reads():
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     names = {e["name"] for e in container["env"]}
     assert names and names <= serve_env_vars(), names - serve_env_vars()
+
+
+def test_cache_serve_settings_reach_the_daemon_config_by_name():
+    from keepwarm_runtime.cache.cli import daemon_config
+    from keepwarm_runtime.cache.settings import CacheServeSettings
+
+    env = {"KEEPWARM_CACHE_SOCKET_DIR": "/s", "KEEPWARM_CACHE_BUDGET": "1GiB", "KEEPWARM_CACHE_PINS": "a,b"}
+    argv = ["--tier", "host", "--allow-uid", "5", "--allow-uid", "6", "--request-deadline", "2.5"]
+    config = daemon_config(settings(CacheServeSettings, argv, env))
+    assert (str(config.socket_dir), config.tier, config.budget) == ("/s", "host", 1 << 30)
+    assert (config.pins, config.allow_uids, config.allow_gids) == ({"a", "b"}, {5, 6}, frozenset())
+    assert (config.limits.max_connections_per_uid, config.limits.request_deadline_s) == (32, 2.5)
+    with pytest.raises(SettingError, match="KEEPWARM_CACHE_BUDGET"):
+        settings(CacheServeSettings, [], env | {"KEEPWARM_CACHE_BUDGET": "lots"})
