@@ -22,6 +22,7 @@ from keepwarm_api import weightcache as wc
 from keepwarm_api import weightcachenode as wcn
 from keepwarm_api.common import Quantization
 from keepwarm_api.paths import MODELS_ROOT, hf_cache_dir
+from keepwarm_api.settings import present
 from keepwarm_api.weightcache import WeightCacheSpec
 from keepwarm_runtime import __version__
 
@@ -61,7 +62,7 @@ class NodeAgent:
     ):  # fmt: skip
         self.daemon, self.cache, self.node, self.api = daemon, cache, node, api
         self.retry_base_s = retry_base_s  # failed/evicted models: first retry after this, then doubling
-        self.model_root = model_root or os.environ.get(podenv.MODEL_ROOT, MODELS_ROOT)
+        self.model_root = model_root or present(os.environ.get(podenv.MODEL_ROOT)) or MODELS_ROOT
         self.state = AgentState()
         self.wanted: list[WantedModel] = []
         self.heartbeat_s = DEFAULT_HEARTBEAT_S
@@ -132,7 +133,7 @@ class NodeAgent:
             return w.path
         from huggingface_hub import snapshot_download  # a transformers dependency
 
-        token = os.environ.get(podenv.hf_token(w.name))
+        token = present(os.environ.get(podenv.hf_token(w.name)))
         return snapshot_download(w.repo, revision=w.revision, cache_dir=hf_cache_dir(), token=token)
 
     def _load(self, w: WantedModel) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from keepwarm_api import podenv
+from keepwarm_api.settings import present
 
 
 class CacheSecurityError(Exception):
@@ -191,7 +192,7 @@ def secure_socket_file(socket_path: Path, gid: int | None) -> None:
 
 def trusted_owners() -> set[int]:
     """Uids a client trusts to own a daemon socket: itself, root, and KEEPWARM_CACHE_TRUSTED_UIDS."""
-    extra = os.environ.get(podenv.CACHE_TRUSTED_UIDS) or ""
+    extra = present(os.environ.get(podenv.CACHE_TRUSTED_UIDS)) or ""
     return {0, os.geteuid(), *(int(u) for u in extra.replace(",", " ").split() if u.isdigit())}
 
 

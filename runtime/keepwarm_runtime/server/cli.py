@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from keepwarm_api.settings import SettingError, add_command, env_names, group, resolve
@@ -37,7 +38,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
 
 
-def serve_settings(args: argparse.Namespace, environ: Any = os.environ) -> ServeSettings:
+def serve_settings(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> ServeSettings:
     """The one ServeSettings of this process: flags, else KEEPWARM_* variables, else defaults.
 
     A value that does not parse (or a missing MODEL_DIR) is a SystemExit naming the flag or variable."""
