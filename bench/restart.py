@@ -1,4 +1,4 @@
-"""Restart benchmark: time to first logits, each load path in a fresh process.
+"""Restart benchmark: time to the first token, each load path in a fresh process.
 
 A restart waits for load + one forward pass (lazy mmap loads only pay when the pass faults pages
 in; dtype conversion is paid in full), so every path is timed from the start of loading to the
@@ -7,7 +7,7 @@ first logits, in a fresh process whose imports are done before the clock starts:
 * ``hf_from_pretrained_s``: ``AutoModelForCausalLM.from_pretrained(dir, dtype=serving)``;
 * ``disk_s``: the engine's own loader (``LLMEngine``: ``engine.loader.load_model`` reads the
   checkpoint with keepwarm's disk path into a meta-device model, then the tokenizer and a small KV
-  cache) and its first step;
+  cache; torch attention, so that no kernel compilation is timed) and its first step;
 * ``warm_attach_s``: the same engine, attaching through a running daemon that holds the weights in the
   serving dtype (host tier: a memfd arena, mapped read-only and prefaulted with MAP_POPULATE).
 
