@@ -1,17 +1,21 @@
-"""Restart benchmark: time to first logits, each load path in a fresh process.
+"""Restart benchmark: time to the first token, each load path in a fresh process.
 
 A restart waits for load + one forward pass (lazy mmap loads only pay when the pass faults pages
 in; dtype conversion is paid in full), so every path is timed from the start of loading to the
 first logits, in a fresh process whose imports are done before the clock starts:
 
 * ``hf_from_pretrained_s``: ``AutoModelForCausalLM.from_pretrained(dir, dtype=serving)``;
-* ``disk_s``: keepwarm's disk path (``attach(dir, None)``: safetensors load + conversion) into a
-  meta-device model;
-* ``warm_attach_s``: ``attach`` through a running daemon that holds the weights in the serving
-  dtype (host tier: a memfd arena, mapped read-only and prefaulted with MAP_POPULATE).
+* ``disk_s``: the engine's own loader (``LLMEngine``: ``engine.loader.load_model`` reads the
+  checkpoint with keepwarm's disk path into a meta-device model, then the tokenizer and a small KV
+  cache; torch attention, so that no kernel compilation is timed) and its first step;
+* ``warm_attach_s``: the same engine, attaching through a running daemon that holds the weights in the
+  serving dtype (host tier: a memfd arena, mapped read-only and prefaulted with MAP_POPULATE).
 
-``forward_floor_s`` is a second forward pass in the same process (weights mapped and cached): no
-load path can restart faster, so ``ratio_ceiling`` = hf / floor bounds ``ratio`` on this machine.
+``forward_floor_s`` is a second forward pass (an engine step for the engine paths) in the same
+process, weights mapped and cached: no load path can restart faster, so ``ratio_ceiling`` = hf /
+floor bounds ``ratio`` on this machine. Each path's greedy first token must agree with the others'
+(else ``first_tokens_differ``). Imports and one-time kernel setup happen before the clock, the
+engine's through a tiny checkpoint loaded by the same engine code.
 ``process_cold_s`` / ``process_warm_s`` time whole processes (interpreter start and imports
 included) on the disk path and the warm path. Every path runs ``--repeats`` times; the best run is
 reported (the page cache is warm for every path: the checkpoint was just written or read).
@@ -28,15 +32,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from keepwarm_api.settings import SettingError, add_arguments, resolve
+from keepwarm_runtime.bench_cli import RestartSettings
 from keepwarm_runtime.cache.launcher import DaemonProcess
 
 CHECKPOINT_DTYPE = "bfloat16"
-# Default torch threads per child: 1. On a small shared machine, OpenMP threads that wait for a
-# descheduled sibling make a forward pass ~8x slower (measured: 5.3 s with 2 threads, 0.63 s with 1,
-# 1 GiB float32 model, 2 cores at load ~5); the same setting applies to every path.
-DEFAULT_THREADS = 1
 PROMPT_LEN = 4  # a short prompt: the pass reads every weight once
 CHILD = [sys.executable, "-m", "bench.restart"]
 REPO = Path(__file__).resolve().parents[1]
@@ -60,70 +63,110 @@ def checkpoint_for(size_gib: float, root: Path) -> Path:
 # -- child side: one load path in this (fresh) process -------------------------------------------
 
 
-def model_from_tensors(model_dir: str, tensors: dict, aliases: dict, dtype, device="cpu"):
-    """A transformers model built on the meta device whose parameters are ``tensors`` (no copy)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+KV_BLOCKS = 8  # the engine's KV cache: enough for the prompt, small so that allocating it costs ~nothing
 
-    config = AutoConfig.from_pretrained(model_dir)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    state = dict(tensors) | {alias: tensors[name] for alias, name in aliases.items()}
-    model.load_state_dict(state, strict=False, assign=True)
-    model.tie_weights()
-    for name, module in list(model.named_modules()):
-        if any(b.is_meta for b in module.buffers(recurse=False)):  # non-persistent, e.g. rotary inv_freq
-            parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-            setattr(parent, name.rpartition(".")[2], type(module)(config=config).to(device))
-    return model.eval()
+
+def tiny_checkpoint(root: Path) -> Path:
+    """A tiny Llama checkpoint the children load before the clock, warming the engine's code paths."""
+    path = root / "llama-warmup"
+    if not (path / "model.safetensors.index.json").exists():
+        from keepwarm_runtime.modelgen import make_model
+
+        tmp = path.with_name(path.name + ".tmp")
+        make_model(tmp, arch="llama", params="1M", dtype=CHECKPOINT_DTYPE, num_shards=1)
+        tmp.rename(path)
+    return path
+
+
+def _engine(model_dir: str, dtype_name: str, device: str, socket_dir: str | None):
+    """An LLMEngine as `keepwarm serve` builds one; socket_dir None reads the checkpoint from disk."""
+    from keepwarm_runtime.engine.config import EngineConfig
+    from keepwarm_runtime.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(
+        model_dir,
+        dtype=dtype_name,
+        device=device,
+        cache_socket_dir=socket_dir,
+        cache_fallback=False,
+        num_kv_blocks=KV_BLOCKS,
+        attention_backend="torch",
+    )
+    return LLMEngine(config)
+
+
+def _first_token(engine, ids: list[int], request_id: str) -> int:
+    """One greedy token through the engine's scheduler, runner and sampler."""
+    from keepwarm_runtime.engine.sampling_params import SamplingParams
+
+    engine.add_request(request_id, ids, SamplingParams(temperature=0.0, max_tokens=1))
+    while True:
+        for out in engine.step():
+            if out.request_id == request_id and out.finished:
+                return out.outputs[0].token_ids[0]
 
 
 def run_child(
-    mode: str, model_dir: str, dtype_name: str, socket_dir: str | None, device: str = "cpu", threads: int = 0
+    mode: str,
+    model_dir: str,
+    dtype_name: str,
+    socket_dir: str | None,
+    device: str = "cpu",
+    threads: int = 0,
+    warmup_dir: str | None = None,
 ) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from keepwarm_runtime.cache.client import attach
 
     torch.set_grad_enabled(False)
     if threads > 0:
         torch.set_num_threads(threads)
     dtype = getattr(torch, dtype_name)
+    prompt = list(range(1, PROMPT_LEN + 1))
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     # Imports and one-time kernel setup are not part of a load path: do them before the clock
     # (transformers imports the modelling module lazily; the first matmul initialises oneDNN).
-    # A forward pass through a tiny model of the same architecture warms every lazy path.
-    config = AutoConfig.from_pretrained(model_dir)
-    tiny = AutoConfig.for_model(
-        config.model_type,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-    )
-    warmup = AutoModelForCausalLM.from_config(tiny, dtype=dtype).to(device)
-    warmup(torch.arange(1, 5, device=device).view(1, -1))
-    ids = torch.arange(1, PROMPT_LEN + 1, device=device).view(1, -1)
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    # The HF path warms up on a tiny model of the same architecture; the engine paths run the
+    # engine itself on a tiny checkpoint (same loader, attention, scheduler and sampler code).
+    if mode == "hf":
+        config = AutoConfig.from_pretrained(model_dir)
+        tiny = AutoConfig.for_model(
+            config.model_type,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=128,
+        )
+        warmup = AutoModelForCausalLM.from_config(tiny, dtype=dtype).to(device)
+        warmup(torch.arange(1, 5, device=device).view(1, -1))
+    elif warmup_dir is not None:
+        _first_token(_engine(warmup_dir, dtype_name, device, None), prompt, "warmup")
     sync()
     started = time.perf_counter()
-    source, reason = "hf", None
+    source, reason, attach_s = "hf", None, None
     if mode == "hf":
         kwargs = {"device_map": device} if device != "cpu" else {}
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kwargs)
+        ids = torch.tensor([prompt], device=device)
+
+        def first() -> int:
+            return int(model(ids).logits[0, -1].argmax())
     else:
-        sock = socket_dir if mode == "warm" else None
-        res = attach(model_dir, sock, dtype=dtype, device=device, fallback=False)
-        source, reason = res.source, res.reason
-        model = model_from_tensors(model_dir, res.tensors, res.aliases, dtype, device)
+        engine = _engine(model_dir, dtype_name, device, socket_dir if mode == "warm" else None)
+        source, reason, attach_s = engine.load_info.source, engine.load_info.reason, engine.load_info.seconds
+        steps = iter(range(1 << 30))
+
+        def first() -> int:
+            return _first_token(engine, prompt, f"r{next(steps)}")
+
     sync()
     loaded = time.perf_counter()
-    logits = model(ids).logits
+    token = first()
     sync()
     done = time.perf_counter()
-    model(ids)  # the same pass again, every page mapped: what a restart pays even at zero load cost
+    first()  # the same pass again, every page mapped: what a restart pays even at zero load cost
     sync()
     steady = time.perf_counter() - done
     return {
@@ -132,9 +175,10 @@ def run_child(
         "reason": reason,
         "seconds": done - started,
         "load_s": loaded - started,
+        "attach_s": attach_s,
         "forward_s": done - loaded,
         "steady_forward_s": steady,
-        "logit0": float(logits[0, -1, 0]),
+        "token0": token,
     }
 
 
@@ -146,34 +190,30 @@ def _child_main(argv: list[str]) -> int:
     p.add_argument("--socket-dir", default=None)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--warmup-model", default=None)
     a = p.parse_args(argv)
-    print(
-        "RESULT " + json.dumps(run_child(a.child, a.model, a.dtype, a.socket_dir, a.device, a.threads)),
-        flush=True,
-    )
+    result = run_child(a.child, a.model, a.dtype, a.socket_dir, a.device, a.threads, a.warmup_model)
+    print("RESULT " + json.dumps(result), flush=True)
     return 0
 
 
 # -- parent side -------------------------------------------------------------------------------
 
 
-def _spawn(
-    mode: str, model: Path, dtype: str, socket_dir: Path | None, device: str, threads: int
-) -> tuple[dict, float]:
+@dataclass(frozen=True)
+class Paths:
+    """What every child of one run shares."""
+
+    model: Path  # the checkpoint
+    warmup: Path  # the tiny checkpoint engine children load before the clock
+    settings: RestartSettings
+
+
+def _spawn(mode: str, paths: Paths, socket_dir: Path | None) -> tuple[dict, float]:
     """Run one child; returns (its result, whole-process wall seconds up to the result line)."""
-    cmd = [
-        *CHILD,
-        "--child",
-        mode,
-        "--model",
-        str(model),
-        "--dtype",
-        dtype,
-        "--device",
-        device,
-        "--threads",
-        str(threads),
-    ]
+    s = paths.settings
+    cmd = [*CHILD, "--child", mode, "--model", str(paths.model), "--dtype", s.serving_dtype]
+    cmd += ["--device", s.device, "--threads", str(s.threads), "--warmup-model", str(paths.warmup)]
     if socket_dir is not None:
         cmd += ["--socket-dir", str(socket_dir)]
     env = os.environ | {
@@ -192,10 +232,8 @@ def _spawn(
     return result, wall
 
 
-def _best(
-    mode: str, model: Path, dtype: str, socket_dir: Path | None, repeats: int, device: str, threads: int
-) -> dict:
-    runs = [_spawn(mode, model, dtype, socket_dir, device, threads) for _ in range(repeats)]
+def _best(mode: str, paths: Paths, socket_dir: Path | None = None) -> dict:
+    runs = [_spawn(mode, paths, socket_dir) for _ in range(paths.settings.repeats)]
     best = min(runs, key=lambda r: r[0]["seconds"])
     return best[0] | {"process_s": min(r[1] for r in runs)}
 
@@ -216,38 +254,32 @@ def _page_facts() -> dict:
     }
 
 
-def run(
-    size_gib: float,
-    serving_dtype: str,
-    repeats: int = 2,
-    work_dir: Path | None = None,
-    device: str = "cpu",
-    threads: int = DEFAULT_THREADS,
-) -> dict:
+def run(settings: RestartSettings) -> dict:
     from keepwarm_runtime.cache.checkpoint import read_checkpoint
 
-    root = work_dir or Path(
-        os.environ.get("KEEPWARM_BENCH_DIR", Path.home() / ".cache" / "keepwarm" / "bench")
-    )
-    model = checkpoint_for(size_gib, root)
+    root = Path(settings.dir) if settings.dir else Path.home() / ".cache" / "keepwarm" / "bench"
+    model = checkpoint_for(settings.size_gib, root)
+    paths = Paths(model, tiny_checkpoint(root), settings)
+    device = settings.device
     shards = read_checkpoint(model)
     out = {
         "size_bytes": sum(s.size for s in shards),
         "num_tensors": sum(len(s.tensors) for s in shards),
         "checkpoint_dtype": CHECKPOINT_DTYPE,
-        "serving_dtype": serving_dtype,
+        "serving_dtype": settings.serving_dtype,
         "device": device,
         "tier": "gpu" if device.startswith("cuda") else "host",
         "prompt_tokens": PROMPT_LEN,
-        "repeats": repeats,
+        "repeats": settings.repeats,
         "cpus": os.cpu_count(),
         "machine": platform.machine(),
         "loadavg_1m_start": round(os.getloadavg()[0], 2),
-        "torch_threads": threads,
+        "torch_threads": settings.threads,
+        "engine_paths": "LLMEngine (engine.loader.load_model), first greedy token",
         **_page_facts(),
     }
-    hf = _best("hf", model, serving_dtype, None, repeats, device, threads)
-    disk = _best("disk", model, serving_dtype, None, repeats, device, threads)
+    hf = _best("hf", paths)
+    disk = _best("disk", paths)
     with tempfile.TemporaryDirectory(prefix="keepwarm-bench-") as tmp:
         on_gpu = device.startswith("cuda")
         daemon = DaemonProcess(
@@ -255,17 +287,17 @@ def run(
             [model],
             *(["--device", device] if on_gpu else []),
             "--dtype",
-            serving_dtype,
+            settings.serving_dtype,
             tier="gpu" if on_gpu else "host",
         ).wait_ready(timeout_s=900)
         try:
-            warm = _best("warm", model, serving_dtype, Path(tmp) / "wc", repeats, device, threads)
+            warm = _best("warm", paths, Path(tmp) / "wc")
         finally:
             daemon.terminate(60)
     if warm["source"] != "cache":
         raise RuntimeError(f"warm path did not attach from the cache: {warm['reason']}")
-    if not hf["logit0"] == disk["logit0"] == warm["logit0"]:
-        out["logits_differ"] = [hf["logit0"], disk["logit0"], warm["logit0"]]
+    if not hf["token0"] == disk["token0"] == warm["token0"]:
+        out["first_tokens_differ"] = [hf["token0"], disk["token0"], warm["token0"]]
     page_mode = [line for line in daemon.lines if "pages)" in line]
     out |= {
         "hf_from_pretrained_s": round(hf["seconds"], 4),
@@ -279,6 +311,7 @@ def run(
         "ratio_ceiling": round(hf["seconds"] / floor, 2),
         "breakdown_s": {
             m: {"load": round(r["load_s"], 4), "forward": round(r["forward_s"], 4)}
+            | ({"attach": round(r["attach_s"], 4)} if r["attach_s"] is not None else {})
             for m, r in (("hf", hf), ("disk", disk), ("warm", warm))
         },
         "process_cold_s": round(disk["process_s"], 3),
@@ -292,21 +325,22 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.restart [flags]`; `keepwarm bench restart` calls ``report`` with its settings."""
     argv = sys.argv[1:] if argv is None else argv
     if "--child" in argv:
         return _child_main(argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--size-gib", type=float, default=0.5)
-    p.add_argument("--serving-dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--device", default="cpu", help="cpu (host tier) or cuda:N (gpu tier)")
-    p.add_argument(
-        "--threads", type=int, default=DEFAULT_THREADS, help="torch threads per child (0: torch default)"
-    )
-    p.add_argument("--json", action="store_true")
-    a = p.parse_args(argv)
-    result = run(a.size_gib, a.serving_dtype, a.repeats, device=a.device, threads=a.threads)
-    print(json.dumps(result) if a.json else json.dumps(result, indent=2))
+    add_arguments(p, RestartSettings)
+    try:
+        settings = resolve(RestartSettings, p.parse_args(argv))
+    except SettingError as exc:
+        p.error(str(exc))
+    return report(settings)
+
+
+def report(settings: RestartSettings) -> int:
+    result = run(settings)
+    print(json.dumps(result) if settings.json else json.dumps(result, indent=2))
     return 0
 
 

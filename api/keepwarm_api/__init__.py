@@ -1,8 +1,11 @@
 """The keepwarm.dev/v1alpha1 API, shared by the operator and the node agent (pydantic only, no torch,
 no kubernetes client): the custom resources' models (the single source of the CRDs, see crdgen), where
-model sources appear inside pods (paths), and the WeightCacheNode spec and status builders.
+model sources appear inside pods (paths), and the WeightCacheNode spec and status builders; also the
+settings layer every keepwarm program declares its flags and KEEPWARM_* variables with (settings) and
+the variables the operator sets on pods (podenv). Importing the package itself needs no pydantic:
+settings and podenv are standard library only, so the runtime's core uses them on machines without it.
 """
 
-from .common import API_VERSION, GROUP, VERSION
+from .group import API_VERSION, GROUP, VERSION
 
 __all__ = ["API_VERSION", "GROUP", "VERSION"]

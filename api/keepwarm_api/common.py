@@ -13,9 +13,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 from pydantic.alias_generators import to_camel
 
-GROUP = "keepwarm.dev"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
+from .group import API_VERSION, GROUP, VERSION  # noqa: F401 (re-exported: the models' home)
 
 # A Kubernetes resource quantity ("40Gi", "500m", 2): int-or-string, as core types declare it.
 Quantity = Annotated[

@@ -1,53 +1,63 @@
 """`keepwarm bench NAME ...`: run a benchmark script from the repository's bench/ folder.
 
-Benchmarks live beside the code (bench/<name>.py, each with ``main(argv) -> int`` and ``--json``)
-rather than in the package, so they can build large checkpoints and spawn fresh processes freely.
+Benchmarks live beside the code (bench/<name>.py, each with ``main(argv) -> int`` for its own command
+line and ``report(settings) -> int``) rather than in the package, so they can build large checkpoints
+and spawn fresh processes freely. Their settings are declared here (keepwarm_api.settings), so that
+`keepwarm --help` lists them without importing the benchmark; the parsed settings object, not argv,
+is what reaches the benchmark.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
-# benchmark name -> help; each registers its flags in _ARGS and gets them back as argv
-BENCHMARKS: dict[str, str] = {
-    "restart": "time to first logits: from_pretrained vs disk vs warm cache attach (fresh processes)",
+from keepwarm_api.settings import SettingError, add_command, resolve, setting
+
+# Default torch threads per child: 1. On a small shared machine, OpenMP threads that wait for a
+# descheduled sibling make a forward pass ~8x slower (measured: 5.3 s with 2 threads, 0.63 s with 1,
+# 1 GiB float32 model, 2 cores at load ~5); the same setting applies to every path.
+DEFAULT_THREADS = 1
+
+
+@dataclass(frozen=True)
+class RestartSettings:
+    """`keepwarm bench restart` (bench/restart.py)."""
+
+    ENV_PREFIX: ClassVar[str] = "KEEPWARM_BENCH_"
+
+    size_gib: float = setting(0.5, "checkpoint size in GiB (bfloat16)")
+    serving_dtype: str = setting(
+        "float32", "dtype the weights are served in", choices=("float32", "bfloat16")
+    )
+    repeats: int = setting(2, "runs per path; the best is reported")
+    device: str = setting("cpu", "cpu (host tier) or cuda:N (gpu tier)")
+    threads: int = setting(DEFAULT_THREADS, "torch threads per child process (0: torch default)")
+    dir: str | None = setting(
+        None, "where checkpoints are generated and kept", unset="~/.cache/keepwarm/bench"
+    )
+    json: bool = setting(False, "one JSON object on stdout")
+
+
+# benchmark name -> (help, settings class)
+BENCHMARKS: dict[str, tuple[str, type]] = {
+    "restart": (
+        "time to first token: from_pretrained vs the engine from disk or the warm cache (fresh processes)",
+        RestartSettings,
+    ),
 }
-
-
-def _restart_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--size-gib", default="0.5", help="checkpoint size in GiB (bfloat16)")
-    p.add_argument("--serving-dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--repeats", default="2", help="runs per path; the best is reported")
-    p.add_argument("--device", default="cpu", help="cpu (host tier) or cuda:N (gpu tier)")
-    p.add_argument("--threads", default="1", help="torch threads per child process (0: torch default)")
-    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
-
-
-_ARGS = {"restart": _restart_args}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="run a benchmark (prints JSON)")
     sub = bench.add_subparsers(dest="bench_name", required=True)
-    for name, help_text in BENCHMARKS.items():
-        p = sub.add_parser(name, help=help_text)
-        _ARGS[name](p)
-        p.set_defaults(handler=run)
-
-
-def _argv(args: argparse.Namespace) -> list[str]:
-    """The parsed flags of this benchmark, back as the argv its ``main`` expects."""
-    skip = {"handler", "bench_name", "command", "log_level"}
-    argv = []
-    for key, value in vars(args).items():
-        if key in skip or value is None or value is False:
-            continue
-        flag = "--" + key.replace("_", "-")
-        argv += [flag] if value is True else [flag, str(value)]
-    return argv
+    for name, (help_text, settings) in BENCHMARKS.items():
+        add_command(sub, name, settings, help_text, run)
 
 
 def _import_bench(name: str):
@@ -64,4 +74,9 @@ def _import_bench(name: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    return int(_import_bench(args.bench_name).main(_argv(args)) or 0)
+    try:
+        settings = resolve(BENCHMARKS[args.bench_name][1], args, os.environ)
+    except SettingError as exc:
+        print(f"keepwarm bench {args.bench_name}: {exc}", file=sys.stderr)
+        return 2
+    return int(_import_bench(args.bench_name).report(settings) or 0)

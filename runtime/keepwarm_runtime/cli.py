@@ -1,8 +1,8 @@
 """`keepwarm` command line: one subcommand group per subsystem.
 
 Each subsystem owns a ``register(subparsers)`` function in its own module; this file only wires them
-together, importing lazily so that `keepwarm --help` stays fast and an optional part that fails to
-import breaks only its own subcommand.
+together. The registering modules import only what their flags need (settings declarations), so
+that `keepwarm --help` stays fast; heavy imports happen in the handlers.
 """
 
 from __future__ import annotations
@@ -26,13 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for module_name in SUBCOMMAND_MODULES:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name and exc.name.startswith("keepwarm_runtime"):
-                continue  # subsystem not built yet
-            raise
-        module.register(subparsers)
+        importlib.import_module(module_name).register(subparsers)
     return parser
 
 

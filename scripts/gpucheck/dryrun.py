@@ -215,7 +215,7 @@ def run(steps: list[plan.Step], wheels: bool = True, smoke: bool = False) -> Rep
     )
     scratch = manifest.LOCAL_DIR / "blocker"
     env = os.environ | blocker.write_sitecustomize(scratch, blocked)
-    env["PYTHONPATH"] = blocker.pythonpath(scratch, *paths, REPO / "runtime", REPO)
+    env["PYTHONPATH"] = blocker.pythonpath(scratch, *paths, *manifest.repo_paths())
     env["PYTHONNOUSERSITE"] = "1"
     # pytest loads every installed plugin; the image has pytest-timeout (gpu-check's --timeout) but not
     # this venv's others (schemathesis, ...), whose imports the blocker would refuse.

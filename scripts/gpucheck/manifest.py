@@ -80,8 +80,15 @@ KNOWN_ABSENT = {
     "flashinfer-python",
 }
 
-# Distributions of this repository that the GPU run imports from the working tree (PYTHONPATH).
-FROM_REPO = {"keepwarm-runtime"}
+# Distributions of this repository that the GPU run imports from the working tree (PYTHONPATH), and
+# the folders that hold them: keepwarm-api's settings and podenv modules are standard library only
+# (importing the package needs no pydantic), and the runtime's core reads its settings through them.
+FROM_REPO = {"keepwarm-runtime", "keepwarm-api"}
+
+
+def repo_paths() -> list[Path]:
+    """PYTHONPATH entries of the working tree: the runtime and api packages, and the root (bench/)."""
+    return [REPO / "runtime", REPO / "api", REPO]
 
 
 def normalize(name: str) -> str:

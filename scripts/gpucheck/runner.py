@@ -58,7 +58,7 @@ def bench_dir() -> Path:
 
 
 def step_env(site: Path | None) -> dict[str, str]:
-    paths = [*([str(site)] if site else []), str(manifest.REPO / "runtime"), str(manifest.REPO)]
+    paths = [*([str(site)] if site else []), *map(str, manifest.repo_paths())]
     if os.environ.get("PYTHONPATH"):
         paths.append(os.environ["PYTHONPATH"])
     return os.environ | {

@@ -15,7 +15,7 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
-from keepwarm_api import GROUP
+from keepwarm_api import GROUP, podenv
 from keepwarm_api.weightcache import GPUAccessMode, SocketMode, Tier, WeightCacheSpec
 
 from .meta import agent_labels, agent_name, object_meta
@@ -86,7 +86,8 @@ def agent_command(spec: WeightCacheSpec, cache: str) -> list[str]:
         command += ["--allow-uid", str(uid)]
     for gid in spec.socket.allowed_gids:
         command += ["--allow-gid", str(gid)]
-    return [*command, "--report-to-kubernetes", "--weightcache", cache, "--node-name", "$(NODE_NAME)"]
+    node = f"$({podenv.NODE_NAME})"  # the downward API variable, expanded by the kubelet
+    return [*command, "--report-to-kubernetes", "--weightcache", cache, "--node-name", node]
 
 
 def agent_daemonset(
@@ -108,7 +109,7 @@ def agent_daemonset(
         volumes.append(volume)
         mounts.append(mount)
     env: list[dict[str, Any]] = [
-        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": podenv.NODE_NAME, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "HOME", "value": "/tmp"},  # read-only root filesystem: caches go to the emptyDir
     ]
@@ -120,7 +121,7 @@ def agent_daemonset(
         token = model.source.hugging_face and model.source.hugging_face.token_secret_ref
         if token:
             env.append({
-                "name": f"KEEPWARM_HF_TOKEN_{model.name.upper().replace('-', '_')}",
+                "name": podenv.hf_token(model.name),
                 "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}},
             })  # fmt: skip
     pod_spec: dict[str, Any] = {

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from keepwarm_api import podenv
 from keepwarm_api.inferencedeployment import InferenceDeploymentSpec
 from keepwarm_api.weightcache import CachedModel, WeightCacheSpec
 
@@ -27,10 +28,6 @@ class CacheBinding:
     cache: str  # WeightCache name
     spec: WeightCacheSpec  # its spec (socket dir, group, download dir)
     model: CachedModel  # the model entry
-
-
-def _bool(value: bool) -> str:
-    return "1" if value else "0"
 
 
 def runtime_command(spec: InferenceDeploymentSpec, model_path: str, model_name: str, dtype: str) -> list[str]:
@@ -80,7 +77,7 @@ def runtime_deployment(
             volume, mount = hf_volume(binding.spec.download_directory, read_only=True)
             volumes.append(volume)
             mounts.append(mount)
-        env.append({"name": "KEEPWARM_CACHE_SOCKET_DIR", "value": sockets})
+        env.append({"name": podenv.CACHE_SOCKET_DIR, "value": sockets})
         pod_security["supplementalGroups"] = [binding.spec.socket.group_id]
         affinity = {
             "nodeAffinity": {
@@ -97,8 +94,8 @@ def runtime_deployment(
             }
         }
     env += [
-        {"name": "KEEPWARM_CACHE_MODE", "value": spec.runtime.cache_mode.value},
-        {"name": "KEEPWARM_CACHE_FALLBACK", "value": _bool(spec.runtime.cache_fallback)},
+        {"name": podenv.CACHE_MODE, "value": spec.runtime.cache_mode.value},
+        {"name": podenv.CACHE_FALLBACK, "value": podenv.env_bool(spec.runtime.cache_fallback)},
     ]
     env += [e.wire() for e in spec.env]
     if spec.pod.run_as_user is not None:

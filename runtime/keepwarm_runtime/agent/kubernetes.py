@@ -15,14 +15,18 @@ import datetime as dt
 import logging
 import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from keepwarm_api import GROUP, VERSION
+from keepwarm_api import GROUP, VERSION, podenv
 from keepwarm_api import weightcache as wc
 from keepwarm_api import weightcachenode as wcn
 from keepwarm_api.paths import MODELS_ROOT, hf_cache_dir
+from keepwarm_api.settings import present
 from keepwarm_api.weightcache import WeightCacheSpec
 from keepwarm_runtime import __version__
+
+if TYPE_CHECKING:
+    from keepwarm_runtime.cache.settings import CacheServeSettings
 
 from .state import (
     RETRY_BASE_S,
@@ -66,7 +70,7 @@ class NodeAgent:
     ):  # fmt: skip
         self.daemon, self.cache, self.node, self.api = daemon, cache, node, api
         self.retry_base_s = retry_base_s  # failed/evicted models: first retry after this, then doubling
-        self.model_root = model_root or os.environ.get("KEEPWARM_MODEL_ROOT", MODELS_ROOT)
+        self.model_root = model_root or present(os.environ.get(podenv.MODEL_ROOT)) or MODELS_ROOT
         self.state = AgentState()
         self.wanted: list[WantedModel] = []
         self.heartbeat_s = DEFAULT_HEARTBEAT_S
@@ -137,7 +141,7 @@ class NodeAgent:
             return w.path
         from huggingface_hub import snapshot_download  # a transformers dependency
 
-        token = os.environ.get(f"KEEPWARM_HF_TOKEN_{w.name.upper().replace('-', '_')}")
+        token = present(os.environ.get(podenv.hf_token(w.name)))
         return snapshot_download(w.repo, revision=w.revision, cache_dir=hf_cache_dir(), token=token)
 
     def _load(self, w: WantedModel) -> None:
@@ -211,7 +215,7 @@ class NodeAgent:
         reporter.join(timeout=5)
 
 
-def run_agent(daemon: Any, args: Any, stop: threading.Event | None = None) -> None:
+def run_agent(daemon: Any, settings: CacheServeSettings, stop: threading.Event | None = None) -> None:
     """Entry point for `keepwarm cache serve --report-to-kubernetes` (runs until the daemon stops)."""
     try:
         api = _client()
@@ -219,4 +223,4 @@ def run_agent(daemon: Any, args: Any, stop: threading.Event | None = None) -> No
         log.error("%s", exc)
         return
     stop = stop or getattr(daemon, "_stop", None) or threading.Event()
-    NodeAgent(daemon, args.weightcache, args.node_name, api).run(stop)
+    NodeAgent(daemon, settings.weightcache, settings.node_name, api).run(stop)

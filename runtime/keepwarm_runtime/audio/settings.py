@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 
-ENV_VAR = "KEEPWARM_AUDIO_BACKEND"
+from keepwarm_api.settings import env_name, present
+
+ENV_VAR = env_name("audio_backend")  # KEEPWARM_AUDIO_BACKEND, as `keepwarm serve` declares it
 AUTO = "auto"
 AUTO_ORDER = ("torchcodec", "soundfile", "pyav")
 BACKEND_NAMES = (AUTO, *AUTO_ORDER)
@@ -24,7 +26,8 @@ def validate_backend(name: str) -> str:
 
 
 def resolve_backend(flag: str | None = None) -> str:
-    """The configured backend: the flag if given, else ``KEEPWARM_AUDIO_BACKEND``, else ``auto``."""
+    """The configured backend: the flag if given, else ``KEEPWARM_AUDIO_BACKEND`` (empty means unset,
+    the settings layer's one rule), else ``auto``."""
     if flag:
         return validate_backend(flag)
-    return validate_backend(os.environ.get(ENV_VAR) or AUTO)
+    return validate_backend(present(os.environ.get(ENV_VAR)) or AUTO)

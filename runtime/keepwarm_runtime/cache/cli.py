@@ -11,13 +11,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import signal
 import sys
 import threading
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
+
+from keepwarm_api.settings import SettingError, add_command, carry_over, resolve
+from keepwarm_runtime.cache.settings import CacheServeSettings
+
+if TYPE_CHECKING:
+    from keepwarm_runtime.cache.daemon import DaemonConfig
 
 log = logging.getLogger("keepwarm_runtime.cache.serve")
 EXIT_BAD_INPUT = 2
@@ -34,54 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cache = subparsers.add_parser("cache", help="node weight cache daemon and inspection")
     sub = cache.add_subparsers(dest="cache_command", required=True, parser_class=OneLineErrorParser)
 
-    serve = sub.add_parser("serve", help="load checkpoints and serve them over a Unix socket")
-    serve.add_argument("--model", action="append", default=[], metavar="DIR", help="checkpoint dir (repeat)")
-    serve.add_argument("--socket-dir", required=True, help="e.g. /var/run/keepwarm/<weightcache>")
-    serve.add_argument("--tier", default="auto", choices=["auto", "gpu", "host"])
-    serve.add_argument("--device", default="cuda:0", help="gpu tier: which GPU (default cuda:0)")
-    serve.add_argument(
-        "--dtype",
-        default="bfloat16",
-        choices=["float32", "bfloat16", "float16"],
-        help="serving dtype of floating tensors (clients must ask for the same)",
+    add_command(
+        sub, "serve", CacheServeSettings, "load checkpoints and serve them over a Unix socket", run_serve
     )
-    serve.add_argument(
-        "--quantization",
-        default="none",
-        choices=["none", "fp8"],
-        help="fp8: quantize each float --model in 128x128 blocks once, at load, into the arena "
-        "(clients asking for --quantization fp8 attach it; part of the cache key)",
-    )
-    serve.add_argument("--budget", type=_bytes, default=None, help="bytes (or 4GiB, 512MiB); LRU beyond")
-    serve.add_argument("--pin", action="append", default=[], metavar="NAME", help="never evict NAME")
-    serve.add_argument("--group", default=None, help="share the socket with this group (0770/0660)")
-    serve.add_argument("--allow-uid", action="append", type=int, default=[], help="peer uid to allow")
-    serve.add_argument("--allow-gid", action="append", type=int, default=[], help="peer gid to allow")
-    serve.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here")
-    serve.add_argument(
-        "--max-connections",
-        type=_positive_int,
-        default=None,
-        help="open client connections, in all (default: 256, fewer under a low open-files limit)",
-    )
-    serve.add_argument(
-        "--max-connections-per-uid", type=_positive_int, default=32, help="open client connections per uid"
-    )
-    serve.add_argument(
-        "--request-deadline",
-        type=_positive_float,
-        default=10.0,
-        metavar="SECONDS",
-        help="a whole request frame must arrive within this time from its first byte",
-    )
-    serve.add_argument(
-        "--report-to-kubernetes",
-        action="store_true",
-        help="run the node agent: report to a WeightCacheNode, follow the WeightCache",
-    )
-    serve.add_argument("--weightcache", default=None, help="WeightCache name (with --report-to-kubernetes)")
-    serve.add_argument("--node-name", default=os.environ.get("NODE_NAME"), help="this node's name")
-    serve.set_defaults(handler=run_serve)
 
     for name, help_text in (("ls", "list resident models"), ("stats", "daemon statistics as JSON")):
         p = sub.add_parser(name, help=help_text)
@@ -94,85 +54,51 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     release.set_defaults(handler=run_inspect, cache_cmd="release")
 
 
-def _bytes(text: str) -> int:
-    units = {
-        "": 1,
-        "B": 1,
-        "K": 1 << 10,
-        "KIB": 1 << 10,
-        "M": 1 << 20,
-        "MIB": 1 << 20,
-        "G": 1 << 30,
-        "GIB": 1 << 30,
-        "KB": 10**3,
-        "MB": 10**6,
-        "GB": 10**9,
-    }
-    t = text.strip().upper()
-    num = t.rstrip("KMGIB")
-    try:
-        value = float(num) * units[t[len(num) :]]
-    except (KeyError, ValueError):
-        raise argparse.ArgumentTypeError(f"cannot parse byte count {text!r}; use e.g. 4GiB") from None
-    if not math.isfinite(value) or value < 1 or value > 2**63:
-        raise argparse.ArgumentTypeError(f"byte count {text!r} must be a finite, positive size, e.g. 4GiB")
-    return int(value)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
-    return value
-
-
 def _fail(command: str, message: object) -> int:
     print(f"keepwarm cache {command}: {message}", file=sys.stderr)
     return EXIT_BAD_INPUT
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from keepwarm_runtime.cache.daemon import CacheDaemon, DaemonConfig
+    """The handler of `keepwarm cache serve`: resolve the settings once, then serve them."""
+    try:
+        settings = resolve(CacheServeSettings, args, os.environ)
+    except SettingError as exc:
+        return _fail("serve", exc)
+    return serve(settings)
+
+
+def daemon_config(settings: CacheServeSettings) -> DaemonConfig:
+    """The daemon's configuration: the settings' same-named fields, the socket dir and the limits."""
+    from keepwarm_runtime.cache.daemon import DaemonConfig
     from keepwarm_runtime.cache.limits import ServerLimits
 
-    if args.report_to_kubernetes and not (args.weightcache and args.node_name):
-        return _fail("serve", "--report-to-kubernetes needs --weightcache and --node-name")
-    config = DaemonConfig(
-        socket_dir=Path(args.socket_dir),
-        tier=args.tier,
-        device=args.device,
-        dtype=args.dtype,
-        budget=args.budget,
-        pins=frozenset(args.pin),
-        group=args.group,
-        allow_uids=frozenset(args.allow_uid),
-        allow_gids=frozenset(args.allow_gid),
-        metrics_port=args.metrics_port,
-        limits=ServerLimits(args.max_connections, args.max_connections_per_uid, args.request_deadline),
-        quantization=None if args.quantization == "none" else args.quantization,
+    assert settings.socket_dir is not None  # required: resolve() refuses settings without it
+    limits = ServerLimits(
+        settings.max_connections, settings.max_connections_per_uid, settings.request_deadline
     )
+    quantization = None if settings.quantization == "none" else settings.quantization
+    return carry_over(
+        settings, DaemonConfig, socket_dir=Path(settings.socket_dir), limits=limits, quantization=quantization
+    )
+
+
+def serve(settings: CacheServeSettings) -> int:
+    """Claim the socket, load the models, serve until SIGTERM; 2 on bad settings or when none loads."""
+    from keepwarm_runtime.cache.daemon import CacheDaemon
+
+    if settings.report_to_kubernetes and not (settings.weightcache and settings.node_name):
+        return _fail("serve", "--report-to-kubernetes needs --weightcache and --node-name")
+    config = daemon_config(settings)
     try:
         daemon = CacheDaemon(config)
         daemon.claim()  # a second daemon stops here, before loading anything
     except Exception as exc:  # bad tier/device/group/socket dir, no CUDA, lock held: one line
         return _fail("serve", exc)
-    loaded = load_initial_models(daemon, args.model, config.quantization)
-    if args.model and not loaded:
+    loaded = load_initial_models(daemon, list(settings.model), config.quantization)
+    if settings.model and not loaded:
         daemon.close()
-        return _fail("serve", f"none of the {len(args.model)} models loaded; see the errors above")
+        return _fail("serve", f"none of the {len(settings.model)} models loaded; see the errors above")
     try:
         daemon.bind()
     except Exception as exc:
@@ -180,10 +106,10 @@ def run_serve(args: argparse.Namespace) -> int:
         return _fail("serve", exc)
     signal.signal(signal.SIGTERM, lambda *_: daemon.stop())
     signal.signal(signal.SIGINT, lambda *_: daemon.stop())
-    if args.report_to_kubernetes:
+    if settings.report_to_kubernetes:
         from keepwarm_runtime.agent.kubernetes import run_agent
 
-        threading.Thread(target=run_agent, args=(daemon, args), daemon=True, name="node-agent").start()
+        threading.Thread(target=run_agent, args=(daemon, settings), daemon=True, name="node-agent").start()
     daemon.serve_forever()
     return 0
 

@@ -20,6 +20,9 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from keepwarm_api import podenv
+from keepwarm_api.settings import present
+
 
 class CacheSecurityError(Exception):
     """A path or peer failed a check; the message says which and how to fix it."""
@@ -189,7 +192,7 @@ def secure_socket_file(socket_path: Path, gid: int | None) -> None:
 
 def trusted_owners() -> set[int]:
     """Uids a client trusts to own a daemon socket: itself, root, and KEEPWARM_CACHE_TRUSTED_UIDS."""
-    extra = os.environ.get("KEEPWARM_CACHE_TRUSTED_UIDS", "")
+    extra = present(os.environ.get(podenv.CACHE_TRUSTED_UIDS)) or ""
     return {0, os.geteuid(), *(int(u) for u in extra.replace(",", " ").split() if u.isdigit())}
 
 

@@ -8,7 +8,6 @@ output fields (finish/stop reason, logprobs, text).
 from __future__ import annotations
 
 import enum
-import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -16,8 +15,6 @@ import torch
 from keepwarm_runtime.engine.multimodal import MultimodalInput
 from keepwarm_runtime.engine.outputs import Logprob
 from keepwarm_runtime.engine.sampling_params import SamplingParams, TokenConstraint
-
-_arrivals = itertools.count()
 
 
 class SequenceStatus(enum.Enum):
@@ -33,7 +30,6 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     token_ids: list[int] = field(init=False)  # prompt + generated tokens
-    arrival: int = field(init=False, default_factory=lambda: next(_arrivals))  # FCFS order
     priority: int = 0  # lower values are admitted first; FCFS among equals
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
@@ -54,10 +50,6 @@ class Sequence:
         self.token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None:
             self.logprobs = []
-
-    @property
-    def seq_id(self) -> str:
-        return f"{self.request_id}#{self.index}"
 
     @property
     def hash_salt(self) -> int | None:

@@ -15,6 +15,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
+from keepwarm_api.settings import env_name, present
+
 BOS, EOS, PAD, END_OF_TURN = "<s>", "</s>", "<pad>", "<|end|>"
 ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
 SPECIAL_TOKENS = [PAD, BOS, EOS, END_OF_TURN, *ROLE_TOKENS]
@@ -28,6 +30,7 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+CACHE_HOME_ENV = env_name("cache_home")  # KEEPWARM_CACHE_HOME: where trained tokenizers are kept
 CORPUS_VERSION = "stdlib-v1"
 CORPUS_MAX_BYTES = 3_000_000
 
@@ -45,7 +48,7 @@ def _corpus() -> Iterator[str]:
 
 
 def _cache_path(vocab_size: int) -> Path:
-    root = Path(os.environ.get("KEEPWARM_CACHE_HOME", Path.home() / ".cache" / "keepwarm"))
+    root = Path(present(os.environ.get(CACHE_HOME_ENV)) or Path.home() / ".cache" / "keepwarm")
     tag = hashlib.sha256(f"{CORPUS_VERSION}:{vocab_size}:{sys.version_info[:2]}".encode()).hexdigest()
     return root / "tokenizers" / f"bpe-{vocab_size}-{tag[:12]}.json"
 

@@ -1,9 +1,10 @@
 """`keepwarm serve MODEL_DIR`: the OpenAI-compatible server.
 
-Every flag also comes from an environment variable, ``KEEPWARM_`` + the flag in upper snake case
+Flags, KEEPWARM_* variables and --help come from one declaration, ``server/settings.py``
 (``--max-num-seqs`` <- ``KEEPWARM_MAX_NUM_SEQS``; MODEL_DIR <- ``KEEPWARM_MODEL_DIR``); a flag on the
-command line wins. This is how the operator configures pods. Imports stay lazy: `keepwarm --help`
-must not pay for torch.
+command line wins, an empty variable means the default. This is how the operator configures pods.
+The parsed arguments become one ServeSettings here, at the entry point; everything below takes that.
+Imports stay lazy: `keepwarm --help` must not pay for torch.
 """
 
 from __future__ import annotations
@@ -13,67 +14,18 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
-from keepwarm_runtime.cache.env import env_flag
-from keepwarm_runtime.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_PREPROCESS_TIMEOUT_S
-from keepwarm_runtime.server.tool_parsers import TOOL_PARSERS
+from keepwarm_api.settings import SettingError, add_command, env_names, group, resolve
+from keepwarm_runtime.server.settings import ENGINE, ServeSettings
 
 logger = logging.getLogger(__name__)
 
 
-# Engine settings: (flag, type, help). Unset ones keep EngineConfig's defaults.
-ENGINE_FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
-    ("--dtype", str, "weights/activations dtype: float32 | bfloat16 | float16 (engine default: float32)"),
-    ("--device", str, "cpu, cuda, cuda:1, ... (engine default: cpu)"),
-    ("--max-num-seqs", int, "most sequences in one batch"),
-    ("--max-num-batched-tokens", int, "most tokens in one forward pass"),
-    ("--max-model-len", int, "context length (default: the model's, capped by the KV cache)"),
-    ("--block-size", int, "tokens per KV-cache block"),
-    ("--num-kv-blocks", int, "KV-cache blocks (default: sized from memory)"),
-    ("--kv-cache-memory-gib", float, "CPU KV-cache budget in GiB when --num-kv-blocks is unset"),
-    ("--gpu-memory-utilization", float, "CUDA: fraction of GPU memory for weights + KV cache"),
-    ("--attention-backend", str, "auto | torch | flashinfer"),
-    (
-        "--moe-backend",
-        str,
-        "experts: auto | torch | flashinfer_cutlass | flashinfer_trtllm (engine.moe.oracle)",
-    ),
-    (
-        "--quantization",
-        str,
-        "fp8: quantize a float checkpoint online in 128x128 blocks (FP8 checkpoints load as-is)",
-    ),
-    ("--seed", int, "seed for requests that set none"),
-]
-
-
-def env_name(flag: str) -> str:
-    return "KEEPWARM_" + flag.lstrip("-").replace("-", "_").upper()
-
-
-def serve_env_vars() -> set[str]:
+def serve_env_vars() -> frozenset[str]:
     """Every environment variable `keepwarm serve` reads."""
-    serve = add_serve_parser(argparse.ArgumentParser().add_subparsers())
-    return {
-        env_name("--" + action.dest.replace("_", "-")) for action in serve._actions if action.dest != "help"
-    }
-
-
-def _env(flag: str, kind: Callable[[str], Any], default: Any = None) -> Any:
-    if kind is bool:  # the one rule for boolean KEEPWARM_* values, shared with the cache client
-        try:
-            return env_flag(env_name(flag), default)
-        except ValueError as exc:
-            raise SystemExit(f"keepwarm serve: {exc}") from None
-    raw = os.environ.get(env_name(flag))
-    if raw is None or not raw.strip():
-        return default
-    try:
-        return kind(raw)
-    except ValueError:
-        raise SystemExit(f"keepwarm serve: {env_name(flag)}={raw!r} is not a valid {kind.__name__}") from None
+    return env_names(ServeSettings)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -81,127 +33,57 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "serve",
-        help="serve a model over an OpenAI-compatible HTTP API",
-        description="Serve MODEL_DIR over an OpenAI-compatible API. Every flag also reads KEEPWARM_<FLAG>.",
+    return add_command(
+        subparsers, "serve", ServeSettings, "serve MODEL_DIR over an OpenAI-compatible HTTP API", run
     )
-    p.add_argument(
-        "model_dir",
-        nargs="?",
-        default=_env("--model-dir", str),
-        help="Hugging Face checkpoint directory (env KEEPWARM_MODEL_DIR)",
-    )
-    p.add_argument("--host", default=_env("--host", str, "0.0.0.0"), help="bind address (default 0.0.0.0)")
-    p.add_argument("--port", type=int, default=_env("--port", int, 8000), help="port (default 8000)")
-    p.add_argument(
-        "--served-model-name",
-        default=_env("--served-model-name", str),
-        help="name clients use in `model` (default: the directory name)",
-    )
-    p.add_argument(
-        "--cache-socket-dir",
-        default=_env("--cache-socket-dir", str),
-        help="node weight cache socket directory; unset: load weights from disk",
-    )
-    p.add_argument(
-        "--cache-mode",
-        choices=["zero_copy", "copy"],
-        default=_env("--cache-mode", str, "zero_copy"),
-        help="attach cached weights zero-copy (default) or copy them",
-    )
-    p.add_argument(
-        "--cache-fallback",
-        action=argparse.BooleanOptionalAction,
-        default=_env("--cache-fallback", bool, True),
-        help="fall back to disk when the cache cannot serve the model (default: on)",
-    )
-    for flag, kind, text in ENGINE_FLAGS:
-        p.add_argument(flag, type=kind, default=_env(flag, kind), help=text)
-    p.add_argument(
-        "--audio-backend",
-        default=_env("--audio-backend", str),
-        help="audio decoder: auto (torchcodec, then soundfile, then pyav) | torchcodec | soundfile | pyav",
-    )
-    p.add_argument(
-        "--max-audio-upload-bytes",
-        type=int,
-        default=_env("--max-audio-upload-bytes", int, 25 * 1024 * 1024),
-        help="largest /v1/audio/* upload; bigger ones get 413 (default 25 MiB)",
-    )
-    p.add_argument(
-        "--api-key",
-        default=_env("--api-key", str),
-        help="require `Authorization: Bearer <key>` on every route but /health, /ready, /ping and /metrics "
-        "(prefer the env KEEPWARM_API_KEY: flags show in ps)",
-    )
-    p.add_argument(
-        "--max-request-body-bytes",
-        type=int,
-        default=_env("--max-request-body-bytes", int, DEFAULT_MAX_BODY_BYTES),
-        help=f"larger request bodies get 413 before they are read (default {DEFAULT_MAX_BODY_BYTES})",
-    )
-    p.add_argument(
-        "--trust-request-chat-template",
-        action=argparse.BooleanOptionalAction,
-        default=_env("--trust-request-chat-template", bool, False),
-        help="let requests send their own chat template (it runs in this process; default: refused)",
-    )
-    p.add_argument(
-        "--tool-call-parser",
-        choices=sorted(TOOL_PARSERS),
-        default=_env("--tool-call-parser", str),
-        help="how to recognise tool calls in the model's text (needed for tool_choice auto)",
-    )
-    p.add_argument(
-        "--preprocess-timeout",
-        type=float,
-        default=_env("--preprocess-timeout", float, DEFAULT_PREPROCESS_TIMEOUT_S),
-        help=f"seconds one request may spend preparing its prompt (default {DEFAULT_PREPROCESS_TIMEOUT_S:g})",
-    )
-    p.add_argument("--uvicorn-log-level", default=_env("--uvicorn-log-level", str, "info"))
-    p.add_argument(
-        "--access-log", action=argparse.BooleanOptionalAction, default=_env("--access-log", bool, False)
-    )
-    p.set_defaults(handler=run)
-    return p
 
 
-def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """EngineConfig keyword arguments from parsed args (unset engine flags omitted)."""
-    settings: dict[str, Any] = {
-        "cache_socket_dir": args.cache_socket_dir,
-        "cache_mode": args.cache_mode,
-        "cache_fallback": args.cache_fallback,
-    }
-    for flag, _, _ in ENGINE_FLAGS:
-        value = getattr(args, flag.lstrip("-").replace("-", "_"))
-        if value is not None:
-            settings[flag.lstrip("-").replace("-", "_")] = value
-    return settings
+def serve_settings(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> ServeSettings:
+    """The one ServeSettings of this process: flags, else KEEPWARM_* variables, else defaults.
+
+    A value that does not parse (or a missing MODEL_DIR) is a SystemExit naming the flag or variable."""
+    try:
+        return resolve(ServeSettings, args, environ)
+    except SettingError as exc:
+        raise SystemExit(f"keepwarm serve: {exc}") from None
+
+
+def engine_settings(settings: ServeSettings) -> dict[str, Any]:
+    """EngineConfig keyword arguments: the engine group's set fields (unset ones keep its defaults)."""
+    return group(settings, ENGINE)
 
 
 def run(args: argparse.Namespace) -> int:
+    """The handler of `keepwarm serve`: resolve the settings once, then serve them."""
+    try:
+        settings = resolve(ServeSettings, args, os.environ)
+    except SettingError as exc:
+        print(f"keepwarm serve: {exc}", file=sys.stderr)
+        return 2
+    return serve(settings)
+
+
+def serve(config: ServeSettings) -> int:
+    """Load the model in the background and serve until stopped; 2 on bad settings, 1 if loading fails."""
     from keepwarm_runtime.server.metrics import process_start_time
 
     started_at = process_start_time()
-    if not args.model_dir:
-        print("keepwarm serve: give MODEL_DIR (or set KEEPWARM_MODEL_DIR)", file=sys.stderr)
-        return 2
-    if not os.path.isdir(args.model_dir):
-        print(f"keepwarm serve: {args.model_dir} is not a directory", file=sys.stderr)
+    assert config.model_dir is not None  # required: resolve() refuses settings without it
+    if not os.path.isdir(config.model_dir):
+        print(f"keepwarm serve: {config.model_dir} is not a directory", file=sys.stderr)
         return 2
     import uvicorn
 
     from keepwarm_runtime.server.app import create_app
     from keepwarm_runtime.server.serving import ServingOptions
 
-    settings = engine_settings(args)
-    model_dir = os.path.abspath(args.model_dir)
+    assert config.model_dir is not None  # required: resolve() refuses settings without it
+    settings = engine_settings(config)
+    model_dir = os.path.abspath(config.model_dir)
     from keepwarm_runtime.server.serving_audio import audio_settings, make_speech_engine
 
     try:
-        audio = audio_settings(args.audio_backend, args.max_audio_upload_bytes, model_dir)
+        audio = audio_settings(config.audio_backend, config.max_audio_upload_bytes, model_dir)
     except (ValueError, RuntimeError) as exc:
         print(f"keepwarm serve: {exc}", file=sys.stderr)
         return 2
@@ -214,16 +96,16 @@ def run(args: argparse.Namespace) -> int:
         return speech if speech is not None else LLMEngine(EngineConfig(model_dir, **settings))
 
     options = ServingOptions(
-        trust_request_chat_template=args.trust_request_chat_template,
-        tool_call_parser=args.tool_call_parser,
-        preprocess_timeout_s=args.preprocess_timeout,
-        max_request_body_bytes=args.max_request_body_bytes,
-        api_key=args.api_key or None,
+        trust_request_chat_template=config.trust_request_chat_template,
+        tool_call_parser=config.tool_call_parser,
+        preprocess_timeout_s=config.preprocess_timeout,
+        max_request_body_bytes=config.max_request_body_bytes,
+        api_key=config.api_key or None,
     )
     app = create_app(
         make_engine,
         model_dir=model_dir,
-        served_model_name=args.served_model_name,
+        served_model_name=config.served_model_name,
         started_at=started_at,
         options=options,
         audio=audio,
@@ -231,10 +113,10 @@ def run(args: argparse.Namespace) -> int:
     server = uvicorn.Server(
         uvicorn.Config(
             app,
-            host=args.host,
-            port=args.port,
-            log_level=args.uvicorn_log_level,
-            access_log=args.access_log,
+            host=config.host,
+            port=config.port,
+            log_level=config.uvicorn_log_level,
+            access_log=config.access_log,
             timeout_graceful_shutdown=5,
         )
     )
@@ -250,8 +132,8 @@ def run(args: argparse.Namespace) -> int:
     logger.info(
         "serving %s on http://%s:%d (engine settings: %s, api key %s)",
         model_dir,
-        args.host,
-        args.port,
+        config.host,
+        config.port,
         settings,
         "required" if options.api_key else "off",
     )

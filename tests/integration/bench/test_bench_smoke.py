@@ -39,7 +39,10 @@ def test_restart_benchmark_reports_every_path_and_the_warm_one_attaches(tmp_path
     hf_over_warm = result["hf_from_pretrained_s"] / result["warm_attach_s"]
     assert result["ratio"] == pytest.approx(hf_over_warm, rel=0.02)
     assert result["forward_floor_s"] <= min(result["hf_from_pretrained_s"], result["warm_attach_s"])
-    assert "logits_differ" not in result  # the three paths computed the same first logit
+    assert "first_tokens_differ" not in result  # the three paths computed the same first token
+    assert result["engine_paths"].startswith("LLMEngine")  # the engine's own loader is what is timed
+    for path in ("disk", "warm"):
+        assert 0 < result["breakdown_s"][path]["attach"] <= result["breakdown_s"][path]["load"], path
     assert result["process_warm_s"] > result["warm_attach_s"]  # whole process includes imports
 
 

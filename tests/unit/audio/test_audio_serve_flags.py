@@ -11,12 +11,13 @@ import pytest
 
 from keepwarm_runtime.server import cli
 from keepwarm_runtime.server.serving_audio import audio_settings, make_speech_engine
+from keepwarm_runtime.server.settings import ServeSettings
 
 
-def parse(argv: list[str]) -> argparse.Namespace:
+def parse(argv: list[str]) -> ServeSettings:
     parser = argparse.ArgumentParser()
     cli.register(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["serve", *argv])
+    return cli.serve_settings(parser.parse_args(["serve", *argv]))
 
 
 def test_flag_wins_over_env(monkeypatch: pytest.MonkeyPatch) -> None:

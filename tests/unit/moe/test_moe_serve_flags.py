@@ -7,13 +7,13 @@ import argparse
 import pytest
 
 from keepwarm_runtime.engine.config import EngineConfig
-from keepwarm_runtime.server.cli import add_serve_parser, engine_settings
+from keepwarm_runtime.server.cli import add_serve_parser, engine_settings, serve_settings
 
 
 def _settings(argv: list[str]) -> dict:
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers())
-    return engine_settings(parser.parse_args(["serve", "/m", *argv]))
+    return engine_settings(serve_settings(parser.parse_args(["serve", "/m", *argv])))
 
 
 def test_flags_reach_engine_config() -> None:

@@ -2,17 +2,19 @@
 
 import os
 
+import pytest
+
 from keepwarm_operator.cli import build_parser, settings_from
 from keepwarm_operator.settings import OperatorSettings
 
 
 def test_flags_become_settings_without_touching_the_environment():
     before = dict(os.environ)
-    args = build_parser({}).parse_args(
+    args = build_parser().parse_args(
         ["run", "--namespace", "a", "--namespace", "b", "--agent-namespace", "agents",
          "--resync-seconds", "1", "--workers", "3", "--kubeconfig", "/kc"]
     )  # fmt: skip
-    assert settings_from(args) == OperatorSettings(
+    assert settings_from(args, {}) == OperatorSettings(
         agent_namespace="agents",
         namespaces=frozenset({"a", "b"}),
         resync_seconds=1.0,
@@ -24,11 +26,18 @@ def test_flags_become_settings_without_touching_the_environment():
 
 def test_environment_supplies_defaults_and_flags_win():
     env = {"KEEPWARM_AGENT_NAMESPACE": "from-env", "KEEPWARM_OPERATOR_RESYNC_SECONDS": "7"}
-    settings = settings_from(build_parser(env).parse_args(["run"]))
+    settings = settings_from(build_parser().parse_args(["run"]), env)
     assert (settings.agent_namespace, settings.resync_seconds) == ("from-env", 7.0)
     assert settings.namespaces == frozenset() and settings.kubeconfig is None
-    flagged = settings_from(build_parser(env).parse_args(["run", "--resync-seconds", "2"]))
+    flagged = settings_from(build_parser().parse_args(["run", "--resync-seconds", "2"]), env)
     assert flagged.resync_seconds == 2.0
+
+
+def test_empty_variables_mean_the_default_and_bad_ones_are_named():
+    empty = {"KEEPWARM_AGENT_NAMESPACE": "", "KEEPWARM_OPERATOR_WORKERS": " "}
+    assert settings_from(build_parser().parse_args(["run"]), empty) == OperatorSettings()
+    with pytest.raises(SystemExit, match="KEEPWARM_OPERATOR_WORKERS"):
+        settings_from(build_parser().parse_args(["run"]), {"KEEPWARM_OPERATOR_WORKERS": "many"})
 
 
 def test_resync_timer_period_comes_from_settings():

@@ -1,4 +1,4 @@
-"""`keepwarm serve` flags: every flag from KEEPWARM_* too, flags win."""
+"""`keepwarm serve` flags: every flag from KEEPWARM_* too, flags win; one ServeSettings results."""
 
 from __future__ import annotations
 
@@ -7,12 +7,17 @@ import argparse
 import pytest
 
 from keepwarm_runtime.server import cli
+from keepwarm_runtime.server.settings import ServeSettings
 
 
-def parse(argv: list[str]) -> argparse.Namespace:
+def namespace(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     cli.register(parser.add_subparsers(dest="command"))
     return parser.parse_args(["serve", *argv])
+
+
+def parse(argv: list[str]) -> ServeSettings:
+    return cli.serve_settings(namespace(argv))
 
 
 def test_defaults(monkeypatch):
@@ -25,11 +30,11 @@ def test_defaults(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     args = parse(["/models/m"])
     assert (args.model_dir, args.host, args.port) == ("/models/m", "0.0.0.0", 8000)
-    assert cli.engine_settings(args) == {
-        "cache_socket_dir": None,
+    assert cli.engine_settings(args) == {  # unset ones (cache_socket_dir) keep EngineConfig's default
         "cache_mode": "zero_copy",
         "cache_fallback": True,
     }
+    assert args.cache_socket_dir is None
 
 
 def test_env_supplies_every_flag_and_flags_win(monkeypatch):
@@ -66,5 +71,36 @@ def test_bad_env_value_names_the_variable(monkeypatch):
 
 def test_missing_model_dir_is_a_usage_error(monkeypatch, capsys):
     monkeypatch.delenv("KEEPWARM_MODEL_DIR", raising=False)
-    assert cli.run(parse([])) == 2
+    assert cli.run(namespace([])) == 2
     assert "KEEPWARM_MODEL_DIR" in capsys.readouterr().err
+
+
+def test_empty_variables_mean_the_default(monkeypatch):
+    for name in ("KEEPWARM_PORT", "KEEPWARM_CACHE_FALLBACK", "KEEPWARM_API_KEY", "KEEPWARM_MAX_NUM_SEQS"):
+        monkeypatch.setenv(name, "  ")
+    settings = parse(["/m"])
+    assert (settings.port, settings.cache_fallback, settings.api_key) == (8000, True, None)
+    assert "max_num_seqs" not in cli.engine_settings(settings)
+
+
+def test_bad_flag_value_is_refused_by_argparse(capsys):
+    with pytest.raises(SystemExit):
+        namespace(["/m", "--cache-mode", "mmap"])
+    assert "--cache-mode" in capsys.readouterr().err
+
+
+def test_engine_settings_are_engine_config_fields():
+    """The engine group is handed to EngineConfig as keyword arguments: every name must be a field,
+    and the types must agree, or `keepwarm serve` would fail only at load time."""
+    import dataclasses
+    import typing
+
+    from keepwarm_api.settings import specs
+    from keepwarm_runtime.engine.config import EngineConfig
+
+    hints = typing.get_type_hints(EngineConfig)
+    engine = [s for s in specs(ServeSettings) if s.meta.group == "engine"]
+    assert {s.name for s in engine} <= {f.name for f in dataclasses.fields(EngineConfig)}
+    for spec in engine:
+        accepted = set(typing.get_args(hints[spec.name])) or {hints[spec.name]}
+        assert spec.kind in accepted, (spec.name, hints[spec.name])

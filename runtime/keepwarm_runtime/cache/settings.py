@@ -1,0 +1,119 @@
+"""`keepwarm cache serve`'s settings, declared once (keepwarm_api.settings generates its flags,
+KEEPWARM_CACHE_* variables, --help and the README's table from this class).
+
+Every setting is ``--flag`` and ``KEEPWARM_CACHE_<FIELD>`` (``--budget`` <- ``KEEPWARM_CACHE_BUDGET``),
+except the node name, which agent pods get as ``NODE_NAME`` from the downward API; repeatable flags
+(``--model``, ``--pin``, ``--allow-uid``, ``--allow-gid``) take comma-separated variables. Fields
+that DaemonConfig also has carry over to it by name (``keepwarm_api.settings.carry_over``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+from keepwarm_api import podenv
+from keepwarm_api.settings import setting
+
+DTYPES = ("float32", "bfloat16", "float16")
+TIERS = ("auto", "gpu", "host")
+QUANTIZATIONS = ("none", "fp8")
+_BYTE_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1 << 10,
+    "KIB": 1 << 10,
+    "M": 1 << 20,
+    "MIB": 1 << 20,
+    "G": 1 << 30,
+    "GIB": 1 << 30,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count such as 4GiB, 512MiB, 1e9 or 4096."""
+    t = text.strip().upper()
+    num = t.rstrip("KMGIB")
+    try:
+        value = float(num) * _BYTE_UNITS[t[len(num) :]]
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"cannot parse byte count {text!r}; use e.g. 4GiB") from None
+    if not math.isfinite(value) or value < 1 or value > 2**63:
+        raise argparse.ArgumentTypeError(f"byte count {text!r} must be a finite, positive size, e.g. 4GiB")
+    return int(value)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
+@dataclass(frozen=True)
+class CacheServeSettings:
+    ENV_PREFIX: ClassVar[str] = "KEEPWARM_CACHE_"
+
+    model: tuple[str, ...] = setting((), "checkpoint directory to load at start", metavar="DIR")
+    socket_dir: str | None = setting(
+        None, "socket directory, e.g. /var/run/keepwarm/WEIGHTCACHE", required=True
+    )
+    tier: str = setting(
+        "auto", "gpu (CUDA VMM) or host (shared memory); auto: gpu when CUDA is present", choices=TIERS
+    )
+    device: str = setting("cuda:0", "gpu tier: which GPU")
+    dtype: str = setting(
+        "bfloat16", "serving dtype of floating tensors (clients must ask for the same)", choices=DTYPES
+    )
+    quantization: str = setting(
+        "none",
+        "fp8: quantize each float --model in 128x128 blocks once, at load, into the arena "
+        "(clients asking for fp8 attach it; part of the cache key)",
+        choices=QUANTIZATIONS,
+    )
+    budget: int | None = setting(
+        None, "bytes (or 4GiB, 512MiB); least recently used beyond", parse=parse_bytes
+    )
+    pins: frozenset[str] = setting(frozenset(), "never evict this model", flag="--pin", metavar="NAME")
+    group: str | None = setting(None, "share the socket with this group (0770/0660)")
+    allow_uids: frozenset[int] = setting(frozenset(), "peer uid to allow", flag="--allow-uid", metavar="UID")
+    allow_gids: frozenset[int] = setting(frozenset(), "peer gid to allow", flag="--allow-gid", metavar="GID")
+    metrics_port: int | None = setting(None, "serve Prometheus /metrics on this port", unset="off")
+    max_connections: int | None = setting(
+        None,
+        "open client connections, in all",
+        parse=positive_int,
+        unset="256, fewer under a low open-files limit",
+    )
+    max_connections_per_uid: int = setting(32, "open client connections per uid", parse=positive_int)
+    request_deadline: float = setting(
+        10.0,
+        "seconds a whole request frame may take from its first byte",
+        parse=positive_seconds,
+        metavar="SECONDS",
+    )
+    report_to_kubernetes: bool = setting(
+        False, "run the node agent: report to a WeightCacheNode, follow the WeightCache"
+    )
+    weightcache: str | None = setting(None, "WeightCache name (with --report-to-kubernetes)")
+    node_name: str | None = setting(
+        None, "this node's name (with --report-to-kubernetes)", env=podenv.NODE_NAME
+    )

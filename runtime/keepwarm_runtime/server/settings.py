@@ -1,0 +1,96 @@
+"""`keepwarm serve`'s settings, declared once (keepwarm_api.settings generates flags, KEEPWARM_* variables,
+--help and the README's table from this class).
+
+Every setting is ``--flag`` and ``KEEPWARM_<FIELD>`` (``max_num_seqs``: ``--max-num-seqs``,
+``KEEPWARM_MAX_NUM_SEQS``; MODEL_DIR: ``KEEPWARM_MODEL_DIR``); a flag wins over its variable, and an
+empty variable means the default. The "engine" group is handed to EngineConfig as keyword arguments:
+left unset (None), a field keeps EngineConfig's own default, so that default is stated only there.
+Imports stay light: `keepwarm --help` must not pay for torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from keepwarm_api.settings import setting
+from keepwarm_runtime.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_PREPROCESS_TIMEOUT_S
+from keepwarm_runtime.server.tool_parsers import TOOL_PARSERS
+
+ENGINE = "engine"  # the group of settings passed to EngineConfig
+
+
+def engine(default: None, help: str) -> Any:
+    """An engine setting: unset, EngineConfig's own default applies (stated only there)."""
+    return setting(default, help, group=ENGINE, unset="the engine's")
+
+
+DEFAULT_MAX_AUDIO_UPLOAD_BYTES = 25 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    model_dir: str | None = setting(None, "Hugging Face checkpoint directory", positional=True, required=True)
+    host: str = setting("0.0.0.0", "bind address")
+    port: int = setting(8000, "port")
+    served_model_name: str | None = setting(None, "name clients use in `model`", unset="the directory name")
+    # the node weight cache (the same variables attach() reads; the operator sets them on pods)
+    cache_socket_dir: str | None = setting(
+        None, "node weight cache socket directory; unset: load weights from disk", group=ENGINE
+    )
+    cache_mode: str = setting(
+        "zero_copy", "attach cached weights zero-copy or copy", choices=("zero_copy", "copy"), group=ENGINE
+    )
+    cache_fallback: bool = setting(
+        True, "fall back to disk when the cache cannot serve the model", group=ENGINE
+    )
+    # the engine (unset: EngineConfig's default)
+    dtype: str | None = engine(
+        None, "weights/activations dtype: float32 | bfloat16 | float16 (engine: float32)"
+    )
+    device: str | None = engine(None, "cpu, cuda, cuda:1, ... (engine: cpu)")
+    max_num_seqs: int | None = engine(None, "most sequences in one batch")
+    max_num_batched_tokens: int | None = engine(None, "most tokens in one forward pass")
+    max_model_len: int | None = engine(None, "context length (unset: the model's, capped by the KV cache)")
+    block_size: int | None = engine(None, "tokens per KV-cache block")
+    num_kv_blocks: int | None = engine(None, "KV-cache blocks (unset: sized from memory)")
+    kv_cache_memory_gib: float | None = engine(
+        None, "CPU KV-cache budget in GiB when --num-kv-blocks is unset"
+    )
+    gpu_memory_utilization: float | None = engine(None, "CUDA: fraction of GPU memory for weights + KV cache")
+    attention_backend: str | None = engine(None, "auto | torch | flashinfer")
+    moe_backend: str | None = engine(None, "experts: auto | torch | flashinfer_cutlass | flashinfer_trtllm")
+    quantization: str | None = engine(
+        None, "fp8: quantize a float checkpoint online in 128x128 blocks (FP8 checkpoints load as-is)"
+    )
+    seed: int | None = engine(None, "seed for requests that set none")
+    # audio
+    audio_backend: str | None = setting(
+        None, "audio decoder: auto (torchcodec, then soundfile, then pyav) | torchcodec | soundfile | pyav"
+    )
+    max_audio_upload_bytes: int = setting(
+        DEFAULT_MAX_AUDIO_UPLOAD_BYTES, "largest /v1/audio/* upload; bigger ones get 413"
+    )
+    # requests
+    api_key: str | None = setting(
+        None,
+        "require `Authorization: Bearer <key>` on every route but /health, /ready, /ping and /metrics "
+        "(prefer the variable: flags show in ps)",
+    )
+    max_request_body_bytes: int = setting(
+        DEFAULT_MAX_BODY_BYTES, "larger request bodies get 413 before they are read"
+    )
+    trust_request_chat_template: bool = setting(
+        False, "let requests send their own chat template (it runs in this process)"
+    )
+    tool_call_parser: str | None = setting(
+        None,
+        "how to recognise tool calls in the model's text (needed for tool_choice auto)",
+        choices=sorted(TOOL_PARSERS),
+    )
+    preprocess_timeout: float = setting(
+        DEFAULT_PREPROCESS_TIMEOUT_S, "seconds one request may spend preparing its prompt"
+    )
+    # the HTTP server
+    uvicorn_log_level: str = setting("info", "uvicorn's log level")
+    access_log: bool = setting(False, "log every request (uvicorn's access log)")
