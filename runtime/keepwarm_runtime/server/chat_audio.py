@@ -1,9 +1,10 @@
-"""Chat ``input_audio`` and ``audio_url`` (``data:`` URLs) content parts for audio-language models.
+"""Chat ``input_audio`` and ``audio_url`` content parts for audio-language models.
 
 Each audio part becomes the model's audio marker in the message text (Qwen2-Audio:
 ``<|audio_bos|><|AUDIO|><|audio_eos|>``; Voxtral: ``[BEGIN_AUDIO][AUDIO]``); after the chat template
 renders, each placeholder token is expanded to as many copies as the audio has embeddings, and the
-embeddings travel with the request (engine/multimodal.py). Remote URLs and local paths are refused:
+embeddings travel with the request (engine/multimodal.py). ``audio_url`` takes ``data:`` URLs; http(s)
+and ``file:`` URLs only where the server's allow-lists name them (server/media_fetch.py), and by default
 this server never fetches media.
 """
 
@@ -13,6 +14,7 @@ import asyncio
 import base64
 import binascii
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ import torch
 
 from keepwarm_runtime.audio import AudioError, load_audio
 from keepwarm_runtime.server.errors import BadRequest
+from keepwarm_runtime.server.media_fetch import MediaPolicy, fetch_media
 from keepwarm_runtime.server.protocol import ChatMessage, TextContentPart
 
 AUDIO_PART_TYPES = ("input_audio", "audio_url")
@@ -32,6 +35,14 @@ AUDIO_MARKERS = {
 _ROLES = {"developer": "system"}
 
 
+@dataclass(frozen=True)
+class AudioRef:
+    """An ``audio_url`` that is not a ``data:`` URL: fetched (or refused) by ``resolve_audio``."""
+
+    url: str
+    where: str  # the content part, for the error's param
+
+
 def has_audio_parts(messages: list[ChatMessage]) -> bool:
     return any(
         isinstance(m.content, list) and any(p.get("type") in AUDIO_PART_TYPES for p in m.content)
@@ -39,8 +50,10 @@ def has_audio_parts(messages: list[ChatMessage]) -> bool:
     )
 
 
-def split_audio(messages: list[ChatMessage], marker: str) -> tuple[list[dict[str, str]], list[bytes]]:
-    """(template messages with ``marker`` where each audio was, the audio files in order)."""
+def split_audio(
+    messages: list[ChatMessage], marker: str
+) -> tuple[list[dict[str, str]], list[bytes | AudioRef]]:
+    """(template messages with ``marker`` where each audio was, the audio files or references in order)."""
     rendered, audios = [], []
     for i, message in enumerate(messages):
         if not isinstance(message.content, list):
@@ -64,7 +77,7 @@ def split_audio(messages: list[ChatMessage], marker: str) -> tuple[list[dict[str
     return rendered, audios
 
 
-def _audio_bytes(part: dict[str, Any], where: str) -> bytes:
+def _audio_bytes(part: dict[str, Any], where: str) -> bytes | AudioRef:
     if part["type"] == "input_audio":
         spec = part.get("input_audio")
         if not isinstance(spec, dict) or not isinstance(spec.get("data"), str):
@@ -74,10 +87,10 @@ def _audio_bytes(part: dict[str, Any], where: str) -> bytes:
         return _b64(spec["data"], where)
     spec = part.get("audio_url")
     url = spec.get("url") if isinstance(spec, dict) else None
-    if not isinstance(url, str) or not url.startswith("data:"):
-        raise BadRequest(
-            "audio_url must be a data: URL; remote URLs and local paths are refused", param=where
-        )
+    if not isinstance(url, str):
+        raise BadRequest("audio_url needs {url: string}", param=where)
+    if not url.startswith("data:"):
+        return AudioRef(url, where)
     header, _, payload = url.partition(",")
     if not header.endswith(";base64"):
         raise BadRequest("audio_url data: URLs must be base64", param=where)
@@ -89,6 +102,16 @@ def _b64(text: str, where: str) -> bytes:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise BadRequest(f"audio data is not valid base64: {exc}", param=where) from exc
+
+
+async def resolve_audio(sources: list[bytes | AudioRef], policy: MediaPolicy | None) -> list[bytes]:
+    """The audio files, references fetched under ``policy`` (None: every reference refused)."""
+    policy = policy or MediaPolicy()
+
+    async def one(source: bytes | AudioRef) -> bytes:
+        return source if isinstance(source, bytes) else await fetch_media(source.url, policy, source.where)
+
+    return list(await asyncio.gather(*map(one, sources)))
 
 
 @functools.lru_cache(maxsize=4)
@@ -115,7 +138,8 @@ async def audio_chat_prompt(
     marker = AUDIO_MARKERS.get(getattr(engine.model.config, "model_type", None))
     if marker is None:
         raise BadRequest("this model does not take audio input", param="messages", code="model_not_supported")
-    template_messages, audios = split_audio(messages, marker)
+    template_messages, sources = split_audio(messages, marker)
+    audios = await resolve_audio(sources, getattr(settings, "media", None))
     extractor = _feature_extractor(str(model_dir))
     embeds, tensors = [], []
     for audio in audios:

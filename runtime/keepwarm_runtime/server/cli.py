@@ -17,7 +17,12 @@ from collections.abc import Callable
 from typing import Any
 
 from keepwarm_runtime.cache.env import env_flag
-from keepwarm_runtime.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_PREPROCESS_TIMEOUT_S
+from keepwarm_runtime.server.limits import (
+    DEFAULT_FETCH_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_MEDIA_BYTES,
+    DEFAULT_PREPROCESS_TIMEOUT_S,
+)
 from keepwarm_runtime.server.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
@@ -126,8 +131,24 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument(
         "--max-audio-upload-bytes",
         type=int,
-        default=_env("--max-audio-upload-bytes", int, 25 * 1024 * 1024),
-        help="largest /v1/audio/* upload; bigger ones get 413 (default 25 MiB)",
+        default=_env("--max-audio-upload-bytes", int, DEFAULT_MAX_MEDIA_BYTES),
+        help="largest /v1/audio/* upload or fetched chat audio_url; bigger ones get 413 (default 25 MiB)",
+    )
+    p.add_argument(
+        "--allowed-media-domains",
+        default=_env("--allowed-media-domains", str),
+        help="comma-separated hosts whose http(s) chat audio_url the server may fetch (default: none)",
+    )
+    p.add_argument(
+        "--allowed-local-media-path",
+        default=_env("--allowed-local-media-path", str),
+        help="directory whose files chat audio_url file: URLs may read (default: none)",
+    )
+    p.add_argument(
+        "--media-fetch-timeout",
+        type=float,
+        default=_env("--media-fetch-timeout", float, DEFAULT_FETCH_TIMEOUT_S),
+        help=f"seconds one audio_url fetch may take (default {DEFAULT_FETCH_TIMEOUT_S:g})",
     )
     p.add_argument(
         "--api-key",
@@ -198,10 +219,17 @@ def run(args: argparse.Namespace) -> int:
 
     settings = engine_settings(args)
     model_dir = os.path.abspath(args.model_dir)
+    from keepwarm_runtime.server.media_fetch import media_policy
     from keepwarm_runtime.server.serving_audio import audio_settings, make_speech_engine
 
     try:
-        audio = audio_settings(args.audio_backend, args.max_audio_upload_bytes, model_dir)
+        media = media_policy(
+            args.allowed_media_domains,
+            args.allowed_local_media_path,
+            args.max_audio_upload_bytes,
+            args.media_fetch_timeout,
+        )
+        audio = audio_settings(args.audio_backend, args.max_audio_upload_bytes, model_dir, media)
     except (ValueError, RuntimeError) as exc:
         print(f"keepwarm serve: {exc}", file=sys.stderr)
         return 2
