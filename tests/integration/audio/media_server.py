@@ -3,7 +3,7 @@
 Paths: ``/audio`` (the payload), ``/same-origin`` (redirect to /audio), ``/other-origin`` (redirect to
 the same port under the name ``localhost``: another host to an allow-list of ``127.0.0.1``),
 ``/loop`` (redirects to itself), ``/big`` (declares a size over any small cap), ``/undeclared`` (no
-Content-Length, streams until close), ``/slow`` (headers, a few bytes, then nothing until released),
+Content-Length, streams until close), ``/slow`` (headers, a few bytes, then the rest only once released),
 ``/missing`` (404). ``hits`` counts requests per path, so a test can prove a refused target was never
 contacted.
 """
@@ -100,6 +100,7 @@ def _handler(media: MediaServer) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(media.payload[:10])
             self.wfile.flush()
             media.slow_started.set()
-            media.release.wait(SLOW_HOLD_S)
+            if media.release.wait(SLOW_HOLD_S):
+                self.wfile.write(media.payload[10:])
 
     return Handler
