@@ -125,12 +125,8 @@ def _b64(text: str, where: str) -> bytes:
 
 async def resolve_audio(sources: list[bytes | AudioRef], policy: MediaPolicy | None) -> list[bytes]:
     """The audio files, references fetched under ``policy`` (None: every reference refused)."""
-    policy = policy or MediaPolicy()
-
-    async def one(source: bytes | AudioRef) -> bytes:
-        return source if isinstance(source, bytes) else await fetch_media(source.url, policy, source.where)
-
-    return list(await asyncio.gather(*map(one, sources)))
+    policy = policy or MediaPolicy()  # one after the other: a refusal leaves no fetch running behind it
+    return [s if isinstance(s, bytes) else await fetch_media(s.url, policy, s.where) for s in sources]
 
 
 @functools.lru_cache(maxsize=4)

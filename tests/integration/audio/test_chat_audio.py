@@ -208,3 +208,18 @@ def test_a_slow_remote_does_not_hold_up_other_requests(client: openai.OpenAI, me
         finally:
             media.release.set()
         assert slow.result(timeout=120)
+
+
+def test_chat_audio_is_counted_in_the_audio_metrics(client: openai.OpenAI, server: ServerProcess) -> None:
+    def counts() -> tuple[float, float]:
+        metrics = server.metrics()
+        decoded = sum(v for k, v in metrics.items() if k.startswith("keepwarm_audio_decode_seconds_count{"))
+        return decoded, metrics.get("keepwarm_audio_processed_seconds_total", 0.0)
+
+    before = counts()
+    data, _ = _wav(6, 2.0)
+    part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": "wav"}}
+    _chat(client, part, "Count me.")
+    after = counts()
+    assert after[0] == before[0] + 1
+    assert after[1] == pytest.approx(before[1] + 2.0)
