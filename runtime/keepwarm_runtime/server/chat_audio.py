@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from keepwarm_runtime.audio import AudioError, load_audio
-from keepwarm_runtime.server.chat_audio_mistral import is_mistral_common, mistral_audio_prompt
+from keepwarm_runtime.engine.chat import is_mistral_common
+from keepwarm_runtime.server.chat_audio_mistral import mistral_audio_prompt
 from keepwarm_runtime.server.errors import BadRequest
 from keepwarm_runtime.server.media_fetch import MediaPolicy, fetch_media
 from keepwarm_runtime.server.protocol import ChatMessage, TextContentPart

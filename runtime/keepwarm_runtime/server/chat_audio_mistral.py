@@ -22,11 +22,6 @@ import torch
 from keepwarm_runtime.server.errors import BadRequest
 
 
-def is_mistral_common(tokenizer: Any) -> bool:
-    """True for transformers' MistralCommonBackend (tekken.json), which renders chats without Jinja."""
-    return type(tokenizer).__name__ == "MistralCommonBackend"
-
-
 def _float_wav(samples: np.ndarray, sample_rate: int) -> str:
     import soundfile as sf
 

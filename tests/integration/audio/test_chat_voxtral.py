@@ -1,6 +1,7 @@
 """Chat completions with audio on a real `keepwarm serve` of a tiny random Voxtral whose tokenizer is
 tekken.json (mistral-common, as real Voxtral checkpoints ship), through the openai client, against
-transformers' VoxtralProcessor.apply_chat_template + generate() on the same audio."""
+transformers' VoxtralProcessor.apply_chat_template + generate() on the same audio; a text-only chat
+in the same batch goes through tekken's own rendering as well (engine/chat.py)."""
 
 from __future__ import annotations
 
@@ -101,6 +102,7 @@ CONVERSATIONS = {
         _audio(3, 2.0),
     ],
     "two chunks": [_audio(4, 31.0), {"type": "text", "text": "Summarise."}],  # over 30 s: two windows
+    "text only": [{"type": "text", "text": "Hello there"}],  # rendered by tekken too, batched with audio
 }
 
 
