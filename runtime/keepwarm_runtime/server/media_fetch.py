@@ -2,7 +2,8 @@
 
 Both lists are off by default, and then this server never fetches media. ``--allowed-media-domains``
 names the hosts whose http(s) URLs may be fetched (exact host names, no wildcards: a pattern is one
-more thing an attacker can aim at); ``--allowed-local-media-path`` names one directory whose files
+more thing an attacker can aim at; names resolve as usual, so where they point is the operator's
+choice); ``--allowed-local-media-path`` names one directory whose files
 ``file:`` URLs may read. Why each guard is there:
 
 - a remote fetch is async (httpx) under one overall deadline, so a slow or trickling host costs its
@@ -133,7 +134,7 @@ async def _fetch_remote(url: str, policy: MediaPolicy, where: str) -> bytes:
             param=where,
             code="media_fetch_timeout",
         ) from None
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:  # InvalidURL: a redirect to a malformed URL
         raise BadRequest(
             f"cannot fetch audio_url: {type(exc).__name__}: {exc}", param=where, code="media_fetch_failed"
         ) from exc
@@ -195,7 +196,12 @@ def read_local(url: str, policy: MediaPolicy, where: str) -> bytes:
     path = Path(urllib.parse.unquote(parts.path))
     # Resolve first (``..`` and every symlink that exists), then check the prefix: the answer never
     # says whether a file outside the root exists.
-    real = path.resolve() if path.is_absolute() else None
+    try:
+        real = path.resolve() if path.is_absolute() else None
+    except (OSError, RuntimeError, ValueError) as exc:  # a symlink loop, a NUL byte in the path
+        raise BadRequest(
+            f"audio_url is not a usable path: {exc}", param=where, code="invalid_media_url"
+        ) from None
     if real is None or not real.is_relative_to(policy.local_root):
         raise BadRequest(
             "audio_url path is outside --allowed-local-media-path", param=where, code="media_url_not_allowed"

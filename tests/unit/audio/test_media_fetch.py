@@ -92,6 +92,7 @@ def root(tmp_path: Path) -> Path:
     (allowed / "inside.wav").symlink_to(allowed / "a b.wav")
     (allowed / "big.wav").write_bytes(b"\0" * (CAP + 1))
     os.mkfifo(allowed / "pipe.wav")
+    (allowed / "loop.wav").symlink_to(allowed / "loop.wav")
     return allowed
 
 
@@ -110,6 +111,8 @@ def test_local_files_inside_the_root_are_read(root: Path) -> None:
         ("pipe.wav", 400, "invalid_media_url"),  # a FIFO would block the reader
         ("nothing.wav", 400, "media_not_found"),
         ("big.wav", 413, "audio_too_large"),
+        ("loop.wav", 400, "invalid_media_url"),  # a symlink to itself
+        ("a%00b.wav", 400, "invalid_media_url"),  # a NUL byte
     ],
 )
 def test_local_attacks_are_refused(root: Path, name: str, status: int, code: str) -> None:
