@@ -125,3 +125,27 @@ def test_what_mistral_common_cannot_render_is_refused_by_name(client: openai.Ope
     with pytest.raises(openai.BadRequestError) as info:
         _chat(client, content, extra_body={"add_generation_prompt": False})
     assert info.value.response.json()["error"]["param"] == "add_generation_prompt"
+
+
+def test_encoder_and_decoder_weights_attach_from_the_node_cache(
+    model_dir: Path, reference, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """--no-cache-fallback: every weight, the audio encoder's and projector's included, comes from the
+    node cache daemon, and the answer is still generate()'s."""
+    from keepwarm_runtime.cache.launcher import DaemonProcess
+
+    root = tmp_path_factory.mktemp("voxtral-cache")
+    daemon = DaemonProcess(root / "wc", [model_dir], "--dtype", "float32").wait_ready()
+    args = ["--served-model-name", MODEL, "--cache-socket-dir", str(root / "wc"), "--no-cache-fallback"]
+    proc = start_server(model_dir, root / "serve.log", args=args, env={"OMP_NUM_THREADS": "1"})
+    try:
+        proc.wait("/ready", timeout=240)
+        assert any(
+            'source="cache"' in k for k in proc.metrics() if k.startswith("keepwarm_weight_load_seconds")
+        )
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0, timeout=180)
+        content = CONVERSATIONS["one audio"]
+        assert _chat(client, content) == reference(content)
+    finally:
+        proc.stop()
+        daemon.kill()
