@@ -1,12 +1,14 @@
 """Audio decode + resample throughput per backend at 1, 8 and 32 concurrent requests.
 
     .venv/bin/python bench/audio.py [--format mp3] [--seconds 10] [--rate 44100] [--channels 2]
-        [--target-rate 16000] [--concurrency 1 8 32] [--requests 64] [--json-out FILE]
+        [--target-rate 16000] [--concurrency 1 8 32] [--requests 64] [--rounds 3] [--json-out FILE]
 
 Encodes one clip (a chirp plus noise, so the codec has real work) in --format, then for each backend
 runs --requests load_audio calls (at least one per worker) on a thread pool of each concurrency,
-as the server does. Prints JSON: audio seconds decoded per wall second per backend and concurrency,
-and the torchcodec/pyav ratio at each concurrency. A benchmark, not a test.
+as the server does. The backends take turns, --rounds times, and each (backend, concurrency) keeps
+its best round: on a shared machine whose load drifts, running one backend after the other would
+compare the load as much as the decoders. Prints JSON: audio seconds decoded per wall second per
+backend and concurrency, and the torchcodec/pyav ratio at each concurrency. A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +41,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--target-rate", type=int, default=16000, help="what load_audio resamples to")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--requests", type=int, default=64, help="load_audio calls per (backend, concurrency)")
+    p.add_argument("--rounds", type=int, default=3, help="turns per backend; the best one is reported")
     p.add_argument("--backends", nargs="+", default=None, help="default: every backend that loads")
     p.add_argument("--json-out", default=None)
     return p.parse_args()
@@ -62,7 +66,6 @@ def throughput(backend: str, clip: bytes, target_rate: int, workers: int, reques
     def one(_: int) -> float:
         return load_audio(clip, sample_rate=target_rate, backend=backend).duration_s
 
-    one(0)  # warm: library loading is not throughput
     count = max(requests, workers)
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=workers) as pool:
@@ -97,11 +100,18 @@ def main() -> int:
     torch.set_num_threads(1)  # the server resamples in request threads; one core each, like the decoders
     clip = make_clip(args.format, args.seconds, args.rate, args.channels)
     backends = args.backends or available_backends()
-    results: dict[str, dict[str, dict]] = {}
-    for backend in backends:
-        results[backend] = {
-            str(c): throughput(backend, clip, args.target_rate, c, args.requests) for c in args.concurrency
-        }
+    from keepwarm_runtime.audio import load_audio
+
+    for backend in backends:  # warm: library loading is not throughput
+        load_audio(clip, sample_rate=args.target_rate, backend=backend)
+    results: dict[str, dict[str, dict]] = {b: {} for b in backends}
+    for _ in range(args.rounds):
+        for c in args.concurrency:
+            for backend in backends:
+                run = throughput(backend, clip, args.target_rate, c, args.requests)
+                best = results[backend].get(str(c))
+                if best is None or run["audio_s_per_wall_s"] > best["audio_s_per_wall_s"]:
+                    results[backend][str(c)] = run
     ratio = {}
     if "torchcodec" in results and "pyav" in results:
         ratio = {
@@ -111,6 +121,7 @@ def main() -> int:
             for c in results["torchcodec"]
         }
     report = {
+        "machine": {"cpus": os.cpu_count(), "load_1m": round(os.getloadavg()[0], 2)},  # at the end
         "clip": {
             "format": args.format,
             "seconds": args.seconds,
@@ -119,6 +130,7 @@ def main() -> int:
             "bytes": len(clip),
         },
         "target_rate": args.target_rate,
+        "rounds": args.rounds,
         "throughput": results,
         "torchcodec_over_pyav": ratio,
     }

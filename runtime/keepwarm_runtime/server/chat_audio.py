@@ -1,9 +1,11 @@
-"""Chat ``input_audio`` and ``audio_url`` (``data:`` URLs) content parts for audio-language models.
+"""Chat ``input_audio`` and ``audio_url`` content parts for audio-language models.
 
 Each audio part becomes the model's audio marker in the message text (Qwen2-Audio:
 ``<|audio_bos|><|AUDIO|><|audio_eos|>``; Voxtral: ``[BEGIN_AUDIO][AUDIO]``); after the chat template
 renders, each placeholder token is expanded to as many copies as the audio has embeddings, and the
-embeddings travel with the request (engine/multimodal.py). Remote URLs and local paths are refused:
+embeddings travel with the request (engine/multimodal.py). Voxtral checkpoints that ship tekken.json
+render through mistral-common instead (chat_audio_mistral.py). ``audio_url`` takes ``data:`` URLs; http(s)
+and ``file:`` URLs only where the server's allow-lists name them (server/media_fetch.py), and by default
 this server never fetches media.
 """
 
@@ -13,13 +15,17 @@ import asyncio
 import base64
 import binascii
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from keepwarm_runtime.audio import AudioError, load_audio
+from keepwarm_runtime.engine.chat import is_mistral_common
+from keepwarm_runtime.server.chat_audio_mistral import mistral_audio_prompt
 from keepwarm_runtime.server.errors import BadRequest
+from keepwarm_runtime.server.media_fetch import MediaPolicy, fetch_media
 from keepwarm_runtime.server.protocol import ChatMessage, TextContentPart
 
 AUDIO_PART_TYPES = ("input_audio", "audio_url")
@@ -32,6 +38,14 @@ AUDIO_MARKERS = {
 _ROLES = {"developer": "system"}
 
 
+@dataclass(frozen=True)
+class AudioRef:
+    """An ``audio_url`` that is not a ``data:`` URL: fetched (or refused) by ``resolve_audio``."""
+
+    url: str
+    where: str  # the content part, for the error's param
+
+
 def has_audio_parts(messages: list[ChatMessage]) -> bool:
     return any(
         isinstance(m.content, list) and any(p.get("type") in AUDIO_PART_TYPES for p in m.content)
@@ -39,32 +53,51 @@ def has_audio_parts(messages: list[ChatMessage]) -> bool:
     )
 
 
-def split_audio(messages: list[ChatMessage], marker: str) -> tuple[list[dict[str, str]], list[bytes]]:
-    """(template messages with ``marker`` where each audio was, the audio files in order)."""
-    rendered, audios = [], []
+def split_parts(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], list[bytes | AudioRef]]:
+    """(messages whose content is a string, or a list of text strings and ints: the index of an audio
+    in the second list; the audio files or references in order)."""
+    rendered: list[dict[str, Any]] = []
+    audios: list[bytes | AudioRef] = []
     for i, message in enumerate(messages):
+        role = _ROLES.get(message.role, message.role)
         if not isinstance(message.content, list):
-            rendered.append(
-                {"role": _ROLES.get(message.role, message.role), "content": message.content or ""}
-            )
+            rendered.append({"role": role, "content": message.content or ""})
             continue
-        pieces = []
+        pieces: list[str | int] = []
         for j, part in enumerate(message.content):
             kind, where = part.get("type"), f"messages.{i}.content.{j}"
             if kind == "text":
                 pieces.append(TextContentPart.model_validate(part).text)
             elif kind in AUDIO_PART_TYPES:
+                pieces.append(len(audios))
                 audios.append(_audio_bytes(part, where))
-                pieces.append(marker)
             else:
                 raise BadRequest(
                     f"content part type {kind!r} is not supported; send text or audio", param=where
                 )
-        rendered.append({"role": _ROLES.get(message.role, message.role), "content": "".join(pieces)})
+        rendered.append({"role": role, "content": pieces})
     return rendered, audios
 
 
-def _audio_bytes(part: dict[str, Any], where: str) -> bytes:
+def split_audio(
+    messages: list[ChatMessage], marker: str
+) -> tuple[list[dict[str, str]], list[bytes | AudioRef]]:
+    """(template messages with ``marker`` where each audio was, the audio files or references in order)."""
+    parts, audios = split_parts(messages)
+    return with_markers(parts, marker), audios
+
+
+def with_markers(parts: list[dict[str, Any]], marker: str) -> list[dict[str, str]]:
+    """split_parts' messages with ``marker`` in place of each audio index."""
+    return [
+        m | {"content": "".join(marker if isinstance(p, int) else p for p in m["content"])}
+        if isinstance(m["content"], list)
+        else m
+        for m in parts
+    ]
+
+
+def _audio_bytes(part: dict[str, Any], where: str) -> bytes | AudioRef:
     if part["type"] == "input_audio":
         spec = part.get("input_audio")
         if not isinstance(spec, dict) or not isinstance(spec.get("data"), str):
@@ -74,10 +107,10 @@ def _audio_bytes(part: dict[str, Any], where: str) -> bytes:
         return _b64(spec["data"], where)
     spec = part.get("audio_url")
     url = spec.get("url") if isinstance(spec, dict) else None
-    if not isinstance(url, str) or not url.startswith("data:"):
-        raise BadRequest(
-            "audio_url must be a data: URL; remote URLs and local paths are refused", param=where
-        )
+    if not isinstance(url, str):
+        raise BadRequest("audio_url needs {url: string}", param=where)
+    if not url.startswith("data:"):
+        return AudioRef(url, where)
     header, _, payload = url.partition(",")
     if not header.endswith(";base64"):
         raise BadRequest("audio_url data: URLs must be base64", param=where)
@@ -91,11 +124,45 @@ def _b64(text: str, where: str) -> bytes:
         raise BadRequest(f"audio data is not valid base64: {exc}", param=where) from exc
 
 
+async def resolve_audio(sources: list[bytes | AudioRef], policy: MediaPolicy | None) -> list[bytes]:
+    """The audio files, references fetched under ``policy`` (None: every reference refused)."""
+    policy = policy or MediaPolicy()  # one after the other: a refusal leaves no fetch running behind it
+    return [s if isinstance(s, bytes) else await fetch_media(s.url, policy, s.where) for s in sources]
+
+
 @functools.lru_cache(maxsize=4)
 def _feature_extractor(model_dir: str) -> Any:
     from transformers import AutoFeatureExtractor
 
     return AutoFeatureExtractor.from_pretrained(model_dir)
+
+
+def _decode(audio: bytes, sample_rate: int, max_duration_s: float | None, settings: Any) -> Any:
+    try:
+        return load_audio(
+            audio,
+            sample_rate=sample_rate,
+            max_duration_s=max_duration_s,
+            max_decoded_bytes=getattr(settings, "max_decoded_bytes", None),
+            backend=getattr(settings, "backend", None),
+        )
+    except AudioError as exc:
+        raise BadRequest(str(exc), param="messages", code=exc.code) from exc
+
+
+def _encode_one(model: Any, extractor: Any, samples: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(embeddings of one audio, the feature tensors its digest covers)."""
+    from keepwarm_runtime.engine.multimodal import audio_embeddings
+
+    features = extractor(
+        samples.numpy(),
+        sampling_rate=extractor.sampling_rate,
+        return_attention_mask=True,
+        return_tensors="pt",
+    )
+    mask = features.get("attention_mask")
+    embeds = audio_embeddings(model, features.input_features, mask)
+    return embeds, [features.input_features] + ([mask] if mask is not None else [])
 
 
 async def audio_chat_prompt(
@@ -108,46 +175,59 @@ async def audio_chat_prompt(
     **render: Any,
 ) -> tuple[list[int], Any]:
     """(prompt ids with expanded placeholders, MultimodalInput) for a chat with audio parts.
-    ``settings``: the server's AudioServerSettings (backend, limits), or None for the defaults."""
-    from keepwarm_runtime.engine.chat import render_chat
+    ``settings``: the server's AudioServerSettings (backend, limits, media allow-lists), or None for
+    the defaults. Decoding, features and the audio encoder run in worker threads, never on the loop."""
     from keepwarm_runtime.engine.multimodal import audio_embeddings, media_digest, multimodal_input
 
     marker = AUDIO_MARKERS.get(getattr(engine.model.config, "model_type", None))
     if marker is None:
         raise BadRequest("this model does not take audio input", param="messages", code="model_not_supported")
-    template_messages, audios = split_audio(messages, marker)
+    parts, sources = split_parts(messages)
+    audios = await resolve_audio(sources, getattr(settings, "media", None))
     extractor = _feature_extractor(str(model_dir))
-    embeds, tensors = [], []
+    mistral = is_mistral_common(engine.tokenizer)
+    # Voxtral's processor splits long audio into 30 s chunks; the marker route encodes one window.
+    max_duration_s = None if mistral else float(extractor.chunk_length)
+    decoded = []
     for audio in audios:
-        try:
-            decoded = await asyncio.to_thread(
-                load_audio,
-                audio,
-                sample_rate=extractor.sampling_rate,
-                max_duration_s=float(extractor.chunk_length),
-                max_decoded_bytes=getattr(settings, "max_decoded_bytes", None),
-                backend=getattr(settings, "backend", None),
-            )
-        except AudioError as exc:
-            raise BadRequest(str(exc), param="messages", code=exc.code) from exc
-        if metrics is not None:
-            metrics.record(decoded.backend, decoded.decode_seconds, decoded.duration_s)
-        features = extractor(
-            decoded.samples.numpy(),
-            sampling_rate=extractor.sampling_rate,
-            return_attention_mask=True,
-            return_tensors="pt",
+        decoded.append(
+            await asyncio.to_thread(_decode, audio, extractor.sampling_rate, max_duration_s, settings)
         )
-        mask = features.get("attention_mask")
-        embeds.append(await asyncio.to_thread(audio_embeddings, engine.model, features.input_features, mask))
-        tensors += [features.input_features] + ([mask] if mask is not None else [])
+        if metrics is not None:
+            metrics.record(decoded[-1].backend, decoded[-1].decode_seconds, decoded[-1].duration_s)
+    placeholder = engine.model.config.audio_token_id
+    if mistral:
+        samples = [d.samples.numpy() for d in decoded]
+        ids, features = await asyncio.to_thread(
+            mistral_audio_prompt, engine.tokenizer, extractor, parts, samples, **render
+        )
+        embeds = await asyncio.to_thread(audio_embeddings, engine.model, features)
+        return ids, _paired(ids, embeds, placeholder, media_digest(features))
+    encoded = [await asyncio.to_thread(_encode_one, engine.model, extractor, d.samples) for d in decoded]
+    template_messages = with_markers(parts, marker)
+    ids = await asyncio.to_thread(_render_template, engine.tokenizer, template_messages, render)
+    expanded = _expand(ids, placeholder, [e.shape[0] for e, _ in encoded])
+    digest = media_digest(*(t for _, tensors in encoded for t in tensors))
+    return expanded, multimodal_input(expanded, torch.cat([e for e, _ in encoded]), placeholder, digest)
+
+
+def _render_template(tokenizer: Any, messages: list[dict[str, str]], render: dict[str, Any]) -> list[int]:
+    from keepwarm_runtime.engine.chat import render_chat
+
     try:
-        ids = render_chat(engine.tokenizer, template_messages, **render)
+        return render_chat(tokenizer, messages, **render)
     except Exception as exc:  # the template raised (jinja errors, bad roles)
         raise BadRequest(f"cannot apply the chat template: {exc}", param="messages") from exc
-    placeholder = engine.model.config.audio_token_id
-    expanded = _expand(ids, placeholder, [e.shape[0] for e in embeds])
-    return expanded, multimodal_input(expanded, torch.cat(embeds), placeholder, media_digest(*tensors))
+
+
+def _paired(ids: list[int], embeds: torch.Tensor, placeholder: int, digest: int) -> Any:
+    """multimodal_input, with a count mismatch (a processor that disagrees with the encoder) as a 400."""
+    from keepwarm_runtime.engine.multimodal import multimodal_input
+
+    try:
+        return multimodal_input(ids, embeds, placeholder, digest)
+    except ValueError as exc:
+        raise BadRequest(str(exc), param="messages") from exc
 
 
 def _expand(ids: list[int], placeholder: int, counts: list[int]) -> list[int]:

@@ -80,10 +80,17 @@ def serve(config: ServeSettings) -> int:
     assert config.model_dir is not None  # required: resolve() refuses settings without it
     settings = engine_settings(config)
     model_dir = os.path.abspath(config.model_dir)
+    from keepwarm_runtime.server.media_fetch import media_policy
     from keepwarm_runtime.server.serving_audio import audio_settings, make_speech_engine
 
     try:
-        audio = audio_settings(config.audio_backend, config.max_audio_upload_bytes, model_dir)
+        media = media_policy(
+            config.allowed_media_domains,
+            config.allowed_local_media_path,
+            config.max_audio_upload_bytes,
+            config.media_fetch_timeout,
+        )
+        audio = audio_settings(config.audio_backend, config.max_audio_upload_bytes, model_dir, media)
     except (ValueError, RuntimeError) as exc:
         print(f"keepwarm serve: {exc}", file=sys.stderr)
         return 2

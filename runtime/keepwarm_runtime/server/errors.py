@@ -48,7 +48,8 @@ class Unauthorized(APIError):
 
 
 class PayloadTooLarge(APIError):
-    """413: the body is larger than --max-request-body-bytes."""
+    """413: the body is larger than --max-request-body-bytes, or an audio upload or fetched audio_url
+    is over --max-audio-upload-bytes."""
 
     status = 413
     type = "invalid_request_error"

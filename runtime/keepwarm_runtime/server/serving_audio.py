@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -30,7 +30,9 @@ from keepwarm_runtime.audio.transcript_formats import (
     as_verbose_json,
     as_vtt,
 )
-from keepwarm_runtime.server.errors import APIError, BadRequest
+from keepwarm_runtime.server.errors import APIError, BadRequest, PayloadTooLarge
+from keepwarm_runtime.server.limits import DEFAULT_MAX_MEDIA_BYTES
+from keepwarm_runtime.server.media_fetch import MediaPolicy
 from keepwarm_runtime.server.metrics import RequestTimer
 from keepwarm_runtime.server.responses import random_id
 from keepwarm_runtime.server.serving import ServingContext, race_disconnect
@@ -39,7 +41,7 @@ from keepwarm_runtime.server.sse import sse_event
 logger = logging.getLogger(__name__)
 TRANSCRIPTIONS, TRANSLATIONS = "/v1/audio/transcriptions", "/v1/audio/translations"
 ROUTES = (TRANSCRIPTIONS, TRANSLATIONS)
-DEFAULT_MAX_UPLOAD_BYTES = 25 * 1024 * 1024  # OpenAI's limit
+DEFAULT_MAX_UPLOAD_BYTES = DEFAULT_MAX_MEDIA_BYTES  # OpenAI's limit
 _COMMON_FIELDS = {"file", "model", "prompt", "response_format", "temperature"}
 _FIELDS = {
     "transcribe": _COMMON_FIELDS
@@ -49,18 +51,14 @@ _FIELDS = {
 _TRUE, _FALSE = {"true", "1"}, {"false", "0", ""}
 
 
-class PayloadTooLarge(APIError):
-    """413: the upload is over the server's byte limit."""
-
-    status = 413
-    type = "invalid_request_error"
-
-
 @dataclass(frozen=True)
 class AudioServerSettings:
     backend: str | None = None  # load_audio backend; None: KEEPWARM_AUDIO_BACKEND or auto
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES  # the whole multipart body
     max_decoded_bytes: int = 64 * 1024 * 1024  # float32 samples after decoding
+    media: MediaPolicy = field(
+        default_factory=MediaPolicy
+    )  # where chat audio_url may point (default: data: URLs only)
 
 
 @dataclass(frozen=True)
@@ -73,7 +71,9 @@ class _Form:
     stream: bool
 
 
-def audio_settings(backend: str | None, max_upload_bytes: int, model_dir: str) -> AudioServerSettings:
+def audio_settings(
+    backend: str | None, max_upload_bytes: int, model_dir: str, media: MediaPolicy | None = None
+) -> AudioServerSettings:
     """Start-up checks: an unknown backend name is a ValueError listing the valid ones; for a speech
     model, a backend that cannot load is a RuntimeError. Logs the choice once."""
     from keepwarm_runtime.audio import check_backend, resolve_backend
@@ -86,7 +86,14 @@ def audio_settings(backend: str | None, max_upload_bytes: int, model_dir: str) -
         check_backend(name)
         require_multipart()
         logger.info("audio: backend %s, uploads up to %d bytes", name, max_upload_bytes)
-    return AudioServerSettings(backend=name, max_upload_bytes=max_upload_bytes)
+    media = media or MediaPolicy(max_bytes=max_upload_bytes)
+    if media.domains or media.local_root:
+        logger.info(
+            "audio_url: fetching from hosts %s, local files under %s",
+            sorted(media.domains) or "none",
+            media.local_root or "none",
+        )
+    return AudioServerSettings(backend=name, max_upload_bytes=max_upload_bytes, media=media)
 
 
 def make_speech_engine(model_dir: str, settings: dict[str, Any]) -> Any:

@@ -14,7 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from keepwarm_api.settings import setting
-from keepwarm_runtime.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_PREPROCESS_TIMEOUT_S
+from keepwarm_runtime.server.limits import (
+    DEFAULT_FETCH_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_MEDIA_BYTES,
+    DEFAULT_PREPROCESS_TIMEOUT_S,
+)
 from keepwarm_runtime.server.tool_parsers import TOOL_PARSERS
 
 ENGINE = "engine"  # the group of settings passed to EngineConfig
@@ -23,9 +28,6 @@ ENGINE = "engine"  # the group of settings passed to EngineConfig
 def engine(default: None, help: str) -> Any:
     """An engine setting: unset, EngineConfig's own default applies (stated only there)."""
     return setting(default, help, group=ENGINE, unset="the engine's")
-
-
-DEFAULT_MAX_AUDIO_UPLOAD_BYTES = 25 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,16 @@ class ServeSettings:
         None, "audio decoder: auto (torchcodec, then soundfile, then pyav) | torchcodec | soundfile | pyav"
     )
     max_audio_upload_bytes: int = setting(
-        DEFAULT_MAX_AUDIO_UPLOAD_BYTES, "largest /v1/audio/* upload; bigger ones get 413"
+        DEFAULT_MAX_MEDIA_BYTES, "largest /v1/audio/* upload or fetched chat audio_url; bigger ones get 413"
+    )
+    allowed_media_domains: str | None = setting(
+        None, "comma-separated hosts whose http(s) chat audio_url the server may fetch", unset="none"
+    )
+    allowed_local_media_path: str | None = setting(
+        None, "directory whose files chat audio_url file: URLs may read", unset="none"
+    )
+    media_fetch_timeout: float = setting(
+        DEFAULT_FETCH_TIMEOUT_S, "seconds one audio_url fetch may take, redirects included"
     )
     # requests
     api_key: str | None = setting(

@@ -66,3 +66,49 @@ def test_missing_form_parser_names_the_extra(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(formparsers, "multipart", None)
     with pytest.raises(RuntimeError, match=r"keepwarm-runtime\[audio\]"):
         require_multipart()
+
+
+def test_media_allow_lists_are_off_by_default_and_read_the_env(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from keepwarm_runtime.server.media_fetch import media_policy
+
+    args = parse(["/m"])
+    assert (args.allowed_media_domains, args.allowed_local_media_path) == (None, None)
+    default = audio_settings("auto", 10, str(tmp_path)).media
+    assert (default.domains, default.local_root, default.max_bytes) == (frozenset(), None, 10)
+    monkeypatch.setenv("KEEPWARM_ALLOWED_MEDIA_DOMAINS", "media.example.com")
+    monkeypatch.setenv("KEEPWARM_ALLOWED_LOCAL_MEDIA_PATH", str(tmp_path))
+    monkeypatch.setenv("KEEPWARM_MEDIA_FETCH_TIMEOUT", "2.5")
+    args = parse(["/m", "--allowed-media-domains", "a.example,b.example"])
+    policy = media_policy(
+        args.allowed_media_domains,
+        args.allowed_local_media_path,
+        args.max_audio_upload_bytes,
+        args.media_fetch_timeout,
+    )
+    assert (policy.domains, policy.local_root, policy.timeout_s) == (
+        {"a.example", "b.example"},
+        tmp_path.resolve(),
+        2.5,
+    )
+    assert "KEEPWARM_ALLOWED_MEDIA_DOMAINS" in cli.serve_env_vars()
+
+
+def test_bad_allow_list_fails_at_start_up(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "keepwarm_runtime.cli",
+            "serve",
+            str(tmp_path),
+            "--allowed-media-domains",
+            "https://media.example.com",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "'https://media.example.com' is not a host name" in proc.stderr

@@ -9,7 +9,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from keepwarm_runtime.server.chat_audio import _expand, audio_chat_prompt, has_audio_parts, split_audio
+from keepwarm_runtime.server.chat_audio import (
+    AudioRef,
+    _expand,
+    audio_chat_prompt,
+    has_audio_parts,
+    resolve_audio,
+    split_audio,
+)
 from keepwarm_runtime.server.errors import BadRequest
 from keepwarm_runtime.server.protocol import ChatMessage
 
@@ -51,10 +58,7 @@ def test_split_keeps_order_and_places_markers() -> None:
     ("part", "message"),
     [
         ({"type": "image_url", "image_url": {"url": "data:,"}}, "not supported"),
-        (
-            {"type": "audio_url", "audio_url": {"url": "/etc/passwd"}},
-            "remote URLs and local paths are refused",
-        ),
+        ({"type": "audio_url", "audio_url": {"url": 5}}, "needs {url: string}"),
         ({"type": "audio_url", "audio_url": {"url": "data:audio/wav,plain"}}, "base64"),
         ({"type": "input_audio", "input_audio": {"data": 5, "format": "wav"}}, "data: base64"),
         ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "m4a"}}, "format must be one of"),
@@ -65,6 +69,28 @@ def test_bad_parts_are_refused_by_name(part: dict, message: str) -> None:
     with pytest.raises(BadRequest, match=message) as info:
         split_audio([_msg("user", [part])], "<A>")
     assert info.value.param == "messages.0.content.0"
+
+
+def test_references_are_refused_without_an_allow_list() -> None:
+    """http(s) and file: URLs become AudioRefs; with no policy (the default) each is refused by name."""
+    parts = [
+        {"type": "input_audio", "input_audio": {"data": base64.b64encode(b"x").decode(), "format": "wav"}},
+        {"type": "audio_url", "audio_url": {"url": "https://example.com/a.wav"}},
+        {"type": "audio_url", "audio_url": {"url": "file:///etc/passwd"}},
+        {"type": "audio_url", "audio_url": {"url": "/etc/passwd"}},
+    ]
+    _, sources = split_audio([_msg("user", parts)], "<A>")
+    assert sources[0] == b"x"
+    assert sources[1] == AudioRef("https://example.com/a.wav", "messages.0.content.1")
+    expected = {
+        1: "remote URLs are refused",
+        2: "--allowed-local-media-path",
+        3: r"data:, http\(s\): or file:",
+    }
+    for index, message in expected.items():
+        with pytest.raises(BadRequest, match=message) as info:
+            asyncio.run(resolve_audio([sources[0], sources[index]], None))
+        assert info.value.param == f"messages.0.content.{index}"
 
 
 def test_expand_and_count_mismatch() -> None:
