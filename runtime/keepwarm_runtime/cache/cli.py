@@ -19,6 +19,8 @@ import threading
 from pathlib import Path
 from typing import NoReturn
 
+from keepwarm_runtime.agent.kubernetes import MAX_LOADS, STALL_TIMEOUT_S
+
 log = logging.getLogger("keepwarm_runtime.cache.serve")
 EXIT_BAD_INPUT = 2
 
@@ -70,10 +72,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--report-to-kubernetes",
         action="store_true",
-        help="run the node agent: report to a WeightCacheNode, follow the WeightCache",
+        help="run the node agent: follow this node's WeightCacheNode spec, report into its status",
     )
     serve.add_argument("--weightcache", default=None, help="WeightCache name (with --report-to-kubernetes)")
     serve.add_argument("--node-name", default=os.environ.get("NODE_NAME"), help="this node's name")
+    serve.add_argument(
+        "--max-loads",
+        type=int,
+        default=MAX_LOADS,
+        metavar="N",
+        help="node agent: downloads/loads in flight at once",
+    )
+    serve.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=STALL_TIMEOUT_S,
+        metavar="SECONDS",
+        help="node agent: a Hub download receiving nothing for this long fails (and is retried later)",
+    )
     serve.set_defaults(handler=run_serve)
 
     for name, help_text in (("ls", "list resident models"), ("stats", "daemon statistics as JSON")):
@@ -143,6 +159,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     if args.report_to_kubernetes and not (args.weightcache and args.node_name):
         return _fail("serve", "--report-to-kubernetes needs --weightcache and --node-name")
+    if args.max_loads < 1 or args.stall_timeout < 1:
+        return _fail("serve", "--max-loads and --stall-timeout must be at least 1")
     config = DaemonConfig(
         socket_dir=Path(args.socket_dir),
         tier=args.tier,
