@@ -200,13 +200,12 @@ def _run(body: kopf.Body, patch: kopf.Patch, memo: Any, trigger: str) -> None:
 
 def refresh_status(memo: Any, cache: str) -> None:
     """Re-aggregate one WeightCache's status now (a node's residency changed)."""
-    kube = context(memo).kube
-    body = kube.get(API_VERSION, KIND, cache)
-    if body is None or body["metadata"].get("deletionTimestamp"):
-        return
-    status = reconcile(body, memo, "node", apply=False)
-    if status_changed(body.get("status"), status):
-        kube.merge_patch(API_VERSION, KIND, cache, {"status": status}, status=True)
+
+    def compute(body: dict[str, Any]) -> dict[str, Any] | None:
+        status = reconcile(body, memo, "node", apply=False)
+        return status if status_changed(body.get("status"), status) else None
+
+    context(memo).kube.write_status(API_VERSION, KIND, cache, None, compute)
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)

@@ -97,15 +97,13 @@ class NodeAgent:
         return wcn.object_name(self.cache, self.node)
 
     def fetch(self) -> dict[str, Any] | None:
-        """This node's WeightCacheNode now (None until the operator created it)."""
-        from kubernetes.client import ApiException
-
-        try:
-            return self.api.get_cluster_custom_object(GROUP, VERSION, wcn.PLURAL, self.object_name)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
+        """This node's WeightCacheNode now (None until the operator created it); a list by name, as
+        the agent may list and watch but not get."""
+        found = self.api.list_cluster_custom_object(
+            GROUP, VERSION, wcn.PLURAL, field_selector=f"metadata.name={self.object_name}"
+        )
+        items = found.get("items") or []
+        return items[0] if items else None
 
     def reconcile(self, obj: dict[str, Any]) -> None:
         """One pass: start loads of what is wanted and missing, release what is no longer wanted.
@@ -265,7 +263,7 @@ class NodeAgent:
                     GROUP, VERSION, wcn.PLURAL, field_selector=selector
                 )
                 found = listing.get("items") or []
-                self._follow(found[0] if found else None)
+                self._follow(found[0] if found else None)  # fetch(), keeping the resourceVersion
                 stream = watch.Watch().stream(
                     self.api.list_cluster_custom_object, GROUP, VERSION, wcn.PLURAL,
                     field_selector=selector, resource_version=listing["metadata"]["resourceVersion"],

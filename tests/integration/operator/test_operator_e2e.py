@@ -9,6 +9,7 @@ nodes, garbage collection. Missing RBAC in the chart fails these tests (the oper
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import shutil
 import time
@@ -175,6 +176,37 @@ def test_weightcache_runs_agents_on_exactly_the_selected_nodes(env):
     assert condition(wc(env), "Ready")["reason"] == "NodesNotReady"
 
 
+def _template_hash(env) -> str:
+    ds = get(env.cp, f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets/keepwarm-agent-{WC}")
+    return hashlib.sha256(json.dumps(ds["spec"]["template"], sort_keys=True).encode()).hexdigest()
+
+
+def test_adding_a_model_changes_the_weightcachenodes_not_the_agent_pods(env):
+    """Models reach agents through their WeightCacheNode specs (a Hub token through a Role naming its
+    Secret): the DaemonSet's pod template stays the same, so no agent restarts and no cache drops."""
+    cp, before = env.cp, _template_hash(env)
+    secret = f"{WC}-hf"
+    hub = {"huggingFace": {"repo": "org/gated", "revision": "main", "tokenSecretRef": {"name": secret}}}
+    models = [*weightcache(WC, env.pool)["spec"]["models"], {"name": "extra", "source": hub}]
+    cp.kubectl("patch", "wc", WC, "--type=merge", "-p", json.dumps({"spec": {"models": models}}))
+
+    def spec_models():
+        return {o["spec"]["nodeName"]: [m["name"] for m in o["spec"].get("models", [])] for o in wcns(env)}
+
+    wanted = {n: [MODEL, "extra"] for n in env.nodes}
+    wait(cp, lambda: spec_models() == wanted, "every WeightCacheNode spec holds both models", op=env.op)
+    role_path = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NAMESPACE}/roles/keepwarm-agent-{WC}"
+    role = get(cp, role_path)
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["secrets"], "resourceNames": [secret], "verbs": ["get"]}
+    ]
+    assert _template_hash(env) == before
+    cp.kubectl("patch", "wc", WC, "--type=merge", "-p", json.dumps({"spec": {"models": models[:1]}}))
+    wait(cp, lambda: spec_models() == {n: [MODEL] for n in env.nodes}, "the model removed again", op=env.op)
+    wait(cp, lambda: not get(cp, role_path).get("rules"), "the Secret rule dropped", op=env.op)
+    assert _template_hash(env) == before
+
+
 def test_agent_reports_aggregate_into_weightcache_status(env, tiny_llama, tmp_path):
     """Node 0 runs the real agent code with a real CacheDaemon; node 1 is written as an agent would."""
     from kubernetes import client
@@ -189,8 +221,9 @@ def test_agent_reports_aggregate_into_weightcache_status(env, tiny_llama, tmp_pa
     daemon = CacheDaemon(DaemonConfig(socket_dir=tmp_path / "sock", tier="host", dtype="bfloat16"))
     try:
         api = client.CustomObjectsApi(cp.api_client(agent_kc))
-        agent = NodeAgent(daemon, WC, env.nodes[0], api, model_root=str(tmp_path / "models"))
-        agent.reconcile(agent.fetch())
+        agent = NodeAgent(daemon, WC, env.nodes[0], api, host_root=str(tmp_path / "models"))
+        agent.reconcile(agent.fetch())  # the models the operator wrote into this node's spec
+        agent.settle()
         assert agent.report()
     finally:
         daemon.close()
@@ -709,6 +742,8 @@ def test_delete_garbage_collects_everything(env):
         f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/{name}",
         f"/apis/rbac.authorization.k8s.io/v1/clusterroles/{name}",
         f"/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/{name}",
+        f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NAMESPACE}/roles/{name}",
+        f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NAMESPACE}/rolebindings/{name}",
     ]
 
     def leftovers() -> list[str]:
