@@ -6,8 +6,8 @@ sources reach it without any change to its pod. Hub tokens are read from Secrets
 namespace through the API (the operator's per-cache Role names exactly those Secrets).
 
 Loads run on a small thread pool (`max_loads` at a time), so one slow or hung download does not hold
-up the rest; the daemon itself loads into its arena one model at a time. A download whose connection
-stalls fails after huggingface_hub's read timeout (`stall_timeout_s`). Failed and evicted models are
+up the rest; the daemon itself loads into its arena one model at a time. A download that adds no bytes
+for `stall_timeout_s` is stopped and fails (download.py). Failed and evicted models are
 retried by themselves with capped exponential backoff (state.retry_delay), the next try reported in
 the model's status (retryAt); a spec change retries at once.
 
@@ -30,16 +30,17 @@ from typing import Any
 from keepwarm_api import GROUP, VERSION
 from keepwarm_api import weightcachenode as wcn
 from keepwarm_api.common import Quantization
-from keepwarm_api.paths import HOST_MODELS_MOUNT, MODELS_ROOT, hf_cache_dir
+from keepwarm_api.paths import HF_MOUNT, HOST_MODELS_MOUNT, MODELS_ROOT, hf_cache_dir
 from keepwarm_api.weightcache import DEFAULT_HEARTBEAT_S
 from keepwarm_api.weightcachenode import WeightCacheNodeSpec
 from keepwarm_runtime import __version__
 
+from .download import download
 from .state import RETRY_BASE_S, AgentState, WantedModel, node_status, now, retry_delay, wanted_models
 
 log = logging.getLogger(__name__)
 MAX_LOADS = 4  # downloads/loads in flight at once
-STALL_TIMEOUT_S = 60.0  # a Hub download receiving nothing for this long fails (then backs off)
+STALL_TIMEOUT_S = 60.0  # a Hub download adding no bytes for this long is stopped (then backs off)
 WATCH_TIMEOUT_S = 300  # the API server ends each watch after this; the agent re-lists and watches on
 WATCH_RETRY_S = 2.0  # after a failed list or watch
 
@@ -72,6 +73,7 @@ class NodeAgent:
     def __init__(
         self, daemon: Any, cache: str, node: str, api: Any, *, core: Any = None,
         namespace: str | None = None, host_root: str | None = None, pvc_root: str | None = None,
+        hf_root: str | None = None,
         retry_base_s: float = RETRY_BASE_S, max_loads: int = MAX_LOADS,
         stall_timeout_s: float = STALL_TIMEOUT_S,
     ):  # fmt: skip
@@ -79,6 +81,7 @@ class NodeAgent:
         self.namespace = namespace or os.environ.get("POD_NAMESPACE", "default")  # token Secrets live here
         self.host_root = host_root or os.environ.get("KEEPWARM_HOST_MODEL_ROOT", HOST_MODELS_MOUNT)
         self.pvc_root = pvc_root or os.environ.get("KEEPWARM_MODEL_ROOT", MODELS_ROOT)
+        self.hf_root = hf_root or os.environ.get("KEEPWARM_DOWNLOAD_ROOT", HF_MOUNT)
         self.retry_base_s = retry_base_s  # failed/evicted models: first retry after this, then doubling
         self.stall_timeout_s = stall_timeout_s
         self.pool = ThreadPoolExecutor(max_workers=max_loads, thread_name_prefix="agent-load")
@@ -196,10 +199,8 @@ class NodeAgent:
     def _path(self, w: WantedModel) -> str:
         if w.path is not None:
             return w.path
-        from huggingface_hub import constants, snapshot_download  # a transformers dependency
-
-        constants.HF_HUB_DOWNLOAD_TIMEOUT = int(self.stall_timeout_s)  # read timeout of each download
-        return snapshot_download(w.repo, revision=w.revision, cache_dir=hf_cache_dir(), token=self._token(w))
+        assert w.repo is not None and w.revision is not None  # a Hub source (wanted_models)
+        return download(w.repo, w.revision, hf_cache_dir(self.hf_root), self._token(w), self.stall_timeout_s)
 
     def _load(self, w: WantedModel) -> None:
         try:

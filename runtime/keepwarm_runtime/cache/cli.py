@@ -88,7 +88,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=float,
         default=STALL_TIMEOUT_S,
         metavar="SECONDS",
-        help="node agent: a Hub download receiving nothing for this long fails (and is retried later)",
+        help="node agent: a Hub download adding no bytes for this long is stopped (and retried later)",
     )
     serve.set_defaults(handler=run_serve)
 
