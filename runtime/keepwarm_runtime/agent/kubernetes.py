@@ -86,6 +86,7 @@ class NodeAgent:
         self.stall_timeout_s = stall_timeout_s
         self.pool = ThreadPoolExecutor(max_workers=max_loads, thread_name_prefix="agent-load")
         self.inflight: dict[str, Future[None]] = {}
+        self.resolved: dict[str, str] = {}  # model name -> the directory it was loaded from
         self.state = AgentState()
         self.wanted: list[WantedModel] = []
         self.heartbeat_s = float(DEFAULT_HEARTBEAT_S)
@@ -139,8 +140,8 @@ class NodeAgent:
                 continue
             daemon_name = self._loaded().get(w.name)
             if daemon_name in resident:
-                if w.pin and not resident[daemon_name]["pinned"]:
-                    self.daemon.add_model(self._path(w), pin=True)  # no-op reload; marks pinned
+                if w.pin and not resident[daemon_name]["pinned"]:  # no-op reload; marks pinned
+                    self.daemon.add_model(self.resolved.get(w.name) or self._path(w), pin=True)
                 continue
             if daemon_name is not None:  # was loaded, now gone: evicted under the budget
                 with self.lock:
@@ -208,7 +209,9 @@ class NodeAgent:
                 raise NotImplementedError(
                     f"quantization {w.quantization.value}: the cache daemon cannot apply it"
                 )
-            daemon_name = self.daemon.add_model(self._path(w), pin=w.pin)
+            path = self._path(w)
+            self.resolved[w.name] = path  # a later pin needs no second download
+            daemon_name = self.daemon.add_model(path, pin=w.pin)
         except Exception as exc:  # a bad checkpoint fails this model, not the agent
             log.warning("loading %s failed: %s", w.name, exc)
             with self.lock:

@@ -176,9 +176,11 @@ def test_weightcache_runs_agents_on_exactly_the_selected_nodes(env):
     assert condition(wc(env), "Ready")["reason"] == "NodesNotReady"
 
 
-def _template_hash(env) -> str:
+def _template_hash(env) -> tuple[str, int]:
+    """The agent DaemonSet's pod template hash, and its generation (a rollout would bump it)."""
     ds = get(env.cp, f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets/keepwarm-agent-{WC}")
-    return hashlib.sha256(json.dumps(ds["spec"]["template"], sort_keys=True).encode()).hexdigest()
+    digest = hashlib.sha256(json.dumps(ds["spec"]["template"], sort_keys=True).encode()).hexdigest()
+    return digest, ds["metadata"]["generation"]
 
 
 def test_adding_a_model_changes_the_weightcachenodes_not_the_agent_pods(env):
