@@ -392,6 +392,10 @@ def test_spec_change_rolls_the_pods(env):
             lambda p: weightcache("bad8", p, socket={"groupId": 5, "allowedGids": [7]}),
             "socket.groupId must be one of socket.allowedGids",
         ),
+        (
+            lambda p: weightcache("bad9", p, models=[{"name": "m", "source": {"path": "/etc/kubernetes"}}]),
+            "source.path must lie under spec.modelDirectory",
+        ),
     ],
     ids=[
         "two-sources",
@@ -402,6 +406,7 @@ def test_spec_change_rolls_the_pods(env):
         "cacheref-no-name",
         "mixed-dtypes",
         "group-not-allowed",
+        "path-outside-model-directory",
     ],
 )
 def test_invalid_resources_are_rejected_by_the_api_server(env, doc, message):
