@@ -357,7 +357,9 @@ def test_spec_change_rolls_the_pods(env):
     [
         (
             lambda p: weightcache(
-                "bad1", p, models=[{"name": "m", "source": {"path": "/a", "pvc": {"claimName": "c"}}}]
+                "bad1",
+                p,
+                models=[{"name": "m", "source": {"path": "/var/lib/models/a", "pvc": {"claimName": "c"}}}],
             ),
             "set exactly one of source.path, source.pvc, source.huggingFace",
         ),
@@ -366,13 +368,15 @@ def test_spec_change_rolls_the_pods(env):
                 "bad2",
                 p,
                 tier="host",
-                models=[{"name": "m", "source": {"path": "/a"}, "quantization": "fp8"}],
+                models=[{"name": "m", "source": {"path": "/var/lib/models/a"}, "quantization": "fp8"}],
             ),
             "quantization other than none needs tier gpu",
         ),
         (lambda p: weightcache("bad3", p, tier="tpu"), 'Unsupported value: "tpu"'),
         (
-            lambda p: weightcache("bad4", p, models=[{"name": "m", "source": {"path": "/a"}}] * 2),
+            lambda p: weightcache(
+                "bad4", p, models=[{"name": "m", "source": {"path": "/var/lib/models/a"}}] * 2
+            ),
             "Duplicate value",
         ),
         (lambda p: inference("bad5", "default", p, replicas=-1), "spec.replicas: Invalid value: -1"),
@@ -382,8 +386,8 @@ def test_spec_change_rolls_the_pods(env):
                 "bad7",
                 p,
                 models=[
-                    {"name": "a", "source": {"path": "/a"}},
-                    {"name": "b", "source": {"path": "/b"}, "dtype": "float16"},
+                    {"name": "a", "source": {"path": "/var/lib/models/a"}},
+                    {"name": "b", "source": {"path": "/var/lib/models/b"}, "dtype": "float16"},
                 ],
             ),
             "all models of a WeightCache share one dtype",
