@@ -108,7 +108,7 @@ WEIGHT_CACHE = {
     "spec": {
         "tier": "host",
         "nodeSelector": {"pool": "scale"},
-        "models": [{"name": "m", "source": {"path": "/m"}}],
+        "models": [{"name": "m", "source": {"path": "/var/lib/models/m"}}],  # under modelDirectory
     },
 }
 

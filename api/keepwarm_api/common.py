@@ -116,8 +116,9 @@ class ModelSource(KubeModel):
         }
     )
 
-    path: str | None = Field(default=None, pattern=r"^/.*")
-    """Absolute directory on the node (a hostPath) holding config.json and the safetensors files."""
+    path: str | None = Field(default=None, pattern=r"^/.*", max_length=4096)
+    """Absolute directory on the node (a hostPath) holding config.json and the safetensors files; in a
+    WeightCache it must lie under spec.modelDirectory."""
     pvc: PVCSource | None = None
     """Model files on a PersistentVolumeClaim."""
     hugging_face: HuggingFaceSource | None = None

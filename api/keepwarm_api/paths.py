@@ -1,8 +1,10 @@
-"""Where a model's files appear inside agent and runtime pods: one convention for both.
+"""Where a model's files appear inside agent and runtime pods.
 
-The operator mounts path and pvc sources at `<MODELS_ROOT>/<model name>` and the node's download
-directory at HF_MOUNT; the agent loads from those same directories, so a path the agent fingerprinted
-is the path a runtime pod reads on fallback.
+Runtime pods get their one model's path or pvc source mounted at `<MODELS_ROOT>/<model name>`. Agent
+pods must not change when models do, so they mount the WeightCache's modelDirectory once at
+HOST_MODELS_MOUNT and find a path source under it (host_model_dir); pvc sources stay per-model mounts
+at `<MODELS_ROOT>/<model name>` in both. Both mount the node's download directory at HF_MOUNT. The
+fingerprint does not depend on the directory, so the agent's copy is the one a runtime pod asks for.
 """
 
 from __future__ import annotations
@@ -11,6 +13,19 @@ from .common import ModelSource
 
 MODELS_ROOT = "/models"  # path and pvc sources, one directory per model name
 HF_MOUNT = "/var/cache/keepwarm"  # the node's download directory (WeightCache spec.downloadDirectory)
+HOST_MODELS_MOUNT = "/host-models"  # the WeightCache's modelDirectory inside agent pods (read-only)
+
+
+class PathOutsideModelDirectory(ValueError):
+    """A path source outside the WeightCache's modelDirectory (the CRD's CEL rule refuses these)."""
+
+
+def host_model_dir(path: str, model_directory: str, mount: str = HOST_MODELS_MOUNT) -> str:
+    """Where the path source `path` (a directory on the node under `model_directory`) is in an agent."""
+    prefix = model_directory.rstrip("/") + "/"
+    if not path.startswith(prefix):
+        raise PathOutsideModelDirectory(f"source.path {path} is not under modelDirectory {model_directory}")
+    return f"{mount.rstrip('/')}/{path[len(prefix) :].strip('/')}"
 
 
 def model_dir(name: str, root: str = MODELS_ROOT) -> str:

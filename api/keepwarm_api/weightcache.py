@@ -29,6 +29,8 @@ SHORT_NAMES = ["wc"]
 DEFAULT_AGENT_IMAGE = "ghcr.io/keepwarm/keepwarm-runtime:0.1.0"
 # The operator names children "keepwarm-agent-<name>" and labels them with <name>: 63-char label values.
 MAX_NAME_LENGTH = 40
+DEFAULT_MODEL_DIRECTORY = "/var/lib/models"
+DEFAULT_HEARTBEAT_S = 15
 
 
 class Tier(StrEnum):
@@ -127,6 +129,12 @@ class WeightCacheSpec(KubeModel):
                     " || self.socket.groupId in self.socket.allowedGids",
                     "message": "socket.groupId must be one of socket.allowedGids when allowedGids is set",
                 },
+                {
+                    "rule": "self.models.all(m, !has(m.source.path)"
+                    " || m.source.path.startsWith(self.modelDirectory + '/'))",
+                    "message": "source.path must lie under spec.modelDirectory (the one host directory the "
+                    "agents mount)",
+                },
             ]
         }
     }
@@ -151,9 +159,12 @@ class WeightCacheSpec(KubeModel):
     allowed_namespaces: LabelSelector | None = None
     """Namespaces whose InferenceDeployments may use this cache, as a namespace label selector (every
     namespace carries kubernetes.io/metadata.name=<its name>); unset allows every namespace."""
+    model_directory: str = Field(default=DEFAULT_MODEL_DIRECTORY, pattern=r"^(/[^/]+)+$", max_length=4096)
+    """Host directory holding every path source (no trailing slash). The agents mount it once, read
+    only, so adding or removing a path model changes no agent pod (their caches stay warm)."""
     download_directory: str = Field(default="/var/cache/keepwarm", pattern=r"^/.*")
     """Host directory where Hugging Face sources are downloaded."""
-    heartbeat_seconds: int = Field(default=15, ge=1, le=3600)
+    heartbeat_seconds: int = Field(default=DEFAULT_HEARTBEAT_S, ge=1, le=3600)
     """How often agents report; a node silent for 4 heartbeats is marked Stale."""
 
     def model(self, name: str) -> CachedModel | None:

@@ -1,8 +1,10 @@
 """WeightCacheNode (cluster-scoped, named <cache>.<node>, owned by its WeightCache).
 
-The operator creates one per node an agent runs on (node_spec); the agent on that node writes its
-status (agent_status). The operator only marks it Stale when the heartbeat stops and deletes it when
-the Node is gone.
+The operator creates one per node an agent runs on and writes into its spec the models that node
+should hold (node_spec; KServe's LocalModelNode way): the agent watches only this object, so the agent
+DaemonSet's pod template never changes when models do. The agent on that node writes its status
+(agent_status). The operator only marks it Stale when the heartbeat stops and deletes it when the
+Node is gone or no longer selected.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from enum import StrEnum
 from pydantic import Field
 
 from .common import Condition, ConditionStatus, KubeModel
+from .weightcache import DEFAULT_HEARTBEAT_S, DEFAULT_MODEL_DIRECTORY, CachedModel, WeightCacheSpec
 
 KIND = "WeightCacheNode"
 PLURAL = "weightcachenodes"
@@ -26,21 +29,29 @@ def object_name(cache: str, node: str) -> str:
     return f"{cache}.{node}"
 
 
+IMMUTABLE = {
+    "x-kubernetes-validations": [{"rule": "self == oldSelf", "message": "immutable; delete and recreate"}]
+}
+
+
 class WeightCacheNodeSpec(KubeModel):
-    """Which cache and node this object reports on (set by the operator, immutable)."""
+    """Which cache and node this object reports on (immutable) and what the node's agent should hold
+    (written by the operator whenever the WeightCache's models change)."""
 
-    model_config = KubeModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                {"rule": "self == oldSelf", "message": "spec is immutable; delete and recreate instead"}
-            ]
-        }
-    }
-
-    weight_cache: str = Field(min_length=1, max_length=63)
+    weight_cache: str = Field(min_length=1, max_length=63, json_schema_extra=IMMUTABLE)
     """Name of the owning WeightCache."""
-    node_name: str = Field(min_length=1, max_length=253)
+    node_name: str = Field(min_length=1, max_length=253, json_schema_extra=IMMUTABLE)
     """Name of the Node."""
+    models: list[CachedModel] = Field(
+        default_factory=list,
+        max_length=64,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    """Models the agent on this node keeps resident (sources, dtype, pins), as in the WeightCache."""
+    model_directory: str = Field(default=DEFAULT_MODEL_DIRECTORY, max_length=4096)
+    """The WeightCache's modelDirectory: path sources lie under it, mounted once in the agent."""
+    heartbeat_seconds: int = Field(default=DEFAULT_HEARTBEAT_S, ge=1, le=3600)
+    """How often the agent reports (the WeightCache's heartbeatSeconds)."""
 
 
 class NodePhase(StrEnum):
@@ -79,6 +90,10 @@ class ResidentModel(KubeModel):
     """GPUs holding a copy (gpu tier)."""
     message: str = ""
     """Why it failed, when state is Failed."""
+    attempts: int = 0
+    """Failed loads (or evictions) in a row, when state is Failed or Evicted."""
+    retry_at: dt.datetime | None = None
+    """When a Failed or Evicted model is tried again (exponential backoff, capped)."""
 
 
 class WeightCacheNodeStatus(KubeModel):
@@ -119,9 +134,15 @@ PRINTER_COLUMNS = [
 ]
 
 
-def node_spec(cache: str, node: str) -> WeightCacheNodeSpec:
-    """What the operator writes when an agent pod is bound to `node`."""
-    return WeightCacheNodeSpec(weight_cache=cache, node_name=node)
+def node_spec(cache: str, node: str, spec: WeightCacheSpec) -> WeightCacheNodeSpec:
+    """What the operator writes for the agent bound to `node`: the cache's models and their settings."""
+    return WeightCacheNodeSpec(
+        weight_cache=cache,
+        node_name=node,
+        models=list(spec.models),
+        model_directory=spec.model_directory,
+        heartbeat_seconds=spec.heartbeat_seconds,
+    )
 
 
 def phase_of(models: list[ResidentModel]) -> NodePhase:

@@ -7,12 +7,14 @@ raw REST layer instead of its generated model classes.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from kubernetes import client, config
 
 FIELD_MANAGER = "keepwarm-operator"
+STATUS_WRITE_TRIES = 3  # write_status: reads and recomputes after a conflict
 
 
 class ApiError(Exception):
@@ -55,6 +57,10 @@ RESOURCES = {
     ),
     ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"): Resource(
         "rbac.authorization.k8s.io", "v1", "clusterrolebindings", False
+    ),
+    ("rbac.authorization.k8s.io/v1", "Role"): Resource("rbac.authorization.k8s.io", "v1", "roles", True),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): Resource(
+        "rbac.authorization.k8s.io", "v1", "rolebindings", True
     ),
     ("keepwarm.dev/v1alpha1", "WeightCache"): Resource("keepwarm.dev", "v1alpha1", "weightcaches", False),
     ("keepwarm.dev/v1alpha1", "WeightCacheNode"): Resource(
@@ -179,6 +185,33 @@ class Kube:
     ) -> dict[str, Any]:  # fmt: skip
         path = resource(api_version, kind).path(namespace, name, "status" if status else None)
         return self.request("PATCH", path, None, patch, "application/merge-patch+json")
+
+    def write_status(
+        self, api_version: str, kind: str, name: str, namespace: str | None,
+        compute: Callable[[dict[str, Any]], dict[str, Any] | None], body: dict[str, Any] | None = None,
+    ) -> bool:  # fmt: skip
+        """Merge-patch compute(body) as the status, with the body's resourceVersion as a precondition.
+
+        A 409 means someone wrote the object after we read it: read it again and recompute (up to
+        STATUS_WRITE_TRIES), so a status computed from a stale read never lands over a fresher one.
+        compute returns None when nothing needs writing. False when the object is gone or never settled.
+        """
+        for _ in range(STATUS_WRITE_TRIES):
+            body = body or self.get(api_version, kind, name, namespace)
+            if body is None or body["metadata"].get("deletionTimestamp"):
+                return False
+            status = compute(body)
+            if status is None:
+                return True
+            patch = {"metadata": {"resourceVersion": body["metadata"]["resourceVersion"]}, "status": status}
+            try:
+                self.merge_patch(api_version, kind, name, patch, namespace, status=True)
+                return True
+            except ApiError as exc:
+                if exc.status != 409:
+                    raise
+                body = None
+        return False
 
     def delete(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> bool:
         try:

@@ -63,7 +63,7 @@ def render_chart(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
 def install_chart_rbac(cp: Any) -> None:
     """The chart's ServiceAccount, ClusterRole(+Binding), peering object and agent admission policy."""
     wanted = {
-        "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering",
+        "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "ClusterKopfPeering",
         "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
     }  # fmt: skip
     docs = [d for d in render_chart() if d.get("kind") in wanted]
@@ -170,9 +170,11 @@ def wait(
 
 
 # Granted for admission checks, never requested on their own: blockOwnerDeletion in an owner reference
-# needs update on the owner's finalizers.
+# needs update on the owner's finalizers; RBAC's escalation check lets the operator grant agents get on
+# their token Secrets only because it holds it.
 IMPLIED_GRANTS = {("update", "keepwarm.dev", "weightcaches/finalizers"),
-                  ("update", "keepwarm.dev", "inferencedeployments/finalizers")}  # fmt: skip
+                  ("update", "keepwarm.dev", "inferencedeployments/finalizers"),
+                  ("get", "", "secrets")}  # fmt: skip
 
 
 def granted(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:

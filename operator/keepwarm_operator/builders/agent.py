@@ -1,4 +1,11 @@
-"""WeightCache -> node agents: ServiceAccount, least-privilege ClusterRole(+Binding), DaemonSet.
+"""WeightCache -> node agents: ServiceAccount, least-privilege ClusterRole(+Binding) and Role(+Binding),
+DaemonSet.
+
+The pod template depends on the cache's settings (image, tier, dtype, socket, budget, directories),
+never on its model list: models reach the agents through their WeightCacheNode specs, path sources
+through one read-only mount of spec.modelDirectory, Hub tokens through the API (the Role names the
+Secrets). Adding or removing a model therefore rolls no agent and drops no cache. The exception is a
+pvc source: a claim can only be mounted by the pod spec, so adding or removing one rolls the agents.
 
 GPU access without claiming nvidia.com/gpu (claiming it would take GPUs away from inference pods): with
 gpuAccess.mode VisibleDevicesAll the pod sets NVIDIA_VISIBLE_DEVICES=all and runs under the RuntimeClass
@@ -16,6 +23,7 @@ from typing import Any
 from kubernetes.utils.quantity import parse_quantity
 
 from keepwarm_api import GROUP, podenv
+from keepwarm_api.paths import HOST_MODELS_MOUNT
 from keepwarm_api.weightcache import GPUAccessMode, SocketMode, Tier, WeightCacheSpec
 
 from .meta import agent_labels, agent_name, object_meta
@@ -29,18 +37,34 @@ def socket_dir(spec: WeightCacheSpec, cache: str) -> str:
     return f"{spec.socket.directory.rstrip('/')}/{cache}"
 
 
-def agent_rbac(cache: str, namespace: str, owner: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """The agent may read its own WeightCache and patch WeightCacheNode status: the calls it makes.
+def token_secrets(spec: WeightCacheSpec) -> list[str]:
+    """Names of the Secrets holding the cache's Hub tokens (in the agent namespace)."""
+    refs = (m.source.hugging_face.token_secret_ref for m in spec.models if m.source.hugging_face)
+    return sorted({ref.name for ref in refs if ref is not None})
+
+
+def agent_rbac(
+    cache: str, namespace: str, owner: dict[str, Any] | None, secrets: list[str] | None = None
+) -> list[dict[str, Any]]:
+    """The calls the agent makes: list+watch its WeightCacheNode, patch its status, get its tokens.
 
     RBAC cannot name "the object for my node" (names are per node), so any agent of this cache may
-    patch the status of any WeightCacheNode; it cannot read, create, delete or change their spec.
+    read any WeightCacheNode (specs hold model sources, no secrets) and patch any one's status (the
+    chart's ValidatingAdmissionPolicy narrows that to its own node). It cannot create, delete or change
+    their spec. Secrets: only those named by the cache's tokenSecretRefs, in the agent namespace (no
+    rule at all when there are none: an empty resourceNames would mean every Secret).
     """
     name = agent_name(cache)
     labels = agent_labels(cache)
     rules = [
-        {"apiGroups": [GROUP], "resources": ["weightcaches"], "resourceNames": [cache], "verbs": ["get"]},
+        {"apiGroups": [GROUP], "resources": ["weightcachenodes"], "verbs": ["list", "watch"]},
         {"apiGroups": [GROUP], "resources": ["weightcachenodes/status"], "verbs": ["patch"]},
     ]
+    secret_rules = (
+        [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": list(secrets), "verbs": ["get"]}]
+        if secrets
+        else []
+    )
     return [
         {
             "apiVersion": "v1",
@@ -58,6 +82,19 @@ def agent_rbac(cache: str, namespace: str, owner: dict[str, Any] | None) -> list
             "kind": "ClusterRoleBinding",
             "metadata": object_meta(name, labels, owner),
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": object_meta(name, labels, owner, namespace),
+            "rules": secret_rules,
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": object_meta(name, labels, owner, namespace),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
             "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
         },
     ]
@@ -96,34 +133,29 @@ def agent_daemonset(
     """The DaemonSet running one agent per selected node."""
     labels = agent_labels(cache)
     sockets = socket_dir(spec, cache)
+    hf, hf_mount = hf_volume(spec.download_directory, read_only=False)
     volumes: list[dict[str, Any]] = [
         {"name": "sockets", "hostPath": {"path": sockets, "type": "DirectoryOrCreate"}},
         {"name": "tmp", "emptyDir": {}},
+        {"name": "host-models", "hostPath": {"path": spec.model_directory, "type": "DirectoryOrCreate"}},
+        hf,
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "sockets", "mountPath": sockets},
         {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "host-models", "mountPath": HOST_MODELS_MOUNT, "readOnly": True},
+        hf_mount,
     ]
-    if any(m.source.hugging_face for m in spec.models):
-        volume, mount = hf_volume(spec.download_directory, read_only=False)
-        volumes.append(volume)
-        mounts.append(mount)
     env: list[dict[str, Any]] = [
         {"name": podenv.NODE_NAME, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "HOME", "value": "/tmp"},  # read-only root filesystem: caches go to the emptyDir
     ]
     for model in sorted(spec.models, key=lambda m: m.name):
-        mm = model_mount(model.name, model.source)
-        if mm.volume:
+        if model.source.pvc is not None:  # the one source a pod spec must name (see the docstring)
+            mm = model_mount(model.name, model.source)
             volumes.append(mm.volume)
             mounts.append(mm.mount)
-        token = model.source.hugging_face and model.source.hugging_face.token_secret_ref
-        if token:
-            env.append({
-                "name": podenv.hf_token(model.name),
-                "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}},
-            })  # fmt: skip
     pod_spec: dict[str, Any] = {
         "serviceAccountName": agent_name(cache),
         "nodeSelector": dict(spec.node_selector),
@@ -197,4 +229,5 @@ def agent_children(
     cache: str, spec: WeightCacheSpec, namespace: str, owner: dict[str, Any] | None
 ) -> list[dict[str, Any]]:
     """Everything one WeightCache needs, in apply order (RBAC before the pods that use it)."""
-    return [*agent_rbac(cache, namespace, owner), agent_daemonset(cache, spec, namespace, owner)]
+    rbac = agent_rbac(cache, namespace, owner, token_secrets(spec))
+    return [*rbac, agent_daemonset(cache, spec, namespace, owner)]

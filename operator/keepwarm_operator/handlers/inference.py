@@ -123,14 +123,14 @@ def reconcile(body: dict[str, Any], memo: Any, trigger: str, apply: bool = True)
 
 
 def _write_status(memo: Any, body: dict[str, Any], trigger: str, apply: bool) -> None:
+    """Status written outside kopf's handlers, guarded by the resourceVersion it was computed from."""
+
+    def compute(current: dict[str, Any]) -> dict[str, Any] | None:
+        status = reconcile(current, memo, trigger, apply=apply)
+        return status if status_changed(current.get("status"), status) else None
+
     meta = body["metadata"]
-    if meta.get("deletionTimestamp"):
-        return
-    status = reconcile(body, memo, trigger, apply=apply)
-    if status_changed(body.get("status"), status):
-        context(memo).kube.merge_patch(
-            API_VERSION, KIND, meta["name"], {"status": status}, meta["namespace"], status=True
-        )
+    context(memo).kube.write_status(API_VERSION, KIND, meta["name"], meta["namespace"], compute, body)
 
 
 def refresh_for_cache(memo: Any, cache: str, apply: bool = True) -> None:

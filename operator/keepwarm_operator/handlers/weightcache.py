@@ -3,7 +3,8 @@
 Reconcile, in order:
   1. validate the spec (the CRD schema already did; what it cannot judge becomes a condition)
   2. apply ServiceAccount, ClusterRole(+Binding) and DaemonSet, owned by the WeightCache
-  3. ensure a WeightCacheNode for every selected node an agent pod is bound to
+  3. ensure a WeightCacheNode for every selected node an agent pod is bound to, its spec holding the
+     cache's models (the agent on that node watches it; the DaemonSet never changes for models)
   4. delete WeightCacheNodes whose Node is gone or no longer selected; mark silent ones Stale
   5. aggregate the WeightCacheNodes into status
 """
@@ -29,6 +30,7 @@ from keepwarm_api.weightcachenode import (
     HEARTBEAT_MISSED,
     STALE,
     NodePhase,
+    WeightCacheNodeSpec,
     WeightCacheNodeStatus,
     node_spec,
     object_name,
@@ -53,6 +55,14 @@ def _parse_time(value: str) -> dt.datetime:
     return dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
 
 
+def _spec_of(obj: dict[str, Any]) -> WeightCacheNodeSpec | None:
+    """The typed spec of a WeightCacheNode as stored (None if an older operator wrote another shape)."""
+    try:
+        return WeightCacheNodeSpec.model_validate(obj.get("spec") or {})
+    except ValidationError:
+        return None
+
+
 def _sync_nodes(
     kube: Kube, body: dict[str, Any], spec: WeightCacheSpec, agent_ns: str
 ) -> list[WeightCacheNodeStatus]:
@@ -70,22 +80,25 @@ def _sync_nodes(
     }
     for node in sorted(n for n in agent_nodes if node_belongs(node_labels.get(n), spec.node_selector)):
         name = object_name(cache, node)
-        if name in existing:
+        desired = node_spec(cache, node, spec)
+        if name in existing and _spec_of(existing[name]) == desired:
             continue
         wcn = {
             "apiVersion": API_VERSION,
             "kind": NODE_KIND,
             "metadata": object_meta(name, {CACHE_LABEL: cache}, body),
-            "spec": node_spec(cache, node).wire(),
+            "spec": desired.wire(),
         }
+        new_node = name not in existing
         existing[name] = kube.apply(wcn)
         APPLIES.labels(NODE_KIND).inc()
-        kopf.event(
-            body,
-            type="Normal",
-            reason="NodeAdded",
-            message=f"agent scheduled on {node}; created WeightCacheNode {name}",
-        )
+        if new_node:
+            kopf.event(
+                body,
+                type="Normal",
+                reason="NodeAdded",
+                message=f"agent scheduled on {node}; created WeightCacheNode {name}",
+            )
     now, statuses = _now(), []
     for name, obj in existing.items():
         node = obj["spec"]["nodeName"]
@@ -187,13 +200,12 @@ def _run(body: kopf.Body, patch: kopf.Patch, memo: Any, trigger: str) -> None:
 
 def refresh_status(memo: Any, cache: str) -> None:
     """Re-aggregate one WeightCache's status now (a node's residency changed)."""
-    kube = context(memo).kube
-    body = kube.get(API_VERSION, KIND, cache)
-    if body is None or body["metadata"].get("deletionTimestamp"):
-        return
-    status = reconcile(body, memo, "node", apply=False)
-    if status_changed(body.get("status"), status):
-        kube.merge_patch(API_VERSION, KIND, cache, {"status": status}, status=True)
+
+    def compute(body: dict[str, Any]) -> dict[str, Any] | None:
+        status = reconcile(body, memo, "node", apply=False)
+        return status if status_changed(body.get("status"), status) else None
+
+    context(memo).kube.write_status(API_VERSION, KIND, cache, None, compute)
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)

@@ -1,33 +1,45 @@
-"""The node agent loop: follow the WeightCache, load/evict in the daemon, report the WeightCacheNode.
+"""The node agent loop: follow this node's WeightCacheNode spec, load/evict in the daemon, report status.
 
-Failed and evicted models are retried by themselves with exponential backoff (state.retry_delay), the
-next try reported in the model's message; a spec change retries at once.
+The operator writes the models this node should hold into the WeightCacheNode's spec; the agent
+watches that one object (a list+watch with a metadata.name field selector, no polling), so model
+sources reach it without any change to its pod. Hub tokens are read from Secrets in the agent's own
+namespace through the API (the operator's per-cache Role names exactly those Secrets).
+
+Loads run on a small thread pool (`max_loads` at a time), so one slow or hung download does not hold
+up the rest; the daemon itself loads into its arena one model at a time. A download that adds no bytes
+for `stall_timeout_s` is stopped and fails (download.py). Failed and evicted models are
+retried by themselves with capped exponential backoff (state.retry_delay), the next try reported in
+the model's status (retryAt); a spec change retries at once.
 
 Started by `keepwarm cache serve --report-to-kubernetes --weightcache NAME --node-name NODE` in a
-daemon thread. Two threads: this one reconciles (loads can take minutes), a reporter writes the
-status every heartbeat so a long load never looks like a dead agent. The kubernetes client is an
-optional dependency (extra `kubernetes`).
+daemon thread. Three threads: the watch follows the spec, this one reconciles (local work only), a
+reporter writes the status every heartbeat so a long load never looks like a dead agent. The
+kubernetes client is an optional dependency (extra `kubernetes`).
 """
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import logging
 import os
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 from keepwarm_api import GROUP, VERSION, podenv
-from keepwarm_api import weightcache as wc
 from keepwarm_api import weightcachenode as wcn
-from keepwarm_api.paths import MODELS_ROOT, hf_cache_dir
+from keepwarm_api.paths import HF_MOUNT, HOST_MODELS_MOUNT, MODELS_ROOT, hf_cache_dir
 from keepwarm_api.settings import present
-from keepwarm_api.weightcache import WeightCacheSpec
+from keepwarm_api.weightcache import DEFAULT_HEARTBEAT_S
+from keepwarm_api.weightcachenode import WeightCacheNodeSpec
 from keepwarm_runtime import __version__
+from keepwarm_runtime.cache.settings import MAX_LOADS, STALL_TIMEOUT_S
 
 if TYPE_CHECKING:
     from keepwarm_runtime.cache.settings import CacheServeSettings
 
+from .download import download
 from .state import (
     RETRY_BASE_S,
     AgentState,
@@ -40,14 +52,20 @@ from .state import (
 )
 
 log = logging.getLogger(__name__)
-DEFAULT_HEARTBEAT_S = float(WeightCacheSpec.model_fields["heartbeat_seconds"].default)
+WATCH_TIMEOUT_S = 300  # the API server ends each watch after this; the agent re-lists and watches on
+WATCH_RETRY_S = 2.0  # after a failed list or watch
 
 
 class AgentDependencyError(ImportError):
     pass
 
 
-def _client() -> Any:
+class TokenSecretError(RuntimeError):
+    """A model's tokenSecretRef names a Secret or key that is not there (fails that model only)."""
+
+
+def _clients() -> tuple[Any, Any]:
+    """(CustomObjectsApi, CoreV1Api) with the pod's token, or KUBECONFIG outside a cluster."""
     try:
         from kubernetes import client, config
     except ImportError as exc:
@@ -56,26 +74,37 @@ def _client() -> Any:
         ) from exc
     try:
         config.load_incluster_config()
-        return client.CustomObjectsApi(client.ApiClient())
+        api_client = client.ApiClient()
     except config.ConfigException:
-        return client.CustomObjectsApi(
-            config.new_client_from_config(config_file=os.environ.get("KUBECONFIG"))
-        )
+        api_client = config.new_client_from_config(config_file=os.environ.get("KUBECONFIG"))
+    return client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
 
 
 class NodeAgent:
     def __init__(
-        self, daemon: Any, cache: str, node: str, api: Any, model_root: str | None = None,
-        retry_base_s: float = RETRY_BASE_S,
+        self, daemon: Any, cache: str, node: str, api: Any, *, core: Any = None,
+        namespace: str | None = None, host_root: str | None = None, pvc_root: str | None = None,
+        hf_root: str | None = None,
+        retry_base_s: float = RETRY_BASE_S, max_loads: int = MAX_LOADS,
+        stall_timeout_s: float = STALL_TIMEOUT_S,
     ):  # fmt: skip
-        self.daemon, self.cache, self.node, self.api = daemon, cache, node, api
+        self.daemon, self.cache, self.node, self.api, self.core = daemon, cache, node, api, core
+        self.namespace = namespace or os.environ.get("POD_NAMESPACE", "default")  # token Secrets live here
+        self.host_root = host_root or os.environ.get("KEEPWARM_HOST_MODEL_ROOT", HOST_MODELS_MOUNT)
+        self.pvc_root = pvc_root or present(os.environ.get(podenv.MODEL_ROOT)) or MODELS_ROOT
+        self.hf_root = hf_root or os.environ.get("KEEPWARM_DOWNLOAD_ROOT", HF_MOUNT)
         self.retry_base_s = retry_base_s  # failed/evicted models: first retry after this, then doubling
-        self.model_root = model_root or present(os.environ.get(podenv.MODEL_ROOT)) or MODELS_ROOT
+        self.stall_timeout_s = stall_timeout_s
+        self.pool = ThreadPoolExecutor(max_workers=max_loads, thread_name_prefix="agent-load")
+        self.inflight: dict[str, Future[None]] = {}
+        self.resolved: dict[str, str] = {}  # model name -> the directory it was loaded from
         self.state = AgentState()
         self.wanted: list[WantedModel] = []
-        self.heartbeat_s = DEFAULT_HEARTBEAT_S
+        self.heartbeat_s = float(DEFAULT_HEARTBEAT_S)
         self.lock = threading.Lock()
-        self.wake = threading.Event()
+        self.wake = threading.Event()  # the reporter: report now
+        self.changed = threading.Event()  # the reconciler: the spec changed or a load finished
+        self.desired: dict[str, Any] | None = None  # this node's WeightCacheNode as last seen
         self.last_report = self.state.reporting_since
 
     @property
@@ -83,22 +112,23 @@ class NodeAgent:
         return wcn.object_name(self.cache, self.node)
 
     def fetch(self) -> dict[str, Any] | None:
-        from kubernetes.client import ApiException
+        """This node's WeightCacheNode now (None until the operator created it); a list by name, as
+        the agent may list and watch but not get."""
+        found = self.api.list_cluster_custom_object(
+            GROUP, VERSION, wcn.PLURAL, field_selector=f"metadata.name={self.object_name}"
+        )
+        items = found.get("items") or []
+        return items[0] if items else None
 
-        try:
-            return self.api.get_cluster_custom_object(GROUP, VERSION, wc.PLURAL, self.cache)
-        except ApiException as exc:
-            if exc.status == 404:
-                self.state.message = f"WeightCache {self.cache!r} not found"
-                return None
-            raise
+    def reconcile(self, obj: dict[str, Any]) -> None:
+        """One pass: start loads of what is wanted and missing, release what is no longer wanted.
 
-    def reconcile(self, cache: dict[str, Any]) -> None:
-        """One pass: load what is wanted and missing, release what is no longer wanted."""
-        generation = cache["metadata"].get("generation")
-        spec = WeightCacheSpec.model_validate(cache.get("spec") or {})
+        Local work only (no API calls); loads run on the pool, see settle().
+        """
+        generation = obj["metadata"].get("generation")
+        spec = WeightCacheNodeSpec.model_validate(obj.get("spec") or {})
         self.heartbeat_s = float(spec.heartbeat_seconds)
-        wanted = wanted_models(spec, self.model_root)
+        wanted = wanted_models(spec, self.host_root, self.pvc_root)
         with self.lock:
             self.wanted = wanted
             self.state.message = ""
@@ -109,47 +139,86 @@ class NodeAgent:
                 self.state.retry_at.clear()
                 self.state.generation = generation
         names = {w.name for w in wanted}
-        for name in sorted(set(self.state.daemon_names) - names):
-            self.daemon.remove_model(self.state.daemon_names.pop(name))
-            log.info("released %s (removed from WeightCache %s)", name, self.cache)
+        self._reap()
+        for name in sorted(set(self._loaded()) - names - set(self.inflight)):
+            with self.lock:
+                daemon_name = self.state.daemon_names.pop(name)
+            self.daemon.remove_model(daemon_name)
+            log.info("released %s (removed from WeightCacheNode %s)", name, self.object_name)
         resident = self.daemon.snapshot()["models"]
         for w in wanted:
-            daemon_name = self.state.daemon_names.get(w.name)
+            if w.name in self.inflight:
+                continue
+            daemon_name = self._loaded().get(w.name)
             if daemon_name in resident:
-                if w.pin and not resident[daemon_name]["pinned"]:
-                    self.daemon.add_model(self._path(w), **load_options(w))  # no reload; marks pinned
+                if w.pin and not resident[daemon_name]["pinned"]:  # no-op reload; marks pinned
+                    self.daemon.add_model(self.resolved.get(w.name) or self._path(w), **load_options(w))
                 continue
             if daemon_name is not None:  # was loaded, now gone: evicted under the budget
-                self.state.daemon_names.pop(w.name)
                 with self.lock:
+                    self.state.daemon_names.pop(w.name)
                     self.state.evicted.add(w.name)
                     self._schedule_retry(w.name)
             retry_at = self.state.retry_at.get(w.name)
             if retry_at is not None and now() < retry_at:
                 continue  # failed or evicted: wait for the backoff
-            self._load(w)
+            with self.lock:
+                self.state.loading.add(w.name)
+            self.inflight[w.name] = self.pool.submit(self._load, w)
+            self.wake.set()  # report Loading now
+
+    def _loaded(self) -> dict[str, str]:
+        """Model name -> daemon name, copied under the lock (loads add to it from the pool)."""
+        with self.lock:
+            return dict(self.state.daemon_names)
+
+    def settle(self, timeout_s: float | None = None) -> None:
+        """Wait for the loads in flight (tests and shutdown; the loop itself never waits)."""
+        wait(list(self.inflight.values()), timeout=timeout_s)
+        self._reap()
+
+    def _reap(self) -> None:
+        for name, future in list(self.inflight.items()):
+            if future.done():
+                del self.inflight[name]
 
     def _schedule_retry(self, name: str) -> None:
         """Caller holds the lock: one more failure in a row, next try after the backoff."""
         attempts = self.state.attempts.get(name, 0) + 1
         self.state.attempts[name] = attempts
-        delay = retry_delay(attempts, self.retry_base_s)
-        self.state.retry_at[name] = now() + dt.timedelta(seconds=delay)
+        self.state.retry_at[name] = now() + dt.timedelta(seconds=retry_delay(attempts, self.retry_base_s))
+
+    def _token(self, w: WantedModel) -> str | None:
+        """The Hub token from its Secret in the agent's namespace, read through the API when needed."""
+        if w.token is None:
+            return None
+        from kubernetes.client import ApiException
+
+        try:
+            secret = self.core.read_namespaced_secret(w.token.name, self.namespace)
+        except ApiException as exc:
+            raise TokenSecretError(
+                f"tokenSecretRef: Secret {self.namespace}/{w.token.name} could not be read ({exc.status} "
+                f"{exc.reason})"
+            ) from exc
+        data = secret.data or {}
+        if w.token.key not in data:
+            raise TokenSecretError(
+                f"tokenSecretRef: Secret {self.namespace}/{w.token.name} has no key {w.token.key!r}"
+            )
+        return base64.b64decode(data[w.token.key]).decode().strip()
 
     def _path(self, w: WantedModel) -> str:
         if w.path is not None:
             return w.path
-        from huggingface_hub import snapshot_download  # a transformers dependency
-
-        token = present(os.environ.get(podenv.hf_token(w.name)))
-        return snapshot_download(w.repo, revision=w.revision, cache_dir=hf_cache_dir(), token=token)
+        assert w.repo is not None and w.revision is not None  # a Hub source (wanted_models)
+        return download(w.repo, w.revision, hf_cache_dir(self.hf_root), self._token(w), self.stall_timeout_s)
 
     def _load(self, w: WantedModel) -> None:
-        with self.lock:
-            self.state.loading.add(w.name)
-        self.wake.set()  # report Loading now
         try:
-            self.state.daemon_names[w.name] = self.daemon.add_model(self._path(w), **load_options(w))
+            path = self._path(w)
+            self.resolved[w.name] = path  # a later pin needs no second download
+            daemon_name = self.daemon.add_model(path, **load_options(w))
         except Exception as exc:  # a bad checkpoint fails this model, not the agent
             log.warning("loading %s failed: %s", w.name, exc)
             with self.lock:
@@ -157,6 +226,7 @@ class NodeAgent:
                 self._schedule_retry(w.name)
         else:
             with self.lock:
+                self.state.daemon_names[w.name] = daemon_name
                 self.state.failed.pop(w.name, None)
                 self.state.evicted.discard(w.name)
                 self.state.attempts.pop(w.name, None)
@@ -164,7 +234,8 @@ class NodeAgent:
         finally:
             with self.lock:
                 self.state.loading.discard(w.name)
-        self.wake.set()
+            self.wake.set()
+            self.changed.set()  # another pass: a load may have evicted another model
 
     def report(self) -> bool:
         """Write the WeightCacheNode status; False while the operator has not created it yet."""
@@ -187,6 +258,39 @@ class NodeAgent:
                 return False
             raise
 
+    def _follow(self, obj: dict[str, Any] | None) -> None:
+        self.desired = obj
+        self.changed.set()
+
+    def run_watch(self, stop: threading.Event) -> None:
+        """List this node's WeightCacheNode, then watch it from that resourceVersion; on any error
+        (410 Gone included) or the server's timeout, list and watch again."""
+        from kubernetes import watch
+
+        selector = f"metadata.name={self.object_name}"
+        while not stop.is_set():
+            try:
+                listing = self.api.list_cluster_custom_object(
+                    GROUP, VERSION, wcn.PLURAL, field_selector=selector
+                )
+                found = listing.get("items") or []
+                self._follow(found[0] if found else None)  # fetch(), keeping the resourceVersion
+                stream = watch.Watch().stream(
+                    self.api.list_cluster_custom_object, GROUP, VERSION, wcn.PLURAL,
+                    field_selector=selector, resource_version=listing["metadata"]["resourceVersion"],
+                    timeout_seconds=WATCH_TIMEOUT_S,
+                )  # fmt: skip
+                for event in stream:
+                    if stop.is_set():
+                        return
+                    if event["type"] in ("ADDED", "MODIFIED"):
+                        self._follow(event["raw_object"])
+                    elif event["type"] == "DELETED":
+                        self._follow(None)
+            except Exception as exc:  # API hiccups must not end the watch
+                log.warning("watching WeightCacheNode %s failed: %s", self.object_name, exc)
+                stop.wait(WATCH_RETRY_S)
+
     def run_reporter(self, stop: threading.Event) -> None:
         while not stop.is_set():
             try:
@@ -196,31 +300,43 @@ class NodeAgent:
             self.wake.wait(self.heartbeat_s)
             self.wake.clear()
 
+    def _next_pass_s(self) -> float:
+        """Until the next backoff expires, at most a heartbeat (evictions by the daemon are local)."""
+        with self.lock:
+            due = [(t - now()).total_seconds() for t in self.state.retry_at.values()]
+        return max(0.5, min([self.heartbeat_s, *due]))
+
     def run(self, stop: threading.Event) -> None:
-        reporter = threading.Thread(
-            target=self.run_reporter, args=(stop,), daemon=True, name="agent-reporter"
-        )
-        reporter.start()
+        for target, name in ((self.run_reporter, "agent-reporter"), (self.run_watch, "agent-watch")):
+            threading.Thread(target=target, args=(stop,), daemon=True, name=name).start()
         while not stop.is_set():
+            self.changed.clear()
+            self._reap()
+            obj = self.desired
             try:
-                cache = self.fetch()
-                if cache is not None:
-                    self.reconcile(cache)
+                if obj is None:
+                    self.state.message = f"waiting for WeightCacheNode {self.object_name}"
+                else:
+                    self.reconcile(obj)
             except Exception as exc:
-                log.warning("agent pass for %s failed: %s", self.cache, exc)
+                log.warning("agent pass for %s failed: %s", self.object_name, exc)
                 self.state.message = f"{type(exc).__name__}: {exc}"[:1000]
             self.wake.set()
-            stop.wait(min(self.heartbeat_s, 10.0))
+            self.changed.wait(self._next_pass_s())
         self.wake.set()
-        reporter.join(timeout=5)
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def run_agent(daemon: Any, settings: CacheServeSettings, stop: threading.Event | None = None) -> None:
     """Entry point for `keepwarm cache serve --report-to-kubernetes` (runs until the daemon stops)."""
     try:
-        api = _client()
+        api, core = _clients()
     except AgentDependencyError as exc:
         log.error("%s", exc)
         return
     stop = stop or getattr(daemon, "_stop", None) or threading.Event()
-    NodeAgent(daemon, settings.weightcache, settings.node_name, api).run(stop)
+    agent = NodeAgent(
+        daemon, settings.weightcache, settings.node_name, api, core=core,
+        max_loads=settings.max_loads, stall_timeout_s=settings.stall_timeout,
+    )  # fmt: skip
+    agent.run(stop)

@@ -1,8 +1,8 @@
-"""Pure parts of the node agent: which models the WeightCache wants here, and the status to report.
+"""Pure parts of the node agent: which models its WeightCacheNode wants here, and the status to report.
 
-The WeightCache arrives as the typed spec of keepwarm_api (the operator's own models); model
-directories follow keepwarm_api.paths, the convention the operator mounts sources by; the status is
-built by keepwarm_api.weightcachenode.agent_status from the daemon's snapshot.
+The node's wanted models arrive as the typed WeightCacheNode spec of keepwarm_api (the operator writes
+it); model directories follow keepwarm_api.paths, the convention the operator mounts sources by; the
+status is built by keepwarm_api.weightcachenode.agent_status from the daemon's snapshot.
 """
 
 from __future__ import annotations
@@ -11,10 +11,15 @@ import datetime as dt
 from dataclasses import dataclass, field
 from typing import Any
 
-from keepwarm_api.common import Quantization
-from keepwarm_api.paths import MODELS_ROOT, model_dir
-from keepwarm_api.weightcache import WeightCacheSpec
-from keepwarm_api.weightcachenode import ModelState, ResidentModel, WeightCacheNodeStatus, agent_status
+from keepwarm_api.common import Quantization, SecretKeyRef
+from keepwarm_api.paths import HOST_MODELS_MOUNT, MODELS_ROOT, host_model_dir, model_dir
+from keepwarm_api.weightcachenode import (
+    ModelState,
+    ResidentModel,
+    WeightCacheNodeSpec,
+    WeightCacheNodeStatus,
+    agent_status,
+)
 
 EVICTED_MESSAGE = "evicted under the budget"
 RETRY_BASE_S = 10.0  # first retry of a failed or evicted model after this long, then doubling
@@ -29,6 +34,7 @@ class WantedModel:
     repo: str | None = None  # Hugging Face source
     revision: str | None = None
     quantization: Quantization = Quantization.NONE  # applied by the daemon at load
+    token: SecretKeyRef | None = None  # Hub token, read by the agent from a Secret in its namespace
 
 
 @dataclass
@@ -41,7 +47,7 @@ class AgentState:
     evicted: set[str] = field(default_factory=set)
     attempts: dict[str, int] = field(default_factory=dict)  # name -> failed loads/evictions in a row
     retry_at: dict[str, dt.datetime] = field(default_factory=dict)  # name -> next try (failed/evicted)
-    generation: int | None = None  # WeightCache generation last acted on
+    generation: int | None = None  # WeightCacheNode generation last acted on
     message: str = ""
     reporting_since: dt.datetime = field(default_factory=lambda: now())  # Stale=False since then
 
@@ -53,14 +59,22 @@ def load_options(w: WantedModel) -> dict[str, Any]:
     return {"pin": w.pin, "quantization": online}
 
 
-def wanted_models(spec: WeightCacheSpec, model_root: str = MODELS_ROOT) -> list[WantedModel]:
+def wanted_models(
+    spec: WeightCacheNodeSpec, host_root: str = HOST_MODELS_MOUNT, pvc_root: str = MODELS_ROOT
+) -> list[WantedModel]:
+    """The node's models with the directory each is read from in the agent pod (Hub: downloaded)."""
     out = []
     for m in spec.models:
-        hf = m.source.hugging_face
+        hf, path = m.source.hugging_face, m.source.path
         if hf is not None:
-            out.append(WantedModel(m.name, None, m.pin, hf.repo, hf.revision, m.quantization))
-        else:  # path and pvc sources are mounted by the DaemonSet
-            out.append(WantedModel(m.name, model_dir(m.name, model_root), m.pin, quantization=m.quantization))
+            out.append(
+                WantedModel(m.name, None, m.pin, hf.repo, hf.revision, m.quantization, hf.token_secret_ref)
+            )
+        elif path is not None:  # under modelDirectory, which the DaemonSet mounts once
+            directory = host_model_dir(path, spec.model_directory, host_root)
+            out.append(WantedModel(m.name, directory, m.pin, quantization=m.quantization))
+        else:  # pvc sources are mounted one by one by the DaemonSet
+            out.append(WantedModel(m.name, model_dir(m.name, pvc_root), m.pin, quantization=m.quantization))
     return out
 
 
@@ -97,11 +111,14 @@ def resident_model(w: WantedModel, state: AgentState, snapshot: dict[str, Any]) 
             }
         )
     note = _retry_note(state, w.name)
-    if w.name in state.failed:
+    retry = {"attempts": state.attempts.get(w.name, 0), "retry_at": state.retry_at.get(w.name)}
+    if w.name in state.failed and w.name not in state.loading:
         message = state.failed[w.name][: 1000 - len(note)] + note
-        return base.model_copy(update={"state": ModelState.FAILED, "message": message})
-    if w.name in state.evicted:
-        return base.model_copy(update={"state": ModelState.EVICTED, "message": EVICTED_MESSAGE + note})
+        return base.model_copy(update={"state": ModelState.FAILED, "message": message, **retry})
+    if w.name in state.evicted and w.name not in state.loading:
+        return base.model_copy(
+            update={"state": ModelState.EVICTED, "message": EVICTED_MESSAGE + note, **retry}
+        )
     return base
 
 

@@ -89,6 +89,8 @@ def serve(settings: CacheServeSettings) -> int:
 
     if settings.report_to_kubernetes and not (settings.weightcache and settings.node_name):
         return _fail("serve", "--report-to-kubernetes needs --weightcache and --node-name")
+    if settings.stall_timeout < 1:
+        return _fail("serve", "--stall-timeout must be at least 1 second")
     config = daemon_config(settings)
     try:
         daemon = CacheDaemon(config)

@@ -20,6 +20,8 @@ from keepwarm_api.settings import setting
 DTYPES = ("float32", "bfloat16", "float16")
 TIERS = ("auto", "gpu", "host")
 QUANTIZATIONS = ("none", "fp8")
+MAX_LOADS = 4  # node agent: downloads/loads in flight at once
+STALL_TIMEOUT_S = 60.0  # node agent: a Hub download adding no bytes for this long is stopped
 _BYTE_UNITS = {
     "": 1,
     "B": 1,
@@ -111,9 +113,18 @@ class CacheServeSettings:
         metavar="SECONDS",
     )
     report_to_kubernetes: bool = setting(
-        False, "run the node agent: report to a WeightCacheNode, follow the WeightCache"
+        False, "run the node agent: follow this node's WeightCacheNode spec, report into its status"
     )
     weightcache: str | None = setting(None, "WeightCache name (with --report-to-kubernetes)")
     node_name: str | None = setting(
         None, "this node's name (with --report-to-kubernetes)", env=podenv.NODE_NAME
+    )
+    max_loads: int = setting(
+        MAX_LOADS, "node agent: downloads/loads in flight at once", parse=positive_int, metavar="N"
+    )
+    stall_timeout: float = setting(
+        STALL_TIMEOUT_S,
+        "node agent: a Hub download adding no bytes for this long is stopped (and retried later)",
+        parse=positive_seconds,
+        metavar="SECONDS",
     )

@@ -1,6 +1,7 @@
 """The node agent as it runs in the DaemonSet: `keepwarm cache serve --report-to-kubernetes` in a real
 process, with the agent ServiceAccount's token (the RBAC the operator grants it), on a real API server.
-It follows the WeightCache's model list (load, evict) and reports the WeightCacheNode status."""
+It follows its WeightCacheNode's spec (load, evict; written here as the operator writes it), reads a
+Hub token from a Secret through the API, and reports the WeightCacheNode status."""
 
 from __future__ import annotations
 
@@ -27,22 +28,34 @@ def test_cache_serve_reports_and_follows_the_weightcache(control_plane, tiny_lla
     models = tmp_path / "models"
     for name in ("alpha", "beta"):
         shutil.copytree(tiny_llama, models / name)
-    first = [{"name": "alpha", "source": {"path": "/x"}}, {"name": "gamma", "source": {"path": "/z"}}]
-    spec = {"tier": "host", "heartbeatSeconds": 1, "models": first}  # gamma's files are not there yet
-    wc = {
-        "apiVersion": "keepwarm.dev/v1alpha1",
-        "kind": "WeightCache",
-        "metadata": {"name": cache},
-        "spec": spec,
+    hub = {
+        "huggingFace": {"repo": "org/gated", "revision": "main", "tokenSecretRef": {"name": f"{cache}-hf"}}
     }
+    first = [
+        {"name": "alpha", "source": {"path": "/m/alpha"}},
+        {"name": "gamma", "source": {"path": "/m/gamma"}},  # its files are not there yet
+        {"name": "gated", "source": hub},  # the Hub (HF_ENDPOINT) refuses connections
+    ]
     wcn = {
         "apiVersion": "keepwarm.dev/v1alpha1",
         "kind": "WeightCacheNode",
         "metadata": {"name": f"{cache}.{node}"},
-        "spec": {"weightCache": cache, "nodeName": node},
+        "spec": {
+            "weightCache": cache,
+            "nodeName": node,
+            "modelDirectory": "/m",
+            "heartbeatSeconds": 1,
+            "models": first,
+        },
     }  # what the operator creates once the agent pod is bound
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": f"{cache}-hf", "namespace": NAMESPACE},
+        "stringData": {"token": "hf_e2e"},
+    }
     cp.kubectl("create", "namespace", NAMESPACE, check=False)
-    docs = [wc, wcn, *agent_rbac(cache, NAMESPACE, None)]
+    docs = [wcn, secret, *agent_rbac(cache, NAMESPACE, None, [f"{cache}-hf"])]
     cp.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(docs))
     # The agent's token is bound to a pod of its ServiceAccount on the node, as a kubelet would mount it.
     pod = {
@@ -60,7 +73,13 @@ def test_cache_serve_reports_and_follows_the_weightcache(control_plane, tiny_lla
     agent_kc = cp.service_account_kubeconfig(
         NAMESPACE, f"keepwarm-agent-{cache}", create=False, bound_pod=bound
     )
-    env = {**cp.env(agent_kc), "KEEPWARM_MODEL_ROOT": str(models)}
+    env = {
+        **cp.env(agent_kc),
+        "KEEPWARM_HOST_MODEL_ROOT": str(models),  # the mount of modelDirectory /m
+        "POD_NAMESPACE": NAMESPACE,
+        "HF_ENDPOINT": "http://127.0.0.1:9",  # discard port: nothing listens
+        "HF_HOME": str(tmp_path / "hf"),
+    }
     cmd = serve_command(
         tmp_path / "sock", [], "--dtype", "bfloat16", "--report-to-kubernetes",
         "--weightcache", cache, "--node-name", node,
@@ -75,23 +94,37 @@ def test_cache_serve_reports_and_follows_the_weightcache(control_plane, tiny_lla
             states = {m["name"]: m["state"] for m in status.get("models", [])}
             return status.get("phase") == "Ready" and states == dict.fromkeys(names, "Resident") and status
 
-        def states():
+        def models_now():
             status = (get(cp, f"{GROUP_PATH}/weightcachenodes/{cache}.{node}") or {}).get("status") or {}
-            return {m["name"]: m["state"] for m in status.get("models", [])}
+            return {m["name"]: m for m in status.get("models", [])}
+
+        def states():
+            return {name: m["state"] for name, m in models_now().items()}
 
         wait(
             cp,
-            lambda: states() == {"alpha": "Resident", "gamma": "Failed"},
-            f"alpha resident, gamma failed (agent log {log})",
+            lambda: states() == {"alpha": "Resident", "gamma": "Failed", "gated": "Failed"},
+            f"alpha resident, gamma and gated failed (agent log {log})",
             timeout_s=120,
         )
+        gated = models_now()["gated"]
+        # The token was read through the API (the Role names its Secret); the download itself failed.
+        assert "tokenSecretRef" not in gated["message"] and gated["retryAt"], gated
         shutil.copytree(tiny_llama, models / "gamma")  # the fault goes away; nobody touches the spec
-        status = wait(
-            cp, lambda: resident("alpha", "gamma"), f"gamma retried by itself (agent log {log})", timeout_s=90
+        wait(
+            cp,
+            lambda: (
+                states()
+                in ({"alpha": "Resident", "gamma": "Resident", "gated": s} for s in ("Failed", "Loading"))
+            ),
+            f"gamma retried by itself (agent log {log})",
+            timeout_s=90,
         )
+        status = get(cp, f"{GROUP_PATH}/weightcachenodes/{cache}.{node}")["status"]
         assert status["totalBytes"] > 0 and status["models"][0]["fingerprint"] and status["agentVersion"]
-        patch = {"spec": {"models": [{"name": "beta", "source": {"path": "/y"}, "pin": True}]}}
-        cp.kubectl("patch", "wc", cache, "--type=merge", "-p", json.dumps(patch))
+        wcn_path = f"{cache}.{node}"
+        patch = {"spec": {"models": [{"name": "beta", "source": {"path": "/m/beta"}, "pin": True}]}}
+        cp.kubectl("patch", "wcn", wcn_path, "--type=merge", "-p", json.dumps(patch))
         status = wait(
             cp, lambda: resident("beta"), f"alpha evicted, beta resident (agent log {log})", timeout_s=60
         )
@@ -103,7 +136,7 @@ def test_cache_serve_reports_and_follows_the_weightcache(control_plane, tiny_lla
         cp.kubectl("delete", "pod", f"keepwarm-agent-{cache}", "-n", NAMESPACE, "--wait=false", check=False)
         cp.remove_node(node)
         cp.kubectl("delete", "wcn", f"{cache}.{node}", check=False)
-        cp.kubectl("delete", "wc", cache, check=False)
         agent = f"keepwarm-agent-{cache}"
         cp.kubectl("delete", "clusterrole,clusterrolebinding", agent, check=False)
-        cp.kubectl("delete", "serviceaccount", agent, "-n", NAMESPACE, check=False)
+        cp.kubectl("delete", "serviceaccount,role,rolebinding", agent, "-n", NAMESPACE, check=False)
+        cp.kubectl("delete", "secret", f"{cache}-hf", "-n", NAMESPACE, check=False)

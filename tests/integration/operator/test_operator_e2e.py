@@ -9,6 +9,7 @@ nodes, garbage collection. Missing RBAC in the chart fails these tests (the oper
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import shutil
 import time
@@ -175,6 +176,39 @@ def test_weightcache_runs_agents_on_exactly_the_selected_nodes(env):
     assert condition(wc(env), "Ready")["reason"] == "NodesNotReady"
 
 
+def _template_hash(env) -> tuple[str, int]:
+    """The agent DaemonSet's pod template hash, and its generation (a rollout would bump it)."""
+    ds = get(env.cp, f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets/keepwarm-agent-{WC}")
+    digest = hashlib.sha256(json.dumps(ds["spec"]["template"], sort_keys=True).encode()).hexdigest()
+    return digest, ds["metadata"]["generation"]
+
+
+def test_adding_a_model_changes_the_weightcachenodes_not_the_agent_pods(env):
+    """Models reach agents through their WeightCacheNode specs (a Hub token through a Role naming its
+    Secret): the DaemonSet's pod template stays the same, so no agent restarts and no cache drops."""
+    cp, before = env.cp, _template_hash(env)
+    secret = f"{WC}-hf"
+    hub = {"huggingFace": {"repo": "org/gated", "revision": "main", "tokenSecretRef": {"name": secret}}}
+    models = [*weightcache(WC, env.pool)["spec"]["models"], {"name": "extra", "source": hub}]
+    cp.kubectl("patch", "wc", WC, "--type=merge", "-p", json.dumps({"spec": {"models": models}}))
+
+    def spec_models():
+        return {o["spec"]["nodeName"]: [m["name"] for m in o["spec"].get("models", [])] for o in wcns(env)}
+
+    wanted = {n: [MODEL, "extra"] for n in env.nodes}
+    wait(cp, lambda: spec_models() == wanted, "every WeightCacheNode spec holds both models", op=env.op)
+    role_path = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NAMESPACE}/roles/keepwarm-agent-{WC}"
+    role = get(cp, role_path)
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["secrets"], "resourceNames": [secret], "verbs": ["get"]}
+    ]
+    assert _template_hash(env) == before
+    cp.kubectl("patch", "wc", WC, "--type=merge", "-p", json.dumps({"spec": {"models": models[:1]}}))
+    wait(cp, lambda: spec_models() == {n: [MODEL] for n in env.nodes}, "the model removed again", op=env.op)
+    wait(cp, lambda: not get(cp, role_path).get("rules"), "the Secret rule dropped", op=env.op)
+    assert _template_hash(env) == before
+
+
 def test_agent_reports_aggregate_into_weightcache_status(env, tiny_llama, tmp_path):
     """Node 0 runs the real agent code with a real CacheDaemon; node 1 is written as an agent would."""
     from kubernetes import client
@@ -189,8 +223,9 @@ def test_agent_reports_aggregate_into_weightcache_status(env, tiny_llama, tmp_pa
     daemon = CacheDaemon(DaemonConfig(socket_dir=tmp_path / "sock", tier="host", dtype="bfloat16"))
     try:
         api = client.CustomObjectsApi(cp.api_client(agent_kc))
-        agent = NodeAgent(daemon, WC, env.nodes[0], api, model_root=str(tmp_path / "models"))
-        agent.reconcile(agent.fetch())
+        agent = NodeAgent(daemon, WC, env.nodes[0], api, host_root=str(tmp_path / "models"))
+        agent.reconcile(agent.fetch())  # the models the operator wrote into this node's spec
+        agent.settle()
         assert agent.report()
     finally:
         daemon.close()
@@ -322,7 +357,9 @@ def test_spec_change_rolls_the_pods(env):
     [
         (
             lambda p: weightcache(
-                "bad1", p, models=[{"name": "m", "source": {"path": "/a", "pvc": {"claimName": "c"}}}]
+                "bad1",
+                p,
+                models=[{"name": "m", "source": {"path": "/var/lib/models/a", "pvc": {"claimName": "c"}}}],
             ),
             "set exactly one of source.path, source.pvc, source.huggingFace",
         ),
@@ -331,13 +368,15 @@ def test_spec_change_rolls_the_pods(env):
                 "bad2",
                 p,
                 tier="host",
-                models=[{"name": "m", "source": {"path": "/a"}, "quantization": "fp8"}],
+                models=[{"name": "m", "source": {"path": "/var/lib/models/a"}, "quantization": "fp8"}],
             ),
             "quantization other than none needs tier gpu",
         ),
         (lambda p: weightcache("bad3", p, tier="tpu"), 'Unsupported value: "tpu"'),
         (
-            lambda p: weightcache("bad4", p, models=[{"name": "m", "source": {"path": "/a"}}] * 2),
+            lambda p: weightcache(
+                "bad4", p, models=[{"name": "m", "source": {"path": "/var/lib/models/a"}}] * 2
+            ),
             "Duplicate value",
         ),
         (lambda p: inference("bad5", "default", p, replicas=-1), "spec.replicas: Invalid value: -1"),
@@ -347,8 +386,8 @@ def test_spec_change_rolls_the_pods(env):
                 "bad7",
                 p,
                 models=[
-                    {"name": "a", "source": {"path": "/a"}},
-                    {"name": "b", "source": {"path": "/b"}, "dtype": "float16"},
+                    {"name": "a", "source": {"path": "/var/lib/models/a"}},
+                    {"name": "b", "source": {"path": "/var/lib/models/b"}, "dtype": "float16"},
                 ],
             ),
             "all models of a WeightCache share one dtype",
@@ -356,6 +395,10 @@ def test_spec_change_rolls_the_pods(env):
         (
             lambda p: weightcache("bad8", p, socket={"groupId": 5, "allowedGids": [7]}),
             "socket.groupId must be one of socket.allowedGids",
+        ),
+        (
+            lambda p: weightcache("bad9", p, models=[{"name": "m", "source": {"path": "/etc/kubernetes"}}]),
+            "source.path must lie under spec.modelDirectory",
         ),
     ],
     ids=[
@@ -367,6 +410,7 @@ def test_spec_change_rolls_the_pods(env):
         "cacheref-no-name",
         "mixed-dtypes",
         "group-not-allowed",
+        "path-outside-model-directory",
     ],
 )
 def test_invalid_resources_are_rejected_by_the_api_server(env, doc, message):
@@ -709,6 +753,8 @@ def test_delete_garbage_collects_everything(env):
         f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/{name}",
         f"/apis/rbac.authorization.k8s.io/v1/clusterroles/{name}",
         f"/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/{name}",
+        f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NAMESPACE}/roles/{name}",
+        f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NAMESPACE}/rolebindings/{name}",
     ]
 
     def leftovers() -> list[str]:
@@ -740,13 +786,13 @@ def test_chart_rbac_grants_exactly_what_the_operator_used(env, request):
     here = {item.originalname for item in request.session.items if item.module is request.module}
     if not set(MODULE_TESTS) <= here:
         pytest.skip("needs the traffic of the whole module (run the file, not one test)")
-    role = next(d for d in render_chart() if d["kind"] == "ClusterRole")
+    rules = [r for d in render_chart() if d["kind"] in ("ClusterRole", "Role") for r in d["rules"]]
     env.op.stop()  # flush its last requests; the audit log batches for up to 1 s
     time.sleep(2)
     user = f"system:serviceaccount:{NAMESPACE}:{OPERATOR_SA}"
     allowed, forbidden = used(env.cp.audit_events(user, since=env.started))
     assert not forbidden, f"the operator was refused: {sorted(forbidden)}"
-    unused = granted(role["rules"]) - allowed - IMPLIED_GRANTS
+    unused = granted(rules) - allowed - IMPLIED_GRANTS
     assert not unused, f"the chart grants what the operator never used: {sorted(unused)}"
     env.op.start()
 

@@ -1,49 +1,70 @@
-"""Node agent: desired models from a WeightCache, load/evict in a real host-tier CacheDaemon, status body."""
+"""Node agent: desired models from its WeightCacheNode spec, load/evict in a real host-tier CacheDaemon,
+status body."""
 
 import datetime as dt
 import shutil
+import threading
 
 import pytest
 import torch
 
-from keepwarm_api.weightcache import WeightCacheSpec
+from keepwarm_api.paths import PathOutsideModelDirectory
+from keepwarm_api.weightcachenode import WeightCacheNodeSpec
 from keepwarm_runtime.agent.kubernetes import NodeAgent
 from keepwarm_runtime.agent.state import AgentState, load_options, node_status, retry_delay, wanted_models
 
+SPEC = {"weightCache": "wc", "nodeName": "node-1", "heartbeatSeconds": 5, "modelDirectory": "/m"}
+
 
 def spec(models):
-    return WeightCacheSpec.model_validate({"models": models, "heartbeatSeconds": 5})
+    return WeightCacheNodeSpec.model_validate({**SPEC, "models": models})
 
 
 def cache(models, generation=1):
-    return {
-        "metadata": {"name": "wc", "generation": generation},
-        "spec": {"models": models, "heartbeatSeconds": 5},
-    }
+    """A WeightCacheNode as the agent's watch delivers it."""
+    return {"metadata": {"name": "wc.node-1", "generation": generation}, "spec": {**SPEC, "models": models}}
+
+
+def agent(daemon, root, **kwargs):
+    return NodeAgent(daemon, "wc", "node-1", api=None, host_root=str(root), pvc_root="/pvc", **kwargs)
+
+
+def passed(agent, obj):
+    """One reconcile pass with its loads finished."""
+    agent.reconcile(obj)
+    agent.settle()
 
 
 def test_wanted_models_map_sources_to_mounts():
     wanted = wanted_models(
         spec(
             [
-                {"name": "a", "source": {"path": "/host/a"}, "pin": True},
+                {"name": "a", "source": {"path": "/m/dir/a"}, "pin": True},
                 {"name": "b", "source": {"pvc": {"claimName": "x"}}},
-                {"name": "c", "source": {"huggingFace": {"repo": "o/r", "revision": "abc"}}},
+                {
+                    "name": "c",
+                    "source": {
+                        "huggingFace": {"repo": "o/r", "revision": "abc", "tokenSecretRef": {"name": "t"}}
+                    },
+                },
             ]
         ),
-        model_root="/models",
+        host_root="/host-models",
+        pvc_root="/models",
     )
     assert [(w.name, w.path, w.pin) for w in wanted] == [
-        ("a", "/models/a", True),
+        ("a", "/host-models/dir/a", True),  # under the one mount of modelDirectory
         ("b", "/models/b", False),
         ("c", None, False),
     ]
-    assert (wanted[2].repo, wanted[2].revision) == ("o/r", "abc")
+    assert (wanted[2].repo, wanted[2].revision, wanted[2].token.name) == ("o/r", "abc", "t")
+    with pytest.raises(PathOutsideModelDirectory, match="not under modelDirectory /m"):
+        wanted_models(spec([{"name": "a", "source": {"path": "/mx/a"}}]))
 
 
 def test_status_phases():
     wanted = wanted_models(
-        spec([{"name": "a", "source": {"path": "/a"}}, {"name": "b", "source": {"path": "/b"}}])
+        spec([{"name": "a", "source": {"path": "/m/a"}}, {"name": "b", "source": {"path": "/m/b"}}])
     )
     state = AgentState(daemon_names={"a": "a"})
     snap = {
@@ -74,34 +95,34 @@ def test_agent_loads_evicts_and_reports_failures(model_root, tmp_path):
     from keepwarm_runtime.cache.daemon import CacheDaemon, DaemonConfig
 
     daemon = CacheDaemon(DaemonConfig(socket_dir=tmp_path / "sock", tier="host", dtype="bfloat16"))
-    agent = NodeAgent(daemon, "wc", "node-1", api=None, model_root=str(model_root))
+    agent_ = agent(daemon, model_root)
     try:
         models = [
-            {"name": "llama-a", "source": {"path": "/x"}, "pin": True},
-            {"name": "broken", "source": {"path": "/y"}},
+            {"name": "llama-a", "source": {"path": "/m/llama-a"}, "pin": True},
+            {"name": "broken", "source": {"path": "/m/broken"}},
         ]
-        agent.reconcile(cache(models))
+        passed(agent_, cache(models))
         snap = daemon.snapshot()
         assert set(snap["models"]) == {"llama-a"} and snap["models"]["llama-a"]["pinned"]
-        status = node_status(agent.state, snap, agent.wanted, "v").wire()
+        status = node_status(agent_.state, snap, agent_.wanted, "v").wire()
         assert status["phase"] == "Degraded"
         assert {m["name"]: m["state"] for m in status["models"]} == {
             "llama-a": "Resident",
             "broken": "Failed",
         }
         assert status["models"][0]["bytes"] > 0 and status["models"][0]["fingerprint"]
-        agent.reconcile(cache(models))  # level-based: a second pass changes nothing, retries no failure
-        assert set(daemon.snapshot()["models"]) == {"llama-a"} and "broken" in agent.state.failed
-        agent.reconcile(cache([{"name": "llama-b", "source": {"path": "/z"}}], generation=2))
+        passed(agent_, cache(models))  # level-based: a second pass changes nothing, retries no failure
+        assert set(daemon.snapshot()["models"]) == {"llama-a"} and "broken" in agent_.state.failed
+        passed(agent_, cache([{"name": "llama-b", "source": {"path": "/m/llama-b"}}], generation=2))
         assert set(daemon.snapshot()["models"]) == {"llama-b"}
-        status = node_status(agent.state, daemon.snapshot(), agent.wanted, "v").wire()
+        status = node_status(agent_.state, daemon.snapshot(), agent_.wanted, "v").wire()
         assert status["phase"] == "Ready" and [m["name"] for m in status["models"]] == ["llama-b"]
     finally:
         daemon.close()
 
 
 def test_stale_condition_keeps_its_transition_time_across_heartbeats():
-    wanted = wanted_models(spec([{"name": "a", "source": {"path": "/a"}}]))
+    wanted = wanted_models(spec([{"name": "a", "source": {"path": "/m/a"}}]))
     state = AgentState(reporting_since=dt.datetime(2026, 1, 1, tzinfo=dt.UTC))
     snap = {"tier": "host", "gpu_uuid": None, "models": {}}
     first = node_status(state, snap, wanted, "v").wire()
@@ -115,8 +136,8 @@ def test_load_options_carry_pin_and_quantization():
     wanted = wanted_models(
         spec(
             [
-                {"name": "a", "source": {"path": "/a"}, "quantization": "fp8", "pin": True},
-                {"name": "b", "source": {"path": "/b"}},
+                {"name": "a", "source": {"path": "/m/a"}, "quantization": "fp8", "pin": True},
+                {"name": "b", "source": {"path": "/m/b"}},
             ]
         )
     )
@@ -132,22 +153,22 @@ def test_quantization_reaches_the_daemon_which_quantizes_at_load(model_root, tmp
     from keepwarm_runtime.cache.daemon import CacheDaemon, DaemonConfig
 
     daemon = CacheDaemon(DaemonConfig(socket_dir=tmp_path / "sock", tier="host", dtype="bfloat16"))
-    agent = NodeAgent(daemon, "wc", "node-1", api=None, model_root=str(model_root))
+    agent_ = agent(daemon, model_root)
     try:
         models = [
-            {"name": "llama-a", "source": {"path": "/x"}, "quantization": "fp8", "pin": True},
-            {"name": "llama-b", "source": {"path": "/y"}},
+            {"name": "llama-a", "source": {"path": "/m/llama-a"}, "quantization": "fp8", "pin": True},
+            {"name": "llama-b", "source": {"path": "/m/llama-b"}},
         ]
-        agent.reconcile(cache(models))
+        passed(agent_, cache(models))
         resident = daemon.snapshot()["models"]
         assert resident["llama-a"]["fingerprint"]["quantization"].startswith("online:fp8:block=128x128")
         assert resident["llama-b"]["fingerprint"]["quantization"] == "none"
         a = daemon.registry.get("llama-a")
         assert a.quantization == "fp8" and a.layout.quantized
         assert {e.dtype for e in a.layout.entries if e.name in a.layout.quantized} == {torch.float8_e4m3fn}
-        agent.reconcile(cache(models))  # the pinned model is neither reloaded nor loaded unquantized
+        passed(agent_, cache(models))  # the pinned model is neither reloaded nor loaded unquantized
         assert daemon.registry.get("llama-a") is a
-        status = node_status(agent.state, daemon.snapshot(), agent.wanted, "v").wire()
+        status = node_status(agent_.state, daemon.snapshot(), agent_.wanted, "v").wire()
         assert [m["state"] for m in status["models"]] == ["Resident", "Resident"]
     finally:
         daemon.close()
@@ -161,24 +182,60 @@ def test_a_failed_model_recovers_by_itself_once_the_fault_is_gone(model_root, ti
     from keepwarm_runtime.cache.daemon import CacheDaemon, DaemonConfig
 
     daemon = CacheDaemon(DaemonConfig(socket_dir=tmp_path / "sock", tier="host", dtype="bfloat16"))
-    waiting = NodeAgent(daemon, "wc", "node-1", api=None, model_root=str(model_root))
-    eager = NodeAgent(daemon, "wc", "node-1", api=None, model_root=str(model_root), retry_base_s=0)
+    waiting = agent(daemon, model_root)
+    eager = agent(daemon, model_root, retry_base_s=0)
     try:
-        models = [{"name": "broken", "source": {"path": "/y"}}]
-        waiting.reconcile(cache(models))
+        models = [{"name": "broken", "source": {"path": "/m/broken"}}]
+        passed(waiting, cache(models))
         status = node_status(waiting.state, daemon.snapshot(), waiting.wanted, "v").wire()
-        assert status["models"][0]["state"] == "Failed"
-        assert "(attempt 1; retrying at " in status["models"][0]["message"]
-        eager.reconcile(cache(models))
-        eager.reconcile(cache(models))
+        model = status["models"][0]
+        assert model["state"] == "Failed" and model["attempts"] == 1
+        assert "(attempt 1; retrying at " in model["message"]
+        retry_at = dt.datetime.fromisoformat(model["retryAt"])
+        assert 9 <= (retry_at - dt.datetime.now(dt.UTC)).total_seconds() <= 11  # the first backoff, 10 s
+        passed(eager, cache(models))
+        passed(eager, cache(models))
         assert eager.state.attempts["broken"] == 2  # retried at once (no backoff), failed again
         shutil.rmtree(model_root / "broken")
         shutil.copytree(tiny_llama, model_root / "broken")  # the fault is fixed; the spec is not touched
-        waiting.reconcile(cache(models))
+        passed(waiting, cache(models))
         assert "broken" in waiting.state.failed  # its backoff has not passed yet
-        eager.reconcile(cache(models))
+        passed(eager, cache(models))
         status = node_status(eager.state, daemon.snapshot(), eager.wanted, "v").wire()
         assert status["models"][0]["state"] == "Resident" and status["phase"] == "Ready"
         assert not eager.state.attempts and not eager.state.failed
     finally:
+        daemon.close()
+
+
+def test_a_hung_download_does_not_hold_up_the_other_models(model_root, tmp_path):
+    """Loads run on the pool: a model whose source never answers stays Loading, the rest load."""
+    from keepwarm_runtime.cache.daemon import CacheDaemon, DaemonConfig
+
+    release = threading.Event()
+
+    class HungHub(NodeAgent):
+        def _path(self, w):
+            if w.repo is not None:
+                release.wait(60)  # a download that stalls until the test lets it fail
+                raise TimeoutError("read timed out")
+            return super()._path(w)
+
+    daemon = CacheDaemon(DaemonConfig(socket_dir=tmp_path / "sock", tier="host", dtype="bfloat16"))
+    agent_ = HungHub(daemon, "wc", "node-1", api=None, host_root=str(model_root), max_loads=2)
+    try:
+        models = [
+            {"name": "hub", "source": {"huggingFace": {"repo": "o/r", "revision": "main"}}},
+            {"name": "llama-a", "source": {"path": "/m/llama-a"}},
+        ]
+        agent_.reconcile(cache(models))
+        agent_.inflight["llama-a"].result(timeout=120)
+        status = node_status(agent_.state, daemon.snapshot(), agent_.wanted, "v").wire()
+        assert {m["name"]: m["state"] for m in status["models"]} == {"hub": "Loading", "llama-a": "Resident"}
+        release.set()
+        agent_.settle()
+        status = node_status(agent_.state, daemon.snapshot(), agent_.wanted, "v").wire()
+        assert status["models"][0]["state"] == "Failed" and "read timed out" in status["models"][0]["message"]
+    finally:
+        release.set()
         daemon.close()

@@ -1,7 +1,10 @@
 """WeightCache -> agent DaemonSet and RBAC."""
 
+import hashlib
+import json
+
 from keepwarm_api.weightcache import WeightCacheSpec
-from keepwarm_operator.builders.agent import agent_children, agent_daemonset, agent_rbac
+from keepwarm_operator.builders.agent import agent_children, agent_daemonset, agent_rbac, token_secrets
 
 OWNER = {
     "apiVersion": "keepwarm.dev/v1alpha1",
@@ -11,7 +14,7 @@ OWNER = {
 
 
 def spec(**overrides):
-    base = {"models": [{"name": "llama-8b", "source": {"path": "/data/llama"}}], **overrides}
+    base = {"models": [{"name": "llama-8b", "source": {"path": "/var/lib/models/llama"}}], **overrides}
     return WeightCacheSpec.model_validate(base)
 
 
@@ -29,11 +32,9 @@ def test_daemonset_runs_agent_with_report_flags_and_socket_dir():
     assert cmd[cmd.index("--group") + 1] == "2000" and cmd[cmd.index("--dtype") + 1] == "bfloat16"
     sockets = next(v for v in pod["volumes"] if v["name"] == "sockets")
     assert sockets["hostPath"] == {"path": "/var/run/keepwarm/llama", "type": "DirectoryOrCreate"}
-    model = next(v for v in pod["volumes"] if v["name"] == "model-llama-8b")
-    assert model["hostPath"]["path"] == "/data/llama"
-    assert {"name": "model-llama-8b", "mountPath": "/models/llama-8b", "readOnly": True} in container[
-        "volumeMounts"
-    ]
+    models = next(v for v in pod["volumes"] if v["name"] == "host-models")
+    assert models["hostPath"]["path"] == "/var/lib/models"  # modelDirectory, not the model's own path
+    assert {"name": "host-models", "mountPath": "/host-models", "readOnly": True} in container["volumeMounts"]
     env = {e["name"]: e for e in container["env"]}
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     assert pod["securityContext"]["runAsGroup"] == 2000
@@ -76,30 +77,68 @@ def test_node_selector_tolerations_budget_and_hf_token():
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     container = pod["containers"][0]
     assert container["command"][container["command"].index("--budget") + 1] == str(40 * 2**30)
-    env = {e["name"]: e for e in container["env"]}
-    assert env["KEEPWARM_HF_TOKEN_GATED"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
+    assert "secretKeyRef" not in json.dumps(container["env"])  # the agent reads its tokens via the API
     assert any(v["name"] == "hf-cache" for v in pod["volumes"])
+    assert token_secrets(s) == ["hf"]
+
+
+def _template_hash(s: WeightCacheSpec) -> str:
+    template = agent_daemonset("c", s, "ns", OWNER)["spec"]["template"]
+    return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()
+
+
+def test_models_change_no_pod_template_except_pvc_sources():
+    one = spec()
+    more = spec(
+        models=[
+            *[m.wire() for m in one.models],
+            {"name": "other", "source": {"path": "/var/lib/models/other"}, "pin": True},
+            {
+                "name": "hub",
+                "source": {
+                    "huggingFace": {"repo": "o/r", "revision": "main", "tokenSecretRef": {"name": "t"}}
+                },
+            },
+        ]
+    )
+    assert _template_hash(more) == _template_hash(one) == _template_hash(spec(models=[]))
+    claim = spec(models=[{"name": "p", "source": {"pvc": {"claimName": "weights"}}}])
+    assert _template_hash(claim) != _template_hash(one)  # a claim can only be mounted by the pod spec
 
 
 def test_agent_rbac_is_least_privilege():
-    sa, role, binding = agent_rbac("llama", "keepwarm-system", OWNER)
+    sa, role, binding, secrets, secrets_binding = agent_rbac("llama", "keepwarm-system", OWNER, ["hf"])
     assert sa["kind"] == "ServiceAccount" and sa["metadata"]["namespace"] == "keepwarm-system"
     verbs = {
         (tuple(r["resources"]), tuple(r.get("resourceNames", ()))): set(r["verbs"]) for r in role["rules"]
     }
     assert verbs == {
-        (("weightcaches",), ("llama",)): {"get"},
+        (("weightcachenodes",), ()): {"list", "watch"},
         (("weightcachenodes/status",), ()): {"patch"},
     }
-    assert binding["subjects"] == [
-        {"kind": "ServiceAccount", "name": "keepwarm-agent-llama", "namespace": "keepwarm-system"}
+    assert secrets["kind"] == "Role" and secrets["metadata"]["namespace"] == "keepwarm-system"
+    assert secrets["rules"] == [
+        {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["hf"], "verbs": ["get"]}
     ]
-    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    for b, r in ((binding, role), (secrets_binding, secrets)):
+        assert b["subjects"] == [
+            {"kind": "ServiceAccount", "name": "keepwarm-agent-llama", "namespace": "keepwarm-system"}
+        ]
+        assert (b["roleRef"]["kind"], b["roleRef"]["name"]) == (r["kind"], r["metadata"]["name"])
+    # No token: no Secret rule at all (an empty resourceNames would grant every Secret).
+    assert agent_rbac("llama", "keepwarm-system", OWNER)[3]["rules"] == []
 
 
 def test_children_order_rbac_before_pods():
     kinds = [c["kind"] for c in agent_children("llama", spec(), "ns", OWNER)]
-    assert kinds == ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "DaemonSet"]
+    assert kinds == [
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Role",
+        "RoleBinding",
+        "DaemonSet",
+    ]
 
 
 def test_private_socket_mode_drops_group():

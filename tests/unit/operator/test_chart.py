@@ -61,8 +61,8 @@ def test_values_files_change_what_renders():
     assert "ServiceMonitor" in kinds["full-values"] and "ConfigMap" in kinds["full-values"]
     assert "ServiceAccount" not in kinds["minimal-values"] and "ClusterRole" not in kinds["minimal-values"]
     assert kinds["default-values"] == sorted(
-        ["ClusterKopfPeering", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount",
-         "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+        ["ClusterKopfPeering", "ClusterRole", "ClusterRoleBinding", "Deployment", "Role", "RoleBinding",
+         "Service", "ServiceAccount", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     )  # fmt: skip
     assert "ValidatingAdmissionPolicy" not in kinds["minimal-values"]
     full = next(d for d in render(CHART / "ci" / "full-values.yaml") if d["kind"] == "Deployment")
@@ -96,11 +96,17 @@ def _rules_cover(granted: list[dict], rule: dict) -> bool:
 
 def test_operator_rbac_can_grant_the_agent_role():
     """RBAC escalation prevention: the operator may create only roles whose rules it holds itself."""
-    role = next(d for d in render(CHART / "ci" / "default-values.yaml") if d["kind"] == "ClusterRole")
-    spec = WeightCacheSpec.model_validate({"models": [{"name": "m", "source": {"path": "/m"}}]})
-    agent_role = next(c for c in agent_children("c", spec, "ns", None) if c["kind"] == "ClusterRole")
-    for rule in agent_role["rules"]:
-        assert _rules_cover(role["rules"], rule), rule
+    docs = render(CHART / "ci" / "default-values.yaml")
+    cluster = next(d for d in docs if d["kind"] == "ClusterRole")["rules"]
+    in_agent_ns = cluster + next(d for d in docs if d["kind"] == "Role")["rules"]
+    token = {"huggingFace": {"repo": "o/r", "revision": "abc", "tokenSecretRef": {"name": "t"}}}
+    spec = WeightCacheSpec.model_validate({"models": [{"name": "m", "source": token}]})
+    children = agent_children("c", spec, "ns", None)
+    for kind, held in (("ClusterRole", cluster), ("Role", in_agent_ns)):
+        agent_role = next(c for c in children if c["kind"] == kind)
+        assert agent_role["rules"], kind
+        for rule in agent_role["rules"]:
+            assert _rules_cover(held, rule), rule
 
 
 @pytest.mark.parametrize("kube", KUBE_VERSIONS)
