@@ -1,8 +1,9 @@
 """Environment variables the operator sets on pods and keepwarm processes read: one home for both.
 
 Names follow the settings layer's one rule (``settings.env_name``): runtime pods get the variables of
-`keepwarm serve`'s cache settings, which ``attach()`` reads too; agent pods get one Hugging Face token
-variable per model. The operator's builders and the runtime import these; neither spells them.
+`keepwarm serve`'s cache settings, which ``attach()`` reads too. Agent pods get no per-model
+variables: models and token Secret references reach the agent through its WeightCacheNode spec.
+The operator's builders and the runtime import these; neither spells them.
 """
 
 from __future__ import annotations
@@ -15,12 +16,8 @@ CACHE_FALLBACK = env_name("cache_fallback")  # KEEPWARM_CACHE_FALLBACK: load fro
 CACHE_TRUSTED_UIDS = env_name("cache_trusted_uids")  # extra uids a client trusts to own the socket
 MODEL_ROOT = env_name("model_root")  # where the agent finds path/pvc sources (default keepwarm_api.paths)
 NODE_NAME = "NODE_NAME"  # the downward API's node name on agent pods (Kubernetes' convention)
-HF_TOKEN_PREFIX = env_name("hf_token_")
-
-
-def hf_token(model: str) -> str:
-    """The variable holding the Hugging Face token of ``model`` on agent pods (KEEPWARM_HF_TOKEN_<MODEL>)."""
-    return HF_TOKEN_PREFIX + model.upper().replace("-", "_")
+HOST_MODEL_ROOT = env_name("host_model_root")  # where the agent sees WeightCache.spec.modelDirectory
+DOWNLOAD_ROOT = env_name("download_root")  # where the agent keeps Hugging Face downloads
 
 
 def env_bool(value: bool) -> str:

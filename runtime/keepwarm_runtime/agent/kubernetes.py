@@ -90,9 +90,9 @@ class NodeAgent:
     ):  # fmt: skip
         self.daemon, self.cache, self.node, self.api, self.core = daemon, cache, node, api, core
         self.namespace = namespace or os.environ.get("POD_NAMESPACE", "default")  # token Secrets live here
-        self.host_root = host_root or os.environ.get("KEEPWARM_HOST_MODEL_ROOT", HOST_MODELS_MOUNT)
+        self.host_root = host_root or present(os.environ.get(podenv.HOST_MODEL_ROOT)) or HOST_MODELS_MOUNT
         self.pvc_root = pvc_root or present(os.environ.get(podenv.MODEL_ROOT)) or MODELS_ROOT
-        self.hf_root = hf_root or os.environ.get("KEEPWARM_DOWNLOAD_ROOT", HF_MOUNT)
+        self.hf_root = hf_root or present(os.environ.get(podenv.DOWNLOAD_ROOT)) or HF_MOUNT
         self.retry_base_s = retry_base_s  # failed/evicted models: first retry after this, then doubling
         self.stall_timeout_s = stall_timeout_s
         self.pool = ThreadPoolExecutor(max_workers=max_loads, thread_name_prefix="agent-load")

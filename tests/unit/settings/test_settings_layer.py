@@ -148,7 +148,8 @@ def test_pod_variables_are_the_ones_the_programs_read():
         "KEEPWARM_CACHE_FALLBACK",
     )
     assert podenv.NODE_NAME in env_names(CacheServeSettings)
-    assert podenv.hf_token("llama-8b") == "KEEPWARM_HF_TOKEN_LLAMA_8B"
+    roots = ("KEEPWARM_HOST_MODEL_ROOT", "KEEPWARM_DOWNLOAD_ROOT")
+    assert (podenv.HOST_MODEL_ROOT, podenv.DOWNLOAD_ROOT) == roots
 
 
 def test_runtime_pods_get_only_variables_keepwarm_serve_reads():
