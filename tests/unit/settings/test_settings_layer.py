@@ -149,7 +149,7 @@ def test_pod_variables_are_the_ones_the_programs_read():
     )
     assert podenv.NODE_NAME in env_names(CacheServeSettings)
     roots = ("KEEPWARM_HOST_MODEL_ROOT", "KEEPWARM_DOWNLOAD_ROOT")
-    assert (podenv.HOST_MODEL_ROOT, podenv.DOWNLOAD_ROOT) == roots
+    assert roots == (podenv.HOST_MODEL_ROOT, podenv.DOWNLOAD_ROOT)
 
 
 def test_runtime_pods_get_only_variables_keepwarm_serve_reads():
