@@ -159,6 +159,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         default=_env("--preprocess-timeout", float, DEFAULT_PREPROCESS_TIMEOUT_S),
         help=f"seconds one request may spend preparing its prompt (default {DEFAULT_PREPROCESS_TIMEOUT_S:g})",
     )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=_env("--threads", int),
+        help="intra-op CPU threads (default: the CPUs this process may use, from its affinity mask and "
+        "cgroup CPU quota; see engine/threads.py)",
+    )
     p.add_argument("--uvicorn-log-level", default=_env("--uvicorn-log-level", str, "info"))
     p.add_argument(
         "--access-log", action=argparse.BooleanOptionalAction, default=_env("--access-log", bool, False)
@@ -182,6 +189,15 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from keepwarm_runtime.engine import threads as cpu_threads
+
+    # Before anything imports torch: OpenMP reads its thread count and wait policy once, at load.
+    try:
+        thread_choice = cpu_threads.choose_threads(args.threads)
+    except ValueError as exc:
+        print(f"keepwarm serve: {exc}", file=sys.stderr)
+        return 2
+    openmp_prepared = cpu_threads.prepare_openmp(thread_choice)
     from keepwarm_runtime.server.metrics import process_start_time
 
     started_at = process_start_time()
@@ -209,9 +225,16 @@ def run(args: argparse.Namespace) -> int:
     def make_engine() -> Any:
         from keepwarm_runtime.engine.config import EngineConfig
         from keepwarm_runtime.engine.llm_engine import LLMEngine
+        from keepwarm_runtime.engine.startup import StartupProfile
 
         speech = make_speech_engine(model_dir, settings)
-        return speech if speech is not None else LLMEngine(EngineConfig(model_dir, **settings))
+        if speech is not None:
+            return speech
+        profile = StartupProfile.since_process_start(started_at)
+        profile.mark("imports")
+        engine = LLMEngine(EngineConfig(model_dir, **settings), profile)
+        engine.warm_up()
+        return engine
 
     options = ServingOptions(
         trust_request_chat_template=args.trust_request_chat_template,
@@ -247,6 +270,13 @@ def run(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     threading.Thread(target=stop_if_load_fails, name="keepwarm-load-watch", daemon=True).start()
+    logger.info(
+        "intra-op threads: %d (%s; torch reports %d)%s",
+        thread_choice.threads,
+        thread_choice.reason,
+        cpu_threads.apply(thread_choice),
+        "" if openmp_prepared else "; torch was imported first, so OpenMP's wait policy is its default",
+    )
     logger.info(
         "serving %s on http://%s:%d (engine settings: %s, api key %s)",
         model_dir,

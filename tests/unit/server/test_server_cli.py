@@ -68,3 +68,11 @@ def test_missing_model_dir_is_a_usage_error(monkeypatch, capsys):
     monkeypatch.delenv("KEEPWARM_MODEL_DIR", raising=False)
     assert cli.run(parse([])) == 2
     assert "KEEPWARM_MODEL_DIR" in capsys.readouterr().err
+
+
+def test_threads_flag_and_env(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("KEEPWARM_THREADS", "3")
+    assert parse([]).threads == 3
+    assert parse(["--threads", "1"]).threads == 1
+    assert cli.run(parse([str(tmp_path), "--threads", "0"])) == 2
+    assert "--threads must be at least 1" in capsys.readouterr().err
