@@ -223,6 +223,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     def make_engine() -> Any:
+        # transformers resolves its names lazily: import what the engine uses now (the attention
+        # registry and weight conversions pull torch._dynamo, torch.distributed.tensor and sympy, ~4 s
+        # on a small CPU), so those seconds are charged to the imports phase, not to config.
+        import transformers.core_model_loading  # noqa: F401
+        from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
         from keepwarm_runtime.engine.config import EngineConfig
         from keepwarm_runtime.engine.llm_engine import LLMEngine
         from keepwarm_runtime.engine.startup import StartupProfile
