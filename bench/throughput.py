@@ -11,6 +11,9 @@ Generates a random-weight Llama of about --params parameters (unless --model-dir
 * ``mixed``: --prompts prompts with seeded lengths uniform in 16..--max-prompt-len and outputs in
   8..--max-output-len (defaults 1024 and 512), EOS ignored, so every request asks for what it gets.
 
+Threads: --threads intra-op threads and OpenMP's passive wait policy, set as `keepwarm serve` sets
+them (engine/threads.py) and shared by every engine, since all run in this process.
+
 Engines, in --rounds rounds whose order rotates (this machine drifts; the best round of each counts):
 
 * ``keepwarm``: LLM.generate, all requests at once (continuous batching, paged KV);
@@ -85,10 +88,15 @@ def workload(args: argparse.Namespace) -> list[tuple[list[int], int]]:
 
 def main() -> int:
     args = parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    from keepwarm_runtime.engine import threads
+
+    # As `keepwarm serve` does, before torch is imported: --threads threads, and OpenMP threads that
+    # sleep while they wait. Both engines run in this process, so both get the same settings.
+    choice = threads.ThreadChoice(args.threads, "--threads")
+    threads.prepare_openmp(choice)
+    threads.apply(choice)
     import torch
 
-    torch.set_num_threads(args.threads)
     from keepwarm_runtime import LLM, SamplingParams
     from keepwarm_runtime.modelgen import make_model
 
@@ -110,7 +118,8 @@ def main() -> int:
         "prompts": args.prompts,
         "prompt_tokens": sum(len(p) for p, _ in requests),
         "output_tokens_total": total_tokens,
-        "threads": args.threads,
+        "threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
         "dtype": args.dtype,
         "device": args.device,
         "machine": f"{os.cpu_count()} CPUs",
