@@ -70,3 +70,16 @@ def test_mixed_workload_runs_every_peer_on_its_own_lengths(tmp_path: Path) -> No
     assert result["hf_generate"]["padded_tokens_generated"] >= result["output_tokens_total"]
     assert result["hf_generate"]["sequences_identical"] == 3  # fp32 greedy at this size: no near-ties
     assert result["speedup"] > 0 and result["speedup_vs_generate_batch"] > 0
+
+
+def test_contention_benchmark_reports_the_ratio_beside_a_hog(tmp_path: Path) -> None:
+    out = tmp_path / "contention.json"
+    argv = [sys.executable, "bench/contention.py", "--params", "2M", "--prompts", "2", "--output-tokens", "4"]
+    _run([*argv, "--rounds", "1", "--configs", "keepwarm", "--json-out", str(out)], tmp_path)
+    result = json.loads(out.read_text())["keepwarm"]
+
+    assert result["omp_wait_policy"] == "PASSIVE" and result["threads"] >= 1
+    assert result["rounds_tokens"] == {"alone": [8], "hog": [8]}  # every token, within --max-seconds
+    assert result["hog_over_alone"] == pytest.approx(
+        result["hog_tokens_per_s"] / result["alone_tokens_per_s"], rel=0.05
+    )
