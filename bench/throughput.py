@@ -1,16 +1,32 @@
-"""Offline throughput: keepwarm engine vs batched transformers generate(), same model, same run.
+"""Offline throughput: keepwarm's engine vs transformers' own engines, same model, same prompts, one run.
 
-    .venv/bin/python bench/throughput.py [--params 100M] [--prompts 64] [--output-tokens 128]
-        [--threads 2] [--dtype float32] [--device cpu] [--attention-backend auto] [--model-dir DIR]
-        [--rounds 2] [--json-out FILE]
+    .venv/bin/python bench/throughput.py [--workload fixed|mixed] [--params 100M] [--prompts 64]
+        [--output-tokens 128] [--max-prompt-len 1024] [--max-output-len 512] [--batch 16]
+        [--peers generate,generate_batch] [--threads 2] [--dtype float32] [--device cpu]
+        [--attention-backend auto] [--model-dir DIR] [--rounds 2] [--seed 0] [--json-out FILE]
 
-Generates a random-weight Llama of about --params parameters (unless --model-dir is given), then
-runs the same --prompts random prompts (16..47 tokens) for exactly --output-tokens greedy tokens
-each: keepwarm's LLM.generate (continuous batching, paged KV) and transformers' generate() on the
-whole batch (left padding, its default attention), in --rounds alternating rounds (best of each).
-Prints JSON with tokens/s of both and their ratio, plus how many sequences agree token for token
-(fp32 greedy should agree except for rare near-ties, since the padded batch differs numerically).
-A benchmark, not a test.
+Generates a random-weight Llama of about --params parameters (unless --model-dir is given). Workloads:
+
+* ``fixed``: --prompts random prompts of 16..47 tokens, exactly --output-tokens greedy tokens each;
+* ``mixed``: --prompts prompts with seeded lengths uniform in 16..--max-prompt-len and outputs in
+  8..--max-output-len (defaults 1024 and 512), EOS ignored, so every request asks for what it gets.
+
+Threads: --threads intra-op threads and OpenMP's passive wait policy, set as `keepwarm serve` sets
+them (engine/threads.py) and shared by every engine, since all run in this process.
+
+Engines, in --rounds rounds whose order rotates (this machine drifts; the best round of each counts):
+
+* ``keepwarm``: LLM.generate, all requests at once (continuous batching, paged KV);
+* ``hf_generate``: transformers ``generate()`` on left-padded batches of --batch requests in order,
+  as a user would batch; each batch runs to its longest requested output (tokens past a request's
+  own length are generated but not counted);
+* ``hf_generate_batch``: transformers' paged continuous batching (``continuous_batching_context_manager``
+  with a per-request ``max_new_tokens``, as ``generate_batch`` does); its set-up and warm-up are not
+  timed.
+
+tokens/s counts the tokens the requests asked for. Prints JSON with every engine side by side, the
+ratios keepwarm/peer, and how many sequences agree token for token with keepwarm (fp32 greedy should
+agree except for rare near-ties; padded batches differ numerically). A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -23,29 +39,64 @@ import tempfile
 import time
 from pathlib import Path
 
+PEERS = ("generate", "generate_batch")
 
-def parse_args() -> argparse.Namespace:
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", choices=("fixed", "mixed"), default="fixed")
     p.add_argument("--params", default="100M")
     p.add_argument("--prompts", type=int, default=64)
-    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=128, help="fixed: tokens per request")
+    p.add_argument("--max-prompt-len", type=int, default=1024, help="mixed: longest prompt (shortest 16)")
+    p.add_argument("--max-output-len", type=int, default=512, help="mixed: longest output (shortest 8)")
+    p.add_argument("--batch", type=int, default=16, help="hf_generate: requests per padded batch")
+    p.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated, of {', '.join(PEERS)}")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--attention-backend", default="auto", help="auto | torch | flashinfer")
     p.add_argument("--model-dir", default=None)
     p.add_argument("--skip-hf", action="store_true", help="only run keepwarm")
-    p.add_argument("--rounds", type=int, default=2, help="alternating rounds; the best of each is compared")
+    p.add_argument("--rounds", type=int, default=2, help="rounds in rotating order; the best of each counts")
+    p.add_argument("--seed", type=int, default=0, help="seeds the prompts and, for mixed, the lengths")
     p.add_argument("--json-out", default=None)
-    return p.parse_args()
+    args = p.parse_args(argv)
+    args.peers = [] if args.skip_hf else [x for x in args.peers.split(",") if x]
+    if set(args.peers) - set(PEERS):
+        p.error(f"--peers: unknown {sorted(set(args.peers) - set(PEERS))}; use {', '.join(PEERS)}")
+    if args.workload == "mixed" and (args.max_prompt_len < 16 or args.max_output_len < 8):
+        p.error("mixed needs --max-prompt-len >= 16 and --max-output-len >= 8")
+    return args
+
+
+def workload(args: argparse.Namespace) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output tokens asked for) per request; seeded, so every engine gets the same."""
+    import torch
+
+    g = torch.Generator().manual_seed(args.seed)
+    requests = []
+    for i in range(args.prompts):
+        if args.workload == "fixed":
+            prompt_len, output_len = 16 + i % 32, args.output_tokens
+        else:
+            prompt_len = int(torch.randint(16, args.max_prompt_len + 1, (), generator=g))
+            output_len = int(torch.randint(8, args.max_output_len + 1, (), generator=g))
+        requests.append((torch.randint(10, 8000, (prompt_len,), generator=g).tolist(), output_len))
+    return requests
 
 
 def main() -> int:
     args = parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    from keepwarm_runtime.engine import threads
+
+    # As `keepwarm serve` does, before torch is imported: --threads threads, and OpenMP threads that
+    # sleep while they wait. Both engines run in this process, so both get the same settings.
+    choice = threads.ThreadChoice(args.threads, "--threads")
+    threads.prepare_openmp(choice)
+    threads.apply(choice)
     import torch
 
-    torch.set_num_threads(args.threads)
     from keepwarm_runtime import LLM, SamplingParams
     from keepwarm_runtime.modelgen import make_model
 
@@ -59,47 +110,56 @@ def main() -> int:
         )
         print(f"generated model in {time.perf_counter() - started:.1f}s", file=sys.stderr)
 
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, 8000, (16 + i % 32,), generator=g).tolist() for i in range(args.prompts)]
-    total_tokens = args.prompts * args.output_tokens
+    requests = workload(args)
+    total_tokens = sum(n for _, n in requests)
     result: dict = {
+        "workload": args.workload,
         "model_params": args.params,
         "prompts": args.prompts,
-        "output_tokens": args.output_tokens,
-        "threads": args.threads,
+        "prompt_tokens": sum(len(p) for p, _ in requests),
+        "output_tokens_total": total_tokens,
+        "threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
         "dtype": args.dtype,
         "device": args.device,
         "machine": f"{os.cpu_count()} CPUs",
+        "load_average_1m_before": round(os.getloadavg()[0], 2),
     }
-
+    if args.workload == "fixed":
+        result["output_tokens"] = args.output_tokens
+    else:
+        result |= {"max_prompt_len": args.max_prompt_len, "max_output_len": args.max_output_len}
+    longest = max(len(p) + n for p, n in requests)
     llm = LLM(
         model_dir,
         dtype=args.dtype,
         device=args.device,
         attention_backend=args.attention_backend,
-        max_num_seqs=args.prompts,
-        max_num_batched_tokens=4096,
+        max_num_seqs=min(args.prompts, 256),
+        max_num_batched_tokens=max(4096, longest),
+        max_model_len=longest + 1,
     )
-    llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(temperature=0, max_tokens=4))  # warm-up
+    llm.generate({"prompt_token_ids": requests[0][0]}, SamplingParams(temperature=0, max_tokens=4))  # warm-up
+    engines: dict[str, object] = {"keepwarm": KeepwarmRun(llm, requests)}
+    if "generate" in args.peers:
+        engines["hf_generate"] = HFGenerate(model_dir, requests, args)
+    if "generate_batch" in args.peers:
+        engines["hf_generate_batch"] = HFGenerateBatch(engines.get("hf_generate"), model_dir, requests, args)
     result["keepwarm"] = {"attention_backend": llm.engine.attention_backend}
-    hf = None if args.skip_hf else HFBatch(model_dir, prompts, args)
-    # Rounds alternate which engine goes first, and the best round of each is compared: on a shared
+    # Rounds rotate which engine goes first, and the best round of each is compared: on a shared
     # machine the speed drifts by tens of percent over minutes, and one pass each would measure the drift.
-    runs: dict[str, list[tuple[float, float]]] = {"keepwarm": [], "hf_generate": []}
+    names = list(engines)
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+    tokens: dict[str, list[list[int]]] = {}
     for round_ in range(args.rounds):
-        order = ["keepwarm", "hf_generate"] if round_ % 2 == 0 else ["hf_generate", "keepwarm"]
-        for name in order:
-            if name == "keepwarm":
-                seconds, cpu, kw_tokens = time_keepwarm(llm, prompts, args.output_tokens)
-            elif hf is not None:
-                seconds, cpu, hf_tokens = hf.run()
-            else:
-                continue
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            seconds, cpu, tokens[name] = engines[name].run()
             runs[name].append((seconds, cpu))
-    assert sum(len(t) for t in kw_tokens) == total_tokens
+    for name, got in tokens.items():
+        counted = sum(min(len(t), n) for t, (_, n) in zip(got, requests, strict=True))
+        assert counted == total_tokens, f"{name} generated {counted} of {total_tokens} tokens"
     for name, timings in runs.items():
-        if not timings:
-            continue
         seconds, cpu = min(timings)
         result[name] = result.get(name, {}) | {
             "seconds": round(seconds, 2),
@@ -107,13 +167,21 @@ def main() -> int:
             "tokens_per_s": round(total_tokens / seconds, 1),
             "rounds_s": [round(t, 2) for t, _ in timings],
         }
-    if hf is not None:
+        if name != "keepwarm":
+            result[name]["sequences_identical"] = sum(
+                a == b[: len(a)] for a, b in zip(tokens["keepwarm"], tokens[name], strict=True)
+            )
+    if "hf_generate" in engines:
+        result["hf_generate"]["padded_tokens_generated"] = engines["hf_generate"].generated_slots
         result["speedup"] = round(result["hf_generate"]["seconds"] / result["keepwarm"]["seconds"], 2)
         result["cpu_time_ratio"] = round(
             result["hf_generate"]["cpu_seconds"] / result["keepwarm"]["cpu_seconds"], 2
         )
-        result["load_average_1m"] = os.getloadavg()[0]
-        result["sequences_identical"] = sum(a == b for a, b in zip(kw_tokens, hf_tokens, strict=True))
+        result["sequences_identical"] = result["hf_generate"]["sequences_identical"]
+    if "hf_generate_batch" in engines:
+        batch_s = result["hf_generate_batch"]["seconds"]
+        result["speedup_vs_generate_batch"] = round(batch_s / result["keepwarm"]["seconds"], 2)
+    result["load_average_1m_after"] = round(os.getloadavg()[0], 2)
     text = json.dumps(result, indent=2)
     print(text)
     if args.json_out:
@@ -123,34 +191,55 @@ def main() -> int:
     return 0
 
 
-def time_keepwarm(llm, prompts: list[list[int]], output_tokens: int) -> tuple[float, float, list[list[int]]]:
-    from keepwarm_runtime import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
+def _timed(fn):
     started, cpu_started = time.perf_counter(), time.process_time()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu_started
-    return seconds, cpu, [o.outputs[0].token_ids for o in outputs]
+    value = fn()
+    return time.perf_counter() - started, time.process_time() - cpu_started, value
 
 
-class HFBatch:
-    """transformers generate() on the whole batch, left-padded, loaded once."""
+class KeepwarmRun:
+    def __init__(self, llm, requests: list[tuple[list[int], int]]) -> None:
+        from keepwarm_runtime import SamplingParams
 
-    def __init__(self, model_dir: str, prompts: list[list[int]], args) -> None:
+        self.llm = llm
+        self.prompts = [{"prompt_token_ids": p} for p, _ in requests]
+        self.params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
+
+    def run(self) -> tuple[float, float, list[list[int]]]:
+        seconds, cpu, outputs = _timed(lambda: self.llm.generate(self.prompts, self.params))
+        return seconds, cpu, [o.outputs[0].token_ids for o in outputs]
+
+
+def _load_hf(model_dir: str, args: argparse.Namespace):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype))
+    return model.to(args.device).eval()
+
+
+class HFGenerate:
+    """transformers generate() on left-padded batches of --batch requests, in order; model loaded once."""
+
+    def __init__(self, model_dir: str, requests: list[tuple[list[int], int]], args) -> None:
         import torch
-        from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype))
-        self.model.to(args.device).eval()
-        self.width = width = max(len(p) for p in prompts)
-        ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):  # left padding, as generate() expects for decoder-only models
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
-        self.ids, self.mask = ids.to(args.device), mask.to(args.device)
-        self.new_tokens = args.output_tokens
-        self._generate(self.ids[:1, -8:], self.mask[:1, -8:], 4)  # warm-up
+        self.model = _load_hf(model_dir, args)
+        self.batches = []
+        self.generated_slots = 0  # tokens generate() computes, padding rows to the batch's longest output
+        for start in range(0, len(requests), args.batch):
+            group = requests[start : start + args.batch]
+            width = max(len(p) for p, _ in group)
+            ids = torch.zeros(len(group), width, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, (p, _) in enumerate(group):  # left padding, as generate() expects for decoder-only models
+                ids[i, width - len(p) :] = torch.tensor(p)
+                mask[i, width - len(p) :] = 1
+            new_tokens = max(n for _, n in group)
+            self.generated_slots += new_tokens * len(group)
+            self.batches.append((ids.to(args.device), mask.to(args.device), [n for _, n in group]))
+        ids, mask, _ = self.batches[0]
+        self._generate(ids[:1, -8:], mask[:1, -8:], 4)  # warm-up
 
     def _generate(self, ids, mask, n: int):
         import torch
@@ -167,10 +256,55 @@ class HFBatch:
             )
 
     def run(self) -> tuple[float, float, list[list[int]]]:
-        started, cpu_started = time.perf_counter(), time.process_time()
-        out = self._generate(self.ids, self.mask, self.new_tokens)
-        seconds, cpu = time.perf_counter() - started, time.process_time() - cpu_started
-        return seconds, cpu, out[:, self.width :].tolist()
+        def all_batches() -> list[list[int]]:
+            tokens = []
+            for ids, mask, wanted in self.batches:
+                out = self._generate(ids, mask, max(wanted))[:, ids.shape[1] :].tolist()
+                tokens += [row[:n] for row, n in zip(out, wanted, strict=True)]
+            return tokens
+
+        return _timed(all_batches)
+
+
+class HFGenerateBatch:
+    """transformers' continuous batching, each request with its own max_new_tokens, EOS off."""
+
+    def __init__(self, hf: HFGenerate | None, model_dir: str, requests, args) -> None:
+        from transformers import GenerationConfig
+
+        self.model = hf.model if hf is not None else _load_hf(model_dir, args)
+        self.requests = requests
+        self.config = GenerationConfig(
+            do_sample=False,
+            max_new_tokens=max(n for _, n in requests),
+            eos_token_id=-1,  # no EOS: every request runs to its own length
+            pad_token_id=0,
+        )
+
+    def run(self) -> tuple[float, float, list[list[int]]]:
+        import torch
+
+        with (
+            torch.inference_mode(),
+            self.model.continuous_batching_context_manager(
+                generation_config=self.config, block=True, timeout=30
+            ) as manager,
+        ):
+
+            def everything() -> list[list[int]]:
+                ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=-1) for p, n in self.requests]
+                results = {}
+                while len(results) < len(ids):
+                    out = manager.get_result(timeout=1)
+                    if out is not None and out.is_finished():
+                        if out.error is not None:
+                            raise RuntimeError(f"generate_batch: {out.request_id}: {out.error}")
+                        results[out.request_id] = out.generated_tokens
+                    elif out is None and not manager.is_running():
+                        raise RuntimeError("generate_batch: its generation thread stopped")
+                return [results[i] for i in ids]
+
+            return _timed(everything)
 
 
 if __name__ == "__main__":

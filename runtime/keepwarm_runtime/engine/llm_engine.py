@@ -27,6 +27,7 @@ from keepwarm_runtime.engine.sampler import SampledToken, Sampler
 from keepwarm_runtime.engine.sampling_params import SamplingParams
 from keepwarm_runtime.engine.scheduler import Scheduler
 from keepwarm_runtime.engine.sequence import Sequence
+from keepwarm_runtime.engine.startup import StartupProfile
 
 log = logging.getLogger(__name__)
 
@@ -41,21 +42,27 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, profile: StartupProfile | None = None):
+        """``profile``: where start-up phases are marked (the server passes one that began at process
+        start); by default a profile of this constructor alone, kept as ``self.startup``."""
         from transformers import AutoTokenizer, GenerationConfig
 
+        self.startup = profile = profile or StartupProfile()
         self.config = config
         self.device = torch.device(config.device)
-        self.model, info = load_model(config)
+        self.model, info = load_model(config, profile)
         self.load_info: LoadInfo = info
         self.moe_backends = {c.module: c.backend for c in info.moe}  # experts module -> MoE backend
         self.model_name = config.model_dir
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
+        self.eos_token_ids = set(_eos_ids(config.model_dir, self.tokenizer, GenerationConfig))
+        profile.mark("tokenizer")
         self.layers = fuse_attention(self.model.get_decoder())
         backend = select_backend(config.attention_backend, self.device)
         for layer in self.layers:
             layer.backend = backend
         self.attention_backend = backend.name
+        profile.mark("attention")
 
         text_config = self.model.config.get_text_config()
         model_len = getattr(text_config, "max_position_embeddings", None) or 2048
@@ -66,13 +73,13 @@ class LLMEngine:
         self.max_model_len = min(max_len, num_blocks * config.block_size)
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
 
-        self.eos_token_ids = set(_eos_ids(config.model_dir, self.tokenizer, GenerationConfig))
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, config.block_size, self.device)
         self.sampler = Sampler(self.eos_token_ids, config.seed, self.device)
         self.requests: dict[str, _Request] = {}
         self._token_text: dict[int, str] = {}  # decoded single tokens, for logprob alternatives
+        profile.mark("kv_alloc")
         log.info(
             "engine ready: %s from %s in %.2fs, %d KV blocks x %d tokens, attention %s",
             config.model_dir,
@@ -82,6 +89,23 @@ class LLMEngine:
             config.block_size,
             backend.name,
         )
+
+    def warm_up(self) -> None:
+        """Run one short greedy request (a prefill and a decode step) and forget it.
+
+        The first forward pass pays one-time costs (OpenMP thread start, oneDNN kernel selection,
+        lazy imports in sampling and detokenizing); the server pays them before it says ready rather
+        than on a client's first request. Greedy, so the sampler's random stream is untouched; the
+        prompt is plain text (never a special or multimodal placeholder token, which would need
+        inputs of its own) and fills no block unless blocks hold one token, so the prefix cache
+        stays empty."""
+        request_id = "keepwarm-warm-up"
+        text_ids = self.tokenizer.encode("keep the weights warm", add_special_tokens=False) or [0]
+        prompt = text_ids[: max(1, min(self.config.block_size - 1, self.max_model_len - 2))]
+        self.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        while request_id in self.requests:
+            self.step()
+        self.startup.mark("warmup")
 
     def add_request(
         self,

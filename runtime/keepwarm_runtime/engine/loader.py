@@ -29,6 +29,7 @@ from keepwarm_runtime.engine.multimodal import model_class as multimodal_model_c
 from keepwarm_runtime.engine.quant.fp8 import E4M3
 from keepwarm_runtime.engine.quant.fp8_modules import prepare_checkpoint_fp8, quantize_online
 from keepwarm_runtime.engine.quant.settings import SCALE_SUFFIX, Fp8Settings, QuantizationError, fp8_settings
+from keepwarm_runtime.engine.startup import StartupProfile
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +47,16 @@ class LoadInfo:
     moe: list[ExpertsChoice] = field(default_factory=list)  # backend chosen per experts module, with why
 
 
-def load_model(config: EngineConfig) -> tuple[nn.Module, LoadInfo]:
+def load_model(config: EngineConfig, profile: StartupProfile | None = None) -> tuple[nn.Module, LoadInfo]:
+    """The model with its weights attached; ``profile`` gets the config, model_meta and weights marks."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    profile = profile or StartupProfile()
     hf_config = AutoConfig.from_pretrained(config.model_dir)
     quantization = _quantization(hf_config, config)
     _refuse_unsupported(hf_config)
     register_keepwarm_attention()
+    profile.mark("config")
     try:
         with torch.device("meta"):
             attn, cls = attention_implementations(hf_config), multimodal_model_class(hf_config)
@@ -70,6 +74,7 @@ def load_model(config: EngineConfig) -> tuple[nn.Module, LoadInfo]:
         ) from exc
     model.eval()
     online = quantization if quantization is not None and quantization.source == "online" else None
+    profile.mark("model_meta")
     res = attach(
         config.model_dir,
         config.cache_socket_dir,
@@ -89,6 +94,8 @@ def load_model(config: EngineConfig) -> tuple[nn.Module, LoadInfo]:
         copied += quantize_online(model, online)
     _check_fp8_scales(model)
     moe = _prepare_moe(model, config)
+    profile.weights_source = res.source
+    profile.mark("weights")
     return model, LoadInfo(res.source, res.seconds, res.reason, copied, moe)
 
 

@@ -97,7 +97,10 @@ class ModelRunner:
             )
         if not sample_seqs:
             return [], None
-        return sample_seqs, result.logits[0].float()
+        logits = result.logits[0]
+        if logits.shape[0] != keep.shape[0]:  # a model that ignores logits_to_keep (Qwen2-Audio's LM)
+            logits = logits[keep]
+        return sample_seqs, logits.float()
 
     def _embeds(self, out: SchedulerOutput, ids: torch.Tensor) -> torch.Tensor:
         """The step's token embeddings with multimodal placeholders replaced (engine/multimodal.py)."""

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
@@ -87,11 +88,17 @@ def create_app(
         info = engine.load_info
         metrics.record_load(info.source, info.seconds, started_at)
         metrics.record_moe(getattr(engine, "moe_backends", {}))
+        startup = getattr(engine, "startup", None)  # engine/startup.py; speech engines keep none
+        if startup is not None:
+            startup.mark("ready")
+            metrics.record_startup(startup.seconds)
+            logger.info("%s", startup.summary())
         logger.info(
-            "ready: weights from %s in %.2fs, %.2fs after process start",
+            "ready: weights from %s in %.2fs, %.2fs after process start; %d intra-op threads",
             info.source,
             info.seconds,
             time.time() - started_at,
+            torch.get_num_threads(),
         )
 
     def on_stats(stats: EngineStats) -> None:

@@ -65,6 +65,15 @@ def run(args: argparse.Namespace) -> int:
 
 def serve(config: ServeSettings) -> int:
     """Load the model in the background and serve until stopped; 2 on bad settings, 1 if loading fails."""
+    from keepwarm_runtime.engine import threads as cpu_threads
+
+    # Before anything imports torch: OpenMP reads its thread count and wait policy once, at load.
+    try:
+        thread_choice = cpu_threads.choose_threads(config.threads)
+    except ValueError as exc:
+        print(f"keepwarm serve: {exc}", file=sys.stderr)
+        return 2
+    openmp_prepared = cpu_threads.prepare_openmp(thread_choice)
     from keepwarm_runtime.server.metrics import process_start_time
 
     started_at = process_start_time()
@@ -96,11 +105,24 @@ def serve(config: ServeSettings) -> int:
         return 2
 
     def make_engine() -> Any:
+        # transformers resolves its names lazily: import what the engine uses now (the attention
+        # registry and weight conversions pull torch._dynamo, torch.distributed.tensor and sympy, ~4 s
+        # on a small CPU), so those seconds are charged to the imports phase, not to config.
+        import transformers.core_model_loading  # noqa: F401
+        from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
         from keepwarm_runtime.engine.config import EngineConfig
         from keepwarm_runtime.engine.llm_engine import LLMEngine
+        from keepwarm_runtime.engine.startup import StartupProfile
 
         speech = make_speech_engine(model_dir, settings)
-        return speech if speech is not None else LLMEngine(EngineConfig(model_dir, **settings))
+        if speech is not None:
+            return speech
+        profile = StartupProfile.since_process_start(started_at)
+        profile.mark("imports")
+        engine = LLMEngine(EngineConfig(model_dir, **settings), profile)
+        engine.warm_up()
+        return engine
 
     options = ServingOptions(
         trust_request_chat_template=config.trust_request_chat_template,
@@ -136,6 +158,13 @@ def serve(config: ServeSettings) -> int:
             server.should_exit = True
 
     threading.Thread(target=stop_if_load_fails, name="keepwarm-load-watch", daemon=True).start()
+    logger.info(
+        "intra-op threads: %d (%s; torch reports %d)%s",
+        thread_choice.threads,
+        thread_choice.reason,
+        cpu_threads.apply(thread_choice),
+        "" if openmp_prepared else "; torch was imported first, so OpenMP's wait policy is its default",
+    )
     logger.info(
         "serving %s on http://%s:%d (engine settings: %s, api key %s)",
         model_dir,

@@ -2,9 +2,9 @@
 
 Request-level timings (TTFT, time per output token, end-to-end) are observed by the serving code as
 outputs reach the client; engine-level gauges (running/waiting sequences, KV-cache usage) are set by
-the engine thread after each step; load metrics once, when weights are ready. The cache client's
-attach metrics (``keepwarm_cache_client_*``, kept process-wide by the cache client) are registered
-here too, so they appear on the server's /metrics.
+the engine thread after each step; load metrics and start-up phases once, when the engine is ready.
+The cache client's attach metrics (``keepwarm_cache_client_*``, kept process-wide by the cache
+client) are registered here too, so they appear on the server's /metrics.
 """
 
 from __future__ import annotations
@@ -97,6 +97,12 @@ class ServerMetrics:
             "Seconds from process start to ready",
             registry=r,
         )
+        self.startup_phase = Gauge(
+            "keepwarm_startup_phase_seconds",
+            "Seconds of each start-up phase, process start to ready (engine/startup.py PHASES)",
+            ["phase"],
+            registry=r,
+        )
         self.moe_layers = Gauge(
             "keepwarm_moe_layers",
             "MoE experts modules by the backend chosen for them at load (engine.moe.oracle)",
@@ -109,6 +115,11 @@ class ServerMetrics:
     def record_load(self, source: str, seconds: float, started_at: float) -> None:
         self.weight_load.labels(source=source).set(seconds)
         self.start_to_ready.set(max(0.0, time.time() - started_at))
+
+    def record_startup(self, seconds: dict[str, float]) -> None:
+        """`seconds`: phase -> seconds (StartupProfile.seconds); they sum to process start -> ready."""
+        for phase, value in seconds.items():
+            self.startup_phase.labels(phase=phase).set(value)
 
     def record_moe(self, backends: dict[str, str]) -> None:
         """`backends`: experts module name -> backend (LLMEngine.moe_backends)."""

@@ -102,6 +102,12 @@ class ServeSettings:
     preprocess_timeout: float = setting(
         DEFAULT_PREPROCESS_TIMEOUT_S, "seconds one request may spend preparing its prompt"
     )
+    # the process
+    threads: int | None = setting(
+        None,
+        "intra-op CPU threads (see engine/threads.py)",
+        unset="the CPUs this process may use: affinity mask and cgroup CPU quota",
+    )
     # the HTTP server
     uvicorn_log_level: str = setting("info", "uvicorn's log level")
     access_log: bool = setting(False, "log every request (uvicorn's access log)")

@@ -49,10 +49,40 @@ def test_restart_benchmark_reports_every_path_and_the_warm_one_attaches(tmp_path
 def test_throughput_benchmark_runs_both_engines_on_the_same_prompts(tmp_path: Path) -> None:
     out = tmp_path / "throughput.json"
     argv = [sys.executable, "bench/throughput.py", "--params", "2M", "--prompts", "4", "--output-tokens", "6"]
-    _run([*argv, "--threads", "1", "--json-out", str(out)], tmp_path)
+    _run([*argv, "--threads", "1", "--peers", "generate", "--json-out", str(out)], tmp_path)
     result = json.loads(out.read_text())
 
     assert result["keepwarm"]["tokens_per_s"] > 0 and result["hf_generate"]["tokens_per_s"] > 0
     assert result["speedup"] > 0 and result["keepwarm"]["attention_backend"] == "torch"
     assert len(result["keepwarm"]["rounds_s"]) == len(result["hf_generate"]["rounds_s"]) == 2
     assert result["sequences_identical"] == 4  # fp32 greedy at this size: no near-ties
+
+
+def test_mixed_workload_runs_every_peer_on_its_own_lengths(tmp_path: Path) -> None:
+    out = tmp_path / "mixed.json"
+    argv = [sys.executable, "bench/throughput.py", "--workload", "mixed", "--params", "2M", "--prompts", "3"]
+    argv += ["--max-prompt-len", "40", "--max-output-len", "12", "--batch", "2", "--threads", "1"]
+    _run([*argv, "--json-out", str(out)], tmp_path)
+    result = json.loads(out.read_text())
+
+    assert result["workload"] == "mixed" and 3 * 8 <= result["output_tokens_total"] <= 3 * 12
+    assert 3 * 16 <= result["prompt_tokens"] <= 3 * 40
+    for name in ("keepwarm", "hf_generate", "hf_generate_batch"):
+        assert result[name]["tokens_per_s"] > 0 and len(result[name]["rounds_s"]) == 2, name
+    # generate() pads each batch of 2 to its longest output: it computes more than it is credited for.
+    assert result["hf_generate"]["padded_tokens_generated"] >= result["output_tokens_total"]
+    assert result["hf_generate"]["sequences_identical"] == 3  # fp32 greedy at this size: no near-ties
+    assert result["speedup"] > 0 and result["speedup_vs_generate_batch"] > 0
+
+
+def test_contention_benchmark_reports_the_ratio_beside_a_hog(tmp_path: Path) -> None:
+    out = tmp_path / "contention.json"
+    argv = [sys.executable, "bench/contention.py", "--params", "2M", "--prompts", "2", "--output-tokens", "4"]
+    _run([*argv, "--rounds", "1", "--configs", "keepwarm", "--json-out", str(out)], tmp_path)
+    result = json.loads(out.read_text())["keepwarm"]
+
+    assert result["omp_wait_policy"] == "PASSIVE" and result["threads"] >= 1
+    assert result["rounds_tokens"] == {"alone": [8], "hog": [8]}  # every token, within --max-seconds
+    assert result["hog_over_alone"] == pytest.approx(
+        result["hog_tokens_per_s"] / result["alone_tokens_per_s"], rel=0.05
+    )

@@ -76,11 +76,12 @@ API_KEY = "s3cret-key"  # the key of the `served_secure` server
 @pytest.fixture(scope="session")
 def served_secure(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
     """A second server: API key (from KEEPWARM_API_KEY), the hermes tool-call parser, trusted request
-    chat templates, and room for only 4 sequences at a time."""
+    chat templates, room for only 4 sequences at a time, and one intra-op thread (KEEPWARM_THREADS)."""
     log = tmp_path_factory.mktemp("server-secure-log") / "serve.log"
     args = ["--served-model-name", "tiny", "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "256"]
     args += ["--max-num-seqs", "4", "--tool-call-parser", "hermes", "--trust-request-chat-template"]
-    proc = start_server(tiny_llama, log, args=args, env={"KEEPWARM_API_KEY": API_KEY})
+    env = {"KEEPWARM_API_KEY": API_KEY, "KEEPWARM_THREADS": "1"}  # --threads from the environment
+    proc = start_server(tiny_llama, log, args=args, env=env)
     try:
         proc.wait("/ready", timeout=240)
         yield Served(proc, "tiny", {})

@@ -34,6 +34,41 @@ def test_weights_fell_back_to_disk_and_load_metrics_are_exposed(served):
     assert "cache miss" in served.proc.log_text()  # the hung daemon was tried, then disk
 
 
+def test_startup_phases_are_logged_and_exported_and_add_up_to_start_to_ready(served):
+    import inspect
+
+    from keepwarm_runtime.cache.client import attach
+    from keepwarm_runtime.engine.startup import PHASES
+
+    metrics = served.proc.metrics()
+    phases = {p: metrics[f'keepwarm_startup_phase_seconds{{phase="{p}"}}'] for p in PHASES}
+    assert all(seconds >= 0 for seconds in phases.values())
+    # The hung daemon held the attach for its timeout: that wait is charged to weights, not elsewhere.
+    assert phases["weights"] >= inspect.signature(attach).parameters["timeout_s"].default
+    assert phases["imports"] > 0 and phases["warmup"] > 0
+    # Contiguous phases from process start: together they are start to ready (two clocks, one span).
+    assert sum(phases.values()) == pytest.approx(metrics["keepwarm_process_start_to_ready_seconds"], abs=0.5)
+    log = served.proc.log_text()
+    assert "startup phases: imports " in log and "weights " in log and "s (disk)" in log
+
+
+def test_threads_follow_the_cpus_this_process_may_use(served):
+    from keepwarm_runtime.engine.threads import choose_threads
+
+    expected = choose_threads()  # the child inherits this process's affinity, cgroup and environment
+    log = served.proc.log_text()
+    assert (
+        f"intra-op threads: {expected.threads} ({expected.reason}; torch reports {expected.threads})" in log
+    )
+    assert f"; {expected.threads} intra-op threads" in log  # as the engine thread sees it
+
+
+def test_threads_flag_is_honoured_by_the_engine_thread(served_secure):
+    log = served_secure.proc.log_text()  # started with KEEPWARM_THREADS=1 (conftest)
+    assert "intra-op threads: 1 (--threads/KEEPWARM_THREADS; torch reports 1)" in log
+    assert "; 1 intra-op threads" in log
+
+
 def test_version_and_models(served, client):
     assert served.proc.get_json("/version")["model"] == "tiny"
     models = client.models.list()

@@ -104,3 +104,11 @@ def test_engine_settings_are_engine_config_fields():
     for spec in engine:
         accepted = set(typing.get_args(hints[spec.name])) or {hints[spec.name]}
         assert spec.kind in accepted, (spec.name, hints[spec.name])
+
+
+def test_threads_flag_and_env(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("KEEPWARM_THREADS", "3")
+    assert parse(["/m"]).threads == 3
+    assert parse(["/m", "--threads", "1"]).threads == 1
+    assert cli.serve(parse([str(tmp_path), "--threads", "0"])) == 2
+    assert "--threads must be at least 1" in capsys.readouterr().err
