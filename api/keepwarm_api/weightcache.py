@@ -48,7 +48,7 @@ class CachedModel(KubeModel):
     dtype: DType = DType.BFLOAT16
     """Dtype the weights are held in (part of the fingerprint)."""
     quantization: Quantization = Quantization.NONE
-    """Weight quantization applied when loading (fp8 needs the gpu tier)."""
+    """Weight quantization the daemon applies once, at load, into the arena (either tier)."""
     pin: bool = False
     """Pinned models are never evicted to make room under the budget."""
 
@@ -119,10 +119,6 @@ class WeightCacheSpec(KubeModel):
                     "rule": "self.models.all(m, m.dtype == self.models[0].dtype)",
                     "message": "all models of a WeightCache share one dtype (the agent holds one); "
                     "use a second WeightCache for another dtype",
-                },
-                {
-                    "rule": "self.tier == 'gpu' || self.models.all(m, m.quantization == 'none')",
-                    "message": "quantization other than none needs tier gpu",
                 },
                 {
                     "rule": "!has(self.socket.allowedGids) || size(self.socket.allowedGids) == 0"

@@ -363,15 +363,6 @@ def test_spec_change_rolls_the_pods(env):
             ),
             "set exactly one of source.path, source.pvc, source.huggingFace",
         ),
-        (
-            lambda p: weightcache(
-                "bad2",
-                p,
-                tier="host",
-                models=[{"name": "m", "source": {"path": "/var/lib/models/a"}, "quantization": "fp8"}],
-            ),
-            "quantization other than none needs tier gpu",
-        ),
         (lambda p: weightcache("bad3", p, tier="tpu"), 'Unsupported value: "tpu"'),
         (
             lambda p: weightcache(
@@ -403,7 +394,6 @@ def test_spec_change_rolls_the_pods(env):
     ],
     ids=[
         "two-sources",
-        "fp8-host",
         "bad-tier",
         "duplicate-model",
         "negative-replicas",
@@ -417,6 +407,14 @@ def test_invalid_resources_are_rejected_by_the_api_server(env, doc, message):
     result = apply(env, doc(env.pool), check=False)
     assert result.returncode != 0
     assert message in result.stderr, result.stderr
+
+
+def test_fp8_on_the_host_tier_is_accepted(env):
+    """The daemon quantizes at load on either tier, so the API server takes fp8 with tier host."""
+    models = [{"name": "m", "source": {"path": "/var/lib/models/a"}, "quantization": "fp8"}]
+    doc = weightcache("fp8host", env.pool, tier="host", models=models)
+    result = env.cp.kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(doc), check=False)
+    assert result.returncode == 0, result.stderr
 
 
 def test_missing_cache_is_a_condition_not_a_crash(env):

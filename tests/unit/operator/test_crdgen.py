@@ -71,7 +71,7 @@ def test_weightcache_defaults_enums_and_cel():
     assert spec["properties"]["socket"]["default"] == {}
     assert spec["properties"]["socket"]["properties"]["mode"]["default"] == "0770"
     rules = [v["rule"] for v in spec["x-kubernetes-validations"]]
-    assert any("quantization" in r for r in rules)
+    assert any("dtype" in r for r in rules) and not any("quantization" in r for r in rules)
     models = spec["properties"]["models"]
     assert models["x-kubernetes-list-type"] == "map"
     assert models["items"]["properties"]["source"]["x-kubernetes-validations"]
