@@ -8,7 +8,6 @@ and the attacks on that allow-list are refused with named OpenAI error bodies.""
 from __future__ import annotations
 
 import base64
-import io
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -16,9 +15,10 @@ import numpy as np
 import openai
 import pytest
 
-from keepwarm_runtime.server.launcher import ServerProcess, start_server
+from keepwarm_runtime.server.launcher import ServerProcess
 from tests.integration.audio.media_server import MediaServer
 from tests.integration.audio.qwen2_audio_model import make_qwen2_audio
+from tests.integration.audio.serving import audio_server, noise_wav, openai_client
 
 pytestmark = pytest.mark.integration
 MODEL = "qwen2-audio-tiny"
@@ -28,17 +28,6 @@ MAX_MEDIA_BYTES = 200_000  # --max-audio-upload-bytes: caps fetched audio_url bo
 FETCHED_SEED, FETCHED_SECONDS = 3, 1.2
 
 
-def _wav(seed: int, seconds: float) -> tuple[bytes, np.ndarray]:
-    import soundfile as sf
-
-    samples = np.random.default_rng(seed).normal(0, 0.1, int(16000 * seconds)).astype(np.float32)
-    buf = io.BytesIO()
-    sf.write(buf, samples, 16000, format="WAV", subtype="PCM_16")
-    data = buf.getvalue()
-    decoded, _ = sf.read(io.BytesIO(data), dtype="float32")
-    return data, decoded
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_qwen2_audio(tmp_path_factory.mktemp("qwen2-audio") / "tiny-qwen2-audio")
@@ -46,7 +35,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def media() -> MediaServer:
-    data, _ = _wav(FETCHED_SEED, FETCHED_SECONDS)
+    data, _ = noise_wav(FETCHED_SEED, FETCHED_SECONDS)
     with MediaServer(data, big_bytes=2 * MAX_MEDIA_BYTES) as server:
         yield server
 
@@ -57,8 +46,8 @@ def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = tmp_path_factory.mktemp("media")
     allowed = base / "allowed"
     allowed.mkdir()
-    (allowed / "clip.wav").write_bytes(_wav(FETCHED_SEED, FETCHED_SECONDS)[0])
-    (base / "secret.wav").write_bytes(_wav(99, 0.5)[0])
+    (allowed / "clip.wav").write_bytes(noise_wav(FETCHED_SEED, FETCHED_SECONDS)[0])
+    (base / "secret.wav").write_bytes(noise_wav(99, 0.5)[0])
     (allowed / "escape.wav").symlink_to(base / "secret.wav")
     return allowed
 
@@ -69,17 +58,13 @@ def server(model_dir: Path, media_dir: Path, tmp_path_factory: pytest.TempPathFa
     args = ["--served-model-name", MODEL, "--num-kv-blocks", "256", "--max-model-len", "1024"]
     args += ["--allowed-media-domains", "127.0.0.1", "--allowed-local-media-path", str(media_dir)]
     args += ["--max-audio-upload-bytes", str(MAX_MEDIA_BYTES), "--media-fetch-timeout", "60"]
-    proc = start_server(model_dir, log, args=args, env={"OMP_NUM_THREADS": "1"})
-    try:
-        proc.wait("/ready", timeout=240)
+    with audio_server(model_dir, log, args) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def _reference(model_dir: Path, text: str, samples: np.ndarray) -> str:
@@ -108,13 +93,13 @@ def _chat(client: openai.OpenAI, part: dict, text: str) -> str:
 
 
 def test_input_audio_matches_generate(client: openai.OpenAI, model_dir: Path) -> None:
-    data, samples = _wav(1, 1.5)
+    data, samples = noise_wav(1, 1.5)
     part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": "wav"}}
     assert _chat(client, part, "What is this?") == _reference(model_dir, "What is this?", samples)
 
 
 def test_audio_url_data_and_other_audio(client: openai.OpenAI, model_dir: Path) -> None:
-    data, samples = _wav(2, 0.8)
+    data, samples = noise_wav(2, 0.8)
     url = "data:audio/wav;base64," + base64.b64encode(data).decode()
     got = _chat(client, {"type": "audio_url", "audio_url": {"url": url}}, "Describe it.")
     assert got == _reference(model_dir, "Describe it.", samples)
@@ -149,7 +134,7 @@ def _url_part(url: str) -> dict:
 
 @pytest.fixture(scope="module")
 def fetched_reference(model_dir: Path) -> str:
-    return _reference(model_dir, "Describe it.", _wav(FETCHED_SEED, FETCHED_SECONDS)[1])
+    return _reference(model_dir, "Describe it.", noise_wav(FETCHED_SEED, FETCHED_SECONDS)[1])
 
 
 @pytest.mark.parametrize("path", ["/audio", "/same-origin"])
@@ -194,7 +179,7 @@ def test_attacks_on_the_allow_list_are_refused_by_name(
 def test_a_slow_remote_does_not_hold_up_other_requests(client: openai.OpenAI, media: MediaServer) -> None:
     """/slow sends a few bytes, then waits until the test releases it: while it waits, another request
     (audio inline) is answered, so the fetch blocks neither the event loop nor the engine."""
-    inline, _ = _wav(5, 0.5)
+    inline, _ = noise_wav(5, 0.5)
     part = {
         "type": "input_audio",
         "input_audio": {"data": base64.b64encode(inline).decode(), "format": "wav"},
@@ -217,7 +202,7 @@ def test_chat_audio_is_counted_in_the_audio_metrics(client: openai.OpenAI, serve
         return decoded, metrics.get("keepwarm_audio_processed_seconds_total", 0.0)
 
     before = counts()
-    data, _ = _wav(6, 2.0)
+    data, _ = noise_wav(6, 2.0)
     part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": "wav"}}
     _chat(client, part, "Count me.")
     after = counts()

@@ -6,15 +6,14 @@ in the same batch goes through tekken's own rendering as well (engine/chat.py)."
 from __future__ import annotations
 
 import base64
-import io
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import openai
 import pytest
 
-from keepwarm_runtime.server.launcher import ServerProcess, start_server
+from keepwarm_runtime.server.launcher import ServerProcess
+from tests.integration.audio.serving import audio_server, noise_wav, openai_client
 from tests.integration.audio.voxtral_model import make_voxtral_tekken
 
 pytestmark = pytest.mark.integration
@@ -23,13 +22,8 @@ MAX_TOKENS = 8
 
 
 def _wav(seed: int, seconds: float) -> str:
-    """Base64 of a 16 kHz PCM-16 WAV of noise (what both sides decode to the same samples)."""
-    import soundfile as sf
-
-    samples = np.random.default_rng(seed).normal(0, 0.1, int(16000 * seconds)).astype(np.float32)
-    buf = io.BytesIO()
-    sf.write(buf, samples, 16000, format="WAV", subtype="PCM_16")
-    return base64.b64encode(buf.getvalue()).decode()
+    """Base64 of a noise WAV (what both sides decode to the same samples)."""
+    return base64.b64encode(noise_wav(seed, seconds)[0]).decode()
 
 
 @pytest.fixture(scope="module")
@@ -42,17 +36,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
     log = tmp_path_factory.mktemp("voxtral-log") / "serve.log"
     args = ["--served-model-name", MODEL, "--num-kv-blocks", "512", "--max-model-len", "2048"]
-    proc = start_server(model_dir, log, args=args, env={"OMP_NUM_THREADS": "1"})
-    try:
-        proc.wait("/ready", timeout=240)
+    with audio_server(model_dir, log, args) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=180)
+    return openai_client(server, timeout=180)
 
 
 @pytest.fixture(scope="module")
@@ -137,15 +127,12 @@ def test_encoder_and_decoder_weights_attach_from_the_node_cache(
     root = tmp_path_factory.mktemp("voxtral-cache")
     daemon = DaemonProcess(root / "wc", [model_dir], "--dtype", "float32").wait_ready()
     args = ["--served-model-name", MODEL, "--cache-socket-dir", str(root / "wc"), "--no-cache-fallback"]
-    proc = start_server(model_dir, root / "serve.log", args=args, env={"OMP_NUM_THREADS": "1"})
     try:
-        proc.wait("/ready", timeout=240)
-        assert any(
-            'source="cache"' in k for k in proc.metrics() if k.startswith("keepwarm_weight_load_seconds")
-        )
-        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0, timeout=180)
-        content = CONVERSATIONS["one audio"]
-        assert _chat(client, content) == reference(content)
+        with audio_server(model_dir, root / "serve.log", args) as proc:
+            assert any(
+                'source="cache"' in k for k in proc.metrics() if k.startswith("keepwarm_weight_load_seconds")
+            )
+            content = CONVERSATIONS["one audio"]
+            assert _chat(openai_client(proc, timeout=180), content) == reference(content)
     finally:
-        proc.stop()
         daemon.kill()

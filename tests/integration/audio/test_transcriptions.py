@@ -20,7 +20,8 @@ import numpy as np
 import openai
 import pytest
 
-from keepwarm_runtime.server.launcher import ServerProcess, start_server
+from keepwarm_runtime.server.launcher import ServerProcess
+from tests.integration.audio.serving import audio_server, openai_client
 from tests.integration.audio.whisper_model import make_whisper
 
 pytestmark = pytest.mark.integration
@@ -69,17 +70,13 @@ def whisper_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(whisper_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
     log = tmp_path_factory.mktemp("whisper-log") / "serve.log"
     args = ["--served-model-name", MODEL, "--max-num-seqs", "8", "--max-audio-upload-bytes", str(MAX_UPLOAD)]
-    proc = start_server(whisper_dir, log, args=args, env={"OMP_NUM_THREADS": "1"})
-    try:
-        proc.wait("/ready", timeout=240)
+    with audio_server(whisper_dir, log, args) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
@@ -289,18 +286,15 @@ def test_weights_attach_from_the_node_cache(
     root = tmp_path_factory.mktemp("whisper-cache")
     daemon = DaemonProcess(root / "wc", [whisper_dir], "--dtype", "float32").wait_ready()
     args = ["--served-model-name", MODEL, "--cache-socket-dir", str(root / "wc"), "--no-cache-fallback"]
-    proc = start_server(whisper_dir, root / "serve.log", args=args, env={"OMP_NUM_THREADS": "1"})
     try:
-        proc.wait("/ready", timeout=240)
-        assert any(
-            'source="cache"' in k for k in proc.metrics() if k.startswith("keepwarm_weight_load_seconds")
-        )
-        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        audio = wav(70, 1.0)
-        out = client.audio.transcriptions.create(
-            model=MODEL, file=("a.wav", audio), language="de", response_format="verbose_json"
-        )
-        assert out.segments[0].tokens == reference.tokens(audio, "de")
+        with audio_server(whisper_dir, root / "serve.log", args) as proc:
+            assert any(
+                'source="cache"' in k for k in proc.metrics() if k.startswith("keepwarm_weight_load_seconds")
+            )
+            audio = wav(70, 1.0)
+            out = openai_client(proc).audio.transcriptions.create(
+                model=MODEL, file=("a.wav", audio), language="de", response_format="verbose_json"
+            )
+            assert out.segments[0].tokens == reference.tokens(audio, "de")
     finally:
-        proc.stop()
         daemon.kill()

@@ -1,6 +1,7 @@
-"""A tiny random Voxtral checkpoint on disk (transformers' VoxtralConfig, Llama text model), with a
-locally trained tokenizer that has an audio placeholder token. Voxtral's own processor needs
-mistral-common; tests build the prompt ids themselves (one placeholder per audio embedding)."""
+"""A tiny random Voxtral checkpoint on disk (transformers' VoxtralConfig, Llama text model), with one
+of two tokenizers: a locally trained one with an audio placeholder token (`make_voxtral`; tests build
+the prompt ids themselves, one placeholder per audio embedding), or a tekken.json that mistral-common
+reads, as real checkpoints ship (`make_voxtral_tekken`; Voxtral's own processor builds the prompt)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,12 @@ AUDIO, BEGIN_AUDIO = "[AUDIO]", "[BEGIN_AUDIO]"
 MEL_BINS = 128
 
 
-def make_voxtral(path: Path, seed: int = 0) -> Path:
+def save_voxtral(path: Path, seed: int, vocab_size: int, bos: int, eos: int, pad: int, audio: int) -> None:
+    """Write the tiny random Voxtral (1-layer encoder, 2-layer Llama decoder) and its feature
+    extractor to ``path``; the caller writes the tokenizer whose ids these are."""
     import torch
     from transformers import VoxtralConfig, VoxtralForConditionalGeneration, WhisperFeatureExtractor
 
-    from keepwarm_runtime.modelgen.tokenizer import build_tokenizer
-
-    tokenizer = build_tokenizer(1024)
-    tokenizer.add_special_tokens(
-        {"additional_special_tokens": [AUDIO, BEGIN_AUDIO]}, replace_extra_special_tokens=False
-    )
     config = VoxtralConfig(
         audio_config={
             "model_type": "voxtral_encoder",
@@ -38,20 +35,31 @@ def make_voxtral(path: Path, seed: int = 0) -> Path:
             "num_attention_heads": 4,
             "num_key_value_heads": 2,
             "head_dim": 16,
-            "vocab_size": len(tokenizer),
+            "vocab_size": vocab_size,
             "max_position_embeddings": 2048,
-            "eos_token_id": tokenizer.eos_token_id,
-            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": eos,
+            "bos_token_id": bos,
         },
-        audio_token_id=tokenizer.convert_tokens_to_ids(AUDIO),
+        audio_token_id=audio,
     )
     torch.manual_seed(seed)
     model = VoxtralForConditionalGeneration(config).eval()
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = pad
     model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
     WhisperFeatureExtractor(feature_size=MEL_BINS).save_pretrained(path)
+
+
+def make_voxtral(path: Path, seed: int = 0) -> Path:
+    from keepwarm_runtime.modelgen.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(1024)
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": [AUDIO, BEGIN_AUDIO]}, replace_extra_special_tokens=False
+    )
+    ids = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
+    save_voxtral(path, seed, len(tokenizer), *ids, tokenizer.convert_tokens_to_ids(AUDIO))
+    tokenizer.save_pretrained(path)
     return path
 
 
@@ -105,41 +113,9 @@ def write_tekken(path: Path) -> int:
 
 def make_voxtral_tekken(path: Path, seed: int = 0) -> Path:
     """A tiny random Voxtral whose tokenizer is tekken.json (loaded by mistral-common, as the real ones)."""
-    import torch
-    from transformers import VoxtralConfig, VoxtralForConditionalGeneration, WhisperFeatureExtractor
 
     path.mkdir(parents=True, exist_ok=True)
     vocab_size = write_tekken(path)
     bos, eos, pad = (TEKKEN_SPECIALS.index(t) for t in ("<s>", "</s>", "<pad>"))
-    config = VoxtralConfig(
-        audio_config={
-            "model_type": "voxtral_encoder",
-            "hidden_size": 64,
-            "intermediate_size": 256,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "num_mel_bins": MEL_BINS,
-            "max_source_positions": 1500,
-        },
-        text_config={
-            "model_type": "llama",
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "vocab_size": vocab_size,
-            "max_position_embeddings": 2048,
-            "eos_token_id": eos,
-            "bos_token_id": bos,
-        },
-        audio_token_id=TEKKEN_SPECIALS.index(AUDIO),
-    )
-    torch.manual_seed(seed)
-    model = VoxtralForConditionalGeneration(config).eval()
-    model.generation_config.eos_token_id = eos
-    model.generation_config.pad_token_id = pad
-    model.save_pretrained(path)
-    WhisperFeatureExtractor(feature_size=MEL_BINS).save_pretrained(path)
+    save_voxtral(path, seed, vocab_size, bos, eos, pad, TEKKEN_SPECIALS.index(AUDIO))
     return path
