@@ -23,19 +23,10 @@ from keepwarm_runtime.engine.loader import ModelLoadError
 from keepwarm_runtime.engine.quant.fp8 import E4M3
 from keepwarm_runtime.engine.quant.fp8_modules import Fp8Linear
 from tests.integration.engine.reference import transformers_greedy
+from tests.integration.engine.shapes import WHOLE_BLOCKS
 
 pytestmark = pytest.mark.integration
 
-# Every quantized projection a multiple of 128 wide, so transformers' dequantizer (which needs whole
-# blocks) can read the same checkpoint.
-SHAPES = {
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "moe_intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "head_dim": 32,
-}
 NEW_TOKENS = 6
 TOP = 20
 
@@ -53,7 +44,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
             params="2M",
             dtype="bfloat16",
             vocab_size=2048,
-            **SHAPES,
+            **WHOLE_BLOCKS,
         )
         fp8 = tmp_path_factory.mktemp(f"fp8-{arch}")
         shutil.copytree(src, fp8, dirs_exist_ok=True)

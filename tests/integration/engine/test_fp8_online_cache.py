@@ -22,18 +22,11 @@ from keepwarm_runtime.engine.config import EngineConfig
 from keepwarm_runtime.engine.loader import load_model
 from keepwarm_runtime.engine.quant.fp8 import E4M3
 from keepwarm_runtime.engine.quant.fp8_modules import Fp8Linear
+from tests.integration.engine.shapes import WHOLE_BLOCKS
 
 pytestmark = pytest.mark.integration
 
 ARCHS = ("llama", "qwen3_moe", "deepseek_v3", "gpt_oss")  # deepseek: partial blocks; gpt_oss: transposed
-WIDE = {  # whole 128-blocks and experts that dominate the bytes, for the memory ratio
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "moe_intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "head_dim": 32,
-}
 
 
 class Caches:
@@ -70,7 +63,7 @@ def caches(tmp_path_factory):
         for arch in ARCHS
     }
     models["wide"] = make_model(
-        root / "wide", arch="qwen3_moe", params="2M", dtype="bfloat16", vocab_size=2048, **WIDE
+        root / "wide", arch="qwen3_moe", params="2M", dtype="bfloat16", vocab_size=2048, **WHOLE_BLOCKS
     )
     fp8_checkpoint = root / "wide-fp8"
     shutil.copytree(models["wide"], fp8_checkpoint)

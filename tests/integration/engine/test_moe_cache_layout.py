@@ -17,17 +17,9 @@ import torch
 from keepwarm_runtime.engine.config import EngineConfig
 from keepwarm_runtime.engine.loader import load_model
 from tests.engine_architectures import ENGINE_ARCHS
+from tests.integration.engine.shapes import WHOLE_BLOCKS
 
 pytestmark = pytest.mark.integration
-
-SHAPES = {  # whole 128-blocks everywhere, like the FP8 parity tests
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "moe_intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "head_dim": 32,
-}
 
 
 class _Daemon:
@@ -99,7 +91,7 @@ def fp8_pair(tmp_path_factory) -> tuple[Path, Path]:
         params="2M",
         dtype="bfloat16",
         vocab_size=2048,
-        **SHAPES,
+        **WHOLE_BLOCKS,
     )
     fp8 = tmp_path_factory.mktemp("fp8")
     shutil.copytree(bf16, fp8, dirs_exist_ok=True)
