@@ -86,7 +86,6 @@ def serve(config: ServeSettings) -> int:
     from keepwarm_runtime.server.app import create_app
     from keepwarm_runtime.server.serving import ServingOptions
 
-    assert config.model_dir is not None  # required: resolve() refuses settings without it
     settings = engine_settings(config)
     model_dir = os.path.abspath(config.model_dir)
     from keepwarm_runtime.server.media_fetch import media_policy
