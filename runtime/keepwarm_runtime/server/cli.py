@@ -56,9 +56,9 @@ def engine_settings(settings: ServeSettings) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     """The handler of `keepwarm serve`: resolve the settings once, then serve them."""
     try:
-        settings = resolve(ServeSettings, args, os.environ)
-    except SettingError as exc:
-        print(f"keepwarm serve: {exc}", file=sys.stderr)
+        settings = serve_settings(args)
+    except SystemExit as exc:
+        print(exc, file=sys.stderr)
         return 2
     return serve(settings)
 
