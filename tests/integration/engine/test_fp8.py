@@ -23,7 +23,7 @@ from keepwarm_runtime.engine.loader import ModelLoadError
 from keepwarm_runtime.engine.quant.fp8 import E4M3
 from keepwarm_runtime.engine.quant.fp8_modules import Fp8Linear
 from tests.integration.engine.reference import transformers_greedy
-from tests.integration.engine.shapes import WHOLE_BLOCKS
+from tests.integration.engine.shapes import DEEPSEEK_WHOLE_BLOCKS, WHOLE_BLOCKS
 
 pytestmark = pytest.mark.integration
 
@@ -152,6 +152,39 @@ def test_deepseek_v3_fp8_with_partial_blocks_stays_close_to_bf16(tmp_path) -> No
     assert experts.gate_up_proj.shape[1] <= 128 and experts.gate_up_proj_scale_inv.shape[1] == 2
     kv_a = llm.engine.model.model.layers[0].self_attn.kv_a_proj_with_mqa
     assert isinstance(kv_a, Fp8Linear) and kv_a.weight.shape[0] % 128 != 0
+    _, bf16 = _transformers_logprobs(src)
+    worst = max(abs(lp - float(bf16[token])) for token, lp in logprobs.items())
+    assert worst < 0.25, f"FP8 logprobs drift {worst:.3f} nats from the bf16 model"
+
+
+def test_deepseek_v3_fp8_in_whole_blocks_matches_transformers_fp8_path(tmp_path) -> None:
+    """DeepSeek-V3 (latent attention, grouped sigmoid router, shared expert) with every quantized
+    projection whole 128x128 blocks, so transformers' own FP8 path reads the same checkpoint: greedy
+    tokens identical, top-20 logprobs within 1e-4 nats of it, and within 0.25 nats of bf16."""
+    from keepwarm_runtime.modelgen import make_model
+    from keepwarm_runtime.modelgen.fp8 import quantize_checkpoint
+
+    src = make_model(
+        tmp_path / "bf16",
+        arch="deepseek_v3",
+        params="2M",
+        dtype="bfloat16",
+        vocab_size=2048,
+        **DEEPSEEK_WHOLE_BLOCKS,
+    )
+    fp8 = tmp_path / "fp8"
+    shutil.copytree(src, fp8)
+    quantize_checkpoint(fp8)
+    llm, tokens, logprobs = _keepwarm(fp8)
+    model = llm.engine.model
+    kv_a = model.model.layers[0].self_attn.kv_a_proj_with_mqa
+    assert isinstance(kv_a, Fp8Linear) and kv_a.weight.shape[0] % 128 == 0
+    experts = model.model.layers[1].mlp.experts
+    assert experts.gate_up_proj.dtype == E4M3 and experts.gate_up_proj_scale_inv.shape == (4, 2, 1)
+    reference, expected = _transformers_logprobs(fp8)
+    assert tokens == transformers_greedy(reference, [_prompt()], NEW_TOKENS)[0]
+    worst_fp8 = max(abs(lp - float(expected[token])) for token, lp in logprobs.items())
+    assert worst_fp8 < 1e-4, f"keepwarm FP8 drifts {worst_fp8:.2e} nats from transformers' FP8 path"
     _, bf16 = _transformers_logprobs(src)
     worst = max(abs(lp - float(bf16[token])) for token, lp in logprobs.items())
     assert worst < 0.25, f"FP8 logprobs drift {worst:.3f} nats from the bf16 model"
