@@ -14,6 +14,10 @@ exactly, and if not, why. Facts about the FlashInfer kernels (flashinfer.fused_m
 - `trtllm_fp8_per_tensor_scale_moe` takes no SwiGLU parameters at all, so per-tensor FP8 with a clamp
   has no correct FlashInfer kernel: refused.
 
+Expert layout (engine.moe.kernel_layout): the torch reference reads both; CUTLASS takes its own
+`flashinfer_cutlass` layout as it is and repacks the model layout with a copy; the TRT-LLM kernels
+want a layout of their own (none converted yet), so experts converted for CUTLASS are refused there.
+
 The rule shared by every FP8 kernel: SwiGLU parameters are honoured only with block-scaled weights and
 a SwiGLU-family activation. keepwarm never loads mxfp8 weights (no converter yet), so every backend
 refuses them by name. `auto` takes the first eligible backend in `AUTO_ORDER`; the torch reference is
@@ -26,6 +30,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from keepwarm_runtime.engine.moe.kernel_layout import LAYOUTS, MODEL
 
 WEIGHT_FORMATS = ("fp32", "fp16", "bf16", "fp8_per_tensor", "fp8_block128", "mxfp8")
 ACTIVATIONS = ("swiglu", "geglu")  # gated SiLU (incl. gpt-oss' clamped form) | gated GELU
@@ -51,6 +57,7 @@ class MoELayerFacts:
     hidden_size: int
     intermediate_size: int
     capability: tuple[int, int] | None  # CUDA compute capability; None on CPU
+    layout: str = MODEL  # expert layout the weights hold (engine.moe.kernel_layout.LAYOUTS)
 
     @property
     def has_swiglu_params(self) -> bool:
@@ -61,6 +68,8 @@ class MoELayerFacts:
             raise ValueError(f"weight format {self.weight_format!r} is unknown; use one of {WEIGHT_FORMATS}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation {self.activation!r} is unknown; use one of {ACTIVATIONS}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"expert layout {self.layout!r} is unknown; use one of {LAYOUTS}")
 
 
 class MoEBackendError(ValueError):
@@ -95,7 +104,7 @@ def torch_eligible(facts: MoELayerFacts) -> Eligibility:
     refused = _params_rule(facts)
     if refused:
         return refused
-    return True, "torch reference computes every loaded format and activation"
+    return True, "torch reference computes every loaded format, activation and expert layout"
 
 
 def flashinfer_cutlass_eligible(facts: MoELayerFacts) -> Eligibility:
@@ -134,6 +143,8 @@ def flashinfer_trtllm_eligible(facts: MoELayerFacts) -> Eligibility:
         return False, f"the TRT-LLM FP8 block-scale kernel takes e4m3 weights, not {facts.weight_format}"
     if facts.activation not in SWIGLU_FAMILY:
         return False, f"the TRT-LLM FP8 block-scale kernel computes SwiGLU only, not {facts.activation!r}"
+    if facts.layout != MODEL:
+        return False, f"experts hold the {facts.layout} layout; the TRT-LLM kernel is given none of its own"
     if facts.num_experts > TRTLLM_MAX_EXPERTS:
         return False, f"{facts.num_experts} experts exceed the TRT-LLM routing limit of {TRTLLM_MAX_EXPERTS}"
     if facts.hidden_size % FP8_BLOCK or facts.intermediate_size % FP8_BLOCK:
