@@ -161,3 +161,14 @@ def test_oracle_per_layout(layout) -> None:
         assert ok == (cap == (10, 0) and layout == "model"), reason
         if cap == (10, 0) and layout != "model":
             assert "flashinfer_cutlass layout" in reason
+
+
+def test_cutlass_refuses_fp8_experts_with_interleaved_gate_up() -> None:
+    """gpt-oss FP8: a 128x128 block mixes gate and up rows, so no [up; gate] block-scaled fc1 exists;
+    bf16 interleaved experts are repacked (a copy) and stay eligible."""
+    fp8 = MoELayerFacts("fp8_block128", "swiglu", True, True, True, 8, 256, 256, (9, 0), interleaved=True)
+    ok, reason = ELIGIBILITY["flashinfer_cutlass"](fp8)
+    assert not ok and "interleaved gate/up" in reason
+    assert ELIGIBILITY["torch"](fp8)[0]
+    bf16 = MoELayerFacts("bf16", "swiglu", True, True, True, 8, 256, 256, (9, 0), interleaved=True)
+    assert ELIGIBILITY["flashinfer_cutlass"](bf16)[0]

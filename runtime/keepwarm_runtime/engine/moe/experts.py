@@ -118,6 +118,7 @@ def layer_facts(weights: ExpertWeights, act: GatedActivation, capability) -> MoE
         intermediate_size=gate_up.shape[-2] // 2,
         capability=capability,
         layout=FLASHINFER_CUTLASS if weights.up_first else MODEL,
+        interleaved=act.interleaved,
     )
 
 

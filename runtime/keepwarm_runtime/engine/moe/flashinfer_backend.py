@@ -67,12 +67,12 @@ def cutlass_layout(weights: ExpertWeights, act: GatedActivation) -> tuple[torch.
 
 def cutlass_fp8_scales(weights: ExpertWeights) -> list[torch.Tensor]:
     """`quant_scales` for the DeepSeek block-scale path: fc1 scales in [up; gate] order like fc1."""
-    if weights.transposed or weights.gate_up_scale_inv is None or weights.down_scale_inv is None:
-        raise ValueError("FP8 experts for cutlass_fused_moe need (out, in) weights with block scales")
-    return [
-        _up_first(weights.gate_up_scale_inv, False, weights.up_first),
-        weights.down_scale_inv.contiguous(),
-    ]
+    if weights.gate_up_scale_inv is None or weights.down_scale_inv is None:
+        raise ValueError("FP8 experts for cutlass_fused_moe need their block scales")
+    gate_up, down = weights.gate_up_scale_inv, weights.down_scale_inv
+    if weights.transposed:  # block grids transpose with their weights
+        gate_up, down = gate_up.transpose(-1, -2), down.transpose(-1, -2)
+    return [_up_first(gate_up, False, weights.up_first), down.contiguous()]
 
 
 def cutlass_bias(weights: ExpertWeights, act: GatedActivation) -> torch.Tensor | None:
@@ -83,13 +83,12 @@ def cutlass_bias(weights: ExpertWeights, act: GatedActivation) -> torch.Tensor |
 
 def kernel_copies(weights: ExpertWeights) -> int:
     """Tensors `make_runner("flashinfer_cutlass", ...)` copies for the kernel: none for experts in its
-    layout; else fc1, its scales and bias (reordered), and fc2 when stored transposed."""
+    layout; else fc1, its scales and bias (reordered), and fc2 (and its scales) when stored transposed."""
     if weights.up_first:
         return 0
-    fc1_side = (
-        1 + (weights.is_fp8 and weights.gate_up_scale_inv is not None) + (weights.gate_up_bias is not None)
-    )
-    return fc1_side + weights.transposed
+    fp8 = weights.is_fp8 and weights.gate_up_scale_inv is not None
+    fc1_side = 1 + fp8 + (weights.gate_up_bias is not None)
+    return fc1_side + weights.transposed * (1 + fp8)  # fc2 (and its scales) made contiguous
 
 
 def make_runner(backend: str, module, weights: ExpertWeights, act: GatedActivation):

@@ -6,7 +6,8 @@ which SwiGLU parameters are set, expert count, sizes, GPU capability), whether i
 exactly, and if not, why. Facts about the FlashInfer kernels (flashinfer.fused_moe):
 
 - `cutlass_fused_moe` (CUTLASS grouped GEMM): bf16 weights on SM80+; FP8 with 128x128 block scales
-  (`use_deepseek_fp8_block_scale`) only on Hopper (SM90); per-expert `swiglu_alpha` / `swiglu_beta` /
+  (`use_deepseek_fp8_block_scale`) only on Hopper (SM90), with [gate; up] halves keepwarm can reorder
+  (interleaved FP8 gate/up has blocks mixing both: refused); per-expert `swiglu_alpha` / `swiglu_beta` /
   `swiglu_limit` tensors only for SwiGLU activations.
 - `trtllm_fp8_block_scale_moe` (TRT-LLM generated kernels): Blackwell datacenter parts (SM100/SM103)
   only; e4m3 weights with 128x128 block scales, hidden and intermediate sizes multiples of 128, at most
@@ -58,6 +59,7 @@ class MoELayerFacts:
     intermediate_size: int
     capability: tuple[int, int] | None  # CUDA compute capability; None on CPU
     layout: str = MODEL  # expert layout the weights hold (engine.moe.kernel_layout.LAYOUTS)
+    interleaved: bool = False  # gate/up columns alternate (gpt-oss) instead of [gate; up] halves
 
     @property
     def has_swiglu_params(self) -> bool:
@@ -115,6 +117,11 @@ def flashinfer_cutlass_eligible(facts: MoELayerFacts) -> Eligibility:
     if cap < (8, 0) or cap[0] >= 12:
         return False, f"GPU capability {cap[0]}.{cap[1]} is not a CUTLASS MoE family (SM80-SM103)"
     if facts.weight_format == "fp8_block128":
+        if facts.interleaved:
+            return False, (
+                "FP8 experts with interleaved gate/up (gpt-oss): each 128x128 block mixes gate and up "
+                "rows, so no [up; gate] block-scaled fc1 exists for the CUTLASS kernel"
+            )
         if cap[0] != 9:
             return (
                 False,
