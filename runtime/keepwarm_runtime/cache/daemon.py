@@ -21,7 +21,7 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -153,12 +153,16 @@ class CacheDaemon:
         shards = read_checkpoint(path)  # validates every header before anything is evicted
         online = online_settings(path, quantization)
         key = compute_key(path, self.dtype, shards=shards, conversion=self.conversion, online=online)
+        # A model the expert layout converts nothing in (dense, gpt-oss) is keyed in the model layout.
+        unconverted = replace(key, conversion=conversion_id(MODEL))
         current = self.registry.get(name)
-        if current is not None and current.key == key:
+        if current is not None and current.key in (key, unconverted):
             current.pinned = current.pinned or pin
             return name
         pinned = pin or name in self.config.pins or path.name in self.config.pins
         layout = plan_layout(shards, self.dtype, online, self.config.expert_layout)
+        if not layout.up_first:
+            key = unconverted
         for victim in self.registry.reserve(layout.size, keep=name, evict=evict):
             self._drop(victim, "evicted for --budget")
             self.metrics.evictions.inc()

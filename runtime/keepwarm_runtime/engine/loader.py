@@ -87,7 +87,7 @@ def load_model(config: EngineConfig, profile: StartupProfile | None = None) -> t
         mode=config.cache_mode,
         fallback=config.cache_fallback,
         online=online,
-        expert_layout=config.expert_layout,
+        expert_layout=kernel_layout.effective_layout(model, config.expert_layout),
     )
     # A cache hit for online FP8 is an arena the daemon already quantized (the key says so).
     quantized_by_cache = online is not None and res.source == "cache"

@@ -206,16 +206,24 @@ def test_the_converted_model_generates_what_the_model_layout_does(models, tmp_pa
     assert all(abs(lp - second[t]) < 1e-5 for t, lp in first)
 
 
-def test_gpt_oss_stays_in_the_model_layout_and_still_attaches_with_no_copy(models, tmp_path) -> None:
-    """Transposed, interleaved experts are not converted (the CUTLASS runner repacks those, counted)."""
+def test_models_the_layout_does_not_touch_are_keyed_in_the_model_layout(models, make_tiny, tmp_path) -> None:
+    """gpt-oss (transposed, interleaved experts: the CUTLASS runner repacks those, a counted copy on a
+    GPU) and dense models are not converted, so a client in either layout attaches them zero-copy."""
+    from keepwarm_runtime.engine.moe.serving_layout import CONVERSION_ID
+
     with _Daemon(tmp_path / "sock", "bfloat16", CUTLASS) as cache:
-        resident = cache.add(models["gpt_oss"])
-        cached, info = _load(models["gpt_oss"], cache.socket_dir, CUTLASS)
-    assert resident.layout.up_first == frozenset()
-    assert (info.source, info.copied_tensors) == ("cache", 0)
-    weights = ExpertWeights(
-        cached.model.layers[0].mlp.experts.gate_up_proj,
-        cached.model.layers[0].mlp.experts.down_proj,
-        transposed=True,
-    )
+        for model_dir in (models["gpt_oss"], make_tiny("llama")):
+            resident = cache.add(model_dir)
+            assert resident.layout.up_first == frozenset() and resident.key.conversion == CONVERSION_ID
+            assert cache.add(model_dir) is resident  # asked again: a no-op, not a reload
+            for layout in (CUTLASS, "model"):
+                _, info = _load(model_dir, cache.socket_dir, layout)
+                assert (info.source, info.copied_tensors) == ("cache", 0), (
+                    model_dir.name,
+                    layout,
+                    info.reason,
+                )
+    gpt_oss, _ = _load(models["gpt_oss"], None, CUTLASS)
+    experts = gpt_oss.model.layers[0].mlp.experts
+    weights = ExpertWeights(experts.gate_up_proj, experts.down_proj, transposed=True)
     assert flashinfer_backend.kernel_copies(weights) == 2  # fc1 reordered, fc2 transposed: on a GPU only

@@ -68,7 +68,7 @@ def swap_halves_(gate_up: torch.Tensor) -> None:
     if gate_up.ndim < 2 or gate_up.shape[1] % 2:
         up_first(gate_up)  # raises, naming the shape
     for e in range(gate_up.shape[0]):
-        gate_up[e : e + 1].copy_(up_first(gate_up[e : e + 1].clone()))
+        gate_up[e : e + 1].copy_(up_first(gate_up[e : e + 1]))  # cat writes new memory first
 
 
 def converts(module: nn.Module) -> bool:
@@ -83,6 +83,12 @@ def converts(module: nn.Module) -> bool:
         and not getattr(module, "is_transposed", False)
         and getattr(module, "is_concatenated", True)
     )
+
+
+def effective_layout(model: nn.Module, layout: str) -> str:
+    """`layout` if it converts anything in `model`, else `model`: a dense model (or gpt-oss) is keyed
+    the same whatever layout its client or daemon asks for, so the setting matters only where it acts."""
+    return layout if layout_targets(model, layout) else MODEL
 
 
 def layout_targets(model: nn.Module, layout: str) -> list[str]:
