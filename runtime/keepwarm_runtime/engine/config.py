@@ -30,9 +30,7 @@ class EngineConfig:
     )
     moe_backend: str = "auto"  # experts backend; auto: first eligible (engine.moe.oracle.AUTO_ORDER)
     quantization: str | None = None  # "fp8": quantize linear and expert weights online, 128x128 blocks
-    expert_layout: str = (
-        "model"  # model | flashinfer_cutlass: experts as that kernel takes them (kernel_layout)
-    )
+    expert_layout: str = kernel_layout.MODEL  # or flashinfer_cutlass: experts as it takes them
     cache_socket_dir: str | None = None  # node weight cache socket dir; None: read the checkpoint from disk
     cache_mode: str = "zero_copy"  # zero_copy | copy (see keepwarm_runtime.cache.client.attach)
     cache_fallback: bool = True  # fall back to disk when the cache cannot serve the model

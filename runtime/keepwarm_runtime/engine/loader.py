@@ -45,9 +45,7 @@ class LoadInfo:
     source: str  # "cache" | "disk"
     seconds: float  # attach/load wall time
     reason: str | None  # why the cache was not used, if it was not
-    copied_tensors: int = (
-        0  # tensors materialised here (disk-path merges, layout, quantization; kernel repacks)
-    )
+    copied_tensors: int = 0  # tensors copied here: disk-path merges, layout, quantization; kernel repacks
     moe: list[ExpertsChoice] = field(default_factory=list)  # backend chosen per experts module, with why
 
 
