@@ -56,9 +56,14 @@ MOE_HELP = [PY, "bench/moe.py", "--help"]
 ENV_SCRIPT = "scripts/gpucheck/envinfo.py"
 OTHER_TESTS = ["--ignore=tests/gpu/cache", "--ignore=tests/gpu/engine"]  # run by their own steps
 # tests/gpu/moe's FlashInfer fused-MoE parity cases (CUTLASS FP8 block-scale and bf16, SwiGLU with
-# alpha/beta/limit, biases) run only with this set: their first call JIT-compiles for minutes.
+# alpha/beta/limit, biases; the flashinfer_cutlass expert layout served zero-copy from a gpu-tier
+# arena) run only with this set: their first call JIT-compiles for minutes.
 FLASHINFER_MOE_OPT_IN = "KEEPWARM_GPU_FLASHINFER_MOE"
-MOE_MODULES = ["keepwarm_runtime.engine.moe.experts", "keepwarm_runtime.engine.moe.flashinfer_backend"]
+MOE_MODULES = [
+    "keepwarm_runtime.engine.moe.experts",
+    "keepwarm_runtime.engine.moe.flashinfer_backend",
+    "keepwarm_runtime.engine.moe.kernel_layout",
+]
 
 
 def _pytest(

@@ -27,6 +27,7 @@ from keepwarm_runtime.cache.env import FALLBACK_ENV, MODE_ENV, SOCKET_DIR_ENV, e
 from keepwarm_runtime.cache.fingerprint import compute_key
 from keepwarm_runtime.cache.loader import TensorEntry, load_from_disk
 from keepwarm_runtime.cache.metrics import client_metrics
+from keepwarm_runtime.engine.moe.kernel_layout import MODEL, conversion_id
 from keepwarm_runtime.engine.quant.settings import Fp8Settings
 
 log = logging.getLogger(__name__)
@@ -70,12 +71,16 @@ def attach(
     tp_rank: int = 0,
     tp_size: int = 1,
     online: Fp8Settings | None = None,
+    expert_layout: str = MODEL,
 ) -> AttachResult:
     """Named tensors of ``model_dir`` in ``dtype`` on ``device``: from the cache or from disk.
 
     ``online`` (FP8 settings of ``--quantization fp8``) asks the cache for the arena its daemon
     quantized at load: e4m3 weights plus ``_scale_inv`` block scales. The disk path ignores it and
-    returns float tensors, which the engine then quantizes itself.
+    returns float tensors, which the engine then quantizes itself. ``expert_layout`` (a name of
+    ``engine.moe.kernel_layout.LAYOUTS``; unknown names raise) asks for experts converted to that
+    MoE kernel's layout; a daemon holding another layout is a miss ("mismatch: conversion"), and the
+    disk path returns the model layout, which the engine converts itself.
 
     ``socket_dir=None`` loads from disk; left out, it comes from KEEPWARM_CACHE_SOCKET_DIR (as do
     ``mode`` from KEEPWARM_CACHE_MODE, default "zero_copy", and ``fallback`` from
@@ -93,6 +98,7 @@ def attach(
     if mode not in ("zero_copy", "copy"):
         raise ValueError(f"unknown cache mode {mode!r}; use zero_copy or copy")
     dtype, device = parse_dtype(dtype), torch.device(device)
+    conversion = conversion_id(expert_layout)  # an unknown layout is refused before any I/O
     model_dir = Path(model_dir)
     shards = read_checkpoint(model_dir)
     metrics = client_metrics()
@@ -100,7 +106,17 @@ def attach(
     if socket_dir is not None:
         try:
             result = _attach_from_cache(
-                model_dir, shards, Path(socket_dir), dtype, device, mode, timeout_s, tp_rank, tp_size, online
+                model_dir,
+                shards,
+                Path(socket_dir),
+                dtype,
+                device,
+                mode,
+                timeout_s,
+                tp_rank,
+                tp_size,
+                online,
+                conversion,
             )
             result.seconds = time.perf_counter() - started
             metrics.hits.inc()
@@ -224,8 +240,9 @@ def _attach_or_raise(
     tp_rank: int,
     tp_size: int,
     online: Fp8Settings | None,
+    conversion: str,
 ) -> AttachResult:
-    key = compute_key(model_dir, dtype, tp_rank, tp_size, shards=shards, online=online)
+    key = compute_key(model_dir, dtype, tp_rank, tp_size, shards=shards, conversion=conversion, online=online)
     sock = open_session(socket_path_for(socket_dir, device), timeout_s)
     fds: list[int] = []
     try:

@@ -21,7 +21,7 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from keepwarm_runtime.cache.limits import ServerLimits, raise_nofile_limit
 from keepwarm_runtime.cache.loader import fill_arena, plan_layout
 from keepwarm_runtime.cache.metrics import DaemonMetrics
 from keepwarm_runtime.cache.registry import ModelRegistry, ResidentModel
+from keepwarm_runtime.engine.moe.kernel_layout import MODEL, conversion_id
 from keepwarm_runtime.engine.quant.settings import Fp8Settings, fp8_settings
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class DaemonConfig:
     metrics_port: int | None = None
     limits: ServerLimits = field(default_factory=ServerLimits)
     quantization: str | None = None  # "fp8": quantize the --model checkpoints online at load
+    expert_layout: str = MODEL  # MoE experts converted at load to this kernel's layout (kernel_layout)
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,7 @@ class CacheDaemon:
         self.config = config
         self.tier = resolve_tier(config.tier)
         self.dtype = parse_dtype(config.dtype)
+        self.conversion = conversion_id(config.expert_layout)  # an unknown layout stops the daemon here
         self.gpu_uuid: str | None = None
         self.device_ordinal = 0
         if self.tier == "gpu":
@@ -149,13 +152,17 @@ class CacheDaemon:
     def _load(self, path: Path, name: str, pin: bool, evict: bool, quantization: str | None) -> str:
         shards = read_checkpoint(path)  # validates every header before anything is evicted
         online = online_settings(path, quantization)
-        key = compute_key(path, self.dtype, shards=shards, online=online)
+        key = compute_key(path, self.dtype, shards=shards, conversion=self.conversion, online=online)
+        # A model the expert layout converts nothing in (dense, gpt-oss) is keyed in the model layout.
+        unconverted = replace(key, conversion=conversion_id(MODEL))
         current = self.registry.get(name)
-        if current is not None and current.key == key:
+        if current is not None and current.key in (key, unconverted):
             current.pinned = current.pinned or pin
             return name
         pinned = pin or name in self.config.pins or path.name in self.config.pins
-        layout = plan_layout(shards, self.dtype, online)
+        layout = plan_layout(shards, self.dtype, online, self.config.expert_layout)
+        if not layout.up_first:
+            key = unconverted
         for victim in self.registry.reserve(layout.size, keep=name, evict=evict):
             self._drop(victim, "evicted for --budget")
             self.metrics.evictions.inc()
@@ -188,11 +195,14 @@ class CacheDaemon:
         self.registry.insert(model)
         self.metrics.resident_bytes.labels(name, self.tier).set(model.nbytes)
         self.metrics.load_seconds.labels(name).set(seconds)
+        notes = f", {len(layout.quantized)} quantized to fp8 online" if online is not None else ""
+        if layout.up_first:
+            notes += f", {len(layout.up_first)} in the {self.config.expert_layout} layout"
         log.info(
             "loaded %s (%d tensors%s, %.2f GiB %s, %s pages) in %.2fs",
             name,
             len(layout.entries),
-            f", {len(layout.quantized)} quantized to fp8 online" if online is not None else "",
+            notes,
             model.nbytes / 2**30,
             self.tier,
             arena.page_mode,

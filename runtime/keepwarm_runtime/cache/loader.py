@@ -11,6 +11,12 @@ tensors ``engine.quant.fp8_modules.online_targets`` names are staged in the serv
 expert stack until its last expert arrives), then quantized in 128x128 blocks with the engine's own
 ``quantize_blocks`` into an e4m3 entry plus a float32 ``<name>_scale_inv`` entry. The engine's disk
 path quantizes the same serving-dtype tensors with the same function, so both give the same bits.
+
+A kernel's expert layout (``keepwarm cache serve --expert-layout flashinfer_cutlass``,
+``engine.moe.kernel_layout``) is the last step: the tensors ``kernel_layout.layout_targets`` names
+(and a checkpoint's FP8 scales beside them) get their [gate; up] halves swapped in the arena once
+every expert is written; a tensor quantized online is swapped in its float staging, before
+quantization, as the engine's disk path does.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from keepwarm_runtime.cache.checkpoint import (
     dtype_name,
     parse_dtype,
 )
-from keepwarm_runtime.engine.moe import serving_layout
+from keepwarm_runtime.engine.moe import kernel_layout, serving_layout
 from keepwarm_runtime.engine.quant.fp8 import E4M3, quantize_blocks
 from keepwarm_runtime.engine.quant.settings import SCALE_SUFFIX, Fp8Settings, QuantizationError
 
@@ -72,6 +78,7 @@ class ArenaLayout:
     size: int  # bytes needed, before page rounding
     placements: dict[str, serving_layout.Placement] = field(default_factory=dict)  # merged sources
     quantized: dict[str, QuantizedEntry] = field(default_factory=dict)  # online FP8, by entry name
+    up_first: frozenset[str] = frozenset()  # entries converted to the kernel layout ([up; gate])
 
 
 @dataclass(frozen=True)
@@ -88,17 +95,21 @@ def tensor_serving_dtype(name: str, stored: torch.dtype, serving: torch.dtype) -
 
 
 def plan_layout(
-    shards: list[Shard], serving: torch.dtype, quantization: Fp8Settings | None = None
+    shards: list[Shard],
+    serving: torch.dtype,
+    quantization: Fp8Settings | None = None,
+    expert_layout: str = kernel_layout.MODEL,
 ) -> ArenaLayout:
     """Where each served tensor lies in the arena; ``quantization`` (online FP8) adds the conversion
     of every linear weight and expert stack to e4m3 plus block scales (QuantizationError if the
-    model cannot be built to tell which those are)."""
+    model cannot be built to tell which those are); ``expert_layout`` the kernel layout's swap."""
     records = [(rec.name, rec.shape, rec.dtype) for shard in shards for rec in shard.tensors]
     model_dir = shards[0].path.parent if shards else None
     model = serving_layout.meta_model(model_dir) if model_dir is not None else None
     conversion = serving_layout.plan(records, serving_layout.merge_rules(model))
     served = _served_tensors(records, conversion, serving)
     quantized = {} if quantization is None else _online_quantized(served, model, quantization, model_dir)
+    up_first = _up_first_entries(served, model, expert_layout, model_dir)
     entries, offset = [], 0
 
     def add(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
@@ -114,7 +125,7 @@ def plan_layout(
         add(t.name, E4M3 if q else t.dtype, t.shape)
         if q:
             add(q.scale, torch.float32, (*t.shape[:-2], *_grid(t.shape, q.block)))
-    return ArenaLayout(tuple(entries), offset, conversion.placements, quantized)
+    return ArenaLayout(tuple(entries), offset, conversion.placements, quantized, up_first)
 
 
 def _grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
@@ -171,6 +182,38 @@ def _online_quantized(
     return out
 
 
+def _up_first_entries(served: list[_Served], model, layout: str, model_dir: Path | None) -> frozenset[str]:
+    """Arena tensors `layout` converts: those whose model name is one of `kernel_layout.layout_targets`,
+    and a checkpoint's FP8 scales beside them. Every target must be an arena tensor with halves to
+    swap, or the load is refused by name (a client asking for the layout would misread it)."""
+    targets = set(kernel_layout.layout_targets(model, layout)) if model is not None else set()
+    if not targets:
+        return frozenset()
+    pairs = serving_layout.model_renamings(model)
+    names = {t.name: t for t in served}
+    chosen: set[str] = set()
+    found: set[str] = set()
+    for t in served:
+        name = serving_layout.model_name(t.name, pairs)
+        if name in targets:
+            found.add(name)
+            chosen.add(t.name)
+            if t.name + SCALE_SUFFIX in names:
+                chosen.add(t.name + SCALE_SUFFIX)
+    missing = sorted(targets - found)
+    odd = sorted(n for n in chosen if len(names[n].shape) < 2 or names[n].shape[1] % 2)
+    if missing or odd:
+        raise kernel_layout.ExpertLayoutError(
+            f"{model_dir}: the {layout} expert layout needs fused [gate; up] experts in the arena; "
+            + (
+                f"not there: {', '.join(missing[:6])}"
+                if missing
+                else f"no halves to swap: {', '.join(odd[:6])}"
+            )
+        )
+    return frozenset(chosen)
+
+
 class WritableArena(Protocol):
     def tensor(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor: ...
 
@@ -201,6 +244,9 @@ def fill_arena(arena: WritableArena, shards: list[Shard], layout: ArenaLayout) -
                 del raw
             _check_identity(shard, f.fileno())
     staged.check_done()
+    for entry in layout.entries:
+        if entry.name in layout.up_first and entry.name not in layout.quantized:  # quantized: swapped staged
+            kernel_layout.swap_halves_(arena.tensor(entry.offset, entry.dtype, entry.shape))
     return digest.hexdigest()
 
 
@@ -228,6 +274,8 @@ class _Staging:
             self.pending[entry.name] = (staging, seen)
             return
         self.pending.pop(entry.name, None)
+        if entry.name in self.layout.up_first:  # the kernel layout's swap comes before quantization
+            staging = kernel_layout.up_first(staging)
         if staging.numel():
             weight, scale = quantize_blocks(staging, q.block)
             self.arena.tensor(entry.offset, entry.dtype, entry.shape).copy_(weight)

@@ -16,6 +16,7 @@ from typing import ClassVar
 
 from keepwarm_api import podenv
 from keepwarm_api.settings import setting
+from keepwarm_runtime.engine.moe.layouts import LAYOUTS, MODEL
 
 DTYPES = ("float32", "bfloat16", "float16")
 TIERS = ("auto", "gpu", "host")
@@ -90,6 +91,12 @@ class CacheServeSettings:
         "fp8: quantize each float --model in 128x128 blocks once, at load, into the arena "
         "(clients asking for fp8 attach it; part of the cache key)",
         choices=QUANTIZATIONS,
+    )
+    expert_layout: str = setting(
+        MODEL,
+        "MoE experts in this kernel's layout, converted once at load into the arena (clients asking "
+        "for the same attach it; part of the cache key)",
+        choices=LAYOUTS,
     )
     budget: int | None = setting(
         None, "bytes (or 4GiB, 512MiB); least recently used beyond", parse=parse_bytes

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from keepwarm_runtime.engine.moe import kernel_layout
 from keepwarm_runtime.engine.moe import oracle as moe_oracle
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -29,6 +30,7 @@ class EngineConfig:
     )
     moe_backend: str = "auto"  # experts backend; auto: first eligible (engine.moe.oracle.AUTO_ORDER)
     quantization: str | None = None  # "fp8": quantize linear and expert weights online, 128x128 blocks
+    expert_layout: str = kernel_layout.MODEL  # or flashinfer_cutlass: experts as it takes them
     cache_socket_dir: str | None = None  # node weight cache socket dir; None: read the checkpoint from disk
     cache_mode: str = "zero_copy"  # zero_copy | copy (see keepwarm_runtime.cache.client.attach)
     cache_fallback: bool = True  # fall back to disk when the cache cannot serve the model
@@ -49,6 +51,7 @@ class EngineConfig:
             raise ValueError(
                 f"moe_backend {self.moe_backend!r} is unknown; use one of {', '.join(MOE_BACKENDS)}"
             )
+        kernel_layout.check_layout(self.expert_layout)
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization {self.quantization!r} is not supported; use fp8 or leave it unset"

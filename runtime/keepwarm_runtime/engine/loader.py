@@ -8,7 +8,9 @@ while loading are handled: regex renamings map names (no copy); the MoE expert m
 (per-expert gate/up/down -> fused 3-D tensors, FP8 block scales alike) stacks experts, a copy on the
 disk path only (the node cache stores experts merged). Any other conversion is refused with the names
 involved. FP8 checkpoints and `--quantization fp8` go through engine.quant; fused experts run on the
-MoE backend engine.moe chooses per module.
+MoE backend engine.moe chooses per module. `expert_layout="flashinfer_cutlass"` asks the cache for
+experts already converted to that kernel's layout (engine.moe.kernel_layout); the disk path converts
+them itself, a copy counted like its merges.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from keepwarm_runtime.cache.client import attach
 from keepwarm_runtime.engine.attention.dispatch import register_keepwarm_attention
 from keepwarm_runtime.engine.attention.fuser import IMPLEMENTATION
 from keepwarm_runtime.engine.config import EngineConfig
-from keepwarm_runtime.engine.moe import serving_layout
+from keepwarm_runtime.engine.moe import kernel_layout, serving_layout
 from keepwarm_runtime.engine.moe.experts import ExpertsChoice, prepare_experts, use_keepwarm_experts
 from keepwarm_runtime.engine.multimodal import model_class as multimodal_model_class
 from keepwarm_runtime.engine.quant.fp8 import E4M3
@@ -43,7 +45,7 @@ class LoadInfo:
     source: str  # "cache" | "disk"
     seconds: float  # attach/load wall time
     reason: str | None  # why the cache was not used, if it was not
-    copied_tensors: int = 0  # tensors materialised here (disk-path expert merges and online quantization)
+    copied_tensors: int = 0  # tensors copied here: disk-path merges, layout, quantization; kernel repacks
     moe: list[ExpertsChoice] = field(default_factory=list)  # backend chosen per experts module, with why
 
 
@@ -83,6 +85,7 @@ def load_model(config: EngineConfig, profile: StartupProfile | None = None) -> t
         mode=config.cache_mode,
         fallback=config.cache_fallback,
         online=online,
+        expert_layout=kernel_layout.effective_layout(model, config.expert_layout),
     )
     # A cache hit for online FP8 is an arena the daemon already quantized (the key says so).
     quantized_by_cache = online is not None and res.source == "cache"
@@ -90,13 +93,35 @@ def load_model(config: EngineConfig, profile: StartupProfile | None = None) -> t
         _prepare_fp8(model, quantization, res)
     copied = fill_parameters(model, res.tensors, res.aliases)
     materialize_buffers(model, torch.device(config.device))
+    # Before online quantization: the layout swaps float halves, as the daemon swaps its staging.
+    copied += apply_expert_layout(model, config.expert_layout, converted=res.source == "cache")
     if online is not None and not quantized_by_cache:
         copied += quantize_online(model, online)
     _check_fp8_scales(model)
     moe = _prepare_moe(model, config)
+    copied += sum(choice.copied for choice in moe)
     profile.weights_source = res.source
     profile.mark("weights")
     return model, LoadInfo(res.source, res.seconds, res.reason, copied, moe)
+
+
+def apply_expert_layout(model: nn.Module, layout: str, converted: bool) -> int:
+    """Mark the experts `layout` converts; unless the cache already `converted` them (a hit's key names
+    the layout), convert them here. Returns how many tensors were copied."""
+    copies = 0
+    for full in kernel_layout.layout_targets(model, layout):
+        module_name, _, attr = full.rpartition(".")
+        module = model.get_submodule(module_name)
+        setattr(module, kernel_layout.UP_FIRST_ATTR, True)
+        for name in (attr, attr + SCALE_SUFFIX):
+            param = getattr(module, name, None)
+            if param is None or converted:
+                continue
+            module._parameters[name] = nn.Parameter(
+                kernel_layout.up_first(param.detach()), requires_grad=False
+            )
+            copies += 1
+    return copies
 
 
 def _prepare_moe(model: nn.Module, config: EngineConfig) -> list[ExpertsChoice]:

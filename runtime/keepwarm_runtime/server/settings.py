@@ -62,6 +62,9 @@ class ServeSettings:
     gpu_memory_utilization: float | None = engine(None, "CUDA: fraction of GPU memory for weights + KV cache")
     attention_backend: str | None = engine(None, "auto | torch | flashinfer")
     moe_backend: str | None = engine(None, "experts: auto | torch | flashinfer_cutlass | flashinfer_trtllm")
+    expert_layout: str | None = engine(
+        None, "model | flashinfer_cutlass: experts in that kernel's layout (ask the cache for the same)"
+    )
     quantization: str | None = engine(
         None, "fp8: quantize a float checkpoint online in 128x128 blocks (FP8 checkpoints load as-is)"
     )

@@ -47,6 +47,9 @@ def _load(model, socket_dir):
         dtype="bfloat16",
         device="cuda:0",
         quantization="fp8",
+        # The arena is what is tested here: a FlashInfer runner's repack of model-layout experts would
+        # count in copied_tensors (the converted layout: test_flashinfer_layout_cache_gpu.py).
+        moe_backend="torch",
         cache_socket_dir=str(socket_dir) if socket_dir else None,
         cache_fallback=False,
     )

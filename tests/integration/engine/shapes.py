@@ -11,3 +11,17 @@ WHOLE_BLOCKS = {
     "num_key_value_heads": 4,
     "head_dim": 32,
 }
+
+# DeepSeek-V3's latent attention in whole blocks too: kv_a_proj_with_mqa writes kv_lora_rank +
+# qk_rope_head_dim rows and kv_b_proj reads kv_lora_rank columns, so both must be multiples of 128
+# (head_dim is the rope dim in DeepSeek-V3's config).
+DEEPSEEK_WHOLE_BLOCKS = WHOLE_BLOCKS | {
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "q_lora_rank": 128,
+    "kv_lora_rank": 128,
+    "qk_rope_head_dim": 128,
+    "qk_nope_head_dim": 64,
+    "v_head_dim": 64,
+    "head_dim": 128,
+}

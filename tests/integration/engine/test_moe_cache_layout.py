@@ -181,3 +181,19 @@ def test_mixtral_quantized_online_by_the_cache_finds_its_scales_under_renamed_na
     experts = cached.model.layers[0].mlp.experts
     assert experts.gate_up_proj.dtype == torch.float8_e4m3fn and experts.gate_up_proj_scale_inv.ndim == 3
     assert _same_bytes(cached, disk) == []
+
+
+def test_fp8_gpt_oss_checkpoint_through_the_cache(make_tiny, tmp_path) -> None:
+    """gpt-oss' FP8 experts (stored transposed, one block grid over the stored axes) attach zero-copy."""
+    from keepwarm_runtime.modelgen.fp8 import quantize_checkpoint
+
+    model_dir = tmp_path / "gpt_oss"
+    shutil.copytree(make_tiny("gpt_oss"), model_dir)
+    quantize_checkpoint(model_dir)
+    with _Daemon(tmp_path / "sock", "float32") as cache:
+        cache.add(model_dir)
+        cached, info = _load(model_dir, "float32", cache.socket_dir)
+    disk, _ = _load(model_dir, "float32", None)
+    assert (info.source, info.copied_tensors) == ("cache", 0)
+    assert cached.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    assert _same_bytes(cached, disk) == []

@@ -6,7 +6,8 @@ router (softmax or sigmoid, groups, top-k, shared experts) has run: keepwarm reg
 and replaces only the expert computation. At load, `prepare_experts` reads each module's facts (weight
 format, gate activation, sizes), asks the oracle for a backend and attaches it. A gate keepwarm does not
 recognise (checked numerically against the module's own `_apply_gate`) keeps transformers' grouped
-implementation: always a correct path, with the reason logged.
+implementation: always a correct path, with the reason logged (except for experts converted to the
+flashinfer_cutlass layout, which transformers' code would misread: refused by name).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from keepwarm_runtime.engine.moe.activation import GatedActivation, apply_gated
+from keepwarm_runtime.engine.moe.kernel_layout import FLASHINFER_CUTLASS, MODEL, UP_FIRST_ATTR
 from keepwarm_runtime.engine.moe.oracle import MoEBackendError, MoELayerFacts, choose_backend
 from keepwarm_runtime.engine.moe.reference import ExpertWeights, reference_moe
 from keepwarm_runtime.engine.quant.fp8 import E4M3
@@ -41,6 +43,7 @@ class ExpertsChoice:
     module: str  # qualified name, e.g. model.layers.1.mlp.experts
     backend: str  # torch | flashinfer_cutlass | flashinfer_trtllm | transformers
     reason: str
+    copied: int = 0  # tensors the backend copied into its own layout (0 when the experts hold it)
 
 
 def is_experts_module(module: nn.Module) -> bool:
@@ -60,6 +63,7 @@ def expert_weights(module: nn.Module) -> ExpertWeights:
         down_scale_inv=getattr(module, "down_proj" + SCALE_SUFFIX, None),
         transposed=getattr(module, "is_transposed", False),
         gate_up_halves_apart=getattr(module, HALVES_APART_ATTR, False),
+        up_first=getattr(module, UP_FIRST_ATTR, False),
     )
 
 
@@ -113,6 +117,8 @@ def layer_facts(weights: ExpertWeights, act: GatedActivation, capability) -> MoE
         hidden_size=gate_up.shape[-1],
         intermediate_size=gate_up.shape[-2] // 2,
         capability=capability,
+        layout=FLASHINFER_CUTLASS if weights.up_first else MODEL,
+        interleaved=act.interleaved,
     )
 
 
@@ -173,6 +179,13 @@ def prepare_experts(model: nn.Module, requested: str, device: torch.device) -> l
         if not is_experts_module(module):
             continue
         act = gated_activation(module)
+        if act is None and getattr(module, UP_FIRST_ATTR, False):
+            raise MoEBackendError(
+                f"{name}: the experts hold the {FLASHINFER_CUTLASS} layout ([up; gate]), but keepwarm "
+                f"does not "
+                f"recognise their gate ({type(module).__name__}) and transformers' code reads [gate; up]; "
+                "serve this model in the model layout"
+            )
         if act is None:
             if requested != "auto":
                 raise MoEBackendError(
@@ -185,16 +198,18 @@ def prepare_experts(model: nn.Module, requested: str, device: torch.device) -> l
             continue
         weights = expert_weights(module)
         backend, reason = choose_backend(requested, layer_facts(weights, act, capability), unavailable)
+        copied = 0
         if backend == "torch":
             runner = _torch_runner(module, act)
         else:
             from keepwarm_runtime.engine.moe import flashinfer_backend
 
             kernel = flashinfer_backend.make_runner(backend, module, weights, act)
+            copied = flashinfer_backend.kernel_copies(weights)
             tolerance = 0.1 if weights.is_fp8 else 0.03  # the FP8 kernels also quantize activations
             runner = checked(name, backend, kernel, _torch_runner(module, act), tolerance)
         setattr(module, RUNNER_ATTR, runner)
-        choices.append(ExpertsChoice(name, backend, reason))
+        choices.append(ExpertsChoice(name, backend, reason, copied))
     if choices:
         summary = sorted({(c.backend, c.reason) for c in choices})
         log.info("MoE backends for %s: %s", type(model).__name__, "; ".join(f"{b} ({r})" for b, r in summary))

@@ -6,9 +6,11 @@ float32), fc1 weights `[E, 2I, H]` with the up half first ([up; gate], TRT-LLM's
 `swiglu_limit` float32 tensors. FP8 128x128 block scales go in `quant_scales` as
 `[fc1_scales [E, 2I/128, H/128] in the same [up; gate] order, fc2_scales [E, H/128, I/128]]` with
 `use_deepseek_fp8_block_scale=True` (Hopper only; bf16 activations, quantized inside the kernel).
-The repack to the kernel's layout is done once, when the runner is made: a second copy of the
-experts on the GPU (the model's own stay, for the reference the runner is checked against) until
-the weight cache stores the kernel's layout. `trtllm_fp8_block_scale_moe`
+Experts already in the `flashinfer_cutlass` layout (engine.moe.kernel_layout: converted once by the
+weight cache daemon into its arena, or by the engine's disk path) go to the kernel as they are, with
+no copy. Experts in the model layout are repacked once, when the runner is made: a second copy of
+them on the GPU (the model's own stay, for the reference the runner is checked against), counted by
+`kernel_copies` into `LoadInfo.copied_tensors`. `trtllm_fp8_block_scale_moe`
 routes tokens itself from router logits, bypassing each model's own router (newer FlashInfer adds a
 `..._routed_moe` variant taking packed routing); keepwarm has no adapter for either yet and says so.
 A runner is checked against the torch reference on its first input (experts.py) before it is trusted.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from keepwarm_runtime.engine.moe.activation import GatedActivation
+from keepwarm_runtime.engine.moe.kernel_layout import up_first
 from keepwarm_runtime.engine.moe.reference import ExpertWeights
 
 EXTRA_HINT = "install keepwarm-runtime[gpu] (flashinfer-python)"
@@ -45,24 +48,47 @@ def unavailable_backends() -> dict[str, str]:
     return missing
 
 
-def _up_first(gate_up: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    gate, up = (gate_up[:, ::2], gate_up[:, 1::2]) if interleaved else gate_up.chunk(2, dim=1)
-    return torch.cat([up, gate], dim=1).contiguous()
+def _up_first(gate_up: torch.Tensor, interleaved: bool, already: bool) -> torch.Tensor:
+    if already:  # converted at load (kernel_layout): the kernel takes it as it is
+        return gate_up
+    if interleaved:
+        gate_up = torch.cat([gate_up[:, ::2], gate_up[:, 1::2]], dim=1)
+    return up_first(gate_up).contiguous()
 
 
 def cutlass_layout(weights: ExpertWeights, act: GatedActivation) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fc1 `[E, 2I, H]` as [up; gate], fc2 `[E, H, I]`) from the model's layout: one copy, at load."""
+    """(fc1 `[E, 2I, H]` as [up; gate], fc2 `[E, H, I]`): the experts' own tensors when they are in
+    the flashinfer_cutlass layout already, else a copy made here."""
     gate_up, down = weights.gate_up, weights.down
     if weights.transposed:
         gate_up, down = gate_up.transpose(-1, -2), down.transpose(-1, -2)
-    return _up_first(gate_up, act.interleaved), down.contiguous()
+    return _up_first(gate_up, act.interleaved, weights.up_first), down.contiguous()
 
 
 def cutlass_fp8_scales(weights: ExpertWeights) -> list[torch.Tensor]:
-    """`quant_scales` for the DeepSeek block-scale path: fc1 scales reordered [up; gate] like fc1."""
-    if weights.transposed or weights.gate_up_scale_inv is None or weights.down_scale_inv is None:
-        raise ValueError("FP8 experts for cutlass_fused_moe need (out, in) weights with block scales")
-    return [_up_first(weights.gate_up_scale_inv, False), weights.down_scale_inv.contiguous()]
+    """`quant_scales` for the DeepSeek block-scale path: fc1 scales in [up; gate] order like fc1."""
+    if weights.gate_up_scale_inv is None or weights.down_scale_inv is None:
+        raise ValueError("FP8 experts for cutlass_fused_moe need their block scales")
+    gate_up, down = weights.gate_up_scale_inv, weights.down_scale_inv
+    if weights.transposed:  # block grids transpose with their weights
+        gate_up, down = gate_up.transpose(-1, -2), down.transpose(-1, -2)
+    return [_up_first(gate_up, False, weights.up_first), down.contiguous()]
+
+
+def cutlass_bias(weights: ExpertWeights, act: GatedActivation) -> torch.Tensor | None:
+    if weights.gate_up_bias is None:
+        return None
+    return _up_first(weights.gate_up_bias, act.interleaved, weights.up_first)
+
+
+def kernel_copies(weights: ExpertWeights) -> int:
+    """Tensors `make_runner("flashinfer_cutlass", ...)` copies for the kernel: none for experts in its
+    layout; else fc1, its scales and bias (reordered), and fc2 (and its scales) when stored transposed."""
+    if weights.up_first:
+        return 0
+    fp8 = weights.is_fp8 and weights.gate_up_scale_inv is not None
+    fc1_side = 1 + fp8 + (weights.gate_up_bias is not None)
+    return fc1_side + weights.transposed * (1 + fp8)  # fc2 (and its scales) made contiguous
 
 
 def make_runner(backend: str, module, weights: ExpertWeights, act: GatedActivation):
@@ -81,11 +107,7 @@ def make_runner(backend: str, module, weights: ExpertWeights, act: GatedActivati
         return None if value is None else torch.full((experts,), value, dtype=torch.float32, device=device)
 
     alpha, beta, limit = per_expert(act.alpha), per_expert(act.beta), per_expert(act.limit)
-    bias1 = None
-    if weights.gate_up_bias is not None:
-        b = weights.gate_up_bias
-        gate_b, up_b = (b[:, ::2], b[:, 1::2]) if act.interleaved else b.chunk(2, dim=1)
-        bias1 = torch.cat([up_b, gate_b], dim=1).contiguous()
+    bias1 = cutlass_bias(weights, act)
 
     def run(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         out = cutlass_fused_moe(

@@ -6,13 +6,18 @@ which SwiGLU parameters are set, expert count, sizes, GPU capability), whether i
 exactly, and if not, why. Facts about the FlashInfer kernels (flashinfer.fused_moe):
 
 - `cutlass_fused_moe` (CUTLASS grouped GEMM): bf16 weights on SM80+; FP8 with 128x128 block scales
-  (`use_deepseek_fp8_block_scale`) only on Hopper (SM90); per-expert `swiglu_alpha` / `swiglu_beta` /
+  (`use_deepseek_fp8_block_scale`) only on Hopper (SM90), with [gate; up] halves keepwarm can reorder
+  (interleaved FP8 gate/up has blocks mixing both: refused); per-expert `swiglu_alpha` / `swiglu_beta` /
   `swiglu_limit` tensors only for SwiGLU activations.
 - `trtllm_fp8_block_scale_moe` (TRT-LLM generated kernels): Blackwell datacenter parts (SM100/SM103)
   only; e4m3 weights with 128x128 block scales, hidden and intermediate sizes multiples of 128, at most
   256 experts, SwiGLU only; `gemm1_alpha` / `gemm1_beta` / `gemm1_clamp_limit` are per-expert tensors.
 - `trtllm_fp8_per_tensor_scale_moe` takes no SwiGLU parameters at all, so per-tensor FP8 with a clamp
   has no correct FlashInfer kernel: refused.
+
+Expert layout (engine.moe.kernel_layout): the torch reference reads both; CUTLASS takes its own
+`flashinfer_cutlass` layout as it is and repacks the model layout with a copy; the TRT-LLM kernels
+want a layout of their own (none converted yet), so experts converted for CUTLASS are refused there.
 
 The rule shared by every FP8 kernel: SwiGLU parameters are honoured only with block-scaled weights and
 a SwiGLU-family activation. keepwarm never loads mxfp8 weights (no converter yet), so every backend
@@ -26,6 +31,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from keepwarm_runtime.engine.moe.kernel_layout import LAYOUTS, MODEL
 
 WEIGHT_FORMATS = ("fp32", "fp16", "bf16", "fp8_per_tensor", "fp8_block128", "mxfp8")
 ACTIVATIONS = ("swiglu", "geglu")  # gated SiLU (incl. gpt-oss' clamped form) | gated GELU
@@ -51,6 +58,8 @@ class MoELayerFacts:
     hidden_size: int
     intermediate_size: int
     capability: tuple[int, int] | None  # CUDA compute capability; None on CPU
+    layout: str = MODEL  # expert layout the weights hold (engine.moe.kernel_layout.LAYOUTS)
+    interleaved: bool = False  # gate/up columns alternate (gpt-oss) instead of [gate; up] halves
 
     @property
     def has_swiglu_params(self) -> bool:
@@ -61,6 +70,8 @@ class MoELayerFacts:
             raise ValueError(f"weight format {self.weight_format!r} is unknown; use one of {WEIGHT_FORMATS}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation {self.activation!r} is unknown; use one of {ACTIVATIONS}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"expert layout {self.layout!r} is unknown; use one of {LAYOUTS}")
 
 
 class MoEBackendError(ValueError):
@@ -95,7 +106,7 @@ def torch_eligible(facts: MoELayerFacts) -> Eligibility:
     refused = _params_rule(facts)
     if refused:
         return refused
-    return True, "torch reference computes every loaded format and activation"
+    return True, "torch reference computes every loaded format, activation and expert layout"
 
 
 def flashinfer_cutlass_eligible(facts: MoELayerFacts) -> Eligibility:
@@ -106,6 +117,11 @@ def flashinfer_cutlass_eligible(facts: MoELayerFacts) -> Eligibility:
     if cap < (8, 0) or cap[0] >= 12:
         return False, f"GPU capability {cap[0]}.{cap[1]} is not a CUTLASS MoE family (SM80-SM103)"
     if facts.weight_format == "fp8_block128":
+        if facts.interleaved:
+            return False, (
+                "FP8 experts with interleaved gate/up (gpt-oss): each 128x128 block mixes gate and up "
+                "rows, so no [up; gate] block-scaled fc1 exists for the CUTLASS kernel"
+            )
         if cap[0] != 9:
             return (
                 False,
@@ -134,6 +150,8 @@ def flashinfer_trtllm_eligible(facts: MoELayerFacts) -> Eligibility:
         return False, f"the TRT-LLM FP8 block-scale kernel takes e4m3 weights, not {facts.weight_format}"
     if facts.activation not in SWIGLU_FAMILY:
         return False, f"the TRT-LLM FP8 block-scale kernel computes SwiGLU only, not {facts.activation!r}"
+    if facts.layout != MODEL:
+        return False, f"experts hold the {facts.layout} layout; the TRT-LLM kernel is given none of its own"
     if facts.num_experts > TRTLLM_MAX_EXPERTS:
         return False, f"{facts.num_experts} experts exceed the TRT-LLM routing limit of {TRTLLM_MAX_EXPERTS}"
     if facts.hidden_size % FP8_BLOCK or facts.intermediate_size % FP8_BLOCK:

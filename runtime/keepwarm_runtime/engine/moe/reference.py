@@ -3,7 +3,9 @@
 Runs on CPU and GPU, for every weight format keepwarm loads; it is the backend `auto` falls back to
 and the one the FlashInfer kernels are checked against. Weights are read in the layout the model
 holds them (no copy): `[E, 2I, H]` / `[E, H, I]` (out x in), or transposed `[E, H, 2I]` / `[E, I, H]`
-(gpt-oss); FP8 weights carry float32 block scales over their (out, in) axes.
+(gpt-oss); FP8 weights carry float32 block scales over their (out, in) axes. Experts in the
+`flashinfer_cutlass` layout (engine.moe.kernel_layout: gate_up rows, scales and bias with the up half
+first) are read back in gate-first order, one expert at a time.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class ExpertWeights:
     down_scale_inv: torch.Tensor | None = None
     transposed: bool = False  # weights stored (in, out), as gpt-oss does
     gate_up_halves_apart: bool = False  # FP8: gate and up carry separate block grids (merged per expert)
+    up_first: bool = False  # gate_up (scales, bias) hold [up; gate]: the flashinfer_cutlass layout
     block: tuple[int, int] = BLOCK
 
     @property
@@ -44,16 +47,32 @@ class ExpertWeights:
         if self.transposed:
             gate_up, down = gate_up.transpose(-1, -2), down.transpose(-1, -2)
         if not self.is_fp8:
-            return gate_up.to(dtype), down.to(dtype)
+            return self._gate_first(gate_up.to(dtype)), down.to(dtype)
         if self.gate_up_scale_inv is None or self.down_scale_inv is None:
             raise ValueError("FP8 expert weights need their weight_scale_inv block scales")
         gu_scale, d_scale = self.gate_up_scale_inv[e], self.down_scale_inv[e]
         if self.transposed:
             gu_scale, d_scale = gu_scale.transpose(-1, -2), d_scale.transpose(-1, -2)
+        # Up-first blocks dequantize as they are: each half keeps its own rows of scales.
         return (
-            dequantize_gate_up(gate_up, gu_scale, dtype, self.gate_up_halves_apart, self.block),
+            self._gate_first(
+                dequantize_gate_up(gate_up, gu_scale, dtype, self.gate_up_halves_apart, self.block)
+            ),
             dequantize_blocks(down, d_scale, dtype, self.block),
         )
+
+    def expert_bias(self, e: int) -> torch.Tensor | None:
+        """Expert e's gate_up bias `[2I]` in gate-first order, or None."""
+        if self.gate_up_bias is None:
+            return None
+        return self._gate_first(self.gate_up_bias[e])
+
+    def _gate_first(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """One expert's `[2I, ...]` rows in the model's [gate; up] order."""
+        if not self.up_first:
+            return gate_up
+        half = gate_up.shape[0] // 2
+        return torch.cat([gate_up[half:], gate_up[:half]])
 
 
 def route_pairs(top_k_index: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -87,8 +106,9 @@ def reference_moe(
         gate_up_w, down_w = weights.expert(e, hidden.dtype)
         x = rows[start : start + n]
         gate_up = x @ gate_up_w.T
-        if weights.gate_up_bias is not None:
-            gate_up = gate_up + weights.gate_up_bias[e]
+        bias = weights.expert_bias(e)
+        if bias is not None:
+            gate_up = gate_up + bias
         y = apply_gated(gate_up, act) @ down_w.T
         if weights.down_bias is not None:
             y = y + weights.down_bias[e]

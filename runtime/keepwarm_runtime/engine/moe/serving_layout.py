@@ -12,7 +12,8 @@ serves with no per-process copy. Today that is two conversions:
 A plan says, for each checkpoint tensor, where its bytes land: a target tensor and an index into
 it. The disk path gives the same numbers: the engine's loader merges per-expert tensors the same
 way (engine/loader.py), so the cache and the disk path are bit-identical. `CONVERSION_ID` is part of
-the weight cache key: a change to this layout must change it.
+the weight cache key: a change to this layout must change it. A MoE kernel's own expert layout
+(engine.moe.kernel_layout) is one more conversion on top, asked for by name and keyed with it.
 """
 
 from __future__ import annotations

@@ -94,12 +94,14 @@ def prepare_checkpoint_fp8(model: nn.Module, settings: Fp8Settings, has_tensor: 
             if not (merged or has_tensor(f"{name}.0.gate_proj.weight{SCALE_SUFFIX}")):
                 continue
             gate_up, down = module.gate_up_proj, module.down_proj
-            if online:
+            if online or (merged and getattr(module, "is_transposed", False)):
+                # One grid over the stored shape: online quantization's, and a fused checkpoint tensor's
+                # (gpt-oss stores `[E, H, 2I]` with gate/up interleaved; its blocks run over those axes).
                 rows = _grid(gate_up.shape, settings.block)
             elif getattr(module, "is_transposed", False):
                 raise QuantizationError(
-                    f"{name}: FP8 experts stored transposed (gpt-oss layout) are not supported; "
-                    "serve the float checkpoint, optionally with --quantization fp8"
+                    f"{name}: FP8 experts stored transposed and per expert are not a layout keepwarm "
+                    "knows; serve the float checkpoint, optionally with --quantization fp8"
                 )
             else:
                 # Checkpoint scales are per expert and projection, so gate and up carry a grid each,
