@@ -16,6 +16,7 @@ from typing import ClassVar
 
 from keepwarm_api import podenv
 from keepwarm_api.settings import setting
+from keepwarm_runtime.cache.gpus import fake_gpu_uuid
 
 DTYPES = ("float32", "bfloat16", "float16")
 TIERS = ("auto", "gpu", "host")
@@ -82,6 +83,17 @@ class CacheServeSettings:
         "auto", "gpu (CUDA VMM) or host (shared memory); auto: gpu when CUDA is present", choices=TIERS
     )
     device: str = setting("cuda:0", "gpu tier: which GPU")
+    all_gpus: bool = setting(
+        False, "gpu tier: one daemon per GPU this process sees, each on gpu-<UUID>.sock (not only --device)"
+    )
+    fake_gpus: tuple[str, ...] = setting(
+        (),
+        "test/dev only: a fake GPU; one host-memory daemon per UUID on gpu-<UUID>.sock, as --all-gpus "
+        "would run per real GPU (refused with --tier host)",
+        flag="--fake-gpu",
+        metavar="UUID",
+        parse=fake_gpu_uuid,
+    )
     dtype: str = setting(
         "bfloat16", "serving dtype of floating tensors (clients must ask for the same)", choices=DTYPES
     )
@@ -92,7 +104,7 @@ class CacheServeSettings:
         choices=QUANTIZATIONS,
     )
     budget: int | None = setting(
-        None, "bytes (or 4GiB, 512MiB); least recently used beyond", parse=parse_bytes
+        None, "bytes (or 4GiB, 512MiB) per daemon (per GPU); least recently used beyond", parse=parse_bytes
     )
     pins: frozenset[str] = setting(frozenset(), "never evict this model", flag="--pin", metavar="NAME")
     group: str | None = setting(None, "share the socket with this group (0770/0660)")
