@@ -185,10 +185,19 @@ class NodeAgent:
             retry_at = book.retry_at.get(w.name)
             if retry_at is not None and now() < retry_at:
                 continue  # failed or evicted: wait for the backoff
+            if self._downloading_elsewhere(key, w):
+                continue  # reported Loading; the next pass after that download loads it from disk
             with self.lock:
                 book.loading.add(w.name)
             self.inflight[(key, w.name)] = self.pool.submit(self._load, key, w)
             self.wake.set()  # report Loading now
+
+    def _downloading_elsewhere(self, key: str, w: WantedModel) -> bool:
+        """Whether another daemon's job is downloading this Hub model now: this daemon waits for it
+        without taking a pool worker (a hung download then holds one worker, not one per GPU)."""
+        if w.repo is None or (w.name, w.repo, w.revision) in self.resolved:
+            return False
+        return any(k != key and name == w.name for k, name in self.inflight)
 
     def _loaded(self, key: str) -> dict[str, str]:
         """Model name -> daemon name in one daemon, copied under the lock (loads add to it)."""
@@ -233,7 +242,8 @@ class NodeAgent:
 
     def _path(self, w: WantedModel) -> str:
         """The directory to load: the path source, or the Hub snapshot, downloaded once for all
-        daemons (their jobs wait on the model's lock; a failure is each job's own, retried with it)."""
+        daemons (one job downloads, see _downloading_elsewhere; the lock covers a race; a failure is
+        that job's own, and the next load downloads again)."""
         if w.path is not None:
             return w.path
         assert w.repo is not None and w.revision is not None  # a Hub source (wanted_models)
@@ -253,6 +263,7 @@ class NodeAgent:
             daemon_name = self.daemons[key].add_model(path, **load_options(w))
         except Exception as exc:  # a bad checkpoint fails this model, not the agent
             log.warning("loading %s%s failed: %s", w.name, _on(key), exc)
+            self.resolved.pop((w.name, w.repo or "", w.revision or ""), None)  # a retry downloads again
             with self.lock:
                 book.failed[w.name] = f"{type(exc).__name__}: {exc}"
                 self._schedule_retry(book, w.name)

@@ -2,6 +2,7 @@
 node-level entry combined over the GPUs, and the agent driving one real daemon per (fake) GPU."""
 
 import shutil
+import threading
 
 import pytest
 
@@ -132,3 +133,36 @@ def test_agent_keeps_every_model_on_every_gpu_and_reports_each(fake_gpu_daemons,
     agent.settle()
     status = node_status(agent.state, agent.snapshots(), agent.wanted, "v")
     assert status.resident() == {"llama"} and status.phase.value == "Ready"
+
+
+def test_a_hub_model_is_downloaded_once_for_all_gpus(fake_gpu_daemons, tiny_llama, monkeypatch):
+    """One job downloads; the other GPUs wait for it without taking a pool worker, then load it."""
+    import keepwarm_runtime.agent.kubernetes as agent_module
+
+    calls, release = [], threading.Event()
+
+    def download(repo, revision, cache_dir, token, stall_s):
+        calls.append((repo, revision))
+        release.wait(60)  # a slow download: the other GPUs must not queue jobs behind it
+        return str(tiny_llama)
+
+    monkeypatch.setattr(agent_module, "download", download)
+    agent = NodeAgent(
+        fake_gpu_daemons, "wc", "node-1", api=None, host_root="/h", pvc_root="/pvc", max_loads=1
+    )
+    hub = {"huggingFace": {"repo": "org/tiny", "revision": "main"}}
+    obj = {
+        "metadata": {"name": "wc.node-1", "generation": 1},
+        "spec": {"weightCache": "wc", "nodeName": "node-1", "models": [{"name": "tiny", "source": hub}]},
+    }
+    agent.reconcile(obj)
+    assert len(agent.inflight) == 1  # one download job, not one per GPU
+    status = node_status(agent.state, agent.snapshots(), agent.wanted, "v")
+    assert [m.state for g in status.gpus for m in g.models] == [L, L, L, L]
+    release.set()
+    for _ in range(2):
+        agent.settle()
+        agent.reconcile(obj)
+    agent.settle()
+    assert calls == [("org/tiny", "main")]
+    assert node_status(agent.state, agent.snapshots(), agent.wanted, "v").resident() == {"tiny"}
