@@ -12,11 +12,13 @@ import subprocess
 import sys
 import uuid
 
+import httpx
 import pytest
 import yaml
 
 from keepwarm_operator.builders.meta import warm_label_key
 from keepwarm_runtime.cache.launcher import serve_command
+from keepwarm_runtime.server.launcher import free_port
 from keepwarm_testing.operator import (
     GROUP_PATH,
     NAMESPACE,
@@ -27,6 +29,7 @@ from keepwarm_testing.operator import (
     install_chart_rbac,
     install_crds,
     items,
+    samples,
     wait,
 )
 
@@ -68,9 +71,10 @@ def test_four_fake_gpus_report_per_gpu_and_warm_only_when_all_hold_it(control_pl
         NAMESPACE, f"keepwarm-agent-{cache}", create=False, bound_pod=pod
     )
     fake = [arg for u in gpus for arg in ("--fake-gpu", u)]
+    metrics_port = free_port()
     cmd = serve_command(
         tmp_path / "sock", [], "--dtype", "bfloat16", "--all-gpus", *fake, "--report-to-kubernetes",
-        "--weightcache", cache, "--node-name", node, tier="gpu",
+        "--weightcache", cache, "--node-name", node, "--metrics-port", str(metrics_port), tier="gpu",
     )  # fmt: skip
     env = {**cp.env(agent_kc), "KEEPWARM_HOST_MODEL_ROOT": str(models), "POD_NAMESPACE": NAMESPACE}
     log = tmp_path / "agent.log"
@@ -98,6 +102,12 @@ def test_four_fake_gpus_report_per_gpu_and_warm_only_when_all_hold_it(control_pl
         assert model["state"] == "Resident" and model["gpuUuids"] == sorted(gpus)
         assert sorted(p.name for p in (tmp_path / "sock").glob("*.sock")) == sorted(
             f"gpu-{u}.sock" for u in gpus
+        )
+        # One /metrics (the readinessProbe's) for the four daemons, each sample naming its GPU.
+        page = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+        resident = samples(page, "keepwarm_cache_resident_bytes")
+        assert sorted(x.labels["gpu"] for x in resident) == sorted(gpus) and all(
+            x.value > 0 for x in resident
         )
         wait(cp, lambda: labels().get(warm) == "true", "the node labelled warm", op=op)
         wait(
