@@ -3,8 +3,10 @@ KEEPWARM_CACHE_* variables, --help and the README's table from this class).
 
 Every setting is ``--flag`` and ``KEEPWARM_CACHE_<FIELD>`` (``--budget`` <- ``KEEPWARM_CACHE_BUDGET``),
 except the node name, which agent pods get as ``NODE_NAME`` from the downward API; repeatable flags
-(``--model``, ``--pin``, ``--allow-uid``, ``--allow-gid``) take comma-separated variables. Fields
-that DaemonConfig also has carry over to it by name (``keepwarm_api.settings.carry_over``).
+(``--model``, ``--pin``, ``--allow-uid``, ``--allow-gid``, ``--fake-gpu``) take comma-separated
+variables. Fields that DaemonConfig also has carry over to it by name
+(``keepwarm_api.settings.carry_over``); ``--all-gpus`` and ``--fake-gpu`` choose how many daemons run
+(cache/gpus.py).
 """
 
 from __future__ import annotations
