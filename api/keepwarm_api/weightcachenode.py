@@ -5,6 +5,13 @@ should hold (node_spec; KServe's LocalModelNode way): the agent watches only thi
 DaemonSet's pod template never changes when models do. The agent on that node writes its status
 (agent_status). The operator only marks it Stale when the heartbeat stops and deletes it when the
 Node is gone or no longer selected.
+
+Per-GPU truth: on the gpu tier the agent runs one daemon per GPU (each on gpu-<UUID>.sock, the socket
+an inference pod on that GPU attaches to) and reports each GPU's models under status.gpus. The warm
+rule (resident_models) is: a node holds a model when EVERY GPU it reports holds it. The device plugin,
+not keepwarm, picks which of the node's GPUs a pod gets, so "at least N of them" (N = the pod's GPU
+request) would still send some pods to a cold GPU; only "all" makes the node-level warm label true for
+any pod placed there. The host tier has one daemon (host.sock) that serves every GPU: no status.gpus.
 """
 
 from __future__ import annotations
@@ -77,7 +84,7 @@ class ResidentModel(KubeModel):
     state: ModelState
     """Loading, Resident, Evicted or Failed."""
     bytes: int = 0
-    """Bytes held in the arena."""
+    """Bytes held in the arenas (every GPU's copy counted)."""
     fingerprint: str = ""
     """WeightCacheKey hash (headers, sizes, arch, dtype, quantization, revision, TP, version)."""
     digest: str = ""
@@ -87,13 +94,81 @@ class ResidentModel(KubeModel):
     tier: str = ""
     """gpu or host."""
     gpu_uuids: list[str] = Field(default_factory=list)
-    """GPUs holding a copy (gpu tier)."""
+    """GPUs holding a copy (gpu tier); Resident means all of status.gpus."""
     message: str = ""
-    """Why it failed, when state is Failed."""
+    """Why it failed (or on which GPUs it is still missing), when not Resident."""
     attempts: int = 0
     """Failed loads (or evictions) in a row, when state is Failed or Evicted."""
     retry_at: dt.datetime | None = None
     """When a Failed or Evicted model is tried again (exponential backoff, capped)."""
+
+
+class GPUModel(KubeModel):
+    """One model as one GPU's daemon holds it."""
+
+    name: str
+    """Model name (as in the WeightCache)."""
+    state: ModelState
+    """Loading, Resident, Evicted or Failed on this GPU."""
+    bytes: int = 0
+    """Bytes held on this GPU."""
+    message: str = ""
+    """Why it failed or was evicted on this GPU."""
+
+
+class GPUResidency(KubeModel):
+    """One GPU the agent sees and what its daemon (on gpu-<uuid>.sock) holds."""
+
+    uuid: str = Field(max_length=128)
+    """GPU UUID as nvidia-smi prints it (GPU-xxxxxxxx-...); pods on this GPU attach gpu-<uuid>.sock."""
+    models: list[GPUModel] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    """The node's models on this GPU."""
+
+
+def resident_models(models: list[ResidentModel], gpus: list[GPUResidency]) -> set[str]:
+    """The warm rule (see the module docstring): with per-GPU reports, the models every reported GPU
+    holds; without (host tier, or an agent from before per-GPU status), the models reported Resident."""
+    if not gpus:
+        return {m.name for m in models if m.state == ModelState.RESIDENT}
+    held = [{m.name for m in g.models if m.state == ModelState.RESIDENT} for g in gpus]
+    return set.intersection(*held)
+
+
+def combine_gpus(per_gpu: dict[str, ResidentModel]) -> ResidentModel:
+    """One model's node-level entry from its entries on each GPU (uuid -> entry, at least one).
+
+    Resident only when resident on every GPU (the warm rule); else Failed when it failed on some GPU,
+    Evicted when evicted on some, Loading otherwise; the message names the GPUs it is missing on.
+    gpu_uuids lists the GPUs holding a copy, bytes counts every copy.
+    """
+    entries = list(per_gpu.values())
+    holding = sorted(u for u, m in per_gpu.items() if m.state == ModelState.RESIDENT)
+    first = next((m for m in entries if m.state == ModelState.RESIDENT), entries[0])
+    base = first.model_copy(
+        update={"gpu_uuids": holding, "bytes": sum(m.bytes for m in entries), "message": ""}
+    )
+    if len(holding) == len(entries):
+        return base
+    for state in (ModelState.FAILED, ModelState.EVICTED):
+        bad = {u: m for u, m in per_gpu.items() if m.state == state}
+        if bad:
+            worst = next(iter(bad.values()))
+            message = "; ".join(f"{u}: {m.message}" for u, m in sorted(bad.items()))
+            return base.model_copy(
+                update={
+                    "state": state,
+                    "message": message[:1000],
+                    "attempts": worst.attempts,
+                    "retry_at": worst.retry_at,
+                }
+            )
+    missing = sorted(set(per_gpu) - set(holding))
+    return base.model_copy(
+        update={"state": ModelState.LOADING, "message": f"loading on {', '.join(missing)}"[:1000]}
+    )
 
 
 class WeightCacheNodeStatus(KubeModel):
@@ -109,6 +184,11 @@ class WeightCacheNodeStatus(KubeModel):
     """Bytes held across models."""
     gpu_uuids: list[str] = Field(default_factory=list)
     """GPUs the agent sees."""
+    gpus: list[GPUResidency] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["uuid"]},
+    )
+    """Per GPU (gpu tier): which models its daemon holds, loads or failed; empty on the host tier."""
     agent_version: str = ""
     """keepwarm version of the agent."""
     message: str = ""
@@ -120,9 +200,10 @@ class WeightCacheNodeStatus(KubeModel):
     """Stale (set by the operator)."""
 
     def resident(self) -> set[str]:
+        """Models a pod placed on this node finds warm on whichever GPU it gets (resident_models)."""
         if self.phase == NodePhase.STALE:
             return set()
-        return {m.name for m in self.models if m.state == ModelState.RESIDENT}
+        return resident_models(self.models, self.gpus)
 
 
 PRINTER_COLUMNS = [
@@ -162,8 +243,10 @@ def agent_status(
     message: str,
     now: dt.datetime,
     reporting_since: dt.datetime,
+    gpus: list[GPUResidency] | None = None,
 ) -> WeightCacheNodeStatus:
-    """The status an agent reports: phase from its models, Stale=False since it started reporting."""
+    """The status an agent reports: phase from its models (each combined over the GPUs when there
+    are per-GPU reports), Stale=False since it started reporting."""
     fresh = Condition(
         type=STALE,
         status=ConditionStatus.FALSE,
@@ -176,6 +259,7 @@ def agent_status(
         models=models,
         total_bytes=sum(m.bytes for m in models),
         gpu_uuids=sorted(set(gpu_uuids) | {u for m in models for u in m.gpu_uuids}),
+        gpus=gpus or [],
         agent_version=version,
         message=message,
         conditions=[fresh],

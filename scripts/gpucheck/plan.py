@@ -47,6 +47,7 @@ CACHE_MODULES = [
     "keepwarm_runtime.cache.client",
     "keepwarm_runtime.cache.daemon",
     "keepwarm_runtime.cache.backends.cuda",
+    "keepwarm_runtime.cache.gpus",
     "keepwarm_runtime.cache.cli",
     "keepwarm_runtime.cli",
 ]

@@ -7,6 +7,9 @@ through one read-only mount of spec.modelDirectory, Hub tokens through the API (
 Secrets). Adding or removing a model therefore rolls no agent and drops no cache. The exception is a
 pvc source: a claim can only be mounted by the pod spec, so adding or removing one rolls the agents.
 
+On the gpu tier the agent runs one daemon per GPU it sees (`--all-gpus`, each on gpu-<UUID>.sock),
+since an inference pod attaches the socket of the GPU the device plugin gave it.
+
 GPU access without claiming nvidia.com/gpu (claiming it would take GPUs away from inference pods): with
 gpuAccess.mode VisibleDevicesAll the pod sets NVIDIA_VISIBLE_DEVICES=all and runs under the RuntimeClass
 that makes the NVIDIA container runtime inject every device (the device plugin's "all" pass-through).
@@ -114,6 +117,8 @@ def agent_command(spec: WeightCacheSpec, cache: str) -> list[str]:
         "--dtype", "bfloat16" if dtype == "auto" else dtype,
         "--metrics-port", str(spec.agent.metrics_port),
     ]  # fmt: skip
+    if spec.tier == Tier.GPU:  # one daemon per GPU of the node: a pod attaches the socket of its GPU
+        command += ["--all-gpus"]
     if spec.socket.mode == SocketMode.SHARED:
         command += ["--group", str(spec.socket.group_id)]
     budget = budget_bytes(spec.budget)

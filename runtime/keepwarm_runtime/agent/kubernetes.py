@@ -5,10 +5,16 @@ watches that one object (a list+watch with a metadata.name field selector, no po
 sources reach it without any change to its pod. Hub tokens are read from Secrets in the agent's own
 namespace through the API (the operator's per-cache Role names exactly those Secrets).
 
-Loads run on a small thread pool (`max_loads` at a time), so one slow or hung download does not hold
-up the rest; the daemon itself loads into its arena one model at a time. A download that adds no bytes
-for `stall_timeout_s` is stopped and fails (download.py). Failed and evicted models are
-retried by themselves with capped exponential backoff (state.retry_delay), the next try reported in
+The agent drives one daemon per GPU (`--all-gpus`, or the `--fake-gpu` test twin; cache/gpus.py) or
+the host tier's one, and keeps every wanted model in each: a pod attaches the daemon of the GPU it was
+given. Each daemon has its own bookkeeping (state.DaemonBook): a model can be resident on one GPU,
+loading on a second and failed on a third, and is reported so, per GPU, in the status.
+
+Loads run on a small thread pool (`max_loads` at a time, one job per model and daemon), so one slow or
+hung download does not hold up the rest; a Hub model is downloaded once per node (the daemons' jobs
+share it under a per-model lock); each daemon loads into its arena one model at a time. A download
+that adds no bytes for `stall_timeout_s` is stopped and fails (download.py). Failed and evicted models
+are retried by themselves with capped exponential backoff (state.retry_delay), the next try reported in
 the model's status (retryAt); a spec change retries at once.
 
 Started by `keepwarm cache serve --report-to-kubernetes --weightcache NAME --node-name NODE` in a
@@ -43,6 +49,7 @@ from .download import download
 from .state import (
     RETRY_BASE_S,
     AgentState,
+    DaemonBook,
     WantedModel,
     load_options,
     node_status,
@@ -80,15 +87,22 @@ def _clients() -> tuple[Any, Any]:
     return client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
 
 
+def daemon_key(daemon: Any) -> str:
+    """The GPU UUID a daemon serves ("" for the host tier's one): its key in books and status."""
+    return getattr(daemon, "serves_gpu", None) or ""
+
+
 class NodeAgent:
     def __init__(
-        self, daemon: Any, cache: str, node: str, api: Any, *, core: Any = None,
+        self, daemon: Any | list[Any], cache: str, node: str, api: Any, *, core: Any = None,
         namespace: str | None = None, host_root: str | None = None, pvc_root: str | None = None,
         hf_root: str | None = None,
         retry_base_s: float = RETRY_BASE_S, max_loads: int = MAX_LOADS,
         stall_timeout_s: float = STALL_TIMEOUT_S,
     ):  # fmt: skip
-        self.daemon, self.cache, self.node, self.api, self.core = daemon, cache, node, api, core
+        daemons = daemon if isinstance(daemon, list) else [daemon]
+        self.daemons = {daemon_key(d): d for d in daemons}  # GPU UUID ("" for host.sock) -> daemon
+        self.cache, self.node, self.api, self.core = cache, node, api, core
         self.namespace = namespace or os.environ.get("POD_NAMESPACE", "default")  # token Secrets live here
         self.host_root = host_root or present(os.environ.get(podenv.HOST_MODEL_ROOT)) or HOST_MODELS_MOUNT
         self.pvc_root = pvc_root or present(os.environ.get(podenv.MODEL_ROOT)) or MODELS_ROOT
@@ -96,9 +110,10 @@ class NodeAgent:
         self.retry_base_s = retry_base_s  # failed/evicted models: first retry after this, then doubling
         self.stall_timeout_s = stall_timeout_s
         self.pool = ThreadPoolExecutor(max_workers=max_loads, thread_name_prefix="agent-load")
-        self.inflight: dict[str, Future[None]] = {}
-        self.resolved: dict[str, str] = {}  # model name -> the directory it was loaded from
-        self.state = AgentState()
+        self.inflight: dict[tuple[str, str], Future[None]] = {}  # (daemon key, model name) -> its load
+        self.resolved: dict[tuple[str, str, str], str] = {}  # (name, repo, revision) -> Hub snapshot dir
+        self.resolving: dict[str, threading.Lock] = {}  # model name -> held while one job resolves it
+        self.state = AgentState(books={key: DaemonBook() for key in self.daemons})
         self.wanted: list[WantedModel] = []
         self.heartbeat_s = float(DEFAULT_HEARTBEAT_S)
         self.lock = threading.Lock()
@@ -121,7 +136,8 @@ class NodeAgent:
         return items[0] if items else None
 
     def reconcile(self, obj: dict[str, Any]) -> None:
-        """One pass: start loads of what is wanted and missing, release what is no longer wanted.
+        """One pass: start loads of what is wanted and missing, release what is no longer wanted,
+        in every daemon.
 
         Local work only (no API calls); loads run on the pool, see settle().
         """
@@ -133,44 +149,60 @@ class NodeAgent:
             self.wanted = wanted
             self.state.message = ""
             if generation != self.state.generation:  # spec changed: retry failures and evictions now
-                self.state.failed.clear()
-                self.state.evicted.clear()
-                self.state.attempts.clear()
-                self.state.retry_at.clear()
+                for book in self.state.books.values():
+                    book.failed.clear()
+                    book.evicted.clear()
+                    book.attempts.clear()
+                    book.retry_at.clear()
                 self.state.generation = generation
-        names = {w.name for w in wanted}
         self._reap()
-        for name in sorted(set(self._loaded()) - names - set(self.inflight)):
+        for key in self.daemons:
+            self._reconcile_daemon(key, wanted)
+
+    def _reconcile_daemon(self, key: str, wanted: list[WantedModel]) -> None:
+        daemon, book = self.daemons[key], self.state.books[key]
+        names = {w.name for w in wanted}
+        busy = {name for k, name in self.inflight if k == key}
+        for name in sorted(set(self._loaded(key)) - names - busy):
             with self.lock:
-                daemon_name = self.state.daemon_names.pop(name)
-            self.daemon.remove_model(daemon_name)
-            log.info("released %s (removed from WeightCacheNode %s)", name, self.object_name)
-        resident = self.daemon.snapshot()["models"]
+                daemon_name = book.daemon_names.pop(name)
+            daemon.remove_model(daemon_name)
+            log.info("released %s%s (removed from WeightCacheNode %s)", name, _on(key), self.object_name)
+        resident = daemon.snapshot()["models"]
         for w in wanted:
-            if w.name in self.inflight:
+            if (key, w.name) in self.inflight:
                 continue
-            daemon_name = self._loaded().get(w.name)
+            daemon_name = self._loaded(key).get(w.name)
             if daemon_name in resident:
                 if w.pin and not resident[daemon_name]["pinned"]:  # no-op reload; marks pinned
-                    self.daemon.add_model(self.resolved.get(w.name) or self._path(w), **load_options(w))
+                    daemon.add_model(self._path(w), **load_options(w))
                 continue
             if daemon_name is not None:  # was loaded, now gone: evicted under the budget
                 with self.lock:
-                    self.state.daemon_names.pop(w.name)
-                    self.state.evicted.add(w.name)
-                    self._schedule_retry(w.name)
-            retry_at = self.state.retry_at.get(w.name)
+                    book.daemon_names.pop(w.name)
+                    book.evicted.add(w.name)
+                    self._schedule_retry(book, w.name)
+            retry_at = book.retry_at.get(w.name)
             if retry_at is not None and now() < retry_at:
                 continue  # failed or evicted: wait for the backoff
+            if self._downloading_elsewhere(key, w):
+                continue  # reported Loading; the next pass after that download loads it from disk
             with self.lock:
-                self.state.loading.add(w.name)
-            self.inflight[w.name] = self.pool.submit(self._load, w)
+                book.loading.add(w.name)
+            self.inflight[(key, w.name)] = self.pool.submit(self._load, key, w)
             self.wake.set()  # report Loading now
 
-    def _loaded(self) -> dict[str, str]:
-        """Model name -> daemon name, copied under the lock (loads add to it from the pool)."""
+    def _downloading_elsewhere(self, key: str, w: WantedModel) -> bool:
+        """Whether another daemon's job is downloading this Hub model now: this daemon waits for it
+        without taking a pool worker (a hung download then holds one worker, not one per GPU)."""
+        if w.repo is None or (w.name, w.repo, w.revision) in self.resolved:
+            return False
+        return any(k != key and name == w.name for k, name in self.inflight)
+
+    def _loaded(self, key: str) -> dict[str, str]:
+        """Model name -> daemon name in one daemon, copied under the lock (loads add to it)."""
         with self.lock:
-            return dict(self.state.daemon_names)
+            return dict(self.state.books[key].daemon_names)
 
     def settle(self, timeout_s: float | None = None) -> None:
         """Wait for the loads in flight (tests and shutdown; the loop itself never waits)."""
@@ -178,15 +210,15 @@ class NodeAgent:
         self._reap()
 
     def _reap(self) -> None:
-        for name, future in list(self.inflight.items()):
+        for job, future in list(self.inflight.items()):
             if future.done():
-                del self.inflight[name]
+                del self.inflight[job]
 
-    def _schedule_retry(self, name: str) -> None:
+    def _schedule_retry(self, book: DaemonBook, name: str) -> None:
         """Caller holds the lock: one more failure in a row, next try after the backoff."""
-        attempts = self.state.attempts.get(name, 0) + 1
-        self.state.attempts[name] = attempts
-        self.state.retry_at[name] = now() + dt.timedelta(seconds=retry_delay(attempts, self.retry_base_s))
+        attempts = book.attempts.get(name, 0) + 1
+        book.attempts[name] = attempts
+        book.retry_at[name] = now() + dt.timedelta(seconds=retry_delay(attempts, self.retry_base_s))
 
     def _token(self, w: WantedModel) -> str | None:
         """The Hub token from its Secret in the agent's namespace, read through the API when needed."""
@@ -209,33 +241,48 @@ class NodeAgent:
         return base64.b64decode(data[w.token.key]).decode().strip()
 
     def _path(self, w: WantedModel) -> str:
+        """The directory to load: the path source, or the Hub snapshot, downloaded once for all
+        daemons (one job downloads, see _downloading_elsewhere; the lock covers a race; a failure is
+        that job's own, and the next load downloads again)."""
         if w.path is not None:
             return w.path
         assert w.repo is not None and w.revision is not None  # a Hub source (wanted_models)
-        return download(w.repo, w.revision, hf_cache_dir(self.hf_root), self._token(w), self.stall_timeout_s)
+        with self.lock:
+            resolving = self.resolving.setdefault(w.name, threading.Lock())
+        source = (w.name, w.repo, w.revision)
+        with resolving:
+            if source not in self.resolved:
+                hf_dir, token = hf_cache_dir(self.hf_root), self._token(w)
+                self.resolved[source] = download(w.repo, w.revision, hf_dir, token, self.stall_timeout_s)
+            return self.resolved[source]
 
-    def _load(self, w: WantedModel) -> None:
+    def _load(self, key: str, w: WantedModel) -> None:
+        book = self.state.books[key]
         try:
             path = self._path(w)
-            self.resolved[w.name] = path  # a later pin needs no second download
-            daemon_name = self.daemon.add_model(path, **load_options(w))
+            daemon_name = self.daemons[key].add_model(path, **load_options(w))
         except Exception as exc:  # a bad checkpoint fails this model, not the agent
-            log.warning("loading %s failed: %s", w.name, exc)
+            log.warning("loading %s%s failed: %s", w.name, _on(key), exc)
+            self.resolved.pop((w.name, w.repo or "", w.revision or ""), None)  # a retry downloads again
             with self.lock:
-                self.state.failed[w.name] = f"{type(exc).__name__}: {exc}"
-                self._schedule_retry(w.name)
+                book.failed[w.name] = f"{type(exc).__name__}: {exc}"
+                self._schedule_retry(book, w.name)
         else:
             with self.lock:
-                self.state.daemon_names[w.name] = daemon_name
-                self.state.failed.pop(w.name, None)
-                self.state.evicted.discard(w.name)
-                self.state.attempts.pop(w.name, None)
-                self.state.retry_at.pop(w.name, None)
+                book.daemon_names[w.name] = daemon_name
+                book.failed.pop(w.name, None)
+                book.evicted.discard(w.name)
+                book.attempts.pop(w.name, None)
+                book.retry_at.pop(w.name, None)
         finally:
             with self.lock:
-                self.state.loading.discard(w.name)
+                book.loading.discard(w.name)
             self.wake.set()
             self.changed.set()  # another pass: a load may have evicted another model
+
+    def snapshots(self) -> dict[str, dict[str, Any]]:
+        """Every daemon's snapshot by its GPU UUID ("" for host.sock)."""
+        return {key: daemon.snapshot() for key, daemon in self.daemons.items()}
 
     def report(self) -> bool:
         """Write the WeightCacheNode status; False while the operator has not created it yet."""
@@ -244,7 +291,7 @@ class NodeAgent:
         with self.lock:
             if (now() - self.last_report).total_seconds() > wcn.STALE_HEARTBEATS * self.heartbeat_s:
                 self.state.reporting_since = now()  # silent long enough to be Stale: a transition
-            status = node_status(self.state, self.daemon.snapshot(), self.wanted, __version__)
+            status = node_status(self.state, self.snapshots(), self.wanted, __version__)
         try:
             self.api.patch_cluster_custom_object_status(
                 GROUP, VERSION, wcn.PLURAL, self.object_name, {"status": status.wire()},
@@ -303,7 +350,9 @@ class NodeAgent:
     def _next_pass_s(self) -> float:
         """Until the next backoff expires, at most a heartbeat (evictions by the daemon are local)."""
         with self.lock:
-            due = [(t - now()).total_seconds() for t in self.state.retry_at.values()]
+            due = [
+                (t - now()).total_seconds() for b in self.state.books.values() for t in b.retry_at.values()
+            ]
         return max(0.5, min([self.heartbeat_s, *due]))
 
     def run(self, stop: threading.Event) -> None:
@@ -327,16 +376,21 @@ class NodeAgent:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def run_agent(daemon: Any, settings: CacheServeSettings, stop: threading.Event | None = None) -> None:
-    """Entry point for `keepwarm cache serve --report-to-kubernetes` (runs until the daemon stops)."""
+def _on(key: str) -> str:
+    """ " on GPU-..." for a log line about one GPU's daemon; nothing for the host tier's one."""
+    return f" on {key}" if key else ""
+
+
+def run_agent(daemons: list[Any], settings: CacheServeSettings, stop: threading.Event | None = None) -> None:
+    """Entry point for `keepwarm cache serve --report-to-kubernetes` (runs until the daemons stop)."""
     try:
         api, core = _clients()
     except AgentDependencyError as exc:
         log.error("%s", exc)
         return
-    stop = stop or getattr(daemon, "_stop", None) or threading.Event()
+    stop = stop or getattr(daemons[0], "_stop", None) or threading.Event()  # SIGTERM stops them all
     agent = NodeAgent(
-        daemon, settings.weightcache, settings.node_name, api, core=core,
+        daemons, settings.weightcache, settings.node_name, api, core=core,
         max_loads=settings.max_loads, stall_timeout_s=settings.stall_timeout,
     )  # fmt: skip
     agent.run(stop)

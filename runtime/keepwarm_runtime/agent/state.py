@@ -2,7 +2,8 @@
 
 The node's wanted models arrive as the typed WeightCacheNode spec of keepwarm_api (the operator writes
 it); model directories follow keepwarm_api.paths, the convention the operator mounts sources by; the
-status is built by keepwarm_api.weightcachenode.agent_status from the daemon's snapshot.
+status is built by keepwarm_api.weightcachenode.agent_status from the daemons' snapshots (one per GPU
+with per-GPU daemons, each tracked in its own DaemonBook).
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ from typing import Any
 from keepwarm_api.common import Quantization, SecretKeyRef
 from keepwarm_api.paths import HOST_MODELS_MOUNT, MODELS_ROOT, host_model_dir, model_dir
 from keepwarm_api.weightcachenode import (
+    GPUModel,
+    GPUResidency,
     ModelState,
     ResidentModel,
     WeightCacheNodeSpec,
     WeightCacheNodeStatus,
     agent_status,
+    combine_gpus,
 )
 
 EVICTED_MESSAGE = "evicted under the budget"
@@ -38,8 +42,8 @@ class WantedModel:
 
 
 @dataclass
-class AgentState:
-    """What the agent knows between ticks (owned by the agent thread, read by the reporter)."""
+class DaemonBook:
+    """One daemon's share of the agent's bookkeeping: one per GPU (gpu tier), or the host tier's one."""
 
     daemon_names: dict[str, str] = field(default_factory=dict)  # WeightCache name -> daemon name
     loading: set[str] = field(default_factory=set)
@@ -47,6 +51,13 @@ class AgentState:
     evicted: set[str] = field(default_factory=set)
     attempts: dict[str, int] = field(default_factory=dict)  # name -> failed loads/evictions in a row
     retry_at: dict[str, dt.datetime] = field(default_factory=dict)  # name -> next try (failed/evicted)
+
+
+@dataclass
+class AgentState:
+    """What the agent knows between ticks (owned by the agent thread, read by the reporter)."""
+
+    books: dict[str, DaemonBook] = field(default_factory=dict)  # GPU UUID ("" for host.sock) -> book
     generation: int | None = None  # WeightCacheNode generation last acted on
     message: str = ""
     reporting_since: dt.datetime = field(default_factory=lambda: now())  # Stale=False since then
@@ -87,7 +98,7 @@ def retry_delay(attempts: int, base_s: float = RETRY_BASE_S, cap_s: float = RETR
     return min(cap_s, base_s * 2 ** max(0, attempts - 1))
 
 
-def _retry_note(state: AgentState, name: str) -> str:
+def _retry_note(state: DaemonBook, name: str) -> str:
     at = state.retry_at.get(name)
     if at is None:
         return ""
@@ -95,8 +106,8 @@ def _retry_note(state: AgentState, name: str) -> str:
     return f" (attempt {state.attempts.get(name, 1)}; retrying at {stamp})"
 
 
-def resident_model(w: WantedModel, state: AgentState, snapshot: dict[str, Any]) -> ResidentModel:
-    """One model's entry in the status, from the daemon's snapshot and the agent's bookkeeping."""
+def resident_model(w: WantedModel, state: DaemonBook, snapshot: dict[str, Any]) -> ResidentModel:
+    """One model's entry for one daemon, from its snapshot and the agent's bookkeeping of it."""
     base = ResidentModel(name=w.name, state=ModelState.LOADING, pinned=w.pin, tier=snapshot.get("tier", ""))
     info = snapshot.get("models", {}).get(state.daemon_names.get(w.name, ""))
     if info is not None:
@@ -122,10 +133,35 @@ def resident_model(w: WantedModel, state: AgentState, snapshot: dict[str, Any]) 
     return base
 
 
+def gpu_model(m: ResidentModel) -> GPUModel:
+    """A model's entry on one GPU (the per-GPU part of its status entry)."""
+    return GPUModel(name=m.name, state=m.state, bytes=m.bytes, message=m.message)
+
+
 def node_status(
-    state: AgentState, snapshot: dict[str, Any], wanted: list[WantedModel], version: str
+    state: AgentState, snapshots: dict[str, dict[str, Any]], wanted: list[WantedModel], version: str
 ) -> WeightCacheNodeStatus:
-    """The WeightCacheNode status this agent reports now (the one place agent status is built)."""
-    models = [resident_model(w, state, snapshot) for w in wanted]
-    gpus = [snapshot["gpu_uuid"]] if snapshot.get("gpu_uuid") else []
-    return agent_status(models, gpus, version, state.message, now(), state.reporting_since)
+    """The WeightCacheNode status this agent reports now (the one place agent status is built).
+
+    ``snapshots`` maps each daemon's GPU UUID ("" for the host tier's one daemon) to its snapshot.
+    With per-GPU daemons each GPU is reported under gpus and each model's node-level entry combines
+    them (Resident only when every GPU holds it: weightcachenode.combine_gpus).
+    """
+    per_daemon = {
+        key: [resident_model(w, state.books.get(key) or DaemonBook(), snap) for w in wanted]
+        for key, snap in snapshots.items()
+    }
+    gpu_keys = sorted(k for k in per_daemon if k)
+    if not gpu_keys:
+        models = next(iter(per_daemon.values()), [])
+        gpus = [u for snap in snapshots.values() if (u := snap.get("gpu_uuid"))]
+        return agent_status(models, gpus, version, state.message, now(), state.reporting_since)
+    per_gpu = [
+        GPUResidency(
+            uuid=key,
+            models=[gpu_model(m) for m in per_daemon[key]],
+        )
+        for key in gpu_keys
+    ]
+    models = [combine_gpus({key: per_daemon[key][i] for key in gpu_keys}) for i in range(len(wanted))]
+    return agent_status(models, gpu_keys, version, state.message, now(), state.reporting_since, gpus=per_gpu)

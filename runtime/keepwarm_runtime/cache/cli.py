@@ -4,11 +4,16 @@ Bad input never ends in a traceback: every command answers it with one line on s
 is wrong and exits with ``EXIT_BAD_INPUT`` (2). ``serve`` loads each ``--model`` on its own: a model
 that fails is logged (and listed as Failed) while the others are served; it exits 2 only when models
 were given and none loaded.
+
+With ``--all-gpus`` (or the test twin ``--fake-gpu``, see cache/gpus.py) ``serve`` runs one daemon
+per GPU in this process, each on its own gpu-<UUID>.sock, with one /metrics for all of them; the
+node agent drives every one.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -83,37 +88,93 @@ def daemon_config(settings: CacheServeSettings) -> DaemonConfig:
     )
 
 
+def daemon_configs(settings: CacheServeSettings) -> list[DaemonConfig]:
+    """One configuration per daemon to run (cache/gpus.py): the one, or one per (fake) GPU."""
+    from keepwarm_runtime.cache.gpus import DaemonPlan, discover, plan_daemons
+
+    base = daemon_config(settings)
+    plans = plan_daemons(base.tier, settings.all_gpus, settings.fake_gpus, discover)
+    if len(plans) == 1 and plans[0] == DaemonPlan(plans[0].tier, None):
+        return [dataclasses.replace(base, tier=plans[0].tier)]  # the one daemon, with its own /metrics
+    port = None  # several daemons: one /metrics for all (serve_per_gpu), not one each
+    return [
+        dataclasses.replace(
+            base,
+            tier=p.tier,
+            device=p.device or base.device,
+            fake_gpu_uuid=p.fake_gpu_uuid,
+            metrics_port=port,
+        )
+        for p in plans
+    ]
+
+
 def serve(settings: CacheServeSettings) -> int:
-    """Claim the socket, load the models, serve until SIGTERM; 2 on bad settings or when none loads."""
+    """Claim the sockets, load the models, serve until SIGTERM; 2 on bad settings or when none loads."""
     from keepwarm_runtime.cache.daemon import CacheDaemon
 
     if settings.report_to_kubernetes and not (settings.weightcache and settings.node_name):
         return _fail("serve", "--report-to-kubernetes needs --weightcache and --node-name")
     if settings.stall_timeout < 1:
         return _fail("serve", "--stall-timeout must be at least 1 second")
-    config = daemon_config(settings)
+    daemons: list[CacheDaemon] = []
+
+    def close_all() -> None:
+        for d in daemons:
+            d.close()
+
     try:
-        daemon = CacheDaemon(config)
-        daemon.claim()  # a second daemon stops here, before loading anything
-    except Exception as exc:  # bad tier/device/group/socket dir, no CUDA, lock held: one line
+        for config in daemon_configs(settings):
+            daemons.append(CacheDaemon(config))
+            daemons[-1].claim()  # a second daemon stops here, before loading anything
+    except Exception as exc:  # bad tier/device/group/socket dir, no CUDA, no GPU, lock held: one line
+        close_all()
         return _fail("serve", exc)
-    loaded = load_initial_models(daemon, list(settings.model), config.quantization)
-    if settings.model and not loaded:
-        daemon.close()
-        return _fail("serve", f"none of the {len(settings.model)} models loaded; see the errors above")
+    quantization = daemons[0].config.quantization
+    for daemon in daemons:
+        loaded = load_initial_models(daemon, list(settings.model), quantization)
+        if settings.model and not loaded:
+            close_all()
+            return _fail("serve", f"none of the {len(settings.model)} models loaded; see the errors above")
     try:
-        daemon.bind()
+        for daemon in daemons:
+            daemon.bind()
     except Exception as exc:
-        daemon.close()
+        close_all()
         return _fail("serve", exc)
-    signal.signal(signal.SIGTERM, lambda *_: daemon.stop())
-    signal.signal(signal.SIGINT, lambda *_: daemon.stop())
+    if settings.metrics_port is not None and daemons[0].config.metrics_port is None:  # per GPU
+        from keepwarm_runtime.cache.metrics import serve_per_gpu
+
+        serve_per_gpu({d.serves_gpu or "": d.metrics.registry for d in daemons}, settings.metrics_port)
+
+    def stop_all(*_: object) -> None:
+        for d in daemons:
+            d.stop()
+
+    signal.signal(signal.SIGTERM, stop_all)
+    signal.signal(signal.SIGINT, stop_all)
     if settings.report_to_kubernetes:
         from keepwarm_runtime.agent.kubernetes import run_agent
 
-        threading.Thread(target=run_agent, args=(daemon, settings), daemon=True, name="node-agent").start()
-    daemon.serve_forever()
+        threading.Thread(target=run_agent, args=(daemons, settings), daemon=True, name="node-agent").start()
+    others = [
+        threading.Thread(target=_serve_then_stop_all, args=(d, stop_all), name=f"daemon-{d.serves_gpu}")
+        for d in daemons[1:]
+    ]
+    for thread in others:
+        thread.start()
+    _serve_then_stop_all(daemons[0], stop_all)
+    for thread in others:
+        thread.join()
     return 0
+
+
+def _serve_then_stop_all(daemon, stop_all) -> None:
+    """Serve one daemon; when it ends (SIGTERM, or its server failed) the others end too."""
+    try:
+        daemon.serve_forever()
+    finally:
+        stop_all()
 
 
 def load_initial_models(daemon, paths: list[str], quantization: str | None = None) -> list[str]:

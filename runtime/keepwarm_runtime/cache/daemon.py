@@ -57,6 +57,9 @@ class DaemonConfig:
     limits: ServerLimits = field(default_factory=ServerLimits)
     quantization: str | None = None  # "fp8": quantize the --model checkpoints online at load
     expert_layout: str = MODEL  # MoE experts converted at load to this kernel's layout (kernel_layout)
+    # Test/dev twin of one GPU (`--fake-gpus`): host-memory arenas served on gpu-<UUID>.sock, so a
+    # machine without CUDA runs the gpu tier's per-GPU daemons; host tier only (the arenas are host).
+    fake_gpu_uuid: str | None = None
 
 
 @dataclass(frozen=True)
@@ -89,8 +92,9 @@ def resolve_tier(tier: str) -> str:
     return "gpu" if torch.cuda.is_available() else "host"
 
 
-def socket_name(tier: str, gpu_uuid: str | None) -> str:
-    return f"gpu-{gpu_uuid}.sock" if tier == "gpu" else "host.sock"
+def socket_name(serves_gpu: str | None) -> str:
+    """gpu-<UUID>.sock for the daemon of one GPU (the name cache.client looks for), else host.sock."""
+    return f"gpu-{serves_gpu}.sock" if serves_gpu else "host.sock"
 
 
 class CacheDaemon:
@@ -106,8 +110,13 @@ class CacheDaemon:
 
             self.device_ordinal = cuda.device_ordinal(config.device)
             self.gpu_uuid = cuda.gpu_uuid(self.device_ordinal)
+            if config.fake_gpu_uuid:
+                raise ValueError("a fake GPU is host memory; the gpu tier serves real GPUs only")
+        # The GPU whose pods this daemon serves: the arenas' GPU, or the twin's fake one (whose arenas
+        # are host memory, so its replies name no gpu_uuid).
+        self.serves_gpu = self.gpu_uuid or config.fake_gpu_uuid
         self.socket_dir = Path(config.socket_dir)
-        self.socket_path = self.socket_dir / socket_name(self.tier, self.gpu_uuid)
+        self.socket_path = self.socket_dir / socket_name(self.serves_gpu)
         self.registry = ModelRegistry(config.budget)
         self.metrics = DaemonMetrics()
         self.handlers = CommandHandlers(self)
@@ -267,6 +276,7 @@ class CacheDaemon:
             "budget": self.config.budget,
             "resident_bytes": self.registry.resident_bytes(),
             "gpu_uuid": self.gpu_uuid,
+            "serves_gpu": self.serves_gpu,
             "models": {m.name: m.describe() for m in self.registry.models()},
             "failed": self.failed_models(),
         }

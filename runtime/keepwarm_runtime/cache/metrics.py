@@ -1,14 +1,22 @@
 """Prometheus metrics of the cache (prefix ``keepwarm_cache_``).
 
 The daemon keeps its own registry (several daemons may live in one test process); the client's
-metrics go to the default registry, which the runtime's ``/metrics`` endpoint exposes.
+metrics go to the default registry, which the runtime's ``/metrics`` endpoint exposes. A process
+running one daemon per GPU (``--all-gpus``) serves them on one port, each sample labelled with the
+GPU its daemon serves (``gpu``; PerGPUCollector).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+
+GPU_LABEL = "gpu"  # per-GPU daemons: the UUID of the GPU the sample's daemon serves
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -86,6 +94,34 @@ class DaemonMetrics:
         from prometheus_client import start_http_server
 
         start_http_server(port, registry=self.registry)
+
+
+class PerGPUCollector(Collector):
+    """Several daemons' registries as one: each family once, its samples labelled gpu=<UUID>."""
+
+    def __init__(self, registries: dict[str, CollectorRegistry]) -> None:
+        self.registries = registries  # GPU UUID -> that daemon's registry
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for gpu, registry in self.registries.items():
+            for family in registry.collect():
+                out = merged.get(family.name)
+                if out is None:
+                    out = merged[family.name] = Metric(family.name, family.documentation, family.type)
+                for sample in family.samples:
+                    labels = {**sample.labels, GPU_LABEL: gpu}
+                    out.samples.append(Sample(sample.name, labels, sample.value, sample.timestamp))
+        yield from merged.values()
+
+
+def serve_per_gpu(registries: dict[str, CollectorRegistry], port: int) -> None:
+    """One /metrics for the daemons of several GPUs (``--all-gpus``)."""
+    from prometheus_client import start_http_server
+
+    registry = CollectorRegistry()
+    registry.register(PerGPUCollector(registries))
+    start_http_server(port, registry=registry)
 
 
 class ClientMetrics:

@@ -3,8 +3,10 @@ KEEPWARM_CACHE_* variables, --help and the README's table from this class).
 
 Every setting is ``--flag`` and ``KEEPWARM_CACHE_<FIELD>`` (``--budget`` <- ``KEEPWARM_CACHE_BUDGET``),
 except the node name, which agent pods get as ``NODE_NAME`` from the downward API; repeatable flags
-(``--model``, ``--pin``, ``--allow-uid``, ``--allow-gid``) take comma-separated variables. Fields
-that DaemonConfig also has carry over to it by name (``keepwarm_api.settings.carry_over``).
+(``--model``, ``--pin``, ``--allow-uid``, ``--allow-gid``, ``--fake-gpu``) take comma-separated
+variables. Fields that DaemonConfig also has carry over to it by name
+(``keepwarm_api.settings.carry_over``); ``--all-gpus`` and ``--fake-gpu`` choose how many daemons run
+(cache/gpus.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import ClassVar
 
 from keepwarm_api import podenv
 from keepwarm_api.settings import setting
+from keepwarm_runtime.cache.gpus import fake_gpu_uuid
 from keepwarm_runtime.engine.moe.layouts import LAYOUTS, MODEL
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -83,6 +86,17 @@ class CacheServeSettings:
         "auto", "gpu (CUDA VMM) or host (shared memory); auto: gpu when CUDA is present", choices=TIERS
     )
     device: str = setting("cuda:0", "gpu tier: which GPU")
+    all_gpus: bool = setting(
+        False, "gpu tier: one daemon per GPU this process sees, each on gpu-<UUID>.sock (not only --device)"
+    )
+    fake_gpus: tuple[str, ...] = setting(
+        (),
+        "test/dev only: a fake GPU; one host-memory daemon per UUID on gpu-<UUID>.sock, as --all-gpus "
+        "would run per real GPU (refused with --tier host)",
+        flag="--fake-gpu",
+        metavar="UUID",
+        parse=fake_gpu_uuid,
+    )
     dtype: str = setting(
         "bfloat16", "serving dtype of floating tensors (clients must ask for the same)", choices=DTYPES
     )
@@ -99,7 +113,7 @@ class CacheServeSettings:
         choices=LAYOUTS,
     )
     budget: int | None = setting(
-        None, "bytes (or 4GiB, 512MiB); least recently used beyond", parse=parse_bytes
+        None, "bytes (or 4GiB, 512MiB) per daemon (per GPU); least recently used beyond", parse=parse_bytes
     )
     pins: frozenset[str] = setting(frozenset(), "never evict this model", flag="--pin", metavar="NAME")
     group: str | None = setting(None, "share the socket with this group (0770/0660)")

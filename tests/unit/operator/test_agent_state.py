@@ -11,7 +11,14 @@ import torch
 from keepwarm_api.paths import PathOutsideModelDirectory
 from keepwarm_api.weightcachenode import WeightCacheNodeSpec
 from keepwarm_runtime.agent.kubernetes import NodeAgent
-from keepwarm_runtime.agent.state import AgentState, load_options, node_status, retry_delay, wanted_models
+from keepwarm_runtime.agent.state import (
+    AgentState,
+    DaemonBook,
+    load_options,
+    node_status,
+    retry_delay,
+    wanted_models,
+)
 
 SPEC = {"weightCache": "wc", "nodeName": "node-1", "heartbeatSeconds": 5, "modelDirectory": "/m"}
 
@@ -66,17 +73,17 @@ def test_status_phases():
     wanted = wanted_models(
         spec([{"name": "a", "source": {"path": "/m/a"}}, {"name": "b", "source": {"path": "/m/b"}}])
     )
-    state = AgentState(daemon_names={"a": "a"})
+    state = AgentState(books={"": DaemonBook(daemon_names={"a": "a"})})
     snap = {
         "tier": "host",
         "gpu_uuid": None,
         "models": {"a": {"bytes": 10, "key_digest": "k", "digest": "d", "pinned": False, "gpu_uuids": []}},
     }
-    status = node_status(state, snap, wanted, "0.1.0").wire()
+    status = node_status(state, {"": snap}, wanted, "0.1.0").wire()
     assert status["phase"] == "Loading" and status["totalBytes"] == 10
     assert [(m["name"], m["state"]) for m in status["models"]] == [("a", "Resident"), ("b", "Loading")]
-    state.failed["b"] = "CheckpointError: no safetensors"
-    status = node_status(state, snap, wanted, "0.1.0").wire()
+    state.books[""].failed["b"] = "CheckpointError: no safetensors"
+    status = node_status(state, {"": snap}, wanted, "0.1.0").wire()
     assert status["phase"] == "Degraded" and status["models"][1]["message"].startswith("CheckpointError")
     assert status["heartbeat"].endswith("Z")
 
@@ -104,7 +111,7 @@ def test_agent_loads_evicts_and_reports_failures(model_root, tmp_path):
         passed(agent_, cache(models))
         snap = daemon.snapshot()
         assert set(snap["models"]) == {"llama-a"} and snap["models"]["llama-a"]["pinned"]
-        status = node_status(agent_.state, snap, agent_.wanted, "v").wire()
+        status = node_status(agent_.state, agent_.snapshots(), agent_.wanted, "v").wire()
         assert status["phase"] == "Degraded"
         assert {m["name"]: m["state"] for m in status["models"]} == {
             "llama-a": "Resident",
@@ -112,10 +119,10 @@ def test_agent_loads_evicts_and_reports_failures(model_root, tmp_path):
         }
         assert status["models"][0]["bytes"] > 0 and status["models"][0]["fingerprint"]
         passed(agent_, cache(models))  # level-based: a second pass changes nothing, retries no failure
-        assert set(daemon.snapshot()["models"]) == {"llama-a"} and "broken" in agent_.state.failed
+        assert set(daemon.snapshot()["models"]) == {"llama-a"} and "broken" in agent_.state.books[""].failed
         passed(agent_, cache([{"name": "llama-b", "source": {"path": "/m/llama-b"}}], generation=2))
         assert set(daemon.snapshot()["models"]) == {"llama-b"}
-        status = node_status(agent_.state, daemon.snapshot(), agent_.wanted, "v").wire()
+        status = node_status(agent_.state, agent_.snapshots(), agent_.wanted, "v").wire()
         assert status["phase"] == "Ready" and [m["name"] for m in status["models"]] == ["llama-b"]
     finally:
         daemon.close()
@@ -125,8 +132,8 @@ def test_stale_condition_keeps_its_transition_time_across_heartbeats():
     wanted = wanted_models(spec([{"name": "a", "source": {"path": "/m/a"}}]))
     state = AgentState(reporting_since=dt.datetime(2026, 1, 1, tzinfo=dt.UTC))
     snap = {"tier": "host", "gpu_uuid": None, "models": {}}
-    first = node_status(state, snap, wanted, "v").wire()
-    second = node_status(state, snap, wanted, "v").wire()
+    first = node_status(state, {"": snap}, wanted, "v").wire()
+    second = node_status(state, {"": snap}, wanted, "v").wire()
     assert first["conditions"] == second["conditions"]
     assert first["conditions"][0] | {"lastTransitionTime": "2026-01-01T00:00:00Z"} == first["conditions"][0]
     assert first["conditions"][0]["status"] == "False" and first["conditions"][0]["type"] == "Stale"
@@ -168,7 +175,7 @@ def test_quantization_reaches_the_daemon_which_quantizes_at_load(model_root, tmp
         assert {e.dtype for e in a.layout.entries if e.name in a.layout.quantized} == {torch.float8_e4m3fn}
         passed(agent_, cache(models))  # the pinned model is neither reloaded nor loaded unquantized
         assert daemon.registry.get("llama-a") is a
-        status = node_status(agent_.state, daemon.snapshot(), agent_.wanted, "v").wire()
+        status = node_status(agent_.state, agent_.snapshots(), agent_.wanted, "v").wire()
         assert [m["state"] for m in status["models"]] == ["Resident", "Resident"]
     finally:
         daemon.close()
@@ -187,7 +194,7 @@ def test_a_failed_model_recovers_by_itself_once_the_fault_is_gone(model_root, ti
     try:
         models = [{"name": "broken", "source": {"path": "/m/broken"}}]
         passed(waiting, cache(models))
-        status = node_status(waiting.state, daemon.snapshot(), waiting.wanted, "v").wire()
+        status = node_status(waiting.state, waiting.snapshots(), waiting.wanted, "v").wire()
         model = status["models"][0]
         assert model["state"] == "Failed" and model["attempts"] == 1
         assert "(attempt 1; retrying at " in model["message"]
@@ -195,15 +202,15 @@ def test_a_failed_model_recovers_by_itself_once_the_fault_is_gone(model_root, ti
         assert 9 <= (retry_at - dt.datetime.now(dt.UTC)).total_seconds() <= 11  # the first backoff, 10 s
         passed(eager, cache(models))
         passed(eager, cache(models))
-        assert eager.state.attempts["broken"] == 2  # retried at once (no backoff), failed again
+        assert eager.state.books[""].attempts["broken"] == 2  # retried at once (no backoff), failed again
         shutil.rmtree(model_root / "broken")
         shutil.copytree(tiny_llama, model_root / "broken")  # the fault is fixed; the spec is not touched
         passed(waiting, cache(models))
-        assert "broken" in waiting.state.failed  # its backoff has not passed yet
+        assert "broken" in waiting.state.books[""].failed  # its backoff has not passed yet
         passed(eager, cache(models))
-        status = node_status(eager.state, daemon.snapshot(), eager.wanted, "v").wire()
+        status = node_status(eager.state, eager.snapshots(), eager.wanted, "v").wire()
         assert status["models"][0]["state"] == "Resident" and status["phase"] == "Ready"
-        assert not eager.state.attempts and not eager.state.failed
+        assert not eager.state.books[""].attempts and not eager.state.books[""].failed
     finally:
         daemon.close()
 
@@ -229,12 +236,12 @@ def test_a_hung_download_does_not_hold_up_the_other_models(model_root, tmp_path)
             {"name": "llama-a", "source": {"path": "/m/llama-a"}},
         ]
         agent_.reconcile(cache(models))
-        agent_.inflight["llama-a"].result(timeout=120)
-        status = node_status(agent_.state, daemon.snapshot(), agent_.wanted, "v").wire()
+        agent_.inflight[("", "llama-a")].result(timeout=120)
+        status = node_status(agent_.state, agent_.snapshots(), agent_.wanted, "v").wire()
         assert {m["name"]: m["state"] for m in status["models"]} == {"hub": "Loading", "llama-a": "Resident"}
         release.set()
         agent_.settle()
-        status = node_status(agent_.state, daemon.snapshot(), agent_.wanted, "v").wire()
+        status = node_status(agent_.state, agent_.snapshots(), agent_.wanted, "v").wire()
         assert status["models"][0]["state"] == "Failed" and "read timed out" in status["models"][0]["message"]
     finally:
         release.set()

@@ -54,6 +54,9 @@ def test_gpu_access_without_claiming_gpus():
     host = agent_daemonset("llama", spec(tier="host"), "ns", OWNER)["spec"]["template"]["spec"]
     assert "runtimeClassName" not in host
     assert "NVIDIA_VISIBLE_DEVICES" not in {e["name"] for e in host["containers"][0]["env"]}
+    # One daemon per GPU on the gpu tier (a pod attaches its own GPU's socket); the host tier has one.
+    assert "--all-gpus" in gpu["containers"][0]["command"]
+    assert "--all-gpus" not in host["containers"][0]["command"]
     custom = spec(tier="gpu", agent={"gpuAccess": {"runtimeClassName": None}})
     assert "runtimeClassName" not in agent_daemonset("x", custom, "ns", OWNER)["spec"]["template"]["spec"]
 

@@ -112,12 +112,26 @@ def _make_current(ordinal: int) -> None:
     _call("cuCtxSetCurrent", ctx)
 
 
+def format_uuid(raw: bytes) -> str:
+    """The driver's 16 UUID bytes as nvidia-smi prints them: ``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx``."""
+    if len(raw) != 16:
+        raise ValueError(f"a GPU UUID has 16 bytes, got {len(raw)}")
+    h = raw.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
 def gpu_uuid(ordinal: int) -> str:
     """``GPU-xxxxxxxx-xxxx-...`` as nvidia-smi prints it: stable across pods and CUDA_VISIBLE_DEVICES."""
     raw = (ctypes.c_ubyte * 16)()
     _call("cuDeviceGetUuid_v2", raw, _device(ordinal))
-    h = bytes(raw).hex()
-    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+    return format_uuid(bytes(raw))
+
+
+def device_count() -> int:
+    """CUDA devices this process sees (after CUDA_VISIBLE_DEVICES/NVIDIA_VISIBLE_DEVICES)."""
+    count = ctypes.c_int()
+    _call("cuDeviceGetCount", ctypes.byref(count))
+    return count.value
 
 
 def _location(ordinal: int) -> CUmemLocation:
