@@ -116,6 +116,10 @@ class LocalHub:
         """HF_ENDPOINT for clients."""
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def running(self) -> bool:
+        return self._gate is not None
+
     def repo_dir(self, repo: str) -> Path:
         org, name = repo.split("/")
         return self.mirrors / "models" / org / name
