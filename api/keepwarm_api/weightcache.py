@@ -154,7 +154,8 @@ class WeightCacheSpec(KubeModel):
     """Socket directory, group and access control."""
     allowed_namespaces: LabelSelector | None = None
     """Namespaces whose InferenceDeployments may use this cache, as a namespace label selector (every
-    namespace carries kubernetes.io/metadata.name=<its name>); unset allows every namespace."""
+    namespace carries kubernetes.io/metadata.name=<its name>); unset allows every namespace. The API
+    server refuses others at create (the chart's tenancy policy); the operator refuses the rest."""
     model_directory: str = Field(default=DEFAULT_MODEL_DIRECTORY, pattern=r"^(/[^/]+)+$", max_length=4096)
     """Host directory holding every path source (no trailing slash). The agents mount it once, read
     only, so adding or removing a path model changes no agent pod (their caches stay warm)."""

@@ -453,10 +453,14 @@ def test_resyncs_write_nothing_when_nothing_changed(env):
     assert versions() == before
 
 
-def test_a_namespace_outside_allowed_namespaces_is_refused(env):
+def test_a_namespace_that_leaves_allowed_namespaces_is_refused(env):
+    """The API server refuses new InferenceDeployments outside allowedNamespaces (the chart's policy,
+    test_tenancy_policy.py); one created before its namespace left the selector is the operator's to
+    refuse, within a resync, and a new one there is refused by the API server."""
     cp, name, other = env.cp, "kwtenant", f"{env.pool}-other"
+    banned = f"{env.pool}.e2e/banned"
     cp.kubectl("create", "namespace", other)
-    allowed = {"matchLabels": {"kubernetes.io/metadata.name": env.ns}}
+    allowed = {"matchExpressions": [{"key": banned, "operator": "DoesNotExist"}]}
     apply(env, weightcache(name, f"{env.pool}-none", allowedNamespaces=allowed))
     model = {"cacheRef": name, "name": MODEL}
     apply(env, inference("tenant", other, env.pool, model=model, replicas=0))
@@ -466,15 +470,26 @@ def test_a_namespace_outside_allowed_namespaces_is_refused(env):
         obj = get(cp, f"{GROUP_PATH}/namespaces/{ns}/inferencedeployments/tenant")
         return condition(obj, "Available")
 
+    wait(cp, lambda: available(other).get("status") == "True", "served while allowed", op=env.op)
+    cp.kubectl("label", "namespace", other, f"{banned}=yes")
     refused = wait(
         cp, lambda: available(other).get("reason") == "NamespaceNotAllowed" and available(other), "refused",
         op=env.op,
     )  # fmt: skip
     assert refused["status"] == "False" and other in refused["message"]
-    assert get(cp, f"/apis/apps/v1/namespaces/{other}/deployments/tenant") is None
+    late = inference("late", other, env.pool, model=model, replicas=0)
+    result = wait(
+        cp,
+        lambda: (r := apply(env, late, check=False)).returncode != 0 and r,
+        "the API server refuses",
+    )  # fmt: skip (the namespace's new label reaches the admission informer asynchronously)
+    assert (
+        f"namespace {other} is not selected by spec.allowedNamespaces of WeightCache {name}" in result.stderr
+    )
     wait(cp, lambda: available(env.ns).get("status") == "True", "the allowed namespace is served", op=env.op)
     assert get(cp, f"/apis/apps/v1/namespaces/{env.ns}/deployments/tenant") is not None
     cp.kubectl("delete", "idep", "tenant", "-n", other)
+    cp.kubectl("delete", "idep", "late", "-n", other, "--ignore-not-found")
     cp.kubectl("delete", "idep", "tenant", "-n", env.ns)
     cp.kubectl("delete", "wc", name)
     wait(

@@ -61,9 +61,18 @@ def test_values_files_change_what_renders():
     assert "ServiceMonitor" in kinds["full-values"] and "ConfigMap" in kinds["full-values"]
     assert "ServiceAccount" not in kinds["minimal-values"] and "ClusterRole" not in kinds["minimal-values"]
     assert kinds["default-values"] == sorted(
-        ["ClusterKopfPeering", "ClusterRole", "ClusterRoleBinding", "Deployment", "Role", "RoleBinding",
-         "Service", "ServiceAccount", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
-    )  # fmt: skip
+        [
+            "ClusterKopfPeering",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "Deployment",
+            "Role",
+            "RoleBinding",
+            "Service",
+            "ServiceAccount",
+            *["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"] * 3,
+        ]
+    )  # fmt: skip (agent-own-node, cache-namespaces, inline-path)
     assert "ValidatingAdmissionPolicy" not in kinds["minimal-values"]
     full = next(d for d in render(CHART / "ci" / "full-values.yaml") if d["kind"] == "Deployment")
     args = full["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -155,7 +164,9 @@ def test_builder_output_validates_strict(kube):
 def test_agent_policy_matches_the_agents_the_operator_creates():
     """The policy names agents by the ServiceAccount prefix builders.meta.agent_name gives them."""
     policy = next(
-        d for d in render(CHART / "ci" / "default-values.yaml") if d["kind"] == "ValidatingAdmissionPolicy"
+        d
+        for d in render(CHART / "ci" / "default-values.yaml")
+        if d["kind"] == "ValidatingAdmissionPolicy" and d["metadata"]["name"].endswith("-agent-own-node")
     )
     (match,) = policy["spec"]["matchConditions"]
     assert f"system:serviceaccount:keepwarm-system:{agent_name('')}" in match["expression"]
@@ -163,5 +174,26 @@ def test_agent_policy_matches_the_agents_the_operator_creates():
         d
         for d in render(CHART / "ci" / "default-values.yaml")
         if d["kind"] == "ValidatingAdmissionPolicyBinding"
+        and d["spec"]["policyName"] == policy["metadata"]["name"]
     )
     assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+
+
+def _inline_path_policy(prefix: str) -> dict:
+    values = {"tenancyPolicy": {"inlinePathPrefix": prefix}}
+    out = helm.Chart.load(CHART).render(values, name="kw", namespace="keepwarm-system", is_install=True)
+    docs = [d for name, t in out.items() if name.endswith(".yaml") for d in yaml.safe_load_all(t) if d]
+    return next(d for d in docs if d.get("metadata", {}).get("name") == "kw-keepwarm-inline-path")
+
+
+@pytest.mark.parametrize(("prefix", "cel"), [("/data/models/", '"/data/models"'), ("", '""')])
+def test_the_inline_path_prefix_reaches_the_policy_as_a_cel_string(prefix, cel):
+    """A trailing slash is dropped (the rule adds one); empty refuses every inline path."""
+    variables = {v["name"]: v["expression"] for v in _inline_path_policy(prefix)["spec"]["variables"]}
+    assert variables["prefix"] == cel
+
+
+@pytest.mark.parametrize("prefix", ["relative/dir", '/a"b', "/a/../b", "/a/."])
+def test_an_inline_path_prefix_that_is_no_plain_directory_is_refused_by_name(prefix):
+    with pytest.raises(Exception, match=r"tenancyPolicy\.inlinePathPrefix"):
+        _inline_path_policy(prefix)
