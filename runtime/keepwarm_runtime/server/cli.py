@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from keepwarm_api.settings import SettingError, add_command, env_names, group, resolve
+from keepwarm_runtime.engine.auto_dtype import AUTO_DTYPE, auto_dtype
 from keepwarm_runtime.server.settings import ENGINE, ServeSettings
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,9 @@ def serve(config: ServeSettings) -> int:
 
     settings = engine_settings(config)
     model_dir = os.path.abspath(config.model_dir)
+    dtype_reason = "as given"
+    if settings.get("dtype") == AUTO_DTYPE:  # resolved here: the speech engine takes the dtype too
+        settings["dtype"], dtype_reason = auto_dtype(model_dir, settings.get("device"))
     from keepwarm_runtime.server.media_fetch import media_policy
     from keepwarm_runtime.server.serving_audio import audio_settings, make_speech_engine
 
@@ -165,11 +169,12 @@ def serve(config: ServeSettings) -> int:
         "" if openmp_prepared else "; torch was imported first, so OpenMP's wait policy is its default",
     )
     logger.info(
-        "serving %s on http://%s:%d (engine settings: %s, api key %s)",
+        "serving %s on http://%s:%d (engine settings: %s; dtype %s; api key %s)",
         model_dir,
         config.host,
         config.port,
         settings,
+        dtype_reason,
         "required" if options.api_key else "off",
     )
     server.run()
