@@ -3,13 +3,15 @@
     .venv/bin/python bench/serve.py [--params 100M] [--dtype bfloat16] [--rates 0.25,0.5,1,2]
         [--duration 20] [--min-requests 8] [--max-prompt-words 256] [--max-output-len 128]
         [--peers keepwarm,transformers] [--rounds 2] [--slo-ttft-p99 2.0] [--seed 0] [--json-out FILE]
+        [--transformers-env OMP_WAIT_POLICY=PASSIVE]
 
 Both servers serve the same generated Llama (~--params parameters) in the same --dtype on the CPU:
 
 * ``keepwarm``: ``keepwarm serve`` (continuous batching, paged KV);
 * ``transformers``: ``transformers serve --continuous-batching`` from the installed transformers (its
   paged continuous batching), run offline (``HF_HUB_OFFLINE=1``) with the model directory's path as
-  the model id.
+  the model id. Its threads are torch's defaults unless --transformers-env says otherwise (keepwarm
+  sizes its own from the CPUs it may use and makes waiting OpenMP threads sleep: engine/threads.py).
 
 Load, identical for both: at each offered rate, requests arrive as a seeded Poisson process (exponential
 gaps) for about --duration seconds (at least --min-requests requests) and are sent when they arrive,
@@ -96,6 +98,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated, of {', '.join(PEERS)}")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--slo-ttft-p99", type=float, default=2.0, help="seconds")
+    p.add_argument(
+        "--transformers-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="extra environment for transformers serve, e.g. OMP_WAIT_POLICY=PASSIVE as keepwarm sets it",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -103,6 +112,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.peers = [x for x in args.peers.split(",") if x]
     if set(args.peers) - set(PEERS):
         p.error(f"--peers: unknown {sorted(set(args.peers) - set(PEERS))}; use {', '.join(PEERS)}")
+    if any("=" not in kv for kv in args.transformers_env):
+        p.error("--transformers-env takes NAME=VALUE")
+    args.transformers_env = dict(kv.split("=", 1) for kv in args.transformers_env)
     if args.max_prompt_words < 8 or args.max_output_len < 8 or min(args.rates) <= 0:
         p.error("need --max-prompt-words >= 8, --max-output-len >= 8 and positive --rates")
     return args
@@ -214,7 +226,7 @@ def summarise(rate: float, requests: list[Request], outcomes: list[Outcome], slo
 class TransformersServer:
     """`transformers serve --continuous-batching MODEL_DIR` in its own session, offline."""
 
-    def __init__(self, model_dir: Path, dtype: str, log_path: Path):
+    def __init__(self, model_dir: Path, dtype: str, log_path: Path, env: dict[str, str]):
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         command = [
@@ -233,7 +245,7 @@ class TransformersServer:
             "warning",
             str(model_dir),
         ]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **env}
         self.log_path = log_path
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
@@ -271,7 +283,8 @@ def start_peer(peer: str, model_dir: Path, args: argparse.Namespace, tmp: Path):
             model_dir, tmp / "keepwarm.log", args=[*server_args, "--kv-cache-memory-gib", "1"]
         )
         return server, "bench"
-    return TransformersServer(model_dir, args.dtype, tmp / "transformers.log"), str(model_dir)
+    server = TransformersServer(model_dir, args.dtype, tmp / "transformers.log", args.transformers_env)
+    return server, str(model_dir)
 
 
 def run_peer(peer: str, model_dir: Path, args: argparse.Namespace, tmp: Path) -> dict:
@@ -333,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             "seed": args.seed,
         },
         "slo_ttft_p99_s": args.slo_ttft_p99,
+        "transformers_env": args.transformers_env,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "device": "cpu"},
         "rounds": [],
     }
