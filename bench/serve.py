@@ -23,12 +23,13 @@ for: keepwarm takes ``ignore_eos``; transformers serve has no such field, so its
 batching passes per request. Every response's ``usage.completion_tokens`` is checked against the
 request's length (``length_mismatches``).
 
-Per rate: achieved req/s (completed requests over first send to last finish), output tokens/s,
-TTFT (request sent to first content chunk) and TPOT (time per output token after the first) p50/p99
-(nearest rank: with few requests p99 is the slowest). A rate is sustained when every request finished
-and TTFT p99 < --slo-ttft-p99. Rates run in ascending order and a peer stops at its first rate that is
-not sustained (in that round): past it the queue only grows, and a peer that cannot take a request
-within the wall limit (3 x duration + 60 s) has its requests cancelled.
+Per rate: the sample's own arrival rate (few requests stray from the offered rate), achieved req/s
+(completed requests over first send to last finish), output tokens/s, TTFT (request sent to first
+content chunk) and TPOT (time per output token after the first) p50/p99 (nearest rank: with few
+requests p99 is the slowest). A rate is sustained when every request finished and TTFT p99 <
+--slo-ttft-p99. Rates run in ascending order and a peer stops at its first rate that is not sustained
+(in that round): past it the queue only grows. Requests still unfinished 3 x the last arrival + 60 s
+after the start are cancelled and count as not finished.
 
 Rounds alternate which server goes first (this machine drifts); each server is started afresh per round
 and warmed up with two requests (transformers builds its paged cache on the first). For each peer and
@@ -206,6 +207,7 @@ def summarise(rate: float, requests: list[Request], outcomes: list[Outcome], slo
     errors = sorted({o.error for o in outcomes if o.error})
     return {
         "offered_rate": rate,
+        "arrival_rate": round((len(requests) - 1) / requests[-1].at_s, 3),  # this sample's own rate
         "requests": len(requests),
         "completed": len(done),
         "achieved_req_per_s": round(len(done) / wall, 3) if done else 0.0,
