@@ -50,8 +50,16 @@ def serve_settings(args: argparse.Namespace, environ: Mapping[str, str] = os.env
 
 
 def engine_settings(settings: ServeSettings) -> dict[str, Any]:
-    """EngineConfig keyword arguments: the engine group's set fields (unset ones keep its defaults)."""
-    return group(settings, ENGINE)
+    """EngineConfig keyword arguments: the engine group's set fields (unset ones keep its defaults).
+
+    ``--dtype auto`` becomes a dtype here (engine/auto_dtype.py), so everything that takes these
+    settings (the engine, the speech engine, the weight loader) sees a real one; the choice is logged.
+    """
+    engine = group(settings, ENGINE)
+    if engine.get("dtype") == AUTO_DTYPE and settings.model_dir is not None:
+        engine["dtype"], why = auto_dtype(settings.model_dir, engine.get("device"))
+        logger.info("--dtype auto: %s (%s)", engine["dtype"], why)
+    return engine
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,9 +97,6 @@ def serve(config: ServeSettings) -> int:
 
     settings = engine_settings(config)
     model_dir = os.path.abspath(config.model_dir)
-    dtype_reason = "as given"
-    if settings.get("dtype") == AUTO_DTYPE:  # resolved here: the speech engine takes the dtype too
-        settings["dtype"], dtype_reason = auto_dtype(model_dir, settings.get("device"))
     from keepwarm_runtime.server.media_fetch import media_policy
     from keepwarm_runtime.server.serving_audio import audio_settings, make_speech_engine
 
@@ -169,12 +174,11 @@ def serve(config: ServeSettings) -> int:
         "" if openmp_prepared else "; torch was imported first, so OpenMP's wait policy is its default",
     )
     logger.info(
-        "serving %s on http://%s:%d (engine settings: %s; dtype %s; api key %s)",
+        "serving %s on http://%s:%d (engine settings: %s, api key %s)",
         model_dir,
         config.host,
         config.port,
         settings,
-        dtype_reason,
         "required" if options.api_key else "off",
     )
     server.run()

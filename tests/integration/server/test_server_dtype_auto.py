@@ -36,4 +36,4 @@ def test_dtype_auto_serves_the_dtype_the_decision_names(tiny_llama: Path, tmp_pa
     finally:
         proc.stop()
     log = proc.log_text()
-    assert f"'dtype': '{expected}'" in log and f"dtype {why}" in log, log[-2000:]
+    assert f"--dtype auto: {expected} ({why})" in log and f"'dtype': '{expected}'" in log, log[-2000:]
