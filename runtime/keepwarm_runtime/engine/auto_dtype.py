@@ -2,9 +2,9 @@
 
 A CPU with AMX (``amx_bf16``) or AVX-512 BF16 (``avx512_bf16``) runs bfloat16 matmuls in hardware
 (oneDNN uses them), and a decode step there is bound by reading the weights, which bfloat16 halves:
-measured on a 2-core machine with AMX, keepwarm's offline throughput was 1.76x float32's (issue 16). Elsewhere
-bfloat16 on a CPU is emulated and a float32 checkpoint is best left float32, so auto keeps what the
-checkpoint was saved in (``dtype``, or the older ``torch_dtype``, in config.json; a multimodal
+on a 2-core machine with AMX, keepwarm's offline throughput was 1.76x float32's (issue 16).
+Elsewhere bfloat16 on a CPU is emulated and a float32 checkpoint is best left float32, so auto keeps
+what the checkpoint was saved in (``dtype``, or the older ``torch_dtype``, in config.json; a multimodal
 config's ``text_config``); a checkpoint that names none is float32, as transformers loads it.
 
 The decision (``choose_dtype``) is a pure function of the checkpoint's dtype, the CPU's flags and the
