@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from keepwarm_api.settings import SettingError, add_command, env_names, group, resolve
+from keepwarm_runtime.engine.auto_dtype import AUTO_DTYPE, auto_dtype
 from keepwarm_runtime.server.settings import ENGINE, ServeSettings
 
 logger = logging.getLogger(__name__)
@@ -49,8 +50,16 @@ def serve_settings(args: argparse.Namespace, environ: Mapping[str, str] = os.env
 
 
 def engine_settings(settings: ServeSettings) -> dict[str, Any]:
-    """EngineConfig keyword arguments: the engine group's set fields (unset ones keep its defaults)."""
-    return group(settings, ENGINE)
+    """EngineConfig keyword arguments: the engine group's set fields (unset ones keep its defaults).
+
+    ``--dtype auto`` becomes a dtype here (engine/auto_dtype.py), so everything that takes these
+    settings (the engine, the speech engine, the weight loader) sees a real one; the choice is logged.
+    """
+    engine = group(settings, ENGINE)
+    if engine.get("dtype") == AUTO_DTYPE and settings.model_dir is not None:
+        engine["dtype"], why = auto_dtype(settings.model_dir, engine.get("device"))
+        logger.info("--dtype auto: %s (%s)", engine["dtype"], why)
+    return engine
 
 
 def run(args: argparse.Namespace) -> int:

@@ -48,7 +48,9 @@ class ServeSettings:
     )
     # the engine (unset: EngineConfig's default)
     dtype: str | None = engine(
-        None, "weights/activations dtype: float32 | bfloat16 | float16 (engine: float32)"
+        None,
+        "weights/activations dtype: float32 | bfloat16 | float16 | auto (the checkpoint's; bfloat16 on "
+        "CPUs with amx_bf16/avx512_bf16) (engine: float32)",
     )
     device: str | None = engine(None, "cpu, cuda, cuda:1, ... (engine: cpu)")
     max_num_seqs: int | None = engine(None, "most sequences in one batch")
