@@ -27,8 +27,10 @@ process imports, from the disk itself.
 a fresh server process with its default KV budget: ``disk_cold`` (page cache dropped; only with
 ``--drop-caches``), ``disk_warm`` (the checkpoint in the page cache) and ``cache`` (attached from
 the running daemon). Each reports the server's own ``keepwarm_process_start_to_ready_seconds`` and
-``keepwarm_startup_phase_seconds{phase}`` (engine/startup.py), the weights' source, and the wall
-time from spawn to the first 200 seen by polling.
+``keepwarm_startup_phase_seconds{phase}`` (engine/startup.py), the weights' source and attach time
+(``keepwarm_weight_load_seconds``: the attach runs in the background during imports, so the weights
+phase is only what the start still waited for it), and the wall time from spawn to the first 200
+seen by polling.
 Run: ``keepwarm bench restart --size-gib 2 --serving-dtype float32 --json``.
 """
 
@@ -57,6 +59,7 @@ REPO = Path(__file__).resolve().parents[1]
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 READY_METRIC = "keepwarm_process_start_to_ready_seconds"
 PHASE_METRIC = "keepwarm_startup_phase_seconds"
+LOAD_METRIC = "keepwarm_weight_load_seconds"
 
 
 def checkpoint_for(size_gib: float, root: Path) -> Path:
@@ -286,21 +289,26 @@ def serve_args(settings: RestartSettings, socket_dir: Path | None) -> list[str]:
 
 
 def startup_report(metrics: dict[str, float]) -> dict:
-    """Ready time, phases and weights source out of one server's /metrics samples."""
+    """Ready time, phases, and the weights' source and attach time out of one server's /metrics.
+
+    ``attach_s`` is the attach's own wall time: the server attaches in the background during its
+    imports (engine/prefetch.py), so the ``weights`` phase is only what the start still waited."""
     phases = {
         key.split('phase="', 1)[1].rstrip('"}'): round(value, 3)
         for key, value in metrics.items()
         if key.startswith(PHASE_METRIC + "{")
     }
-    sources = [
-        key.split('source="', 1)[1].rstrip('"}')
-        for key in metrics
-        if key.startswith("keepwarm_weight_load_seconds{source=")
-    ]
+    loads = {
+        key.split('source="', 1)[1].rstrip('"}'): round(value, 3)
+        for key, value in metrics.items()
+        if key.startswith(LOAD_METRIC + "{")
+    }
+    (source, attach_s), *more = loads.items() or [(None, None)]
     return {
         "ready_s": round(metrics[READY_METRIC], 3),
         "phases_s": phases,
-        "weights_source": sources[0] if len(sources) == 1 else sources,
+        "weights_source": source if not more else sorted(loads),
+        "attach_s": attach_s,
     }
 
 

@@ -38,6 +38,7 @@ def test_startup_report_reads_phases_ready_time_and_source():
         "ready_s": 5.0,
         "phases_s": {"imports": 3.25, "weights": 1.5},
         "weights_source": "cache",
+        "attach_s": 0.4,
     }
 
 
