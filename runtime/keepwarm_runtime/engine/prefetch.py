@@ -75,14 +75,15 @@ class WeightPrefetch:
 
     def take(self, config: EngineConfig) -> AttachResult | None:
         """The attached weights if they are what ``config`` would attach (waiting for them if need
-        be), else None. An attach that failed raises here, in the loader, as it would have there."""
+        be), else None. An attach that failed raises here, in the loader, as it would have there.
+        Either way the prefetch lets go of what it attached: no second copy outlives this call."""
         self._future.exception()  # wait, whatever the outcome
-        if self._arguments is None or self._arguments != attach_arguments(config):
-            if self._arguments is not None:
-                log.warning("prefetched weights do not match the engine's settings; attaching again")
-            return None
-        result = self._future.result()
-        self._future = Future()  # handed over once: the loader owns the tensors from here
+        arguments, future = self._arguments, self._future
+        self._arguments, self._future = None, Future()
         self._future.set_result(None)
-        self._arguments = None
-        return result
+        if arguments is None:
+            return None
+        if arguments != attach_arguments(config):
+            log.warning("prefetched weights do not match the engine's settings; attaching again")
+            return None
+        return future.result()

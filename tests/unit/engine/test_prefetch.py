@@ -37,6 +37,7 @@ def test_a_prefetch_for_other_settings_is_not_used(tiny_llama: Path, caplog):
     assert not profile.weights_prefetched and "attached in the background" not in profile.summary()
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())  # attached again, as asked
     assert "do not match the engine's settings" in caplog.text
+    assert prefetch.take(EngineConfig(str(tiny_llama), dtype="float32")) is None  # let go, not kept
 
 
 def test_a_failed_attach_is_raised_where_the_loader_takes_it(tiny_llama: Path, tmp_path: Path):
