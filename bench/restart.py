@@ -18,7 +18,19 @@ floor bounds ``ratio`` on this machine. Each path's greedy first token must agre
 engine's through a tiny checkpoint loaded by the same engine code.
 ``process_cold_s`` / ``process_warm_s`` time whole processes (interpreter start and imports
 included) on the disk path and the warm path. Every path runs ``--repeats`` times; the best run is
-reported (the page cache is warm for every path: the checkpoint was just written or read).
+reported. Without ``--drop-caches`` the page cache is warm for every path (the checkpoint was just
+written or read); with it (root only), ``sync; echo 3 > /proc/sys/vm/drop_caches`` runs before each
+cold path (hf, disk and the cold server start), so those read the checkpoint, and the libraries the
+process imports, from the disk itself.
+
+``serve`` (on unless ``--no-serve``) times whole ``keepwarm serve`` starts to a 200 from /ready, each
+a fresh server process with its default KV budget: ``disk_cold`` (page cache dropped; only with
+``--drop-caches``), ``disk_warm`` (the checkpoint in the page cache) and ``cache`` (attached from
+the running daemon). Each reports the server's own ``keepwarm_process_start_to_ready_seconds`` and
+``keepwarm_startup_phase_seconds{phase}`` (engine/startup.py), the weights' source and attach time
+(``keepwarm_weight_load_seconds``: the attach runs in the background during imports, so the weights
+phase is only what the start still waited for it), and the wall time from spawn to the first 200
+seen by polling.
 Run: ``keepwarm bench restart --size-gib 2 --serving-dtype float32 --json``.
 """
 
@@ -38,11 +50,16 @@ from pathlib import Path
 from keepwarm_api.settings import SettingError, add_arguments, resolve
 from keepwarm_runtime.bench_cli import RestartSettings
 from keepwarm_runtime.cache.launcher import DaemonProcess
+from keepwarm_runtime.server.launcher import start_server
 
 CHECKPOINT_DTYPE = "bfloat16"
 PROMPT_LEN = 4  # a short prompt: the pass reads every weight once
 CHILD = [sys.executable, "-m", "bench.restart"]
 REPO = Path(__file__).resolve().parents[1]
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+READY_METRIC = "keepwarm_process_start_to_ready_seconds"
+PHASE_METRIC = "keepwarm_startup_phase_seconds"
+LOAD_METRIC = "keepwarm_weight_load_seconds"
 
 
 def checkpoint_for(size_gib: float, root: Path) -> Path:
@@ -209,6 +226,23 @@ class Paths:
     settings: RestartSettings
 
 
+def drop_caches_refusal(euid: int, control: Path = DROP_CACHES) -> str | None:
+    """Why ``--drop-caches`` cannot run here (None: it can): writing ``control`` takes root and a
+    writable /proc/sys (containers often mount it read-only)."""
+    if euid != 0:
+        return f"--drop-caches needs root (it writes {control}); this process runs as uid {euid}"
+    if not os.access(control, os.W_OK):
+        return f"--drop-caches: {control} is not writable here (read-only /proc/sys?)"
+    return None
+
+
+def drop_page_cache() -> None:
+    """Write dirty pages back, then drop clean page cache, dentries and inodes: the next read of the
+    checkpoint (and of torch's libraries) comes from the disk."""
+    os.sync()
+    DROP_CACHES.write_text("3\n")
+
+
 def _spawn(mode: str, paths: Paths, socket_dir: Path | None) -> tuple[dict, float]:
     """Run one child; returns (its result, whole-process wall seconds up to the result line)."""
     s = paths.settings
@@ -232,10 +266,72 @@ def _spawn(mode: str, paths: Paths, socket_dir: Path | None) -> tuple[dict, floa
     return result, wall
 
 
-def _best(mode: str, paths: Paths, socket_dir: Path | None = None) -> dict:
-    runs = [_spawn(mode, paths, socket_dir) for _ in range(paths.settings.repeats)]
+def _best(mode: str, paths: Paths, socket_dir: Path | None = None, cold: bool = False) -> dict:
+    """Best of --repeats fresh children; ``cold``: drop the page cache before each (--drop-caches)."""
+    runs = []
+    for _ in range(paths.settings.repeats):
+        if cold:
+            drop_page_cache()
+        runs.append(_spawn(mode, paths, socket_dir))
     best = min(runs, key=lambda r: r[0]["seconds"])
     return best[0] | {"process_s": min(r[1] for r in runs)}
+
+
+def serve_args(settings: RestartSettings, socket_dir: Path | None) -> list[str]:
+    """`keepwarm serve` flags for one timed start: the bench's dtype, device and threads; with
+    ``socket_dir`` the weights must come from that cache (no silent fall back to disk)."""
+    args = ["--dtype", settings.serving_dtype, "--device", settings.device]
+    if settings.threads > 0:
+        args += ["--threads", str(settings.threads)]
+    if socket_dir is not None:
+        args += ["--cache-socket-dir", str(socket_dir), "--no-cache-fallback"]
+    return args
+
+
+def startup_report(metrics: dict[str, float]) -> dict:
+    """Ready time, phases, and the weights' source and attach time out of one server's /metrics.
+
+    ``attach_s`` is the attach's own wall time: the server attaches in the background during its
+    imports (engine/prefetch.py), so the ``weights`` phase is only what the start still waited."""
+    phases = {
+        key.split('phase="', 1)[1].rstrip('"}'): round(value, 3)
+        for key, value in metrics.items()
+        if key.startswith(PHASE_METRIC + "{")
+    }
+    loads = {
+        key.split('source="', 1)[1].rstrip('"}'): round(value, 3)
+        for key, value in metrics.items()
+        if key.startswith(LOAD_METRIC + "{")
+    }
+    (source, attach_s), *more = loads.items() or [(None, None)]
+    return {
+        "ready_s": round(metrics[READY_METRIC], 3),
+        "phases_s": phases,
+        "weights_source": source if not more else sorted(loads),
+        "attach_s": attach_s,
+    }
+
+
+def _serve_once(settings: RestartSettings, model: Path, socket_dir: Path | None, log: Path) -> dict:
+    server = start_server(model, log, args=serve_args(settings, socket_dir))
+    try:
+        wall = server.wait("/ready", timeout=900)
+        return startup_report(server.metrics()) | {"wall_to_ready_s": round(wall, 3)}
+    finally:
+        server.stop()
+
+
+def _serve_best(
+    settings: RestartSettings, model: Path, log_dir: Path, socket_dir: Path | None, cold: bool
+) -> dict:
+    """Best (by the server's own ready time) of --repeats server starts, every one in the report."""
+    runs = []
+    for i in range(settings.repeats):
+        if cold:
+            drop_page_cache()
+        runs.append(_serve_once(settings, model, socket_dir, log_dir / f"serve-{len(runs)}-{i}.log"))
+    best = min(runs, key=lambda r: r["ready_s"])
+    return best | {"ready_s_runs": [r["ready_s"] for r in runs]}
 
 
 def _page_facts() -> dict:
@@ -278,9 +374,17 @@ def run(settings: RestartSettings) -> dict:
         "engine_paths": "LLMEngine (engine.loader.load_model), first greedy token",
         **_page_facts(),
     }
-    hf = _best("hf", paths)
-    disk = _best("disk", paths)
+    cold = settings.drop_caches
+    out["page_cache"] = "dropped before each cold path" if cold else "warm (not dropped)"
+    hf = _best("hf", paths, cold=cold)
+    disk = _best("disk", paths, cold=cold)
+    serve: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="keepwarm-bench-") as tmp:
+        if settings.serve:
+            logs = Path(tmp) / "logs"
+            if cold:
+                serve["disk_cold"] = _serve_best(settings, model, logs, None, cold=True)
+            serve["disk_warm"] = _serve_best(settings, model, logs, None, cold=False)
         on_gpu = device.startswith("cuda")
         daemon = DaemonProcess(
             Path(tmp) / "wc",
@@ -292,6 +396,8 @@ def run(settings: RestartSettings) -> dict:
         ).wait_ready(timeout_s=900)
         try:
             warm = _best("warm", paths, Path(tmp) / "wc")
+            if settings.serve:
+                serve["cache"] = _serve_best(settings, model, logs, Path(tmp) / "wc", cold=False)
         finally:
             daemon.terminate(60)
     if warm["source"] != "cache":
@@ -321,6 +427,8 @@ def run(settings: RestartSettings) -> dict:
         "loadavg_1m_end": round(os.getloadavg()[0], 2),
         "daemon_log": page_mode[-1].strip() if page_mode else None,
     }
+    if serve:
+        out["serve"] = serve
     return out
 
 
@@ -339,6 +447,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(settings: RestartSettings) -> int:
+    if settings.drop_caches and (refusal := drop_caches_refusal(os.geteuid())):
+        print(f"keepwarm bench restart: {refusal}", file=sys.stderr)
+        return 2
     result = run(settings)
     print(json.dumps(result) if settings.json else json.dumps(result, indent=2))
     return 0

@@ -42,12 +42,17 @@ class RestartSettings:
         None, "where checkpoints are generated and kept", unset="~/.cache/keepwarm/bench"
     )
     json: bool = setting(False, "one JSON object on stdout")
+    drop_caches: bool = setting(
+        False, "root only: sync and drop the page cache before each cold (disk-reading) path"
+    )
+    serve: bool = setting(True, "also time whole `keepwarm serve` starts to /ready, phase by phase")
 
 
 # benchmark name -> (help, settings class)
 BENCHMARKS: dict[str, tuple[str, type]] = {
     "restart": (
-        "time to first token: from_pretrained vs the engine from disk or the warm cache (fresh processes)",
+        "time to first token and to a ready server: from_pretrained vs the engine from disk or the warm "
+        "cache (fresh processes)",
         RestartSettings,
     ),
 }

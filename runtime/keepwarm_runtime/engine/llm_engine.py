@@ -18,11 +18,13 @@ from keepwarm_runtime.engine.attention.select import select_backend
 from keepwarm_runtime.engine.block_manager import BlockManager
 from keepwarm_runtime.engine.config import EngineConfig
 from keepwarm_runtime.engine.detokenizer import IncrementalDetokenizer, find_stop
+from keepwarm_runtime.engine.host_memory import keep_freed_memory
 from keepwarm_runtime.engine.kv_cache import allocate_kv_cache, num_blocks_for, probe_kv_specs
 from keepwarm_runtime.engine.loader import LoadInfo, load_model
 from keepwarm_runtime.engine.model_runner import ModelRunner
 from keepwarm_runtime.engine.multimodal import MultimodalInput
 from keepwarm_runtime.engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from keepwarm_runtime.engine.prefetch import WeightPrefetch
 from keepwarm_runtime.engine.sampler import SampledToken, Sampler
 from keepwarm_runtime.engine.sampling_params import SamplingParams
 from keepwarm_runtime.engine.scheduler import Scheduler
@@ -42,15 +44,23 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, profile: StartupProfile | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        profile: StartupProfile | None = None,
+        prefetch: WeightPrefetch | None = None,
+    ):
         """``profile``: where start-up phases are marked (the server passes one that began at process
-        start); by default a profile of this constructor alone, kept as ``self.startup``."""
+        start); by default a profile of this constructor alone, kept as ``self.startup``. ``prefetch``:
+        the weights' attach, begun in the background by the server (engine/prefetch.py)."""
         from transformers import AutoTokenizer, GenerationConfig
 
         self.startup = profile = profile or StartupProfile()
         self.config = config
         self.device = torch.device(config.device)
-        self.model, info = load_model(config, profile)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # a step's large temporaries reuse heap memory (engine/host_memory.py)
+        self.model, info = load_model(config, profile, prefetch)
         self.load_info: LoadInfo = info
         self.moe_backends = {c.module: c.backend for c in info.moe}  # experts module -> MoE backend
         self.model_name = config.model_dir

@@ -28,6 +28,7 @@ from keepwarm_runtime.engine.config import EngineConfig
 from keepwarm_runtime.engine.moe import kernel_layout, serving_layout
 from keepwarm_runtime.engine.moe.experts import ExpertsChoice, prepare_experts, use_keepwarm_experts
 from keepwarm_runtime.engine.multimodal import model_class as multimodal_model_class
+from keepwarm_runtime.engine.prefetch import WeightPrefetch, attach_arguments
 from keepwarm_runtime.engine.quant.fp8 import E4M3
 from keepwarm_runtime.engine.quant.fp8_modules import prepare_checkpoint_fp8, quantize_online
 from keepwarm_runtime.engine.quant.settings import SCALE_SUFFIX, Fp8Settings, QuantizationError, fp8_settings
@@ -49,8 +50,13 @@ class LoadInfo:
     moe: list[ExpertsChoice] = field(default_factory=list)  # backend chosen per experts module, with why
 
 
-def load_model(config: EngineConfig, profile: StartupProfile | None = None) -> tuple[nn.Module, LoadInfo]:
-    """The model with its weights attached; ``profile`` gets the config, model_meta and weights marks."""
+def load_model(
+    config: EngineConfig, profile: StartupProfile | None = None, prefetch: WeightPrefetch | None = None
+) -> tuple[nn.Module, LoadInfo]:
+    """The model with its weights attached; ``profile`` gets the config, model_meta and weights marks.
+
+    ``prefetch``: an attach the server began in the background (engine/prefetch.py); used when it
+    asked for what this config asks for, else the weights are attached here."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     profile = profile or StartupProfile()
@@ -77,16 +83,11 @@ def load_model(config: EngineConfig, profile: StartupProfile | None = None) -> t
     model.eval()
     online = quantization if quantization is not None and quantization.source == "online" else None
     profile.mark("model_meta")
-    res = attach(
-        config.model_dir,
-        config.cache_socket_dir,
-        dtype=config.torch_dtype,
-        device=config.device,
-        mode=config.cache_mode,
-        fallback=config.cache_fallback,
-        online=online,
-        expert_layout=kernel_layout.effective_layout(model, config.expert_layout),
-    )
+    res = prefetch.take(config) if prefetch is not None and online is None else None
+    profile.weights_prefetched = res is not None
+    if res is None:
+        layout = kernel_layout.effective_layout(model, config.expert_layout)
+        res = attach(**attach_arguments(config), online=online, expert_layout=layout)
     # A cache hit for online FP8 is an arena the daemon already quantized (the key says so).
     quantized_by_cache = online is not None and res.source == "cache"
     if quantization is not None and (quantization.source == "checkpoint" or quantized_by_cache):
@@ -100,7 +101,7 @@ def load_model(config: EngineConfig, profile: StartupProfile | None = None) -> t
     _check_fp8_scales(model)
     moe = _prepare_moe(model, config)
     copied += sum(choice.copied for choice in moe)
-    profile.weights_source = res.source
+    profile.weights_source, profile.weights_attach_s = res.source, res.seconds
     profile.mark("weights")
     return model, LoadInfo(res.source, res.seconds, res.reason, copied, moe)
 

@@ -4,6 +4,13 @@ The server creates one ``StartupProfile`` whose origin is the process start, so 
 time from process start to ready; the engine and loader mark the phase boundaries as they pass them
 (``mark`` is cheap and needs no server). ``keepwarm serve`` logs the result once and exports it as
 ``keepwarm_startup_phase_seconds{phase}`` (server/metrics.py).
+
+Work in background threads is not a phase of its own: the server attaches the weights in a thread
+that starts before its imports (engine/prefetch.py), so the attach overlaps ``imports``,
+``config`` and ``model_meta``. Phases stay the main line's contiguous waits, adding up to start to
+ready: ``weights`` is then only what the main line still waited for the attach, plus filling the
+model. The attach's own wall time, wherever it ran, is ``weights_attach_s`` here (in the log line)
+and ``keepwarm_weight_load_seconds{source}``.
 """
 
 from __future__ import annotations
@@ -18,7 +25,8 @@ PHASES = (
     # app and uvicorn starting: the server builds the engine once it listens)
     "config",  # the checkpoint's config.json, quantization checks, attention registration
     "model_meta",  # the transformers model built on the meta device (imports its model classes)
-    "weights",  # attach from the node cache or read from disk, fill parameters, buffers, MoE/FP8 prep
+    "weights",  # attach from the node cache or read from disk (or wait for the prefetch thread doing
+    # that), fill parameters, buffers, MoE/FP8 prep
     "tokenizer",  # the tokenizer and generation config
     "attention",  # keepwarm attention fused into the layers, backend chosen
     "kv_alloc",  # KV cache sized and allocated, block manager, scheduler, runner, sampler
@@ -32,6 +40,10 @@ class StartupProfile:
     origin: float = field(default_factory=time.perf_counter)  # perf_counter() at the start of phase one
     seconds: dict[str, float] = field(default_factory=dict)  # phase -> seconds, in PHASES order
     weights_source: str | None = None  # "cache" | "disk", once the weights phase is marked
+    weights_attach_s: float | None = (
+        None  # the attach's own wall time (overlapping earlier phases if prefetched)
+    )
+    weights_prefetched: bool = False  # attached in the background from process start (engine/prefetch.py)
     _last: float | None = None
 
     @classmethod
@@ -57,6 +69,12 @@ class StartupProfile:
         parts = []
         for phase in PHASES:
             if phase in self.seconds:
-                source = f" ({self.weights_source})" if phase == "weights" and self.weights_source else ""
+                source = f" ({self._weights_note()})" if phase == "weights" and self.weights_source else ""
                 parts.append(f"{phase} {self.seconds[phase]:.2f}s{source}")
         return f"startup phases: {', '.join(parts)}; total {self.total():.2f}s"
+
+    def _weights_note(self) -> str:
+        """The source, and where the attach ran when it was not all inside the weights phase."""
+        if not self.weights_prefetched or self.weights_attach_s is None:
+            return str(self.weights_source)
+        return f"{self.weights_source}; attached in the background in {self.weights_attach_s:.2f}s"

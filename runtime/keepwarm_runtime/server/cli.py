@@ -90,14 +90,17 @@ def serve(config: ServeSettings) -> int:
     if not os.path.isdir(config.model_dir):
         print(f"keepwarm serve: {config.model_dir} is not a directory", file=sys.stderr)
         return 2
+    settings = engine_settings(config)
+    model_dir = os.path.abspath(config.model_dir)
+    from keepwarm_runtime.engine.prefetch import WeightPrefetch
+
+    # The weights need only torch: attach them while the server and transformers import.
+    prefetch = WeightPrefetch.start(model_dir, settings)
     import uvicorn
 
     from keepwarm_runtime.server.app import create_app
-    from keepwarm_runtime.server.serving import ServingOptions
-
-    settings = engine_settings(config)
-    model_dir = os.path.abspath(config.model_dir)
     from keepwarm_runtime.server.media_fetch import media_policy
+    from keepwarm_runtime.server.serving import ServingOptions
     from keepwarm_runtime.server.serving_audio import audio_settings, make_speech_engine
 
     try:
@@ -128,7 +131,7 @@ def serve(config: ServeSettings) -> int:
             return speech
         profile = StartupProfile.since_process_start(started_at)
         profile.mark("imports")
-        engine = LLMEngine(EngineConfig(model_dir, **settings), profile)
+        engine = LLMEngine(EngineConfig(model_dir, **settings), profile, prefetch)
         engine.warm_up()
         return engine
 

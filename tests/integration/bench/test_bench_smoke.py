@@ -44,6 +44,13 @@ def test_restart_benchmark_reports_every_path_and_the_warm_one_attaches(tmp_path
     for path in ("disk", "warm"):
         assert 0 < result["breakdown_s"][path]["attach"] <= result["breakdown_s"][path]["load"], path
     assert result["process_warm_s"] > result["warm_attach_s"]  # whole process includes imports
+    # Whole `keepwarm serve` starts: each its own source, phases adding up to the server's ready time.
+    assert set(result["serve"]) == {"disk_warm", "cache"}  # disk_cold needs --drop-caches
+    for path, source in (("disk_warm", "disk"), ("cache", "cache")):
+        start = result["serve"][path]
+        assert start["weights_source"] == source, path
+        assert sum(start["phases_s"].values()) == pytest.approx(start["ready_s"], abs=0.5), path
+        assert start["phases_s"]["weights"] > 0 and start["wall_to_ready_s"] > 0, path
 
 
 def test_throughput_benchmark_runs_both_engines_on_the_same_prompts(tmp_path: Path) -> None:

@@ -43,13 +43,17 @@ def test_startup_phases_are_logged_and_exported_and_add_up_to_start_to_ready(ser
     metrics = served.proc.metrics()
     phases = {p: metrics[f'keepwarm_startup_phase_seconds{{phase="{p}"}}'] for p in PHASES}
     assert all(seconds >= 0 for seconds in phases.values())
-    # The hung daemon held the attach for its timeout: that wait is charged to weights, not elsewhere.
-    assert phases["weights"] >= inspect.signature(attach).parameters["timeout_s"].default
-    assert phases["imports"] > 0 and phases["warmup"] > 0
+    # The hung daemon held the attach for its timeout. The attach ran in the background from process
+    # start (engine/prefetch.py), so the wait is in the attach's own time, not necessarily in a phase:
+    # the weights phase is only what the main line still waited for it.
+    timeout_s = inspect.signature(attach).parameters["timeout_s"].default
+    assert metrics['keepwarm_weight_load_seconds{source="disk"}'] >= timeout_s
+    assert phases["imports"] > 0 and phases["warmup"] > 0 and phases["weights"] > 0
     # Contiguous phases from process start: together they are start to ready (two clocks, one span).
     assert sum(phases.values()) == pytest.approx(metrics["keepwarm_process_start_to_ready_seconds"], abs=0.5)
     log = served.proc.log_text()
-    assert "startup phases: imports " in log and "weights " in log and "s (disk)" in log
+    assert "startup phases: imports " in log and "weights " in log
+    assert "s (disk; attached in the background in " in log
 
 
 def test_threads_follow_the_cpus_this_process_may_use(served):

@@ -109,10 +109,12 @@ def _gather(cache: torch.Tensor, step: TorchStepMetadata) -> torch.Tensor:
     """[num_blocks, block_size, Hkv, D] cache -> each sequence's first L keys, [B, L, Hkv, D].
 
     Whole blocks are copied (one index per block, not per token: measured ~1.7x faster for a decode
-    step's gather on CPU) and the tail past L is sliced off as a view."""
-    blocks = cache[step.kv_blocks]  # [B, nblk, block_size, Hkv, D]
-    B, nblk, bs = blocks.shape[:3]
-    return blocks.view(B, nblk * bs, *cache.shape[2:])[:, : step.max_keys]
+    step's gather on CPU) by ``index_select`` over the flat block list (faster than advanced indexing
+    with the 2-D index on CPU: 35 vs 52 ms for 64 x 1536 bf16 keys), and the tail past L is sliced
+    off as a view."""
+    B, nblk = step.kv_blocks.shape
+    blocks = cache.index_select(0, step.kv_blocks.view(-1))  # [B * nblk, block_size, Hkv, D]
+    return blocks.view(B, nblk * cache.shape[1], *cache.shape[2:])[:, : step.max_keys]
 
 
 def _pad(x: torch.Tensor, step: TorchStepMetadata) -> torch.Tensor:

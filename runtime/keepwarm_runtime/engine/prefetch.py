@@ -1,0 +1,94 @@
+"""Attach the weights in a background thread while the rest of start-up imports.
+
+`keepwarm serve` spends seconds importing transformers' model classes (and uvicorn, fastapi) before
+the engine can build its model; the weights need none of that, only torch and the checkpoint's
+safetensors headers. ``WeightPrefetch.start`` runs ``attach()`` (the node cache, or the disk) in a
+daemon thread from the first moment the server knows its settings; the engine's loader then takes
+that result instead of attaching again (``take``), provided it asks for exactly the same attach
+(``attach_arguments`` is the one definition of that request for both).
+
+Only plain attaches of causal LMs are prefetched: with ``--quantization fp8`` what the cache is asked
+for depends on the checkpoint's config, so the loader attaches itself; a Whisper checkpoint is loaded
+by its own engine (audio/whisper_engine.py), so nothing is attached for it here. Nothing here
+imports torch at module level, so the server can start the thread before its own imports begin.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from keepwarm_runtime.engine.moe.layouts import MODEL
+
+if TYPE_CHECKING:
+    from keepwarm_runtime.cache.client import AttachResult
+    from keepwarm_runtime.engine.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+def attach_arguments(config: EngineConfig) -> dict[str, Any]:
+    """``attach()`` keyword arguments of an engine without online quantization (the loader's own)."""
+    return {
+        "model_dir": config.model_dir,
+        "socket_dir": config.cache_socket_dir,
+        "dtype": config.torch_dtype,
+        "device": config.device,
+        "mode": config.cache_mode,
+        "fallback": config.cache_fallback,
+    }
+
+
+class WeightPrefetch:
+    """One ``attach()`` running in a daemon thread; ``take(config)`` hands its result to the loader."""
+
+    def __init__(self) -> None:
+        self._future: Future[AttachResult | None] = Future()
+        self._arguments: dict[str, Any] | None = None  # what was attached; None: nothing (yet)
+
+    @classmethod
+    def start(cls, model_dir: str, engine_settings: dict[str, Any]) -> WeightPrefetch:
+        """Begin attaching for ``EngineConfig(model_dir, **engine_settings)``. Settings the engine
+        will refuse end the thread quietly: the engine raises its own error when it builds that
+        config, and ``take`` then has nothing to give."""
+        prefetch = cls()
+        thread = threading.Thread(
+            target=prefetch._run, args=(model_dir, engine_settings), name="keepwarm-weights", daemon=True
+        )
+        thread.start()
+        return prefetch
+
+    def _run(self, model_dir: str, engine_settings: dict[str, Any]) -> None:
+        try:
+            from keepwarm_runtime.audio.whisper_engine import is_whisper_checkpoint
+            from keepwarm_runtime.cache.client import attach
+            from keepwarm_runtime.engine.config import EngineConfig
+
+            config = EngineConfig(model_dir, **engine_settings)
+            # Online FP8 and kernel expert layouts key the arena by what the built model holds: the
+            # loader attaches those itself, once it has the model.
+            converted = config.quantization is not None or config.expert_layout != MODEL
+            if converted or is_whisper_checkpoint(model_dir):
+                self._future.set_result(None)
+                return
+            self._arguments = attach_arguments(config)
+            self._future.set_result(attach(**self._arguments))
+        except BaseException as exc:  # handed to the loader by take(), never lost in this thread
+            self._future.set_exception(exc)
+
+    def take(self, config: EngineConfig) -> AttachResult | None:
+        """The attached weights if they are what ``config`` would attach (waiting for them if need
+        be), else None. An attach that failed raises here, in the loader, as it would have there.
+        Either way the prefetch lets go of what it attached: no second copy outlives this call."""
+        self._future.exception()  # wait, whatever the outcome
+        arguments, future = self._arguments, self._future
+        self._arguments, self._future = None, Future()
+        self._future.set_result(None)
+        if arguments is None:
+            return None
+        if arguments != attach_arguments(config):
+            log.warning("prefetched weights do not match the engine's settings; attaching again")
+            return None
+        return future.result()
