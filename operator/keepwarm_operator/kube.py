@@ -50,6 +50,7 @@ RESOURCES = {
     ("v1", "Node"): Resource("", "v1", "nodes", False),
     ("v1", "Namespace"): Resource("", "v1", "namespaces", False),
     ("v1", "Pod"): Resource("", "v1", "pods", True),
+    ("coordination.k8s.io/v1", "Lease"): Resource("coordination.k8s.io", "v1", "leases", True),
     ("apps/v1", "DaemonSet"): Resource("apps", "v1", "daemonsets", True),
     ("apps/v1", "Deployment"): Resource("apps", "v1", "deployments", True),
     ("rbac.authorization.k8s.io/v1", "ClusterRole"): Resource(

@@ -5,7 +5,8 @@ Reconcile, in order:
   2. apply ServiceAccount, ClusterRole(+Binding) and DaemonSet, owned by the WeightCache
   3. ensure a WeightCacheNode for every selected node an agent pod is bound to, its spec holding the
      cache's models (the agent on that node watches it; the DaemonSet never changes for models)
-  4. delete WeightCacheNodes whose Node is gone or no longer selected; mark silent ones Stale
+  4. delete WeightCacheNodes whose Node is gone or no longer selected; mark Stale those whose agent's
+     Lease (keepwarm_api.lease, renewed every heartbeat) stopped being renewed
   5. aggregate the WeightCacheNodes into status
 """
 
@@ -19,6 +20,7 @@ from pydantic import ValidationError
 
 from keepwarm_api import API_VERSION
 from keepwarm_api.common import condition, merge_conditions
+from keepwarm_api.lease import LEASE_API_VERSION, renewed_at
 from keepwarm_api.weightcache import (
     KIND,
     PLURAL,
@@ -41,7 +43,7 @@ from ..builders.agent import agent_children
 from ..builders.meta import CACHE_LABEL, agent_labels, agent_name, object_meta, selector_string
 from ..kube import ApiError, Kube
 from ..metrics import APPLIES, STALE_NODES, reconciling
-from ..status import is_stale, node_belongs, status_changed, weightcache_status
+from ..status import is_stale, last_heard, node_belongs, status_changed, weightcache_status
 from .setup import context
 
 GROUP, VERSION = API_VERSION.split("/")
@@ -77,6 +79,10 @@ def _sync_nodes(
     }
     existing = {
         o["metadata"]["name"]: o for o in kube.list(API_VERSION, NODE_KIND, labels=f"{CACHE_LABEL}={cache}")
+    }
+    renewed = {  # the agents' Leases, named like their WeightCacheNodes
+        lease["metadata"]["name"]: renewed_at(lease)
+        for lease in kube.list(LEASE_API_VERSION, "Lease", agent_ns, labels=f"{CACHE_LABEL}={cache}")
     }
     for node in sorted(n for n in agent_nodes if node_belongs(node_labels.get(n), spec.node_selector)):
         name = object_name(cache, node)
@@ -114,8 +120,9 @@ def _sync_nodes(
             continue
         status = WeightCacheNodeStatus.model_validate(obj.get("status") or {})
         created = _parse_time(obj["metadata"]["creationTimestamp"])
-        if status.phase != NodePhase.STALE and is_stale(status, spec.heartbeat_seconds, now, created):
-            since = status.heartbeat or "creation"
+        last = last_heard(status, renewed.get(name), created)
+        if status.phase != NodePhase.STALE and is_stale(last, spec.heartbeat_seconds, now):
+            since = "creation" if last == created else last.isoformat().replace("+00:00", "Z")
             message = f"no heartbeat since {since} (agents report every {spec.heartbeat_seconds}s)"
             stale = condition(STALE, True, HEARTBEAT_MISSED, message, None)
             conditions = merge_conditions((obj.get("status") or {}).get("conditions"), [stale], now)
