@@ -15,6 +15,7 @@ from kubernetes import client, config
 
 FIELD_MANAGER = "keepwarm-operator"
 STATUS_WRITE_TRIES = 3  # write_status: reads and recomputes after a conflict
+LIST_PAGE = 500  # list: objects per page
 
 
 class ApiError(Exception):
@@ -173,12 +174,19 @@ class Kube:
         self, api_version: str, kind: str, namespace: str | None = None, labels: str | None = None,
         fields: str | None = None,
     ) -> list[dict[str, Any]]:  # fmt: skip
-        query = []
+        """Every matching object, LIST_PAGE at a time (large clusters: no single huge response)."""
+        query = [("limit", str(LIST_PAGE))]
         if labels:
             query.append(("labelSelector", labels))
         if fields:
             query.append(("fieldSelector", fields))
-        return self.request("GET", resource(api_version, kind).path(namespace), query).get("items", [])
+        path, found, token = resource(api_version, kind).path(namespace), [], ""
+        while True:
+            page = self.request("GET", path, query + ([("continue", token)] if token else []))
+            found.extend(page.get("items", []))
+            token = (page.get("metadata") or {}).get("continue") or ""
+            if not token:
+                return found
 
     def merge_patch(
         self, api_version: str, kind: str, name: str, patch: dict[str, Any], namespace: str | None = None,

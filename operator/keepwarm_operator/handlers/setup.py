@@ -28,10 +28,13 @@ class Context:
     # kopf's index of WeightCacheNodes (handlers/nodes.py): cache name -> the resident model set of
     # each of its nodes, kept by kopf from its watch (read-only here).
     residency: Mapping[str, Iterable[frozenset[str]]]
+    # kopf's index of InferenceDeployments (handlers/inference.py): cache name -> their bodies.
+    deployments_by_cache: Mapping[str, Iterable[dict[str, Any]]] = field(default_factory=dict)
     namespaces: frozenset[str] = frozenset()  # InferenceDeployments served only here (empty: all)
     resync_seconds: float = 30.0  # resync period (also the retry delay after a failed apply)
     lock: threading.Lock = field(default_factory=threading.Lock)
     applied: dict[tuple[str, str], int] = field(default_factory=dict)  # (ns, name) -> Deployment generation
+    applied_services: dict[tuple[str, str], str] = field(default_factory=dict)  # -> Service resourceVersion
     coalesce_s: float = 1.0  # residency changes within this window trigger one refresh per cache
     pending: set[str] = field(default_factory=set)  # caches with a refresh scheduled
 
@@ -88,7 +91,9 @@ def configure_watching(settings: kopf.OperatorSettings) -> None:
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, memo: Any, residency: kopf.Index, **_: Any) -> None:
+def configure(
+    settings: kopf.OperatorSettings, memo: Any, residency: kopf.Index, by_cache: kopf.Index, **_: Any
+) -> None:
     # Our CRDs prune unknown status fields, so kopf keeps its progress in annotations.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -107,6 +112,7 @@ def configure(settings: kopf.OperatorSettings, memo: Any, residency: kopf.Index,
         kube=Kube(client.ApiClient(client_configuration(ours.kubeconfig))),
         agent_namespace=ours.agent_namespace,
         residency=residency,
+        deployments_by_cache=by_cache,
         namespaces=ours.namespaces,
         resync_seconds=ours.resync_seconds,
     )

@@ -70,7 +70,8 @@ def _sync_nodes(
 ) -> list[WeightCacheNodeStatus]:
     """Steps 3-4: WeightCacheNodes follow the agent pods; returns the live ones' statuses."""
     cache = body["metadata"]["name"]
-    node_labels = {n["metadata"]["name"]: n["metadata"].get("labels") or {} for n in kube.list("v1", "Node")}
+    selected = kube.list("v1", "Node", labels=selector_string(spec.node_selector) or None)  # targeted
+    node_labels = {n["metadata"]["name"]: n["metadata"].get("labels") or {} for n in selected}
     pods = kube.list("v1", "Pod", agent_ns, selector_string(agent_labels(cache)))
     agent_nodes = {
         p["spec"]["nodeName"]
@@ -110,7 +111,7 @@ def _sync_nodes(
         node = obj["spec"]["nodeName"]
         if not node_belongs(node_labels.get(node), spec.node_selector):
             kube.delete(API_VERSION, NODE_KIND, name)
-            why = "is gone" if node not in node_labels else "no longer matches spec.nodeSelector"
+            why = "is gone or no longer matches spec.nodeSelector"  # the list holds selected nodes only
             kopf.event(
                 body,
                 type="Normal",

@@ -301,7 +301,11 @@ class NodeAgent:
             body = node_lease.node_lease(
                 self.object_name, self.namespace, self.cache, self.node, duration, now(), owner
             )
-            coordination.create_namespaced_lease(self.namespace, body)
+            # Created by server-side apply: the client's create would re-serialize MicroTimes wrongly.
+            coordination.patch_namespaced_lease(
+                self.object_name, self.namespace, body, field_manager="keepwarm-agent", force=True,
+                _content_type="application/apply-patch+yaml",
+            )  # fmt: skip
         return True
 
     def _follow(self, obj: dict[str, Any] | None) -> None:

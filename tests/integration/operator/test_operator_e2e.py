@@ -233,6 +233,13 @@ def test_agent_reports_aggregate_into_weightcache_status(env, tiny_llama, tmp_pa
         agent.reconcile(agent.fetch())  # the models the operator wrote into this node's spec
         agent.settle()
         assert agent.report()
+        node0_path = f"{GROUP_PATH}/weightcachenodes/{WC}.{env.nodes[0]}"
+        written = get(cp, node0_path)["metadata"]["resourceVersion"]
+        assert agent.report() and agent.renew() and agent.renew()  # a heartbeat: the Lease only
+        assert get(cp, node0_path)["metadata"]["resourceVersion"] == written
+        lease = get(cp, f"/apis/coordination.k8s.io/v1/namespaces/{NAMESPACE}/leases/{WC}.{env.nodes[0]}")
+        assert lease["spec"]["holderIdentity"] == env.nodes[0] and lease["spec"]["renewTime"]
+        assert lease["metadata"]["ownerReferences"][0]["uid"] == get(cp, node0_path)["metadata"]["uid"]
     finally:
         daemon.close()
     node0 = get(cp, f"{GROUP_PATH}/weightcachenodes/{WC}.{env.nodes[0]}")["status"]
