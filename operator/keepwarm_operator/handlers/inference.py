@@ -166,8 +166,7 @@ def refresh_for_cache(memo: Any, cache: str, apply: bool = True) -> None:
 def by_cache(body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
     """WeightCache name -> the InferenceDeployments served from it, as last seen by kopf's watch."""
     cache = ((body.get("spec") or {}).get("model") or {}).get("cacheRef")
-    return {cache: {"metadata": dict(body["metadata"]), "spec": dict(body.get("spec") or {}),
-                    "status": dict(body.get("status") or {})}} if cache else {}  # fmt: skip
+    return {cache: dict(body)} if cache else {}
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+from keepwarm_api.lease import node_lease
 from keepwarm_api.weightcachenode import ResidentModel
 from keepwarm_api.weightcachenode import agent_status as wcn_status
 from keepwarm_operator.builders.meta import warm_label_key
@@ -229,7 +230,9 @@ def test_agent_reports_aggregate_into_weightcache_status(env, tiny_llama, tmp_pa
     daemon = CacheDaemon(DaemonConfig(socket_dir=tmp_path / "sock", tier="host", dtype="bfloat16"))
     try:
         api = client.CustomObjectsApi(cp.api_client(agent_kc))
-        agent = NodeAgent(daemon, WC, env.nodes[0], api, host_root=str(tmp_path / "models"))
+        agent = NodeAgent(
+            daemon, WC, env.nodes[0], api, namespace=NAMESPACE, host_root=str(tmp_path / "models")
+        )
         agent.reconcile(agent.fetch())  # the models the operator wrote into this node's spec
         agent.settle()
         assert agent.report()
@@ -249,6 +252,13 @@ def test_agent_reports_aggregate_into_weightcache_status(env, tiny_llama, tmp_pa
     node1, body = f"{WC}.{env.nodes[1]}", json.loads(patch)
     with pytest.raises(client.ApiException) as refused:
         api.patch_cluster_custom_object_status("keepwarm.dev", "v1alpha1", "weightcachenodes", node1, body)
+    assert refused.value.status == 403 and "its own node" in refused.value.body
+    # ... nor keep node 1 looking alive through its Lease.
+    lease = node_lease(node1, NAMESPACE, WC, env.nodes[1], 60, dt.datetime.now(dt.UTC), None)
+    with pytest.raises(client.ApiException) as refused:
+        agent.coordination().patch_namespaced_lease(
+            node1, NAMESPACE, lease, field_manager="e2e", _content_type="application/apply-patch+yaml"
+        )
     assert refused.value.status == 403 and "its own node" in refused.value.body
     own = client.CustomObjectsApi(cp.api_client(agent_kubeconfig(env, env.nodes[1])))
     own.patch_cluster_custom_object_status("keepwarm.dev", "v1alpha1", "weightcachenodes", node1, body)
