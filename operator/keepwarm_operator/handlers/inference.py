@@ -29,7 +29,6 @@ from keepwarm_api.inferencedeployment import (
     IDepReason,
     InferenceDeploymentSpec,
 )
-from keepwarm_api.weightcache import KIND as CACHE_KIND
 from keepwarm_api.weightcache import WeightCacheSpec
 
 from ..builders.meta import IDEP_LABEL, runtime_labels, selector_string
@@ -59,7 +58,7 @@ def _resolve(
     ref = spec.model
     if not ref.cache_ref:
         return None, condition(C.CACHE_WARM, False, R.NO_CACHE, "no cacheRef: weights load from disk", gen), 0
-    cache = ctx.kube.get(API_VERSION, CACHE_KIND, ref.cache_ref)
+    cache = ctx.cache(ref.cache_ref)  # from kopf's index of WeightCaches: no round trip per event
     if cache is None:
         message = f"WeightCache {ref.cache_ref!r} not found; create it or fix spec.model.cacheRef"
         return None, condition(C.CACHE_WARM, False, R.CACHE_NOT_FOUND, message, gen), 0

@@ -30,11 +30,15 @@ class Context:
     residency: Mapping[str, Iterable[frozenset[str]]]
     # kopf's index of InferenceDeployments (handlers/inference.py): cache name -> their bodies.
     deployments_by_cache: Mapping[str, Iterable[dict[str, Any]]] = field(default_factory=dict)
+    # kopf's index of WeightCaches (handlers/weightcache.py): name -> its object.
+    caches: Mapping[str, Iterable[dict[str, Any]]] = field(default_factory=dict)
     namespaces: frozenset[str] = frozenset()  # InferenceDeployments served only here (empty: all)
     resync_seconds: float = 30.0  # resync period (also the retry delay after a failed apply)
     lock: threading.Lock = field(default_factory=threading.Lock)
     applied: dict[tuple[str, str], int] = field(default_factory=dict)  # (ns, name) -> Deployment generation
     applied_services: dict[tuple[str, str], str] = field(default_factory=dict)  # -> Service resourceVersion
+    # agent children: (apiVersion, kind, ns, name) -> (resourceVersion, digest); Kube.apply_if_changed
+    applied_children: dict[tuple[str, ...], tuple[str, str]] = field(default_factory=dict)
     coalesce_s: float = 1.0  # residency changes within this window trigger one refresh per cache
     pending: set[str] = field(default_factory=set)  # caches with a refresh scheduled
 
@@ -42,6 +46,10 @@ class Context:
         """Nodes where `cache` holds `model`, as the WeightCacheNode watch last reported."""
         nodes = list(self.residency.get(cache, ()))  # one C-level copy: kopf updates it from its loop
         return sum(1 for models in nodes if model in models)
+
+    def cache(self, name: str) -> dict[str, Any] | None:
+        """The WeightCache `name` as kopf's watch last saw it (None when there is none)."""
+        return next(iter(list(self.caches.get(name, ()))), None)
 
     def coalesce(self, key: str, fn: Callable[[], None]) -> None:
         """Run fn once, coalesce_s from now, however often this is called for `key` meanwhile.
@@ -92,8 +100,9 @@ def configure_watching(settings: kopf.OperatorSettings) -> None:
 
 @kopf.on.startup()
 def configure(
-    settings: kopf.OperatorSettings, memo: Any, residency: kopf.Index, by_cache: kopf.Index, **_: Any
-) -> None:
+    settings: kopf.OperatorSettings, memo: Any, residency: kopf.Index, by_cache: kopf.Index,
+    caches: kopf.Index, **_: Any,
+) -> None:  # fmt: skip
     # Our CRDs prune unknown status fields, so kopf keeps its progress in annotations.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -113,6 +122,7 @@ def configure(
         agent_namespace=ours.agent_namespace,
         residency=residency,
         deployments_by_cache=by_cache,
+        caches=caches,
         namespaces=ours.namespaces,
         resync_seconds=ours.resync_seconds,
     )

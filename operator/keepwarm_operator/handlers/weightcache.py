@@ -2,7 +2,8 @@
 
 Reconcile, in order:
   1. validate the spec (the CRD schema already did; what it cannot judge becomes a condition)
-  2. apply ServiceAccount, ClusterRole(+Binding) and DaemonSet, owned by the WeightCache
+  2. apply ServiceAccount, ClusterRole(+Binding) and DaemonSet, owned by the WeightCache (only those
+     changed, on either side, since our last apply: a resync of a quiet cache writes nothing)
   3. ensure a WeightCacheNode for every selected node an agent pod is bound to, its spec holding the
      cache's models (the agent on that node watches it; the DaemonSet never changes for models)
   4. delete WeightCacheNodes whose Node is gone or no longer selected; mark Stale those whose agent's
@@ -172,8 +173,8 @@ def reconcile(body: dict[str, Any], memo: Any, trigger: str, apply: bool = True)
         if apply:  # 2
             try:
                 for child in agent_children(name, spec, ctx.agent_namespace, body):
-                    ctx.kube.apply(child)
-                    APPLIES.labels(child["kind"]).inc()
+                    if ctx.kube.apply_if_changed(child, ctx.applied_children):  # a read when unchanged
+                        APPLIES.labels(child["kind"]).inc()
             except ApiError as exc:
                 reason = WeightCacheReason.APPLY_FAILED
                 message = (
@@ -214,6 +215,13 @@ def refresh_status(memo: Any, cache: str) -> None:
         return status if status_changed(body.get("status"), status) else None
 
     context(memo).kube.write_status(API_VERSION, KIND, cache, None, compute)
+
+
+@kopf.index(GROUP, VERSION, PLURAL)
+def caches(body: kopf.Body, name: str, **_: Any) -> dict[str, dict[str, Any]]:
+    """WeightCache name -> the object as kopf's watch last saw it (InferenceDeployments read it per
+    event; an API round trip each would sit on every create's path to its Deployment)."""
+    return {name: dict(body)}
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)

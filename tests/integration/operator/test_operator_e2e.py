@@ -536,6 +536,12 @@ def test_deleted_service_and_overwritten_status_come_back_within_a_resync(env):
         timeout_s=30,
         op=env.op,
     )
+    # The agents' RBAC is only read on resync while unchanged; deleted, it is applied again.
+    crb_path = f"/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/keepwarm-agent-{WC}"
+    old_uid = get(cp, crb_path)["metadata"]["uid"]
+    cp.kubectl("delete", "clusterrolebinding", f"keepwarm-agent-{WC}")
+    wait(cp, lambda: (get(cp, crb_path) or {}).get("metadata", {}).get("uid") not in (None, old_uid),
+         "the agents' ClusterRoleBinding recreated", timeout_s=30, op=env.op)  # fmt: skip
 
 
 def _row(table: str, name: str) -> list[str]:
