@@ -18,6 +18,8 @@ from ..builders.meta import IDEP_LABEL
 from ..kube import Kube, client_configuration, connection_info
 from ..settings import OperatorSettings
 
+POOL_PER_WORKER = 4  # API connections kept per handler worker (see configure)
+
 
 @dataclass
 class Context:
@@ -117,8 +119,12 @@ def configure(
     configure_watching(settings)
     ours = operator_settings(memo)
     settings.execution.max_workers = ours.workers
+    cfg = client_configuration(ours.kubeconfig)
+    # One connection per thread that may call at once (kopf's workers, coalesced refreshes): with the
+    # client's default of 10, a burst of creates discarded connections and paid a TLS handshake each.
+    cfg.connection_pool_maxsize = max(cfg.connection_pool_maxsize or 0, POOL_PER_WORKER * ours.workers)
     memo.keepwarm = Context(
-        kube=Kube(client.ApiClient(client_configuration(ours.kubeconfig))),
+        kube=Kube(client.ApiClient(cfg)),
         agent_namespace=ours.agent_namespace,
         residency=residency,
         deployments_by_cache=by_cache,
