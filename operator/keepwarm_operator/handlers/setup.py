@@ -41,6 +41,7 @@ class Context:
     applied_services: dict[tuple[str, str], str] = field(default_factory=dict)  # -> Service resourceVersion
     # agent children: (apiVersion, kind, ns, name) -> (resourceVersion, digest); Kube.apply_if_changed
     applied_children: dict[tuple[str, ...], tuple[str, str]] = field(default_factory=dict)
+    node_locks: dict[str, threading.Lock] = field(default_factory=dict)  # cache -> see node_lock
     coalesce_s: float = 1.0  # residency changes within this window trigger one refresh per cache
     pending: set[str] = field(default_factory=set)  # caches with a refresh scheduled
 
@@ -48,6 +49,13 @@ class Context:
         """Nodes where `cache` holds `model`, as the WeightCacheNode watch last reported."""
         nodes = list(self.residency.get(cache, ()))  # one C-level copy: kopf updates it from its loop
         return sum(1 for models in nodes if model in models)
+
+    def node_lock(self, cache: str) -> threading.Lock:
+        """Held while one reconcile of `cache` syncs its WeightCacheNodes. kopf runs one handler per
+        object at a time, but coalesced refreshes run beside it: at 200 nodes each reconcile listed
+        before the others' creates landed and applied every missing WeightCacheNode again (~10x)."""
+        with self.lock:
+            return self.node_locks.setdefault(cache, threading.Lock())
 
     def cache(self, name: str) -> dict[str, Any] | None:
         """The WeightCache `name` as kopf's watch last saw it (None when there is none)."""

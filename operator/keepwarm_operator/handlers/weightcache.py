@@ -187,7 +187,8 @@ def reconcile(body: dict[str, Any], memo: Any, trigger: str, apply: bool = True)
                 ) from exc
         ds = ctx.kube.get("apps/v1", "DaemonSet", agent_name(name), ctx.agent_namespace) or {}
         desired = (ds.get("status") or {}).get("desiredNumberScheduled", 0)
-        nodes = _sync_nodes(ctx.kube, body, spec, ctx.agent_namespace)  # 3, 4
+        with ctx.node_lock(name):
+            nodes = _sync_nodes(ctx.kube, body, spec, ctx.agent_namespace)  # 3, 4
         status = weightcache_status(spec, generation, desired, nodes)  # 5
         wire = status.wire()
         wire["conditions"] = merge_conditions(old_conditions, status.conditions, _now())
