@@ -292,6 +292,7 @@ def run(cp: ControlPlane, args: argparse.Namespace, result: dict) -> None:
         result["operator_log_errors"] = len(op.errors())
         if result["operator_alive"]:
             result["operator_metrics"] = counters(op)
+            time.sleep(args.settle_s)  # rollouts' last status updates land after Available
             steady = steady_state_rates(cp, args.steady_window_s, result["agents"])
             result["operator_steady_state"] = steady["operator"]
             if "agent" in steady:
@@ -312,6 +313,7 @@ def main() -> int:
     ap.add_argument("--agents", type=int, default=1 << 30, help="node agents to run (default: one per node)")
     ap.add_argument("--resync-seconds", type=float, default=30.0, help="operator resync period")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="give up waiting after this long")
+    ap.add_argument("--settle-s", type=float, default=30.0, help="wait after convergence, then sample")
     ap.add_argument("--steady-window-s", type=float, default=60.0, help="steady-state request sampling")
     ap.add_argument("--json-out", type=Path, default=None)
     ap.add_argument("--keep-logs", type=Path, default=None, help="copy the component and operator logs here")
