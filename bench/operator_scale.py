@@ -11,7 +11,11 @@ InferenceDeployments one after another as fast as one client can, and prints JSO
   available_latency_s    CR created -> condition Available=True (scheduling + fake kubelet included)
   operator_rss_mib       operator resident memory at the end; operator_peak_rss_mib its VmHWM;
                          operator_rss_mib_idle before the first CR
-  operator_steady_state  the operator's API requests/s and writes/s once converged (audit log)
+  operator_steady_state  the operator's API requests/s once converged, reads and writes apart, by
+                         verb and resource (audit log; goal: zero writes when nothing changes)
+  agent_steady_state     the same for the node agents, per agent: --agents of them run the real
+                         NodeAgent code in this process (a fake daemon that holds whatever it is
+                         asked to), each with the agent ServiceAccount's token bound to its pod
 Latencies run from a client timestamp taken just before each create to the watch event that shows
 the result, so they include watch delivery. A benchmark, not a test: nothing here asserts speed.
 """
@@ -30,6 +34,7 @@ from pathlib import Path
 
 import httpx
 
+from keepwarm_runtime.agent.kubernetes import NodeAgent
 from keepwarm_testing.controlplane.build import build_control_plane
 from keepwarm_testing.controlplane.cluster import ControlPlane
 from keepwarm_testing.operator import (
@@ -149,25 +154,79 @@ def counters(op: OperatorProcess) -> dict[str, float]:
 
 
 WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection"}
+OPERATOR_USER = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SA}"
+AGENT_USER = f"system:serviceaccount:{OPERATOR_NAMESPACE}:keepwarm-agent-scale"
 
 
-def steady_state_rates(cp: ControlPlane, window_s: float) -> dict[str, float]:
-    """The operator's API requests per second over `window_s` once everything converged, from the
-    API server's audit log (goal: zero writes when nothing changes)."""
-    user = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SA}"
-    before = len(cp.audit_events(user))
-    time.sleep(window_s + 1.5)  # the audit log batches for up to 1 s
-    events = cp.audit_events(user)[before:]
-    writes = [e for e in events if e["verb"] in WRITE_VERBS]
-    by_verb: dict[str, int] = {}
+def rates(events: list[dict], window_s: float, per: int = 1) -> dict:
+    """Requests/s over the window (divided by `per`: agents), reads and writes apart; counts by
+    verb and resource. A watch counts when it ends (the audit log's ResponseComplete)."""
+    by_call: dict[str, int] = {}
     for e in events:
-        by_verb[e["verb"]] = by_verb.get(e["verb"], 0) + 1
+        ref = e.get("objectRef") or {}
+        call = f"{e['verb']} {ref.get('resource', e.get('requestURI', '?'))}"
+        call += f"/{ref['subresource']}" if ref.get("subresource") else ""
+        by_call[call] = by_call.get(call, 0) + 1
+    writes = sum(1 for e in events if e["verb"] in WRITE_VERBS)
     return {
         "window_s": window_s,
-        "requests_per_s": round(len(events) / window_s, 2),
-        "writes_per_s": round(len(writes) / window_s, 2),
-        "requests_by_verb": by_verb,
+        "requests_per_s": round(len(events) / window_s / per, 4),
+        "reads_per_s": round((len(events) - writes) / window_s / per, 4),
+        "writes_per_s": round(writes / window_s / per, 4),
+        "requests_by_call": dict(sorted(by_call.items())),
     }
+
+
+def steady_state_rates(cp: ControlPlane, window_s: float, agents: int) -> dict[str, dict]:
+    """The operator's and the agents' API requests per second over `window_s` once everything
+    converged, from the API server's audit log (goal: zero writes when nothing changes)."""
+    start = time.time()
+    time.sleep(window_s + 1.5)  # the audit log batches for up to 1 s
+    out = {"operator": rates(cp.audit_events(OPERATOR_USER, since=start), window_s)}
+    if agents:
+        out["agent"] = rates(cp.audit_events(AGENT_USER, since=start), window_s, per=agents)
+    return out
+
+
+class FakeDaemon:
+    """Stands in for the cache daemon under a bench agent: holds whatever it is asked to, at once."""
+
+    def __init__(self) -> None:
+        self.models: dict[str, dict] = {}
+
+    def add_model(self, path: str, pin: bool = False, quantization: str | None = None) -> str:
+        name = Path(path).name
+        self.models[name] = {"bytes": 1 << 30, "pinned": pin, "key_digest": "bench", "digest": "bench"}
+        return name
+
+    def remove_model(self, name: str) -> None:
+        self.models.pop(name, None)
+
+    def snapshot(self) -> dict:
+        return {"tier": "host", "gpu_uuid": None, "models": dict(self.models)}
+
+
+def start_agents(cp: ControlPlane, n: int, stop: threading.Event) -> list[NodeAgent]:
+    """The real agent code for the first n agent pods, each with its pod's bound token."""
+    from kubernetes import client
+
+    pods_path = f"/api/v1/namespaces/{OPERATOR_NAMESPACE}/pods?labelSelector=keepwarm.dev/weightcache=scale"
+    deadline = time.monotonic() + 300
+    while True:
+        pods = [p for p in cp.http.get(pods_path).json()["items"] if p["spec"].get("nodeName")]
+        if len(pods) >= n or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    agents = []
+    for pod in sorted(pods, key=lambda p: p["spec"]["nodeName"])[:n]:
+        kc = cp.service_account_kubeconfig(
+            OPERATOR_NAMESPACE, "keepwarm-agent-scale", create=False, bound_pod=pod
+        )
+        api = client.CustomObjectsApi(cp.api_client(kc))
+        agent = NodeAgent(FakeDaemon(), "scale", pod["spec"]["nodeName"], api, namespace=OPERATOR_NAMESPACE)
+        threading.Thread(target=agent.run, args=(stop,), daemon=True, name="bench-agent").start()
+        agents.append(agent)
+    return agents
 
 
 def run(cp: ControlPlane, args: argparse.Namespace, result: dict) -> None:
@@ -177,10 +236,20 @@ def run(cp: ControlPlane, args: argparse.Namespace, result: dict) -> None:
     install_crds(cp)
     install_chart_rbac(cp)  # the operator runs as the chart's ServiceAccount, with the chart's RBAC
     op = OperatorProcess(cp, cp.logs, resync_s=args.resync_seconds).start()
+    stop_agents = threading.Event()
     try:
         result["operator_rss_mib_idle"] = memory_mib(op.proc.pid)["VmRSS"]
         cp.kubectl("apply", "-f", "-", input=json.dumps(WEIGHT_CACHE))
         cp.kubectl("create", "namespace", NAMESPACE)
+        t0 = time.monotonic()
+        agents = start_agents(cp, min(args.agents, args.nodes), stop_agents)
+        result["agents"] = len(agents)
+        ready_path = f"{GROUP_PATH}/weightcaches/scale"
+        while time.monotonic() - t0 < args.timeout_s:  # every agent reported the model resident
+            if condition(cp.http.get(ready_path).json(), "Ready").get("status") == "True" or not agents:
+                break
+            time.sleep(1.0)
+        result["agents_ready_s"] = round(time.monotonic() - t0, 1)
         watchers = {
             "deployment": Watcher(
                 cp, f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments", lambda d: True, owner_name
@@ -223,12 +292,17 @@ def run(cp: ControlPlane, args: argparse.Namespace, result: dict) -> None:
         result["operator_log_errors"] = len(op.errors())
         if result["operator_alive"]:
             result["operator_metrics"] = counters(op)
-            result["operator_steady_state"] = steady_state_rates(cp, args.steady_window_s)
+            time.sleep(args.settle_s)  # rollouts' last status updates land after Available
+            steady = steady_state_rates(cp, args.steady_window_s, result["agents"])
+            result["operator_steady_state"] = steady["operator"]
+            if "agent" in steady:
+                result["agent_steady_state"] = steady["agent"]
         result["fake_kubelet"] = {
             "pods_started": cp.kubelet.stats.pods_started,
             "errors": cp.kubelet.stats.errors,
         }
     finally:
+        stop_agents.set()
         op.stop()
 
 
@@ -236,8 +310,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--crs", type=int, default=200, help="InferenceDeployments to create")
     ap.add_argument("--nodes", type=int, default=100, help="fake GPU nodes (8 GPUs each)")
+    ap.add_argument("--agents", type=int, default=1 << 30, help="node agents to run (default: one per node)")
     ap.add_argument("--resync-seconds", type=float, default=30.0, help="operator resync period")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="give up waiting after this long")
+    ap.add_argument("--settle-s", type=float, default=30.0, help="wait after convergence, then sample")
     ap.add_argument("--steady-window-s", type=float, default=60.0, help="steady-state request sampling")
     ap.add_argument("--json-out", type=Path, default=None)
     ap.add_argument("--keep-logs", type=Path, default=None, help="copy the component and operator logs here")

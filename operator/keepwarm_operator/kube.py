@@ -6,6 +6,7 @@ raw REST layer instead of its generated model classes.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from kubernetes import client, config
 
 FIELD_MANAGER = "keepwarm-operator"
 STATUS_WRITE_TRIES = 3  # write_status: reads and recomputes after a conflict
+LIST_PAGE = 500  # list: objects per page
 
 
 class ApiError(Exception):
@@ -50,6 +52,7 @@ RESOURCES = {
     ("v1", "Node"): Resource("", "v1", "nodes", False),
     ("v1", "Namespace"): Resource("", "v1", "namespaces", False),
     ("v1", "Pod"): Resource("", "v1", "pods", True),
+    ("coordination.k8s.io/v1", "Lease"): Resource("coordination.k8s.io", "v1", "leases", True),
     ("apps/v1", "DaemonSet"): Resource("apps", "v1", "daemonsets", True),
     ("apps/v1", "Deployment"): Resource("apps", "v1", "deployments", True),
     ("rbac.authorization.k8s.io/v1", "ClusterRole"): Resource(
@@ -158,6 +161,23 @@ class Kube:
         query = [("fieldManager", manager or self.field_manager), ("force", "true")]
         return self.request("PATCH", path, query, obj, "application/apply-patch+yaml")
 
+    def apply_if_changed(self, obj: dict[str, Any], applied: dict[tuple[str, ...], tuple[str, str]]) -> bool:
+        """Server-side apply, skipped when neither side changed since our last apply of it: the
+        manifest is the one applied then and the object still has the resourceVersion that apply
+        returned (a read instead of a write that would change nothing). `applied` is the caller's
+        memory of those (resourceVersion, manifest digest) pairs. True when it applied."""
+        meta = obj["metadata"]
+        key = (obj["apiVersion"], obj["kind"], meta.get("namespace") or "", meta["name"])
+        digest = hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+        known = applied.get(key)
+        if known is not None and known[1] == digest:
+            current = self.get(obj["apiVersion"], obj["kind"], meta["name"], meta.get("namespace"))
+            if current is not None and current["metadata"].get("resourceVersion") == known[0]:
+                return False
+        result = self.apply(obj)
+        applied[key] = (result["metadata"].get("resourceVersion", ""), digest)
+        return True
+
     def get(
         self, api_version: str, kind: str, name: str, namespace: str | None = None
     ) -> dict[str, Any] | None:
@@ -172,12 +192,19 @@ class Kube:
         self, api_version: str, kind: str, namespace: str | None = None, labels: str | None = None,
         fields: str | None = None,
     ) -> list[dict[str, Any]]:  # fmt: skip
-        query = []
+        """Every matching object, LIST_PAGE at a time (large clusters: no single huge response)."""
+        query = [("limit", str(LIST_PAGE))]
         if labels:
             query.append(("labelSelector", labels))
         if fields:
             query.append(("fieldSelector", fields))
-        return self.request("GET", resource(api_version, kind).path(namespace), query).get("items", [])
+        path, found, token = resource(api_version, kind).path(namespace), [], ""
+        while True:
+            page = self.request("GET", path, query + ([("continue", token)] if token else []))
+            found.extend(page.get("items", []))
+            token = (page.get("metadata") or {}).get("continue") or ""
+            if not token:
+                return found
 
     def merge_patch(
         self, api_version: str, kind: str, name: str, patch: dict[str, Any], namespace: str | None = None,

@@ -30,11 +30,16 @@ def status_changed(old: dict[str, Any] | None, new: dict[str, Any]) -> bool:
     return any(old.get(key) != value for key, value in new.items())
 
 
-def is_stale(
-    status: WeightCacheNodeStatus, heartbeat_seconds: int, now: dt.datetime, created: dt.datetime
-) -> bool:
-    """No report for STALE_HEARTBEATS periods (counted from creation when the agent never reported)."""
-    last = status.heartbeat or created
+def last_heard(
+    status: WeightCacheNodeStatus, lease_renewed: dt.datetime | None, created: dt.datetime
+) -> dt.datetime:
+    """When the node's agent was last heard from: its Lease's renewal, or a status it wrote (an agent
+    of an older version heartbeats there), or the object's creation when it never reported."""
+    return max(t for t in (lease_renewed, status.heartbeat, created) if t is not None)
+
+
+def is_stale(last: dt.datetime, heartbeat_seconds: int, now: dt.datetime) -> bool:
+    """Nothing heard (last_heard) for STALE_HEARTBEATS periods."""
     return (now - last).total_seconds() > STALE_HEARTBEATS * heartbeat_seconds
 
 

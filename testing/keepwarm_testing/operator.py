@@ -171,10 +171,12 @@ def wait(
 
 # Granted for admission checks, never requested on their own: blockOwnerDeletion in an owner reference
 # needs update on the owner's finalizers; RBAC's escalation check lets the operator grant agents get on
-# their token Secrets only because it holds it.
+# their token Secrets and create/patch on their Leases only because it holds them.
 IMPLIED_GRANTS = {("update", "keepwarm.dev", "weightcaches/finalizers"),
                   ("update", "keepwarm.dev", "inferencedeployments/finalizers"),
-                  ("get", "", "secrets")}  # fmt: skip
+                  ("get", "", "secrets"),
+                  ("create", "coordination.k8s.io", "leases"),
+                  ("patch", "coordination.k8s.io", "leases")}  # fmt: skip
 
 
 def granted(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:

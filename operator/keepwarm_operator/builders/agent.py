@@ -26,6 +26,7 @@ from typing import Any
 from kubernetes.utils.quantity import parse_quantity
 
 from keepwarm_api import GROUP, podenv
+from keepwarm_api.lease import LEASE_GROUP
 from keepwarm_api.paths import HOST_MODELS_MOUNT
 from keepwarm_api.weightcache import GPUAccessMode, SocketMode, Tier, WeightCacheSpec
 
@@ -49,7 +50,8 @@ def token_secrets(spec: WeightCacheSpec) -> list[str]:
 def agent_rbac(
     cache: str, namespace: str, owner: dict[str, Any] | None, secrets: list[str] | None = None
 ) -> list[dict[str, Any]]:
-    """The calls the agent makes: list+watch its WeightCacheNode, patch its status, get its tokens.
+    """The calls the agent makes: list+watch its WeightCacheNode, patch its status, get its tokens,
+    create and renew its node's Lease (keepwarm_api.lease) in the agent namespace.
 
     RBAC cannot name "the object for my node" (names are per node), so any agent of this cache may
     read any WeightCacheNode (specs hold model sources, no secrets) and patch any one's status (the
@@ -68,6 +70,7 @@ def agent_rbac(
         if secrets
         else []
     )
+    lease_rules = [{"apiGroups": [LEASE_GROUP], "resources": ["leases"], "verbs": ["create", "patch"]}]
     return [
         {
             "apiVersion": "v1",
@@ -91,7 +94,7 @@ def agent_rbac(
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "Role",
             "metadata": object_meta(name, labels, owner, namespace),
-            "rules": secret_rules,
+            "rules": lease_rules + secret_rules,
         },
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",

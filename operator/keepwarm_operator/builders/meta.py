@@ -6,9 +6,9 @@ import hashlib
 from typing import Any
 
 from keepwarm_api import GROUP
+from keepwarm_api.group import CACHE_LABEL
 
 MANAGED_BY = {"app.kubernetes.io/managed-by": "keepwarm-operator"}
-CACHE_LABEL = f"{GROUP}/weightcache"  # value: WeightCache name
 IDEP_LABEL = f"{GROUP}/inferencedeployment"  # value: InferenceDeployment name
 WARM_LABEL_PREFIX = f"warm.{GROUP}/"  # node label: warm.keepwarm.dev/<cache>.<model> = "true"
 

@@ -9,8 +9,9 @@ Reconcile, in order:
 A missing cache or model is a condition with a message, not an error loop; the InferenceDeployment is
 reconciled again when its cache changes (WeightCache handlers) or its model's residency does (nodes),
 and every resync period (a timer): a deleted or edited Service or Deployment is re-applied and a status
-another client overwrote is restored. kopf guards the timer with its finalizer, so deleting an
-InferenceDeployment waits for a running operator (as for WeightCaches).
+another client overwrote is restored; children unchanged since our apply are only read, so a quiet
+cluster costs no writes. kopf guards the timer with its finalizer, so deleting an InferenceDeployment
+waits for a running operator (as for WeightCaches).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from keepwarm_api.inferencedeployment import (
     IDepReason,
     InferenceDeploymentSpec,
 )
-from keepwarm_api.weightcache import KIND as CACHE_KIND
 from keepwarm_api.weightcache import WeightCacheSpec
 
 from ..builders.meta import IDEP_LABEL, runtime_labels, selector_string
@@ -58,7 +58,7 @@ def _resolve(
     ref = spec.model
     if not ref.cache_ref:
         return None, condition(C.CACHE_WARM, False, R.NO_CACHE, "no cacheRef: weights load from disk", gen), 0
-    cache = ctx.kube.get(API_VERSION, CACHE_KIND, ref.cache_ref)
+    cache = ctx.cache(ref.cache_ref)  # from kopf's index of WeightCaches: no round trip per event
     if cache is None:
         message = f"WeightCache {ref.cache_ref!r} not found; create it or fix spec.model.cacheRef"
         return None, condition(C.CACHE_WARM, False, R.CACHE_NOT_FOUND, message, gen), 0
@@ -85,8 +85,24 @@ def _resolve(
     return binding, cond, warm
 
 
-def reconcile(body: dict[str, Any], memo: Any, trigger: str, apply: bool = True) -> dict[str, Any]:
-    """Run steps 1-4; returns the new status (the caller writes it). apply=False only refreshes status."""
+def _drifted(ctx: Context, key: tuple[str, str], deployment: dict[str, Any] | None) -> bool:
+    """Whether a child changed since our last apply: the Deployment's generation or the Service's
+    resourceVersion is not the one that apply returned (also when we never applied: a restart)."""
+    namespace, name = key
+    service = ctx.kube.get("v1", "Service", name, namespace)
+    with ctx.lock:
+        applied, service_rv = ctx.applied.get(key), ctx.applied_services.get(key)
+    return (
+        deployment is None
+        or service is None
+        or deployment["metadata"].get("generation", 0) != applied
+        or service["metadata"].get("resourceVersion") != service_rv
+    )
+
+
+def reconcile(body: dict[str, Any], memo: Any, trigger: str, apply: bool | None = True) -> dict[str, Any]:
+    """Run steps 1-4; returns the new status (the caller writes it). apply=False only refreshes status;
+    apply=None (the resync) re-applies only children that drifted, so a quiet cluster costs reads."""
     ctx = context(memo)
     meta = body["metadata"]
     name, namespace, gen = meta["name"], meta["namespace"], meta.get("generation", 0)
@@ -95,23 +111,24 @@ def reconcile(body: dict[str, Any], memo: Any, trigger: str, apply: bool = True)
         binding, cache_cond, warm = _resolve(ctx, spec, gen, namespace)
         problem = None
         deployment = None
+        if apply is not True:
+            deployment = ctx.kube.get("apps/v1", "Deployment", name, namespace)
         if spec.model.cache_ref and binding is None:
             problem = cache_cond.model_copy(update={"type": C.AVAILABLE})
-        elif apply:
+        elif apply or (apply is None and _drifted(ctx, (namespace, name), deployment)):
             try:
                 deployment = ctx.kube.apply(runtime_deployment(name, namespace, spec, binding, body))
+                service = ctx.kube.apply(runtime_service(name, namespace, spec, body))
                 with ctx.lock:  # later events of this generation need no apply
                     ctx.applied[(namespace, name)] = deployment["metadata"].get("generation", 0)
-                ctx.kube.apply(runtime_service(name, namespace, spec, body))
+                    ctx.applied_services[(namespace, name)] = service["metadata"].get("resourceVersion")
                 APPLIES.labels("Deployment").inc()
                 APPLIES.labels("Service").inc()
             except ApiError as exc:
                 message = f"applying the Deployment/Service failed: {exc}"
                 problem = condition(C.AVAILABLE, False, R.APPLY_FAILED, message, gen)
                 kopf.warn(body, reason=R.APPLY_FAILED.value, message=message)
-        else:
-            deployment = ctx.kube.get("apps/v1", "Deployment", name, namespace)
-        if problem is not None and apply:
+        if problem is not None and apply is not False:
             kopf.warn(body, reason=problem.reason, message=problem.message)
         selector = selector_string(runtime_labels(name))
         status = inference_status(gen, selector, deployment, spec.replicas, cache_cond, warm, problem)
@@ -134,13 +151,21 @@ def _write_status(memo: Any, body: dict[str, Any], trigger: str, apply: bool) ->
 
 
 def refresh_for_cache(memo: Any, cache: str, apply: bool = True) -> None:
-    """Reconcile the InferenceDeployments served from `cache` (its spec or residency changed)."""
+    """Reconcile the InferenceDeployments served from `cache` (its spec or residency changed): found
+    in kopf's index of them by cache (no listing); each status write is guarded by the resourceVersion
+    of the copy in the index, and re-read if that was stale."""
     ctx = context(memo)
-    for body in ctx.kube.list(API_VERSION, KIND):
+    for body in list(ctx.deployments_by_cache.get(cache, ())):
         if ctx.namespaces and body["metadata"]["namespace"] not in ctx.namespaces:
             continue  # another operator (or none) serves that namespace
-        if ((body.get("spec") or {}).get("model") or {}).get("cacheRef") == cache:
-            _write_status(memo, body, "cache", apply)
+        _write_status(memo, body, "cache", apply)
+
+
+@kopf.index(GROUP, VERSION, PLURAL)
+def by_cache(body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
+    """WeightCache name -> the InferenceDeployments served from it, as last seen by kopf's watch."""
+    cache = ((body.get("spec") or {}).get("model") or {}).get("cacheRef")
+    return {cache: dict(body)} if cache else {}
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)
@@ -153,10 +178,10 @@ def on_change(body: kopf.Body, patch: kopf.Patch, memo: Any, reason: str, **_: A
 
 
 def resync(body: kopf.Body, patch: kopf.Patch, memo: Any, **_: Any) -> None:
-    """Level-based: re-apply the children (a no-op write when nothing drifted), restore status."""
+    """Level-based: re-apply the children that drifted (reads only when none did), restore status."""
     if body["metadata"].get("deletionTimestamp"):
         return
-    status = reconcile(dict(body), memo, "timer")
+    status = reconcile(dict(body), memo, "timer", apply=None)
     if status_changed(body.get("status"), status):
         patch.status.update(status)
 

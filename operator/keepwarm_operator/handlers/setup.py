@@ -18,6 +18,8 @@ from ..builders.meta import IDEP_LABEL
 from ..kube import Kube, client_configuration, connection_info
 from ..settings import OperatorSettings
 
+POOL_PER_WORKER = 4  # API connections kept per handler worker (see configure)
+
 
 @dataclass
 class Context:
@@ -28,10 +30,18 @@ class Context:
     # kopf's index of WeightCacheNodes (handlers/nodes.py): cache name -> the resident model set of
     # each of its nodes, kept by kopf from its watch (read-only here).
     residency: Mapping[str, Iterable[frozenset[str]]]
+    # kopf's index of InferenceDeployments (handlers/inference.py): cache name -> their bodies.
+    deployments_by_cache: Mapping[str, Iterable[dict[str, Any]]] = field(default_factory=dict)
+    # kopf's index of WeightCaches (handlers/weightcache.py): name -> its object.
+    caches: Mapping[str, Iterable[dict[str, Any]]] = field(default_factory=dict)
     namespaces: frozenset[str] = frozenset()  # InferenceDeployments served only here (empty: all)
     resync_seconds: float = 30.0  # resync period (also the retry delay after a failed apply)
     lock: threading.Lock = field(default_factory=threading.Lock)
     applied: dict[tuple[str, str], int] = field(default_factory=dict)  # (ns, name) -> Deployment generation
+    applied_services: dict[tuple[str, str], str] = field(default_factory=dict)  # -> Service resourceVersion
+    # agent children: (apiVersion, kind, ns, name) -> (resourceVersion, digest); Kube.apply_if_changed
+    applied_children: dict[tuple[str, ...], tuple[str, str]] = field(default_factory=dict)
+    node_locks: dict[str, threading.Lock] = field(default_factory=dict)  # cache -> see node_lock
     coalesce_s: float = 1.0  # residency changes within this window trigger one refresh per cache
     pending: set[str] = field(default_factory=set)  # caches with a refresh scheduled
 
@@ -39,6 +49,17 @@ class Context:
         """Nodes where `cache` holds `model`, as the WeightCacheNode watch last reported."""
         nodes = list(self.residency.get(cache, ()))  # one C-level copy: kopf updates it from its loop
         return sum(1 for models in nodes if model in models)
+
+    def node_lock(self, cache: str) -> threading.Lock:
+        """Held while one reconcile of `cache` syncs its WeightCacheNodes. kopf runs one handler per
+        object at a time, but coalesced refreshes run beside it: at 200 nodes each reconcile listed
+        before the others' creates landed and applied every missing WeightCacheNode again (~10x)."""
+        with self.lock:
+            return self.node_locks.setdefault(cache, threading.Lock())
+
+    def cache(self, name: str) -> dict[str, Any] | None:
+        """The WeightCache `name` as kopf's watch last saw it (None when there is none)."""
+        return next(iter(list(self.caches.get(name, ()))), None)
 
     def coalesce(self, key: str, fn: Callable[[], None]) -> None:
         """Run fn once, coalesce_s from now, however often this is called for `key` meanwhile.
@@ -88,7 +109,10 @@ def configure_watching(settings: kopf.OperatorSettings) -> None:
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, memo: Any, residency: kopf.Index, **_: Any) -> None:
+def configure(
+    settings: kopf.OperatorSettings, memo: Any, residency: kopf.Index, by_cache: kopf.Index,
+    caches: kopf.Index, **_: Any,
+) -> None:  # fmt: skip
     # Our CRDs prune unknown status fields, so kopf keeps its progress in annotations.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -103,10 +127,16 @@ def configure(settings: kopf.OperatorSettings, memo: Any, residency: kopf.Index,
     configure_watching(settings)
     ours = operator_settings(memo)
     settings.execution.max_workers = ours.workers
+    cfg = client_configuration(ours.kubeconfig)
+    # One connection per thread that may call at once (kopf's workers, coalesced refreshes): with the
+    # client's default of 10, a burst of creates discarded connections and paid a TLS handshake each.
+    cfg.connection_pool_maxsize = max(cfg.connection_pool_maxsize or 0, POOL_PER_WORKER * ours.workers)
     memo.keepwarm = Context(
-        kube=Kube(client.ApiClient(client_configuration(ours.kubeconfig))),
+        kube=Kube(client.ApiClient(cfg)),
         agent_namespace=ours.agent_namespace,
         residency=residency,
+        deployments_by_cache=by_cache,
+        caches=caches,
         namespaces=ours.namespaces,
         resync_seconds=ours.resync_seconds,
     )

@@ -2,10 +2,12 @@
 
 Reconcile, in order:
   1. validate the spec (the CRD schema already did; what it cannot judge becomes a condition)
-  2. apply ServiceAccount, ClusterRole(+Binding) and DaemonSet, owned by the WeightCache
+  2. apply ServiceAccount, ClusterRole(+Binding) and DaemonSet, owned by the WeightCache (only those
+     changed, on either side, since our last apply: a resync of a quiet cache writes nothing)
   3. ensure a WeightCacheNode for every selected node an agent pod is bound to, its spec holding the
      cache's models (the agent on that node watches it; the DaemonSet never changes for models)
-  4. delete WeightCacheNodes whose Node is gone or no longer selected; mark silent ones Stale
+  4. delete WeightCacheNodes whose Node is gone or no longer selected; mark Stale those whose agent's
+     Lease (keepwarm_api.lease, renewed every heartbeat) stopped being renewed
   5. aggregate the WeightCacheNodes into status
 """
 
@@ -19,6 +21,7 @@ from pydantic import ValidationError
 
 from keepwarm_api import API_VERSION
 from keepwarm_api.common import condition, merge_conditions
+from keepwarm_api.lease import LEASE_API_VERSION, renewed_at
 from keepwarm_api.weightcache import (
     KIND,
     PLURAL,
@@ -41,7 +44,7 @@ from ..builders.agent import agent_children
 from ..builders.meta import CACHE_LABEL, agent_labels, agent_name, object_meta, selector_string
 from ..kube import ApiError, Kube
 from ..metrics import APPLIES, STALE_NODES, reconciling
-from ..status import is_stale, node_belongs, status_changed, weightcache_status
+from ..status import is_stale, last_heard, node_belongs, status_changed, weightcache_status
 from .setup import context
 
 GROUP, VERSION = API_VERSION.split("/")
@@ -68,7 +71,8 @@ def _sync_nodes(
 ) -> list[WeightCacheNodeStatus]:
     """Steps 3-4: WeightCacheNodes follow the agent pods; returns the live ones' statuses."""
     cache = body["metadata"]["name"]
-    node_labels = {n["metadata"]["name"]: n["metadata"].get("labels") or {} for n in kube.list("v1", "Node")}
+    selected = kube.list("v1", "Node", labels=selector_string(spec.node_selector) or None)  # targeted
+    node_labels = {n["metadata"]["name"]: n["metadata"].get("labels") or {} for n in selected}
     pods = kube.list("v1", "Pod", agent_ns, selector_string(agent_labels(cache)))
     agent_nodes = {
         p["spec"]["nodeName"]
@@ -77,6 +81,10 @@ def _sync_nodes(
     }
     existing = {
         o["metadata"]["name"]: o for o in kube.list(API_VERSION, NODE_KIND, labels=f"{CACHE_LABEL}={cache}")
+    }
+    renewed = {  # the agents' Leases, named like their WeightCacheNodes
+        lease["metadata"]["name"]: renewed_at(lease)
+        for lease in kube.list(LEASE_API_VERSION, "Lease", agent_ns, labels=f"{CACHE_LABEL}={cache}")
     }
     for node in sorted(n for n in agent_nodes if node_belongs(node_labels.get(n), spec.node_selector)):
         name = object_name(cache, node)
@@ -104,7 +112,7 @@ def _sync_nodes(
         node = obj["spec"]["nodeName"]
         if not node_belongs(node_labels.get(node), spec.node_selector):
             kube.delete(API_VERSION, NODE_KIND, name)
-            why = "is gone" if node not in node_labels else "no longer matches spec.nodeSelector"
+            why = "is gone or no longer matches spec.nodeSelector"  # the list holds selected nodes only
             kopf.event(
                 body,
                 type="Normal",
@@ -114,8 +122,9 @@ def _sync_nodes(
             continue
         status = WeightCacheNodeStatus.model_validate(obj.get("status") or {})
         created = _parse_time(obj["metadata"]["creationTimestamp"])
-        if status.phase != NodePhase.STALE and is_stale(status, spec.heartbeat_seconds, now, created):
-            since = status.heartbeat or "creation"
+        last = last_heard(status, renewed.get(name), created)
+        if status.phase != NodePhase.STALE and is_stale(last, spec.heartbeat_seconds, now):
+            since = "creation" if last == created else last.isoformat().replace("+00:00", "Z")
             message = f"no heartbeat since {since} (agents report every {spec.heartbeat_seconds}s)"
             stale = condition(STALE, True, HEARTBEAT_MISSED, message, None)
             conditions = merge_conditions((obj.get("status") or {}).get("conditions"), [stale], now)
@@ -164,8 +173,8 @@ def reconcile(body: dict[str, Any], memo: Any, trigger: str, apply: bool = True)
         if apply:  # 2
             try:
                 for child in agent_children(name, spec, ctx.agent_namespace, body):
-                    ctx.kube.apply(child)
-                    APPLIES.labels(child["kind"]).inc()
+                    if ctx.kube.apply_if_changed(child, ctx.applied_children):  # a read when unchanged
+                        APPLIES.labels(child["kind"]).inc()
             except ApiError as exc:
                 reason = WeightCacheReason.APPLY_FAILED
                 message = (
@@ -178,7 +187,8 @@ def reconcile(body: dict[str, Any], memo: Any, trigger: str, apply: bool = True)
                 ) from exc
         ds = ctx.kube.get("apps/v1", "DaemonSet", agent_name(name), ctx.agent_namespace) or {}
         desired = (ds.get("status") or {}).get("desiredNumberScheduled", 0)
-        nodes = _sync_nodes(ctx.kube, body, spec, ctx.agent_namespace)  # 3, 4
+        with ctx.node_lock(name):
+            nodes = _sync_nodes(ctx.kube, body, spec, ctx.agent_namespace)  # 3, 4
         status = weightcache_status(spec, generation, desired, nodes)  # 5
         wire = status.wire()
         wire["conditions"] = merge_conditions(old_conditions, status.conditions, _now())
@@ -206,6 +216,13 @@ def refresh_status(memo: Any, cache: str) -> None:
         return status if status_changed(body.get("status"), status) else None
 
     context(memo).kube.write_status(API_VERSION, KIND, cache, None, compute)
+
+
+@kopf.index(GROUP, VERSION, PLURAL)
+def caches(body: kopf.Body, name: str, **_: Any) -> dict[str, dict[str, Any]]:
+    """WeightCache name -> the object as kopf's watch last saw it (InferenceDeployments read it per
+    event; an API round trip each would sit on every create's path to its Deployment)."""
+    return {name: dict(body)}
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)

@@ -18,8 +18,10 @@ are retried by themselves with capped exponential backoff (state.retry_delay), t
 the model's status (retryAt); a spec change retries at once.
 
 Started by `keepwarm cache serve --report-to-kubernetes --weightcache NAME --node-name NODE` in a
-daemon thread. Three threads: the watch follows the spec, this one reconciles (local work only), a
-reporter writes the status every heartbeat so a long load never looks like a dead agent. The
+daemon thread. Three threads: the watch follows the spec (and the stored status), this one reconciles
+(local work only), a reporter renews the node's Lease every heartbeat (keepwarm_api.lease: liveness,
+so a long load never looks like a dead agent) and writes the WeightCacheNode status only when it
+changed: a steady node costs one small Lease write per heartbeat and no WeightCacheNode write. The
 kubernetes client is an optional dependency (extra `kubernetes`).
 """
 
@@ -30,10 +32,12 @@ import datetime as dt
 import logging
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 from keepwarm_api import GROUP, VERSION, podenv
+from keepwarm_api import lease as node_lease
 from keepwarm_api import weightcachenode as wcn
 from keepwarm_api.paths import HF_MOUNT, HOST_MODELS_MOUNT, MODELS_ROOT, hf_cache_dir
 from keepwarm_api.settings import present
@@ -51,10 +55,12 @@ from .state import (
     AgentState,
     DaemonBook,
     WantedModel,
+    fresh_since,
     load_options,
     node_status,
     now,
     retry_delay,
+    status_differs,
     wanted_models,
 )
 
@@ -120,7 +126,11 @@ class NodeAgent:
         self.wake = threading.Event()  # the reporter: report now
         self.changed = threading.Event()  # the reconciler: the spec changed or a load finished
         self.desired: dict[str, Any] | None = None  # this node's WeightCacheNode as last seen
-        self.last_report = self.state.reporting_since
+        # ... and as last seen by the reporter, from the watch or its own write (status and uid)
+        self.seen: dict[str, Any] | None = None
+        self.renewed = -float("inf")  # time.monotonic() of the last Lease renewal (or attempt)
+        self.lease_held = False  # the last renewal succeeded
+        self._coordination: Any = None
 
     @property
     def object_name(self) -> str:
@@ -285,19 +295,21 @@ class NodeAgent:
         return {key: daemon.snapshot() for key, daemon in self.daemons.items()}
 
     def report(self) -> bool:
-        """Write the WeightCacheNode status; False while the operator has not created it yet."""
+        """Write the WeightCacheNode status if it changed (not its heartbeat stamp alone); False while
+        the operator has not created the object yet."""
         from kubernetes.client import ApiException
 
         with self.lock:
-            if (now() - self.last_report).total_seconds() > wcn.STALE_HEARTBEATS * self.heartbeat_s:
-                self.state.reporting_since = now()  # silent long enough to be Stale: a transition
+            stored = None if self.seen is None else self.seen.get("status") or {}
+            self.state.reporting_since = fresh_since(stored, self.state.reporting_since, now())
             status = node_status(self.state, self.snapshots(), self.wanted, __version__)
+        if not status_differs(stored, status):
+            return True
         try:
-            self.api.patch_cluster_custom_object_status(
+            self.seen = self.api.patch_cluster_custom_object_status(
                 GROUP, VERSION, wcn.PLURAL, self.object_name, {"status": status.wire()},
                 _content_type="application/merge-patch+json",
             )  # fmt: skip
-            self.last_report = now()
             return True
         except ApiException as exc:
             if exc.status == 404:
@@ -305,8 +317,47 @@ class NodeAgent:
                 return False
             raise
 
+    def coordination(self) -> Any:
+        """CoordinationV1Api on the same connection as the custom objects API."""
+        if self._coordination is None:
+            from kubernetes import client
+
+            self._coordination = client.CoordinationV1Api(self.api.api_client)
+        return self._coordination
+
+    def renew(self) -> bool:
+        """Renew this node's Lease (create it, owned by the WeightCacheNode, on the first renewal or
+        after the garbage collector removed it with an old WeightCacheNode). False while there is no
+        WeightCacheNode yet: nothing to be stale."""
+        from kubernetes.client import ApiException
+
+        self.renewed = time.monotonic()
+        owner = self.seen or self.desired
+        if owner is None:
+            return False
+        duration = int(wcn.STALE_HEARTBEATS * self.heartbeat_s)
+        coordination = self.coordination()
+        try:
+            coordination.patch_namespaced_lease(
+                self.object_name, self.namespace, node_lease.renewal(now(), self.node, duration),
+                _content_type="application/merge-patch+json",
+            )  # fmt: skip
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            body = node_lease.node_lease(
+                self.object_name, self.namespace, self.cache, self.node, duration, now(), owner
+            )
+            # Created by server-side apply: the client's create would re-serialize MicroTimes wrongly.
+            coordination.patch_namespaced_lease(
+                self.object_name, self.namespace, body, field_manager="keepwarm-agent", force=True,
+                _content_type="application/apply-patch+yaml",
+            )  # fmt: skip
+        return True
+
     def _follow(self, obj: dict[str, Any] | None) -> None:
         self.desired = obj
+        self.seen = obj
         self.changed.set()
 
     def run_watch(self, stop: threading.Event) -> None:
@@ -338,13 +389,26 @@ class NodeAgent:
                 log.warning("watching WeightCacheNode %s failed: %s", self.object_name, exc)
                 stop.wait(WATCH_RETRY_S)
 
+    def _renewal_due(self) -> float:
+        """time.monotonic() of the next renewal: a heartbeat after the last one, sooner while there
+        is no Lease yet (the WeightCacheNode not seen, or the last try failed)."""
+        return self.renewed + (self.heartbeat_s if self.lease_held else WATCH_RETRY_S)
+
     def run_reporter(self, stop: threading.Event) -> None:
+        """Renew the Lease every heartbeat; on every wake (a pass of the reconciler, a load done) and
+        every heartbeat, write the status if it changed."""
         while not stop.is_set():
+            if time.monotonic() >= self._renewal_due():
+                try:
+                    self.lease_held = self.renew()
+                except Exception as exc:  # API hiccups must not kill the reporter
+                    self.lease_held = False
+                    log.warning("renewing the Lease of %s failed: %s", self.object_name, exc)
             try:
                 self.report()
-            except Exception as exc:  # API hiccups must not kill the reporter
+            except Exception as exc:
                 log.warning("reporting WeightCacheNode %s failed: %s", self.object_name, exc)
-            self.wake.wait(self.heartbeat_s)
+            self.wake.wait(max(0.0, self._renewal_due() - time.monotonic()))
             self.wake.clear()
 
     def _next_pass_s(self) -> float:

@@ -3,7 +3,9 @@
 The node's wanted models arrive as the typed WeightCacheNode spec of keepwarm_api (the operator writes
 it); model directories follow keepwarm_api.paths, the convention the operator mounts sources by; the
 status is built by keepwarm_api.weightcachenode.agent_status from the daemons' snapshots (one per GPU
-with per-GPU daemons, each tracked in its own DaemonBook).
+with per-GPU daemons, each tracked in its own DaemonBook), and written only when it differs from the
+stored one (status_differs) other than in its heartbeat stamp: liveness is the node's Lease
+(keepwarm_api.lease), so a steady node writes no WeightCacheNode at all.
 """
 
 from __future__ import annotations
@@ -12,9 +14,13 @@ import datetime as dt
 from dataclasses import dataclass, field
 from typing import Any
 
-from keepwarm_api.common import Quantization, SecretKeyRef
+from pydantic import ValidationError
+
+from keepwarm_api.common import ConditionStatus, Quantization, SecretKeyRef
+from keepwarm_api.lease import parse_time
 from keepwarm_api.paths import HOST_MODELS_MOUNT, MODELS_ROOT, host_model_dir, model_dir
 from keepwarm_api.weightcachenode import (
+    STALE,
     GPUModel,
     GPUResidency,
     ModelState,
@@ -165,3 +171,30 @@ def node_status(
     ]
     models = [combine_gpus({key: per_daemon[key][i] for key in gpu_keys}) for i in range(len(wanted))]
     return agent_status(models, gpu_keys, version, state.message, now(), state.reporting_since, gpus=per_gpu)
+
+
+def fresh_since(stored: dict[str, Any] | None, since: dt.datetime, now: dt.datetime) -> dt.datetime:
+    """lastTransitionTime of the Stale=False condition the agent reports: kept from the stored status
+    while that says False, `now` once it says otherwise (the operator marked the node Stale: reporting
+    again is a transition), `since` (the agent's start) when nothing was stored yet."""
+    for cond in (stored or {}).get("conditions") or []:
+        if cond.get("type") == STALE:
+            if cond.get("status") == ConditionStatus.FALSE.value and cond.get("lastTransitionTime"):
+                return parse_time(cond["lastTransitionTime"])
+            return now
+    return since
+
+
+def status_differs(stored: dict[str, Any] | None, status: WeightCacheNodeStatus) -> bool:
+    """Whether writing `status` changes the stored one other than in its heartbeat stamp (both sides
+    read through the model, so defaults and field order do not count)."""
+    if stored is None:
+        return True
+    try:
+        old = WeightCacheNodeStatus.model_validate(stored).wire()
+    except ValidationError:  # written by another version in another shape: ours replaces it
+        return True
+    new = status.wire()
+    old.pop("heartbeat", None)
+    new.pop("heartbeat", None)
+    return old != new

@@ -34,7 +34,7 @@ from keepwarm_runtime.server.launcher import free_port
 from .kubelet import FakeKubelet
 from .pki import PKI, SERVING_NAMES, client_ssl_context, write_kubeconfig
 
-SERVICE_CIDR = "10.0.0.0/24"
+SERVICE_CIDR = "10.0.0.0/16"  # room for a Service per InferenceDeployment at bench scale (400+)
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
 # What the tests check RBAC against: every request a ServiceAccount (operator, agents) makes, with

@@ -129,6 +129,20 @@ def test_cache_serve_reports_and_follows_the_weightcache(control_plane, tiny_lla
             cp, lambda: resident("beta"), f"alpha evicted, beta resident (agent log {log})", timeout_s=60
         )
         assert status["models"][0]["pinned"] is True
+        # Steady now: heartbeats renew the node's Lease and leave the WeightCacheNode alone.
+        lease_path = f"/apis/coordination.k8s.io/v1/namespaces/{NAMESPACE}/leases/{cache}.{node}"
+        lease = wait(cp, lambda: get(cp, lease_path), "the agent's Lease", timeout_s=30)
+        steady = get(cp, f"{GROUP_PATH}/weightcachenodes/{cache}.{node}")["metadata"]["resourceVersion"]
+        renewals = {lease["spec"]["renewTime"]}
+
+        def renewed():
+            at = get(cp, lease_path)["spec"]["renewTime"]
+            return at if at not in renewals else None
+
+        while len(renewals) < 3:  # two more renewals, a heartbeat (1 s) apart
+            renewals.add(wait(cp, renewed, "a renewal", timeout_s=30))
+        wcn_now = get(cp, f"{GROUP_PATH}/weightcachenodes/{cache}.{node}")["metadata"]["resourceVersion"]
+        assert wcn_now == steady, "a steady agent wrote its WeightCacheNode"
         assert proc.poll() is None, log.read_text()
     finally:
         proc.terminate()

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+from keepwarm_api.lease import node_lease
 from keepwarm_api.weightcachenode import ResidentModel
 from keepwarm_api.weightcachenode import agent_status as wcn_status
 from keepwarm_operator.builders.meta import warm_label_key
@@ -200,12 +201,18 @@ def test_adding_a_model_changes_the_weightcachenodes_not_the_agent_pods(env):
     role_path = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NAMESPACE}/roles/keepwarm-agent-{WC}"
     role = get(cp, role_path)
     assert role["rules"] == [
-        {"apiGroups": [""], "resources": ["secrets"], "resourceNames": [secret], "verbs": ["get"]}
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create", "patch"]},
+        {"apiGroups": [""], "resources": ["secrets"], "resourceNames": [secret], "verbs": ["get"]},
     ]
     assert _template_hash(env) == before
     cp.kubectl("patch", "wc", WC, "--type=merge", "-p", json.dumps({"spec": {"models": models[:1]}}))
     wait(cp, lambda: spec_models() == {n: [MODEL] for n in env.nodes}, "the model removed again", op=env.op)
-    wait(cp, lambda: not get(cp, role_path).get("rules"), "the Secret rule dropped", op=env.op)
+    wait(
+        cp,
+        lambda: all("secrets" not in r["resources"] for r in get(cp, role_path)["rules"]),
+        "the Secret rule dropped",
+        op=env.op,
+    )
     assert _template_hash(env) == before
 
 
@@ -223,10 +230,19 @@ def test_agent_reports_aggregate_into_weightcache_status(env, tiny_llama, tmp_pa
     daemon = CacheDaemon(DaemonConfig(socket_dir=tmp_path / "sock", tier="host", dtype="bfloat16"))
     try:
         api = client.CustomObjectsApi(cp.api_client(agent_kc))
-        agent = NodeAgent(daemon, WC, env.nodes[0], api, host_root=str(tmp_path / "models"))
+        agent = NodeAgent(
+            daemon, WC, env.nodes[0], api, namespace=NAMESPACE, host_root=str(tmp_path / "models")
+        )
         agent.reconcile(agent.fetch())  # the models the operator wrote into this node's spec
         agent.settle()
         assert agent.report()
+        node0_path = f"{GROUP_PATH}/weightcachenodes/{WC}.{env.nodes[0]}"
+        written = get(cp, node0_path)["metadata"]["resourceVersion"]
+        assert agent.report() and agent.renew() and agent.renew()  # a heartbeat: the Lease only
+        assert get(cp, node0_path)["metadata"]["resourceVersion"] == written
+        lease = get(cp, f"/apis/coordination.k8s.io/v1/namespaces/{NAMESPACE}/leases/{WC}.{env.nodes[0]}")
+        assert lease["spec"]["holderIdentity"] == env.nodes[0] and lease["spec"]["renewTime"]
+        assert lease["metadata"]["ownerReferences"][0]["uid"] == get(cp, node0_path)["metadata"]["uid"]
     finally:
         daemon.close()
     node0 = get(cp, f"{GROUP_PATH}/weightcachenodes/{WC}.{env.nodes[0]}")["status"]
@@ -236,6 +252,13 @@ def test_agent_reports_aggregate_into_weightcache_status(env, tiny_llama, tmp_pa
     node1, body = f"{WC}.{env.nodes[1]}", json.loads(patch)
     with pytest.raises(client.ApiException) as refused:
         api.patch_cluster_custom_object_status("keepwarm.dev", "v1alpha1", "weightcachenodes", node1, body)
+    assert refused.value.status == 403 and "its own node" in refused.value.body
+    # ... nor keep node 1 looking alive through its Lease.
+    lease = node_lease(node1, NAMESPACE, WC, env.nodes[1], 60, dt.datetime.now(dt.UTC), None)
+    with pytest.raises(client.ApiException) as refused:
+        agent.coordination().patch_namespaced_lease(
+            node1, NAMESPACE, lease, field_manager="e2e", _content_type="application/apply-patch+yaml"
+        )
     assert refused.value.status == 403 and "its own node" in refused.value.body
     own = client.CustomObjectsApi(cp.api_client(agent_kubeconfig(env, env.nodes[1])))
     own.patch_cluster_custom_object_status("keepwarm.dev", "v1alpha1", "weightcachenodes", node1, body)
@@ -528,6 +551,12 @@ def test_deleted_service_and_overwritten_status_come_back_within_a_resync(env):
         timeout_s=30,
         op=env.op,
     )
+    # The agents' RBAC is only read on resync while unchanged; deleted, it is applied again.
+    crb_path = f"/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/keepwarm-agent-{WC}"
+    old_uid = get(cp, crb_path)["metadata"]["uid"]
+    cp.kubectl("delete", "clusterrolebinding", f"keepwarm-agent-{WC}")
+    wait(cp, lambda: (get(cp, crb_path) or {}).get("metadata", {}).get("uid") not in (None, old_uid),
+         "the agents' ClusterRoleBinding recreated", timeout_s=30, op=env.op)  # fmt: skip
 
 
 def _row(table: str, name: str) -> list[str]:

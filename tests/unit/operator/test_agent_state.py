@@ -14,9 +14,11 @@ from keepwarm_runtime.agent.kubernetes import NodeAgent
 from keepwarm_runtime.agent.state import (
     AgentState,
     DaemonBook,
+    fresh_since,
     load_options,
     node_status,
     retry_delay,
+    status_differs,
     wanted_models,
 )
 
@@ -137,6 +139,28 @@ def test_stale_condition_keeps_its_transition_time_across_heartbeats():
     assert first["conditions"] == second["conditions"]
     assert first["conditions"][0] | {"lastTransitionTime": "2026-01-01T00:00:00Z"} == first["conditions"][0]
     assert first["conditions"][0]["status"] == "False" and first["conditions"][0]["type"] == "Stale"
+
+
+def test_a_steady_node_needs_no_status_write_and_transitions_only_after_stale():
+    wanted = wanted_models(spec([{"name": "a", "source": {"path": "/m/a"}}]))
+    start = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    state = AgentState(reporting_since=start)
+    snap = {"": {"tier": "host", "gpu_uuid": None, "models": {}}}
+    stored = node_status(state, snap, wanted, "v").wire()
+    stored["heartbeat"] = "2025-12-31T23:00:00Z"  # written an hour ago: only the stamp differs
+    assert not status_differs(stored, node_status(state, snap, wanted, "v"))
+    assert status_differs(None, node_status(state, snap, wanted, "v"))
+    loaded = {"": {"tier": "host", "models": {"a": {"bytes": 8, "pinned": False}}}}
+    state.books[""] = DaemonBook(daemon_names={"a": "a"})
+    assert status_differs(stored, node_status(state, loaded, wanted, "v"))  # a real change
+
+    later = start + dt.timedelta(hours=2)
+    assert fresh_since(stored, start, later) == start  # Stale=False as stored: keeps its time
+    assert fresh_since(None, start, later) == start
+    marked = {**stored, "phase": "Stale", "conditions": [{**stored["conditions"][0], "status": "True"}]}
+    assert fresh_since(marked, start, later) == later  # the operator marked it Stale: a transition
+    state.reporting_since = fresh_since(marked, start, later)
+    assert status_differs(marked, node_status(state, loaded, wanted, "v"))
 
 
 def test_load_options_carry_pin_and_quantization():

@@ -120,8 +120,10 @@ def test_agent_rbac_is_least_privilege():
         (("weightcachenodes/status",), ()): {"patch"},
     }
     assert secrets["kind"] == "Role" and secrets["metadata"]["namespace"] == "keepwarm-system"
+    lease = {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create", "patch"]}
     assert secrets["rules"] == [
-        {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["hf"], "verbs": ["get"]}
+        lease,
+        {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["hf"], "verbs": ["get"]},
     ]
     for b, r in ((binding, role), (secrets_binding, secrets)):
         assert b["subjects"] == [
@@ -129,7 +131,7 @@ def test_agent_rbac_is_least_privilege():
         ]
         assert (b["roleRef"]["kind"], b["roleRef"]["name"]) == (r["kind"], r["metadata"]["name"])
     # No token: no Secret rule at all (an empty resourceNames would grant every Secret).
-    assert agent_rbac("llama", "keepwarm-system", OWNER)[3]["rules"] == []
+    assert agent_rbac("llama", "keepwarm-system", OWNER)[3]["rules"] == [lease]
 
 
 def test_children_order_rbac_before_pods():

@@ -9,6 +9,7 @@ from keepwarm_operator.builders.meta import warm_label_key
 from keepwarm_operator.status import (
     inference_status,
     is_stale,
+    last_heard,
     node_belongs,
     node_warm_labels,
     status_changed,
@@ -61,10 +62,18 @@ def test_no_matching_nodes():
 
 def test_stale_after_missed_heartbeats():
     fresh = node(a="Resident")
-    assert not is_stale(fresh, 15, NOW + dt.timedelta(seconds=59), NOW)
-    assert is_stale(fresh, 15, NOW + dt.timedelta(seconds=61), NOW)
+    assert not is_stale(last_heard(fresh, None, NOW), 15, NOW + dt.timedelta(seconds=59))
+    assert is_stale(last_heard(fresh, None, NOW), 15, NOW + dt.timedelta(seconds=61))
     never = WeightCacheNodeStatus()
-    assert is_stale(never, 15, NOW + dt.timedelta(seconds=61), NOW)
+    assert is_stale(last_heard(never, None, NOW), 15, NOW + dt.timedelta(seconds=61))
+
+
+def test_a_renewed_lease_keeps_a_node_fresh_without_status_writes():
+    quiet = node(a="Resident")  # status written at NOW, never since
+    renewed = NOW + dt.timedelta(seconds=300)
+    assert last_heard(quiet, renewed, NOW - dt.timedelta(hours=1)) == renewed
+    assert not is_stale(last_heard(quiet, renewed, NOW), 15, renewed + dt.timedelta(seconds=59))
+    assert is_stale(last_heard(quiet, renewed, NOW), 15, renewed + dt.timedelta(seconds=61))
 
 
 def test_node_labels_from_resident_models_only():
