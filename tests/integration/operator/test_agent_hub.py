@@ -84,6 +84,12 @@ def test_a_gated_repository_needs_its_token(hub_env, tmp_path):
     assert all(r.authorization == f"Bearer {TOKEN}" for r in seen if r.status != 401)
 
 
+def snapshot_dir(agent, name: str) -> str:
+    """The Hub snapshot directory the agent resolved for model `name` (keyed by name, repo, revision)."""
+    (found,) = [path for (model, _repo, _revision), path in agent.resolved.items() if model == name]
+    return found
+
+
 def test_the_agent_downloads_with_its_token_secret_and_recovers_from_an_outage(
     control_plane, hub_env, tmp_path
 ):
@@ -162,9 +168,9 @@ def test_the_agent_downloads_with_its_token_secret_and_recovers_from_an_outage(
     try:
         resident = dict.fromkeys(("pinned", "branch", "gated"), "Resident")
         wait(cp, lambda: states() == resident, "three Hub models resident", timeout_s=180)
-        assert Path(agent.resolved["pinned"]).name == shas["first"]
-        assert Path(agent.resolved["branch"]).name == shas["dev"]
-        assert Path(agent.resolved["gated"]).name == shas["gated"]
+        assert Path(snapshot_dir(agent, "pinned")).name == shas["first"]
+        assert Path(snapshot_dir(agent, "branch")).name == shas["dev"]
+        assert Path(snapshot_dir(agent, "gated")).name == shas["gated"]
         refs = Path(hf_cache_dir(str(hf_root))) / "models--org--tiny" / "refs"
         assert (refs / "dev").read_text() == shas["dev"]  # the branch, resolved through refs/
         # The token came from the Secret, through the API with the agent's own RBAC, to the Hub.
@@ -194,7 +200,7 @@ def test_the_agent_downloads_with_its_token_secret_and_recovers_from_an_outage(
             timeout_s=120,
         )
         assert get(cp, f"{GROUP_PATH}/weightcachenodes/{wcn_name}")["metadata"]["generation"] == generation
-        assert Path(agent.resolved["late"]).name == shas["late"]
+        assert Path(snapshot_dir(agent, "late")).name == shas["late"]
         recovered = models()["late"]
         assert not recovered.get("retryAt") and not recovered.get("message"), recovered
     finally:
