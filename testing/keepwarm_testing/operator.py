@@ -4,6 +4,7 @@ subprocess, read objects as admin, read the operator's metrics with prometheus_c
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -32,6 +33,24 @@ def get(cp: Any, path: str) -> dict | None:
         return None
     resp.raise_for_status()
     return resp.json()
+
+
+def agent_pod_kubeconfig(cp: Any, cache: str, node: str) -> Path:
+    """A kubeconfig holding the agent's token bound to an agent pod on `node`, as a kubelet would
+    mount it: the node claim the agent policies check comes from that binding."""
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": f"keepwarm-agent-{cache}", "namespace": NAMESPACE},
+        "spec": {
+            "nodeName": node,
+            "serviceAccountName": f"keepwarm-agent-{cache}",
+            "containers": [{"name": "agent", "image": "keepwarm-runtime"}],
+        },
+    }
+    cp.kubectl("apply", "-f", "-", input=json.dumps(pod))
+    bound = get(cp, f"/api/v1/namespaces/{NAMESPACE}/pods/keepwarm-agent-{cache}")
+    return cp.service_account_kubeconfig(NAMESPACE, f"keepwarm-agent-{cache}", create=False, bound_pod=bound)
 
 
 def items(cp: Any, path: str) -> list[dict]:

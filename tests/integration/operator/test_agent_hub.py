@@ -24,7 +24,7 @@ from keepwarm_api.paths import hf_cache_dir
 from keepwarm_operator.builders.agent import agent_rbac
 from keepwarm_runtime.agent.download import DownloadFailed, download
 from keepwarm_testing.hub import LocalHub
-from keepwarm_testing.operator import GROUP_PATH, NAMESPACE, get, install_crds, wait
+from keepwarm_testing.operator import GROUP_PATH, NAMESPACE, agent_pod_kubeconfig, get, install_crds, wait
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 TOKEN = "hf_e2e_gate_token"
@@ -131,21 +131,7 @@ def test_the_agent_downloads_with_its_token_secret_and_recovers_from_an_outage(
     cp.kubectl("create", "namespace", NAMESPACE, check=False)
     docs = [wcn, secret, *agent_rbac(cache, NAMESPACE, None, [secret_name])]
     cp.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(docs))
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": f"keepwarm-agent-{cache}", "namespace": NAMESPACE},
-        "spec": {
-            "nodeName": node,
-            "serviceAccountName": f"keepwarm-agent-{cache}",
-            "containers": [{"name": "agent", "image": "keepwarm-runtime"}],
-        },
-    }
-    cp.kubectl("apply", "-f", "-", input=json.dumps(pod))
-    bound = get(cp, f"/api/v1/namespaces/{NAMESPACE}/pods/keepwarm-agent-{cache}")
-    agent_kc = cp.service_account_kubeconfig(
-        NAMESPACE, f"keepwarm-agent-{cache}", create=False, bound_pod=bound
-    )
+    agent_kc = agent_pod_kubeconfig(cp, cache, node)
     api_client = cp.api_client(agent_kc)
     daemon = CacheDaemon(DaemonConfig(socket_dir=tmp_path / "sock", tier="host", dtype="bfloat16"))
     hf_root = tmp_path / "downloads"

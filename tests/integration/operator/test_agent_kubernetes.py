@@ -15,7 +15,15 @@ import yaml
 
 from keepwarm_operator.builders.agent import agent_rbac
 from keepwarm_runtime.cache.launcher import serve_command
-from keepwarm_testing.operator import GROUP_PATH, NAMESPACE, ROOT, get, install_crds, wait
+from keepwarm_testing.operator import (
+    GROUP_PATH,
+    NAMESPACE,
+    ROOT,
+    agent_pod_kubeconfig,
+    get,
+    install_crds,
+    wait,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -57,22 +65,7 @@ def test_cache_serve_reports_and_follows_the_weightcache(control_plane, tiny_lla
     cp.kubectl("create", "namespace", NAMESPACE, check=False)
     docs = [wcn, secret, *agent_rbac(cache, NAMESPACE, None, [f"{cache}-hf"])]
     cp.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(docs))
-    # The agent's token is bound to a pod of its ServiceAccount on the node, as a kubelet would mount it.
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": f"keepwarm-agent-{cache}", "namespace": NAMESPACE},
-        "spec": {
-            "nodeName": node,
-            "serviceAccountName": f"keepwarm-agent-{cache}",
-            "containers": [{"name": "agent", "image": "keepwarm-runtime"}],
-        },
-    }
-    cp.kubectl("apply", "-f", "-", input=json.dumps(pod))
-    bound = get(cp, f"/api/v1/namespaces/{NAMESPACE}/pods/keepwarm-agent-{cache}")
-    agent_kc = cp.service_account_kubeconfig(
-        NAMESPACE, f"keepwarm-agent-{cache}", create=False, bound_pod=bound
-    )
+    agent_kc = agent_pod_kubeconfig(cp, cache, node)
     env = {
         **cp.env(agent_kc),
         "KEEPWARM_HOST_MODEL_ROOT": str(models),  # the mount of modelDirectory /m
