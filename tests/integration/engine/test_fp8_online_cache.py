@@ -18,11 +18,10 @@ import torch
 from keepwarm_runtime import LLM, SamplingParams
 from keepwarm_runtime.cache.client import CacheAttachError, attach, connect, request
 from keepwarm_runtime.cache.launcher import DaemonProcess
-from keepwarm_runtime.engine.config import EngineConfig
-from keepwarm_runtime.engine.loader import load_model
 from keepwarm_runtime.engine.quant.fp8 import E4M3
 from keepwarm_runtime.engine.quant.fp8_modules import Fp8Linear
 from tests.integration.engine.shapes import WHOLE_BLOCKS
+from tests.integration.engine.strict import bits, differing_bytes, load_strict
 
 pytestmark = pytest.mark.integration
 
@@ -74,14 +73,7 @@ def caches(tmp_path_factory):
 
 
 def _load(model_dir: Path, socket_dir: Path | None, quantization: str | None = "fp8"):
-    config = EngineConfig(
-        str(model_dir),
-        dtype="bfloat16",
-        cache_socket_dir=str(socket_dir) if socket_dir else None,
-        cache_fallback=False,
-        quantization=quantization,
-    )
-    return load_model(config)
+    return load_strict(model_dir, socket_dir, dtype="bfloat16", quantization=quantization)
 
 
 def _arena_regions() -> list[tuple[int, int]]:
@@ -93,16 +85,6 @@ def _arena_regions() -> list[tuple[int, int]]:
     ]
 
 
-def _differing(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    return [k for k in sa if sa[k].dtype != sb[k].dtype or not torch.equal(_bits(sa[k]), _bits(sb[k]))]
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_online_fp8_from_the_cache_is_zero_copy_and_equals_the_disk_path(caches, arch) -> None:
     model_dir = caches.models[arch]
@@ -110,7 +92,7 @@ def test_online_fp8_from_the_cache_is_zero_copy_and_equals_the_disk_path(caches,
     disk, disk_info = _load(model_dir, None)
     assert (info.source, info.reason, info.copied_tensors) == ("cache", None, 0)
     assert disk_info.source == "disk" and disk_info.copied_tensors > 0  # the disk path quantizes here
-    assert _differing(cached, disk) == []
+    assert differing_bytes(cached, disk) == []
     linears = [m for m in cached.modules() if isinstance(m, Fp8Linear)]
     assert linears and all(m.weight.dtype == E4M3 for m in linears)
     assert cached.lm_head.weight.dtype == torch.bfloat16  # the head stays unquantized
@@ -184,7 +166,7 @@ def test_online_fp8_arena_is_about_half_the_bf16_one_and_equals_the_fp8_checkpoi
     assert checkpoint_bytes == fp8_bytes and checkpoint.tensors.keys() == fp8.tensors.keys()
     for name, tensor in fp8.tensors.items():
         assert tensor.dtype == checkpoint.tensors[name].dtype, name
-        assert _bits(tensor).equal(_bits(checkpoint.tensors[name])), name
+        assert bits(tensor).equal(bits(checkpoint.tensors[name])), name
 
 
 def _online():

@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from keepwarm_runtime.engine.config import EngineConfig
-from keepwarm_runtime.engine.loader import load_model
 from tests.engine_architectures import ENGINE_ARCHS
 from tests.integration.engine.shapes import WHOLE_BLOCKS
+from tests.integration.engine.strict import differing_bytes, load_strict
 
 pytestmark = pytest.mark.integration
 
@@ -45,25 +44,7 @@ class _Daemon:
 
 
 def _load(model_dir: Path, dtype: str, socket_dir: Path | None, quantization: str | None = None):
-    config = EngineConfig(
-        str(model_dir),
-        dtype=dtype,
-        cache_socket_dir=str(socket_dir) if socket_dir else None,
-        cache_fallback=False,
-        quantization=quantization,
-    )
-    return load_model(config)
-
-
-def _same_bytes(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    return [
-        k
-        for k in sa
-        if sa[k].dtype != sb[k].dtype
-        or not torch.equal(sa[k].view(-1).view(torch.uint8), sb[k].view(-1).view(torch.uint8))
-    ]
+    return load_strict(model_dir, socket_dir, dtype=dtype, quantization=quantization)
 
 
 @pytest.mark.parametrize("arch", sorted({*ENGINE_ARCHS, "gpt_oss"}))
@@ -77,7 +58,7 @@ def test_cached_model_attaches_with_no_copies(make_tiny, arch, tmp_path) -> None
     assert info.source == "cache" and info.copied_tensors == 0
     if arch in ("qwen3_moe", "deepseek_v3"):  # per-expert checkpoints: the disk path has to merge (copy)
         assert disk_info.copied_tensors > 0
-    assert _same_bytes(cached, disk) == []
+    assert differing_bytes(cached, disk) == []
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +87,7 @@ def test_fp8_checkpoint_through_the_cache_is_zero_copy_and_half_the_bytes(fp8_pa
         cached, info = _load(fp8_dir, "bfloat16", cache.socket_dir)
     disk, _ = _load(fp8_dir, "bfloat16", None)
     assert info.source == "cache" and info.copied_tensors == 0
-    assert _same_bytes(cached, disk) == []
+    assert differing_bytes(cached, disk) == []
     experts = cached.model.layers[0].mlp.experts
     assert experts.gate_up_proj.dtype == torch.float8_e4m3fn
     assert experts.gate_up_proj_scale_inv.dtype == torch.float32  # scales never rounded to bf16
@@ -134,7 +115,7 @@ def test_fp8_deepseek_with_split_scale_grids_through_the_cache(tmp_path) -> None
     disk, disk_info = _load(model_dir, "float32", None)
     assert info.copied_tensors == 0 and disk_info.copied_tensors > 0
     assert cached.model.layers[1].mlp.experts.gate_up_proj_scale_inv.shape[1] == 2
-    assert _same_bytes(cached, disk) == []
+    assert differing_bytes(cached, disk) == []
 
 
 def _mixtral(path: Path) -> Path:
@@ -166,7 +147,7 @@ def test_mixtral_legacy_expert_names_merge_in_the_cache(tmp_path) -> None:
     disk, disk_info = _load(tmp_path / "m", "float32", None)
     assert any(e.name.endswith("experts.gate_up_proj") for e in resident.layout.entries)
     assert info.copied_tensors == 0 and disk_info.copied_tensors > 0
-    assert _same_bytes(cached, disk) == []
+    assert differing_bytes(cached, disk) == []
 
 
 def test_mixtral_quantized_online_by_the_cache_finds_its_scales_under_renamed_names(tmp_path) -> None:
@@ -180,7 +161,7 @@ def test_mixtral_quantized_online_by_the_cache_finds_its_scales_under_renamed_na
     assert info.source == "cache" and info.copied_tensors == 0 and disk_info.copied_tensors > 0
     experts = cached.model.layers[0].mlp.experts
     assert experts.gate_up_proj.dtype == torch.float8_e4m3fn and experts.gate_up_proj_scale_inv.ndim == 3
-    assert _same_bytes(cached, disk) == []
+    assert differing_bytes(cached, disk) == []
 
 
 def test_fp8_gpt_oss_checkpoint_through_the_cache(make_tiny, tmp_path) -> None:
@@ -196,4 +177,4 @@ def test_fp8_gpt_oss_checkpoint_through_the_cache(make_tiny, tmp_path) -> None:
     disk, _ = _load(model_dir, "float32", None)
     assert (info.source, info.copied_tensors) == ("cache", 0)
     assert cached.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
-    assert _same_bytes(cached, disk) == []
+    assert differing_bytes(cached, disk) == []

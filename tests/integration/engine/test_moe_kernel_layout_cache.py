@@ -19,13 +19,12 @@ import torch
 
 from keepwarm_runtime import LLM, SamplingParams
 from keepwarm_runtime.cache.client import CacheAttachError, attach
-from keepwarm_runtime.engine.config import EngineConfig
-from keepwarm_runtime.engine.loader import load_model
 from keepwarm_runtime.engine.moe import flashinfer_backend
 from keepwarm_runtime.engine.moe.activation import GatedActivation
 from keepwarm_runtime.engine.moe.kernel_layout import ExpertLayoutError
 from keepwarm_runtime.engine.moe.reference import ExpertWeights
 from tests.integration.engine.shapes import WHOLE_BLOCKS
+from tests.integration.engine.strict import bits, differing_bytes, load_strict
 
 pytestmark = pytest.mark.integration
 
@@ -80,26 +79,10 @@ def _arena(resident) -> dict[str, torch.Tensor]:
     return {e.name: readonly_tensor(buf, e.offset, e.dtype, e.shape) for e in resident.layout.entries}
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(-1).view(torch.uint8)
-
-
 def _load(model_dir: Path, socket_dir: Path | None, layout: str, quantization: str | None = None):
-    config = EngineConfig(
-        str(model_dir),
-        dtype="bfloat16",
-        cache_socket_dir=str(socket_dir) if socket_dir else None,
-        cache_fallback=False,
-        quantization=quantization,
-        expert_layout=layout,
+    return load_strict(
+        model_dir, socket_dir, dtype="bfloat16", quantization=quantization, expert_layout=layout
     )
-    return load_model(config)
-
-
-def _differing(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    return [k for k in sa if sa[k].dtype != sb[k].dtype or not torch.equal(_bits(sa[k]), _bits(sb[k]))]
 
 
 # (model, daemon quantization): a float checkpoint, an FP8 checkpoint (per-half scale grids), and a
@@ -131,8 +114,8 @@ def test_the_arena_holds_what_the_cutlass_runner_would_have_copied(models, tmp_p
                 down_scale_inv=before.get(prefix + "down_proj_scale_inv"),
             )
             fc1, fc2 = flashinfer_backend.cutlass_layout(weights, act)  # the per-client repack it replaces
-            assert torch.equal(_bits(converted[name]), _bits(fc1)), name
-            assert torch.equal(_bits(converted[prefix + "down_proj"]), _bits(fc2)), name
+            assert torch.equal(bits(converted[name]), bits(fc1)), name
+            assert torch.equal(bits(converted[prefix + "down_proj"]), bits(fc2)), name
             if scale is not None:
                 assert torch.equal(
                     converted[name + "_scale_inv"], flashinfer_backend.cutlass_fp8_scales(weights)[0]
@@ -142,7 +125,7 @@ def test_the_arena_holds_what_the_cutlass_runner_would_have_copied(models, tmp_p
             *(after.layout.quantized[n].scale for n in after.layout.up_first if n in after.layout.quantized),
         }
         for name in set(before) - moved:  # nothing else moves
-            assert torch.equal(_bits(before[name]), _bits(converted[name])), name
+            assert torch.equal(bits(before[name]), bits(converted[name])), name
         del before, converted
 
 
@@ -154,7 +137,7 @@ def test_an_engine_asking_for_the_layout_attaches_it_with_no_copy(models, tmp_pa
     disk, disk_info = _load(models[model], None, CUTLASS, quantization)
     assert (info.source, info.reason, info.copied_tensors) == ("cache", None, 0)
     assert disk_info.copied_tensors > 0  # the disk path merges and converts here
-    assert _differing(cached, disk) == []
+    assert differing_bytes(cached, disk) == []
     assert all(choice.backend == "torch" and choice.copied == 0 for choice in info.moe)
 
 
