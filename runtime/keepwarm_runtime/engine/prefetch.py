@@ -9,9 +9,9 @@ that result instead of attaching again (``take``), provided it asks for exactly 
 
 Only plain attaches of causal LMs are prefetched: with ``--quantization fp8`` or a kernel
 ``--expert-layout`` what the cache is asked for depends on the built model, so the loader attaches
-itself; a Whisper checkpoint is loaded
-by its own engine (audio/whisper_engine.py), so nothing is attached for it here. Nothing here
-imports torch at module level, so the server can start the thread before its own imports begin.
+itself; a Whisper checkpoint is loaded by its own engine (audio/whisper_engine.py), so nothing is
+attached for it here. Nothing here imports torch at module level, so the server can start the thread
+before its own imports begin.
 """
 
 from __future__ import annotations

@@ -40,9 +40,8 @@ class StartupProfile:
     origin: float = field(default_factory=time.perf_counter)  # perf_counter() at the start of phase one
     seconds: dict[str, float] = field(default_factory=dict)  # phase -> seconds, in PHASES order
     weights_source: str | None = None  # "cache" | "disk", once the weights phase is marked
-    weights_attach_s: float | None = (
-        None  # the attach's own wall time (overlapping earlier phases if prefetched)
-    )
+    # The attach's own wall time (overlapping earlier phases if prefetched).
+    weights_attach_s: float | None = None
     weights_prefetched: bool = False  # attached in the background from process start (engine/prefetch.py)
     _last: float | None = None
 
