@@ -346,6 +346,14 @@ def run(cp: ControlPlane, args: argparse.Namespace, result: dict) -> None:
             )
             w.stop.set()
         seen.stop.set()
+        # Per CR, Unix times (to set beside the audit log's): sent, seen, deployment, status, available.
+        wall = time.time() - time.monotonic()
+        timeline = {
+            n: {"sent": round(created[n] + wall, 3)}
+            | {k: round(w.seen[n] + wall, 3) for k, w in {"seen": seen, **watchers}.items() if n in w.seen}
+            for n in created
+        }
+        (cp.logs / "bench-timeline.json").write_text(json.dumps(timeline, indent=0))
         result["operator_alive"] = op.proc.poll() is None
         if result["operator_alive"]:
             mem = memory_mib(op.proc.pid)

@@ -16,6 +16,7 @@ waits for a running operator (as for WeightCaches).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
@@ -100,9 +101,13 @@ def _drifted(ctx: Context, key: tuple[str, str], deployment: dict[str, Any] | No
     )
 
 
-def reconcile(body: dict[str, Any], memo: Any, trigger: str, apply: bool | None = True) -> dict[str, Any]:
+def reconcile(
+    body: dict[str, Any], memo: Any, trigger: str, apply: bool | None = True,
+    deployment: dict[str, Any] | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """Run steps 1-4; returns the new status (the caller writes it). apply=False only refreshes status;
-    apply=None (the resync) re-applies only children that drifted, so a quiet cluster costs reads."""
+    apply=None (the resync) re-applies only children that drifted, so a quiet cluster costs reads.
+    `deployment`: the Deployment as a watch event just showed it (read from the API when None)."""
     ctx = context(memo)
     meta = body["metadata"]
     name, namespace, gen = meta["name"], meta["namespace"], meta.get("generation", 0)
@@ -110,8 +115,9 @@ def reconcile(body: dict[str, Any], memo: Any, trigger: str, apply: bool | None 
         spec = InferenceDeploymentSpec.model_validate(body.get("spec") or {})
         binding, cache_cond, warm = _resolve(ctx, spec, gen, namespace)
         problem = None
-        deployment = None
-        if apply is not True:
+        if apply is True:
+            deployment = None
+        elif deployment is None:
             deployment = ctx.kube.get("apps/v1", "Deployment", name, namespace)
         if spec.model.cache_ref and binding is None:
             problem = cache_cond.model_copy(update={"type": C.AVAILABLE})
@@ -121,6 +127,7 @@ def reconcile(body: dict[str, Any], memo: Any, trigger: str, apply: bool | None 
                 service = ctx.kube.apply(runtime_service(name, namespace, spec, body))
                 with ctx.lock:  # later events of this generation need no apply
                     ctx.applied[(namespace, name)] = deployment["metadata"].get("generation", 0)
+                    ctx.applied_deployments[(namespace, name)] = deployment["metadata"].get("resourceVersion")
                     ctx.applied_services[(namespace, name)] = service["metadata"].get("resourceVersion")
                 APPLIES.labels("Deployment").inc()
                 APPLIES.labels("Service").inc()
@@ -139,11 +146,15 @@ def reconcile(body: dict[str, Any], memo: Any, trigger: str, apply: bool | None 
         return wire
 
 
-def _write_status(memo: Any, body: dict[str, Any], trigger: str, apply: bool) -> None:
-    """Status written outside kopf's handlers, guarded by the resourceVersion it was computed from."""
+def _write_status(
+    memo: Any, body: dict[str, Any], trigger: str, apply: bool, deployment: dict[str, Any] | None = None
+) -> None:
+    """Status written outside kopf's handlers, guarded by the resourceVersion it was computed from.
+    kopf patches the same object (its annotations and finalizer), so a 409 is common: the retry
+    re-reads only the InferenceDeployment when the caller passed the Deployment it saw."""
 
     def compute(current: dict[str, Any]) -> dict[str, Any] | None:
-        status = reconcile(current, memo, trigger, apply=apply)
+        status = reconcile(current, memo, trigger, apply=apply, deployment=deployment)
         return status if status_changed(current.get("status"), status) else None
 
     meta = body["metadata"]
@@ -161,11 +172,27 @@ def refresh_for_cache(memo: Any, cache: str, apply: bool = True) -> None:
         _write_status(memo, body, "cache", apply)
 
 
+INDEXED_META = ("name", "namespace", "uid", "generation", "resourceVersion", "deletionTimestamp")
+
+
+def index_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What a reconcile reads of an InferenceDeployment: kopf's index keeps one per object, and the
+    whole body (managedFields, kopf's annotations with a second copy of the spec) is mostly ballast."""
+    meta = body["metadata"]
+    return {
+        "apiVersion": body.get("apiVersion", API_VERSION),
+        "kind": body.get("kind", KIND),
+        "metadata": {k: meta[k] for k in INDEXED_META if k in meta},
+        "spec": body.get("spec") or {},
+        "status": body.get("status") or {},
+    }
+
+
 @kopf.index(GROUP, VERSION, PLURAL)
 def by_cache(body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
     """WeightCache name -> the InferenceDeployments served from it, as last seen by kopf's watch."""
     cache = ((body.get("spec") or {}).get("model") or {}).get("cacheRef")
-    return {cache: dict(body)} if cache else {}
+    return {cache: index_body(body)} if cache else {}
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)
@@ -203,13 +230,17 @@ def deployment_changed(body: kopf.Body, type: str | None, memo: Any, **_: Any) -
     key = (meta["namespace"], owner["name"])
     with ctx.lock:
         drifted = type == "DELETED" or ctx.applied.get(key) != meta.get("generation")
+        ours = ctx.applied_deployments.get(key) == meta.get("resourceVersion")
+    if ours and not drifted:  # what our apply returned: the status written with it already shows it
+        return
+    deployment = None if drifted else dict(body)  # the event's copy: no GET per event
 
     def refresh() -> None:
         idep = ctx.kube.get(API_VERSION, KIND, owner["name"], meta["namespace"])
         if idep is not None:
-            _write_status(memo, idep, "deployment", apply=drifted)
+            _write_status(memo, idep, "deployment", apply=drifted, deployment=deployment)
 
     if drifted:  # someone changed or deleted our Deployment: re-apply now
         refresh()
-    else:  # a rollout's status updates come in bursts: one status refresh per burst
+    else:  # a rollout's status updates come in bursts: one status refresh per burst, the latest copy
         ctx.coalesce(f"idep/{key[0]}/{key[1]}", refresh)
