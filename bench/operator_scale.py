@@ -14,6 +14,7 @@ second, open loop), and prints JSON:
                          round trip of one create (p50/p99)
   operator_rss_mib       operator resident memory at the end; operator_peak_rss_mib its VmHWM;
                          operator_rss_mib_idle before the first CR
+  operator_cpu_s_converging  CPU seconds the operator used from the first create to convergence
   operator_steady_state  the operator's API requests/s once converged, reads and writes apart, by
                          verb and resource (audit log; goal: zero writes when nothing changes)
   agent_steady_state     the same for the node agents, per agent: --agents of them run the real
@@ -151,6 +152,12 @@ def memory_mib(pid: int) -> dict[str, float]:
         if key in ("VmRSS", "VmHWM"):
             out[key] = round(int(value.split()[0]) / 1024, 1)
     return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (/proc/PID/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def counters(op: OperatorProcess) -> dict[str, float]:
@@ -322,7 +329,7 @@ def run(cp: ControlPlane, args: argparse.Namespace, result: dict) -> None:
             w.start()
         time.sleep(1.0)  # let the watches open before the first create
 
-        t_create = time.monotonic()
+        t_create, cpu_create = time.monotonic(), cpu_seconds(op.proc.pid)
         calls = create_all(
             cp, [f"idep-{i:04d}" for i in range(args.crs)], args.create_threads, args.create_rate
         )
@@ -337,6 +344,8 @@ def run(cp: ControlPlane, args: argparse.Namespace, result: dict) -> None:
                 break
             time.sleep(0.5)
         result["all_converged_s"] = round(time.monotonic() - t_create, 1)
+        if op.proc.poll() is None:  # share of one core the operator used while converging
+            result["operator_cpu_s_converging"] = round(cpu_seconds(op.proc.pid) - cpu_create, 1)
         for label, w in watchers.items():
             result[f"{label}_latency_s"] = percentiles(
                 [w.seen[n] - created[n] for n in created if n in w.seen]

@@ -124,10 +124,12 @@ def reconcile(
         elif apply or (apply is None and _drifted(ctx, (namespace, name), deployment)):
             try:
                 deployment = ctx.kube.apply(runtime_deployment(name, namespace, spec, binding, body))
-                service = ctx.kube.apply(runtime_service(name, namespace, spec, body))
-                with ctx.lock:  # later events of this generation need no apply
+                with ctx.lock:  # later events of this generation need no apply (before the Service's
+                    # round trip: the Deployment's event arrives during it)
                     ctx.applied[(namespace, name)] = deployment["metadata"].get("generation", 0)
                     ctx.applied_deployments[(namespace, name)] = deployment["metadata"].get("resourceVersion")
+                service = ctx.kube.apply(runtime_service(name, namespace, spec, body))
+                with ctx.lock:
                     ctx.applied_services[(namespace, name)] = service["metadata"].get("resourceVersion")
                 APPLIES.labels("Deployment").inc()
                 APPLIES.labels("Service").inc()
@@ -189,7 +191,7 @@ def index_body(body: Mapping[str, Any]) -> dict[str, Any]:
 
 
 @kopf.index(GROUP, VERSION, PLURAL)
-def by_cache(body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
+async def by_cache(body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
     """WeightCache name -> the InferenceDeployments served from it, as last seen by kopf's watch."""
     cache = ((body.get("spec") or {}).get("model") or {}).get("cacheRef")
     return {cache: index_body(body)} if cache else {}
@@ -218,8 +220,11 @@ def register_resync(interval: float) -> None:
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={IDEP_LABEL: kopf.PRESENT})
-def deployment_changed(body: kopf.Body, type: str | None, memo: Any, **_: Any) -> None:
-    """Rollouts show up in status at once, and drift in the Deployment is re-applied (no-op when none)."""
+async def deployment_changed(body: kopf.Body, type: str | None, memo: Any, **_: Any) -> None:
+    """Rollouts show up in status at once, and drift in the Deployment is re-applied (no-op when none).
+
+    Async and non-blocking (the API calls run on the coalescer's pool): kopf runs a sync handler
+    on its worker pool, where each of a rollout's events queued behind every create handler."""
     if type is None:  # initial listing: the resume handlers cover it
         return
     meta = body["metadata"]
@@ -229,7 +234,9 @@ def deployment_changed(body: kopf.Body, type: str | None, memo: Any, **_: Any) -
     ctx = context(memo)
     key = (meta["namespace"], owner["name"])
     with ctx.lock:
-        drifted = type == "DELETED" or ctx.applied.get(key) != meta.get("generation")
+        applied = ctx.applied.get(key)  # None: not applied by this process yet (its handler is
+        # mid-apply, or it has just started and its resume handler will apply): no re-apply here
+        drifted = type == "DELETED" or applied not in (None, meta.get("generation"))
         ours = ctx.applied_deployments.get(key) == meta.get("resourceVersion")
     if ours and not drifted:  # what our apply returned: the status written with it already shows it
         return
@@ -241,6 +248,6 @@ def deployment_changed(body: kopf.Body, type: str | None, memo: Any, **_: Any) -
             _write_status(memo, idep, "deployment", apply=drifted, deployment=deployment)
 
     if drifted:  # someone changed or deleted our Deployment: re-apply now
-        refresh()
+        ctx.coalesce(f"drift/{key[0]}/{key[1]}", refresh, delay_s=0.0)
     else:  # a rollout's status updates come in bursts: one status refresh per burst, the latest copy
         ctx.coalesce(f"idep/{key[0]}/{key[1]}", refresh)

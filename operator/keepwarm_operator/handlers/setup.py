@@ -44,12 +44,14 @@ class Coalescer:
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="keepwarm-refresh")
         self._thread: threading.Thread | None = None
 
-    def submit(self, key: str, fn: Callable[[], None]) -> None:
+    def submit(self, key: str, fn: Callable[[], None], delay_s: float | None = None) -> None:
+        """Never blocks on I/O: async handlers call it from kopf's event loop."""
         ctx = contextvars.copy_context()  # kopf's settings, for posting events from the pool
         with self._cv:
             if key not in self._fns:
                 self._seq += 1
-                heapq.heappush(self._due, (time.monotonic() + self.delay_s, self._seq, key))
+                due = time.monotonic() + (self.delay_s if delay_s is None else delay_s)
+                heapq.heappush(self._due, (due, self._seq, key))
                 self._cv.notify()
             self._fns[key] = lambda: ctx.run(fn)
             if self._thread is None:
@@ -115,9 +117,9 @@ class Context:
         """The WeightCache `name` as kopf's watch last saw it (None when there is none)."""
         return next(iter(list(self.caches.get(name, ()))), None)
 
-    def coalesce(self, key: str, fn: Callable[[], None]) -> None:
+    def coalesce(self, key: str, fn: Callable[[], None], delay_s: float | None = None) -> None:
         """Run fn once, soon, however often this is called for `key` meanwhile (see Coalescer)."""
-        self.coalescer.submit(key, fn)
+        self.coalescer.submit(key, fn, delay_s)
 
 
 def context(memo: Any) -> Context:

@@ -219,9 +219,10 @@ def refresh_status(memo: Any, cache: str) -> None:
 
 
 @kopf.index(GROUP, VERSION, PLURAL)
-def caches(body: kopf.Body, name: str, **_: Any) -> dict[str, dict[str, Any]]:
+async def caches(body: kopf.Body, name: str, **_: Any) -> dict[str, dict[str, Any]]:
     """WeightCache name -> the object as kopf's watch last saw it (InferenceDeployments read it per
-    event; an API round trip each would sit on every create's path to its Deployment)."""
+    event; an API round trip each would sit on every create's path to its Deployment). Index
+    functions are async: pure and quick, they need no hop through kopf's worker pool."""
     return {name: dict(body)}
 
 
