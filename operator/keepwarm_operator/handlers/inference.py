@@ -163,14 +163,28 @@ def _write_status(
     context(memo).kube.write_status(API_VERSION, KIND, meta["name"], meta["namespace"], compute, body)
 
 
+def _cache_view_current(ctx: Context, body: dict[str, Any]) -> bool:
+    """Whether the stored status already shows what the cache says now (CacheWarm, warmNodes): all
+    that a residency change can move. One that moves nothing for an InferenceDeployment then costs
+    no read and no write (each node's first report used to re-read every Deployment of the cache)."""
+    meta = body["metadata"]
+    spec = InferenceDeploymentSpec.model_validate(body.get("spec") or {})
+    _, cond, warm = _resolve(ctx, spec, meta.get("generation", 0), meta["namespace"])
+    status = body.get("status") or {}
+    stored = next((c for c in status.get("conditions") or [] if c.get("type") == C.CACHE_WARM), {})
+    return status.get("warmNodes", 0) == warm and all(stored.get(k) == v for k, v in cond.wire().items())
+
+
 def refresh_for_cache(memo: Any, cache: str, apply: bool = True) -> None:
-    """Reconcile the InferenceDeployments served from `cache` (its spec or residency changed): found
-    in kopf's index of them by cache (no listing); each status write is guarded by the resourceVersion
-    of the copy in the index, and re-read if that was stale."""
+    """Reconcile the InferenceDeployments served from `cache` (its spec, apply=True, or residency,
+    apply=False, changed): found in kopf's index of them by cache (no listing); each status write is
+    guarded by the resourceVersion of the copy in the index, and re-read if that was stale."""
     ctx = context(memo)
     for body in list(ctx.deployments_by_cache.get(cache, ())):
         if ctx.namespaces and body["metadata"]["namespace"] not in ctx.namespaces:
             continue  # another operator (or none) serves that namespace
+        if not apply and _cache_view_current(ctx, body):
+            continue
         _write_status(memo, body, "cache", apply)
 
 

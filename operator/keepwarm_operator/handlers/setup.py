@@ -27,7 +27,9 @@ COALESCE_S = 1.0  # Coalescer's default delay
 
 class Coalescer:
     """Runs fn once, delay_s after the first request for its key, however often the key is asked
-    for meanwhile (the latest fn wins); at most `workers` runs at a time.
+    for meanwhile (the latest fn wins); at most `workers` runs at a time, and one per key (a key
+    asked for while it runs runs again after: overlapping runs of one cache's refresh each walked
+    all its InferenceDeployments and raced each other's status writes).
 
     While 100 nodes warm up, every node's change would otherwise re-reconcile every
     InferenceDeployment of the cache, and each Deployment's rollout sends a burst of events. One
@@ -40,6 +42,7 @@ class Coalescer:
         self._cv = threading.Condition()
         self._due: list[tuple[float, int, str]] = []  # heap of (due time, sequence, key)
         self._fns: dict[str, Callable[[], None]] = {}  # pending keys -> what to run
+        self._running: set[str] = set()
         self._seq = 0
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="keepwarm-refresh")
         self._thread: threading.Thread | None = None
@@ -64,15 +67,22 @@ class Coalescer:
                 while not self._due or self._due[0][0] > time.monotonic():
                     self._cv.wait(self._due[0][0] - time.monotonic() if self._due else None)
                 _, _, key = heapq.heappop(self._due)
+                if key in self._running:  # again once that run is done
+                    self._seq += 1
+                    heapq.heappush(self._due, (time.monotonic() + self.delay_s, self._seq, key))
+                    continue
                 fn = self._fns.pop(key)
+                self._running.add(key)
             self._pool.submit(self._run, key, fn)
 
-    @staticmethod
-    def _run(key: str, fn: Callable[[], None]) -> None:
+    def _run(self, key: str, fn: Callable[[], None]) -> None:
         try:
             fn()
         except Exception:  # the next change or resync retries
             logging.getLogger(__name__).exception("coalesced refresh of %s failed", key)
+        finally:
+            with self._cv:
+                self._running.discard(key)
 
 
 @dataclass
