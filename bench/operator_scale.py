@@ -161,12 +161,18 @@ def cpu_seconds(pid: int) -> float:
 
 
 def counters(op: OperatorProcess) -> dict[str, float]:
-    """The operator's nonzero keepwarm_operator_*_total counters (reconciles, errors, applies)."""
-    out = {}
+    """The operator's nonzero keepwarm_operator_*_total counters (reconciles, errors, applies) and
+    the mean wall time of a reconcile by kind (histogram _sum / _count)."""
+    out, sums = {}, {}
     for s in op.samples():
+        labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
         if s.name.startswith("keepwarm_operator_") and s.name.endswith("_total") and s.value:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
             out[f"{s.name.removeprefix('keepwarm_operator_')}{{{labels}}}"] = s.value
+        elif s.name.startswith("keepwarm_operator_reconcile_duration_seconds_"):
+            sums.setdefault(labels, {})[s.name.rsplit("_", 1)[1]] = s.value
+    for labels, v in sums.items():
+        if v.get("count"):
+            out[f"reconcile_duration_mean_s{{{labels}}}"] = round(v["sum"] / v["count"], 3)
     return out
 
 
