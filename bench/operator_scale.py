@@ -14,7 +14,9 @@ second, open loop), and prints JSON:
                          round trip of one create (p50/p99)
   operator_rss_mib       operator resident memory at the end; operator_peak_rss_mib its VmHWM;
                          operator_rss_mib_idle before the first CR
-  operator_cpu_s_converging  CPU seconds the operator used from the first create to convergence
+  operator_cpu_s_converging  CPU seconds the operator used from the first create to convergence;
+                         cpu_s_converging the same for each process of the run (API server, etcd,
+                         controllers, scheduler, the agents' process, this one with the fake kubelet)
   operator_steady_state  the operator's API requests/s once converged, reads and writes apart, by
                          verb and resource (audit log; goal: zero writes when nothing changes)
   agent_steady_state     the same for the node agents, per agent: --agents of them run the real
@@ -335,7 +337,11 @@ def run(cp: ControlPlane, args: argparse.Namespace, result: dict) -> None:
             w.start()
         time.sleep(1.0)  # let the watches open before the first create
 
-        t_create, cpu_create = time.monotonic(), cpu_seconds(op.proc.pid)
+        pids = {"operator": op.proc.pid, "bench": os.getpid()} | {n: p.pid for n, p in cp.procs.items()}
+        if agent_proc is not None:
+            pids["agents"] = agent_proc.pid
+        cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        t_create, cpu_create = time.monotonic(), cpu_before["operator"]
         calls = create_all(
             cp, [f"idep-{i:04d}" for i in range(args.crs)], args.create_threads, args.create_rate
         )
@@ -352,6 +358,10 @@ def run(cp: ControlPlane, args: argparse.Namespace, result: dict) -> None:
         result["all_converged_s"] = round(time.monotonic() - t_create, 1)
         if op.proc.poll() is None:  # share of one core the operator used while converging
             result["operator_cpu_s_converging"] = round(cpu_seconds(op.proc.pid) - cpu_create, 1)
+            # ... and every process of the run (the control plane shares the box's cores with it)
+            result["cpu_s_converging"] = {
+                name: round(cpu_seconds(pid) - cpu_before[name], 1) for name, pid in pids.items()
+            }
         for label, w in watchers.items():
             result[f"{label}_latency_s"] = percentiles(
                 [w.seen[n] - created[n] for n in created if n in w.seen]
