@@ -211,6 +211,15 @@ async def by_cache(body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
     return {cache: index_body(body)} if cache else {}
 
 
+@kopf.index(GROUP, VERSION, PLURAL)
+async def by_name(
+    body: kopf.Body, namespace: str, name: str, **_: Any
+) -> dict[tuple[str, str], dict[str, Any]]:
+    """(namespace, name) -> the InferenceDeployment as last seen: a Deployment's event refreshes its
+    owner's status from this copy (a 409 if it is stale, then a read) instead of a GET each."""
+    return {(namespace, name): index_body(body)}
+
+
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -257,7 +266,8 @@ async def deployment_changed(body: kopf.Body, type: str | None, memo: Any, **_: 
     deployment = None if drifted else dict(body)  # the event's copy: no GET per event
 
     def refresh() -> None:
-        idep = ctx.kube.get(API_VERSION, KIND, owner["name"], meta["namespace"])
+        namespace, name = key
+        idep = ctx.inference_deployment(namespace, name) or ctx.kube.get(API_VERSION, KIND, name, namespace)
         if idep is not None:
             _write_status(memo, idep, "deployment", apply=drifted, deployment=deployment)
 

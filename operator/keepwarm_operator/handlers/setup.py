@@ -99,6 +99,8 @@ class Context:
     deployments_by_cache: Mapping[str, Iterable[dict[str, Any]]] = field(default_factory=dict)
     # kopf's index of WeightCaches (handlers/weightcache.py): name -> its object.
     caches: Mapping[str, Iterable[dict[str, Any]]] = field(default_factory=dict)
+    # kopf's index of InferenceDeployments by (namespace, name), bodies cut as in deployments_by_cache.
+    inference_deployments: Mapping[tuple[str, str], Iterable[dict[str, Any]]] = field(default_factory=dict)
     namespaces: frozenset[str] = frozenset()  # InferenceDeployments served only here (empty: all)
     resync_seconds: float = 30.0  # resync period (also the retry delay after a failed apply)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -122,6 +124,10 @@ class Context:
         before the others' creates landed and applied every missing WeightCacheNode again (~10x)."""
         with self.lock:
             return self.node_locks.setdefault(cache, threading.Lock())
+
+    def inference_deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The InferenceDeployment as kopf's watch last saw it (None when there is none)."""
+        return next(iter(list(self.inference_deployments.get((namespace, name), ()))), None)
 
     def cache(self, name: str) -> dict[str, Any] | None:
         """The WeightCache `name` as kopf's watch last saw it (None when there is none)."""
@@ -157,7 +163,7 @@ def configure_watching(settings: kopf.OperatorSettings) -> None:
 @kopf.on.startup()
 def configure(
     settings: kopf.OperatorSettings, memo: Any, residency: kopf.Index, by_cache: kopf.Index,
-    caches: kopf.Index, **_: Any,
+    caches: kopf.Index, by_name: kopf.Index, **_: Any,
 ) -> None:  # fmt: skip
     # Our CRDs prune unknown status fields, so kopf keeps its progress in annotations.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
@@ -183,6 +189,7 @@ def configure(
         residency=residency,
         deployments_by_cache=by_cache,
         caches=caches,
+        inference_deployments=by_name,
         namespaces=ours.namespaces,
         resync_seconds=ours.resync_seconds,
         coalescer=Coalescer(COALESCE_S, ours.workers),
