@@ -5,19 +5,30 @@
 Starts etcd + kube-apiserver + controller-manager + scheduler + fake kubelet (keepwarm_testing),
 installs the CRDs and the chart's RBAC, runs `keepwarm-operator run` in a subprocess as the chart's
 ServiceAccount (the end-to-end tests' harness), makes one WeightCache over all nodes, creates the
-InferenceDeployments one after another as fast as one client can, and prints JSON:
+InferenceDeployments from --create-threads clients at once (optionally paced to --create-rate per
+second, open loop), and prints JSON:
   deployment_latency_s   CR created -> a Deployment owned by it exists (p50/p99/max/mean)
   status_latency_s       CR created -> status.observedGeneration == metadata.generation
   available_latency_s    CR created -> condition Available=True (scheduling + fake kubelet included)
+  create_rate_per_s      InferenceDeployments the clients created per second; create_call_s the
+                         round trip of one create (p50/p99)
   operator_rss_mib       operator resident memory at the end; operator_peak_rss_mib its VmHWM;
                          operator_rss_mib_idle before the first CR
+  operator_cpu_s_converging  CPU seconds the operator used from the first create to convergence;
+                         cpu_s_converging the same for each process of the run (API server, etcd,
+                         controllers, scheduler, the agents' process, this one with the fake kubelet)
   operator_steady_state  the operator's API requests/s once converged, reads and writes apart, by
                          verb and resource (audit log; goal: zero writes when nothing changes)
   agent_steady_state     the same for the node agents, per agent: --agents of them run the real
-                         NodeAgent code in this process (a fake daemon that holds whatever it is
-                         asked to), each with the agent ServiceAccount's token bound to its pod
-Latencies run from a client timestamp taken just before each create to the watch event that shows
-the result, so they include watch delivery. A benchmark, not a test: nothing here asserts speed.
+                         NodeAgent code in one child process (a fake daemon that holds whatever it
+                         is asked to), each with the agent ServiceAccount's token bound to its pod;
+                         on a real cluster each runs on its own node, so they get their own process
+                         here, not the threads of the process that creates and measures
+Latencies run from the client's send time (a timestamp taken just before each create request is
+sent) to the watch event that shows the result, so they include the create's own round trip and
+watch delivery; `*_from_seen` run instead from the watch event that first shows the created
+InferenceDeployment (the same clock as the result, no client queueing). A benchmark, not a test:
+nothing here asserts speed.
 """
 
 from __future__ import annotations
@@ -27,9 +38,11 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -143,13 +156,25 @@ def memory_mib(pid: int) -> dict[str, float]:
     return out
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (/proc/PID/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def counters(op: OperatorProcess) -> dict[str, float]:
-    """The operator's nonzero keepwarm_operator_*_total counters (reconciles, errors, applies)."""
-    out = {}
+    """The operator's nonzero keepwarm_operator_*_total counters (reconciles, errors, applies) and
+    the mean wall time of a reconcile by kind (histogram _sum / _count)."""
+    out, sums = {}, {}
     for s in op.samples():
+        labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
         if s.name.startswith("keepwarm_operator_") and s.name.endswith("_total") and s.value:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
             out[f"{s.name.removeprefix('keepwarm_operator_')}{{{labels}}}"] = s.value
+        elif s.name.startswith("keepwarm_operator_reconcile_duration_seconds_"):
+            sums.setdefault(labels, {})[s.name.rsplit("_", 1)[1]] = s.value
+    for labels, v in sums.items():
+        if v.get("count"):
+            out[f"reconcile_duration_mean_s{{{labels}}}"] = round(v["sum"] / v["count"], 3)
     return out
 
 
@@ -206,10 +231,8 @@ class FakeDaemon:
         return {"tier": "host", "gpu_uuid": None, "models": dict(self.models)}
 
 
-def start_agents(cp: ControlPlane, n: int, stop: threading.Event) -> list[NodeAgent]:
-    """The real agent code for the first n agent pods, each with its pod's bound token."""
-    from kubernetes import client
-
+def agent_specs(cp: ControlPlane, n: int) -> list[tuple[str, str]]:
+    """(node, kubeconfig) for the first n agent pods, each kubeconfig holding its pod's bound token."""
     pods_path = f"/api/v1/namespaces/{OPERATOR_NAMESPACE}/pods?labelSelector=keepwarm.dev/weightcache=scale"
     deadline = time.monotonic() + 300
     while True:
@@ -217,16 +240,66 @@ def start_agents(cp: ControlPlane, n: int, stop: threading.Event) -> list[NodeAg
         if len(pods) >= n or time.monotonic() > deadline:
             break
         time.sleep(1.0)
-    agents = []
-    for pod in sorted(pods, key=lambda p: p["spec"]["nodeName"])[:n]:
-        kc = cp.service_account_kubeconfig(
-            OPERATOR_NAMESPACE, "keepwarm-agent-scale", create=False, bound_pod=pod
+    pods = sorted(pods, key=lambda p: p["spec"]["nodeName"])[:n]
+    sa = "keepwarm-agent-scale"
+    return [
+        (
+            p["spec"]["nodeName"],
+            str(cp.service_account_kubeconfig(OPERATOR_NAMESPACE, sa, create=False, bound_pod=p)),
         )
-        api = client.CustomObjectsApi(cp.api_client(kc))
-        agent = NodeAgent(FakeDaemon(), "scale", pod["spec"]["nodeName"], api, namespace=OPERATOR_NAMESPACE)
+        for p in pods
+    ]
+
+
+def start_agents(specs: list[tuple[str, str]], log: Path) -> subprocess.Popen:
+    """The agents in a child process (run_agents), which stops when its stdin closes."""
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--run-agents", json.dumps(specs)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "a"), text=True,  # noqa: SIM115 (lives as long as it)
+    )  # fmt: skip
+    if proc.stdout is None or proc.stdout.readline().strip() != "started":
+        raise RuntimeError(f"bench agents did not start (see {log})")
+    return proc
+
+
+def run_agents(specs: list[tuple[str, str]]) -> None:
+    """Child process: the real NodeAgent code for each (node, kubeconfig) until stdin closes."""
+    from kubernetes import client, config
+
+    stop = threading.Event()
+    for node, kubeconfig in specs:
+        api = client.CustomObjectsApi(config.new_client_from_config(config_file=kubeconfig))
+        agent = NodeAgent(FakeDaemon(), "scale", node, api, namespace=OPERATOR_NAMESPACE)
         threading.Thread(target=agent.run, args=(stop,), daemon=True, name="bench-agent").start()
-        agents.append(agent)
-    return agents
+    print("started", flush=True)
+    sys.stdin.read()
+    stop.set()
+
+
+def create_all(
+    cp: ControlPlane, names: list[str], threads: int, rate: float
+) -> dict[str, tuple[float, float]]:
+    """Create the InferenceDeployments from `threads` clients; with rate > 0 the n-th send is due
+    n/rate seconds after the first (open loop). Returns name -> (send time, response time)."""
+    local = threading.local()
+    t0 = time.monotonic()
+
+    def create(i: int) -> tuple[str, float, float]:
+        if rate > 0:
+            time.sleep(max(0.0, t0 + i / rate - time.monotonic()))
+        http = getattr(local, "http", None) or cp.http_client()
+        local.http = http
+        name = names[i]
+        sent = time.monotonic()
+        resp = http.post(
+            f"{GROUP_PATH}/namespaces/{NAMESPACE}/inferencedeployments", json=inference_deployment(name)
+        )
+        if resp.status_code != 201:
+            raise RuntimeError(f"create {name}: HTTP {resp.status_code}: {resp.text}")
+        return name, sent, time.monotonic()
+
+    with ThreadPoolExecutor(threads) as pool:
+        return {name: (sent, done) for name, sent, done in pool.map(create, range(len(names)))}
 
 
 def run(cp: ControlPlane, args: argparse.Namespace, result: dict) -> None:
@@ -236,17 +309,18 @@ def run(cp: ControlPlane, args: argparse.Namespace, result: dict) -> None:
     install_crds(cp)
     install_chart_rbac(cp)  # the operator runs as the chart's ServiceAccount, with the chart's RBAC
     op = OperatorProcess(cp, cp.logs, resync_s=args.resync_seconds).start()
-    stop_agents = threading.Event()
+    agent_proc: subprocess.Popen | None = None
     try:
         result["operator_rss_mib_idle"] = memory_mib(op.proc.pid)["VmRSS"]
         cp.kubectl("apply", "-f", "-", input=json.dumps(WEIGHT_CACHE))
         cp.kubectl("create", "namespace", NAMESPACE)
         t0 = time.monotonic()
-        agents = start_agents(cp, min(args.agents, args.nodes), stop_agents)
-        result["agents"] = len(agents)
+        specs = agent_specs(cp, min(args.agents, args.nodes))
+        agent_proc = start_agents(specs, cp.logs / "bench-agents.log") if specs else None
+        result["agents"] = len(specs)
         ready_path = f"{GROUP_PATH}/weightcaches/scale"
         while time.monotonic() - t0 < args.timeout_s:  # every agent reported the model resident
-            if condition(cp.http.get(ready_path).json(), "Ready").get("status") == "True" or not agents:
+            if condition(cp.http.get(ready_path).json(), "Ready").get("status") == "True" or not specs:
                 break
             time.sleep(1.0)
         result["agents_ready_s"] = round(time.monotonic() - t0, 1)
@@ -257,21 +331,24 @@ def run(cp: ControlPlane, args: argparse.Namespace, result: dict) -> None:
             "status": Watcher(cp, f"{GROUP_PATH}/namespaces/{NAMESPACE}/inferencedeployments", observed),
             "available": Watcher(cp, f"{GROUP_PATH}/namespaces/{NAMESPACE}/inferencedeployments", available),
         }
+        seen = Watcher(cp, f"{GROUP_PATH}/namespaces/{NAMESPACE}/inferencedeployments", lambda _: True)
+        seen.start()
         for w in watchers.values():
             w.start()
         time.sleep(1.0)  # let the watches open before the first create
 
-        created: dict[str, float] = {}
-        t_create = time.monotonic()
-        for i in range(args.crs):
-            name = f"idep-{i:04d}"
-            created[name] = time.monotonic()
-            resp = cp.http.post(
-                f"{GROUP_PATH}/namespaces/{NAMESPACE}/inferencedeployments", json=inference_deployment(name)
-            )
-            if resp.status_code != 201:
-                raise RuntimeError(f"create {name}: HTTP {resp.status_code}: {resp.text}")
+        pids = {"operator": op.proc.pid, "bench": os.getpid()} | {n: p.pid for n, p in cp.procs.items()}
+        if agent_proc is not None:
+            pids["agents"] = agent_proc.pid
+        cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        t_create, cpu_create = time.monotonic(), cpu_before["operator"]
+        calls = create_all(
+            cp, [f"idep-{i:04d}" for i in range(args.crs)], args.create_threads, args.create_rate
+        )
         result["create_all_s"] = round(time.monotonic() - t_create, 2)
+        result["create_rate_per_s"] = round(args.crs / max(result["create_all_s"], 1e-6), 1)
+        result["create_call_s"] = percentiles([done - sent for sent, done in calls.values()])
+        created = {name: sent for name, (sent, _) in calls.items()}
 
         deadline = time.monotonic() + args.timeout_s
         while time.monotonic() < deadline and op.proc.poll() is None:
@@ -279,11 +356,29 @@ def run(cp: ControlPlane, args: argparse.Namespace, result: dict) -> None:
                 break
             time.sleep(0.5)
         result["all_converged_s"] = round(time.monotonic() - t_create, 1)
+        if op.proc.poll() is None:  # share of one core the operator used while converging
+            result["operator_cpu_s_converging"] = round(cpu_seconds(op.proc.pid) - cpu_create, 1)
+            # ... and every process of the run (the control plane shares the box's cores with it)
+            result["cpu_s_converging"] = {
+                name: round(cpu_seconds(pid) - cpu_before[name], 1) for name, pid in pids.items()
+            }
         for label, w in watchers.items():
             result[f"{label}_latency_s"] = percentiles(
                 [w.seen[n] - created[n] for n in created if n in w.seen]
             )
+            result[f"{label}_latency_s_from_seen"] = percentiles(
+                [w.seen[n] - seen.seen[n] for n in created if n in w.seen and n in seen.seen]
+            )
             w.stop.set()
+        seen.stop.set()
+        # Per CR, Unix times (to set beside the audit log's): sent, seen, deployment, status, available.
+        wall = time.time() - time.monotonic()
+        timeline = {
+            n: {"sent": round(created[n] + wall, 3)}
+            | {k: round(w.seen[n] + wall, 3) for k, w in {"seen": seen, **watchers}.items() if n in w.seen}
+            for n in created
+        }
+        (cp.logs / "bench-timeline.json").write_text(json.dumps(timeline, indent=0))
         result["operator_alive"] = op.proc.poll() is None
         if result["operator_alive"]:
             mem = memory_mib(op.proc.pid)
@@ -302,7 +397,8 @@ def run(cp: ControlPlane, args: argparse.Namespace, result: dict) -> None:
             "errors": cp.kubelet.stats.errors,
         }
     finally:
-        stop_agents.set()
+        if agent_proc is not None:
+            agent_proc.communicate(timeout=60)  # closes its stdin: the agents stop
         op.stop()
 
 
@@ -311,6 +407,11 @@ def main() -> int:
     ap.add_argument("--crs", type=int, default=200, help="InferenceDeployments to create")
     ap.add_argument("--nodes", type=int, default=100, help="fake GPU nodes (8 GPUs each)")
     ap.add_argument("--agents", type=int, default=1 << 30, help="node agents to run (default: one per node)")
+    ap.add_argument("--create-threads", type=int, default=16, help="clients creating at once")
+    ap.add_argument(
+        "--create-rate", type=float, default=0.0, help="creates/s, open loop (0: as fast as possible)"
+    )
+    ap.add_argument("--run-agents", default=None, help=argparse.SUPPRESS)  # the agents' child process
     ap.add_argument("--resync-seconds", type=float, default=30.0, help="operator resync period")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="give up waiting after this long")
     ap.add_argument("--settle-s", type=float, default=30.0, help="wait after convergence, then sample")
@@ -318,6 +419,9 @@ def main() -> int:
     ap.add_argument("--json-out", type=Path, default=None)
     ap.add_argument("--keep-logs", type=Path, default=None, help="copy the component and operator logs here")
     args = ap.parse_args()
+    if args.run_agents is not None:
+        run_agents([tuple(spec) for spec in json.loads(args.run_agents)])
+        return 0
 
     t0 = time.monotonic()
     bin_dir = build_control_plane()
@@ -331,6 +435,7 @@ def main() -> int:
             if args.keep_logs:
                 shutil.copytree(cp.logs, args.keep_logs, dirs_exist_ok=True)
     result["machine"] = f"{os.cpu_count()}-core CPU, shared with other work"
+    result["load_average"] = [round(x, 2) for x in os.getloadavg()]
     text = json.dumps(result, indent=2)
     print(text)
     if args.json_out:

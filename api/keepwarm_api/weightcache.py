@@ -171,6 +171,7 @@ class WeightCacheSpec(KubeModel):
 class WeightCacheConditionType(StrEnum):
     READY = "Ready"
     DEGRADED = "Degraded"
+    GPUS_MATCH = "GPUsMatch"  # tier gpu: every agent sees as many GPUs as its Node offers pods
 
 
 class WeightCacheReason(StrEnum):
@@ -182,6 +183,8 @@ class WeightCacheReason(StrEnum):
     AS_EXPECTED = "AsExpected"
     INVALID_SPEC = "InvalidSpec"
     APPLY_FAILED = "ApplyFailed"
+    GPU_COUNTS_MATCH = "GPUCountsMatch"
+    GPU_COUNT_MISMATCH = "GPUCountMismatch"
 
 
 class ModelResidency(KubeModel):

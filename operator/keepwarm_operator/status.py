@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from keepwarm_api.common import Condition, condition
@@ -16,7 +17,7 @@ from keepwarm_api.weightcache import (
 )
 from keepwarm_api.weightcachenode import STALE_HEARTBEATS, ModelState, NodePhase, WeightCacheNodeStatus
 
-from .builders.meta import warm_label_key
+from .builders.meta import GPU_RESOURCE, warm_label_key
 
 
 def node_belongs(labels: dict[str, str] | None, selector: dict[str, str]) -> bool:
@@ -43,10 +44,54 @@ def is_stale(last: dt.datetime, heartbeat_seconds: int, now: dt.datetime) -> boo
     return (now - last).total_seconds() > STALE_HEARTBEATS * heartbeat_seconds
 
 
+def node_gpus(node: dict[str, Any]) -> int | None:
+    """GPUs the Node offers pods: allocatable nvidia.com/gpu (capacity if it has no allocatable);
+    None when it has neither (no device plugin: nothing to compare with)."""
+    status = node.get("status") or {}
+    for field in ("allocatable", "capacity"):
+        value = (status.get(field) or {}).get(GPU_RESOURCE)
+        if value is not None:
+            try:
+                return int(str(value))
+            except ValueError:
+                return None
+    return None
+
+
+def gpu_mismatches(
+    reports: Iterable[tuple[str, WeightCacheNodeStatus]], offered: Mapping[str, int | None]
+) -> list[str]:
+    """One line per node (name, agent's status) whose agent sees another number of GPUs than the
+    Node offers pods: pods then land on GPUs no daemon caches for (or the agent sees GPUs the
+    scheduler will not hand out), while the node is labelled warm. Nodes whose agent has not
+    reported yet (Pending) or went Stale, and Nodes without the resource, are not judged."""
+    out = []
+    for node, status in sorted(reports, key=lambda r: r[0]):
+        want = offered.get(node)
+        if want is None or status.phase in (NodePhase.PENDING, NodePhase.STALE):
+            continue
+        seen = len(status.gpu_uuids)
+        if seen != want:
+            out.append(f"{node}: agent sees {seen} GPU(s), Node allocatable {GPU_RESOURCE} is {want}")
+    return out
+
+
+def gpus_match_condition(mismatches: list[str], generation: int) -> Condition:
+    """GPUsMatch: True when no node's counts differ; else False naming the nodes (at most 5)."""
+    R, C = WeightCacheReason, WeightCacheConditionType
+    if not mismatches:
+        message = "every reporting agent sees as many GPUs as its Node offers pods"
+        return condition(C.GPUS_MATCH, True, R.GPU_COUNTS_MATCH, message, generation)
+    more = f"; and {len(mismatches) - 5} more node(s)" if len(mismatches) > 5 else ""
+    return condition(C.GPUS_MATCH, False, R.GPU_COUNT_MISMATCH, "; ".join(mismatches[:5]) + more, generation)
+
+
 def weightcache_status(
-    spec: WeightCacheSpec, generation: int, desired_nodes: int, nodes: list[WeightCacheNodeStatus]
-) -> WeightCacheStatus:
-    """Ready when every desired node reports every model resident; Degraded on stale or failed nodes."""
+    spec: WeightCacheSpec, generation: int, desired_nodes: int, nodes: list[WeightCacheNodeStatus],
+    gpu_mismatch: list[str] | None = None,
+) -> WeightCacheStatus:  # fmt: skip
+    """Ready when every desired node reports every model resident; Degraded on stale or failed nodes;
+    GPUsMatch (tier gpu: pass gpu_mismatch, see gpu_mismatches) after them."""
     wanted = {m.name for m in spec.models}
     ready = sum(1 for n in nodes if n.phase != NodePhase.STALE and wanted <= n.resident())
     stale = sum(1 for n in nodes if n.phase == NodePhase.STALE)
@@ -89,7 +134,8 @@ def weightcache_status(
         stale_nodes=stale,
         model_count=len(spec.models),
         models=residency,
-        conditions=[ready_cond, degraded],
+        conditions=[ready_cond, degraded]
+        + ([] if gpu_mismatch is None else [gpus_match_condition(gpu_mismatch, generation)]),
     )
 
 

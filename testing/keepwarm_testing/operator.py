@@ -196,6 +196,10 @@ IMPLIED_GRANTS = {("update", "keepwarm.dev", "weightcaches/finalizers"),
                   ("get", "", "secrets"),
                   ("create", "coordination.k8s.io", "leases"),
                   ("patch", "coordination.k8s.io", "leases")}  # fmt: skip
+# Used only on a path a run may or may not take: an InferenceDeployment is read when a status write
+# raced another writer (409) or its Deployment's event came before kopf's index held it; otherwise
+# the index's copy serves. Still checked never to be refused.
+RACE_ONLY_GRANTS = {("get", "keepwarm.dev", "inferencedeployments")}
 
 
 def granted(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:

@@ -11,6 +11,7 @@ from keepwarm_api.group import CACHE_LABEL
 MANAGED_BY = {"app.kubernetes.io/managed-by": "keepwarm-operator"}
 IDEP_LABEL = f"{GROUP}/inferencedeployment"  # value: InferenceDeployment name
 WARM_LABEL_PREFIX = f"warm.{GROUP}/"  # node label: warm.keepwarm.dev/<cache>.<model> = "true"
+GPU_RESOURCE = "nvidia.com/gpu"  # the device plugin's extended resource: pods' limits, Nodes' allocatable
 
 
 def agent_name(cache: str) -> str:

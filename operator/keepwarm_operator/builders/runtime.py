@@ -15,7 +15,7 @@ from keepwarm_api.inferencedeployment import InferenceDeploymentSpec
 from keepwarm_api.weightcache import CachedModel, WeightCacheSpec
 
 from .agent import socket_dir
-from .meta import object_meta, runtime_labels, warm_label_key
+from .meta import GPU_RESOURCE, object_meta, runtime_labels, warm_label_key
 from .volumes import hf_volume, model_mount
 
 WARM_AFFINITY_WEIGHT = 100
@@ -102,7 +102,7 @@ def runtime_deployment(
         pod_security["runAsUser"] = spec.pod.run_as_user
     resources = spec.resources.wire() if spec.resources else {}
     if spec.gpus_per_pod:
-        resources.setdefault("limits", {})["nvidia.com/gpu"] = spec.gpus_per_pod
+        resources.setdefault("limits", {})[GPU_RESOURCE] = spec.gpus_per_pod
     probe = {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5}
     container: dict[str, Any] = {
         "name": "runtime",

@@ -16,6 +16,7 @@ waits for a running operator (as for WeightCaches).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
@@ -100,9 +101,13 @@ def _drifted(ctx: Context, key: tuple[str, str], deployment: dict[str, Any] | No
     )
 
 
-def reconcile(body: dict[str, Any], memo: Any, trigger: str, apply: bool | None = True) -> dict[str, Any]:
+def reconcile(
+    body: dict[str, Any], memo: Any, trigger: str, apply: bool | None = True,
+    deployment: dict[str, Any] | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """Run steps 1-4; returns the new status (the caller writes it). apply=False only refreshes status;
-    apply=None (the resync) re-applies only children that drifted, so a quiet cluster costs reads."""
+    apply=None (the resync) re-applies only children that drifted, so a quiet cluster costs reads.
+    `deployment`: the Deployment as a watch event just showed it (read from the API when None)."""
     ctx = context(memo)
     meta = body["metadata"]
     name, namespace, gen = meta["name"], meta["namespace"], meta.get("generation", 0)
@@ -110,17 +115,21 @@ def reconcile(body: dict[str, Any], memo: Any, trigger: str, apply: bool | None 
         spec = InferenceDeploymentSpec.model_validate(body.get("spec") or {})
         binding, cache_cond, warm = _resolve(ctx, spec, gen, namespace)
         problem = None
-        deployment = None
-        if apply is not True:
+        if apply is True:
+            deployment = None
+        elif deployment is None:
             deployment = ctx.kube.get("apps/v1", "Deployment", name, namespace)
         if spec.model.cache_ref and binding is None:
             problem = cache_cond.model_copy(update={"type": C.AVAILABLE})
         elif apply or (apply is None and _drifted(ctx, (namespace, name), deployment)):
             try:
                 deployment = ctx.kube.apply(runtime_deployment(name, namespace, spec, binding, body))
-                service = ctx.kube.apply(runtime_service(name, namespace, spec, body))
-                with ctx.lock:  # later events of this generation need no apply
+                with ctx.lock:  # later events of this generation need no apply (before the Service's
+                    # round trip: the Deployment's event arrives during it)
                     ctx.applied[(namespace, name)] = deployment["metadata"].get("generation", 0)
+                    ctx.applied_deployments[(namespace, name)] = deployment["metadata"].get("resourceVersion")
+                service = ctx.kube.apply(runtime_service(name, namespace, spec, body))
+                with ctx.lock:
                     ctx.applied_services[(namespace, name)] = service["metadata"].get("resourceVersion")
                 APPLIES.labels("Deployment").inc()
                 APPLIES.labels("Service").inc()
@@ -139,33 +148,76 @@ def reconcile(body: dict[str, Any], memo: Any, trigger: str, apply: bool | None 
         return wire
 
 
-def _write_status(memo: Any, body: dict[str, Any], trigger: str, apply: bool) -> None:
-    """Status written outside kopf's handlers, guarded by the resourceVersion it was computed from."""
+def _write_status(
+    memo: Any, body: dict[str, Any], trigger: str, apply: bool, deployment: dict[str, Any] | None = None
+) -> None:
+    """Status written outside kopf's handlers, guarded by the resourceVersion it was computed from.
+    kopf patches the same object (its annotations and finalizer), so a 409 is common: the retry
+    re-reads only the InferenceDeployment when the caller passed the Deployment it saw."""
 
     def compute(current: dict[str, Any]) -> dict[str, Any] | None:
-        status = reconcile(current, memo, trigger, apply=apply)
+        status = reconcile(current, memo, trigger, apply=apply, deployment=deployment)
         return status if status_changed(current.get("status"), status) else None
 
     meta = body["metadata"]
     context(memo).kube.write_status(API_VERSION, KIND, meta["name"], meta["namespace"], compute, body)
 
 
+def _cache_view_current(ctx: Context, body: dict[str, Any]) -> bool:
+    """Whether the stored status already shows what the cache says now (CacheWarm, warmNodes): all
+    that a residency change can move. One that moves nothing for an InferenceDeployment then costs
+    no read and no write (each node's first report used to re-read every Deployment of the cache)."""
+    meta = body["metadata"]
+    spec = InferenceDeploymentSpec.model_validate(body.get("spec") or {})
+    _, cond, warm = _resolve(ctx, spec, meta.get("generation", 0), meta["namespace"])
+    status = body.get("status") or {}
+    stored = next((c for c in status.get("conditions") or [] if c.get("type") == C.CACHE_WARM), {})
+    return status.get("warmNodes", 0) == warm and all(stored.get(k) == v for k, v in cond.wire().items())
+
+
 def refresh_for_cache(memo: Any, cache: str, apply: bool = True) -> None:
-    """Reconcile the InferenceDeployments served from `cache` (its spec or residency changed): found
-    in kopf's index of them by cache (no listing); each status write is guarded by the resourceVersion
-    of the copy in the index, and re-read if that was stale."""
+    """Reconcile the InferenceDeployments served from `cache` (its spec, apply=True, or residency,
+    apply=False, changed): found in kopf's index of them by cache (no listing); each status write is
+    guarded by the resourceVersion of the copy in the index, and re-read if that was stale."""
     ctx = context(memo)
     for body in list(ctx.deployments_by_cache.get(cache, ())):
         if ctx.namespaces and body["metadata"]["namespace"] not in ctx.namespaces:
             continue  # another operator (or none) serves that namespace
+        if not apply and _cache_view_current(ctx, body):
+            continue
         _write_status(memo, body, "cache", apply)
 
 
+INDEXED_META = ("name", "namespace", "uid", "generation", "resourceVersion", "deletionTimestamp")
+
+
+def index_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What a reconcile reads of an InferenceDeployment: kopf's index keeps one per object, and the
+    whole body (managedFields, kopf's annotations with a second copy of the spec) is mostly ballast."""
+    meta = body["metadata"]
+    return {
+        "apiVersion": body.get("apiVersion", API_VERSION),
+        "kind": body.get("kind", KIND),
+        "metadata": {k: meta[k] for k in INDEXED_META if k in meta},
+        "spec": body.get("spec") or {},
+        "status": body.get("status") or {},
+    }
+
+
 @kopf.index(GROUP, VERSION, PLURAL)
-def by_cache(body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
+async def by_cache(body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
     """WeightCache name -> the InferenceDeployments served from it, as last seen by kopf's watch."""
     cache = ((body.get("spec") or {}).get("model") or {}).get("cacheRef")
-    return {cache: dict(body)} if cache else {}
+    return {cache: index_body(body)} if cache else {}
+
+
+@kopf.index(GROUP, VERSION, PLURAL)
+async def by_name(
+    body: kopf.Body, namespace: str, name: str, **_: Any
+) -> dict[tuple[str, str], dict[str, Any]]:
+    """(namespace, name) -> the InferenceDeployment as last seen: a Deployment's event refreshes its
+    owner's status from this copy (a 409 if it is stale, then a read) instead of a GET each."""
+    return {(namespace, name): index_body(body)}
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)
@@ -191,8 +243,11 @@ def register_resync(interval: float) -> None:
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={IDEP_LABEL: kopf.PRESENT})
-def deployment_changed(body: kopf.Body, type: str | None, memo: Any, **_: Any) -> None:
-    """Rollouts show up in status at once, and drift in the Deployment is re-applied (no-op when none)."""
+async def deployment_changed(body: kopf.Body, type: str | None, memo: Any, **_: Any) -> None:
+    """Rollouts show up in status at once, and drift in the Deployment is re-applied (no-op when none).
+
+    Async and non-blocking (the API calls run on the coalescer's pool): kopf runs a sync handler
+    on its worker pool, where each of a rollout's events queued behind every create handler."""
     if type is None:  # initial listing: the resume handlers cover it
         return
     meta = body["metadata"]
@@ -202,14 +257,21 @@ def deployment_changed(body: kopf.Body, type: str | None, memo: Any, **_: Any) -
     ctx = context(memo)
     key = (meta["namespace"], owner["name"])
     with ctx.lock:
-        drifted = type == "DELETED" or ctx.applied.get(key) != meta.get("generation")
+        applied = ctx.applied.get(key)  # None: not applied by this process yet (its handler is
+        # mid-apply, or it has just started and its resume handler will apply): no re-apply here
+        drifted = type == "DELETED" or applied not in (None, meta.get("generation"))
+        ours = ctx.applied_deployments.get(key) == meta.get("resourceVersion")
+    if ours and not drifted:  # what our apply returned: the status written with it already shows it
+        return
+    deployment = None if drifted else dict(body)  # the event's copy: no GET per event
 
     def refresh() -> None:
-        idep = ctx.kube.get(API_VERSION, KIND, owner["name"], meta["namespace"])
+        namespace, name = key
+        idep = ctx.inference_deployment(namespace, name) or ctx.kube.get(API_VERSION, KIND, name, namespace)
         if idep is not None:
-            _write_status(memo, idep, "deployment", apply=drifted)
+            _write_status(memo, idep, "deployment", apply=drifted, deployment=deployment)
 
     if drifted:  # someone changed or deleted our Deployment: re-apply now
-        refresh()
-    else:  # a rollout's status updates come in bursts: one status refresh per burst
+        ctx.coalesce(f"drift/{key[0]}/{key[1]}", refresh, delay_s=0.0)
+    else:  # a rollout's status updates come in bursts: one status refresh per burst, the latest copy
         ctx.coalesce(f"idep/{key[0]}/{key[1]}", refresh)

@@ -75,7 +75,7 @@ def rebuild_warm_labels(memo: Any, **_: Any) -> None:
 
 
 @kopf.index(GROUP, VERSION, PLURAL)
-def warm_labels(body: kopf.Body, **_: Any) -> dict[str, dict[str, str]]:
+async def warm_labels(body: kopf.Body, **_: Any) -> dict[str, dict[str, str]]:
     """Node name -> the warm labels this WeightCacheNode asks for."""
     node = (body.get("spec") or {}).get("nodeName")
     return {node: node_warm_labels([dict(body)])} if node else {}
@@ -86,19 +86,21 @@ def _resident(body: kopf.Body) -> frozenset[str]:
 
 
 @kopf.index(GROUP, VERSION, PLURAL)
-def residency(body: kopf.Body, **_: Any) -> dict[str, frozenset[str]]:
+async def residency(body: kopf.Body, **_: Any) -> dict[str, frozenset[str]]:
     """WeightCache name -> the models resident on this node (kopf keeps one value per WeightCacheNode)."""
     cache = (body.get("spec") or {}).get("weightCache")
     return {cache: _resident(body)} if cache else {}
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-def weightcachenode_changed(
+async def weightcachenode_changed(
     body: kopf.Body, type: str | None, memo: Any, warm_labels: kopf.Index, **_: Any
 ) -> None:
     """On a change of residency (not every heartbeat): node labels, cache status, its deployments.
 
     `memo` is kopf's per-object memo here: it remembers this node's residency as last acted on.
+    Async and non-blocking: the API calls run on the coalescer's pool, so the events of 200 nodes
+    do not each take a turn on kopf's worker pool.
     """
     spec = body.get("spec") or {}
     node, cache = spec.get("nodeName"), spec.get("weightCache")
@@ -110,11 +112,14 @@ def weightcachenode_changed(
     memo["resident"] = resident
     if not changed:
         return
-    with reconciling(NODE_KIND, "event"):
-        sync_node_labels(ctx.kube, node, warm_labels)
+
+    def labels() -> None:  # from the index as it is when this runs: the latest of a burst
+        with reconciling(NODE_KIND, "event"):
+            sync_node_labels(ctx.kube, node, warm_labels)
 
     def refresh() -> None:  # also after the initial listing: resumed deployments may have counted early
         refresh_status(memo, cache)
         refresh_for_cache(memo, cache, apply=False)
 
+    ctx.coalesce(f"labels/{node}", labels, delay_s=0.0)
     ctx.coalesce(cache, refresh)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextvars
+import heapq
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +22,67 @@ from ..kube import Kube, client_configuration, connection_info
 from ..settings import OperatorSettings
 
 POOL_PER_WORKER = 4  # API connections kept per handler worker (see configure)
+COALESCE_S = 1.0  # Coalescer's default delay
+
+
+class Coalescer:
+    """Runs fn once, delay_s after the first request for its key, however often the key is asked
+    for meanwhile (the latest fn wins); at most `workers` runs at a time, and one per key (a key
+    asked for while it runs runs again after: overlapping runs of one cache's refresh each walked
+    all its InferenceDeployments and raced each other's status writes).
+
+    While 100 nodes warm up, every node's change would otherwise re-reconcile every
+    InferenceDeployment of the cache, and each Deployment's rollout sends a burst of events. One
+    timer thread per key ran them all at once: 400 InferenceDeployments made 400 threads contend
+    for the API connections and the interpreter (and hold their responses in memory at once).
+    """
+
+    def __init__(self, delay_s: float = COALESCE_S, workers: int = 8):
+        self.delay_s = delay_s
+        self._cv = threading.Condition()
+        self._due: list[tuple[float, int, str]] = []  # heap of (due time, sequence, key)
+        self._fns: dict[str, Callable[[], None]] = {}  # pending keys -> what to run
+        self._running: set[str] = set()
+        self._seq = 0
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="keepwarm-refresh")
+        self._thread: threading.Thread | None = None
+
+    def submit(self, key: str, fn: Callable[[], None], delay_s: float | None = None) -> None:
+        """Never blocks on I/O: async handlers call it from kopf's event loop."""
+        ctx = contextvars.copy_context()  # kopf's settings, for posting events from the pool
+        with self._cv:
+            if key not in self._fns:
+                self._seq += 1
+                due = time.monotonic() + (self.delay_s if delay_s is None else delay_s)
+                heapq.heappush(self._due, (due, self._seq, key))
+                self._cv.notify()
+            self._fns[key] = lambda: ctx.run(fn)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, daemon=True, name="keepwarm-coalesce")
+                self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._due or self._due[0][0] > time.monotonic():
+                    self._cv.wait(self._due[0][0] - time.monotonic() if self._due else None)
+                _, _, key = heapq.heappop(self._due)
+                if key in self._running:  # again once that run is done
+                    self._seq += 1
+                    heapq.heappush(self._due, (time.monotonic() + self.delay_s, self._seq, key))
+                    continue
+                fn = self._fns.pop(key)
+                self._running.add(key)
+            self._pool.submit(self._run, key, fn)
+
+    def _run(self, key: str, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception:  # the next change or resync retries
+            logging.getLogger(__name__).exception("coalesced refresh of %s failed", key)
+        finally:
+            with self._cv:
+                self._running.discard(key)
 
 
 @dataclass
@@ -30,20 +94,24 @@ class Context:
     # kopf's index of WeightCacheNodes (handlers/nodes.py): cache name -> the resident model set of
     # each of its nodes, kept by kopf from its watch (read-only here).
     residency: Mapping[str, Iterable[frozenset[str]]]
-    # kopf's index of InferenceDeployments (handlers/inference.py): cache name -> their bodies.
+    # kopf's index of InferenceDeployments (handlers/inference.py): cache name -> their bodies, cut
+    # to what a reconcile reads (inference.index_body).
     deployments_by_cache: Mapping[str, Iterable[dict[str, Any]]] = field(default_factory=dict)
     # kopf's index of WeightCaches (handlers/weightcache.py): name -> its object.
     caches: Mapping[str, Iterable[dict[str, Any]]] = field(default_factory=dict)
+    # kopf's index of InferenceDeployments by (namespace, name), bodies cut as in deployments_by_cache.
+    inference_deployments: Mapping[tuple[str, str], Iterable[dict[str, Any]]] = field(default_factory=dict)
     namespaces: frozenset[str] = frozenset()  # InferenceDeployments served only here (empty: all)
     resync_seconds: float = 30.0  # resync period (also the retry delay after a failed apply)
     lock: threading.Lock = field(default_factory=threading.Lock)
     applied: dict[tuple[str, str], int] = field(default_factory=dict)  # (ns, name) -> Deployment generation
     applied_services: dict[tuple[str, str], str] = field(default_factory=dict)  # -> Service resourceVersion
+    # (ns, name) -> the Deployment's resourceVersion our last apply returned (its event needs nothing)
+    applied_deployments: dict[tuple[str, str], str] = field(default_factory=dict)
     # agent children: (apiVersion, kind, ns, name) -> (resourceVersion, digest); Kube.apply_if_changed
     applied_children: dict[tuple[str, ...], tuple[str, str]] = field(default_factory=dict)
     node_locks: dict[str, threading.Lock] = field(default_factory=dict)  # cache -> see node_lock
-    coalesce_s: float = 1.0  # residency changes within this window trigger one refresh per cache
-    pending: set[str] = field(default_factory=set)  # caches with a refresh scheduled
+    coalescer: Coalescer = field(default_factory=Coalescer)  # refreshes after bursts of events
 
     def warm_nodes(self, cache: str, model: str) -> int:
         """Nodes where `cache` holds `model`, as the WeightCacheNode watch last reported."""
@@ -57,33 +125,17 @@ class Context:
         with self.lock:
             return self.node_locks.setdefault(cache, threading.Lock())
 
+    def inference_deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The InferenceDeployment as kopf's watch last saw it (None when there is none)."""
+        return next(iter(list(self.inference_deployments.get((namespace, name), ()))), None)
+
     def cache(self, name: str) -> dict[str, Any] | None:
         """The WeightCache `name` as kopf's watch last saw it (None when there is none)."""
         return next(iter(list(self.caches.get(name, ()))), None)
 
-    def coalesce(self, key: str, fn: Callable[[], None]) -> None:
-        """Run fn once, coalesce_s from now, however often this is called for `key` meanwhile.
-
-        While 100 nodes warm up, every node's change would otherwise re-reconcile every
-        InferenceDeployment of the cache; this turns that into about one pass per second.
-        """
-        with self.lock:
-            if key in self.pending:
-                return
-            self.pending.add(key)
-
-        def run() -> None:
-            with self.lock:
-                self.pending.discard(key)
-            try:
-                fn()
-            except Exception:  # the next change or resync retries
-                logging.getLogger(__name__).exception("coalesced refresh of %s failed", key)
-
-        ctx = contextvars.copy_context()  # kopf's settings, for posting events from the thread
-        timer = threading.Timer(self.coalesce_s, ctx.run, args=(run,))
-        timer.daemon = True
-        timer.start()
+    def coalesce(self, key: str, fn: Callable[[], None], delay_s: float | None = None) -> None:
+        """Run fn once, soon, however often this is called for `key` meanwhile (see Coalescer)."""
+        self.coalescer.submit(key, fn, delay_s)
 
 
 def context(memo: Any) -> Context:
@@ -111,7 +163,7 @@ def configure_watching(settings: kopf.OperatorSettings) -> None:
 @kopf.on.startup()
 def configure(
     settings: kopf.OperatorSettings, memo: Any, residency: kopf.Index, by_cache: kopf.Index,
-    caches: kopf.Index, **_: Any,
+    caches: kopf.Index, by_name: kopf.Index, **_: Any,
 ) -> None:  # fmt: skip
     # Our CRDs prune unknown status fields, so kopf keeps its progress in annotations.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
@@ -137,6 +189,8 @@ def configure(
         residency=residency,
         deployments_by_cache=by_cache,
         caches=caches,
+        inference_deployments=by_name,
         namespaces=ours.namespaces,
         resync_seconds=ours.resync_seconds,
+        coalescer=Coalescer(COALESCE_S, ours.workers),
     )

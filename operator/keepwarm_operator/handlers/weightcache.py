@@ -25,6 +25,7 @@ from keepwarm_api.lease import LEASE_API_VERSION, renewed_at
 from keepwarm_api.weightcache import (
     KIND,
     PLURAL,
+    Tier,
     WeightCacheConditionType,
     WeightCacheReason,
     WeightCacheSpec,
@@ -44,7 +45,15 @@ from ..builders.agent import agent_children
 from ..builders.meta import CACHE_LABEL, agent_labels, agent_name, object_meta, selector_string
 from ..kube import ApiError, Kube
 from ..metrics import APPLIES, STALE_NODES, reconciling
-from ..status import is_stale, last_heard, node_belongs, status_changed, weightcache_status
+from ..status import (
+    gpu_mismatches,
+    is_stale,
+    last_heard,
+    node_belongs,
+    node_gpus,
+    status_changed,
+    weightcache_status,
+)
 from .setup import context
 
 GROUP, VERSION = API_VERSION.split("/")
@@ -68,11 +77,15 @@ def _spec_of(obj: dict[str, Any]) -> WeightCacheNodeSpec | None:
 
 def _sync_nodes(
     kube: Kube, body: dict[str, Any], spec: WeightCacheSpec, agent_ns: str
-) -> list[WeightCacheNodeStatus]:
-    """Steps 3-4: WeightCacheNodes follow the agent pods; returns the live ones' statuses."""
+) -> tuple[list[WeightCacheNodeStatus], list[str] | None]:
+    """Steps 3-4: WeightCacheNodes follow the agent pods; returns the live ones' statuses and, on
+    tier gpu, the nodes whose agent sees another GPU count than the Node offers (gpu_mismatches)."""
     cache = body["metadata"]["name"]
     selected = kube.list("v1", "Node", labels=selector_string(spec.node_selector) or None)  # targeted
     node_labels = {n["metadata"]["name"]: n["metadata"].get("labels") or {} for n in selected}
+    offered = {n["metadata"]["name"]: node_gpus(n) for n in selected}
+    del selected  # 200 whole Nodes: only their labels and GPU counts are needed from here on
+    reports: list[tuple[str, WeightCacheNodeStatus]] = []
     pods = kube.list("v1", "Pod", agent_ns, selector_string(agent_labels(cache)))
     agent_nodes = {
         p["spec"]["nodeName"]
@@ -139,12 +152,14 @@ def _sync_nodes(
                 if exc.status != 409:
                     raise
                 statuses.append(status)  # a fresh heartbeat arrived: not stale
+                reports.append((node, status))
                 continue
             kopf.warn(body, reason="NodeStale", message=f"{node}: {message}")
             status = status.model_copy(update={"phase": NodePhase.STALE})
         statuses.append(status)
+        reports.append((node, status))
     STALE_NODES.labels(cache).set(sum(1 for s in statuses if s.phase == NodePhase.STALE))
-    return statuses
+    return statuses, gpu_mismatches(reports, offered) if spec.tier == Tier.GPU else None
 
 
 class ApplyFailed(Exception):
@@ -188,8 +203,8 @@ def reconcile(body: dict[str, Any], memo: Any, trigger: str, apply: bool = True)
         ds = ctx.kube.get("apps/v1", "DaemonSet", agent_name(name), ctx.agent_namespace) or {}
         desired = (ds.get("status") or {}).get("desiredNumberScheduled", 0)
         with ctx.node_lock(name):
-            nodes = _sync_nodes(ctx.kube, body, spec, ctx.agent_namespace)  # 3, 4
-        status = weightcache_status(spec, generation, desired, nodes)  # 5
+            nodes, gpu_mismatch = _sync_nodes(ctx.kube, body, spec, ctx.agent_namespace)  # 3, 4
+        status = weightcache_status(spec, generation, desired, nodes, gpu_mismatch)  # 5
         wire = status.wire()
         wire["conditions"] = merge_conditions(old_conditions, status.conditions, _now())
         was_ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in old_conditions or [])
@@ -219,9 +234,10 @@ def refresh_status(memo: Any, cache: str) -> None:
 
 
 @kopf.index(GROUP, VERSION, PLURAL)
-def caches(body: kopf.Body, name: str, **_: Any) -> dict[str, dict[str, Any]]:
+async def caches(body: kopf.Body, name: str, **_: Any) -> dict[str, dict[str, Any]]:
     """WeightCache name -> the object as kopf's watch last saw it (InferenceDeployments read it per
-    event; an API round trip each would sit on every create's path to its Deployment)."""
+    event; an API round trip each would sit on every create's path to its Deployment). Index
+    functions are async: pure and quick, they need no hop through kopf's worker pool."""
     return {name: dict(body)}
 
 

@@ -7,6 +7,7 @@ label goes."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -118,6 +119,25 @@ def test_four_fake_gpus_report_per_gpu_and_warm_only_when_all_hold_it(control_pl
             "the WeightCache counting the node ready",
             op=op,
         )
+        # The agent's GPU count is compared with what the Node offers pods: equal here (4 and 4) ...
+        wc_path = f"{GROUP_PATH}/weightcaches/{cache}"
+        assert condition(get(cp, wc_path), "GPUsMatch").get("status") == "True"
+
+        def offer(n: int) -> None:
+            patch = {
+                "status": {"capacity": {"nvidia.com/gpu": str(n)}, "allocatable": {"nvidia.com/gpu": str(n)}}
+            }
+            cp.kubectl("patch", "node", node, "--subresource=status", "--type=merge", "-p", json.dumps(patch))
+
+        def gpus_match() -> dict:
+            return condition(get(cp, wc_path), "GPUsMatch")
+
+        offer(8)  # ... and named once the Node offers 8 GPUs the agent does not see (next resync)
+        wait(cp, lambda: gpus_match().get("reason") == "GPUCountMismatch", "GPUsMatch=False", op=op)
+        assert gpus_match()["status"] == "False"
+        assert gpus_match()["message"] == f"{node}: agent sees 4 GPU(s), Node allocatable nvidia.com/gpu is 8"
+        offer(4)
+        wait(cp, lambda: gpus_match().get("status") == "True", "GPUsMatch=True again", op=op)
         # GPU 3 loses the model and cannot load it again: reported on that GPU, and the node is not warm.
         (models / MODEL).rename(models / "moved")
         release = [

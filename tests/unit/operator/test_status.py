@@ -7,10 +7,12 @@ from keepwarm_api.weightcache import WeightCacheSpec
 from keepwarm_api.weightcachenode import WeightCacheNodeStatus
 from keepwarm_operator.builders.meta import warm_label_key
 from keepwarm_operator.status import (
+    gpu_mismatches,
     inference_status,
     is_stale,
     last_heard,
     node_belongs,
+    node_gpus,
     node_warm_labels,
     status_changed,
     weightcache_status,
@@ -168,3 +170,43 @@ def test_node_belongs_while_it_exists_and_matches_the_selector():
     assert node_belongs({}, {})  # an empty selector means every node
     assert not node_belongs({"pool": "b"}, {"pool": "a"}) and not node_belongs({}, {"pool": "a"})
     assert not node_belongs(None, {})  # the Node is gone
+
+
+def test_gpu_mismatches_names_nodes_whose_agent_sees_another_gpu_count():
+    def reported(phase, uuids):
+        return WeightCacheNodeStatus.model_validate({"phase": phase, "gpuUuids": uuids})
+
+    four = [f"GPU-{i}" for i in range(4)]
+    reports = [
+        ("n1", reported("Ready", four)),  # matches its Node
+        ("n2", reported("Ready", four[:2])),  # the agent sees 2 of 4
+        ("n3", reported("Pending", [])),  # not reported yet: not judged
+        ("n4", reported("Stale", [])),  # silent: not judged
+        ("n5", reported("Loading", four)),  # Node without the resource: nothing to compare
+        ("n6", reported("Degraded", four)),  # the agent sees more than the Node offers pods
+    ]
+    offered = {"n1": 4, "n2": 4, "n3": 4, "n4": 4, "n5": None, "n6": 2}
+    assert gpu_mismatches(reports, offered) == [
+        "n2: agent sees 2 GPU(s), Node allocatable nvidia.com/gpu is 4",
+        "n6: agent sees 4 GPU(s), Node allocatable nvidia.com/gpu is 2",
+    ]
+
+
+def test_node_gpus_prefers_allocatable_and_tolerates_nodes_without_the_resource():
+    assert (
+        node_gpus({"status": {"capacity": {"nvidia.com/gpu": "8"}, "allocatable": {"nvidia.com/gpu": "7"}}})
+        == 7
+    )
+    assert node_gpus({"status": {"capacity": {"nvidia.com/gpu": "8"}}}) == 8
+    assert node_gpus({"status": {"allocatable": {"cpu": "4"}}}) is None
+    assert node_gpus({}) is None
+
+
+def test_gpus_match_condition_only_on_the_gpu_tier_and_false_on_a_mismatch():
+    assert [c.type for c in weightcache_status(SPEC, 1, 1, []).conditions] == ["Ready", "Degraded"]
+    ok = weightcache_status(SPEC, 1, 1, [], gpu_mismatch=[]).conditions[2]
+    assert (ok.type, ok.status.value, ok.reason) == ("GPUsMatch", "True", "GPUCountsMatch")
+    lines = [f"n{i}: agent sees 1 GPU(s), Node allocatable nvidia.com/gpu is 8" for i in range(7)]
+    bad = weightcache_status(SPEC, 1, 1, [], gpu_mismatch=lines).conditions[2]
+    assert (bad.status.value, bad.reason) == ("False", "GPUCountMismatch")
+    assert bad.message.startswith("n0: agent sees 1 GPU(s)") and bad.message.endswith("and 2 more node(s)")
