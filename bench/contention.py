@@ -7,8 +7,10 @@ Pods share nodes: another process may hold every core. Each configuration runs i
 process (OpenMP reads its environment once, at torch's import):
 
 * ``keepwarm``: what `keepwarm serve` does (engine/threads.py): threads from the affinity mask and
-  cgroup quota, OpenMP threads sleep while they wait (OMP_WAIT_POLICY=PASSIVE);
+  cgroup quota, OpenMP threads spin a bounded while and then sleep (GOMP_SPINCOUNT, KMP_BLOCKTIME);
 * ``torch_default``: torch's own choice (one thread per core) and OpenMP's default (spinning) wait;
+* ``keepwarm_passive`` (on request): keepwarm's threads, but threads that sleep at once
+  (OMP_WAIT_POLICY=PASSIVE, keepwarm's earlier choice);
 * ``keepwarm_one_thread`` (on request): keepwarm's wait policy with one thread, for comparison.
 
 In each worker, --rounds rounds alternate "alone" and "hog" (one busy-loop process per CPU of the
@@ -30,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-CONFIGS = ("keepwarm", "torch_default", "keepwarm_one_thread")
+CONFIGS = ("keepwarm", "torch_default", "keepwarm_passive", "keepwarm_one_thread")
 DEFAULT_CONFIGS = "keepwarm,torch_default"
 OPENMP_VARS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "KMP_BLOCKTIME", "GOMP_SPINCOUNT")
 
@@ -102,6 +104,8 @@ def worker(args: argparse.Namespace) -> int:
 
         one = 1 if args.worker == "keepwarm_one_thread" else None
         choice = threads.choose_threads(one)
+        if args.worker == "keepwarm_passive":
+            os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
         threads.prepare_openmp(choice)  # before torch is imported, as `keepwarm serve` does
     import torch
 
@@ -129,6 +133,7 @@ def worker(args: argparse.Namespace) -> int:
         "threads": torch.get_num_threads(),
         "thread_reason": choice.reason if choice else "torch default",
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default (spin, then sleep)"),
+        "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", "default"),
         "alone_tokens_per_s": round(best["alone"], 1),
         "hog_tokens_per_s": round(best["hog"], 1),
         "hog_over_alone": round(best["hog"] / best["alone"], 3) if best["alone"] else None,

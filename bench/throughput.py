@@ -11,8 +11,8 @@ Generates a random-weight Llama of about --params parameters (unless --model-dir
 * ``mixed``: --prompts prompts with seeded lengths uniform in 16..--max-prompt-len and outputs in
   8..--max-output-len (defaults 1024 and 512), EOS ignored, so every request asks for what it gets.
 
-Threads: --threads intra-op threads and OpenMP's passive wait policy, set as `keepwarm serve` sets
-them (engine/threads.py) and shared by every engine, since all run in this process.
+Threads: --threads intra-op threads and OpenMP's bounded spin before sleeping, set as `keepwarm serve`
+sets them (engine/threads.py) and shared by every engine, since all run in this process.
 
 Engines, in --rounds rounds whose order rotates (this machine drifts; the best round of each counts):
 
@@ -120,6 +120,7 @@ def main() -> int:
         "output_tokens_total": total_tokens,
         "threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
+        "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", "default"),
         "dtype": args.dtype,
         "device": args.device,
         "machine": f"{os.cpu_count()} CPUs",

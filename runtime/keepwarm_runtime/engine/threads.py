@@ -1,4 +1,4 @@
-"""How many intra-op threads a CPU engine should use, and an OpenMP that yields when it waits.
+"""How many intra-op threads a CPU engine should use, and an OpenMP that spins briefly, then sleeps.
 
 torch's default (one thread per CPU the machine has) is wrong for a pod: the process may be pinned to
 fewer CPUs (``sched_getaffinity``) or capped by a CFS quota (cgroup v2 ``cpu.max``, v1
@@ -8,8 +8,16 @@ policy the waiting threads spin and take the very core the straggler needs (meas
 machine beside a busy process: 56 s for 40 tokens that take 0.7 s alone).
 
 So: threads = ``--threads`` / ``KEEPWARM_THREADS`` if given, else ``OMP_NUM_THREADS`` if the user set
-it, else min(CPUs in the affinity mask, floor(quota)), at least 1; and waiting OpenMP threads sleep
-(``OMP_WAIT_POLICY=PASSIVE``, ``KMP_BLOCKTIME=0`` for Intel's runtime) unless the user chose otherwise.
+it, else min(CPUs in the affinity mask, floor(quota)), at least 1; and waiting OpenMP threads spin a
+bounded while, then sleep (``GOMP_SPINCOUNT``, ``KMP_BLOCKTIME`` for Intel's runtime) unless the user
+chose a wait policy. Not ``OMP_WAIT_POLICY=PASSIVE``: a thread that sleeps at once must be woken
+through the kernel for every parallel region, and a decode step of a small model is hundreds of short
+regions (element-wise ops over a batch's hidden states): measured on a 2-core VM, a [64, 768] float32
+multiply took 115 us passive and 9 us with a bounded spin, and the fixed throughput workload ran
+at 142 tokens/s passive, 294 / 344 / 382 with 1,000 / 10,000 / 100,000 spins. The spin is short
+(1,000), so beside a busy neighbour a waiting thread still yields its core soon: with
+``bench/contention.py``'s hog, tokens/s with over without was 0.95 at 1,000 spins and 0.30 at 10,000
+(torch's default spin: 0.12).
 
 Ordering matters: OpenMP reads its environment once, when its runtime is loaded, i.e. when torch is
 first imported. ``prepare_openmp`` must therefore run before anything imports torch — `keepwarm serve`
@@ -31,8 +39,10 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-# Set only when absent: an operator who sets them knows something this module does not.
-OPENMP_WAIT_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+# A bounded spin before sleeping: libgomp counts spins, Intel's runtime milliseconds. Set only when the
+# user chose no wait policy of their own (OMP_WAIT_POLICY, or either variable itself).
+OPENMP_WAIT_DEFAULTS = {"GOMP_SPINCOUNT": "1000", "KMP_BLOCKTIME": "1"}
+WAIT_POLICY = "OMP_WAIT_POLICY"
 
 
 @dataclass(frozen=True)
@@ -145,15 +155,16 @@ def choose_threads(requested: int | None = None, environ: Mapping[str, str] = os
 
 
 def prepare_openmp(choice: ThreadChoice, environ: MutableMapping[str, str] = os.environ) -> bool:
-    """Put the thread count and a sleeping wait policy into the environment OpenMP will read.
+    """Put the thread count and a bounded-spin wait into the environment OpenMP will read.
 
     Returns False (and changes nothing that could still matter) when torch is already imported: the
     OpenMP runtime has read its environment by then, and only ``apply`` can still take effect."""
     if "torch" in sys.modules:
         return False
     environ["OMP_NUM_THREADS"] = str(choice.threads)
-    for name, value in OPENMP_WAIT_DEFAULTS.items():
-        environ.setdefault(name, value)
+    if WAIT_POLICY not in environ:  # OMP_WAIT_POLICY=PASSIVE/ACTIVE: the user's, with its own spin
+        for name, value in OPENMP_WAIT_DEFAULTS.items():
+            environ.setdefault(name, value)
     return True
 
 

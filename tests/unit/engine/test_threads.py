@@ -88,11 +88,20 @@ def test_bad_values_are_refused_by_name():
         t.derive_threads(8, None, omp_num_threads="many")
 
 
-def test_prepare_openmp_sets_a_sleeping_wait_policy_but_keeps_the_users(monkeypatch):
+def test_prepare_openmp_sets_a_bounded_spin_but_keeps_the_users(monkeypatch):
     monkeypatch.delitem(sys.modules, "torch", raising=False)  # as in `keepwarm serve` before torch
     env = {"KMP_BLOCKTIME": "200"}
     assert t.prepare_openmp(t.ThreadChoice(3, "test"), env) is True
-    assert env == {"OMP_NUM_THREADS": "3", "OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "200"}
+    spin = t.OPENMP_WAIT_DEFAULTS["GOMP_SPINCOUNT"]
+    assert env == {"OMP_NUM_THREADS": "3", "GOMP_SPINCOUNT": spin, "KMP_BLOCKTIME": "200"}
+
+
+def test_prepare_openmp_leaves_a_users_wait_policy_alone(monkeypatch):
+    """OMP_WAIT_POLICY brings its own spin count: a GOMP_SPINCOUNT beside it would override it."""
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    env = {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert t.prepare_openmp(t.ThreadChoice(2, "test"), env) is True
+    assert env == {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def test_prepare_openmp_after_torch_changes_nothing():
