@@ -31,6 +31,10 @@ from keepwarm_runtime.engine.attention.window import Window
 # much as scoring 8 query-key pairs.
 GROUP_OVERHEAD_PAIRS = 1024
 GATHER_PAIRS_PER_KEY = 8
+# At most this many gathered key positions (B * L) per group: a group's gathered keys and values stay
+# small enough to be read back from the CPU caches by SDPA (64 decodes with ~800 keys each in one
+# gather took 3.7x as long as the same in four groups of similar length on this machine).
+GROUP_MAX_KEYS = 8192
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,8 @@ def _grid_cost(n: int, q: int, l: int, fresh: bool) -> int:  # noqa: E741
 
 def _worth_joining(group: list[int], i: int, query_lens, context_lens, fresh: bool) -> bool:
     n, q, l = len(group), max(query_lens[j] for j in group), max(context_lens[j] for j in group)  # noqa: E741
+    if not fresh and (n + 1) * max(l, context_lens[i]) > GROUP_MAX_KEYS:
+        return False
     joined = _grid_cost(n + 1, max(q, query_lens[i]), max(l, context_lens[i]), fresh)
     return joined <= _grid_cost(n, q, l, fresh) + _grid_cost(1, query_lens[i], context_lens[i], fresh)
 
