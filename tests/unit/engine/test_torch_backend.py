@@ -125,7 +125,8 @@ def test_paged_batch_matches_naive(
         start += new
 
 
-def test_plan_groups_partitions_the_step_by_kind_and_length() -> None:
+def test_plan_groups_partitions_the_step_by_kind_and_length(monkeypatch) -> None:
+    monkeypatch.setattr(torch_backend, "GROUP_MAX_KEYS", 10**9)
     # 63 decodes at two context lengths far apart, one long chunk, two fresh prompts
     qlens = [1] * 32 + [512] + [1] * 31 + [100, 98]
     ctx = [1000] * 32 + [1024] + [40] * 31 + [100, 98]
@@ -142,3 +143,10 @@ def test_plan_groups_keeps_similar_decodes_together() -> None:
     plans = plan_groups([1] * 8, [500, 510, 520, 530, 505, 515, 525, 535])
     assert [p.seqs for p in plans] == [tuple(range(8))]
     assert plans[0].max_keys == 535
+
+
+def test_plan_groups_caps_the_keys_a_group_gathers() -> None:
+    plans = plan_groups([1] * 40, [1000] * 40)
+    assert sorted(i for p in plans for i in p.seqs) == list(range(40))
+    assert all(len(p.seqs) * p.max_keys <= torch_backend.GROUP_MAX_KEYS for p in plans)
+    assert len(plans) == -(-40 * 1000 // torch_backend.GROUP_MAX_KEYS)
