@@ -60,15 +60,19 @@ def plan_groups(query_lens: list[int], context_lens: list[int]) -> list[GroupPla
         kinds["fresh" if q == c else "decode" if q == 1 else "chunk"].append(i)
     plans = []
     for kind, members in kinds.items():
+        fresh = kind == "fresh"
         members.sort(key=lambda i: (-context_lens[i], -query_lens[i], i))
         open_: list[int] = []
+        q_max = l_max = 0  # the open group's longest query and context
         for i in members:
-            if open_ and not _worth_joining(open_, i, query_lens, context_lens, kind == "fresh"):
-                plans.append(_plan(open_, query_lens, context_lens, kind == "fresh"))
-                open_ = []
+            q, c = query_lens[i], context_lens[i]
+            if open_ and not _worth_joining(len(open_), q_max, l_max, q, c, fresh):
+                plans.append(GroupPlan(tuple(sorted(open_)), q_max, l_max, fresh))
+                open_, q_max, l_max = [], 0, 0
             open_.append(i)
+            q_max, l_max = max(q_max, q), max(l_max, c)
         if open_:
-            plans.append(_plan(open_, query_lens, context_lens, kind == "fresh"))
+            plans.append(GroupPlan(tuple(sorted(open_)), q_max, l_max, fresh))
     return plans
 
 
@@ -76,17 +80,12 @@ def _grid_cost(n: int, q: int, l: int, fresh: bool) -> int:  # noqa: E741
     return GROUP_OVERHEAD_PAIRS + n * l * (q + (0 if fresh else GATHER_PAIRS_PER_KEY))
 
 
-def _worth_joining(group: list[int], i: int, query_lens, context_lens, fresh: bool) -> bool:
-    n, q, l = len(group), max(query_lens[j] for j in group), max(context_lens[j] for j in group)  # noqa: E741
-    if not fresh and (n + 1) * max(l, context_lens[i]) > GROUP_MAX_KEYS:
+def _worth_joining(n: int, q_max: int, l_max: int, q: int, c: int, fresh: bool) -> bool:
+    """Whether a sequence (q queries, c context) joins a group of n with the given longest ones."""
+    if not fresh and (n + 1) * max(l_max, c) > GROUP_MAX_KEYS:
         return False
-    joined = _grid_cost(n + 1, max(q, query_lens[i]), max(l, context_lens[i]), fresh)
-    return joined <= _grid_cost(n, q, l, fresh) + _grid_cost(1, query_lens[i], context_lens[i], fresh)
-
-
-def _plan(members: list[int], query_lens, context_lens, fresh: bool) -> GroupPlan:
-    seqs = tuple(sorted(members))
-    return GroupPlan(seqs, max(query_lens[i] for i in seqs), max(context_lens[i] for i in seqs), fresh)
+    joined = _grid_cost(n + 1, max(q_max, q), max(l_max, c), fresh)
+    return joined <= _grid_cost(n, q_max, l_max, fresh) + _grid_cost(1, q, c, fresh)
 
 
 @dataclass
