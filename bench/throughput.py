@@ -98,6 +98,7 @@ def main() -> int:
     import torch
 
     from keepwarm_runtime import LLM, SamplingParams
+    from keepwarm_runtime.engine.config import EngineConfig
     from keepwarm_runtime.modelgen import make_model
 
     tmp = None
@@ -131,6 +132,10 @@ def main() -> int:
     else:
         result |= {"max_prompt_len": args.max_prompt_len, "max_output_len": args.max_output_len}
     longest = max(len(p) + n for p, n in requests)
+    # Every request fits in the batch and the KV cache at once: the default CPU KV budget (1 GiB) holds
+    # ~26k tokens of the 100M model in float32, half of what 64 mixed requests need, and the engine
+    # would then run them in waves instead of one continuous batch.
+    block_size = EngineConfig.block_size
     llm = LLM(
         model_dir,
         dtype=args.dtype,
@@ -139,6 +144,8 @@ def main() -> int:
         max_num_seqs=min(args.prompts, 256),
         max_num_batched_tokens=max(4096, longest),
         max_model_len=longest + 1,
+        block_size=block_size,
+        num_kv_blocks=sum(-(-(len(p) + n + 1) // block_size) for p, n in requests) + 1,
     )
     llm.generate({"prompt_token_ids": requests[0][0]}, SamplingParams(temperature=0, max_tokens=4))  # warm-up
     engines: dict[str, object] = {"keepwarm": KeepwarmRun(llm, requests)}

@@ -1,5 +1,6 @@
 """Torch attention backend against a naive per-sequence reference: mixed prefill/decode batches with
-cached prefixes, GQA, MLA-style value width, sliding windows, softcapping and sinks."""
+cached prefixes, GQA, MLA-style value width, sliding windows, softcapping and sinks, with the step in
+one padded grid and split into many groups; and how `plan_groups` splits a step."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import math
 import pytest
 import torch
 
+from keepwarm_runtime.engine.attention import torch_backend
 from keepwarm_runtime.engine.attention.layer import KeepwarmAttention
 from keepwarm_runtime.engine.attention.metadata import AttentionMetadata, use_metadata
-from keepwarm_runtime.engine.attention.torch_backend import TorchAttentionBackend
+from keepwarm_runtime.engine.attention.torch_backend import TorchAttentionBackend, plan_groups
 
 BS = 4  # block size
 
@@ -44,21 +46,34 @@ def naive(q, k, v, scale, window=None, softcap=None, sinks=None, prompt_len=None
     return torch.stack(out, 1)  # [Q, H, Dv]
 
 
+# (cached tokens, new tokens) per sequence
+STEPS = {
+    "prefill": [(0, 5), (0, 1), (0, 7)],
+    "mixed": [(5, 3), (9, 1), (0, 6)],  # a chunk after a prefix, a decode, a fresh prompt
+    # decodes of many context lengths among chunks and fresh prompts, out of order
+    "many": [(40, 1), (0, 9), (3, 1), (22, 6), (17, 1), (60, 1), (0, 2), (11, 12), (2, 1), (59, 1), (0, 1)],
+}
+
+
 @pytest.mark.parametrize(
     "window,softcap,use_sinks",
     [(None, None, False), (3, None, False), (None, 5.0, False), (None, None, True), (4, 30.0, True)],
 )
-@pytest.mark.parametrize("prefill_only", [False, True])
+@pytest.mark.parametrize("step", list(STEPS))
 @pytest.mark.parametrize("cache_window", [None, 2])  # generate()'s cache window: generated tokens only
-def test_paged_batch_matches_naive(window, softcap, use_sinks, prefill_only, cache_window) -> None:
+@pytest.mark.parametrize("overhead", [0, 10**9])  # every sequence in its own group / one group per kind
+def test_paged_batch_matches_naive(
+    window, softcap, use_sinks, step, cache_window, overhead, monkeypatch
+) -> None:
+    monkeypatch.setattr(torch_backend, "GROUP_OVERHEAD_PAIRS", overhead)
+    shapes = STEPS[step]
+    prefill_only = all(cached == 0 for cached, _ in shapes)
     torch.manual_seed(0)
     H, Hkv, Dk, Dv = 4, 2, 8, 6
-    # (cached tokens, new tokens) per sequence: a chunk after a prefix, a decode, a fresh prompt
-    shapes = [(0, 5), (0, 1), (0, 7)] if prefill_only else [(5, 3), (9, 1), (0, 6)]
     layer = KeepwarmAttention(0, None, "Test")
     layer.backend = TorchAttentionBackend()
     layer.cache_window = cache_window
-    num_blocks = 16
+    num_blocks = 96
     layer.k_cache = torch.zeros(num_blocks, BS, Hkv, Dk)
     layer.v_cache = torch.zeros(num_blocks, BS, Hkv, Dv)
     free = list(range(num_blocks))[::-1]  # hand out blocks out of order on purpose
@@ -108,3 +123,30 @@ def test_paged_batch_matches_naive(window, softcap, use_sinks, prefill_only, cac
         want = naive(q_seq, k_all, v_all, scale, window, softcap, sinks, prompt_len, generated_window)
         torch.testing.assert_close(out[start : start + new], want, rtol=1e-5, atol=1e-5)
         start += new
+
+
+def test_plan_groups_partitions_the_step_by_kind_and_length(monkeypatch) -> None:
+    monkeypatch.setattr(torch_backend, "GROUP_MAX_KEYS", 10**9)
+    # 63 decodes at two context lengths far apart, one long chunk, two fresh prompts
+    qlens = [1] * 32 + [512] + [1] * 31 + [100, 98]
+    ctx = [1000] * 32 + [1024] + [40] * 31 + [100, 98]
+    plans = plan_groups(qlens, ctx)
+    assert sorted(i for p in plans for i in p.seqs) == list(range(len(qlens)))  # each exactly once
+    by_seqs = {p.seqs: p for p in plans}
+    assert set(by_seqs) == {tuple(range(32)), (32,), tuple(range(33, 64)), (64, 65)}
+    assert (by_seqs[(32,)].max_query, by_seqs[(32,)].max_keys, by_seqs[(32,)].fresh) == (512, 1024, False)
+    assert (by_seqs[tuple(range(32))].max_query, by_seqs[tuple(range(32))].max_keys) == (1, 1000)
+    assert (by_seqs[tuple(range(33, 64))].max_keys, by_seqs[(64, 65)].fresh) == (40, True)
+
+
+def test_plan_groups_keeps_similar_decodes_together() -> None:
+    plans = plan_groups([1] * 8, [500, 510, 520, 530, 505, 515, 525, 535])
+    assert [p.seqs for p in plans] == [tuple(range(8))]
+    assert plans[0].max_keys == 535
+
+
+def test_plan_groups_caps_the_keys_a_group_gathers() -> None:
+    plans = plan_groups([1] * 40, [1000] * 40)
+    assert sorted(i for p in plans for i in p.seqs) == list(range(40))
+    assert all(len(p.seqs) * p.max_keys <= torch_backend.GROUP_MAX_KEYS for p in plans)
+    assert len(plans) == -(-40 * 1000 // torch_backend.GROUP_MAX_KEYS)
