@@ -3,7 +3,7 @@
     .venv/bin/python bench/serve.py [--params 100M] [--dtype bfloat16] [--rates 0.25,0.5,1,2]
         [--duration 20] [--min-requests 8] [--max-prompt-words 256] [--max-output-len 128]
         [--peers keepwarm,transformers] [--rounds 2] [--slo-ttft-p99 2.0] [--seed 0] [--json-out FILE]
-        [--transformers-env OMP_WAIT_POLICY=PASSIVE]
+        [--transformers-env GOMP_SPINCOUNT=1000]
 
 Both servers serve the same generated Llama (~--params parameters) in the same --dtype on the CPU:
 
@@ -11,7 +11,8 @@ Both servers serve the same generated Llama (~--params parameters) in the same -
 * ``transformers``: ``transformers serve --continuous-batching`` from the installed transformers (its
   paged continuous batching), run offline (``HF_HUB_OFFLINE=1``) with the model directory's path as
   the model id. Its threads are torch's defaults unless --transformers-env says otherwise (keepwarm
-  sizes its own from the CPUs it may use and makes waiting OpenMP threads sleep: engine/threads.py).
+  sizes its own from the CPUs it may use and lets waiting OpenMP threads spin only briefly before
+  sleeping: engine/threads.py).
 
 Load, identical for both: at each offered rate, requests arrive as a seeded Poisson process (exponential
 gaps) for about --duration seconds (at least --min-requests requests) and are sent when they arrive,
@@ -104,7 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="extra environment for transformers serve, e.g. OMP_WAIT_POLICY=PASSIVE as keepwarm sets it",
+        help="extra environment for transformers serve, e.g. GOMP_SPINCOUNT=1000 as keepwarm sets it",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", type=Path, default=None)
