@@ -18,15 +18,14 @@ import os
 import pytest
 import torch
 
-from keepwarm_runtime.cache.launcher import DaemonProcess
 from keepwarm_runtime.engine.moe.kernel_layout import up_first
 from keepwarm_runtime.engine.moe.reference import ExpertWeights
 from scripts.gpucheck.plan import FLASHINFER_MOE_OPT_IN
+from tests.gpu.moe.arena import gpu_moe_daemon
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
 
 CUTLASS = "flashinfer_cutlass"
-SHAPES = {"hidden_size": 256, "moe_intermediate_size": 128, "intermediate_size": 256, "head_dim": 64}
 
 
 def _require_kernel() -> None:
@@ -46,23 +45,7 @@ def _require_kernel() -> None:
 @pytest.fixture(scope="module")
 def converting_daemon(tmp_path_factory):
     _require_kernel()
-    from keepwarm_runtime.modelgen import make_model
-
-    root = tmp_path_factory.mktemp("cutlass-layout-gpu")
-    model = make_model(root / "qwen3_moe", arch="qwen3_moe", params="4M", dtype="bfloat16", **SHAPES)
-    daemon = DaemonProcess(
-        root / "wc",
-        [model],
-        "--device",
-        "cuda:0",
-        "--dtype",
-        "bfloat16",
-        "--expert-layout",
-        CUTLASS,
-        tier="gpu",
-    ).wait_ready()
-    yield model, root / "wc"
-    daemon.terminate(60)
+    yield from gpu_moe_daemon(tmp_path_factory.mktemp("cutlass-layout-gpu"), "--expert-layout", CUTLASS)
 
 
 def test_flashinfer_cutlass_from_a_converted_gpu_arena_is_zero_copy(converting_daemon, caplog) -> None:

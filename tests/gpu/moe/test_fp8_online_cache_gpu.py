@@ -11,34 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from keepwarm_runtime.cache.launcher import DaemonProcess
 from keepwarm_runtime.engine.config import EngineConfig
 from keepwarm_runtime.engine.loader import load_model
+from tests.gpu.moe.arena import gpu_moe_daemon
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
-
-SHAPES = {"hidden_size": 256, "moe_intermediate_size": 128, "intermediate_size": 256, "head_dim": 64}
 
 
 @pytest.fixture(scope="module")
 def quantizing_daemon(tmp_path_factory):
-    from keepwarm_runtime.modelgen import make_model
-
-    root = tmp_path_factory.mktemp("fp8-online-gpu")
-    model = make_model(root / "qwen3_moe", arch="qwen3_moe", params="4M", dtype="bfloat16", **SHAPES)
-    daemon = DaemonProcess(
-        root / "wc",
-        [model],
-        "--device",
-        "cuda:0",
-        "--dtype",
-        "bfloat16",
-        "--quantization",
-        "fp8",
-        tier="gpu",
-    ).wait_ready()
-    yield model, root / "wc"
-    daemon.terminate(60)
+    yield from gpu_moe_daemon(tmp_path_factory.mktemp("fp8-online-gpu"), "--quantization", "fp8")
 
 
 def _load(model, socket_dir):
