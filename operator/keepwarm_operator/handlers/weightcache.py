@@ -85,7 +85,6 @@ def _sync_nodes(
     node_labels = {n["metadata"]["name"]: n["metadata"].get("labels") or {} for n in selected}
     offered = {n["metadata"]["name"]: node_gpus(n) for n in selected}
     del selected  # 200 whole Nodes: only their labels and GPU counts are needed from here on
-    reports: list[tuple[str, WeightCacheNodeStatus]] = []
     pods = kube.list("v1", "Pod", agent_ns, selector_string(agent_labels(cache)))
     agent_nodes = {
         p["spec"]["nodeName"]
@@ -120,7 +119,7 @@ def _sync_nodes(
                 reason="NodeAdded",
                 message=f"agent scheduled on {node}; created WeightCacheNode {name}",
             )
-    now, statuses = _now(), []
+    now, reports = _now(), []  # (node, its WeightCacheNode's status) of the live ones
     for name, obj in existing.items():
         node = obj["spec"]["nodeName"]
         if not node_belongs(node_labels.get(node), spec.node_selector):
@@ -150,14 +149,12 @@ def _sync_nodes(
                 kube.merge_patch(API_VERSION, NODE_KIND, name, patch, status=True)
             except ApiError as exc:
                 if exc.status != 409:
-                    raise
-                statuses.append(status)  # a fresh heartbeat arrived: not stale
-                reports.append((node, status))
-                continue
-            kopf.warn(body, reason="NodeStale", message=f"{node}: {message}")
-            status = status.model_copy(update={"phase": NodePhase.STALE})
-        statuses.append(status)
+                    raise  # 409: a fresh heartbeat arrived, not stale
+            else:
+                kopf.warn(body, reason="NodeStale", message=f"{node}: {message}")
+                status = status.model_copy(update={"phase": NodePhase.STALE})
         reports.append((node, status))
+    statuses = [status for _, status in reports]
     STALE_NODES.labels(cache).set(sum(1 for s in statuses if s.phase == NodePhase.STALE))
     return statuses, gpu_mismatches(reports, offered) if spec.tier == Tier.GPU else None
 
