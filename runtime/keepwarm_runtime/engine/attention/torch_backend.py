@@ -136,7 +136,7 @@ class TorchAttentionBackend:
         starts = [0]
         for q in qlens:
             starts.append(starts[-1] + q)
-        groups = [_build_group(meta, plan, starts, whole=len(plans) == 1) for plan in plans]
+        groups = [build_group(meta, plan, starts, whole=len(plans) == 1) for plan in plans]
         return TorchStepMetadata(meta, starts[-1], groups)
 
     def forward(
@@ -155,20 +155,35 @@ class TorchAttentionBackend:
         k = key[0].transpose(0, 1)
         v = value[0].transpose(0, 1)
         if len(step.groups) == 1:
-            return _group_attention(layer, q, k, v, step.groups[0], scale, window, softcap, sinks)[None]
+            return group_attention(layer, q, k, v, step.groups[0], scale, window, softcap, sinks)[None]
         out = q.new_empty(step.tokens, q.shape[1], v.shape[-1])
-        for group in step.groups:
-            qg = q.index_select(0, group.rows)
-            kg = vg = None
-            if group.kv_blocks is None:
-                kg, vg = k.index_select(0, group.rows), v.index_select(0, group.rows)
-            out.index_copy_(
-                0, group.rows, _group_attention(layer, qg, kg, vg, group, scale, window, softcap, sinks)
-            )
+        attend_groups(out, layer, q, k, v, step.groups, scale, window, softcap, sinks)
         return out.unsqueeze(0)
 
 
-def _build_group(meta: AttentionMetadata, plan: GroupPlan, starts: list[int], whole: bool) -> TorchGroup:
+def attend_groups(
+    out: torch.Tensor,  # [T, H, Dv]: each group's rows are written
+    layer: KeepwarmAttention,
+    q: torch.Tensor,  # [T, H, Dk] the step's packed queries
+    k: torch.Tensor,  # [T, Hkv, Dk] their new keys
+    v: torch.Tensor,
+    groups: list[TorchGroup],  # each with its rows (none covers the whole step)
+    scale: float,
+    window: Window,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> None:
+    for group in groups:
+        qg = q.index_select(0, group.rows)
+        kg = vg = None
+        if group.kv_blocks is None:
+            kg, vg = k.index_select(0, group.rows), v.index_select(0, group.rows)
+        out.index_copy_(
+            0, group.rows, group_attention(layer, qg, kg, vg, group, scale, window, softcap, sinks)
+        )
+
+
+def build_group(meta: AttentionMetadata, plan: GroupPlan, starts: list[int], whole: bool) -> TorchGroup:
     device = meta.query_start.device
     qlens = [meta.query_lens_list[i] for i in plan.seqs]
     B, Q, L = len(plan.seqs), plan.max_query, plan.max_keys
@@ -213,7 +228,7 @@ def _build_group(meta: AttentionMetadata, plan: GroupPlan, starts: list[int], wh
     )
 
 
-def _group_attention(
+def group_attention(
     layer: KeepwarmAttention,
     q: torch.Tensor,  # [Tg, H, Dk] the group's packed queries
     k: torch.Tensor | None,  # [Tg, Hkv, Dk] their new keys (used by a fresh group)
