@@ -21,6 +21,11 @@ $(STAMP): api/pyproject.toml runtime/pyproject.toml operator/pyproject.toml test
 	@# Bytecode ahead of time: with PYTHONDONTWRITEBYTECODE set, every fresh process would otherwise
 	@# recompile torch and transformers (seconds per process: tests, the demo and restarts all pay it).
 	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null || true
+	@# keepwarm's CPU attention kernel, compiled once for this CPU into torch's extension cache, so no
+	@# server or test compiles it (without a C++ compiler the engine falls back to the torch backend).
+	@command -v g++ >/dev/null || { $(SUDO) apt-get update -q && \
+		$(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends g++; } || true
+	$(BIN)/python -m keepwarm_runtime.engine.attention.native || true
 	@touch $@
 
 venv: $(STAMP)

@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    p.add_argument("--attention-backend", default="auto", help="auto | torch | flashinfer")
+    p.add_argument("--attention-backend", default="auto", help="auto | torch | cpu | flashinfer")
     p.add_argument("--model-dir", default=None)
     p.add_argument("--skip-hf", action="store_true", help="only run keepwarm")
     p.add_argument("--rounds", type=int, default=2, help="rounds in rotating order; the best of each counts")

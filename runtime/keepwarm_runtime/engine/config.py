@@ -10,7 +10,7 @@ from keepwarm_runtime.engine.moe import kernel_layout
 from keepwarm_runtime.engine.moe import oracle as moe_oracle
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flashinfer")
 MOE_BACKENDS = ("auto", *moe_oracle.BACKENDS)
 QUANTIZATIONS = (None, "fp8")  # online quantization of a bf16/fp32 checkpoint
 
@@ -26,7 +26,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gib (CPU) or free GPU memory
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped by the KV cache
     attention_backend: str = (
-        "auto"  # auto (flashinfer on CUDA when installed, else torch) | torch | flashinfer
+        "auto"  # auto (flashinfer on CUDA when installed; cpu on CPU when its kernel builds; else torch)
     )
     moe_backend: str = "auto"  # experts backend; auto: first eligible (engine.moe.oracle.AUTO_ORDER)
     quantization: str | None = None  # "fp8": quantize linear and expert weights online, 128x128 blocks

@@ -62,7 +62,7 @@ class ServeSettings:
         None, "CPU KV-cache budget in GiB when --num-kv-blocks is unset"
     )
     gpu_memory_utilization: float | None = engine(None, "CUDA: fraction of GPU memory for weights + KV cache")
-    attention_backend: str | None = engine(None, "auto | torch | flashinfer")
+    attention_backend: str | None = engine(None, "auto | torch | cpu | flashinfer")
     moe_backend: str | None = engine(None, "experts: auto | torch | flashinfer_cutlass | flashinfer_trtllm")
     expert_layout: str | None = engine(
         None, "model | flashinfer_cutlass: experts in that kernel's layout (ask the cache for the same)"

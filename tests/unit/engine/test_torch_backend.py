@@ -1,6 +1,7 @@
-"""Torch attention backend against a naive per-sequence reference: mixed prefill/decode batches with
-cached prefixes, GQA, MLA-style value width, sliding windows, softcapping and sinks, with the step in
-one padded grid and split into many groups; and how `plan_groups` splits a step."""
+"""Torch and CPU attention backends against a naive per-sequence reference: mixed prefill/decode batches
+with cached prefixes, GQA, MLA-style value width, sliding windows, softcapping and sinks, with the step
+in one padded grid and split into many groups (the CPU backend's decodes run in its compiled kernel);
+and how `plan_groups` splits a step."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from keepwarm_runtime.engine.attention import torch_backend
+from keepwarm_runtime.engine.attention.cpu_backend import CpuAttentionBackend
 from keepwarm_runtime.engine.attention.layer import KeepwarmAttention
 from keepwarm_runtime.engine.attention.metadata import AttentionMetadata, use_metadata
 from keepwarm_runtime.engine.attention.torch_backend import TorchAttentionBackend, plan_groups
@@ -52,7 +54,9 @@ STEPS = {
     "mixed": [(5, 3), (9, 1), (0, 6)],  # a chunk after a prefix, a decode, a fresh prompt
     # decodes of many context lengths among chunks and fresh prompts, out of order
     "many": [(40, 1), (0, 9), (3, 1), (22, 6), (17, 1), (60, 1), (0, 2), (11, 12), (2, 1), (59, 1), (0, 1)],
+    "decode": [(40, 1), (3, 1), (17, 1), (1, 1), (63, 1)],  # decodes only (the kernel takes every row)
 }
+BACKENDS = {"torch": TorchAttentionBackend, "cpu": CpuAttentionBackend}
 
 
 @pytest.mark.parametrize(
@@ -62,8 +66,9 @@ STEPS = {
 @pytest.mark.parametrize("step", list(STEPS))
 @pytest.mark.parametrize("cache_window", [None, 2])  # generate()'s cache window: generated tokens only
 @pytest.mark.parametrize("overhead", [0, 10**9])  # every sequence in its own group / one group per kind
+@pytest.mark.parametrize("backend", list(BACKENDS))
 def test_paged_batch_matches_naive(
-    window, softcap, use_sinks, step, cache_window, overhead, monkeypatch
+    window, softcap, use_sinks, step, cache_window, overhead, backend, monkeypatch
 ) -> None:
     monkeypatch.setattr(torch_backend, "GROUP_OVERHEAD_PAIRS", overhead)
     shapes = STEPS[step]
@@ -71,7 +76,7 @@ def test_paged_batch_matches_naive(
     torch.manual_seed(0)
     H, Hkv, Dk, Dv = 4, 2, 8, 6
     layer = KeepwarmAttention(0, None, "Test")
-    layer.backend = TorchAttentionBackend()
+    layer.backend = BACKENDS[backend]()
     layer.cache_window = cache_window
     num_blocks = 96
     layer.k_cache = torch.zeros(num_blocks, BS, Hkv, Dk)
@@ -93,7 +98,8 @@ def test_paged_batch_matches_naive(
     max_blocks = max(len(s[2]) for s in seqs)
     qlens = [s[1] for s in seqs]
     ctx = [s[0] + s[1] for s in seqs]
-    prompt_lens = [max(1, c - 2) for c in ctx]  # the last two positions were generated (or recomputed)
+    # The last two positions were generated, except every third sequence's, all prompt (a recompute).
+    prompt_lens = [max(1, c - 2) if i % 3 else c for i, c in enumerate(ctx)]
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots),
         query_start=torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32),

@@ -1,5 +1,5 @@
-"""Pick the attention backend: FlashInfer on CUDA when it imports and its kernels load, else the torch
-reference.
+"""Pick the attention backend: FlashInfer on CUDA when it imports and its kernels load; on CPU the cpu
+backend when keepwarm's kernel builds and loads (attention/native.py); else the torch reference.
 
 FlashInfer compiles or downloads a kernel the first time it is planned unless a prebuilt one ships
 (flashinfer-cubin, flashinfer-jit-cache); an image without nvcc would then fail at its first request.
@@ -7,6 +7,8 @@ So `auto` warms FlashInfer up here, once, with a one-page decode and prefill, an
 torch backend with a logged reason on any failure, not only on ImportError. An explicit
 `attention_backend='flashinfer'` raises BackendUnavailable with that reason instead. The warm-up uses
 one common shape (bfloat16, head dim 128); another dtype or head dim still loads its kernel at first use.
+On CPU, `auto` builds (once per machine, then cached) and loads keepwarm's decode kernel the same way:
+without a compiler it falls back to torch with the reason logged; an explicit 'cpu' raises instead.
 """
 
 from __future__ import annotations
@@ -27,14 +29,28 @@ class BackendUnavailable(RuntimeError):
 
 
 def select_backend(
-    name: str, device: torch.device, load_flashinfer: Callable[[torch.device], Any] | None = None
+    name: str,
+    device: torch.device,
+    load_flashinfer: Callable[[torch.device], Any] | None = None,
+    load_cpu: Callable[[], Any] | None = None,
 ):
-    """The backend for `name` ('auto', 'torch' or 'flashinfer'); `load_flashinfer` builds and warms up
-    the FlashInfer backend (a seam for tests; defaults to the real one)."""
+    """The backend for `name` ('auto', 'torch', 'cpu' or 'flashinfer'); `load_flashinfer` and
+    `load_cpu` build and load those backends (seams for tests; default to the real ones)."""
     from keepwarm_runtime.engine.attention.torch_backend import TorchAttentionBackend
 
     if name == "torch":
         return TorchAttentionBackend()
+    if name == "cpu" and device.type != "cpu":
+        raise BackendUnavailable("attention_backend='cpu' runs on CPU only; use 'auto' or 'torch'")
+    if name in ("cpu", "auto") and device.type == "cpu":
+        try:
+            return (load_cpu or load_cpu_backend)()
+        except Exception as exc:
+            reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:400]
+            if name == "cpu":
+                raise BackendUnavailable(f"the CPU attention kernel cannot run here: {reason}") from exc
+            log.warning("attention: using the torch backend, the CPU kernel cannot run here: %s", reason)
+            return TorchAttentionBackend()
     if name == "flashinfer" and device.type != "cuda":
         raise BackendUnavailable("attention_backend='flashinfer' needs a CUDA device; use 'torch' on CPU")
     if name in ("flashinfer", "auto") and device.type == "cuda":
@@ -76,3 +92,10 @@ def load_warm_flashinfer(device: torch.device):
     backend.prefill.run(query, (k_cache, v_cache))
     torch.cuda.synchronize(device)
     return backend
+
+
+def load_cpu_backend():
+    """The backend over keepwarm's CPU kernel, which it builds (first time on this machine) and loads."""
+    from keepwarm_runtime.engine.attention.cpu_backend import CpuAttentionBackend
+
+    return CpuAttentionBackend()

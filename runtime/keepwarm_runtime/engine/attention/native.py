@@ -1,0 +1,110 @@
+"""keepwarm's compiled CPU kernel (csrc/paged_decode.cpp): built on first use, cached, loaded into torch.ops.
+
+The kernel is compiled for this machine's CPU (`-march=native`) with the compiler torch's extension
+builder finds, once, into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``); later processes load the cached library in milliseconds. The library
+name carries a hash of the source and of the CPU's instruction-set flags, so a cache shared between
+machines never hands one CPU another's build. The container image builds it at image build time
+(`python -m keepwarm_runtime.engine.attention.native`), as `make venv` does, so no pod compiles.
+
+It links the OpenMP runtime torch already loaded (the same soname), so its threads are torch's
+intra-op threads, under the same count and spin settings (engine/threads.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+OP_NAMESPACE = "keepwarm_cpu"
+
+_lock = threading.Lock()
+_loaded: str | None = None  # the library name once loaded in this process
+
+
+class KernelUnavailable(RuntimeError):
+    """The CPU kernel cannot be built or loaded here; the message says why."""
+
+
+def library_name() -> str:
+    """Names a build by its source and this CPU's instruction sets (a build is only good for both)."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(" ".join(CFLAGS).encode())
+    digest.update(_cpu_flags().encode())
+    return f"keepwarm_cpu_{digest.hexdigest()[:12]}"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return "unknown"
+
+
+def load() -> str:
+    """Build (when this CPU has no cached build) and load the kernel; idempotent, thread-safe.
+
+    Returns the library name. Raises KernelUnavailable with the compiler's last lines on failure."""
+    global _loaded
+    with _lock:
+        if _loaded is not None:
+            return _loaded
+        from torch.utils import cpp_extension
+
+        name = library_name()
+        started = time.perf_counter()
+        try:
+            cpp_extension.load(
+                name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS), is_python_module=False
+            )
+        except Exception as exc:  # a missing compiler, an unwritable cache, a failed build
+            lines = [line for line in str(exc).splitlines() if line.strip()]
+            raise KernelUnavailable(f"{type(exc).__name__}: {' | '.join(lines[-3:])[:400]}") from exc
+        log.info("CPU attention kernel %s loaded in %.2fs", name, time.perf_counter() - started)
+        _loaded = name
+        return name
+
+
+def paged_decode_attention(
+    out: torch.Tensor,  # [B, H, Dv], written
+    query: torch.Tensor,  # [B, H, Dk]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, Dk]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, Dv]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    starts: torch.Tensor,  # [B] int64: first key each query sees
+    ends: torch.Tensor,  # [B] int64: one past its last key
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,  # [H] float32 sink logits
+) -> None:
+    getattr(torch.ops, OP_NAMESPACE).paged_decode_attention(
+        out, query, k_cache, v_cache, block_tables, starts, ends, scale, softcap or 0.0, sinks
+    )
+
+
+def main() -> int:
+    """Build the kernel now (image builds, `make venv`), so no serving process compiles it."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        print(load())
+    except KernelUnavailable as exc:
+        print(f"keepwarm: the CPU attention kernel cannot be built here: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

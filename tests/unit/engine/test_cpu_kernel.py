@@ -1,0 +1,143 @@
+"""keepwarm's compiled CPU decode kernel (attention/native.py, csrc/paged_decode.cpp): built for real with
+this machine's compiler, checked against SDPA over the gathered cache at contexts of many blocks, in
+float32, bfloat16 and float16, with few sequences (work split by KV head) and many (by sequence); a
+build that fails and inputs it cannot take are named refusals; selection falls back to torch by name."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from keepwarm_runtime.engine.attention import native
+from keepwarm_runtime.engine.attention.cpu_backend import CpuAttentionBackend, first_keys
+from keepwarm_runtime.engine.attention.select import BackendUnavailable, select_backend
+from keepwarm_runtime.engine.attention.torch_backend import TorchAttentionBackend
+from keepwarm_runtime.engine.attention.window import Window
+
+BS = 16
+
+
+def paged_case(contexts: list[int], dtype: torch.dtype, heads=12, kv_heads=4, dk=64, dv=64, seed=0):
+    """Caches with each sequence's blocks scattered, and per sequence the keys/values in order."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = [-(-c // BS) for c in contexts]
+    order = torch.randperm(sum(blocks) + 3, generator=g).tolist()
+    k_cache = torch.randn(sum(blocks) + 3, BS, kv_heads, dk, generator=g).to(dtype)
+    v_cache = torch.randn(sum(blocks) + 3, BS, kv_heads, dv, generator=g).to(dtype)
+    tables = torch.zeros(len(contexts), max(blocks), dtype=torch.int32)
+    for b, n in enumerate(blocks):
+        tables[b, :n] = torch.tensor(order[:n], dtype=torch.int32)
+        order = order[n:]
+    query = torch.randn(len(contexts), heads, dk, generator=g).to(dtype)
+    return query, k_cache, v_cache, tables
+
+
+def reference(query, k_cache, v_cache, tables, starts, ends, scale):
+    out = []
+    for b in range(query.shape[0]):
+        ids = tables[b].long()
+        k = k_cache[ids].flatten(0, 1)[starts[b] : ends[b]].float().transpose(0, 1)  # [Hkv, L, D]
+        v = v_cache[ids].flatten(0, 1)[starts[b] : ends[b]].float().transpose(0, 1)
+        q = query[b].float()[:, None]  # [H, 1, D]
+        out.append(F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)[:, 0])
+    return torch.stack(out)
+
+
+# (key dim, value dim): the unrolled widths, a width vectorised with a runtime count, MLA's wider keys,
+# and widths the scalar loops take.
+DIMS = [(64, 64), (128, 128), (80, 80), (192, 128), (24, 8)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("contexts", [[1500], [3, 700], [17, 1, 640, 33, 129, 1023, 256, 64, 5]])
+@pytest.mark.parametrize("dims", DIMS)
+def test_kernel_matches_sdpa_over_the_gathered_cache(dtype, contexts, dims) -> None:
+    native.load()
+    query, k_cache, v_cache, tables = paged_case(contexts, dtype, dk=dims[0], dv=dims[1])
+    ends = torch.tensor(contexts)
+    starts = torch.zeros_like(ends)
+    starts[0] = contexts[0] // 3  # a window on the first sequence
+    out = torch.empty(query.shape[0], query.shape[1], v_cache.shape[-1], dtype=dtype)
+    native.paged_decode_attention(out, query, k_cache, v_cache, tables, starts, ends, 0.125, None, None)
+    want = reference(query, k_cache, v_cache, tables, starts, ends, 0.125)
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(out.float(), want, rtol=tolerance, atol=tolerance)
+
+
+def test_softcap_and_sinks_match_the_eager_formula() -> None:
+    native.load()
+    contexts = [70, 300, 5, 129, 1, 64, 16, 900]
+    query, k_cache, v_cache, tables = paged_case(contexts, torch.float32)
+    ends = torch.tensor(contexts)
+    sinks = torch.randn(query.shape[1])
+    out = torch.empty_like(query)
+    native.paged_decode_attention(out, query, k_cache, v_cache, tables, ends * 0, ends, 0.2, 3.0, sinks)
+    for b, n in enumerate(contexts):
+        ids = tables[b].long()
+        k = k_cache[ids].flatten(0, 1)[:n].repeat_interleave(3, dim=1)  # [n, H, D]: 12 heads over 4
+        v = v_cache[ids].flatten(0, 1)[:n].repeat_interleave(3, dim=1)
+        s = torch.einsum("hd,nhd->hn", query[b], k) * 0.2
+        s = torch.tanh(s / 3.0) * 3.0
+        p = torch.softmax(torch.cat([s, sinks[:, None]], dim=1), dim=1)[:, :-1]
+        torch.testing.assert_close(out[b], torch.einsum("hn,nhd->hd", p, v), rtol=1e-5, atol=1e-5)
+
+
+def test_first_keys_bound_the_window_as_the_mask_does() -> None:
+    positions, prompt_lens = torch.tensor([0, 5, 9, 9]), torch.tensor([1, 8, 8, 12])
+    got = first_keys(positions, prompt_lens, Window(prompt=4, generated=2))
+    assert got.tolist() == [0, 2, 8, 6]  # prompt positions see 4 keys, generated ones 2
+    assert first_keys(positions, prompt_lens, Window(None, None)).tolist() == [0, 0, 0, 0]
+
+
+def test_inputs_it_cannot_take_are_refused_by_name() -> None:
+    native.load()
+    query, k_cache, v_cache, tables = paged_case([20, 40], torch.float32)
+    out = torch.empty(2, 12, 64)
+    ends = torch.tensor([20, 40])
+    with pytest.raises(RuntimeError, match="block_tables: int32"):
+        native.paged_decode_attention(
+            out, query, k_cache, v_cache, tables.long(), ends * 0, ends, 1.0, None, None
+        )
+    with pytest.raises(RuntimeError, match="share one dtype"):
+        native.paged_decode_attention(
+            out, query.double(), k_cache, v_cache, tables, ends * 0, ends, 1.0, None, None
+        )
+    with pytest.raises(RuntimeError, match="one start/end per sequence"):
+        native.paged_decode_attention(out, query, k_cache, v_cache, tables, ends[:1], ends, 1.0, None, None)
+
+
+def test_a_build_that_fails_is_a_named_error(tmp_path, monkeypatch) -> None:
+    broken = tmp_path / "paged_decode.cpp"
+    broken.write_text("this is not C++;\n")
+    monkeypatch.setattr(native, "SOURCE", broken)
+    monkeypatch.setattr(native, "_loaded", None)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    with pytest.raises(native.KernelUnavailable, match="Error"):
+        native.load()
+
+
+def test_a_build_is_named_for_the_cpu_it_was_made_for(monkeypatch) -> None:
+    here = native.library_name()
+    monkeypatch.setattr(native, "_cpu_flags", lambda: "sse2 avx2")
+    assert native.library_name() != here
+
+
+def test_auto_on_cpu_falls_back_to_torch_when_the_kernel_cannot_build_and_says_why(caplog) -> None:
+    def no_compiler():
+        raise native.KernelUnavailable("RuntimeError: c++: command not found")
+
+    with caplog.at_level(logging.WARNING, logger="keepwarm_runtime.engine.attention.select"):
+        backend = select_backend("auto", torch.device("cpu"), load_cpu=no_compiler)
+    assert type(backend) is TorchAttentionBackend
+    assert "c++: command not found" in caplog.text and "torch backend" in caplog.text
+    with pytest.raises(BackendUnavailable, match="command not found"):
+        select_backend("cpu", torch.device("cpu"), load_cpu=no_compiler)
+    with pytest.raises(BackendUnavailable, match="CPU only"):
+        select_backend("cpu", torch.device("cuda"))
+
+
+def test_auto_on_cpu_uses_the_kernel_where_it_builds() -> None:
+    assert type(select_backend("auto", torch.device("cpu"))) is CpuAttentionBackend
