@@ -4,8 +4,10 @@ The kernel is compiled for this machine's CPU (`-march=native`) with the compile
 builder finds, once, into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``); later processes load the cached library in milliseconds. The library
 name carries a hash of the source and of the CPU's instruction-set flags, so a cache shared between
-machines never hands one CPU another's build. The container image builds it at image build time
-(`python -m keepwarm_runtime.engine.attention.native`), as `make venv` does, so no pod compiles.
+machines never hands one CPU another's build. `make venv` builds it ahead
+(`python -m keepwarm_runtime.engine.attention.native`), so no server or test compiles it; the runtime
+image does not (it has no compiler, and a build is only good for the CPU it was made on), so CPU pods of
+that image run the torch backend.
 
 It links the OpenMP runtime torch already loaded (the same soname), so its threads are torch's
 intra-op threads, under the same count and spin settings (engine/threads.py).
