@@ -25,6 +25,7 @@ from keepwarm_runtime.engine.model_runner import ModelRunner
 from keepwarm_runtime.engine.multimodal import MultimodalInput
 from keepwarm_runtime.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from keepwarm_runtime.engine.prefetch import WeightPrefetch
+from keepwarm_runtime.engine.prompt_logprobs import PromptChunk, store
 from keepwarm_runtime.engine.sampler import SampledToken, Sampler
 from keepwarm_runtime.engine.sampling_params import SamplingParams
 from keepwarm_runtime.engine.scheduler import Scheduler
@@ -82,6 +83,7 @@ class LLMEngine:
         allocate_kv_cache(self.layers, specs, num_blocks, config.block_size, config.torch_dtype, self.device)
         self.max_model_len = min(max_len, num_blocks * config.block_size)
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.max_prompt_logprobs_len = config.max_prompt_logprobs_len
 
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -140,6 +142,11 @@ class LLMEngine:
             )
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if params.prompt_logprobs is not None and len(ids) > self.max_prompt_logprobs_len:
+            raise ValueError(
+                f"prompt_logprobs: the prompt has {len(ids)} tokens; this engine scores prompts of at most "
+                f"{self.max_prompt_logprobs_len} (max_prompt_logprobs_len)"
+            )
         seqs = [self._new_sequence(request_id, i, ids, params, priority, multimodal) for i in range(params.n)]
         request = _Request(request_id, prompt, ids, seqs)
         request.detokenizers = [
@@ -191,9 +198,47 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty():
             return []
-        seqs, logits = self.runner.run(batch)
+        step = self.runner.run(batch)
         self.scheduler.update_after_step(batch)
-        return self._postprocess(seqs, self.sampler(seqs, logits) if seqs else [])
+        failed = self._score_prompts(step.prompt_chunks, step.prompt_logits)
+        seqs = [s for s in step.sample_seqs if s.params.max_tokens != 0 and s.request_id not in failed]
+        scored_only = [s for s in step.sample_seqs if s.params.max_tokens == 0 and s.request_id not in failed]
+        logits = step.logits
+        if logits is not None and len(seqs) != len(step.sample_seqs):
+            rows = [i for i, s in enumerate(step.sample_seqs) if s in seqs]
+            logits = logits[rows]
+        for seq in scored_only:  # scoring only (max_tokens 0): the prompt is in, nothing is generated
+            self._finish(seq, "length", None)
+        outputs = self._postprocess(seqs, self.sampler(seqs, logits) if seqs else [])
+        done = {o.request_id for o in outputs}
+        extra = {s.request_id for s in scored_only} | set(failed)
+        return outputs + [self._report(rid, failed.get(rid)) for rid in extra - done if rid in self.requests]
+
+    def _score_prompts(self, chunks: list[PromptChunk], logits: torch.Tensor | None) -> dict[str, str]:
+        """Store this step's prompt logprobs; a request whose scoring raises fails alone (id -> why)."""
+        failed: dict[str, str] = {}
+        row = 0
+        for chunk in chunks:
+            seq = chunk.seq
+            try:
+                for entry in store(chunk, logits[row : row + chunk.count]):
+                    for tid, lp in entry.items():
+                        lp.decoded_token = self.token_text(tid)
+            except Exception as exc:
+                log.exception("scoring the prompt of request %s failed; failing it alone", seq.request_id)
+                failed[seq.request_id] = f"prompt logprobs failed: {type(exc).__name__}: {exc}"
+            row += chunk.count
+        return failed
+
+    def _report(self, request_id: str, error: str | None) -> RequestOutput:
+        """The output of a request this step touched without sampling (scoring only, or failed)."""
+        request = self.requests[request_id]
+        if error is not None:
+            self.abort_request(request_id)
+        output = self._output(request, error)
+        if output.finished:
+            self.requests.pop(request_id, None)
+        return output
 
     def _postprocess(self, seqs: list[Sequence], sampled: list[SampledToken]) -> list[RequestOutput]:
         touched: dict[str, _Request] = {}
@@ -268,10 +313,12 @@ class LLMEngine:
             )
             for seq in request.seqs
         ]
+        scored = request.seqs[0].prompt_logprobs
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
+            prompt_logprobs=list(scored) if scored is not None else None,
             outputs=completions,
             finished=all(seq.is_finished for seq in request.seqs),
             num_cached_tokens=request.seqs[0].num_cached_tokens,

@@ -1,12 +1,16 @@
 """ModelRunner: turns a SchedulerOutput into one packed forward pass and returns next-token logits.
 
 It builds the step's AttentionMetadata from the scheduler's host lists, and has the attention backend
-derive its own typed metadata from it once (`backend.build`), before any layer runs.
+derive its own typed metadata from it once (`backend.build`), before any layer runs. The lm head runs
+only on the rows the step needs: each sequence's last known token, plus the prompt positions a
+sequence scores for prompt logprobs (engine/prompt_logprobs.py); a step without the latter keeps
+exactly one row per sampled sequence.
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -14,8 +18,27 @@ from torch import nn
 from keepwarm_runtime.engine.attention.layer import KeepwarmAttention
 from keepwarm_runtime.engine.attention.metadata import AttentionMetadata, use_metadata
 from keepwarm_runtime.engine.multimodal import forward_with_embeds, place
+from keepwarm_runtime.engine.prompt_logprobs import PromptChunk, positions_to_score
 from keepwarm_runtime.engine.scheduler import SchedulerOutput
 from keepwarm_runtime.engine.sequence import Sequence
+
+
+@dataclass
+class StepLogits:
+    sample_seqs: list[Sequence] = field(default_factory=list)  # sequences that get a new token
+    logits: torch.Tensor | None = None  # [len(sample_seqs), vocab] float32, None when none
+    prompt_chunks: list[PromptChunk] = field(default_factory=list)  # prompt positions scored this step
+    prompt_logits: torch.Tensor | None = None  # [sum of chunk counts, vocab], rows in chunk order
+
+
+@dataclass
+class _Rows:
+    """Which rows of the packed step the lm head keeps."""
+
+    sample_index: list[int] = field(default_factory=list)  # packed row of each sampled sequence
+    sample_seqs: list[Sequence] = field(default_factory=list)
+    prompt_index: list[int] = field(default_factory=list)  # packed rows of scored prompt positions
+    prompt_chunks: list[PromptChunk] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -36,28 +59,29 @@ class ModelRunner:
             self._backend = next(iter(backends.values()))
         return self._backend
 
-    def prepare(
-        self, out: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Sequence]]:
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, _Rows]:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_start = [0]
         context_lens: list[int] = []
-        sample_index: list[int] = []
-        sample_seqs: list[Sequence] = []
+        rows = _Rows()
         for seq, n in zip(out.seqs, out.num_scheduled_tokens, strict=True):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             blocks = seq.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            scored = positions_to_score(seq, start, end)
+            if scored:
+                rows.prompt_index.extend(query_start[-1] + p - start for p in scored)
+                rows.prompt_chunks.append(PromptChunk(seq, scored.start, len(scored)))
             query_start.append(query_start[-1] + n)
             context_lens.append(end)
             if end == seq.num_tokens:  # the last known token is in: its logits give the next one
-                sample_index.append(query_start[-1] - 1)
-                sample_seqs.append(seq)
+                rows.sample_index.append(query_start[-1] - 1)
+                rows.sample_seqs.append(seq)
         prompt_lens = [seq.num_prompt_tokens for seq in out.seqs]
         query_lens = [e - s for s, e in itertools.pairwise(query_start)]
         max_blocks = max(len(seq.block_ids) for seq in out.seqs)
@@ -80,27 +104,34 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        return ids, pos, meta, sample_index, sample_seqs
+        return ids, pos, meta, rows
 
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor | None]:
-        """Sequences that get a new token this step, and their logits [N, vocab] in float32."""
-        ids, pos, meta, sample_index, sample_seqs = self.prepare(out)
-        keep = torch.tensor(sample_index or [0], dtype=torch.long, device=self.device)
-        if any(seq.multimodal is not None for seq in out.seqs):
-            with use_metadata(meta):
-                logits = forward_with_embeds(self.model, self._embeds(out, ids), pos, keep)
-            return (sample_seqs, logits.float()) if sample_seqs else ([], None)
+    def run(self, out: SchedulerOutput) -> StepLogits:
+        """The step's forward pass: logits of the sequences that get a new token, and of the prompt
+        positions scored for prompt logprobs."""
+        ids, pos, meta, rows = self.prepare(out)
+        kept = rows.sample_index + rows.prompt_index
+        keep = torch.tensor(kept or [0], dtype=torch.long, device=self.device)
         with use_metadata(meta):
-            result = self.model(
-                input_ids=ids[None], position_ids=pos[None], use_cache=False, logits_to_keep=keep
-            )
-        if not sample_seqs:
-            return [], None
-        logits = result.logits[0]
-        if logits.shape[0] != keep.shape[0]:  # a model that ignores logits_to_keep (Qwen2-Audio's LM)
-            logits = logits[keep]
-        return sample_seqs, logits.float()
+            if any(seq.multimodal is not None for seq in out.seqs):
+                logits = forward_with_embeds(self.model, self._embeds(out, ids), pos, keep)
+            else:
+                result = self.model(
+                    input_ids=ids[None], position_ids=pos[None], use_cache=False, logits_to_keep=keep
+                )
+                logits = result.logits[0]
+                if logits.shape[0] != keep.shape[0]:  # a model that ignores logits_to_keep (Qwen2-Audio)
+                    logits = logits[keep]
+        if not kept:
+            return StepLogits()
+        n = len(rows.sample_index)
+        return StepLogits(
+            sample_seqs=rows.sample_seqs,
+            logits=logits[:n].float() if n else None,
+            prompt_chunks=rows.prompt_chunks,
+            prompt_logits=logits[n:] if rows.prompt_index else None,
+        )
 
     def _embeds(self, out: SchedulerOutput, ids: torch.Tensor) -> torch.Tensor:
         """The step's token embeddings with multimodal placeholders replaced (engine/multimodal.py)."""

@@ -34,6 +34,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]  # n completions, in index order
     finished: bool  # all completions finished
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # When asked: one entry per prompt token (the first None), each the token + top alternatives.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None  # set when this request alone failed (its sequences were aborted)
 
 

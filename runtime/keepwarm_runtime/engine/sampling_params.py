@@ -12,6 +12,7 @@ _GREEDY_EPS = 1e-5
 MAX_TOP_K = 2**31 - 1  # top_k beyond the vocabulary keeps all tokens; past int32 it is an overflow
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on one token's logit bias
+MAX_LOGPROBS = 20  # most top alternatives per token (logprobs, prompt_logprobs), as OpenAI and vLLM
 
 
 @runtime_checkable
@@ -41,11 +42,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt+output tokens
     stop: list[str] = field(default_factory=list)  # stop strings (not included in the text by default)
     stop_token_ids: list[int] = field(default_factory=list)  # extra token ids that end the sequence
-    max_tokens: int | None = 16  # None: until max_model_len
+    max_tokens: int | None = 16  # None: until max_model_len; 0: score the prompt only, generate nothing
     min_tokens: int = 0  # EOS and stop tokens are masked until this many tokens are generated
     ignore_eos: bool = False  # keep going past EOS (benchmarks, parity tests)
     logprobs: int | None = None  # return the sampled token's logprob plus this many top alternatives
-    prompt_logprobs: int | None = None  # not supported yet: must stay None
+    prompt_logprobs: int | None = None  # each prompt token's logprob plus this many top alternatives
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     allowed_token_ids: list[int] | None = None  # when set, only these tokens may be sampled
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # token sequences never generated
@@ -92,8 +93,8 @@ class SamplingParams:
                 f"repetition_penalty must be positive, got {self.repetition_penalty}",
             ),
             (
-                self.max_tokens is None or self.max_tokens >= 1,
-                f"max_tokens must be at least 1, got {self.max_tokens}",
+                self.max_tokens is None or self.max_tokens >= 0,
+                f"max_tokens must be non-negative, got {self.max_tokens}",
             ),
             (self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}"),
             (
@@ -101,10 +102,13 @@ class SamplingParams:
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
             ),
             (
-                self.logprobs is None or self.logprobs >= 0,
-                f"logprobs must be non-negative, got {self.logprobs}",
+                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
             ),
-            (self.prompt_logprobs is None, "prompt_logprobs is not supported by the keepwarm engine"),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
+            ),
             (all(s for s in self.stop), "stop strings must be non-empty"),
             (
                 all(abs(b) <= MAX_LOGIT_BIAS for b in self.logit_bias.values()),

@@ -7,6 +7,10 @@ sequence. Prefix hits
 and chunked prefill need no special mode: they just start a sequence at a later `num_computed_tokens`
 or give it fewer tokens than it has left. When blocks run out the newest running sequence is
 preempted: its blocks are freed and it is recomputed later from the start.
+
+A sequence that scores its prompt (prompt logprobs, engine/prompt_logprobs.py) takes no prefix hits
+until its prompt is scored, and its prefill chunks also come out of a second per-step budget,
+``PROMPT_LOGITS_PER_STEP`` positions, which bounds the logits a step keeps for scoring.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from keepwarm_runtime.engine.block_manager import BlockManager
+from keepwarm_runtime.engine.prompt_logprobs import PROMPT_LOGITS_PER_STEP
 from keepwarm_runtime.engine.sequence import Sequence, SequenceStatus
 
 
@@ -53,11 +58,17 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        scoring_budget = PROMPT_LOGITS_PER_STEP  # prompt positions kept for prompt logprobs
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.needs_prompt_logits:
+                n = min(n, scoring_budget)
+                if n == 0:  # no scoring room left this step: it waits a step, keeping its blocks
+                    i += 1
+                    continue
             while not self.block_manager.allocate(seq, seq.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -68,12 +79,16 @@ class Scheduler:
                 out.seqs.append(seq)
                 out.num_scheduled_tokens.append(n)
                 budget -= n
+                scoring_budget -= n if seq.needs_prompt_logits else 0
                 i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
-            hits = self.block_manager.find_cached_prefix(seq)
+            scoring = seq.needs_prompt_logits
+            if scoring and scoring_budget == 0:
+                break
+            hits = [] if scoring else self.block_manager.find_cached_prefix(seq)
             num_computed = len(hits) * self.block_manager.block_size
-            n = min(seq.num_tokens - num_computed, budget)
+            n = min(seq.num_tokens - num_computed, budget, scoring_budget if scoring else budget)
             if not self.block_manager.allocate(seq, num_computed + n, hits):
                 break
             self.waiting.popleft()
@@ -85,6 +100,7 @@ class Scheduler:
             out.seqs.append(seq)
             out.num_scheduled_tokens.append(n)
             budget -= n
+            scoring_budget -= n if scoring else 0
         return out
 
     def update_after_step(self, out: SchedulerOutput) -> None:

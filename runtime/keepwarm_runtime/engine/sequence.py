@@ -2,7 +2,7 @@
 
 Field ownership (so no two classes fight over the same state): the scheduler owns status,
 num_computed_tokens, block_ids and block_hashes; the engine's postprocessing owns token_ids and the
-output fields (finish/stop reason, logprobs, text).
+output fields (finish/stop reason, logprobs, prompt logprobs, text).
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[dict[int, Logprob]] | None = None
+    # One entry per prompt token (the first None: nothing precedes it), filled chunk by chunk during
+    # prefill (engine/prompt_logprobs.py); only on completion 0 of a request that asks for them.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     cumulative_logprob: float = 0.0
     text: str = ""  # detokenized output, stop string already cut
     constraint: TokenConstraint | None = None
@@ -50,11 +53,19 @@ class Sequence:
         self.token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.index == 0:
+            self.prompt_logprobs = [None]
 
     @property
     def hash_salt(self) -> int | None:
         """Starts the prefix-cache hash chain: the media digest, so other audio never shares KV."""
         return self.multimodal.digest if self.multimodal is not None else None
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """True while prompt positions whose logprobs were asked are still to be scored: such a
+        sequence computes its prompt itself (no prefix-cache hits, which would skip positions)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -1,14 +1,22 @@
 """OpenAI logprob bodies from the engine's per-token ``{token_id: Logprob}`` dicts.
 
 The engine decodes every token it reports (``Logprob.decoded_token``); this module only formats:
-chat's list of objects, the legacy completions' parallel lists, and ``token_id:<id>`` names when a
-request sets ``return_tokens_as_token_ids``.
+chat's list of objects, the legacy completions' parallel lists (with ``echo``, the prompt's tokens
+first, the first of them without a logprob, as vLLM and lm-eval expect), vLLM's ``prompt_logprobs``,
+and ``token_id:<id>`` names when a request sets ``return_tokens_as_token_ids``.
 """
 
 from __future__ import annotations
 
 from keepwarm_runtime.engine.outputs import Logprob
-from keepwarm_runtime.server.responses import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from keepwarm_runtime.server.responses import (
+    ChatLogprobs,
+    CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
+    TokenLogprob,
+    TopLogprob,
+)
 
 JSON_MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI clients expect a number
 
@@ -61,3 +69,43 @@ def completion_logprobs(
         result.text_offset.append(offset)
         offset += len(chosen.decoded_token or "") if chosen else 0
     return result
+
+
+def echo_logprobs(
+    prompt_ids: list[int],
+    scored: list[dict[int, Logprob] | None],
+    top_n: int,
+    first_text: str,
+    as_ids: bool = False,
+) -> CompletionLogprobs:
+    """The prompt's part of an echoed completion's logprobs; ``first_text`` is the first token's text."""
+    result = completion_logprobs(prompt_ids[1:], scored[1:], top_n, len(first_text), as_ids)  # type: ignore[arg-type]
+    result.tokens.insert(0, f"token_id:{prompt_ids[0]}" if as_ids else first_text)
+    result.token_logprobs.insert(0, None)
+    result.top_logprobs.insert(0, None)
+    result.text_offset.insert(0, 0)
+    return result
+
+
+def joined(first: CompletionLogprobs, second: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(
+        tokens=first.tokens + second.tokens,
+        token_logprobs=first.token_logprobs + second.token_logprobs,
+        top_logprobs=first.top_logprobs + second.top_logprobs,
+        text_offset=first.text_offset + second.text_offset,
+    )
+
+
+def prompt_logprobs(scored: list[dict[int, Logprob] | None], as_ids: bool = False) -> PromptLogprobs:
+    """vLLM's ``prompt_logprobs``: per prompt token, ``{"<token id>": {logprob, rank, decoded_token}}``."""
+    return [
+        None
+        if entry is None
+        else {
+            str(tid): PromptLogprob(
+                logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=_name(tid, lp, as_ids)
+            )
+            for tid, lp in entry.items()
+        }
+        for entry in scored
+    ]

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from keepwarm_runtime.engine.sampling_params import MAX_LOGIT_BIAS, MAX_TOP_K, SEED_RANGE
+from keepwarm_runtime.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_TOP_K, SEED_RANGE
 from keepwarm_runtime.server.log_once import warning_once
 
 logger = logging.getLogger(__name__)
@@ -136,7 +136,8 @@ class SamplingRequest(OpenAIRequest):
     bad_words: list[str] | None = Field(default=None, max_length=MAX_STOP_STRINGS)  # never generated
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
-    prompt_logprobs: int | None = None  # refused: the engine computes logits for new tokens only
+    # each prompt token's logprob plus this many alternatives (vLLM's shape); not with stream
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     truncate_prompt_tokens: int | None = Field(default=None, ge=1, le=INT32)  # keep the last k tokens
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>"
     priority: int = Field(default=0, ge=-INT32, le=INT32)  # lower is scheduled first
@@ -242,7 +243,7 @@ class NamedToolChoice(OpenAIBaseModel):
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False  # return the sampled tokens' logprobs
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)  # alternatives per token (needs logprobs)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives (needs logprobs)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32)  # OpenAI's newer max_tokens
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # extend the last (assistant) message instead of a new turn
@@ -259,8 +260,9 @@ class ChatCompletionRequest(SamplingRequest):
 class CompletionRequest(SamplingRequest):
     # A string, a list of strings (one choice set each), token ids, or a list of token-id lists.
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=20)  # top alternatives per token
-    echo: bool = False  # prepend the prompt to the text
+    max_tokens: int | None = Field(default=None, ge=0, le=INT32)  # 0 with echo: score the prompt only
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # top alternatives per token
+    echo: bool = False  # prepend the prompt to the text (and, with logprobs, its tokens' logprobs)
     suffix: str | None = None  # not supported (400)
 
     def token_limit(self) -> int | None:

@@ -57,8 +57,20 @@ class ModelList(BaseModel):
 # --- completions -----------------------------------------------------------------------------------
 
 
+class PromptLogprob(BaseModel):
+    """One token of ``prompt_logprobs`` (vLLM's shape): keyed by the token id, as a string, in JSON."""
+
+    logprob: float
+    rank: int  # 1 = the model's most likely token at that position
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]  # one per prompt token; the first is None
+
+
 class CompletionLogprobs(BaseModel):
-    """Legacy completions logprobs: parallel lists, one entry per generated token."""
+    """Legacy completions logprobs: parallel lists, one entry per token (with ``echo``, the prompt's first:
+    its first token has no logprob and no alternatives)."""
 
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -72,6 +84,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None  # "stop" | "length" | None while streaming
     stop_reason: str | int | None = None  # the stop string or token id that ended it (vLLM extra)
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM extra, when the request asks
 
 
 class CompletionResponse(BaseModel):
@@ -132,6 +145,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM extra, when the request asks
 
 
 class ToolCallDelta(BaseModel):

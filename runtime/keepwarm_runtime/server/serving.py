@@ -134,6 +134,16 @@ class ServingContext:
             )
         return max_tokens if max_tokens is not None else limit - prompt_len
 
+    def check_prompt_logprobs(self, prompt_len: int, param: str) -> None:
+        """400 naming ``param`` when a prompt is longer than the engine scores (--max-prompt-logprobs-len)."""
+        limit = self.engine.max_prompt_logprobs_len
+        if prompt_len > limit:
+            raise BadRequest(
+                f"{param}: the prompt has {prompt_len} tokens; this server returns prompt logprobs for "
+                f"prompts of at most {limit} tokens (--max-prompt-logprobs-len)",
+                param=param,
+            )
+
     # --- parameters --------------------------------------------------------------------------------
 
     async def sampling_params(
@@ -143,8 +153,10 @@ class ServingContext:
         logprobs: int | None,
         structured: StructuredOutputsParams | None = None,
         structured_param: str = "structured_outputs",
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
-        """Every sampling field of ``request`` honoured, or a 400 naming the one that cannot be."""
+        """Every sampling field of ``request`` honoured, or a 400 naming the one that cannot be.
+        ``prompt_logprobs``: asked by another field (completions' echo with logprobs)."""
         from keepwarm_runtime.engine.sampling_params import SamplingParams
 
         refuse_unsupported(request)
@@ -152,6 +164,8 @@ class ServingContext:
             name: getattr(request, name) for name in _PASSTHROUGH if getattr(request, name) is not None
         }
         kwargs.update(n=request.n, stop=request.stop_list(), max_tokens=max_tokens, logprobs=logprobs)
+        if request.prompt_logprobs is not None or prompt_logprobs is not None:
+            kwargs["prompt_logprobs"] = max(request.prompt_logprobs or 0, prompt_logprobs or 0)
         kwargs["logit_bias"] = request.token_bias()
         if request.bad_words:
             kwargs["bad_words_token_ids"] = await self.preprocess(self._bad_words_ids, request.bad_words)
@@ -227,11 +241,8 @@ class ServingContext:
 
 def refuse_unsupported(request: SamplingRequest) -> None:
     """400s for fields this server accepts in the schema but cannot honour."""
-    if request.prompt_logprobs is not None:
-        raise BadRequest(
-            "prompt_logprobs is not supported: the engine computes logits for generated tokens only",
-            param="prompt_logprobs",
-        )
+    if request.prompt_logprobs is not None and request.stream:
+        raise BadRequest("prompt_logprobs is not available with stream=true", param="prompt_logprobs")
     if request.best_of is not None and request.best_of != request.n:
         raise BadRequest(
             "best_of must equal n (or be left out): candidates are not ranked, all n are returned",

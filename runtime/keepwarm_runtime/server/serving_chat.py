@@ -20,7 +20,7 @@ from keepwarm_runtime.engine.outputs import CompletionOutput, RequestOutput
 from keepwarm_runtime.server.chat_audio import audio_chat_prompt, has_audio_parts
 from keepwarm_runtime.server.deltas import DeltaTracker
 from keepwarm_runtime.server.errors import APIError, BadRequest
-from keepwarm_runtime.server.logprobs import chat_logprobs
+from keepwarm_runtime.server.logprobs import chat_logprobs, prompt_logprobs
 from keepwarm_runtime.server.metrics import RequestTimer
 from keepwarm_runtime.server.protocol import ChatCompletionRequest
 from keepwarm_runtime.server.responses import (
@@ -120,6 +120,8 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: Req
             req.truncate_prompt_tokens,
         )
     max_tokens = ctx.check_length(len(prompt_ids), req.token_limit())
+    if req.prompt_logprobs is not None:
+        ctx.check_prompt_logprobs(len(prompt_ids), "prompt_logprobs")
     top_n = (req.top_logprobs or 0) if req.logprobs else None
     structured = None
     if plan.forced:
@@ -150,8 +152,11 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     final = await race_disconnect(last_output(outputs), raw)
     choices = [_choice(req, plan, o, top_n) for o in final.outputs]
     usage = _usage(len(prompt_ids), final.outputs)
+    scored = None
+    if req.prompt_logprobs is not None and final.prompt_logprobs is not None:
+        scored = prompt_logprobs(final.prompt_logprobs, req.return_tokens_as_token_ids)
     response = ChatCompletionResponse(
-        id=request_id, model=ctx.served_model_name, choices=choices, usage=usage
+        id=request_id, model=ctx.served_model_name, choices=choices, usage=usage, prompt_logprobs=scored
     )
     return JSONResponse(response.model_dump(exclude_none=False))
 

@@ -1,4 +1,9 @@
-"""POST /v1/completions: one engine request per prompt, merged; choice index = prompt * n + choice."""
+"""POST /v1/completions: one engine request per prompt, merged; choice index = prompt * n + choice.
+
+``echo`` with ``logprobs`` puts the prompt's tokens and logprobs before the generated ones (the first
+prompt token's logprob null), which is how lm-eval scores a continuation; ``max_tokens: 0`` with
+``echo`` scores the prompt and generates nothing. ``prompt_logprobs`` (vLLM) comes back per choice.
+"""
 
 from __future__ import annotations
 
@@ -13,12 +18,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from keepwarm_runtime.engine.outputs import RequestOutput
 from keepwarm_runtime.server.deltas import DeltaTracker
 from keepwarm_runtime.server.errors import APIError, BadRequest
-from keepwarm_runtime.server.logprobs import completion_logprobs
+from keepwarm_runtime.server.logprobs import completion_logprobs, echo_logprobs, joined, prompt_logprobs
 from keepwarm_runtime.server.metrics import RequestTimer
 from keepwarm_runtime.server.protocol import CompletionRequest
 from keepwarm_runtime.server.responses import (
     CompletionChoice,
+    CompletionLogprobs,
     CompletionResponse,
+    PromptLogprobs,
     UsageInfo,
     random_id,
 )
@@ -45,8 +52,14 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     for ids in prompt_ids:
         if not ids or any(not 0 <= t < vocab for t in ids):
             raise BadRequest(f"token-id prompts must be non-empty with ids in [0, {vocab})", param="prompt")
+    if req.max_tokens == 0 and not req.echo:
+        raise BadRequest("max_tokens 0 needs echo (score the prompt, generate nothing)", param="max_tokens")
     max_tokens = min(ctx.check_length(len(ids), req.token_limit()) for ids in prompt_ids)
-    params = await ctx.sampling_params(req, max_tokens, req.logprobs)
+    echo_scored = req.logprobs if req.echo else None  # echo + logprobs: the prompt's logprobs too
+    if echo_scored is not None or req.prompt_logprobs is not None:
+        for ids in prompt_ids:
+            ctx.check_prompt_logprobs(len(ids), "prompt_logprobs" if echo_scored is None else "logprobs")
+    params = await ctx.sampling_params(req, max_tokens, req.logprobs, prompt_logprobs=echo_scored)
     base_id = random_id("cmpl")
     streams = [
         ctx.stream(
@@ -70,13 +83,10 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         CompletionChoice(
             index=i * req.n + o.index,
             text=echo[i] + o.text,
-            logprobs=completion_logprobs(
-                o.token_ids, o.logprobs or [], req.logprobs, len(echo[i]), req.return_tokens_as_token_ids
-            )
-            if req.logprobs is not None
-            else None,
+            logprobs=_logprobs(ctx, req, finals[i], o.token_ids, o.logprobs or [], len(echo[i]), True),
             finish_reason=o.finish_reason,
             stop_reason=o.stop_reason,
+            prompt_logprobs=_prompt_logprobs(req, finals[i]),
         )
         for i in sorted(finals)
         for o in finals[i].outputs
@@ -87,6 +97,33 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     )
     response = CompletionResponse(id=base_id, model=ctx.served_model_name, choices=choices, usage=usage)
     return JSONResponse(response.model_dump())
+
+
+def _logprobs(
+    ctx: ServingContext,
+    req: CompletionRequest,
+    output: RequestOutput,
+    token_ids: list[int],
+    logprobs: list,
+    offset: int,
+    first: bool,
+) -> CompletionLogprobs | None:
+    """The choice's (or delta's) logprobs; the ``first`` part of an echoed one starts with the prompt's."""
+    if req.logprobs is None:
+        return None
+    as_ids = req.return_tokens_as_token_ids
+    generated = completion_logprobs(token_ids, logprobs, req.logprobs, offset, as_ids)
+    if not (req.echo and first) or output.prompt_logprobs is None:
+        return generated
+    ids = output.prompt_token_ids
+    prompt = echo_logprobs(ids, output.prompt_logprobs, req.logprobs, ctx.engine.token_text(ids[0]), as_ids)
+    return joined(prompt, generated)
+
+
+def _prompt_logprobs(req: CompletionRequest, output: RequestOutput) -> PromptLogprobs | None:
+    if req.prompt_logprobs is None or output.prompt_logprobs is None:
+        return None
+    return prompt_logprobs(output.prompt_logprobs, req.return_tokens_as_token_ids)
 
 
 async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -159,9 +196,7 @@ async def _stream(
                 logprobs = None
                 if req.logprobs is not None and d.logprobs is not None:
                     offset = len(echo[i]) + sent_chars.get(index, 0)
-                    logprobs = completion_logprobs(
-                        d.token_ids, d.logprobs, req.logprobs, offset, req.return_tokens_as_token_ids
-                    )
+                    logprobs = _logprobs(ctx, req, output, d.token_ids, d.logprobs, offset, d.first)
                 sent_chars[index] = sent_chars.get(index, 0) + len(d.text)
                 completion_tokens[index] = d.total_tokens
                 choices.append(

@@ -71,6 +71,9 @@ class ServeSettings:
         None, "fp8: quantize a float checkpoint online in 128x128 blocks (FP8 checkpoints load as-is)"
     )
     seed: int | None = engine(None, "seed for requests that set none")
+    max_prompt_logprobs_len: int | None = engine(
+        None, "longest prompt whose prompt logprobs (or echo with logprobs) a request may ask for"
+    )
     # audio
     audio_backend: str | None = setting(
         None, "audio decoder: auto (torchcodec, then soundfile, then pyav) | torchcodec | soundfile | pyav"

@@ -104,7 +104,7 @@ def test_priority_is_accepted_within_bounds(client):
     "extra, param",
     [
         ({"best_of": 3}, "best_of"),
-        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
         ({"suffix": "end"}, "suffix"),
     ],
 )

@@ -92,3 +92,28 @@ def test_finish_frees_blocks_at_once() -> None:
     assert s.block_manager.num_free_blocks == 5
     s.finish(a)
     assert s.block_manager.num_free_blocks == 8 and not s.has_unfinished()
+
+
+def test_a_scoring_sequence_takes_no_prefix_hits_and_its_own_budget(monkeypatch) -> None:
+    from keepwarm_runtime.engine import scheduler as scheduler_module
+    from keepwarm_runtime.engine.prompt_logprobs import positions_to_score
+
+    monkeypatch.setattr(scheduler_module, "PROMPT_LOGITS_PER_STEP", 6)
+    s = make()
+    warm = add(s, 13, "warm")
+    step(s)
+    s.finish(warm)  # its three full blocks stay in the prefix cache
+    scored = Sequence("scored", 0, list(range(13)), SamplingParams(prompt_logprobs=1))
+    s.add(scored)
+    plain = add(s, 13, "plain")
+    out = s.schedule()
+    assert dict(zip([q.request_id for q in out.seqs], out.num_scheduled_tokens, strict=True)) == {
+        "scored": 6,  # from position 0, capped by the scoring budget
+        "plain": 1,  # 12 tokens from the prefix cache
+    }
+    assert scored.num_cached_tokens == 0 and plain.num_cached_tokens == 12
+    assert list(positions_to_score(scored, 0, 6)) == [0, 1, 2, 3, 4, 5]
+    scored.prompt_logprobs.extend([{}] * 6)  # what the engine stores for those positions
+    s.update_after_step(out)
+    assert not scored.needs_prompt_logits or scored.num_computed_tokens == 6
+    assert list(positions_to_score(scored, 6, 13)) == list(range(6, 12))
