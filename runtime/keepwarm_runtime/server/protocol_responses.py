@@ -130,7 +130,9 @@ class ResponseUsage(BaseModel):
     input_tokens: int
     output_tokens: int
     total_tokens: int
-    input_tokens_details: dict[str, int] = Field(default_factory=lambda: {"cached_tokens": 0})
+    input_tokens_details: dict[str, int] = Field(
+        default_factory=lambda: {"cached_tokens": 0, "cache_write_tokens": 0}
+    )
     output_tokens_details: dict[str, int] = Field(default_factory=lambda: {"reasoning_tokens": 0})
 
 
@@ -138,9 +140,9 @@ class ResponseObject(BaseModel):
     id: str = Field(default_factory=lambda: random_id("resp"))
     object: Literal["response"] = "response"
     created_at: int = Field(default_factory=lambda: int(time.time()))
-    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+    status: Literal["in_progress", "completed", "incomplete", "failed"] = "completed"
     incomplete_details: dict[str, str] | None = None  # {"reason": "max_output_tokens"}
-    error: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None  # {"code", "message"} when status is "failed"
     model: str
     output: list[OutputMessage | OutputFunctionCall] = Field(default_factory=list)
     instructions: str | None = None

@@ -4,8 +4,11 @@ The request becomes a chat request (instructions -> system message, input items 
 function_call / function_call_output items -> assistant tool calls / tool messages), so templates,
 tool plans, constraints and sampling are the chat route's. Nothing is stored: ``store``,
 ``previous_response_id``, ``background``, ``include`` and ``reasoning`` are refused by name unless
-left at their no-op values. Streaming sends the named Responses events (created, output items,
-text deltas, function-call arguments, completed).
+left at their no-op values. Streaming sends the named Responses events: created, in_progress, each
+output item's added/done around its content (text deltas, function-call arguments), and one terminal
+event by the response's status: ``response.completed``, ``response.incomplete`` (cut off at
+``max_output_tokens``) or ``response.failed`` (the engine failed the request mid-stream). No reasoning
+items are produced (``reasoning`` is refused), so none are streamed.
 """
 
 from __future__ import annotations
@@ -191,6 +194,14 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Reque
     return JSONResponse(_finish(response, final, len(prepared.prompt_ids)).model_dump())
 
 
+# The event that ends a stream, by the response's final status (the Responses streaming protocol).
+TERMINAL_EVENTS = {
+    "completed": "response.completed",
+    "incomplete": "response.incomplete",
+    "failed": "response.failed",
+}
+
+
 class _Events:
     """Numbered Responses stream events."""
 
@@ -232,6 +243,7 @@ async def _stream(
                     output_index=0,
                     content_index=0,
                     delta=d.text,
+                    logprobs=[],
                 )
                 streamed += d.text
             output = await anext(outputs, None)
@@ -245,9 +257,12 @@ async def _stream(
                 for text in _function_call(event, item, index):
                     yield text
         response.output = items
-        yield event("response.completed", response=_finish(response, final, prompt_tokens).model_dump())
+        done = _finish(response, final, prompt_tokens)
+        yield event(TERMINAL_EVENTS[done.status], response=done.model_dump())
     except APIError as exc:
-        yield event("error", code=exc.code, message=exc.message, param=exc.param)
+        response.status = "failed"
+        response.error = {"code": exc.code or "server_error", "message": exc.message}
+        yield event(TERMINAL_EVENTS["failed"], response=response.model_dump())
     finally:
         await outputs.aclose()
 
@@ -269,10 +284,22 @@ def _close_message(event: _Events, item: OutputMessage, index: int, streamed: st
     rest = text[len(streamed) :] if text.startswith(streamed) else ""
     if rest:
         yield event(
-            "response.output_text.delta", item_id=item.id, output_index=index, content_index=0, delta=rest
+            "response.output_text.delta",
+            item_id=item.id,
+            output_index=index,
+            content_index=0,
+            delta=rest,
+            logprobs=[],
         )
     part = item.content[0].model_dump()
-    yield event("response.output_text.done", item_id=item.id, output_index=index, content_index=0, text=text)
+    yield event(
+        "response.output_text.done",
+        item_id=item.id,
+        output_index=index,
+        content_index=0,
+        text=text,
+        logprobs=[],
+    )
     yield event("response.content_part.done", item_id=item.id, output_index=index, content_index=0, part=part)
     yield event("response.output_item.done", output_index=index, item=item.model_dump())
 
@@ -282,5 +309,11 @@ def _function_call(event: _Events, item: OutputFunctionCall, index: int) -> Iter
     yield event("response.output_item.added", output_index=index, item=opened)
     args = item.arguments
     yield event("response.function_call_arguments.delta", item_id=item.id, output_index=index, delta=args)
-    yield event("response.function_call_arguments.done", item_id=item.id, output_index=index, arguments=args)
+    yield event(
+        "response.function_call_arguments.done",
+        item_id=item.id,
+        output_index=index,
+        name=item.name,
+        arguments=args,
+    )
     yield event("response.output_item.done", output_index=index, item=item.model_dump())

@@ -43,7 +43,7 @@ def test_streamed_text_assembles_to_the_whole_answer(client):
     whole = client.responses.create(**kwargs)
     events = list(client.responses.create(**kwargs, stream=True))
     kinds = [e.type for e in events]
-    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert kinds[0] == "response.created" and kinds[-1] == f"response.{whole.status}"
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == whole.output_text == events[-1].response.output_text
@@ -73,6 +73,46 @@ def test_forced_function_call_is_valid(client, stream):
     jsonschema.validate(json.loads(call.arguments), WEATHER)
     if arguments is not None:
         assert arguments == call.arguments
+
+
+def test_a_stream_cut_off_at_max_output_tokens_ends_with_response_incomplete(client):
+    kwargs = dict(model="tiny", input="Count to a hundred.", max_output_tokens=3, temperature=0)
+    whole = client.responses.create(**kwargs)
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    with client.responses.stream(**kwargs) as stream:
+        events = list(stream)
+    terminal = events[-1]
+    assert terminal.type == "response.incomplete" and terminal.response.status == "incomplete"
+    assert terminal.response.incomplete_details.reason == "max_output_tokens"
+    assert not [e for e in events if e.type == "response.completed"]
+    assert terminal.response.output_text == whole.output_text
+    done = [e for e in events if e.type == "response.output_item.done"]
+    assert [e.item.status for e in done] == ["incomplete"]
+
+
+def test_a_forced_call_streams_its_item_events_and_ends_with_response_completed(client):
+    kwargs = dict(
+        model="tiny",
+        input="Weather in Oslo?",
+        tools=[TOOL],
+        tool_choice={"type": "function", "name": "weather"},
+        max_output_tokens=200,
+        temperature=0,
+    )
+    with client.responses.stream(**kwargs) as stream:
+        events = list(stream)
+        final = stream.get_final_response()  # the helper needs response.completed
+    kinds = [e.type for e in events if e.type.startswith("response.output_item") or "arguments" in e.type]
+    assert kinds[0] == "response.output_item.added" and kinds[-1] == "response.output_item.done"
+    assert kinds[-2] == "response.function_call_arguments.done"
+    added = next(
+        e for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"
+    )
+    done = next(e for e in events if e.type == "response.output_item.done" and e.item.type == "function_call")
+    assert (added.item.status, done.item.status) == ("in_progress", "completed")
+    assert added.item.id == done.item.id and done.item.name == "weather"
+    assert events[-1].type == "response.completed" and final.status == "completed"
+    assert final.output[-1].arguments == done.item.arguments
 
 
 def test_function_call_output_round_trip(client):
