@@ -36,7 +36,12 @@ from keepwarm_runtime.server.responses import (
     UsageInfo,
     random_id,
 )
-from keepwarm_runtime.server.serving import ServingContext, race_disconnect, truncate_prompt
+from keepwarm_runtime.server.serving import (
+    ServingContext,
+    race_disconnect,
+    structured_params,
+    truncate_prompt,
+)
 from keepwarm_runtime.server.sse import sse_done, sse_event
 from keepwarm_runtime.server.tool_parsers import ParsedOutput
 from keepwarm_runtime.server.tools import (
@@ -125,12 +130,11 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: Req
     top_n = (req.top_logprobs or 0) if req.logprobs else None
     structured = None
     if plan.forced:
-        if req.response_format is not None or req.structured_outputs is not None:
-            raise BadRequest(
-                "tool_choice `required` or a named function constrains the output already; "
-                "drop response_format/structured_outputs",
-                param="tool_choice",
-            )
+        # A forced call is this turn's whole output, so it governs; response_format/structured_outputs
+        # govern text output, of which a forced turn has none (OpenAI accepts the pair, and clients
+        # such as instructor and openai-agents send it). They are still checked, and apply to any
+        # later turn that answers in text.
+        structured_params(req)
         from keepwarm_runtime.engine.structured import StructuredOutputsParams
 
         structured = StructuredOutputsParams(json=plan.schema)

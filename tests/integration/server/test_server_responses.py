@@ -115,6 +115,23 @@ def test_a_forced_call_streams_its_item_events_and_ends_with_response_completed(
     assert final.output[-1].arguments == done.item.arguments
 
 
+def test_a_forced_call_with_a_text_format_is_accepted(client):
+    """instructor's RESPONSES_TOOLS mode: a named function plus text.format json_schema."""
+    answer = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    response = client.responses.create(
+        model="tiny",
+        input="Weather in Oslo?",
+        tools=[TOOL],
+        tool_choice={"type": "function", "name": "weather"},
+        text={"format": {"type": "json_schema", "name": "answer", "schema": answer}},
+        max_output_tokens=200,
+        temperature=0,
+    )
+    (call,) = [item for item in response.output if item.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    assert response.status == "completed"
+
+
 def test_function_call_output_round_trip(client):
     response = client.responses.create(
         model="tiny",

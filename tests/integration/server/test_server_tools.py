@@ -202,3 +202,47 @@ def test_auto_parses_a_hermes_call_and_streams_it_whole(client, stream):
     assert [(name, json.loads(args)) for name, args in calls] == [
         ("weather", {"city": "Oslo", "days": 2, "metric": True})
     ]
+
+
+ANSWER = {
+    "type": "object",
+    "properties": {"summary": {"type": "string"}},
+    "required": ["summary"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "clock"}}])
+def test_a_forced_call_with_a_response_format_is_accepted_and_the_call_governs(client, tool_choice):
+    """instructor's and openai-agents' pattern: the forced call is the turn's output, the format applies
+    to text (of which a forced turn has none)."""
+    response = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice=tool_choice,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}},
+        max_tokens=200,
+        temperature=1.0,
+        seed=3,
+    )
+    calls = response.choices[0].message.tool_calls
+    named = isinstance(tool_choice, dict)  # OpenAI ends a named call with "stop", a required one "tool_calls"
+    assert calls and response.choices[0].finish_reason == ("stop" if named else "tool_calls")
+    for call in calls:
+        _check(call.function.name, call.function.arguments)
+    if named:
+        assert [c.function.name for c in calls] == ["clock"]
+
+
+def test_a_forced_call_with_a_broken_response_format_is_still_refused_by_name(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            tools=TOOLS,
+            tool_choice="required",
+            response_format={"type": "json_schema", "json_schema": {"name": "answer"}},
+            max_tokens=20,
+        )
+    assert info.value.body["param"] == "response_format"
