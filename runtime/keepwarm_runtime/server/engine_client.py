@@ -21,7 +21,7 @@ class EngineClient(Protocol):
     max_model_len: int  # prompt + output tokens per sequence
     vocab_size: int  # the logits width (may exceed len(tokenizer): padded lm_head)
     eos_token_ids: set[int]  # ids that end a sequence
-    max_prompt_logprobs_len: int  # longest prompt whose prompt logprobs a request may ask for
+    max_prompt_logprobs_len: int  # longest prompt it scores (prompt logprobs); absent or 0: none
     load_info: LoadInfo  # where the weights came from and how long it took
 
     def token_text(self, token_id: int) -> str:

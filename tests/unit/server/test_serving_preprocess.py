@@ -58,3 +58,19 @@ def test_work_past_the_bound_is_a_named_400():
 def test_truncate_prompt_keeps_the_last_tokens():
     assert truncate_prompt([1, 2, 3, 4], 2) == [3, 4]
     assert truncate_prompt([1, 2], 5) == [1, 2] and truncate_prompt([1, 2], None) == [1, 2]
+
+
+def test_prompt_logprobs_are_refused_by_name_where_the_engine_cannot_or_the_prompt_is_too_long():
+    from types import SimpleNamespace
+
+    ctx = _context(timeout=5)
+    ctx.async_engine.state = "ready"
+    ctx.async_engine.engine = SimpleNamespace(max_prompt_logprobs_len=8)
+    ctx.check_prompt_logprobs(8, "prompt_logprobs")
+    with pytest.raises(BadRequest) as too_long:
+        ctx.check_prompt_logprobs(9, "logprobs")
+    assert too_long.value.param == "logprobs" and "at most 8" in too_long.value.message
+    ctx.async_engine.engine = SimpleNamespace()  # an engine that scores no prompts (e.g. speech)
+    with pytest.raises(BadRequest) as cannot:
+        ctx.check_prompt_logprobs(2, "prompt_logprobs")
+    assert cannot.value.param == "prompt_logprobs" and "does not compute" in cannot.value.message
