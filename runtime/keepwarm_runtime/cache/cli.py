@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from keepwarm_api.settings import SettingError, add_command, carry_over, resolve
-from keepwarm_runtime.cache.settings import CacheServeSettings
+from keepwarm_runtime.cache.settings import CacheHoldSettings, CacheServeSettings
 
 if TYPE_CHECKING:
     from keepwarm_runtime.cache.daemon import DaemonConfig
@@ -46,6 +46,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     add_command(
         sub, "serve", CacheServeSettings, "load checkpoints and serve them over a Unix socket", run_serve
+    )
+    add_command(
+        sub,
+        "hold",
+        CacheHoldSettings,
+        "keep the daemons' arena descriptors so that a crashed daemon restarts warm",
+        run_hold,
     )
 
     for name, help_text in (("ls", "list resident models"), ("stats", "daemon statistics as JSON")):
@@ -71,6 +78,23 @@ def run_serve(args: argparse.Namespace) -> int:
     except SettingError as exc:
         return _fail("serve", exc)
     return serve(settings)
+
+
+def run_hold(args: argparse.Namespace) -> int:
+    """The handler of `keepwarm cache hold`: the descriptor holder (cache/holder.py) until SIGTERM."""
+    from keepwarm_runtime.cache.holder import Holder
+
+    try:
+        settings = resolve(CacheHoldSettings, args, os.environ)
+        assert settings.socket_dir is not None  # required: resolve() refuses settings without it
+        holder = Holder(Path(settings.socket_dir), settings.group)
+        holder.start()
+    except Exception as exc:  # bad settings, socket dir or group, another uid's holder: one line
+        return _fail("hold", exc)
+    signal.signal(signal.SIGTERM, lambda *_: holder.stop())
+    signal.signal(signal.SIGINT, lambda *_: holder.stop())
+    holder.serve_forever()
+    return 0
 
 
 def daemon_config(settings: CacheServeSettings) -> DaemonConfig:
@@ -170,11 +194,13 @@ def serve(settings: CacheServeSettings) -> int:
 
 
 def _serve_then_stop_all(daemon, stop_all) -> None:
-    """Serve one daemon; when it ends (SIGTERM, or its server failed) the others end too."""
+    """Serve one daemon; when it ends (SIGTERM, or its server failed) the others end too, except
+    after a hand-off: each of the others then waits for its own successor's commit."""
     try:
         daemon.serve_forever()
     finally:
-        stop_all()
+        if not daemon.handed_off:
+            stop_all()
 
 
 def load_initial_models(daemon, paths: list[str], quantization: str | None = None) -> list[str]:

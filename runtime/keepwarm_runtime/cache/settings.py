@@ -149,3 +149,15 @@ class CacheServeSettings:
         parse=positive_seconds,
         metavar="SECONDS",
     )
+
+
+@dataclass(frozen=True)
+class CacheHoldSettings:
+    """`keepwarm cache hold`: the descriptor holder beside the daemons of one socket directory."""
+
+    ENV_PREFIX: ClassVar[str] = "KEEPWARM_CACHE_"
+
+    socket_dir: str | None = setting(
+        None, "the daemons' socket directory, e.g. /var/run/keepwarm/WEIGHTCACHE", required=True
+    )
+    group: str | None = setting(None, "the socket directory's group, as the daemons have it (0770)")
