@@ -91,10 +91,26 @@ def run_hold(args: argparse.Namespace) -> int:
         holder.start()
     except Exception as exc:  # bad settings, socket dir or group, another uid's holder: one line
         return _fail("hold", exc)
-    signal.signal(signal.SIGTERM, lambda *_: holder.stop())
-    signal.signal(signal.SIGINT, lambda *_: holder.stop())
+    ended = threading.Event()
+
+    def stop(*_: object) -> None:
+        holder.stop()
+        ended.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     holder.serve_forever()
+    if holder.handed_off:
+        retire(settings.after_handoff, ended)
     return 0
+
+
+def retire(after_handoff: str, ended: threading.Event) -> None:
+    """After a hand-off: return (the process exits) or, with ``wait``, idle until SIGTERM (a pod's
+    container that exited would be restarted and take everything back from its successor)."""
+    if after_handoff == "wait":
+        log.info("handed off to a successor; waiting idle for SIGTERM (--after-handoff wait)")
+        ended.wait()
 
 
 def daemon_config(settings: CacheServeSettings) -> DaemonConfig:
@@ -171,12 +187,18 @@ def serve(settings: CacheServeSettings) -> int:
 
         serve_per_gpu({d.serves_gpu or "": d.metrics.registry for d in daemons}, settings.metrics_port)
 
+    ended = threading.Event()  # SIGTERM (or SIGINT)
+
     def stop_all(*_: object) -> None:
         for d in daemons:
             d.stop()
 
-    signal.signal(signal.SIGTERM, stop_all)
-    signal.signal(signal.SIGINT, stop_all)
+    def on_signal(*_: object) -> None:
+        ended.set()
+        stop_all()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     if settings.report_to_kubernetes:
         from keepwarm_runtime.agent.kubernetes import run_agent
 
@@ -190,6 +212,8 @@ def serve(settings: CacheServeSettings) -> int:
     _serve_then_stop_all(daemons[0], stop_all)
     for thread in others:
         thread.join()
+    if all(d.handed_off for d in daemons):
+        retire(settings.after_handoff, ended)
     return 0
 
 
