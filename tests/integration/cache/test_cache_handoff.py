@@ -304,3 +304,35 @@ def test_a_forged_handoff_request_from_an_allowed_client_is_refused(
     assert first.proc.poll() is None
     assert attach(model, socket_dir, dtype=torch.bfloat16, fallback=False).source == "cache"
     assert _serving_pid(socket_dir) == first.proc.pid
+
+
+def test_after_handoff_wait_idles_until_sigterm_and_a_new_holder_takes_the_deposits(
+    daemon_factory, checkpoint_writer, tmp_path
+):
+    """What the agent pods run: the old pod's daemon and holder hand over, then idle (an exited
+    container would be restarted and take everything back) until SIGTERM, which leaves the
+    successor's socket alone."""
+    model = checkpoint_writer(tmp_path / "models" / "m", seed=1)
+    socket_dir = tmp_path / "wc"
+    old_holder = HolderProcess(socket_dir, "--after-handoff", "wait").wait_ready()
+    new_holder = None
+    try:
+        first = daemon_factory(socket_dir, [model], "--after-handoff", "wait").wait_ready()
+        _wait_for(lambda: len(_holder_records(socket_dir)) == 1)
+        new_holder = HolderProcess(socket_dir).wait_ready()
+        assert "took 1 descriptors over from the running holder" in new_holder.stderr
+        second = daemon_factory(socket_dir, [model]).wait_ready()
+        _wait_for(lambda: "waiting idle for SIGTERM" in first.stderr and "waiting idle" in old_holder.stderr)
+        assert first.proc.poll() is None and old_holder.proc.poll() is None
+        assert _serving_pid(socket_dir) == second.proc.pid
+        assert first.terminate() == 0 and old_holder.terminate() == 0
+        assert (socket_dir / "host.sock").exists() and holder.holder_path(socket_dir).exists()
+        assert attach(model, socket_dir, dtype=torch.bfloat16, fallback=False).source == "cache"
+        assert [r["name"] for r in _holder_records(socket_dir)] == ["m"]  # the new holder has it
+        second.kill()
+        third = daemon_factory(socket_dir, [model]).wait_ready()
+        assert "took 1 arenas from the holder" in third.stderr
+    finally:
+        old_holder.kill()
+        if new_holder is not None:
+            new_holder.terminate()
