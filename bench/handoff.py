@@ -30,6 +30,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import signal
 import tempfile
 import threading
@@ -154,6 +155,7 @@ def run(models: list[Path], root: Path, total_gib: float) -> dict:
     fourth = DaemonProcess(socket_dir, models, "--dtype", DTYPE)
     reload_s = wait_serving(socket_dir, fourth, count, fourth.started)
     fourth.terminate()
+    shutil.rmtree(socket_dir, ignore_errors=True)
     return {
         "models": count,
         "total_gib": total_gib,

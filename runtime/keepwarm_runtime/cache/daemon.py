@@ -135,6 +135,7 @@ class CacheDaemon:
         self._listener: socket.socket | None = None
         self._inheritance: Inheritance | None = None  # from a predecessor, until bind() commits it
         self.handed_off = False  # this daemon handed its arenas and socket to a successor
+        self.handing_off = threading.Lock()  # held while a successor holds a stream of this daemon
         self._holder_lock = threading.Lock()
         self._nofile = 0
         self.started_at = time.time()

@@ -29,7 +29,6 @@ import contextlib
 import logging
 import os
 import socket
-import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -54,7 +53,6 @@ COMMIT_TIMEOUT_S = 30.0  # the successor waits this long for "committed", then f
 RETRY_S = 0.2  # between attempts while the running daemon is still starting or briefly unreachable
 SEND_TIMEOUT_S = 30.0  # a frame of the stream into a successor that does not read
 MAX_ATTEMPTS = 50  # failed hand-offs to a daemon that holds the lock before the successor gives up
-_ONE_AT_A_TIME = threading.Lock()
 
 
 class Refused(HandoffRefused):
@@ -105,14 +103,14 @@ def give(daemon: CacheDaemon, conn: socket.socket, cred: security.PeerCred, requ
         why = "handoff: 'formats' must list integers"
         protocol.send_frame(conn, protocol.error_reply("bad_request", why))
         return
-    if daemon.stopping or not _ONE_AT_A_TIME.acquire(blocking=False):
+    if daemon.stopping or not daemon.handing_off.acquire(blocking=False):
         why = "this daemon is stopping or handing off already"
         protocol.send_frame(conn, protocol.error_reply("busy", why))
         return
     try:
         _stream_and_wait(daemon, conn, cred, formats)
     finally:
-        _ONE_AT_A_TIME.release()
+        daemon.handing_off.release()
 
 
 def _stream_and_wait(

@@ -336,3 +336,20 @@ def test_after_handoff_wait_idles_until_sigterm_and_a_new_holder_takes_the_depos
         old_holder.kill()
         if new_holder is not None:
             new_holder.terminate()
+
+
+def test_one_daemon_per_gpu_hands_off_each_socket(daemon_factory, checkpoint_writer, tmp_path):
+    """`--fake-gpu` x2 (the gpu tier's per-GPU daemons, as host-memory twins): each socket is handed
+    over on its own, and the old process leaves once both are."""
+    model = checkpoint_writer(tmp_path / "models" / "m", seed=1)
+    socket_dir = tmp_path / "wc"
+    gpus = ["--fake-gpu", "GPU-fake-0", "--fake-gpu", "GPU-fake-1"]
+    first = daemon_factory(socket_dir, [model], *gpus, tier="auto").wait_ready()
+    second = daemon_factory(socket_dir, [model], *gpus, tier="auto").wait_ready()
+    assert first.wait_exit() == 0
+    assert second.stderr.count("took 1 arenas from the predecessor") == 2, second.stderr
+    assert "loaded" not in second.stderr
+    for uuid in ("GPU-fake-0", "GPU-fake-1"):
+        with connect(socket_dir / f"gpu-{uuid}.sock", 30.0) as sock:
+            stats = client.request(sock, {"cmd": "stats"})[0]
+        assert stats["pid"] == second.proc.pid and list(stats["models"]) == ["m"]
