@@ -19,6 +19,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 TABLES = {
     "serve": "keepwarm_runtime.server.settings:ServeSettings",
     "cache-serve": "keepwarm_runtime.cache.settings:CacheServeSettings",
+    "cache-hold": "keepwarm_runtime.cache.settings:CacheHoldSettings",
     "bench-restart": "keepwarm_runtime.bench_cli:RestartSettings",
     "operator": "keepwarm_operator.settings:OperatorSettings",
 }
