@@ -28,6 +28,7 @@ from keepwarm_runtime.server.async_engine import AsyncEngine
 from keepwarm_runtime.server.engine_client import EngineClient
 from keepwarm_runtime.server.errors import BadRequest, from_validation_error, install_error_handlers
 from keepwarm_runtime.server.guards import ApiKey, BodyLimit
+from keepwarm_runtime.server.linger import LingeringClose
 from keepwarm_runtime.server.metrics import ServerMetrics, process_start_time
 from keepwarm_runtime.server.openapi import body_schema, install_openapi
 from keepwarm_runtime.server.protocol import (
@@ -131,6 +132,7 @@ def create_app(
     app.add_middleware(BodyLimit, max_bytes=options.max_request_body_bytes, exempt=frozenset(AUDIO_ROUTES))
     if options.api_key:
         app.add_middleware(ApiKey, key=options.api_key)
+    app.add_middleware(LingeringClose)  # outermost: every early refusal lets the client finish sending
 
     @app.get("/health")
     async def health() -> JSONResponse:
