@@ -10,6 +10,7 @@ checks come first; the pydantic request models are still published in /openapi.j
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -77,8 +78,13 @@ def create_app(
     started_at: float | None = None,
     options: ServingOptions | None = None,
     audio: AudioServerSettings | None = None,
+    load_before_serving: bool = False,
 ) -> FastAPI:
-    """An app serving the engine ``make_engine()`` builds (called in the engine thread at startup)."""
+    """An app serving the engine ``make_engine()`` builds (called in the engine thread at startup).
+
+    ``load_before_serving``: startup waits until the engine is loaded (or failed), so uvicorn accepts
+    no connection before; a restarted worker (server/supervisor.py) leaves them in the listen backlog
+    meanwhile instead of answering 503."""
     model_dir = Path(model_dir)
     options = options or ServingOptions()
     name = served_model_name or model_dir.name
@@ -121,6 +127,8 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
+        if load_before_serving:
+            await asyncio.get_running_loop().run_in_executor(None, async_engine.ready_event.wait)
         yield
         async_engine.shutdown()
         ctx.close()
