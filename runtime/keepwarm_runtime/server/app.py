@@ -49,6 +49,8 @@ from keepwarm_runtime.server.serving_chat import create_chat_completion
 from keepwarm_runtime.server.serving_completion import create_completion
 from keepwarm_runtime.server.serving_responses import create_response
 from keepwarm_runtime.server.serving_tokens import detokenize, tokenize
+from keepwarm_runtime.server.sleep_mode import ROUTES as SLEEP_ROUTES
+from keepwarm_runtime.server.sleep_mode import SleepMode, register_sleep_routes
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R", bound=OpenAIRequest)
@@ -66,6 +68,7 @@ ROUTES = (
     "/version",
     "/debug/stats",
     *AUDIO_ROUTES,
+    *SLEEP_ROUTES,
 )
 NOT_INFERENCE = ("/v1/models",)
 
@@ -79,12 +82,15 @@ def create_app(
     options: ServingOptions | None = None,
     audio: AudioServerSettings | None = None,
     load_before_serving: bool = False,
+    sleep_mode: bool = False,
+    wake_on_request: bool = False,
 ) -> FastAPI:
     """An app serving the engine ``make_engine()`` builds (called in the engine thread at startup).
 
     ``load_before_serving``: startup waits until the engine is loaded (or failed), so uvicorn accepts
     no connection before; a restarted worker (server/supervisor.py) leaves them in the listen backlog
-    meanwhile instead of answering 503."""
+    meanwhile instead of answering 503. ``sleep_mode``: the /sleep, /wake_up and /is_sleeping routes
+    (server/sleep_mode.py); ``wake_on_request``: a request to a sleeping engine wakes it."""
     model_dir = Path(model_dir)
     options = options or ServingOptions()
     name = served_model_name or model_dir.name
@@ -192,10 +198,16 @@ def create_app(
         ctx.check_model(model_id)
         return JSONResponse(card().model_dump())
 
+    sleeper = SleepMode(async_engine, metrics, wake_on_request) if sleep_mode else None
+    if sleeper is not None:
+        register_sleep_routes(app, sleeper)
+
     def post(
         path: str, model: type[R], handler: Callable[[ServingContext, R, Request], Awaitable[Any]]
     ) -> None:
         async def route(raw: Request) -> Any:
+            if sleeper is not None:
+                await sleeper.before_request()
             return await handler(ctx, await _parse(ctx, raw, model), raw)
 
         app.post(path, openapi_extra=body_schema(model), name=handler.__name__)(route)

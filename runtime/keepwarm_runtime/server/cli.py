@@ -251,6 +251,8 @@ class ServerStart:
             options=options,
             audio=self.audio,
             load_before_serving=load_first,
+            sleep_mode=config.enable_sleep_mode,
+            wake_on_request=config.wake_on_request,
         )
         server = uvicorn.Server(
             uvicorn.Config(

@@ -118,6 +118,11 @@ class ServerMetrics:
         )
         for cause, count in RESTARTS.by_cause.items():  # inherited from the parent by the fork
             self.worker_restarts.labels(cause=cause).inc(count)
+        self.sleep_level = Gauge(
+            "keepwarm_sleep_level",
+            "0 while awake, else the level the engine sleeps at (POST /sleep, --enable-sleep-mode)",
+            registry=r,
+        )
         self.info = Gauge("keepwarm_model_info", "The served model (value 1)", list(m), registry=r)
         self.info.labels(**m).set(1)
 

@@ -113,6 +113,13 @@ class ServeSettings:
         "intra-op CPU threads (see engine/threads.py)",
         unset="the CPUs this process may use: affinity mask and cgroup CPU quota",
     )
+    # sleep mode (server/sleep_mode.py)
+    enable_sleep_mode: bool = setting(
+        False, "serve POST /sleep?level=1|2, POST /wake_up and GET /is_sleeping (vLLM's sleep mode)"
+    )
+    wake_on_request: bool = setting(
+        False, "with sleep mode: a request to a sleeping engine wakes it (else 503 model_sleeping)"
+    )
     # the supervising parent (server/supervisor.py)
     supervise: bool = setting(
         True,
