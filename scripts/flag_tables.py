@@ -20,6 +20,7 @@ TABLES = {
     "serve": "keepwarm_runtime.server.settings:ServeSettings",
     "cache-serve": "keepwarm_runtime.cache.settings:CacheServeSettings",
     "bench-restart": "keepwarm_runtime.bench_cli:RestartSettings",
+    "bench-recovery": "keepwarm_runtime.bench_cli:RecoverySettings",
     "operator": "keepwarm_operator.settings:OperatorSettings",
 }
 

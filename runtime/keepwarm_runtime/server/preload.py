@@ -1,10 +1,11 @@
 """What the supervising parent imports before it forks workers: everything a worker would import.
 
 A worker forked after these imports starts with torch, transformers' attention registry and weight
-conversions, the checkpoint's own modelling module, the engine and the server already in memory, so
-a restart pays none of those seconds. Only imports happen here: no torch op, no CUDA call, no model
-built, no tokenizer loaded (tokenizers' thread pool must not exist before a fork), so the parent stays
-one thread (server/supervisor.py checks before each fork).
+conversions, the checkpoint's own modelling module, the engine and the server already in memory (and
+FastAPI's lazy imports done, by one app built and dropped), so a restart pays none of those seconds.
+Only imports happen here: no torch op, no CUDA call, no model built, no tokenizer loaded (tokenizers'
+thread pool must not exist before a fork), so the parent stays one thread (server/supervisor.py
+checks before each fork).
 """
 
 from __future__ import annotations
@@ -49,6 +50,16 @@ def preload(model_dir: str) -> float:
             loaded = model_class(model_dir).__module__
         except (ImportError, OSError, ValueError, KeyError) as exc:  # the engine names a bad checkpoint
             logger.warning("preloading %s's model classes failed (%s); a worker imports them", model_dir, exc)
+    _warm_app_imports(model_dir)
     seconds = time.perf_counter() - started
     logger.info("preloaded the serving path in %.2fs (model classes: %s)", seconds, loaded)
     return seconds
+
+
+def _warm_app_imports(model_dir: str) -> None:
+    """Build and drop one app: FastAPI imports more on its first routes (pydantic.v1's compatibility
+    layer, ~0.25 s here), which a worker would otherwise pay after each fork. Nothing is started."""
+    from keepwarm_runtime.server.app import create_app
+
+    app = create_app(lambda: None, model_dir=model_dir)  # never started: no engine, no threads
+    app.state.ctx.close()
