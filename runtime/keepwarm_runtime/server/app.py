@@ -51,6 +51,7 @@ from keepwarm_runtime.server.serving_responses import create_response
 from keepwarm_runtime.server.serving_tokens import detokenize, tokenize
 from keepwarm_runtime.server.sleep_mode import ROUTES as SLEEP_ROUTES
 from keepwarm_runtime.server.sleep_mode import SleepMode, register_sleep_routes
+from keepwarm_runtime.server.supervisor import notify_serving
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R", bound=OpenAIRequest)
@@ -135,6 +136,7 @@ def create_app(
         async_engine.start()
         if load_before_serving:
             await asyncio.get_running_loop().run_in_executor(None, async_engine.ready_event.wait)
+        notify_serving()  # a supervised worker's parent judges its /health from now on
         yield
         async_engine.shutdown()
         ctx.close()

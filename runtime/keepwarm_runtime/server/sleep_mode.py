@@ -7,6 +7,8 @@ steps (``AsyncEngine.call``), so they never race a step. Sleeping while requests
 them; while asleep, inference routes answer 503 ``model_sleeping`` (and /ready 503, so routers route
 around), unless ``--wake-on-request``, which wakes the engine before the request runs. /health stays
 200 (``engine: sleeping``): a sleeping server is alive. ``keepwarm_sleep_level`` shows the state.
+A wake that cannot get the weights back (the cache lost the model and ``--no-cache-fallback``) is a
+503 ``wake_failed`` with the reason, and the engine stays asleep, so a later wake can retry.
 Without ``--enable-sleep-mode`` the routes do not exist (404), as in vLLM.
 """
 
@@ -80,7 +82,13 @@ class SleepMode:
                 engine.state = "ready"
                 return seconds
 
-            seconds = await self._in_engine_thread(wake_up)
+            try:
+                seconds = await self._in_engine_thread(wake_up)
+            except Exception as exc:  # the cache lost the model and --no-cache-fallback, a bad disk...
+                logger.exception("waking failed; the engine stays asleep")
+                raise NotReady(
+                    f"waking failed, the engine stays asleep: {type(exc).__name__}: {exc}", code="wake_failed"
+                ) from exc
             self.level = 0
             self.metrics.sleep_level.set(0)
             logger.info("awake in %.2fs", seconds)

@@ -9,10 +9,12 @@ state is live is unsafe): it is one thread with a select loop.
 
 The parent restarts the worker when it dies (cause ``crash``), when its /health goes unanswered for
 ``health_timeout`` seconds (``hang``: the worker is killed first) or answers 503 (``unhealthy``: the
-engine failed). The listening socket stays open in the parent meanwhile, so new connections wait in
-its backlog instead of being refused; requests in flight in the dead worker end with an error. The
-first restart in a row is immediate, later ones back off exponentially; a worker that stays ready for
-``STABLE_S`` ends the row. The parent's own /health (a port of its own) answers 200 while it can
+engine failed); /health is asked by a non-blocking probe (server/worker_probe.py), so the loop never
+waits on a worker. A worker says over a pipe when it starts accepting (``notify_serving``): silence
+counts from then. While a worker is replaced the listening socket stays open in the parent, so new
+connections wait in its backlog instead of being refused; requests in flight in the dead worker end
+with an error. The first restart in a row is immediate, later ones back off exponentially; a worker
+that stays ready for ``STABLE_S`` ends the row. The parent's own /health (a port of its own) answers 200 while it can
 still recover and 503 once ``max_failed_restarts`` restarts in a row failed, so Kubernetes' liveness
 probe restarts the container only then. Restarts are counted by cause; the counts live in the
 parent, and each worker inherits them by the fork and exports them on its /metrics.
@@ -38,12 +40,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from keepwarm_runtime.server.worker_probe import PENDING, HealthProbe
+
 logger = logging.getLogger(__name__)
 
 RESTART_CAUSES = ("crash", "hang", "unhealthy")  # label values of keepwarm_worker_restarts_total
 STABLE_S = 10.0  # a worker ready this long ends a row of failed restarts
-# A restarted worker accepts nothing until it has loaded (server/app.py load_before_serving): until
-# its first /health answer, silence counts as a hang only after this long.
+# A restarted worker accepts nothing until it has loaded (server/app.py load_before_serving): until it
+# says it serves (notify_serving, or a first /health answer), silence counts as a hang only after this.
 LOAD_TIMEOUT_S = 600.0
 _PR_SET_PDEATHSIG = 1
 
@@ -68,6 +72,19 @@ class RestartCounts:
 
 
 RESTARTS = RestartCounts()  # the parent's counts; what a worker reads at start (server/metrics.py)
+_serving_fd: int | None = None  # in a worker: the pipe on which it tells the parent it serves
+
+
+def notify_serving() -> None:
+    """In a supervised worker, tell the parent it now accepts connections (the app calls this once its
+    startup is done); from then on its /health must answer within the hang timeout. A no-op elsewhere."""
+    global _serving_fd
+    if _serving_fd is None:
+        return
+    with contextlib.suppress(OSError):
+        os.write(_serving_fd, b"S")
+        os.close(_serving_fd)
+    _serving_fd = None
 
 
 def backoff_delay(in_a_row: int, base: float, cap: float) -> float:
@@ -128,6 +145,8 @@ class Supervisor:
         self._in_a_row = 0  # restarts in a row that did not lead to a stable worker
         self._restart_at: float | None = None
         self._next_poll = 0.0
+        self._probe: HealthProbe | None = None  # the /health request in flight, if any
+        self._serving_r: int | None = None  # read end of the worker's "now serving" pipe
         self._stopping = False
         self._parent_pid = os.getpid()
         self._selector = selectors.DefaultSelector()
@@ -149,9 +168,13 @@ class Supervisor:
         try:
             self._spawn()
             while not self._stopping:
-                for key, _ in selector.select(self._timeout()):
+                for key, mask in selector.select(self._timeout()):
                     if key.fileobj is self._health:
                         self._answer_health()
+                    elif isinstance(key.data, HealthProbe):
+                        self._on_probe(key.data, mask)
+                    elif key.fileobj == self._serving_r:
+                        self._on_serving()
                     else:
                         with contextlib.suppress(BlockingIOError):
                             os.read(self._wake_r, 4096)
@@ -179,9 +202,8 @@ class Supervisor:
                     logger.error("the worker %s before it was ever ready: stopping", describe_exit(status))
                     return os.WEXITSTATUS(status)
                 self._schedule_restart("crash", f"the worker {describe_exit(status)}")
-        now = time.monotonic()
-        if self.pid is not None and now >= self._next_poll:
-            self._poll_worker()
+        if self.pid is not None:
+            self._watch_worker()
         if self._restart_at is not None and time.monotonic() >= self._restart_at and not self._stopping:
             self._restart_at = None
             self._spawn()
@@ -192,9 +214,14 @@ class Supervisor:
     def _spawn(self) -> None:
         if thread_count() > 1:
             logger.warning("forking the worker from a parent with %d threads", thread_count())
+        serving_r, serving_w = os.pipe()
         pid = os.fork()
         if pid == 0:
-            os._exit(self._worker_main())
+            os.close(serving_r)
+            os._exit(self._worker_main(serving_w))
+        os.close(serving_w)
+        self._serving_r = serving_r
+        self._selector.register(serving_r, selectors.EVENT_READ)
         self.pid = pid
         self._spawned_at = self._last_answer = time.monotonic()
         self._ready_at = 0.0
@@ -202,8 +229,10 @@ class Supervisor:
         self._next_poll = self._spawned_at + self.config.health_interval
         logger.info("worker %d forked (restarts so far: %s)", pid, RESTARTS.by_cause)
 
-    def _worker_main(self) -> int:
+    def _worker_main(self, serving_w: int) -> int:
         """In the child: undo the parent's signal set-up, die with the parent, then serve."""
+        global _serving_fd
+        _serving_fd = serving_w
         code = 1
         try:
             signal.set_wakeup_fd(-1)
@@ -222,22 +251,47 @@ class Supervisor:
             logging.shutdown()
         return code
 
-    def _poll_worker(self) -> None:
-        """GET the worker's /health through the shared listening socket; restart a hung or failed one."""
-        self._next_poll = time.monotonic() + self.config.health_interval
-        state = _get_health(local_address(self.config.host), self.config.port, self.config.health_interval)
+    def _watch_worker(self) -> None:
+        """Start a /health probe when one is due (none in flight); restart a worker silent too long."""
         now = time.monotonic()
-        if state is None:
-            silent = now - self._last_answer
-            allowed = (
-                self.config.health_timeout
-                if self._answered
-                else max(LOAD_TIMEOUT_S, self.config.health_timeout)
-            )
-            if silent > allowed:
-                self._kill_worker()
-                self._schedule_restart("hang", f"the worker's /health went unanswered for {silent:.1f}s")
+        silent = now - self._last_answer
+        allowed = (
+            self.config.health_timeout if self._answered else max(LOAD_TIMEOUT_S, self.config.health_timeout)
+        )
+        if silent > allowed:
+            self._kill_worker()
+            self._schedule_restart("hang", f"the worker's /health went unanswered for {silent:.1f}s")
             return
+        if self._probe is None and now >= self._next_poll:
+            self._next_poll = now + self.config.health_interval
+            self._probe = HealthProbe((local_address(self.config.host), self.config.port), self._selector)
+            self._probe.start()
+
+    def _on_serving(self) -> None:
+        """The worker accepts connections now (or died: EOF); silence counts from here."""
+        try:
+            data = os.read(self._serving_r, 16) if self._serving_r is not None else b""
+        except OSError:
+            data = b""
+        if data:
+            self._last_answer, self._answered = time.monotonic(), True
+        self._close_serving_pipe()
+
+    def _close_serving_pipe(self) -> None:
+        if self._serving_r is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(self._serving_r)
+            os.close(self._serving_r)
+            self._serving_r = None
+
+    def _on_probe(self, probe: HealthProbe, mask: int) -> None:
+        state = probe.on_event(mask)
+        if state == PENDING:
+            return
+        self._probe = None
+        if state is None or self.pid is None:
+            return  # refused or cut off: silence, judged by time in _watch_worker
+        now = time.monotonic()
         self._last_answer, self._answered = now, True
         if state == "failed":
             self._kill_worker()
@@ -249,6 +303,7 @@ class Supervisor:
                 self._in_a_row = 0
 
     def _kill_worker(self) -> None:
+        self._drop_worker_io()
         if self.pid is None:
             return
         with contextlib.suppress(ProcessLookupError):
@@ -256,7 +311,15 @@ class Supervisor:
         os.waitpid(self.pid, 0)
         self.pid = None
 
+    def _drop_worker_io(self) -> None:
+        """Forget the worker's probe and pipe (it is dead or about to be)."""
+        self._close_serving_pipe()
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
+
     def _schedule_restart(self, cause: str, why: str) -> None:
+        self._drop_worker_io()
         RESTARTS.by_cause[cause] += 1
         self._in_a_row += 1
         delay = backoff_delay(self._in_a_row, self.config.backoff_base_s, self.config.backoff_cap_s)
@@ -324,19 +387,6 @@ def _reply(conn: socket.socket, status: int, body: dict) -> None:
     head += f"content-length: {len(data)}\r\nconnection: close\r\n\r\n"
     with contextlib.suppress(OSError):
         conn.sendall(head.encode() + data)
-
-
-def _get_health(host: str, port: int, timeout: float) -> str | None:
-    """The worker's engine state from its /health ("loading", "ready", "failed"), None if no answer."""
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    try:
-        conn.request("GET", "/health")
-        response = conn.getresponse()
-        return str(json.loads(response.read()).get("engine", "unknown"))
-    except (OSError, ValueError, http.client.HTTPException):
-        return None
-    finally:
-        conn.close()
 
 
 def _die_with_parent(parent_pid: int) -> None:

@@ -127,3 +127,26 @@ def test_a_request_wakes_a_server_asleep_at_level_2_and_reloads_from_disk(waking
 def test_sleep_routes_exist_only_with_sleep_mode(served):
     assert httpx.post(served.proc.url + "/sleep?level=1", timeout=30).status_code == 404
     assert httpx.get(served.proc.url + "/is_sleeping", timeout=30).status_code == 404
+
+
+def test_a_wake_without_the_cache_fails_by_name_and_stays_asleep_until_it_can(tiny_llama, tmp_path):
+    daemon = DaemonProcess(tmp_path / "wc", [tiny_llama], "--dtype", "float32", tier="host").wait_ready(
+        timeout_s=240
+    )
+    args = [*ARGS, "--cache-socket-dir", str(tmp_path / "wc"), "--no-cache-fallback"]
+    proc = start_server(tiny_llama, tmp_path / "serve.log", args=args)
+    try:
+        proc.wait("/ready", timeout=240)
+        before = _greedy(proc)
+        assert httpx.post(proc.url + "/sleep?level=1", timeout=60).status_code == 200
+        daemon.terminate(30)  # the node cache goes away while the server sleeps
+        failed = httpx.post(proc.url + "/wake_up", timeout=120)
+        assert failed.status_code == 503 and failed.json()["error"]["code"] == "wake_failed", failed.text
+        assert _is_sleeping(proc)
+        daemon = DaemonProcess(tmp_path / "wc", [tiny_llama], "--dtype", "float32", tier="host")
+        daemon.wait_ready(timeout_s=240)
+        assert httpx.post(proc.url + "/wake_up", timeout=120).status_code == 200
+        assert _greedy(proc) == before
+    finally:
+        proc.stop()
+        daemon.terminate(30)
