@@ -203,8 +203,11 @@ class ServerStart:
         listener: socket.socket | None = None,
         load_first: bool = False,
     ) -> int:
-        """Build the app and serve it (on ``listener`` if given, else bind host:port) until stopped;
-        ``load_first``: accept connections only once the engine is loaded (create_app)."""
+        """Build the app and serve it (on ``listener`` if given, else bind host:port) until stopped.
+
+        ``load_first`` (a restarted worker): accept connections only once the engine is loaded
+        (create_app), and skip the warm-up request: clients are already waiting in the backlog, and
+        a warm-up would only make the first of them wait one request longer."""
         import uvicorn
 
         from keepwarm_runtime.engine import threads as cpu_threads
@@ -233,7 +236,8 @@ class ServerStart:
             profile = StartupProfile.since_process_start(started_at)
             profile.mark("imports")
             engine = LLMEngine(EngineConfig(model_dir, **settings), profile, prefetch)
-            engine.warm_up()
+            if not load_first:  # a restarted worker's first queued request is its warm-up
+                engine.warm_up()
             return engine
 
         options = ServingOptions(
