@@ -21,6 +21,7 @@ TABLES = {
     "cache-serve": "keepwarm_runtime.cache.settings:CacheServeSettings",
     "cache-hold": "keepwarm_runtime.cache.settings:CacheHoldSettings",
     "bench-restart": "keepwarm_runtime.bench_cli:RestartSettings",
+    "bench-recovery": "keepwarm_runtime.bench_cli:RecoverySettings",
     "operator": "keepwarm_operator.settings:OperatorSettings",
 }
 

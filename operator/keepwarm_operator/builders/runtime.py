@@ -30,8 +30,14 @@ class CacheBinding:
     model: CachedModel  # the model entry
 
 
+def supervisor_port(spec: InferenceDeploymentSpec) -> int:
+    """The port of the runtime's supervising parent's /health, the liveness probe's (the next one)."""
+    return spec.port + 1
+
+
 def runtime_command(spec: InferenceDeploymentSpec, model_path: str, model_name: str, dtype: str) -> list[str]:
     command = ["keepwarm", "serve", model_path, "--host", "0.0.0.0", "--port", str(spec.port)]
+    command += ["--supervisor-port", str(supervisor_port(spec))]
     command += ["--served-model-name", model_name]
     if dtype != "auto":
         command += ["--dtype", dtype]
@@ -110,14 +116,18 @@ def runtime_deployment(
         "imagePullPolicy": spec.image_pull_policy,
         "command": runtime_command(spec, mm.path, model_name, dtype),
         "env": env,
-        "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
+        "ports": [
+            {"name": "http", "containerPort": spec.port, "protocol": "TCP"},
+            {"name": "supervisor", "containerPort": supervisor_port(spec), "protocol": "TCP"},
+        ],
         "volumeMounts": mounts,
         "resources": resources,
         # Loading can take minutes from disk: the startup probe holds liveness off until /ready.
         "startupProbe": {**probe, "failureThreshold": max(1, spec.startup_timeout_seconds // 5)},
         "readinessProbe": {**probe, "failureThreshold": 2},
+        # The supervising parent's /health: alive while it can still replace a dead or hung worker.
         "livenessProbe": {
-            "httpGet": {"path": "/health", "port": "http"},
+            "httpGet": {"path": "/health", "port": "supervisor"},
             "periodSeconds": 10,
             "failureThreshold": 3,
         },

@@ -83,6 +83,10 @@ class LLMEngine:
         specs = probe_kv_specs(self.model, self.layers, self.device)
         num_blocks = num_blocks_for(config, specs, max_len, self.device)
         allocate_kv_cache(self.layers, specs, num_blocks, config.block_size, config.torch_dtype, self.device)
+        self.kv_specs, self.num_kv_blocks = (
+            specs,
+            num_blocks,
+        )  # to allocate it again on wake (engine/sleep.py)
         self.max_model_len = min(max_len, num_blocks * config.block_size)
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.max_prompt_logprobs_len = config.max_prompt_logprobs_len

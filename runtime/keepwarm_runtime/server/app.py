@@ -10,6 +10,7 @@ checks come first; the pydantic request models are still published in /openapi.j
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -28,6 +29,7 @@ from keepwarm_runtime.server.async_engine import AsyncEngine
 from keepwarm_runtime.server.engine_client import EngineClient
 from keepwarm_runtime.server.errors import BadRequest, from_validation_error, install_error_handlers
 from keepwarm_runtime.server.guards import ApiKey, BodyLimit
+from keepwarm_runtime.server.linger import LingeringClose
 from keepwarm_runtime.server.metrics import ServerMetrics, process_start_time
 from keepwarm_runtime.server.openapi import body_schema, install_openapi
 from keepwarm_runtime.server.protocol import (
@@ -47,6 +49,9 @@ from keepwarm_runtime.server.serving_chat import create_chat_completion
 from keepwarm_runtime.server.serving_completion import create_completion
 from keepwarm_runtime.server.serving_responses import create_response
 from keepwarm_runtime.server.serving_tokens import detokenize, tokenize
+from keepwarm_runtime.server.sleep_mode import ROUTES as SLEEP_ROUTES
+from keepwarm_runtime.server.sleep_mode import SleepMode, register_sleep_routes
+from keepwarm_runtime.server.supervisor import notify_serving
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R", bound=OpenAIRequest)
@@ -64,6 +69,7 @@ ROUTES = (
     "/version",
     "/debug/stats",
     *AUDIO_ROUTES,
+    *SLEEP_ROUTES,
 )
 NOT_INFERENCE = ("/v1/models",)
 
@@ -76,8 +82,16 @@ def create_app(
     started_at: float | None = None,
     options: ServingOptions | None = None,
     audio: AudioServerSettings | None = None,
+    load_before_serving: bool = False,
+    sleep_mode: bool = False,
+    wake_on_request: bool = False,
 ) -> FastAPI:
-    """An app serving the engine ``make_engine()`` builds (called in the engine thread at startup)."""
+    """An app serving the engine ``make_engine()`` builds (called in the engine thread at startup).
+
+    ``load_before_serving``: startup waits until the engine is loaded (or failed), so uvicorn accepts
+    no connection before; a restarted worker (server/supervisor.py) leaves them in the listen backlog
+    meanwhile instead of answering 503. ``sleep_mode``: the /sleep, /wake_up and /is_sleeping routes
+    (server/sleep_mode.py); ``wake_on_request``: a request to a sleeping engine wakes it."""
     model_dir = Path(model_dir)
     options = options or ServingOptions()
     name = served_model_name or model_dir.name
@@ -120,6 +134,9 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
+        if load_before_serving:
+            await asyncio.get_running_loop().run_in_executor(None, async_engine.ready_event.wait)
+        notify_serving()  # a supervised worker's parent judges its /health from now on
         yield
         async_engine.shutdown()
         ctx.close()
@@ -131,6 +148,7 @@ def create_app(
     app.add_middleware(BodyLimit, max_bytes=options.max_request_body_bytes, exempt=frozenset(AUDIO_ROUTES))
     if options.api_key:
         app.add_middleware(ApiKey, key=options.api_key)
+    app.add_middleware(LingeringClose)  # outermost: every early refusal lets the client finish sending
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -182,10 +200,16 @@ def create_app(
         ctx.check_model(model_id)
         return JSONResponse(card().model_dump())
 
+    sleeper = SleepMode(async_engine, metrics, wake_on_request) if sleep_mode else None
+    if sleeper is not None:
+        register_sleep_routes(app, sleeper)
+
     def post(
         path: str, model: type[R], handler: Callable[[ServingContext, R, Request], Awaitable[Any]]
     ) -> None:
         async def route(raw: Request) -> Any:
+            if sleeper is not None:
+                await sleeper.before_request()
             return await handler(ctx, await _parse(ctx, raw, model), raw)
 
         app.post(path, openapi_extra=body_schema(model), name=handler.__name__)(route)

@@ -14,6 +14,7 @@ answers 503 and Kubernetes restarts the pod) and no further work is accepted.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -50,7 +51,7 @@ class _Stream:
 
 
 class AsyncEngine:
-    """Owns the engine thread. ``state`` is "loading", "ready", "failed" or "stopped"."""
+    """Owns the engine thread. ``state`` is "loading", "ready", "sleeping", "failed" or "stopped"."""
 
     def __init__(
         self,
@@ -87,6 +88,22 @@ class AsyncEngine:
     @property
     def ready(self) -> bool:
         return self.state == "ready"
+
+    @property
+    def in_flight(self) -> int:
+        """Requests the engine thread is streaming now (read between steps by ``call``'s functions)."""
+        return len(self._streams)
+
+    def call(self, fn: Callable[[AsyncEngine], Any]) -> concurrent.futures.Future:
+        """Run ``fn(self)`` in the engine thread between steps (sleep and wake: server/sleep_mode.py);
+        the future holds its result or exception. Commands queued before it run first."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self.state not in ("ready", "sleeping"):
+            future.set_exception(EngineRequestError(f"engine is {self.state}", bad_request=False))
+            return future
+        self._inbox.append(("call", (fn, future)))
+        self._wake.set()
+        return future
 
     async def generate(
         self,
@@ -169,6 +186,12 @@ class AsyncEngine:
                     self._send(stream, [error])
                     continue
                 self._streams[request_id] = stream
+            elif kind == "call":
+                fn, future = payload
+                try:
+                    future.set_result(fn(self))
+                except Exception as exc:
+                    future.set_exception(exc)
             else:
                 stream = self._streams.pop(payload, None)
                 self.engine.abort_request(payload)

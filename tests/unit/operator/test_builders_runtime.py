@@ -48,6 +48,11 @@ def test_cached_model_pods_attach_to_the_cache():
         c["readinessProbe"]["httpGet"]["path"] == "/ready"
         and c["livenessProbe"]["httpGet"]["path"] == "/health"
     )
+    # Liveness asks the supervising parent, on the port the command gives it.
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert c["livenessProbe"]["httpGet"]["port"] == "supervisor"
+    assert c["command"][c["command"].index("--supervisor-port") + 1] == str(ports["supervisor"])
+    assert ports["supervisor"] != ports["http"]
     (pref,) = pod["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
     assert pref["preference"]["matchExpressions"] == [
         {"key": warm_label_key("wc1", "llama-8b"), "operator": "Exists"}
