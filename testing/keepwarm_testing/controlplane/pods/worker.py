@@ -269,7 +269,7 @@ class PodWorker:
         sec = spec.get("securityContext") or {}
         uid = int(sec.get("runAsUser", pod_sec.get("runAsUser", 0)))
         gid = int(sec.get("runAsGroup", pod_sec.get("runAsGroup", 0)))
-        groups = [int(g) for g in pod_sec.get("supplementalGroups", [])]
+        groups = [gid, *(int(g) for g in pod_sec.get("supplementalGroups", []))]  # runc lists the gid too
         if "fsGroup" in pod_sec:
             groups.append(int(pod_sec["fsGroup"]))
         if sec.get("runAsNonRoot", pod_sec.get("runAsNonRoot")) and uid == 0:
