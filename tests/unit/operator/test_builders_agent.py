@@ -155,3 +155,21 @@ def test_agent_is_ready_only_when_its_daemon_answers():
     (container,) = agent_daemonset("llama", spec(), "ns", OWNER)["spec"]["template"]["spec"]["containers"]
     assert container["readinessProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
     assert container["ports"] == [{"name": "metrics", "containerPort": spec().agent.metrics_port}]
+
+
+def test_shared_socket_group_is_served_not_only_reachable():
+    """Pods with groupId as a supplemental group reach the 0770 socket; the daemon must also allow
+    them (it serves only its own uid plus --allow-uid/--allow-gid): found running the DaemonSet for
+    real, where every runtime pod fell back to disk ("uid 10001 with gids [2000, 10001] is not
+    allowed")."""
+
+    def allowed(**socket):
+        cmd = agent_daemonset("llama", spec(socket=socket), "ns", OWNER)["spec"]["template"]["spec"]
+        command = cmd["containers"][0]["command"]
+        return [command[i + 1] for i, arg in enumerate(command) if arg == "--allow-gid"]
+
+    assert allowed() == ["2000"]
+    assert allowed(groupId=3000) == ["3000"]
+    assert allowed(groupId=3000, allowedGids=[3000, 4000]) == ["3000", "4000"]
+    assert allowed(allowedUids=[10001]) == []  # only those uids, as the spec says
+    assert allowed(mode="0700") == []
