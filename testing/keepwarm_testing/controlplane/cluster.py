@@ -38,6 +38,7 @@ from keepwarm_runtime.server.launcher import free_port
 from .kubelet import FakeKubelet
 from .pki import PKI, SERVING_NAMES, client_ssl_context, write_kubeconfig
 from .pods.apiproxy import TcpForwarder
+from .pods.images import ImageConfig
 from .pods.runner import PodRunner
 
 SERVICE_CIDR = "10.0.0.0/16"  # room for a Service per InferenceDeployment at bench scale (400+)
@@ -94,8 +95,10 @@ class ControlPlane:
         extra_args: dict[str, list[str]] | None = None,
         heartbeat_s: float = 10.0,
         run_pods: bool = False,
+        images: dict[str, ImageConfig] | None = None,
     ) -> None:
         self.run_pods = run_pods
+        self.images = images or {}  # run_pods: image repository -> entrypoint/user (pods/images.py)
         self.pods: PodRunner | None = None  # the pod runner (run_pods=True), from start() on
         self._api_proxy: TcpForwarder | None = None
         self.bin_dir = Path(bin_dir)
@@ -135,7 +138,7 @@ class ControlPlane:
         self.data.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(parents=True, exist_ok=True)
         if self.run_pods:
-            self.pods = PodRunner(self.root / "pods", self.ports["apiserver"])
+            self.pods = PodRunner(self.root / "pods", self.ports["apiserver"], self.images)
         self._make_credentials()
         self._spawn("etcd", self._etcd_args())
         self._wait(

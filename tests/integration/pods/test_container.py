@@ -15,7 +15,7 @@ import pytest
 
 from keepwarm_testing.controlplane.pods import cgroups
 from keepwarm_testing.controlplane.pods.container import Launch, Mount, Running, effective_capabilities, start
-from keepwarm_testing.controlplane.pods.network import PodNetwork, leaked_interfaces
+from keepwarm_testing.controlplane.pods.network import PodNetwork, existing
 
 pytestmark = [
     pytest.mark.integration,
@@ -41,7 +41,7 @@ def sandbox(tmp_path: Path) -> Iterator[tuple[PodNetwork, cgroups.PodCgroup, str
         cgroups.remove_group(cgroup.group)
         net.delete_pod_netns("pod-a")
         net.teardown()
-    assert leaked_interfaces() == [] or all(not n.startswith(net.bridge) for n in leaked_interfaces())
+    assert existing(net.bridge, {"pod-a"}) == []
 
 
 def launch(cgroup: cgroups.PodCgroup, argv: list[str], **kw: object) -> Launch:

@@ -19,7 +19,6 @@ import pytest
 
 from keepwarm_testing.controlplane.build import ControlPlaneBuildError, build_control_plane
 from keepwarm_testing.controlplane.cluster import ControlPlane
-from keepwarm_testing.controlplane.pods.network import leaked_interfaces
 
 pytestmark = [
     pytest.mark.integration,
@@ -43,7 +42,8 @@ def cluster() -> Iterator[ControlPlane]:
             what="the namespace's default ServiceAccount",
         )
         yield cp
-    assert leaked_interfaces() == [], "the pod runner left interfaces or namespaces behind"
+        runner = cp.pods
+    assert runner is not None and runner.leftovers() == [], "the pod runner left things behind"
 
 
 def node_root(cp: ControlPlane) -> Path:

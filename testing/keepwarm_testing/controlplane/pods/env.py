@@ -124,11 +124,14 @@ def container_env(
     return env
 
 
-def container_argv(container: dict[str, Any], env: dict[str, str]) -> list[str]:
-    """command + args with $(VAR) expanded; there is no image entrypoint to fall back on."""
-    command = container.get("command")
-    if not command:
-        raise ConfigError(
-            f"container {container['name']}: no command (the pod runner has no image entrypoint to use)"
-        )
-    return [expand(arg, env) for arg in [*command, *container.get("args", [])]]
+def container_argv(
+    container: dict[str, Any], env: dict[str, str], entrypoint: list[str], cmd: list[str]
+) -> list[str]:
+    """As a container runtime combines them: `command` replaces the image's ENTRYPOINT (and drops its
+    CMD), `args` replace CMD; $(VAR) expanded in command and args, never in the image's own."""
+    command, args = container.get("command"), container.get("args")
+    head = [expand(a, env) for a in command] if command else list(entrypoint)
+    tail = [expand(a, env) for a in args] if args is not None else ([] if command else list(cmd))
+    if not head and not tail:
+        raise ConfigError(f"container {container['name']}: no command, and its image has no entrypoint here")
+    return head + tail

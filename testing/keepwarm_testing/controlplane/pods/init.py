@@ -12,7 +12,8 @@ What a container runtime does for one container, in this order:
      container), pivots into it, mounts /proc, /sys (read-only), /dev with its own /dev/shm, an empty
      /tmp, then every volume at its mountPath (bind; read-only where asked), parents first;
   4. /root becomes traversable (mode 0711, in the upper layer only) because the image's Python lives
-     under it on this machine; the root is remounted read-only for readOnlyRootFilesystem;
+     under it on this machine; the working directory is created if missing; the root is remounted
+     read-only for readOnlyRootFilesystem;
   5. sets the hostname and execs `setpriv`, which takes the uid, gid, supplementary groups,
      capability sets and no_new_privs, then execs the command with exactly the container's env.
 A failure before the exec prints one line naming the step on stderr (the container log) and exits 128.
@@ -116,6 +117,7 @@ def build_root(spec: dict) -> None:
             mount("none", target, None, MS_BIND | MS_REMOUNT | MS_RDONLY)
     _check(libc.umount2(old.encode(), MNT_DETACH), f"umount {old}")
     os.rmdir(old)
+    os.makedirs(spec["working_dir"], exist_ok=True)  # as runc does for an image's WORKDIR
     if spec["read_only_root"]:
         mount("none", "/", None, MS_BIND | MS_REMOUNT | MS_RDONLY)
 

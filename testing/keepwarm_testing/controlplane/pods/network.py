@@ -7,7 +7,8 @@ fake nodes talk across the bridge without the host forwarding anything. No route
 machine: the host reaches pod IPs over the bridge, and nothing else is configured.
 
 Every name starts with `kwt` (bridge `kwt<4 hex>`, namespaces `kwt-<pod uid>`, veths `kwv<12 hex>`),
-so a leak is easy to find: `ip netns | grep kwt`, `ip link | grep kwt`.
+so a leak is easy to find: `ip netns | grep kwt`, `ip link | grep kwt`; `existing()` checks one
+harness's own names (other harnesses may be running beside it).
 """
 
 from __future__ import annotations
@@ -136,12 +137,13 @@ class PodNetwork:
         ip("netns", "del", netns_name(pod_uid), check=False)
 
 
-def leaked_interfaces(bridge: str | None = None) -> list[str]:
-    """Interfaces and namespaces named by this harness that still exist (for cleanup checks)."""
-    links = re.findall(r"^\d+: (" + PREFIX + r"[\w-]*)", ip("-o", "link"), re.M)
-    names = [name for name in links if bridge is None or name != bridge]
-    netns = [line.split()[0] for line in ip("netns", "list").splitlines() if line.startswith(PREFIX)]
-    return names + netns
+def existing(bridge: str, pod_uids: set[str]) -> list[str]:
+    """Which of this bridge and these pods' namespaces and veths still exist (for cleanup checks)."""
+    links = set(re.findall(r"^\d+: ([\w-]+)", ip("-o", "link"), re.M))
+    namespaces = {line.split()[0] for line in ip("netns", "list").splitlines() if line.strip()}
+    found = [bridge] if bridge in links else []
+    found += [veth_name(uid) for uid in sorted(pod_uids) if veth_name(uid) in links]
+    return found + [netns_name(uid) for uid in sorted(pod_uids) if netns_name(uid) in namespaces]
 
 
 def wait_listening(address: str, port: int, timeout_s: float = 5.0) -> bool:

@@ -6,7 +6,8 @@
     runner.stop()                           # kills every pod, removes bridge, namespaces, cgroups
 
 The image is not pulled: the host's installed keepwarm (this interpreter's environment, first on PATH)
-is every image's content; `status.containerStatuses[].image` still records the image asked for.
+is every image's content; `status.containerStatuses[].image` still records the image asked for, and
+`images` (images.py) gives an image's entrypoint, cmd, user and working directory.
 Each node has its own root directory for hostPath volumes (see volumes.py). A pod is one
 `PodWorker` thread (worker.py). The parts: network.py (bridge, namespaces, veths), cgroups.py,
 volumes.py, env.py, probes.py, container.py + init.py (one container), status.py.
@@ -26,8 +27,9 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
-from . import cgroups
+from . import cgroups, network
 from .env import DEFAULT_PATH
+from .images import ImageConfig, repository
 from .network import PodNetwork
 from .worker import PodWorker
 
@@ -78,8 +80,9 @@ class ClusterApi:
 
 
 class PodRunner:
-    def __init__(self, root: Path, api_port: int) -> None:
+    def __init__(self, root: Path, api_port: int, images: dict[str, ImageConfig] | None = None) -> None:
         self.root = root
+        self.images = dict(images or {})  # image repository (no tag) -> its config (images.py)
         self.request: Request = self._unbound
         self.api = ClusterApi(self._call)
         self.network = PodNetwork()
@@ -90,6 +93,7 @@ class PodRunner:
         self._lock = threading.Lock()
         self._nodes: dict[str, RunnerNode] = {}
         self._workers: dict[str, PodWorker] = {}
+        self._ran: set[str] = set()  # uid of every pod ever started here (for leftovers())
         self.network.setup()
 
     def bind(self, request: Request) -> None:
@@ -143,6 +147,7 @@ class PodRunner:
                     worker = None
                 else:
                     worker = self._workers[uid] = PodWorker(self, node, pod)
+                    self._ran.add(uid)
                     worker.start()
                     return
         if worker is None:  # never started here: nothing to stop
@@ -163,6 +168,25 @@ class PodRunner:
                 (w for w in self._workers.values() if (w.namespace, w.name) == (namespace, name)), None
             )
 
+    def workers(self) -> list[PodWorker]:
+        with self._lock:
+            return list(self._workers.values())
+
+    def cgroup_pids(self) -> set[int]:
+        """Every process in any pod cgroup of this runner (empty once all pods are gone)."""
+        found: set[int] = set()
+        for procs in cgroups.CGROUP_ROOT.glob(f"*/{self.group}/*/cgroup.procs"):
+            found |= {int(pid) for pid in procs.read_text().split()}
+        return found
+
+    def leftovers(self) -> list[str]:
+        """What of this runner still exists on the machine: its bridge, its pods' namespaces and veths,
+        its cgroups. Empty after stop(), and for the pods it ran, once they are gone."""
+        with self._lock:
+            ran = set(self._ran) - set(self._workers)
+        found = network.existing(self.network.bridge if self.stopping.is_set() else "", ran)
+        return found + [str(p) for p in cgroups.CGROUP_ROOT.glob(f"*/{self.group}/*") if p.name in ran]
+
     def finalize(self, pod: dict[str, Any]) -> None:
         """Every container has stopped: delete the Pod for good, as a kubelet does."""
         meta = pod["metadata"]
@@ -182,6 +206,9 @@ class PodRunner:
         meta = pod["metadata"]
         path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status"
         return self.request("PATCH", path, {"status": status}, merge=True, ok=(404, 409)) is not None
+
+    def image(self, reference: str) -> ImageConfig:
+        return self.images.get(repository(reference), ImageConfig())
 
     def cgroup_for(self, uid: str) -> cgroups.PodCgroup:
         return cgroups.PodCgroup(self.group, uid)

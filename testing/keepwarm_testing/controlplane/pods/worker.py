@@ -5,10 +5,11 @@
      and retried every few seconds, as a kubelet does;
   2. init containers one after the other, each to exit 0 (restarted with backoff otherwise);
   3. the containers: started together; startup, readiness and liveness probes set `started` and
-     `ready`; an exit, or a failed startup or liveness probe (SIGTERM, SIGKILL after the grace
-     period), restarts the container under restartPolicy Always with the kubelet's backoff: the first
-     restart at once, then 10 s doubling to 5 min (CrashLoopBackOff while waiting), reset after a run
-     of 10 min; restartCount and lastState as the kubelet reports them;
+     `ready` (readiness is probed at once when the startup probe passes, as the kubelet does); an
+     exit, or a failed startup or liveness probe (SIGTERM, SIGKILL after the grace period), restarts
+     the container under restartPolicy Always with the kubelet's backoff: the first restart at once,
+     then 10 s doubling to 5 min (CrashLoopBackOff while waiting), reset after a run of 10 min;
+     restartCount and lastState as the kubelet reports them;
   4. deletion: SIGTERM to every container, SIGKILL to the whole cgroup after the pod's grace period,
      then the namespace, veth, cgroup and pod directory go, and the Pod object is deleted for good.
 Every change of what a user sees is PATCHed to the pod's status.
@@ -246,6 +247,8 @@ class PodWorker:
             if kind == "startupProbe" and state.passed:
                 run.view.started = True
                 run.view.ready = "readinessProbe" not in run.probes
+                if "readinessProbe" in run.probes:  # the kubelet probes readiness at once after startup
+                    run.probes["readinessProbe"].next_at = now
             elif kind == "readinessProbe":
                 run.view.ready = state.passed
             if kind in ("startupProbe", "livenessProbe") and state.failed:
@@ -267,8 +270,9 @@ class PodWorker:
     def _launch(self, spec: dict[str, Any]) -> ct.Launch:
         pod_sec = self.pod["spec"].get("securityContext") or {}
         sec = spec.get("securityContext") or {}
-        uid = int(sec.get("runAsUser", pod_sec.get("runAsUser", 0)))
-        gid = int(sec.get("runAsGroup", pod_sec.get("runAsGroup", 0)))
+        image = self.runner.image(spec.get("image", ""))
+        uid = int(sec.get("runAsUser", pod_sec.get("runAsUser", image.uid)))
+        gid = int(sec.get("runAsGroup", pod_sec.get("runAsGroup", image.gid if uid == image.uid else 0)))
         groups = [gid, *(int(g) for g in pod_sec.get("supplementalGroups", []))]  # runc lists the gid too
         if "fsGroup" in pod_sec:
             groups.append(int(pod_sec["fsGroup"]))
@@ -293,14 +297,14 @@ class PodWorker:
                     source.mkdir(parents=True)
             mounts.append(ct.Mount(str(source), m["mountPath"], bool(m.get("readOnly"))))
         return ct.Launch(
-            argv=container_argv(spec, env),
+            argv=container_argv(spec, env, image.entrypoint, image.cmd),
             env=env,
             uid=uid,
             gid=gid,
             groups=sorted(set(groups)),
             capabilities=ct.effective_capabilities(sec),
             hostname=self.pod["spec"].get("hostname") or self.name,
-            working_dir=spec.get("workingDir") or "/",
+            working_dir=spec.get("workingDir") or image.working_dir,
             mounts=mounts,
             read_only_root=bool(sec.get("readOnlyRootFilesystem")),
             no_new_privs=sec.get("allowPrivilegeEscalation") is False,
