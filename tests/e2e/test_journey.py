@@ -247,6 +247,34 @@ def test_scale_to_zero_and_back(journey: SimpleNamespace) -> None:
     assert set(metric(pod, "keepwarm_weight_load_seconds")) == {"cache"}
 
 
+def test_removing_the_model_keeps_serving_pods_serving(journey: SimpleNamespace) -> None:
+    """As the README says: the Deployment is left alone (Available False, ModelNotInCache), the agent
+    is not restarted, and a pod that attached keeps serving from its mapping after the eviction."""
+    cp = journey.cp
+    (pod,) = ready_pods(cp, APPS, RUNTIME, 1)
+    agents = f"app.kubernetes.io/name=keepwarm-agent,app.kubernetes.io/instance={WC}"
+    (agent,) = pods(cp, NAMESPACE, agents)
+    cp.kubectl("patch", "weightcache", WC, "--type=merge", "-p", '{"spec": {"models": []}}')
+
+    def evicted() -> bool:
+        wcns = items(cp, f"{GROUP_PATH}/weightcachenodes?labelSelector=keepwarm.dev/weightcache={WC}")
+        return bool(wcns) and all(not (w.get("status") or {}).get("models") for w in wcns)
+
+    cp.wait_for(evicted, timeout_s=120, what="the model gone from the WeightCacheNode")
+    idep_path = f"{GROUP_PATH}/namespaces/{APPS}/inferencedeployments/{IDEP}"
+    cp.wait_for(
+        lambda: condition(get(cp, idep_path), "Available").get("reason") == "ModelNotInCache",
+        timeout_s=120,
+        what="the InferenceDeployment saying ModelNotInCache",
+    )
+    assert answer(pod) == journey.answer
+    (still,) = pods(cp, APPS, RUNTIME)
+    assert still["metadata"]["uid"] == pod["metadata"]["uid"] and is_ready(still)
+    (agent_now,) = pods(cp, NAMESPACE, agents)
+    assert agent_now["metadata"]["uid"] == agent["metadata"]["uid"]
+    assert agent_now["status"]["containerStatuses"][0]["restartCount"] == 0
+
+
 def test_uninstall_leaves_nothing_behind(journey: SimpleNamespace) -> None:
     cp = journey.cp
     cp.kubectl("delete", "-n", APPS, "inferencedeployment", IDEP, "--wait=true", timeout=180)
