@@ -163,6 +163,9 @@ def runtime_deployment(
         "spec": {
             "replicas": spec.replicas,
             "selector": {"matchLabels": labels},
+            # A spec change never takes serving capacity away: an old pod serves until a new one is
+            # Ready (the surge, 25% rounded up, is at least one pod).
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0}},
             "template": {
                 "metadata": {"labels": {**spec.pod.labels, **labels}, "annotations": annotations},
                 "spec": pod_spec,

@@ -114,3 +114,8 @@ def test_startup_probe_long_polls_so_ready_follows_the_runtime_at_once():
     assert 1 <= wait <= READY_WAIT_MAX_S
     assert startup["timeoutSeconds"] > wait and startup["periodSeconds"] == 1
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_rolling_update_keeps_every_replica_serving():
+    dep = runtime_deployment("chat", "ns", idep(replicas=1), BINDING, OWNER)
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0}}
