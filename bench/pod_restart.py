@@ -66,8 +66,11 @@ def ready(pod: dict[str, Any]) -> bool:
 def wait(predicate: Any, timeout_s: float = 900.0) -> Any:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if value := predicate():
-            return value
+        try:
+            if value := predicate():
+                return value
+        except httpx.HTTPError:  # e.g. 429 while the API server initializes a new CRD's storage
+            pass
         time.sleep(POLL_S)
     raise TimeoutError(f"gave up after {timeout_s:.0f} s")
 
