@@ -23,6 +23,7 @@ pytestmark = [
 ]
 VENV_BIN = str(Path(os.sys.executable).parent)
 PATH = f"{VENV_BIN}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
+POD = f"pod-a-{os.getpid()}"  # the pod uid: unique, so runs side by side never share a namespace
 
 
 @pytest.fixture
@@ -30,18 +31,18 @@ def sandbox(tmp_path: Path) -> Iterator[tuple[PodNetwork, cgroups.PodCgroup, str
     """A bridge, one pod network namespace and one pod cgroup; all removed afterwards, even on failure."""
     net = PodNetwork()
     net.setup()
-    cgroup = cgroups.PodCgroup(f"kwt-t{os.getpid()}", "pod-a")
+    cgroup = cgroups.PodCgroup(f"kwt-t{os.getpid()}", POD)
     try:
         cgroup.create(cgroups.Limits(memory_bytes=512 << 20, cpu_millis=500))
         address = net.allocate(1)
-        net.create_pod_netns("pod-a", address, "pod-a")
+        net.create_pod_netns(POD, address, "pod-a")
         yield net, cgroup, address
     finally:
         cgroup.remove()
         cgroups.remove_group(cgroup.group)
-        net.delete_pod_netns("pod-a")
+        net.delete_pod_netns(POD)
         net.teardown()
-    assert existing(net.bridge, {"pod-a"}) == []
+    assert existing(net.bridge, {POD}) == []
 
 
 def launch(cgroup: cgroups.PodCgroup, argv: list[str], **kw: object) -> Launch:
@@ -52,7 +53,7 @@ def launch(cgroup: cgroups.PodCgroup, argv: list[str], **kw: object) -> Launch:
         groups=[],
         capabilities=[],
         hostname="pod-a",
-        netns="/run/netns/kwt-pod-a",
+        netns=f"/run/netns/kwt-{POD}",
         cgroup_procs=[str(p) for p in cgroup.procs_files()],
     )
     return Launch(argv=argv, **{**defaults, **kw})
@@ -185,4 +186,4 @@ def test_setup_failure_is_reported_in_the_log(sandbox, tmp_path: Path) -> None:
     assert running.proc.returncode != 0
     assert "no-such-binary-kwt" in log
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert "kwt-pod-a" in out  # the sandbox outlives its containers; the fixture removes it
+    assert f"kwt-{POD}" in out  # the sandbox outlives its containers; the fixture removes it

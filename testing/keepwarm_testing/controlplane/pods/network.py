@@ -85,10 +85,24 @@ class PodNetwork:
             raise NetworkError(f"node index {node_index} outside 1..254")
         return f"10.{self.second_octet}.{node_index}.0/24"
 
-    def setup(self) -> None:
+    def setup(self, attempts: int = 5) -> None:
+        """Create the bridge; if another harness took the same /16 meanwhile, pick another one."""
         ip("link", "add", self.bridge, "type", "bridge")
-        ip("addr", "add", f"{self.gateway}/16", "dev", self.bridge)
-        ip("link", "set", self.bridge, "up")
+        for _ in range(attempts):
+            ip("addr", "add", f"{self.gateway}/16", "dev", self.bridge)
+            others = [
+                line
+                for line in ip("-o", "addr").splitlines()
+                if f" 10.{self.second_octet}." in line and f" {self.bridge} " not in f" {line.split()[1]} "
+            ]
+            if not others:
+                ip("link", "set", self.bridge, "up")
+                return
+            ip("addr", "flush", "dev", self.bridge)
+            self.second_octet = 0
+            self.__post_init__()
+        self.teardown()
+        raise NetworkError("no free 10.Y.0.0/16 for the pod network after several tries")
 
     def teardown(self) -> None:
         ip("link", "del", self.bridge, check=False)

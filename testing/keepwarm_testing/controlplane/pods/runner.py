@@ -142,6 +142,8 @@ class PodRunner:
         deleting = pod["metadata"].get("deletionTimestamp")
         with self._lock:
             worker = self._workers.get(uid)
+            if worker is None and uid in self._ran and not deleting:
+                return  # a late event of a pod that already ran here and is gone: never twice
             if worker is None:
                 if deleting:
                     worker = None
