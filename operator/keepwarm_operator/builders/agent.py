@@ -116,6 +116,16 @@ def budget_bytes(budget: int | str | None) -> int | None:
     return None if budget is None else int(parse_quantity(budget))
 
 
+def allowed_gids(spec: WeightCacheSpec) -> list[int]:
+    """The peer groups the daemon serves. Sharing the socket with groupId means serving that group:
+    the daemon itself allows only its own uid plus --allow-uid/--allow-gid, so without this the
+    inference pods (groupId as a supplemental group) could open the socket and be refused. Explicit
+    allowedUids alone keep the daemon to those uids (allowedGids, when set, includes groupId: CEL)."""
+    if spec.socket.allowed_gids or spec.socket.mode != SocketMode.SHARED or spec.socket.allowed_uids:
+        return list(spec.socket.allowed_gids)
+    return [spec.socket.group_id]
+
+
 def agent_command(spec: WeightCacheSpec, cache: str) -> list[str]:
     dtype = spec.models[0].dtype.value if spec.models else "bfloat16"
     command = [
@@ -134,7 +144,7 @@ def agent_command(spec: WeightCacheSpec, cache: str) -> list[str]:
         command += ["--budget", str(budget)]
     for uid in spec.socket.allowed_uids:
         command += ["--allow-uid", str(uid)]
-    for gid in spec.socket.allowed_gids:
+    for gid in allowed_gids(spec):
         command += ["--allow-gid", str(gid)]
     command += ["--after-handoff", "wait"]  # a surge pod took over: idle until deleted, never restarted
     node = f"$({podenv.NODE_NAME})"  # the downward API variable, expanded by the kubelet

@@ -1,8 +1,9 @@
 """The FastAPI app: OpenAI routes, tokenizer routes, probes, metrics; errors as OpenAI bodies.
 
 The engine loads in its own thread once the app starts, so the port answers /health (alive) at once
-while /ready and the inference routes answer 503 until the weights are in. /health also answers 503
-once the engine has failed in a way no single request can be blamed for, so the pod gets restarted.
+while /ready and the inference routes answer 503 until the weights are in (`/ready?wait=S` holds its
+answer up to S seconds for them: see keepwarm_api.probes). /health also answers 503 once the engine
+has failed in a way no single request can be blamed for, so the pod gets restarted.
 
 Request bodies are parsed here (``request_body``) rather than by FastAPI, so size, depth and Unicode
 checks come first; the pydantic request models are still published in /openapi.json.
@@ -23,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from keepwarm_api.probes import READY_PATH, READY_WAIT_MAX_S
 from keepwarm_runtime import __version__
 from keepwarm_runtime.engine.outputs import EngineStats
 from keepwarm_runtime.server.async_engine import AsyncEngine
@@ -72,6 +74,7 @@ ROUTES = (
     *SLEEP_ROUTES,
 )
 NOT_INFERENCE = ("/v1/models",)
+READY_POLL_S = 0.01  # how often a long-polling /ready looks at the engine (a probe sees ready this late)
 
 
 def create_app(
@@ -167,8 +170,12 @@ def create_app(
         """Liveness alias of /health (SageMaker and some load balancers probe /ping)."""
         return await health()
 
-    @app.get("/ready")
-    async def ready() -> JSONResponse:
+    @app.get(READY_PATH)
+    async def ready(wait: float = 0.0) -> JSONResponse:
+        """?wait=S long-polls: answers the moment the engine leaves loading, or after S s (capped)."""
+        deadline = time.monotonic() + min(max(wait, 0.0), READY_WAIT_MAX_S)
+        while not async_engine.ready_event.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(READY_POLL_S)
         ctx.engine  # noqa: B018 - raises NotReady (503) while loading
         return JSONResponse({"status": "ready", "model": name})
 

@@ -193,3 +193,21 @@ def test_the_rendered_commands_parse_as_the_runtime_declares_them():
     for command in (agent["command"], holder["command"]):
         args = parser.parse_args(command[1:])
         assert args.after_handoff == "wait" and args.socket_dir == "/var/run/keepwarm/llama"
+
+
+def test_shared_socket_group_is_served_not_only_reachable():
+    """Pods with groupId as a supplemental group reach the 0770 socket; the daemon must also allow
+    them (it serves only its own uid plus --allow-uid/--allow-gid): found running the DaemonSet for
+    real, where every runtime pod fell back to disk ("uid 10001 with gids [2000, 10001] is not
+    allowed")."""
+
+    def allowed(**socket):
+        cmd = agent_daemonset("llama", spec(socket=socket), "ns", OWNER)["spec"]["template"]["spec"]
+        command = cmd["containers"][0]["command"]
+        return [command[i + 1] for i, arg in enumerate(command) if arg == "--allow-gid"]
+
+    assert allowed() == ["2000"]
+    assert allowed(groupId=3000) == ["3000"]
+    assert allowed(groupId=3000, allowedGids=[3000, 4000]) == ["3000", "4000"]
+    assert allowed(allowedUids=[10001]) == []  # only those uids, as the spec says
+    assert allowed(mode="0700") == []
