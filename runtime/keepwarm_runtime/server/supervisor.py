@@ -14,10 +14,10 @@ waits on a worker. A worker says over a pipe when it starts accepting (``notify_
 counts from then. While a worker is replaced the listening socket stays open in the parent, so new
 connections wait in its backlog instead of being refused; requests in flight in the dead worker end
 with an error. The first restart in a row is immediate, later ones back off exponentially; a worker
-that stays ready for ``STABLE_S`` ends the row. The parent's own /health (a port of its own) answers 200 while it can
-still recover and 503 once ``max_failed_restarts`` restarts in a row failed, so Kubernetes' liveness
-probe restarts the container only then. Restarts are counted by cause; the counts live in the
-parent, and each worker inherits them by the fork and exports them on its /metrics.
+that stays ready for ``STABLE_S`` ends the row. The parent's own /health (a port of its own) answers
+200 while it can still recover and 503 once ``max_failed_restarts`` restarts in a row failed, so
+Kubernetes' liveness probe restarts the container only then. Restarts are counted by cause; the
+counts live in the parent, and each worker inherits them by the fork and exports them on /metrics.
 
 A worker that fails to load before any worker was ever ready ends the parent with its exit code,
 as `keepwarm serve` without a parent would end: bad settings or a broken checkpoint do not heal by
@@ -36,6 +36,7 @@ import os
 import selectors
 import signal
 import socket
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -126,6 +127,18 @@ def thread_count() -> int:
         return 1
 
 
+def fork_hazards() -> list[str]:
+    """What would make a fork of this process unsafe: other threads (OpenMP's, tokenizers', ...) or a
+    CUDA context. The parent checks before each fork and warns; it is built to have neither."""
+    found = []
+    if (threads := thread_count()) > 1:
+        found.append(f"the parent has {threads} threads")
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        found.append("the parent has a CUDA context")
+    return found
+
+
 class Supervisor:
     """Runs ``worker()`` in forked children until stopped; ``run()`` returns the exit code."""
 
@@ -212,8 +225,8 @@ class Supervisor:
     # --- the worker -------------------------------------------------------------------------------
 
     def _spawn(self) -> None:
-        if thread_count() > 1:
-            logger.warning("forking the worker from a parent with %d threads", thread_count())
+        for hazard in fork_hazards():
+            logger.warning("forking the worker although %s", hazard)
         serving_r, serving_w = os.pipe()
         pid = os.fork()
         if pid == 0:
