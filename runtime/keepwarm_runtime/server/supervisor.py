@@ -51,6 +51,7 @@ STABLE_S = 10.0  # a worker ready this long ends a row of failed restarts
 # says it serves (notify_serving, or a first /health answer), silence counts as a hang only after this.
 LOAD_TIMEOUT_S = 600.0
 _PR_SET_PDEATHSIG = 1
+_HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD)  # the parent's handlers
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class SupervisorConfig:
     health_interval: float = 1.0  # seconds between /health polls of the worker
     backoff_base_s: float = 0.5  # the second restart in a row waits this long, each later one twice that
     backoff_cap_s: float = 30.0
-    stop_grace_s: float = 15.0  # SIGTERM to SIGKILL when stopping the worker
+    stop_grace_s: float = 10.0  # SIGTERM to SIGKILL when stopping the worker (uvicorn's grace: 5 s)
 
 
 @dataclass
@@ -228,10 +229,15 @@ class Supervisor:
         for hazard in fork_hazards():
             logger.warning("forking the worker although %s", hazard)
         serving_r, serving_w = os.pipe()
+        # A stop signal arriving around the fork must not reach the child's copy of the parent's
+        # handler (it would be swallowed): blocked here, it stays pending until the child has put
+        # back the default action (and dies of it), or the parent has its handler again.
+        signal.pthread_sigmask(signal.SIG_BLOCK, _HANDLED)
         pid = os.fork()
         if pid == 0:
             os.close(serving_r)
             os._exit(self._worker_main(serving_w))
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _HANDLED)
         os.close(serving_w)
         self._serving_r = serving_r
         self._selector.register(serving_r, selectors.EVENT_READ)
@@ -249,8 +255,9 @@ class Supervisor:
         code = 1
         try:
             signal.set_wakeup_fd(-1)
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
+            for sig in _HANDLED:
                 signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _HANDLED)
             for sock in self._close_in_worker:
                 sock.close()
             os.close(self._wake_r)
