@@ -14,10 +14,10 @@ waits on a worker. A worker says over a pipe when it starts accepting (``notify_
 counts from then. While a worker is replaced the listening socket stays open in the parent, so new
 connections wait in its backlog instead of being refused; requests in flight in the dead worker end
 with an error. The first restart in a row is immediate, later ones back off exponentially; a worker
-that stays ready for ``STABLE_S`` ends the row. The parent's own /health (a port of its own) answers 200 while it can
-still recover and 503 once ``max_failed_restarts`` restarts in a row failed, so Kubernetes' liveness
-probe restarts the container only then. Restarts are counted by cause; the counts live in the
-parent, and each worker inherits them by the fork and exports them on its /metrics.
+that stays ready for ``STABLE_S`` ends the row. The parent's own /health (a port of its own) answers
+200 while it can still recover and 503 once ``max_failed_restarts`` restarts in a row failed, so
+Kubernetes' liveness probe restarts the container only then. Restarts are counted by cause; the
+counts live in the parent, and each worker inherits them by the fork and exports them on /metrics.
 
 A worker that fails to load before any worker was ever ready ends the parent with its exit code,
 as `keepwarm serve` without a parent would end: bad settings or a broken checkpoint do not heal by
@@ -36,6 +36,7 @@ import os
 import selectors
 import signal
 import socket
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ STABLE_S = 10.0  # a worker ready this long ends a row of failed restarts
 # says it serves (notify_serving, or a first /health answer), silence counts as a hang only after this.
 LOAD_TIMEOUT_S = 600.0
 _PR_SET_PDEATHSIG = 1
+_HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD)  # the parent's handlers
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ class SupervisorConfig:
     health_interval: float = 1.0  # seconds between /health polls of the worker
     backoff_base_s: float = 0.5  # the second restart in a row waits this long, each later one twice that
     backoff_cap_s: float = 30.0
-    stop_grace_s: float = 15.0  # SIGTERM to SIGKILL when stopping the worker
+    stop_grace_s: float = 10.0  # SIGTERM to SIGKILL when stopping the worker (uvicorn's grace: 5 s)
 
 
 @dataclass
@@ -124,6 +126,18 @@ def thread_count() -> int:
         return len(os.listdir("/proc/self/task"))
     except OSError:
         return 1
+
+
+def fork_hazards() -> list[str]:
+    """What would make a fork of this process unsafe: other threads (OpenMP's, tokenizers', ...) or a
+    CUDA context. The parent checks before each fork and warns; it is built to have neither."""
+    found = []
+    if (threads := thread_count()) > 1:
+        found.append(f"the parent has {threads} threads")
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        found.append("the parent has a CUDA context")
+    return found
 
 
 class Supervisor:
@@ -212,13 +226,18 @@ class Supervisor:
     # --- the worker -------------------------------------------------------------------------------
 
     def _spawn(self) -> None:
-        if thread_count() > 1:
-            logger.warning("forking the worker from a parent with %d threads", thread_count())
+        for hazard in fork_hazards():
+            logger.warning("forking the worker although %s", hazard)
         serving_r, serving_w = os.pipe()
+        # A stop signal arriving around the fork must not reach the child's copy of the parent's
+        # handler (it would be swallowed): blocked here, it stays pending until the child has put
+        # back the default action (and dies of it), or the parent has its handler again.
+        signal.pthread_sigmask(signal.SIG_BLOCK, _HANDLED)
         pid = os.fork()
         if pid == 0:
             os.close(serving_r)
             os._exit(self._worker_main(serving_w))
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _HANDLED)
         os.close(serving_w)
         self._serving_r = serving_r
         self._selector.register(serving_r, selectors.EVENT_READ)
@@ -236,8 +255,9 @@ class Supervisor:
         code = 1
         try:
             signal.set_wakeup_fd(-1)
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
+            for sig in _HANDLED:
                 signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _HANDLED)
             for sock in self._close_in_worker:
                 sock.close()
             os.close(self._wake_r)

@@ -9,7 +9,13 @@ import time
 
 import pytest
 
-from keepwarm_runtime.server.supervisor import backoff_delay, bind_listener, describe_exit, local_address
+from keepwarm_runtime.server.supervisor import (
+    backoff_delay,
+    bind_listener,
+    describe_exit,
+    fork_hazards,
+    local_address,
+)
 from keepwarm_runtime.server.worker_probe import PENDING, HealthProbe, engine_state
 
 
@@ -78,3 +84,16 @@ def test_a_probe_never_blocks_on_a_listener_nobody_accepts_and_reads_an_answer()
     refused.start()
     assert _drive(refused, selector, 5) is None
     selector.close()
+
+
+def test_a_second_thread_is_a_fork_hazard():
+    import threading
+
+    release = threading.Event()
+    thread = threading.Thread(target=release.wait)
+    thread.start()
+    try:
+        assert any("threads" in hazard for hazard in fork_hazards())
+    finally:
+        release.set()
+        thread.join()
