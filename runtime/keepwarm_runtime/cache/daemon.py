@@ -134,6 +134,7 @@ class CacheDaemon:
         self._listener: socket.socket | None = None
         self._inheritance: Inheritance | None = None  # from a predecessor, until bind() commits it
         self.handed_off = False  # this daemon handed its arenas and socket to a successor
+        self.took_over = False  # this daemon serves a predecessor's socket (bind committed it)
         self.handing_off = threading.Lock()  # held while a successor holds a stream of this daemon
         self._holder_lock = threading.Lock()
         self._nofile = 0
@@ -346,6 +347,7 @@ class CacheDaemon:
         self._nofile = raise_nofile_limit()
         if self._inheritance is not None:  # the predecessor's listener: no connection is ever refused
             inheritance, self._inheritance = self._inheritance, None
+            self.took_over = True
             listener = socket.socket(fileno=inheritance.listener_fd)
             try:
                 succession.commit(self, inheritance)
@@ -366,7 +368,7 @@ class CacheDaemon:
         self._listener = listener
         self.sync_holder()
         if self.config.metrics_port is not None:
-            self.metrics.serve(self.config.metrics_port)
+            self.metrics.serve(self.config.metrics_port, took_over=self.took_over)
 
     @property
     def stopping(self) -> bool:

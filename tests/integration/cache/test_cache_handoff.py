@@ -39,6 +39,22 @@ def _fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scrape(port: str) -> str:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            return reply.read().decode()
+    except OSError:
+        return ""
+
+
 def _settled_fd_count(pid: int, quiet_s: float = 1.0) -> int:
     """The daemon's open descriptors once the count has not changed for ``quiet_s``."""
     count, since = _fd_count(pid), time.monotonic()
@@ -92,11 +108,13 @@ class AttachLoad:
 def test_upgrade_hands_off_under_attach_load(daemon_factory, checkpoint_writer, tmp_path):
     models = [checkpoint_writer(tmp_path / "models" / f"m{i}", seed=i, rows=256) for i in range(2)]
     socket_dir = tmp_path / "wc"
-    first = daemon_factory(socket_dir, models).wait_ready()
+    port = ("--metrics-port", str(_free_port()))  # one host: the successor gets it once the first left
+    first = daemon_factory(socket_dir, models, *port).wait_ready()
     load = AttachLoad(socket_dir, models)
     _wait_for(lambda: len(load.sources) >= 5)
-    second = daemon_factory(socket_dir, models).wait_ready()
+    second = daemon_factory(socket_dir, models, *port).wait_ready()
     assert first.wait_exit() == 0
+    _wait_for(lambda: 'keepwarm_cache_resident_bytes{model="m0",tier="host"}' in _scrape(port[1]))
     during = len(load.sources)
     _wait_for(lambda: len(load.sources) >= during + 5)  # and after: the successor serves
     load.stop()
