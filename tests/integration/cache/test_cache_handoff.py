@@ -382,3 +382,39 @@ def test_one_daemon_per_gpu_hands_off_each_socket(daemon_factory, checkpoint_wri
         with connect(socket_dir / f"gpu-{uuid}.sock", 30.0) as sock:
             stats = client.request(sock, {"cmd": "stats"})[0]
         assert stats["pid"] == second.proc.pid and list(stats["models"]) == ["m"]
+
+
+def test_a_daemon_from_before_handoffs_is_waited_for(daemon_factory, checkpoint_writer, tmp_path):
+    """The first upgrade to a version with hand-offs: the running daemon answers `handoff` with
+    unknown_command, keeps serving, and the successor loads once it has stopped (the old way)."""
+    from keepwarm_runtime.cache import security
+
+    model = checkpoint_writer(tmp_path / "models" / "m", seed=1)
+    socket_dir = tmp_path / "wc"
+    security.prepare_socket_dir(socket_dir)
+    lock = security.DaemonLock(socket_dir / "host.sock")
+    lock.acquire()
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(socket_dir / "host.sock"))
+    listener.listen(8)
+
+    def old_daemon() -> None:  # answers every request as a keepwarm without hand-offs would
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn, contextlib.suppress(OSError, protocol.ProtocolError):
+                cmd = protocol.recv_frame(conn)[0].get("cmd")
+                protocol.send_frame(conn, protocol.error_reply("unknown_command", f"unknown command {cmd!r}"))
+
+    threading.Thread(target=old_daemon, daemon=True).start()
+    second = daemon_factory(socket_dir, [model])
+    _wait_for(lambda: "a version without hand-off; waiting for it to stop" in second.stderr)
+    assert second.proc.poll() is None and second.ready_s is None
+    listener.close()  # the old daemon stops (SIGTERM: it unlinks its socket and releases the lock)
+    os.unlink(socket_dir / "host.sock")
+    lock.release()
+    second.wait_ready()
+    assert "loaded m " in second.stderr
+    assert attach(model, socket_dir, dtype=torch.bfloat16, fallback=False).source == "cache"
