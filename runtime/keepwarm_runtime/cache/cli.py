@@ -185,7 +185,8 @@ def serve(settings: CacheServeSettings) -> int:
     if settings.metrics_port is not None and daemons[0].config.metrics_port is None:  # per GPU
         from keepwarm_runtime.cache.metrics import serve_per_gpu
 
-        serve_per_gpu({d.serves_gpu or "": d.metrics.registry for d in daemons}, settings.metrics_port)
+        registries = {d.serves_gpu or "": d.metrics.registry for d in daemons}
+        serve_per_gpu(registries, settings.metrics_port, took_over=any(d.took_over for d in daemons))
 
     ended = threading.Event()  # SIGTERM (or SIGINT)
 

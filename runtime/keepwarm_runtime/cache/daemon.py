@@ -1,9 +1,11 @@
 """The cache daemon: loads checkpoints once, holds them in a tier, serves them over a Unix socket.
 
 ``CacheDaemon`` is also the in-process API of the node agent (``add_model``, ``remove_model``,
-``snapshot`` are thread-safe). Start order: ``claim`` (socket directory and lock, so a second daemon
-stops before loading anything), load the initial models, ``bind``, ``serve_forever``; a client that
-can connect can attach, and one ``READY`` line on stderr says so.
+``snapshot`` are thread-safe). Start order: ``claim`` (socket directory and lock; when another daemon
+holds the lock, take its arenas over instead, before loading anything: succession.py; after a crash,
+take back what the descriptor holder kept: holder.py), load the initial models it still lacks,
+``bind`` (after a take-over: commit, and serve the predecessor's own listener), ``serve_forever``; a
+client that can connect can attach, and one ``READY`` line on stderr says so.
 
 A model that fails to load (bad shard, no room under the budget, unsealable arena) is ``Failed`` with
 a reason naming the file, in ``stats``/``list`` and metrics; it never costs a resident model its
@@ -27,16 +29,13 @@ from typing import Any
 
 from keepwarm_runtime import __version__
 from keepwarm_runtime.cache import holder, security, succession
-from keepwarm_runtime.cache.adopt import adopt
 from keepwarm_runtime.cache.checkpoint import parse_dtype, read_checkpoint
 from keepwarm_runtime.cache.connections import SocketServer
 from keepwarm_runtime.cache.fingerprint import compute_key, read_config
 from keepwarm_runtime.cache.handlers import CommandHandlers
-from keepwarm_runtime.cache.handoff import HandoffRefused, check_format, record_of
 from keepwarm_runtime.cache.limits import ServerLimits, raise_nofile_limit
 from keepwarm_runtime.cache.loader import fill_arena, plan_layout
 from keepwarm_runtime.cache.metrics import DaemonMetrics
-from keepwarm_runtime.cache.protocol import ProtocolError
 from keepwarm_runtime.cache.registry import ModelRegistry, ResidentModel
 from keepwarm_runtime.cache.succession import Inheritance
 from keepwarm_runtime.engine.moe.kernel_layout import MODEL, conversion_id
@@ -135,6 +134,7 @@ class CacheDaemon:
         self._listener: socket.socket | None = None
         self._inheritance: Inheritance | None = None  # from a predecessor, until bind() commits it
         self.handed_off = False  # this daemon handed its arenas and socket to a successor
+        self.took_over = False  # this daemon serves a predecessor's socket (bind committed it)
         self.handing_off = threading.Lock()  # held while a successor holds a stream of this daemon
         self._holder_lock = threading.Lock()
         self._nofile = 0
@@ -310,8 +310,8 @@ class CacheDaemon:
     # -- socket server --------------------------------------------------------------------------
 
     def claim(self) -> None:
-        """Prepare the socket directory and take the lock: call before loading anything, so a second
-        daemon on the same socket stops at once instead of after a long load."""
+        """Prepare the socket directory and take the lock, or take everything over from the daemon
+        holding it: call before loading anything, so that nothing resident is read again."""
         if self.lock.held or self._inheritance is not None:
             return
         security.prepare_socket_dir(self.socket_dir, self._gid)
@@ -321,43 +321,14 @@ class CacheDaemon:
             self._inheritance = succession.take_over(self, busy)
             if self._inheritance is not None:
                 return
-        self._recover_from_holder()
-
-    def _recover_from_holder(self) -> None:
-        """After a crash: take back what the holder kept for this socket (nothing without a holder)."""
-        try:
-            stream = holder.reclaim(self.socket_dir, self.socket_path.name)
-        except (OSError, ProtocolError, HandoffRefused) as exc:
-            log.warning("the descriptor holder did not answer (%s); loading from disk", exc)
-            return
-        if stream is None:
-            return
-        try:
-            if stream.items:
-                check_format(stream.head)
-                adopt(self, stream, "holder")
-        except HandoffRefused as exc:
-            log.warning("taking nothing from the holder: %s; loading from disk", exc)
-        finally:
-            stream.close()
+        holder.recover(self)  # after a crash: what the holder kept for this socket
 
     def sync_holder(self) -> None:
         """Give the holder (when one runs) this socket's current arenas, replacing what it kept."""
         if self._listener is None:
             return  # not serving yet: bind() syncs once the start-up loads are done
         with self._holder_lock:
-            items = []
-            try:
-                now = time.monotonic()
-                for model in self.registry.models():
-                    with contextlib.suppress(OSError):
-                        items.append((record_of(model, now).to_wire(), os.dup(model.arena.fd)))
-                holder.store(self.socket_dir, self.socket_path.name, items)
-            except (OSError, ProtocolError, HandoffRefused) as exc:
-                log.warning("could not deposit the arenas in the descriptor holder: %s", exc)
-            finally:
-                for _, fd in items:
-                    os.close(fd)
+            holder.deposit(self)
 
     def handoff_fds(self) -> list[int]:
         """The listener and lock descriptors a successor takes over."""
@@ -376,6 +347,7 @@ class CacheDaemon:
         self._nofile = raise_nofile_limit()
         if self._inheritance is not None:  # the predecessor's listener: no connection is ever refused
             inheritance, self._inheritance = self._inheritance, None
+            self.took_over = True
             listener = socket.socket(fileno=inheritance.listener_fd)
             try:
                 succession.commit(self, inheritance)
@@ -396,7 +368,7 @@ class CacheDaemon:
         self._listener = listener
         self.sync_holder()
         if self.config.metrics_port is not None:
-            self.metrics.serve(self.config.metrics_port)
+            self.metrics.serve(self.config.metrics_port, took_over=self.took_over)
 
     @property
     def stopping(self) -> bool:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -147,7 +148,7 @@ def send_stream(
     sock: socket.socket,
     head: dict[str, Any],
     items: list[tuple[dict[str, Any], int]],
-    final_fds: list[int] = (),  # type: ignore[assignment]
+    final_fds: Sequence[int] = (),
 ) -> None:
     """Send a head, one frame per (record, fd) and the closing frame; fds are sent, not closed."""
     protocol.send_frame(sock, {"ok": True, **head, "count": len(items)})

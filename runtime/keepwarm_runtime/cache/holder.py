@@ -30,11 +30,22 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from keepwarm_runtime.cache import protocol, security
-from keepwarm_runtime.cache.handoff import RECORD_FORMAT, HandoffRefused, Stream, recv_stream, send_stream
+from keepwarm_runtime.cache.handoff import (
+    RECORD_FORMAT,
+    HandoffRefused,
+    Stream,
+    check_format,
+    record_of,
+    recv_stream,
+    send_stream,
+)
 from keepwarm_runtime.cache.launcher import READY_PREFIX
+
+if TYPE_CHECKING:
+    from keepwarm_runtime.cache.daemon import CacheDaemon
 
 log = logging.getLogger(__name__)
 HOLDER_NAME = "keepwarm-holder"  # the holder's socket in the socket directory (no .sock: not a cache)
@@ -258,6 +269,44 @@ def _connect(socket_dir: Path) -> socket.socket | None:
             log.warning("%s", exc)
         return None
     return sock
+
+
+def recover(daemon: CacheDaemon) -> None:
+    """Take back, verified (adopt.py), what the holder kept for ``daemon``'s socket; a daemon without
+    a holder, or whose holder does not answer, loads from disk."""
+    from keepwarm_runtime.cache.adopt import adopt
+
+    try:
+        stream = reclaim(daemon.socket_dir, daemon.socket_path.name)
+    except (OSError, protocol.ProtocolError, HandoffRefused) as exc:
+        log.warning("the descriptor holder did not answer (%s); loading from disk", exc)
+        return
+    if stream is None:
+        return
+    try:
+        if stream.items:
+            check_format(stream.head)
+            adopt(daemon, stream, "holder")
+    except HandoffRefused as exc:
+        log.warning("taking nothing from the holder: %s; loading from disk", exc)
+    finally:
+        stream.close()
+
+
+def deposit(daemon: CacheDaemon) -> None:
+    """Replace what the holder keeps for ``daemon``'s socket with its current arenas (no holder: no-op)."""
+    items: list[tuple[dict[str, Any], int]] = []
+    try:
+        now = time.monotonic()
+        for model in daemon.registry.models():
+            with contextlib.suppress(OSError):  # dropped meanwhile
+                items.append((record_of(model, now).to_wire(), os.dup(model.arena.fd)))
+        store(daemon.socket_dir, daemon.socket_path.name, items)
+    except (OSError, protocol.ProtocolError, HandoffRefused) as exc:
+        log.warning("could not deposit the arenas in the descriptor holder: %s", exc)
+    finally:
+        for _, fd in items:
+            os.close(fd)
 
 
 def reclaim(socket_dir: Path, socket_name: str) -> Stream | None:

@@ -212,20 +212,26 @@ def _log_config_changes(daemon: CacheDaemon, theirs: Any) -> None:
 
 def take_over(daemon: CacheDaemon, busy: security.DaemonAlreadyRunning) -> Inheritance | None:
     """The lock is held: ask its holder for everything. Returns None when the lock became free (the
-    running daemon died: the caller then holds the lock and starts as after a crash)."""
-    attempts, waiting_logged = 0, False
+    running daemon died, or stopped: the caller then holds the lock and starts as after a crash). A
+    daemon from before hand-offs (``unknown_command``) is waited for: it keeps serving until it is
+    stopped, and this one then loads as daemons did before."""
+    attempts, waiting_logged, legacy = 0, False, False
     while True:
-        if daemon.socket_path.exists():
+        if daemon.socket_path.exists() and not legacy:
             try:
                 return _ask(daemon)
             except Refused as exc:
                 raise security.DaemonAlreadyRunning(f"{busy}; it refused to hand off: {exc}") from None
             except (OSError, protocol.ProtocolError, HandoffRefused, security.CacheSecurityError) as exc:
+                if str(exc).startswith("unknown_command"):  # a keepwarm from before hand-offs
+                    log.warning("%s, a version without hand-off; waiting for it to stop, then loading", busy)
+                    legacy = True
+                    continue
                 attempts += 1
                 if attempts >= MAX_ATTEMPTS:
                     raise security.DaemonAlreadyRunning(f"{busy}; hand-off failed: {exc}") from None
                 log.info("hand-off attempt %d failed (%s); retrying", attempts, exc)
-        elif not waiting_logged:
+        elif not waiting_logged and not legacy:
             log.info("%s; waiting for it to bind its socket, then taking over", busy)
             waiting_logged = True
         time.sleep(RETRY_S)

@@ -39,6 +39,22 @@ def _fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scrape(port: str) -> str:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            return reply.read().decode()
+    except OSError:
+        return ""
+
+
 def _settled_fd_count(pid: int, quiet_s: float = 1.0) -> int:
     """The daemon's open descriptors once the count has not changed for ``quiet_s``."""
     count, since = _fd_count(pid), time.monotonic()
@@ -92,11 +108,13 @@ class AttachLoad:
 def test_upgrade_hands_off_under_attach_load(daemon_factory, checkpoint_writer, tmp_path):
     models = [checkpoint_writer(tmp_path / "models" / f"m{i}", seed=i, rows=256) for i in range(2)]
     socket_dir = tmp_path / "wc"
-    first = daemon_factory(socket_dir, models).wait_ready()
+    port = ("--metrics-port", str(_free_port()))  # one host: the successor gets it once the first left
+    first = daemon_factory(socket_dir, models, *port).wait_ready()
     load = AttachLoad(socket_dir, models)
     _wait_for(lambda: len(load.sources) >= 5)
-    second = daemon_factory(socket_dir, models).wait_ready()
+    second = daemon_factory(socket_dir, models, *port).wait_ready()
     assert first.wait_exit() == 0
+    _wait_for(lambda: 'keepwarm_cache_resident_bytes{model="m0",tier="host"}' in _scrape(port[1]))
     during = len(load.sources)
     _wait_for(lambda: len(load.sources) >= during + 5)  # and after: the successor serves
     load.stop()
@@ -364,3 +382,39 @@ def test_one_daemon_per_gpu_hands_off_each_socket(daemon_factory, checkpoint_wri
         with connect(socket_dir / f"gpu-{uuid}.sock", 30.0) as sock:
             stats = client.request(sock, {"cmd": "stats"})[0]
         assert stats["pid"] == second.proc.pid and list(stats["models"]) == ["m"]
+
+
+def test_a_daemon_from_before_handoffs_is_waited_for(daemon_factory, checkpoint_writer, tmp_path):
+    """The first upgrade to a version with hand-offs: the running daemon answers `handoff` with
+    unknown_command, keeps serving, and the successor loads once it has stopped (the old way)."""
+    from keepwarm_runtime.cache import security
+
+    model = checkpoint_writer(tmp_path / "models" / "m", seed=1)
+    socket_dir = tmp_path / "wc"
+    security.prepare_socket_dir(socket_dir)
+    lock = security.DaemonLock(socket_dir / "host.sock")
+    lock.acquire()
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(socket_dir / "host.sock"))
+    listener.listen(8)
+
+    def old_daemon() -> None:  # answers every request as a keepwarm without hand-offs would
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn, contextlib.suppress(OSError, protocol.ProtocolError):
+                cmd = protocol.recv_frame(conn)[0].get("cmd")
+                protocol.send_frame(conn, protocol.error_reply("unknown_command", f"unknown command {cmd!r}"))
+
+    threading.Thread(target=old_daemon, daemon=True).start()
+    second = daemon_factory(socket_dir, [model])
+    _wait_for(lambda: "a version without hand-off; waiting for it to stop" in second.stderr)
+    assert second.proc.poll() is None and second.ready_s is None
+    listener.close()  # the old daemon stops (SIGTERM: it unlinks its socket and releases the lock)
+    os.unlink(socket_dir / "host.sock")
+    lock.release()
+    second.wait_ready()
+    assert "loaded m " in second.stderr
+    assert attach(model, socket_dir, dtype=torch.bfloat16, fallback=False).source == "cache"
