@@ -216,6 +216,26 @@ def test_deleted_pod_is_replaced_and_answers_identically(journey: SimpleNamespac
         assert answer(pod) == journey.answer
 
 
+def test_killed_worker_is_replaced_inside_the_running_container(journey: SimpleNamespace) -> None:
+    """SIGKILL of the serving worker (PID 1's child): the supervising parent forks a new one on the
+    same listening socket, so the container is not restarted and the request sent right after the
+    kill waits in the backlog and is answered."""
+    cp = journey.cp
+    pod = ready_pods(cp, APPS, RUNTIME, 2)[0]
+    assert cp.pods is not None
+    worker = cp.pods.worker(APPS, pod["metadata"]["name"])
+    assert worker is not None and worker.containers[0].running is not None
+    parent = worker.containers[0].running.pid1()
+    assert parent is not None
+    (serving,) = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    os.kill(int(serving), signal.SIGKILL)
+    assert answer(pod) == journey.answer
+    now = get(cp, f"/api/v1/namespaces/{APPS}/pods/{pod['metadata']['name']}")
+    assert now["status"]["containerStatuses"][0]["restartCount"] == 0
+    replacement = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    assert replacement and replacement != [serving]
+
+
 def test_killed_runtime_restarts_in_place_and_answers(journey: SimpleNamespace) -> None:
     cp = journey.cp
     pod = ready_pods(cp, APPS, RUNTIME, 2)[0]
