@@ -28,6 +28,14 @@ from keepwarm_runtime.server.async_engine import AsyncEngine
 from keepwarm_runtime.server.engine_client import EngineClient
 from keepwarm_runtime.server.errors import BadRequest, from_validation_error, install_error_handlers
 from keepwarm_runtime.server.guards import ApiKey, BodyLimit
+from keepwarm_runtime.server.lora import (
+    LOAD_ROUTE,
+    UNLOAD_ROUTE,
+    LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
+    load_lora_adapter,
+    unload_lora_adapter,
+)
 from keepwarm_runtime.server.metrics import ServerMetrics, process_start_time
 from keepwarm_runtime.server.openapi import body_schema, install_openapi
 from keepwarm_runtime.server.protocol import (
@@ -63,9 +71,11 @@ ROUTES = (
     "/metrics",
     "/version",
     "/debug/stats",
+    LOAD_ROUTE,
+    UNLOAD_ROUTE,
     *AUDIO_ROUTES,
 )
-NOT_INFERENCE = ("/v1/models",)
+NOT_INFERENCE = ("/v1/models", LOAD_ROUTE, UNLOAD_ROUTE)
 
 
 def create_app(
@@ -115,6 +125,7 @@ def create_app(
         served_model_name=name,
         model_dir=model_dir,
         options=options,
+        loras={m.name: m for m in options.lora_modules},
     )
 
     @contextlib.asynccontextmanager
@@ -173,14 +184,17 @@ def create_app(
         max_len = engine.max_model_len if async_engine.ready and engine is not None else None
         return ModelCard(id=name, root=str(model_dir), max_model_len=max_len)
 
+    def lora_card(adapter: str) -> ModelCard:
+        return ModelCard(id=adapter, root=ctx.loras[adapter].path, parent=name)
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse(ModelList(data=[card()]).model_dump())
+        return JSONResponse(ModelList(data=[card(), *map(lora_card, list(ctx.loras))]).model_dump())
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> JSONResponse:
         ctx.check_model(model_id)
-        return JSONResponse(card().model_dump())
+        return JSONResponse((lora_card(model_id) if ctx.lora_name(model_id) else card()).model_dump())
 
     def post(
         path: str, model: type[R], handler: Callable[[ServingContext, R, Request], Awaitable[Any]]
@@ -195,6 +209,9 @@ def create_app(
     post("/v1/responses", ResponsesRequest, create_response)
     post("/tokenize", TokenizeRequest, tokenize)
     post("/detokenize", DetokenizeRequest, detokenize)
+    if options.allow_runtime_lora_updating:
+        post(LOAD_ROUTE, LoadLoraAdapterRequest, load_lora_adapter)
+        post(UNLOAD_ROUTE, UnloadLoraAdapterRequest, unload_lora_adapter)
     register_audio_routes(app, ctx, audio or AudioServerSettings())
     bodies = [ChatCompletionRequest, CompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest]
     install_openapi(app, bodies)

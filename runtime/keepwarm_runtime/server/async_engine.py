@@ -66,7 +66,9 @@ class AsyncEngine:
         self.engine: EngineClient | None = None  # the LLMEngine once ready; read-only from other threads
         self.state = "loading"
         self.error: str | None = None  # why loading failed
-        self._inbox: deque[tuple[str, Any]] = deque()  # ("add", (id, ids, params, stream)) | ("abort", id)
+        self._inbox: deque[tuple[str, Any]] = (
+            deque()
+        )  # ("add", (id, ...)) | ("abort", id) | ("call", (fn, ..))
         self._streams: dict[str, _Stream] = {}  # engine-thread only
         self._wake = threading.Event()
         self._stop = False
@@ -95,11 +97,13 @@ class AsyncEngine:
         params: SamplingParams,
         priority: int = 0,
         multimodal: MultimodalInput | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative RequestOutputs until finished; abort the request if the consumer goes away.
-        ``multimodal``: embeddings for the prompt's placeholder tokens (engine/multimodal.py), or None."""
+        ``multimodal``: embeddings for the prompt's placeholder tokens (engine/multimodal.py), or None;
+        ``lora_name``: the LoRA adapter it runs with (engine/lora), or None for the base model."""
         stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
-        self._post(("add", (request_id, prompt_token_ids, params, priority, multimodal, stream)))
+        self._post(("add", (request_id, prompt_token_ids, params, priority, multimodal, lora_name, stream)))
         try:
             while True:
                 item = await stream.queue.get()
@@ -111,6 +115,14 @@ class AsyncEngine:
         finally:
             if not stream.finished:  # cancelled (client gone) or closed early: free the sequence
                 self.abort(request_id)
+
+    async def call(self, fn: Callable[[EngineClient], Any]) -> Any:
+        """``fn(engine)`` run in the engine thread between steps (e.g. loading a LoRA adapter); its
+        result, or its exception raised here."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        self._post(("call", (fn, future, loop)))
+        return await future
 
     def abort(self, request_id: str) -> None:
         """Cancel a request and free its KV blocks; a finished or unknown id is a no-op."""
@@ -156,11 +168,13 @@ class AsyncEngine:
         while self._inbox:
             kind, payload = self._inbox.popleft()
             if kind == "add":
-                request_id, prompt_token_ids, params, priority, multimodal, stream = payload
+                request_id, prompt_token_ids, params, priority, multimodal, lora_name, stream = payload
                 # Only what the request set: engines without priorities or audio (WhisperEngine) take neither.
                 extra: dict[str, Any] = {} if multimodal is None else {"multimodal": multimodal}
                 if priority:
                     extra["priority"] = priority
+                if lora_name is not None:
+                    extra["lora_name"] = lora_name
                 try:
                     self.engine.add_request(request_id, prompt_token_ids, params, **extra)
                 except Exception as exc:  # bad params or prompt too long: only this request fails
@@ -169,6 +183,8 @@ class AsyncEngine:
                     self._send(stream, [error])
                     continue
                 self._streams[request_id] = stream
+            elif kind == "call":
+                self._call(*payload)
             else:
                 stream = self._streams.pop(payload, None)
                 self.engine.abort_request(payload)
@@ -176,6 +192,25 @@ class AsyncEngine:
                     stream.finished = True
                     if self._on_abort is not None:
                         self._on_abort(payload)
+
+    def _call(
+        self, fn: Callable[[Any], Any], future: asyncio.Future, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        try:
+            result, error = fn(self.engine), None
+        except Exception as exc:  # the caller's to report; the engine carries on
+            result, error = None, exc
+
+        def settle() -> None:
+            if future.cancelled():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+        with contextlib.suppress(RuntimeError):  # the event loop is closed (shutdown)
+            loop.call_soon_threadsafe(settle)
 
     def _step(self) -> bool:
         try:

@@ -69,6 +69,20 @@ class ModelNotFound(APIError):
         )
 
 
+class NotFound(APIError):
+    """404: the request names something else this server does not have (a LoRA adapter to unload)."""
+
+    status = 404
+    type = "NotFoundError"
+
+
+class Conflict(APIError):
+    """409: the request conflicts with work in progress (unloading a LoRA adapter requests still use)."""
+
+    status = 409
+    type = "invalid_request_error"
+
+
 class NotReady(APIError):
     """503: weights are still loading (or failed to load)."""
 

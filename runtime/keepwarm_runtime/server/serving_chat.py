@@ -148,7 +148,10 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     prompt_ids, plan, top_n = prepared.prompt_ids, prepared.plan, prepared.top_n
     request_id = random_id("chatcmpl")
     timer = RequestTimer(ctx.metrics, len(prompt_ids), arrival=arrival)
-    outputs = ctx.stream(request_id, prompt_ids, prepared.params, timer, req.priority, prepared.multimodal)
+    lora = ctx.lora_name(req.model)
+    outputs = ctx.stream(
+        request_id, prompt_ids, prepared.params, timer, req.priority, prepared.multimodal, lora
+    )
     if req.stream:
         first = await race_disconnect(anext(outputs), raw)
         body = _stream(req, plan, request_id, ctx.served_model_name, len(prompt_ids), first, outputs)

@@ -63,7 +63,12 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     base_id = random_id("cmpl")
     streams = [
         ctx.stream(
-            f"{base_id}-{i}", ids, params, RequestTimer(ctx.metrics, len(ids), arrival=arrival), req.priority
+            f"{base_id}-{i}",
+            ids,
+            params,
+            RequestTimer(ctx.metrics, len(ids), arrival=arrival),
+            req.priority,
+            lora_name=ctx.lora_name(req.model),
         )
         for i, ids in enumerate(prompt_ids)
     ]

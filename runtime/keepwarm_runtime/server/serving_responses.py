@@ -184,7 +184,8 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Reque
     response.model = ctx.served_model_name
     response_id = response.id
     timer = RequestTimer(ctx.metrics, len(prepared.prompt_ids), arrival=arrival)
-    outputs = ctx.stream(response_id, prepared.prompt_ids, prepared.params, timer)
+    lora = ctx.lora_name(req.model)
+    outputs = ctx.stream(response_id, prepared.prompt_ids, prepared.params, timer, lora_name=lora)
     if req.stream:
         first = await race_disconnect(anext(outputs), raw)
         body = _stream(response, prepared.plan, len(prepared.prompt_ids), first, outputs)

@@ -19,7 +19,7 @@ import torch
 from keepwarm_runtime import LLM, SamplingParams
 from keepwarm_runtime.engine.llm import LoRARequest
 from keepwarm_runtime.engine.lora import LoraInUse, LoraLoadError
-from tests.integration.engine.reference import transformers_greedy
+from tests.lora_adapters import make_adapter, peft_greedy
 
 NEW_TOKENS = 6
 PARAMS = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
@@ -33,32 +33,6 @@ ADAPTERS = {  # name -> LoraConfig arguments
         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     },
 }
-
-
-def make_adapter(model_dir: Path, out: Path, seed: int, **config) -> Path:
-    """A PEFT adapter saved by PEFT, its lora_B random so it changes the output."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(lora_dropout=0.0, **config))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=g) * 0.3)
-    model.save_pretrained(out)
-    return out
-
-
-def peft_greedy(model_dir: Path, adapter: Path | None, prompts: list[list[int]]) -> list[list[int]]:
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, adapter)
-    return transformers_greedy(model, prompts, NEW_TOKENS)
 
 
 def prompts_for(vocab: int, count: int, seed: int) -> list[list[int]]:
@@ -79,7 +53,7 @@ def lora_setup(make_tiny, tmp_path_factory: pytest.TempPathFactory):
                 n: make_adapter(model_dir, root / n, seed=i, **ADAPTERS[n]) for i, n in enumerate(names)
             }
             prompts = prompts_for(2048, 3, seed=len(arch))
-            expected = {n: peft_greedy(model_dir, adapters.get(n), prompts) for n in [None, *names]}
+            expected = {n: peft_greedy(model_dir, adapters.get(n), prompts, NEW_TOKENS) for n in [None, *names]}
             made[arch] = model_dir, adapters, prompts, expected
         return made[arch]
 
