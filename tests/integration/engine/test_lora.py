@@ -53,7 +53,9 @@ def lora_setup(make_tiny, tmp_path_factory: pytest.TempPathFactory):
                 n: make_adapter(model_dir, root / n, seed=i, **ADAPTERS[n]) for i, n in enumerate(names)
             }
             prompts = prompts_for(2048, 3, seed=len(arch))
-            expected = {n: peft_greedy(model_dir, adapters.get(n), prompts, NEW_TOKENS) for n in [None, *names]}
+            expected = {
+                n: peft_greedy(model_dir, adapters.get(n), prompts, NEW_TOKENS) for n in [None, *names]
+            }
             made[arch] = model_dir, adapters, prompts, expected
         return made[arch]
 
@@ -202,6 +204,14 @@ def test_bad_adapters_refused_by_name_and_nothing_else_affected(lora_setup, tmp_
             "target_parameters",
         ),
         "no-dir": (tmp_path / "absent", "is not a directory"),
+        "moe-experts": (
+            _corrupt(
+                good,
+                tmp_path / "y",
+                _edit_tensors(lambda k: k.replace("self_attn.q_proj", "mlp.experts.0.up_proj")),
+            ),
+            "inside MoE experts",
+        ),
     }
     llm = engine(model_dir, max_loras=2, max_lora_rank=8)
     llm.engine.add_lora("good", str(good))

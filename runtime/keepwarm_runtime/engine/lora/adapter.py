@@ -136,6 +136,10 @@ def check_module(name: str, model: nn.Module, module_name: str) -> nn.Linear:
             f"adapter {name!r}: {module_name} is not a projection keepwarm applies LoRA to "
             f"({', '.join(sorted(TARGETABLE))})"
         )
+    if ".experts." in f".{module_name}.":
+        raise LoraLoadError(
+            f"adapter {name!r}: {module_name} is inside MoE experts; keepwarm does not apply LoRA to experts"
+        )
     try:
         module = model.get_submodule(module_name)
     except AttributeError:

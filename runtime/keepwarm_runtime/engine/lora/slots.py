@@ -66,6 +66,10 @@ class _Stacked:
         if step is None:
             return output
         x = args[0].reshape(-1, self.a.shape[1])
+        if x.shape[0] != step.mask.shape[0]:  # a projection run on some tokens only: slots would misalign
+            raise RuntimeError(
+                f"LoRA: a targeted projection saw {x.shape[0]} tokens, the step has {step.mask.shape[0]}"
+            )
         update = ((x @ self.a.T) * step.mask) @ self.b.T * step.scale
         return output + update.reshape(output.shape)
 
