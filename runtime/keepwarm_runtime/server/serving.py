@@ -98,6 +98,10 @@ class ServingContext:
         if model is not None and model not in served:
             raise ModelNotFound(model, self.served_model_name)
 
+    def response_model(self, model: str | None) -> str:
+        """The ``model`` a response names: the adapter the request selected, else the served name."""
+        return self.lora_name(model) or self.served_model_name
+
     def lora_name(self, model: str | None) -> str | None:
         """The LoRA adapter a request's ``model`` selects, None for the base model."""
         return model if model in self.loras else None

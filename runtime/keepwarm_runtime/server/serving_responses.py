@@ -181,7 +181,7 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Reque
     refuse_unsupported(req)
     prepared = await prepare_chat(ctx, to_chat_request(req), raw)
     response = _response(req, random_id("resp"), int(time.time()))
-    response.model = ctx.served_model_name
+    response.model = ctx.response_model(req.model)
     response_id = response.id
     timer = RequestTimer(ctx.metrics, len(prepared.prompt_ids), arrival=arrival)
     lora = ctx.lora_name(req.model)

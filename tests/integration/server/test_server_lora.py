@@ -101,10 +101,12 @@ def test_model_selects_the_adapter_and_matches_peft(lora_server) -> None:
     proc, _, expected = lora_server
     c = client(proc)
     for model, name in (("tiny", None), ("sql", "sql"), ("json-form", "json-form")):
-        assert token_ids(greedy(c, model)) == expected[name], model
+        completion = greedy(c, model)
+        assert token_ids(completion) == expected[name], model
+        assert completion.model == model  # the response names the adapter, as vLLM's does
     assert expected["sql"] != expected[None] and expected["json-form"] != expected[None]
     chat = c.chat.completions.create(model="sql", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
-    assert chat.choices[0].finish_reason in ("length", "stop")
+    assert chat.choices[0].finish_reason in ("length", "stop") and chat.model == "sql"
 
 
 @pytest.mark.integration
