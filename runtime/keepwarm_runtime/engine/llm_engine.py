@@ -226,7 +226,12 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
-        return EngineStats(len(s.running), len(s.waiting), self.block_manager.usage(), s.num_preemptions)
+        stats = EngineStats(len(s.running), len(s.waiting), self.block_manager.usage(), s.num_preemptions)
+        if self.lora is not None:
+            stats.running_loras = tuple(sorted({q.lora_name for q in s.running if q.lora_name is not None}))
+            stats.waiting_loras = tuple(sorted({q.lora_name for q in s.waiting if q.lora_name is not None}))
+            stats.max_loras = self.lora.max_loras
+        return stats
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()

@@ -115,6 +115,7 @@ def create_app(
         metrics.record_engine(
             stats.num_running, stats.num_waiting, stats.kv_cache_usage, stats.num_preemptions
         )
+        metrics.record_loras(stats.running_loras, stats.waiting_loras, stats.max_loras)
 
     async_engine = AsyncEngine(
         make_engine, on_stats=on_stats, on_ready=on_ready, on_abort=lambda _: metrics.aborts.inc()

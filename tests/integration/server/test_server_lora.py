@@ -177,6 +177,13 @@ def test_load_and_unload_at_runtime(lora_server) -> None:
         extra_body={"ignore_eos": True},
     )
     next(iter(stream))
+    deadline = time.monotonic() + 60  # the engine thread sets it after each step
+    while 'running_lora_adapters="late"' not in (
+        metrics := httpx.get(proc.url + "/metrics", timeout=30).text
+    ):
+        assert time.monotonic() < deadline, "keepwarm_lora_requests_info never showed the running adapter"
+        time.sleep(0.1)
+    assert 'max_lora="1"' in metrics and "keepwarm_lora_requests_info{" in metrics
     busy = _post(proc, "/v1/unload_lora_adapter", {"lora_name": "late"})
     assert busy.status_code == 409 and "'late'" in busy.json()["error"]["message"], busy.text
     stream.close()
@@ -190,3 +197,16 @@ def test_load_and_unload_at_runtime(lora_server) -> None:
     gone = _post(proc, "/v1/unload_lora_adapter", {"lora_name": "late"})
     assert gone.status_code == 404 and "'late'" in gone.text
     assert token_ids(greedy(c, "json-form")) == expected["json-form"]
+
+
+@pytest.mark.integration
+def test_a_bad_lora_module_fails_the_start_naming_it(tiny_llama: Path, tmp_path: Path) -> None:
+    proc = start_server(
+        tiny_llama, tmp_path / "serve.log", args=["--lora-modules", f"broken={tmp_path / 'absent'}"]
+    )
+    try:
+        code = proc.proc.wait(timeout=300)
+    finally:
+        proc.stop()
+    assert code != 0
+    assert "adapter 'broken'" in proc.log_text() and "is not a directory" in proc.log_text()
