@@ -26,6 +26,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOK
 ADAPTERS = {  # name -> LoraConfig arguments
     "attn": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]},
     "mlp": {"r": 8, "lora_alpha": 16, "target_modules": ["gate_proj", "up_proj", "down_proj"]},
+    "kv": {"r": 2, "lora_alpha": 32, "target_modules": ["k_proj", "v_proj", "o_proj"]},
     "all": {
         "r": 16,
         "lora_alpha": 8,
@@ -82,7 +83,11 @@ def requests(adapters: dict[str, Path]) -> dict[str | None, LoRARequest | None]:
 @pytest.mark.integration
 @pytest.mark.parametrize(
     ("arch", "names"),
-    [("llama", ("attn", "mlp", "all")), ("qwen3", ("attn", "mlp", "all")), ("qwen3_moe", ("attn",))],
+    [
+        ("llama", ("attn", "mlp", "kv", "all")),
+        ("qwen3", ("attn", "mlp", "kv", "all")),
+        ("qwen3_moe", ("attn",)),
+    ],
 )
 def test_adapters_alone_and_mixed_match_peft(lora_setup, arch: str, names: tuple[str, ...]) -> None:
     model_dir, adapters, prompts, expected = lora_setup(arch, names)
@@ -106,7 +111,7 @@ def test_adapters_alone_and_mixed_match_peft(lora_setup, arch: str, names: tuple
 
 @pytest.mark.integration
 def test_fewer_slots_than_adapters_queue_evict_and_reload(lora_setup) -> None:
-    model_dir, adapters, prompts, expected = lora_setup("llama", ("attn", "mlp", "all"))
+    model_dir, adapters, prompts, expected = lora_setup("llama", ("attn", "mlp", "kv", "all"))
     lora = requests(adapters)
     llm = engine(model_dir, max_loras=2)
     slots = llm.engine.lora
@@ -117,8 +122,8 @@ def test_fewer_slots_than_adapters_queue_evict_and_reload(lora_setup) -> None:
     assert out[0].outputs[0].token_ids == expected["attn"][1]
     assert list(slots.resident) == ["all", "attn"]
 
-    # Three adapters and the base at once on two slots: the third adapter waits, nothing fails.
-    order = [(n, i) for i in range(len(prompts)) for n in (None, "attn", "mlp", "all")]
+    # Four adapters and the base at once on two slots: two adapters wait, nothing fails.
+    order = [(n, i) for i in range(len(prompts)) for n in (None, "attn", "mlp", "kv", "all")]
     outs = llm.generate(
         [{"prompt_token_ids": prompts[i]} for _, i in order], PARAMS, lora_request=[lora[n] for n, _ in order]
     )
@@ -132,7 +137,7 @@ def test_fewer_slots_than_adapters_queue_evict_and_reload(lora_setup) -> None:
 
 @pytest.mark.integration
 def test_prefix_cache_is_per_adapter(lora_setup) -> None:
-    model_dir, adapters, prompts, expected = lora_setup("llama", ("attn", "mlp", "all"))
+    model_dir, adapters, prompts, expected = lora_setup("llama", ("attn", "mlp", "kv", "all"))
     lora = requests(adapters)
     llm = engine(model_dir, max_loras=2)
     prompt = {"prompt_token_ids": prompts[2]}  # 13 tokens: three full 4-token blocks
@@ -180,7 +185,7 @@ def _truncate(directory: Path) -> None:
 
 @pytest.mark.integration
 def test_bad_adapters_refused_by_name_and_nothing_else_affected(lora_setup, tmp_path: Path) -> None:
-    model_dir, adapters, prompts, expected = lora_setup("llama", ("attn", "mlp", "all"))
+    model_dir, adapters, prompts, expected = lora_setup("llama", ("attn", "mlp", "kv", "all"))
     good = adapters["attn"]
     cases = {
         "truncated": (_corrupt(good, tmp_path / "t", _truncate), "not a readable safetensors"),
@@ -230,7 +235,7 @@ def test_bad_adapters_refused_by_name_and_nothing_else_affected(lora_setup, tmp_
 
 @pytest.mark.integration
 def test_remove_refuses_while_in_use_and_unknown_names(lora_setup) -> None:
-    model_dir, adapters, prompts, _ = lora_setup("llama", ("attn", "mlp", "all"))
+    model_dir, adapters, prompts, _ = lora_setup("llama", ("attn", "mlp", "kv", "all"))
     llm = engine(model_dir, max_loras=1)
     llm.engine.add_lora("attn", str(adapters["attn"]))
     llm.engine.add_request("r", prompts[0], PARAMS, lora_name="attn")
