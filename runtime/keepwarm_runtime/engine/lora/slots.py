@@ -4,9 +4,11 @@ Each targetable projection of the base gets a forward hook. Its adapters live st
 [max_loras * max_rank, in] and B as [out, max_loras * max_rank], slot s owning rows (columns)
 s*R .. s*R+r (zero padding above an adapter's rank r, and for modules it does not target). A step
 hands every token a slot (-1: the base model, no update). For the tokens x of one projection the
-update is ``((x A^T) * mask) B^T * scale``: the mask keeps each token's own slot's columns, so one
-batch mixes any adapters and the base in two dense matmuls, torch ops only (CPU and GPU). The order
-of operations is PEFT's, ``lora_B(lora_A(x)) * scaling``, so fp32 results match it to rounding.
+update is ``((x A^T) * mask) B^T * scale`` over the step's active columns only (the ranks of the
+adapters this step uses, gathered once and reused while that set is unchanged): the mask keeps each
+token's own slot's columns, so one batch mixes any adapters and the base in two dense matmuls, torch
+ops only (CPU and GPU). The order of operations is PEFT's, ``lora_B(lora_A(x)) * scaling``, so fp32
+results match it to rounding.
 
 Registered adapters stay on the host (engine/lora/adapter.py checked them); a slot holds a copy on
 the device while some sequence uses it, and afterwards until the least recently used unpinned slot
@@ -36,7 +38,9 @@ class LoraInUse(RuntimeError):
 class _Step:
     """One step's per-token selection: the columns each token keeps and the scaling it applies."""
 
-    mask: torch.Tensor  # [T, max_loras * max_rank], 1 on the token's slot's columns
+    columns: torch.Tensor  # [C] the stacked columns of the adapters this step uses (their ranks only)
+    key: tuple  # which adapters those columns hold (slot, load generation): equal keys, equal columns
+    mask: torch.Tensor  # [T, C], 1 on the token's slot's columns
     scale: torch.Tensor  # [T, 1], 0 for base tokens
 
 
@@ -60,6 +64,8 @@ class _Stacked:
         w = linear.weight
         self.a = torch.zeros(columns, linear.in_features, dtype=w.dtype, device=w.device)
         self.b = torch.zeros(linear.out_features, columns, dtype=w.dtype, device=w.device)
+        self._key: tuple | None = None  # the active columns gathered below are for this step key
+        self._a_active, self._b_active = self.a, self.b
 
     def hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         step = _current
@@ -70,7 +76,11 @@ class _Stacked:
             raise RuntimeError(
                 f"LoRA: a targeted projection saw {x.shape[0]} tokens, the step has {step.mask.shape[0]}"
             )
-        update = ((x @ self.a.T) * step.mask) @ self.b.T * step.scale
+        if step.key != self._key:
+            self._a_active = self.a.index_select(0, step.columns)
+            self._b_active = self.b.index_select(1, step.columns)
+            self._key = step.key
+        update = ((x @ self._a_active.T) * step.mask) @ self._b_active.T * step.scale
         return output + update.reshape(output.shape)
 
 
@@ -85,6 +95,8 @@ class LoraSlots:
         self.resident: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recently used first
         self.pins: dict[str, int] = {}  # name -> running sequences using it
         self.scaling = torch.zeros(max_loras, dtype=torch.float32)
+        self.generation = [0] * max_loras  # bumped whenever a slot is (re)loaded
+        self.ranks = [0] * max_loras
         self._stacked: dict[str, _Stacked] = {}
         self._next_id = itertools.count(1)
 
@@ -137,14 +149,17 @@ class LoraSlots:
 
     def step(self, token_slots: list[int]) -> _Step | None:
         """The step's per-token selection; None when no token uses an adapter (no update at all)."""
-        if all(s < 0 for s in token_slots):
+        active = sorted({s for s in token_slots if s >= 0})
+        if not active:
             return None
+        owner = [s for s in active for _ in range(self.ranks[s])]  # the slot of each active column
+        columns = [s * self.max_rank + i for s in active for i in range(self.ranks[s])]
         slots = torch.tensor(token_slots, dtype=torch.long)
-        base = slots < 0
-        rank_slot = torch.arange(self.max_loras * self.max_rank) // self.max_rank
-        mask = (slots[:, None] == rank_slot[None, :]).to(self.dtype)
-        scale = torch.where(base, 0.0, self.scaling[slots.clamp(min=0)]).to(self.dtype)[:, None]
-        return _Step(mask.to(self.device), scale.to(self.device))
+        mask = (slots[:, None] == torch.tensor(owner)[None, :]).to(self.dtype)
+        scale = torch.where(slots < 0, 0.0, self.scaling[slots.clamp(min=0)]).to(self.dtype)[:, None]
+        key = tuple((s, self.generation[s]) for s in active)
+        dev = self.device
+        return _Step(torch.tensor(columns, device=dev), key, mask.to(dev), scale.to(dev))
 
     def _free_slot(self) -> int | None:
         used = set(self.resident.values())
@@ -165,4 +180,6 @@ class LoraSlots:
             stacked.a[lo : lo + weights.rank].copy_(a)
             stacked.b[:, lo : lo + weights.rank].copy_(b)
         self.scaling[slot] = weights.scaling
+        self.ranks[slot] = weights.rank
+        self.generation[slot] += 1
         self.resident[name] = slot
