@@ -13,8 +13,9 @@ until its prompt is scored, and its prefill chunks also come out of a second per
 ``PROMPT_LOGITS_PER_STEP`` positions, which bounds the logits a step keeps for scoring.
 
 A sequence with a LoRA adapter is admitted only once its adapter holds a slot (engine/lora/slots.py);
-while every slot is pinned by other adapters it stays queued and the sequences behind it go ahead.
-Running sequences pin their adapter's slot until they finish or are preempted.
+while every slot is pinned by other adapters it stays queued and the base-model sequences behind it
+go ahead, but no later adapter sequence does (so pins drain and it gets the next slot: FCFS among
+adapter requests). Running sequences pin their adapter's slot until they finish or are preempted.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ class Scheduler:
                 scoring_budget -= n if seq.needs_prompt_logits else 0
                 i += 1
         index = 0  # sequences before it wait for an adapter slot
+        lora_blocked = False  # an earlier adapter sequence found no slot: later ones wait behind it
         while (
             index < len(self.waiting)
             and budget > 0
@@ -104,7 +106,8 @@ class Scheduler:
             scoring = seq.needs_prompt_logits
             if scoring and scoring_budget == 0:
                 break
-            if seq.lora_name is not None and not self.lora.acquire(seq.lora_name):
+            if seq.lora_name is not None and (lora_blocked or not self.lora.acquire(seq.lora_name)):
+                lora_blocked = True
                 index += 1
                 continue
             hits = [] if scoring else self.block_manager.find_cached_prefix(seq)

@@ -93,3 +93,28 @@ def test_lora_modules_values() -> None:
     for bad in ("sql", "=/p", '{"name": "x"}', '{"name": "x", "path": "/p", "rank": 8}', "{oops"):
         with pytest.raises(ValueError):
             parse_lora_module(bad)
+
+
+def test_scheduler_queues_adapters_without_a_slot_fcfs_and_lets_the_base_through(tmp_path: Path) -> None:
+    from keepwarm_runtime.engine.block_manager import BlockManager
+    from keepwarm_runtime.engine.sampling_params import SamplingParams
+    from keepwarm_runtime.engine.scheduler import Scheduler
+    from keepwarm_runtime.engine.sequence import Sequence
+
+    slots = LoraSlots(Toy(), max_loras=1, max_rank=4)
+    for i, name in enumerate(("a", "b")):
+        slots.add(name, adapter(tmp_path, name, rank=2, alpha=2, seed=i)[0])
+    s = Scheduler(BlockManager(64, 4), 8, 64, slots)
+    seqs = {}
+    for rid, lora in (("a1", "a"), ("b1", "b"), ("base", None), ("a2", "a")):
+        seqs[rid] = Sequence(
+            rid, 0, [1, 2, 3], SamplingParams(), lora_name=lora, lora_id=slots.ids.get(lora, 0)
+        )
+        s.add(seqs[rid])
+    assert [q.request_id for q in s.schedule().seqs] == ["a1", "base"]  # a2 waits behind b1, not past it
+    s.finish(seqs["a1"])
+    assert [q.request_id for q in s.schedule().seqs] == ["base", "b1"]
+    assert list(slots.resident) == ["b"] and slots.pins == {"b": 1}
+    s.finish(seqs["b1"])
+    assert [q.request_id for q in s.schedule().seqs] == ["base", "a2"]
+    assert seqs["a2"].hash_salt != seqs["base"].hash_salt != seqs["b1"].hash_salt
