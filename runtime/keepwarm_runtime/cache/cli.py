@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from keepwarm_api.settings import SettingError, add_command, carry_over, resolve
-from keepwarm_runtime.cache.settings import CacheServeSettings
+from keepwarm_runtime.cache.settings import CacheHoldSettings, CacheServeSettings
 
 if TYPE_CHECKING:
     from keepwarm_runtime.cache.daemon import DaemonConfig
@@ -46,6 +46,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     add_command(
         sub, "serve", CacheServeSettings, "load checkpoints and serve them over a Unix socket", run_serve
+    )
+    add_command(
+        sub,
+        "hold",
+        CacheHoldSettings,
+        "keep the daemons' arena descriptors so that a crashed daemon restarts warm",
+        run_hold,
     )
 
     for name, help_text in (("ls", "list resident models"), ("stats", "daemon statistics as JSON")):
@@ -71,6 +78,39 @@ def run_serve(args: argparse.Namespace) -> int:
     except SettingError as exc:
         return _fail("serve", exc)
     return serve(settings)
+
+
+def run_hold(args: argparse.Namespace) -> int:
+    """The handler of `keepwarm cache hold`: the descriptor holder (cache/holder.py) until SIGTERM."""
+    from keepwarm_runtime.cache.holder import Holder
+
+    try:
+        settings = resolve(CacheHoldSettings, args, os.environ)
+        assert settings.socket_dir is not None  # required: resolve() refuses settings without it
+        holder = Holder(Path(settings.socket_dir), settings.group)
+        holder.start()
+    except Exception as exc:  # bad settings, socket dir or group, another uid's holder: one line
+        return _fail("hold", exc)
+    ended = threading.Event()
+
+    def stop(*_: object) -> None:
+        holder.stop()
+        ended.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    holder.serve_forever()
+    if holder.handed_off:
+        retire(settings.after_handoff, ended)
+    return 0
+
+
+def retire(after_handoff: str, ended: threading.Event) -> None:
+    """After a hand-off: return (the process exits) or, with ``wait``, idle until SIGTERM (a pod's
+    container that exited would be restarted and take everything back from its successor)."""
+    if after_handoff == "wait":
+        log.info("handed off to a successor; waiting idle for SIGTERM (--after-handoff wait)")
+        ended.wait()
 
 
 def daemon_config(settings: CacheServeSettings) -> DaemonConfig:
@@ -145,14 +185,21 @@ def serve(settings: CacheServeSettings) -> int:
     if settings.metrics_port is not None and daemons[0].config.metrics_port is None:  # per GPU
         from keepwarm_runtime.cache.metrics import serve_per_gpu
 
-        serve_per_gpu({d.serves_gpu or "": d.metrics.registry for d in daemons}, settings.metrics_port)
+        registries = {d.serves_gpu or "": d.metrics.registry for d in daemons}
+        serve_per_gpu(registries, settings.metrics_port, took_over=any(d.took_over for d in daemons))
+
+    ended = threading.Event()  # SIGTERM (or SIGINT)
 
     def stop_all(*_: object) -> None:
         for d in daemons:
             d.stop()
 
-    signal.signal(signal.SIGTERM, stop_all)
-    signal.signal(signal.SIGINT, stop_all)
+    def on_signal(*_: object) -> None:
+        ended.set()
+        stop_all()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     if settings.report_to_kubernetes:
         from keepwarm_runtime.agent.kubernetes import run_agent
 
@@ -166,15 +213,19 @@ def serve(settings: CacheServeSettings) -> int:
     _serve_then_stop_all(daemons[0], stop_all)
     for thread in others:
         thread.join()
+    if all(d.handed_off for d in daemons):
+        retire(settings.after_handoff, ended)
     return 0
 
 
 def _serve_then_stop_all(daemon, stop_all) -> None:
-    """Serve one daemon; when it ends (SIGTERM, or its server failed) the others end too."""
+    """Serve one daemon; when it ends (SIGTERM, or its server failed) the others end too, except
+    after a hand-off: each of the others then waits for its own successor's commit."""
     try:
         daemon.serve_forever()
     finally:
-        stop_all()
+        if not daemon.handed_off:
+            stop_all()
 
 
 def load_initial_models(daemon, paths: list[str], quantization: str | None = None) -> list[str]:

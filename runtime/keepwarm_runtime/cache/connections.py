@@ -24,7 +24,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from keepwarm_runtime.cache import protocol, security
+from keepwarm_runtime.cache import protocol, security, succession
 from keepwarm_runtime.cache.handlers import BadRequest
 from keepwarm_runtime.cache.limits import ConnectionTable, ServerLimits, connection_cap
 
@@ -67,6 +67,22 @@ class SocketServer:
         self.client_log = RateLimitedLog()
 
     def serve(self, stop: threading.Event) -> None:
+        try:
+            self._accept_until(stop)
+        finally:
+            if self.daemon.handed_off:
+                self.drain(self.limits.request_deadline_s * 3)
+
+    def drain(self, timeout_s: float) -> None:
+        """After a hand-off: let open connections finish their requests (their clients are served by
+        this daemon, never refused), then close whatever is still open."""
+        deadline = time.monotonic() + timeout_s
+        while self.table.total() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        left = self.table.close_all()
+        log.info("drained; %d idle connections closed", left)
+
+    def _accept_until(self, stop: threading.Event) -> None:
         backoff = 0.0
         while not stop.is_set():
             try:
@@ -126,7 +142,8 @@ class SocketServer:
             self.client_log.warning("refused peer pid=%d: %s", cred.pid, d.policy.refusal(cred))
             self._refuse(conn, "forbidden", d.policy.refusal(cred))
             return
-        while not d.stopping and self.table.waiting(conn_id, idle=True):
+        # After a hand-off, a connection this daemon accepted is still served until its client closes.
+        while (d.handed_off or not d.stopping) and self.table.waiting(conn_id, idle=True):
             try:
                 request, fds = protocol.recv_frame(
                     conn,
@@ -143,6 +160,9 @@ class SocketServer:
                 os.close(fd)
             if not self.table.waiting(conn_id, idle=False):
                 return  # reclaimed for a newcomer just as this request arrived
+            if request.get("cmd") == "handoff":  # the connection becomes the hand-off's (succession.py)
+                succession.give(d, conn, cred, request)
+                return
             try:
                 reply, out_fds = d.handlers.dispatch(request)
             except BadRequest as exc:

@@ -1,9 +1,11 @@
 """The cache daemon: loads checkpoints once, holds them in a tier, serves them over a Unix socket.
 
 ``CacheDaemon`` is also the in-process API of the node agent (``add_model``, ``remove_model``,
-``snapshot`` are thread-safe). Start order: ``claim`` (socket directory and lock, so a second daemon
-stops before loading anything), load the initial models, ``bind``, ``serve_forever``; a client that
-can connect can attach, and one ``READY`` line on stderr says so.
+``snapshot`` are thread-safe). Start order: ``claim`` (socket directory and lock; when another daemon
+holds the lock, take its arenas over instead, before loading anything: succession.py; after a crash,
+take back what the descriptor holder kept: holder.py), load the initial models it still lacks,
+``bind`` (after a take-over: commit, and serve the predecessor's own listener), ``serve_forever``; a
+client that can connect can attach, and one ``READY`` line on stderr says so.
 
 A model that fails to load (bad shard, no room under the budget, unsealable arena) is ``Failed`` with
 a reason naming the file, in ``stats``/``list`` and metrics; it never costs a resident model its
@@ -26,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from keepwarm_runtime import __version__
-from keepwarm_runtime.cache import security
+from keepwarm_runtime.cache import holder, security, succession
 from keepwarm_runtime.cache.checkpoint import parse_dtype, read_checkpoint
 from keepwarm_runtime.cache.connections import SocketServer
 from keepwarm_runtime.cache.fingerprint import compute_key, read_config
@@ -35,6 +37,7 @@ from keepwarm_runtime.cache.limits import ServerLimits, raise_nofile_limit
 from keepwarm_runtime.cache.loader import fill_arena, plan_layout
 from keepwarm_runtime.cache.metrics import DaemonMetrics
 from keepwarm_runtime.cache.registry import ModelRegistry, ResidentModel
+from keepwarm_runtime.cache.succession import Inheritance
 from keepwarm_runtime.engine.moe.kernel_layout import MODEL, conversion_id
 from keepwarm_runtime.engine.quant.settings import Fp8Settings, fp8_settings
 
@@ -127,8 +130,13 @@ class CacheDaemon:
         self._reloading: set[str] = set()  # names being reloaded after a change on disk
         self._failed_lock = threading.Lock()
         self._stop = threading.Event()
-        self._lock = security.DaemonLock(self.socket_path)
+        self.lock = security.DaemonLock(self.socket_path)
         self._listener: socket.socket | None = None
+        self._inheritance: Inheritance | None = None  # from a predecessor, until bind() commits it
+        self.handed_off = False  # this daemon handed its arenas and socket to a successor
+        self.took_over = False  # this daemon serves a predecessor's socket (bind committed it)
+        self.handing_off = threading.Lock()  # held while a successor holds a stream of this daemon
+        self._holder_lock = threading.Lock()
         self._nofile = 0
         self.started_at = time.time()
 
@@ -156,6 +164,7 @@ class CacheDaemon:
             self._failed.pop(name, None)
         with contextlib.suppress(KeyError):  # it had not failed before
             self.metrics.failed_models.remove(name)
+        self.sync_holder()
         return name
 
     def _load(self, path: Path, name: str, pin: bool, evict: bool, quantization: str | None) -> str:
@@ -295,33 +304,71 @@ class CacheDaemon:
         model.arena.close()
         self.metrics.resident_bytes.remove(model.name, model.tier)
         log.log(level, "dropped %s (%s)", model.name, why)
+        if not self.stopping:  # a daemon that stops leaves the holder its arenas, for its restart
+            self.sync_holder()
 
     # -- socket server --------------------------------------------------------------------------
 
     def claim(self) -> None:
-        """Prepare the socket directory and take the lock: call before loading anything, so a second
-        daemon on the same socket stops at once instead of after a long load."""
-        if not self._lock.held:
-            security.prepare_socket_dir(self.socket_dir, self._gid)
-            self._lock.acquire()
+        """Prepare the socket directory and take the lock, or take everything over from the daemon
+        holding it: call before loading anything, so that nothing resident is read again."""
+        if self.lock.held or self._inheritance is not None:
+            return
+        security.prepare_socket_dir(self.socket_dir, self._gid)
+        try:
+            self.lock.acquire()
+        except security.DaemonAlreadyRunning as busy:
+            self._inheritance = succession.take_over(self, busy)
+            if self._inheritance is not None:
+                return
+        holder.recover(self)  # after a crash: what the holder kept for this socket
+
+    def sync_holder(self) -> None:
+        """Give the holder (when one runs) this socket's current arenas, replacing what it kept."""
+        if self._listener is None:
+            return  # not serving yet: bind() syncs once the start-up loads are done
+        with self._holder_lock:
+            holder.deposit(self)
+
+    def handoff_fds(self) -> list[int]:
+        """The listener and lock descriptors a successor takes over."""
+        if self._listener is None or self.lock.fd is None:
+            raise OSError("this daemon is not serving")
+        return [self._listener.fileno(), self.lock.fd]
+
+    def hand_over(self) -> None:
+        """The successor committed: stop accepting; open connections finish (SocketServer drains)."""
+        self.handed_off = True
+        self._stop.set()
 
     def bind(self) -> None:
         """Take the lock (if ``claim`` did not), clear a stale socket, bind and listen."""
         self.claim()
         self._nofile = raise_nofile_limit()
-        security.remove_stale_socket(self.socket_path, self._lock)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old_umask = os.umask(0o177)
-        try:
-            listener.bind(str(self.socket_path))
-        finally:
-            os.umask(old_umask)
+        if self._inheritance is not None:  # the predecessor's listener: no connection is ever refused
+            inheritance, self._inheritance = self._inheritance, None
+            self.took_over = True
+            listener = socket.socket(fileno=inheritance.listener_fd)
+            try:
+                succession.commit(self, inheritance)
+            except BaseException:
+                listener.detach()  # commit closed the descriptor
+                raise
+        else:
+            security.remove_stale_socket(self.socket_path, self.lock)
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            old_umask = os.umask(0o177)
+            try:
+                listener.bind(str(self.socket_path))
+            finally:
+                os.umask(old_umask)
         security.secure_socket_file(self.socket_path, self._gid)
         listener.listen(socket.SOMAXCONN)  # a restart storm of pods queues instead of failing
         listener.settimeout(0.2)
         self._listener = listener
+        self.sync_holder()
         if self.config.metrics_port is not None:
-            self.metrics.serve(self.config.metrics_port)
+            self.metrics.serve(self.config.metrics_port, took_over=self.took_over)
 
     @property
     def stopping(self) -> bool:
@@ -347,12 +394,22 @@ class CacheDaemon:
         self._stop.set()
 
     def close(self) -> None:
+        if self._inheritance is not None:  # never committed: the predecessor keeps serving
+            inheritance, self._inheritance = self._inheritance, None
+            inheritance.sock.close()
+            os.close(inheritance.listener_fd)
+            os.close(inheritance.lock_fd)
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-            if self._lock.held:
+            if self.lock.held and not self.handed_off:  # a successor serves this socket now
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.socket_path)
-        self._lock.release()
+        self.lock.release()
+        self._stop.set()  # so that dropping the arenas leaves the holder's copies alone
         for model in self.registry.models():
-            self.remove_model(model.name)
+            if self.handed_off:  # the successor holds its own descriptors: nothing is released
+                self.registry.remove(model.name)
+                model.arena.close()
+            else:
+                self.remove_model(model.name)

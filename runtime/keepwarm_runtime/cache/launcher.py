@@ -1,4 +1,4 @@
-"""Start `keepwarm cache serve` as a child process and wait for its READY line.
+"""Start `keepwarm cache serve` (or `keepwarm cache hold`) as a child process and wait for its READY line.
 
 The twin of ``server/launcher.py`` for the cache daemon, shared by the restart benchmark and the
 tests. The daemon binds its socket only once every model is loaded and then prints one line starting
@@ -43,11 +43,14 @@ class DaemonProcess:
         nofile: int | None = None,
     ) -> None:
         """``nofile`` sets the daemon's open-files limit (soft and hard), e.g. to test exhaustion."""
+        self._start(socket_dir, serve_command(socket_dir, models, *extra, tier=tier), nofile)
+
+    def _start(self, socket_dir: Path, command: list[str], nofile: int | None) -> None:
         self.socket_dir = socket_dir
         self.started = time.perf_counter()
         self.ready_s: float | None = None
         self.proc = subprocess.Popen(
-            serve_command(socket_dir, models, *extra, tier=tier),
+            command,
             stderr=subprocess.PIPE,
             text=True,
             preexec_fn=(lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
@@ -97,3 +100,19 @@ class DaemonProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(30)
+
+
+class HolderProcess(DaemonProcess):
+    """`keepwarm cache hold` (cache/holder.py) in a subprocess; READY once it listens."""
+
+    def __init__(self, socket_dir: Path, *extra: str) -> None:
+        command = [
+            sys.executable,
+            "-m",
+            "keepwarm_runtime.cli",
+            "cache",
+            "hold",
+            "--socket-dir",
+            str(socket_dir),
+        ]
+        self._start(socket_dir, [*command, *extra], None)

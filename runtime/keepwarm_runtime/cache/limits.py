@@ -112,6 +112,15 @@ class ConnectionTable:
         with self._lock:
             self._entries.pop(conn_id, None)
 
+    def close_all(self) -> int:
+        """Shut down every open connection (their threads see EOF and leave); returns how many."""
+        with self._lock:
+            entries, self._entries = list(self._entries.values()), {}
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                entry.sock.shutdown(socket.SHUT_RDWR)
+        return len(entries)
+
     def total(self) -> int:
         with self._lock:
             return len(self._entries)

@@ -8,14 +8,18 @@ GPU its daemon serves (``gpu``; PerGPUCollector).
 
 from __future__ import annotations
 
+import errno
+import logging
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
+log = logging.getLogger(__name__)
 GPU_LABEL = "gpu"  # per-GPU daemons: the UUID of the GPU the sample's daemon serves
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -90,10 +94,38 @@ class DaemonMetrics:
             registry=r,
         )
 
-    def serve(self, port: int) -> None:
+    def serve(self, port: int, took_over: bool = False) -> None:
         from prometheus_client import start_http_server
 
-        start_http_server(port, registry=self.registry)
+        start_metrics(lambda: start_http_server(port, registry=self.registry), port, took_over)
+
+
+def start_metrics(start: Callable[[], object], port: int, took_over: bool) -> None:
+    """Start a /metrics server now. A daemon that took over from another may find the port still
+    held by it (on one host, while it drains): it then serves /metrics as soon as the port is free,
+    instead of failing after the commit. Otherwise a port in use is an error, as before."""
+    try:
+        start()
+        return
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE or not took_over:
+            raise
+    log.warning("metrics port %d is still the predecessor's; serving /metrics once it is free", port)
+
+    def retry() -> None:
+        while True:
+            time.sleep(0.2)
+            try:
+                start()
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    continue
+                log.error("cannot serve /metrics on port %d: %s", port, exc)
+                return
+            log.info("serving /metrics on port %d", port)
+            return
+
+    threading.Thread(target=retry, daemon=True, name="metrics-port").start()
 
 
 class PerGPUCollector(Collector):
@@ -115,13 +147,13 @@ class PerGPUCollector(Collector):
         yield from merged.values()
 
 
-def serve_per_gpu(registries: dict[str, CollectorRegistry], port: int) -> None:
+def serve_per_gpu(registries: dict[str, CollectorRegistry], port: int, took_over: bool = False) -> None:
     """One /metrics for the daemons of several GPUs (``--all-gpus``)."""
     from prometheus_client import start_http_server
 
     registry = CollectorRegistry()
     registry.register(PerGPUCollector(registries))
-    start_http_server(port, registry=registry)
+    start_metrics(lambda: start_http_server(port, registry=registry), port, took_over)
 
 
 class ClientMetrics:

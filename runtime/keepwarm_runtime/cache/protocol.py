@@ -21,7 +21,9 @@ Framing (both directions)::
   ``idle_timeout_s``.
 * Nothing received is ever unpickled or evaluated: JSON and fds only.
 
-Commands (see ``handlers.py``): ``hello``, ``get_state``, ``list``, ``release``, ``stats``.
+Commands (see ``handlers.py``): ``hello``, ``get_state``, ``list``, ``release``, ``stats``; and
+``handoff`` (then ``commit``) for a successor daemon of the same uid (``succession.py``, whose
+streams of arena records ``handoff.py`` specifies).
 
 * ``get_state`` answers ``state`` "hit" (with the arena fd, ``tensors``, ``aliases``, ``page_mode``,
   ``gpu_uuid``, ``digest``), "mismatch" (``fields`` that differ, and ``reason`` "changed on disk"

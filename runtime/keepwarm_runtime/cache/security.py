@@ -161,6 +161,18 @@ class DaemonLock:
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
 
+    def adopt(self, fd: int) -> None:
+        """Hold the lock through ``fd``, a predecessor's descriptor of it (one open file description:
+        the flock is never free between the two daemons); the file then names this pid."""
+        self.release()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    @property
+    def fd(self) -> int | None:
+        return self._fd
+
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)

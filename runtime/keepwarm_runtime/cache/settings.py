@@ -24,6 +24,11 @@ from keepwarm_runtime.engine.moe.layouts import LAYOUTS, MODEL
 DTYPES = ("float32", "bfloat16", "float16")
 TIERS = ("auto", "gpu", "host")
 QUANTIZATIONS = ("none", "fp8")
+AFTER_HANDOFF = ("exit", "wait")  # what a daemon (or holder) does once a successor took over
+AFTER_HANDOFF_HELP = (
+    "once a successor took over: exit, or wait idle for SIGTERM (in a pod, so that the kubelet does "
+    "not restart it to take everything back)"
+)
 MAX_LOADS = 4  # node agent: downloads/loads in flight at once
 STALL_TIMEOUT_S = 60.0  # node agent: a Hub download adding no bytes for this long is stopped
 _BYTE_UNITS = {
@@ -133,6 +138,7 @@ class CacheServeSettings:
         parse=positive_seconds,
         metavar="SECONDS",
     )
+    after_handoff: str = setting("exit", AFTER_HANDOFF_HELP, choices=AFTER_HANDOFF)
     report_to_kubernetes: bool = setting(
         False, "run the node agent: follow this node's WeightCacheNode spec, report into its status"
     )
@@ -149,3 +155,16 @@ class CacheServeSettings:
         parse=positive_seconds,
         metavar="SECONDS",
     )
+
+
+@dataclass(frozen=True)
+class CacheHoldSettings:
+    """`keepwarm cache hold`: the descriptor holder beside the daemons of one socket directory."""
+
+    ENV_PREFIX: ClassVar[str] = "KEEPWARM_CACHE_"
+
+    socket_dir: str | None = setting(
+        None, "the daemons' socket directory, e.g. /var/run/keepwarm/WEIGHTCACHE", required=True
+    )
+    group: str | None = setting(None, "the socket directory's group, as the daemons have it (0770)")
+    after_handoff: str = setting("exit", AFTER_HANDOFF_HELP, choices=AFTER_HANDOFF)

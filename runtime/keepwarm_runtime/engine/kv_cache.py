@@ -4,9 +4,15 @@ Shapes come from a probe pass (one token through the model with no metadata set:
 what it was handed and the window it was called with; the backend then accepts or refuses each
 layer), so MLA's separate key/value widths and per-layer head counts need no model knowledge here.
 Sizing: an explicit block count, else a memory budget (CPU) or what is left of the GPU after the weights.
+On CPU the tensors live in fresh anonymous mappings, which the kernel zero-fills page by page on first
+touch: allocating is free, and only blocks a sequence ever writes cost memory (torch.zeros wrote every
+byte up front: 1.1 GiB took 0.4-1.7 s on a 2-core VM, a large part of a warm restart).
 """
 
 from __future__ import annotations
+
+import math
+import mmap
 
 import torch
 from torch import nn
@@ -86,5 +92,16 @@ def allocate_kv_cache(
 ) -> None:
     for layer, spec in zip(layers, specs, strict=True):
         shape = (num_blocks, block_size, spec.num_kv_heads)
-        layer.k_cache = torch.zeros(*shape, spec.key_dim, dtype=dtype, device=device)
-        layer.v_cache = torch.zeros(*shape, spec.value_dim, dtype=dtype, device=device)
+        layer.k_cache = zeros((*shape, spec.key_dim), dtype, device)
+        layer.v_cache = zeros((*shape, spec.value_dim), dtype, device)
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; on CPU backed by its own anonymous mapping, zeroed lazily by the kernel."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(memory, dtype=dtype).view(shape)  # the tensor keeps the mapping alive

@@ -2,8 +2,10 @@
 
 A request enters whole or not at all: every sequence, constraint and generator is built before any
 reaches the scheduler. A fault while sampling or post-processing one request (a constraint that
-raises, a detokenizer error) finishes that request alone, with ``RequestOutput.error`` set; the
-other sequences of the step carry on.
+raises, a detokenizer error, scoring its prompt) finishes that request alone, with
+``RequestOutput.error`` set; the other sequences of the step carry on. Prompt logprobs, when asked,
+are stored as each prefill chunk computes them (engine/prompt_logprobs.py); a request with
+``max_tokens`` 0 finishes once its prompt is in, sampling nothing.
 
 With ``enable_lora`` a request may name a registered PEFT adapter (``add_lora``); requests for
 different adapters and the base share batches (engine/lora).
@@ -26,7 +28,7 @@ from keepwarm_runtime.engine.kv_cache import allocate_kv_cache, num_blocks_for, 
 from keepwarm_runtime.engine.loader import LoadInfo, load_model
 from keepwarm_runtime.engine.lora import LoraInUse, LoraSlots
 from keepwarm_runtime.engine.lora.adapter import LoraWeights
-from keepwarm_runtime.engine.model_runner import ModelRunner
+from keepwarm_runtime.engine.model_runner import ModelRunner, StepLogits
 from keepwarm_runtime.engine.multimodal import MultimodalInput
 from keepwarm_runtime.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from keepwarm_runtime.engine.prefetch import WeightPrefetch
@@ -86,6 +88,10 @@ class LLMEngine:
         specs = probe_kv_specs(self.model, self.layers, self.device)
         num_blocks = num_blocks_for(config, specs, max_len, self.device)
         allocate_kv_cache(self.layers, specs, num_blocks, config.block_size, config.torch_dtype, self.device)
+        self.kv_specs, self.num_kv_blocks = (
+            specs,
+            num_blocks,
+        )  # to allocate it again on wake (engine/sleep.py)
         self.max_model_len = min(max_len, num_blocks * config.block_size)
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.max_prompt_logprobs_len = config.max_prompt_logprobs_len
@@ -240,18 +246,30 @@ class LLMEngine:
         step = self.runner.run(batch)
         self.scheduler.update_after_step(batch)
         failed = self._score_prompts(step.prompt_chunks, step.prompt_logits)
-        seqs = [s for s in step.sample_seqs if s.params.max_tokens != 0 and s.request_id not in failed]
-        scored_only = [s for s in step.sample_seqs if s.params.max_tokens == 0 and s.request_id not in failed]
-        logits = step.logits
-        if logits is not None and len(seqs) != len(step.sample_seqs):
-            rows = [i for i, s in enumerate(step.sample_seqs) if s in seqs]
-            logits = logits[rows]
-        for seq in scored_only:  # scoring only (max_tokens 0): the prompt is in, nothing is generated
-            self._finish(seq, "length", None)
+        seqs, logits, scored_only = self._to_sample(step, failed)
         outputs = self._postprocess(seqs, self.sampler(seqs, logits) if seqs else [])
-        done = {o.request_id for o in outputs}
-        extra = {s.request_id for s in scored_only} | set(failed)
-        return outputs + [self._report(rid, failed.get(rid)) for rid in extra - done if rid in self.requests]
+        unsampled = (scored_only | set(failed)) - {o.request_id for o in outputs}
+        return outputs + [self._report(rid, failed.get(rid)) for rid in unsampled if rid in self.requests]
+
+    def _to_sample(
+        self, step: StepLogits, failed: dict[str, str]
+    ) -> tuple[list[Sequence], torch.Tensor | None, set[str]]:
+        """The sequences to sample and their logits rows; a scoring-only sequence (max_tokens 0) has
+        its prompt in and finishes here instead (its request id is returned), a failed one is skipped."""
+        rows: list[int] = []
+        scored_only: set[str] = set()
+        for row, seq in enumerate(step.sample_seqs):
+            if seq.request_id in failed:
+                continue
+            if seq.params.max_tokens == 0:
+                self._finish(seq, "length", None)
+                scored_only.add(seq.request_id)
+            else:
+                rows.append(row)
+        seqs = [step.sample_seqs[row] for row in rows]
+        if len(rows) == len(step.sample_seqs) or step.logits is None:
+            return seqs, step.logits, scored_only
+        return seqs, step.logits[rows] if rows else None, scored_only
 
     def _score_prompts(self, chunks: list[PromptChunk], logits: torch.Tensor | None) -> dict[str, str]:
         """Store this step's prompt logprobs; a request whose scoring raises fails alone (id -> why)."""

@@ -1,8 +1,9 @@
 """The FastAPI app: OpenAI routes, tokenizer routes, probes, metrics; errors as OpenAI bodies.
 
 The engine loads in its own thread once the app starts, so the port answers /health (alive) at once
-while /ready and the inference routes answer 503 until the weights are in. /health also answers 503
-once the engine has failed in a way no single request can be blamed for, so the pod gets restarted.
+while /ready and the inference routes answer 503 until the weights are in (`/ready?wait=S` holds its
+answer up to S seconds for them: see keepwarm_api.probes). /health also answers 503 once the engine
+has failed in a way no single request can be blamed for, so the pod gets restarted.
 
 Request bodies are parsed here (``request_body``) rather than by FastAPI, so size, depth and Unicode
 checks come first; the pydantic request models are still published in /openapi.json.
@@ -10,6 +11,7 @@ checks come first; the pydantic request models are still published in /openapi.j
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -22,12 +24,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from keepwarm_api.probes import READY_PATH, READY_WAIT_MAX_S
 from keepwarm_runtime import __version__
 from keepwarm_runtime.engine.outputs import EngineStats
 from keepwarm_runtime.server.async_engine import AsyncEngine
 from keepwarm_runtime.server.engine_client import EngineClient
 from keepwarm_runtime.server.errors import BadRequest, from_validation_error, install_error_handlers
 from keepwarm_runtime.server.guards import ApiKey, BodyLimit
+from keepwarm_runtime.server.linger import LingeringClose
 from keepwarm_runtime.server.lora import (
     LOAD_ROUTE,
     UNLOAD_ROUTE,
@@ -55,6 +59,9 @@ from keepwarm_runtime.server.serving_chat import create_chat_completion
 from keepwarm_runtime.server.serving_completion import create_completion
 from keepwarm_runtime.server.serving_responses import create_response
 from keepwarm_runtime.server.serving_tokens import detokenize, tokenize
+from keepwarm_runtime.server.sleep_mode import ROUTES as SLEEP_ROUTES
+from keepwarm_runtime.server.sleep_mode import SleepMode, register_sleep_routes
+from keepwarm_runtime.server.supervisor import notify_serving
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R", bound=OpenAIRequest)
@@ -74,8 +81,10 @@ ROUTES = (
     LOAD_ROUTE,
     UNLOAD_ROUTE,
     *AUDIO_ROUTES,
+    *SLEEP_ROUTES,
 )
 NOT_INFERENCE = ("/v1/models", LOAD_ROUTE, UNLOAD_ROUTE)
+READY_POLL_S = 0.01  # how often a long-polling /ready looks at the engine (a probe sees ready this late)
 
 
 def create_app(
@@ -86,8 +95,16 @@ def create_app(
     started_at: float | None = None,
     options: ServingOptions | None = None,
     audio: AudioServerSettings | None = None,
+    load_before_serving: bool = False,
+    sleep_mode: bool = False,
+    wake_on_request: bool = False,
 ) -> FastAPI:
-    """An app serving the engine ``make_engine()`` builds (called in the engine thread at startup)."""
+    """An app serving the engine ``make_engine()`` builds (called in the engine thread at startup).
+
+    ``load_before_serving``: startup waits until the engine is loaded (or failed), so uvicorn accepts
+    no connection before; a restarted worker (server/supervisor.py) leaves them in the listen backlog
+    meanwhile instead of answering 503. ``sleep_mode``: the /sleep, /wake_up and /is_sleeping routes
+    (server/sleep_mode.py); ``wake_on_request``: a request to a sleeping engine wakes it."""
     model_dir = Path(model_dir)
     options = options or ServingOptions()
     name = served_model_name or model_dir.name
@@ -132,6 +149,9 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
+        if load_before_serving:
+            await asyncio.get_running_loop().run_in_executor(None, async_engine.ready_event.wait)
+        notify_serving()  # a supervised worker's parent judges its /health from now on
         yield
         async_engine.shutdown()
         ctx.close()
@@ -143,6 +163,7 @@ def create_app(
     app.add_middleware(BodyLimit, max_bytes=options.max_request_body_bytes, exempt=frozenset(AUDIO_ROUTES))
     if options.api_key:
         app.add_middleware(ApiKey, key=options.api_key)
+    app.add_middleware(LingeringClose)  # outermost: every early refusal lets the client finish sending
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -161,8 +182,12 @@ def create_app(
         """Liveness alias of /health (SageMaker and some load balancers probe /ping)."""
         return await health()
 
-    @app.get("/ready")
-    async def ready() -> JSONResponse:
+    @app.get(READY_PATH)
+    async def ready(wait: float = 0.0) -> JSONResponse:
+        """?wait=S long-polls: answers the moment the engine leaves loading, or after S s (capped)."""
+        deadline = time.monotonic() + min(max(wait, 0.0), READY_WAIT_MAX_S)
+        while not async_engine.ready_event.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(READY_POLL_S)
         ctx.engine  # noqa: B018 - raises NotReady (503) while loading
         return JSONResponse({"status": "ready", "model": name})
 
@@ -197,10 +222,16 @@ def create_app(
         ctx.check_model(model_id)
         return JSONResponse((lora_card(model_id) if ctx.lora_name(model_id) else card()).model_dump())
 
+    sleeper = SleepMode(async_engine, metrics, wake_on_request) if sleep_mode else None
+    if sleeper is not None:
+        register_sleep_routes(app, sleeper)
+
     def post(
         path: str, model: type[R], handler: Callable[[ServingContext, R, Request], Awaitable[Any]]
     ) -> None:
         async def route(raw: Request) -> Any:
+            if sleeper is not None:
+                await sleeper.before_request()
             return await handler(ctx, await _parse(ctx, raw, model), raw)
 
         app.post(path, openapi_extra=body_schema(model), name=handler.__name__)(route)

@@ -14,6 +14,7 @@ answers 503 and Kubernetes restarts the pod) and no further work is accepted.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -50,7 +51,7 @@ class _Stream:
 
 
 class AsyncEngine:
-    """Owns the engine thread. ``state`` is "loading", "ready", "failed" or "stopped"."""
+    """Owns the engine thread. ``state`` is "loading", "ready", "sleeping", "failed" or "stopped"."""
 
     def __init__(
         self,
@@ -90,6 +91,22 @@ class AsyncEngine:
     def ready(self) -> bool:
         return self.state == "ready"
 
+    @property
+    def in_flight(self) -> int:
+        """Requests the engine thread is streaming now (read between steps by ``call``'s functions)."""
+        return len(self._streams)
+
+    def call(self, fn: Callable[[AsyncEngine], Any]) -> concurrent.futures.Future:
+        """Run ``fn(self)`` in the engine thread between steps (sleep and wake: server/sleep_mode.py);
+        the future holds its result or exception. Commands queued before it run first."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self.state not in ("ready", "sleeping"):
+            future.set_exception(EngineRequestError(f"engine is {self.state}", bad_request=False))
+            return future
+        self._inbox.append(("call", (fn, future)))
+        self._wake.set()
+        return future
+
     async def generate(
         self,
         request_id: str,
@@ -115,14 +132,6 @@ class AsyncEngine:
         finally:
             if not stream.finished:  # cancelled (client gone) or closed early: free the sequence
                 self.abort(request_id)
-
-    async def call(self, fn: Callable[[EngineClient], Any]) -> Any:
-        """``fn(engine)`` run in the engine thread between steps (e.g. loading a LoRA adapter); its
-        result, or its exception raised here."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future = loop.create_future()
-        self._post(("call", (fn, future, loop)))
-        return await future
 
     def abort(self, request_id: str) -> None:
         """Cancel a request and free its KV blocks; a finished or unknown id is a no-op."""
@@ -184,7 +193,11 @@ class AsyncEngine:
                     continue
                 self._streams[request_id] = stream
             elif kind == "call":
-                self._call(*payload)
+                fn, future = payload
+                try:
+                    future.set_result(fn(self))
+                except Exception as exc:
+                    future.set_exception(exc)
             else:
                 stream = self._streams.pop(payload, None)
                 self.engine.abort_request(payload)
@@ -192,25 +205,6 @@ class AsyncEngine:
                     stream.finished = True
                     if self._on_abort is not None:
                         self._on_abort(payload)
-
-    def _call(
-        self, fn: Callable[[Any], Any], future: asyncio.Future, loop: asyncio.AbstractEventLoop
-    ) -> None:
-        try:
-            result, error = fn(self.engine), None
-        except Exception as exc:  # the caller's to report; the engine carries on
-            result, error = None, exc
-
-        def settle() -> None:
-            if future.cancelled():
-                return
-            if error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(result)
-
-        with contextlib.suppress(RuntimeError):  # the event loop is closed (shutdown)
-            loop.call_soon_threadsafe(settle)
 
     def _step(self) -> bool:
         try:

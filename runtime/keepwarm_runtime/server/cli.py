@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from keepwarm_api.settings import SettingError, add_command, env_names, group, resolve
@@ -73,7 +75,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def serve(config: ServeSettings) -> int:
-    """Load the model in the background and serve until stopped; 2 on bad settings, 1 if loading fails."""
+    """Serve until stopped: through a supervising parent (server/supervisor.py) unless --no-supervise.
+
+    2 on bad settings, 1 if loading fails."""
     from keepwarm_runtime.engine import threads as cpu_threads
 
     # Before anything imports torch: OpenMP reads its thread count and wait policy once, at load.
@@ -83,6 +87,10 @@ def serve(config: ServeSettings) -> int:
         print(f"keepwarm serve: {exc}", file=sys.stderr)
         return 2
     openmp_prepared = cpu_threads.prepare_openmp(thread_choice)
+    if config.supervise:
+        # numpy's OpenBLAS starts its thread pool when torch loads it; the serving path does no numpy
+        # BLAS, and the parent must fork with one thread only.
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from keepwarm_runtime.server.metrics import process_start_time
 
     started_at = process_start_time()
@@ -94,101 +102,203 @@ def serve(config: ServeSettings) -> int:
     if config.lora_modules or config.allow_runtime_lora_updating:
         settings.setdefault("enable_lora", True)
     model_dir = os.path.abspath(config.model_dir)
+    server = ServerStart(config, settings, model_dir, thread_choice, openmp_prepared)
+    if config.supervise:
+        return supervise(server)
     from keepwarm_runtime.engine.prefetch import WeightPrefetch
 
     # The weights need only torch: attach them while the server and transformers import.
     prefetch = WeightPrefetch.start(model_dir, settings)
-    import uvicorn
+    return server.run(started_at, prefetch)
 
-    from keepwarm_runtime.server.app import create_app
-    from keepwarm_runtime.server.media_fetch import media_policy
-    from keepwarm_runtime.server.serving import ServingOptions
-    from keepwarm_runtime.server.serving_audio import audio_settings, make_speech_engine
 
+def supervise(server: ServerStart) -> int:
+    """Import everything and bind the ports here, then serve in forked workers (server/supervisor.py)."""
+    import time
+
+    from keepwarm_runtime.server.preload import preload
+    from keepwarm_runtime.server.supervisor import RESTARTS, Supervisor, SupervisorConfig, bind_listener
+
+    config = server.config
+    if server.check() is not None:
+        return 2
+    preload(server.model_dir)
+    health_port = config.supervisor_port if config.supervisor_port is not None else config.port + 1
     try:
-        media = media_policy(
-            config.allowed_media_domains,
-            config.allowed_local_media_path,
-            config.max_audio_upload_bytes,
-            config.media_fetch_timeout,
+        listener = bind_listener(config.host, config.port)
+        health = bind_listener(config.host, health_port, backlog=16)
+    except OSError as exc:
+        print(
+            f"keepwarm serve: cannot listen on {config.host}:{config.port}/{health_port}: {exc}",
+            file=sys.stderr,
         )
-        audio = audio_settings(config.audio_backend, config.max_audio_upload_bytes, model_dir, media)
-    except (ValueError, RuntimeError) as exc:
-        print(f"keepwarm serve: {exc}", file=sys.stderr)
         return 2
 
-    def make_engine() -> Any:
-        # transformers resolves its names lazily: import what the engine uses now (the attention
-        # registry and weight conversions pull torch._dynamo, torch.distributed.tensor and sympy, ~4 s
-        # on a small CPU), so those seconds are charged to the imports phase, not to config.
-        import transformers.core_model_loading  # noqa: F401
-        from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+    def worker() -> int:
+        from keepwarm_runtime.engine.prefetch import WeightPrefetch
 
-        from keepwarm_runtime.engine.config import EngineConfig
-        from keepwarm_runtime.engine.llm_engine import LLMEngine
-        from keepwarm_runtime.engine.startup import StartupProfile
+        started_at = time.time()  # the fork: this worker's start
+        prefetch = WeightPrefetch.start(server.model_dir, server.settings)
+        # A restarted worker loads before it accepts: requests wait in the backlog, never see a 503.
+        return server.run(started_at, prefetch, listener, load_first=sum(RESTARTS.by_cause.values()) > 0)
 
-        speech = make_speech_engine(model_dir, settings)
-        if speech is not None:
-            return speech
-        profile = StartupProfile.since_process_start(started_at)
-        profile.mark("imports")
-        engine = LLMEngine(EngineConfig(model_dir, **settings), profile, prefetch)
-        for adapter in config.lora_modules:  # a bad adapter fails the start, naming it
-            engine.add_lora(adapter.name, adapter.path)
-        engine.warm_up()
-        return engine
-
-    options = ServingOptions(
-        trust_request_chat_template=config.trust_request_chat_template,
-        tool_call_parser=config.tool_call_parser,
-        preprocess_timeout_s=config.preprocess_timeout,
-        max_request_body_bytes=config.max_request_body_bytes,
-        api_key=config.api_key or None,
-        lora_modules=config.lora_modules,
-        allow_runtime_lora_updating=config.allow_runtime_lora_updating,
-    )
-    app = create_app(
-        make_engine,
-        model_dir=model_dir,
-        served_model_name=config.served_model_name,
-        started_at=started_at,
-        options=options,
-        audio=audio,
-    )
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
+    supervisor = Supervisor(
+        SupervisorConfig(
             host=config.host,
             port=config.port,
-            log_level=config.uvicorn_log_level,
-            access_log=config.access_log,
-            timeout_graceful_shutdown=5,
-        )
-    )
-    async_engine = app.state.ctx.async_engine
-
-    def stop_if_load_fails() -> None:
-        async_engine.ready_event.wait()
-        if async_engine.state == "failed":
-            logger.error("exiting: the model could not be loaded (%s)", async_engine.error)
-            server.should_exit = True
-
-    threading.Thread(target=stop_if_load_fails, name="keepwarm-load-watch", daemon=True).start()
-    logger.info(
-        "intra-op threads: %d (%s; torch reports %d)%s",
-        thread_choice.threads,
-        thread_choice.reason,
-        cpu_threads.apply(thread_choice),
-        "" if openmp_prepared else "; torch was imported first, so OpenMP's wait policy is its default",
+            health_timeout=config.worker_health_timeout,
+            max_failed_restarts=config.max_failed_restarts,
+        ),
+        worker,
+        health,
+        close_in_worker=[health],
     )
     logger.info(
-        "serving %s on http://%s:%d (engine settings: %s, api key %s)",
-        model_dir,
+        "supervising: workers serve http://%s:%d; the parent's /health is on port %d",
         config.host,
         config.port,
-        settings,
-        "required" if options.api_key else "off",
+        health_port,
     )
-    server.run()
-    return 1 if async_engine.state == "failed" else 0
+    try:
+        return supervisor.run()
+    finally:
+        listener.close()
+        health.close()
+
+
+@dataclass
+class ServerStart:
+    """What serving needs once the settings are resolved; ``run`` serves in this process."""
+
+    config: ServeSettings
+    settings: dict[str, Any]  # EngineConfig keyword arguments
+    model_dir: str  # absolute
+    thread_choice: Any  # engine.threads.ThreadChoice
+    openmp_prepared: bool
+    audio: Any = None  # AudioServerSettings once checked
+
+    def check(self) -> int | None:
+        """Validate the media and audio settings (2 and a message when they are wrong), else None."""
+        from keepwarm_runtime.server.media_fetch import media_policy
+        from keepwarm_runtime.server.serving_audio import audio_settings
+
+        config = self.config
+        try:
+            media = media_policy(
+                config.allowed_media_domains,
+                config.allowed_local_media_path,
+                config.max_audio_upload_bytes,
+                config.media_fetch_timeout,
+            )
+            self.audio = audio_settings(
+                config.audio_backend, config.max_audio_upload_bytes, self.model_dir, media
+            )
+        except (ValueError, RuntimeError) as exc:
+            print(f"keepwarm serve: {exc}", file=sys.stderr)
+            return 2
+        return None
+
+    def run(
+        self,
+        started_at: float,
+        prefetch: Any,
+        listener: socket.socket | None = None,
+        load_first: bool = False,
+    ) -> int:
+        """Build the app and serve it (on ``listener`` if given, else bind host:port) until stopped.
+
+        ``load_first`` (a restarted worker): accept connections only once the engine is loaded
+        (create_app), and skip the warm-up request: clients are already waiting in the backlog, and
+        a warm-up would only make the first of them wait one request longer."""
+        import uvicorn
+
+        from keepwarm_runtime.engine import threads as cpu_threads
+        from keepwarm_runtime.server.app import create_app
+        from keepwarm_runtime.server.serving import ServingOptions
+        from keepwarm_runtime.server.serving_audio import make_speech_engine
+
+        if self.audio is None and self.check() is not None:
+            return 2
+        config, settings, model_dir = self.config, self.settings, self.model_dir
+
+        def make_engine() -> Any:
+            # transformers resolves its names lazily: import what the engine uses now (the attention
+            # registry and weight conversions pull torch._dynamo, torch.distributed.tensor and sympy, ~4 s
+            # on a small CPU), so those seconds are charged to the imports phase, not to config.
+            import transformers.core_model_loading  # noqa: F401
+            from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+            from keepwarm_runtime.engine.config import EngineConfig
+            from keepwarm_runtime.engine.llm_engine import LLMEngine
+            from keepwarm_runtime.engine.startup import StartupProfile
+
+            speech = make_speech_engine(model_dir, settings)
+            if speech is not None:
+                return speech
+            profile = StartupProfile.since_process_start(started_at)
+            profile.mark("imports")
+            engine = LLMEngine(EngineConfig(model_dir, **settings), profile, prefetch)
+            for adapter in config.lora_modules:  # a bad adapter fails the start, naming it
+                engine.add_lora(adapter.name, adapter.path)
+            if not load_first:  # a restarted worker's first queued request is its warm-up
+                engine.warm_up()
+            return engine
+
+        options = ServingOptions(
+            trust_request_chat_template=config.trust_request_chat_template,
+            tool_call_parser=config.tool_call_parser,
+            preprocess_timeout_s=config.preprocess_timeout,
+            max_request_body_bytes=config.max_request_body_bytes,
+            api_key=config.api_key or None,
+            lora_modules=config.lora_modules,
+            allow_runtime_lora_updating=config.allow_runtime_lora_updating,
+        )
+        app = create_app(
+            make_engine,
+            model_dir=model_dir,
+            served_model_name=config.served_model_name,
+            started_at=started_at,
+            options=options,
+            audio=self.audio,
+            load_before_serving=load_first,
+            sleep_mode=config.enable_sleep_mode,
+            wake_on_request=config.wake_on_request,
+        )
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host=config.host,
+                port=config.port,
+                log_level=config.uvicorn_log_level,
+                access_log=config.access_log,
+                timeout_graceful_shutdown=5,
+            )
+        )
+        async_engine = app.state.ctx.async_engine
+
+        def stop_if_load_fails() -> None:
+            async_engine.ready_event.wait()
+            if async_engine.state == "failed":
+                logger.error("exiting: the model could not be loaded (%s)", async_engine.error)
+                server.should_exit = True
+
+        threading.Thread(target=stop_if_load_fails, name="keepwarm-load-watch", daemon=True).start()
+        logger.info(
+            "intra-op threads: %d (%s; torch reports %d)%s",
+            self.thread_choice.threads,
+            self.thread_choice.reason,
+            cpu_threads.apply(self.thread_choice),
+            ""
+            if self.openmp_prepared
+            else "; torch was imported first, so OpenMP's wait policy is its default",
+        )
+        logger.info(
+            "serving %s on http://%s:%d (engine settings: %s, api key %s)",
+            model_dir,
+            config.host,
+            config.port,
+            settings,
+            "required" if options.api_key else "off",
+        )
+        server.run(sockets=None if listener is None else [listener])
+        return 1 if async_engine.state == "failed" else 0

@@ -47,6 +47,14 @@ class Unauthorized(APIError):
     type = "authentication_error"
 
 
+class Conflict(APIError):
+    """409: the request contradicts the server's state (POST /sleep while requests run, unloading a LoRA
+    adapter requests still use)."""
+
+    status = 409
+    type = "invalid_request_error"
+
+
 class PayloadTooLarge(APIError):
     """413: the body is larger than --max-request-body-bytes, or an audio upload or fetched audio_url
     is over --max-audio-upload-bytes."""
@@ -74,13 +82,6 @@ class NotFound(APIError):
 
     status = 404
     type = "NotFoundError"
-
-
-class Conflict(APIError):
-    """409: the request conflicts with work in progress (unloading a LoRA adapter requests still use)."""
-
-    status = 409
-    type = "invalid_request_error"
 
 
 class NotReady(APIError):

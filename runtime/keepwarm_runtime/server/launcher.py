@@ -19,6 +19,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from keepwarm_api.settings import FALSE_WORDS
 from keepwarm_runtime.server.cli import serve_env_vars
 
 
@@ -49,6 +50,7 @@ class ServerProcess:
     url: str  # http://127.0.0.1:PORT
     log_path: Path
     started_at: float = field(default_factory=time.monotonic)  # when the process was spawned
+    parent_url: str | None = None  # the supervising parent's own /health (None: --no-supervise)
 
     def wait(self, path: str = "/ready", timeout: float = 180.0) -> float:
         """Poll ``path`` until 200; returns seconds since spawn. Raises ServerStartError."""
@@ -80,6 +82,22 @@ class ServerProcess:
                 samples[name] = float(value)
         return samples
 
+    def parent_health(self) -> tuple[int, dict]:
+        """(status, body) of the supervising parent's /health; (0, {}) when it does not answer."""
+        if self.parent_url is None:
+            raise RuntimeError("this server runs without a supervising parent")
+        status, body = http_get(self.parent_url + "/health")
+        return status, json.loads(body) if status else {}
+
+    def worker_pid(self) -> int:
+        """The serving process: the supervisor's current worker, or the server itself."""
+        if self.parent_url is None:
+            return self.proc.pid
+        status, body = self.parent_health()
+        if not body.get("worker_pid"):
+            raise RuntimeError(f"the parent names no worker now ({status} {body})")
+        return int(body["worker_pid"])
+
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
@@ -106,8 +124,18 @@ def start_server(
     args: list[str] | tuple[str, ...] = (),
     env: dict[str, str] | None = None,
 ) -> ServerProcess:
-    """Spawn `keepwarm serve MODEL_DIR --host 127.0.0.1 --port PORT ARGS` (does not wait)."""
+    """Spawn `keepwarm serve MODEL_DIR --host 127.0.0.1 --port PORT ARGS` (does not wait); the
+    supervising parent's /health gets a free port of its own unless ARGS name one."""
     port = port or free_port()
+    supervised = (
+        "--no-supervise" not in args and (env or {}).get("KEEPWARM_SUPERVISE", "").lower() not in FALSE_WORDS
+    )
+    parent_port = None
+    if supervised and "--supervisor-port" not in args:
+        parent_port = free_port()
+        args = [*args, "--supervisor-port", str(parent_port)]
+    elif supervised:
+        parent_port = int(list(args)[list(args).index("--supervisor-port") + 1])
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     command = [
@@ -130,7 +158,8 @@ def start_server(
         proc = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True
         )
-    return ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
+    parent_url = None if parent_port is None else f"http://127.0.0.1:{parent_port}"
+    return ServerProcess(proc, f"http://127.0.0.1:{port}", log_path, parent_url=parent_url)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

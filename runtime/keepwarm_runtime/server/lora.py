@@ -10,6 +10,7 @@ reads the adapter in the engine thread, between steps.
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
@@ -46,7 +47,9 @@ async def load_lora_adapter(ctx: ServingContext, req: LoadLoraAdapterRequest, ra
     if req.lora_name in ctx.loras or req.lora_name == ctx.served_model_name:
         raise BadRequest(f"The lora adapter '{req.lora_name}' has already been loaded.", param="lora_name")
     try:
-        await ctx.async_engine.call(lambda engine: engine.add_lora(req.lora_name, req.lora_path))
+        await asyncio.wrap_future(
+            ctx.async_engine.call(lambda e: e.engine.add_lora(req.lora_name, req.lora_path))
+        )
     except LoraLoadError as exc:
         raise BadRequest(str(exc), param="lora_path", code="invalid_lora_adapter") from exc
     ctx.loras[req.lora_name] = LoraModule(req.lora_name, req.lora_path)
@@ -62,7 +65,7 @@ async def unload_lora_adapter(ctx: ServingContext, req: UnloadLoraAdapterRequest
     if req.lora_name not in ctx.loras:
         raise NotFound(f"The lora adapter '{req.lora_name}' cannot be found.", param="lora_name")
     try:
-        await ctx.async_engine.call(lambda engine: engine.remove_lora(req.lora_name))
+        await asyncio.wrap_future(ctx.async_engine.call(lambda e: e.engine.remove_lora(req.lora_name)))
     except LoraInUse as exc:
         raise Conflict(str(exc), param="lora_name", code="lora_adapter_in_use") from exc
     except KeyError:

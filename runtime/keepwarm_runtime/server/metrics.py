@@ -23,6 +23,7 @@ from prometheus_client import (
 )
 
 from keepwarm_runtime.cache.metrics import client_metrics
+from keepwarm_runtime.server.supervisor import RESTARTS
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -114,6 +115,19 @@ class ServerMetrics:
             "LoRA adapters of running and waiting requests, comma-separated (vLLM's lora_requests_info; "
             "value: when it was set)",
             ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+            registry=r,
+        )
+        self.worker_restarts = Counter(
+            "keepwarm_worker_restarts",
+            "Serving workers restarted by the supervising parent, by cause (crash, hang, unhealthy)",
+            ["cause"],
+            registry=r,
+        )
+        for cause, count in RESTARTS.by_cause.items():  # inherited from the parent by the fork
+            self.worker_restarts.labels(cause=cause).inc(count)
+        self.sleep_level = Gauge(
+            "keepwarm_sleep_level",
+            "0 while awake, else the level the engine sleeps at (POST /sleep, --enable-sleep-mode)",
             registry=r,
         )
         self.info = Gauge("keepwarm_model_info", "The served model (value 1)", list(m), registry=r)

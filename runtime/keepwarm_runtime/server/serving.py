@@ -86,6 +86,8 @@ class ServingContext:
     def engine(self) -> EngineClient:
         """The loaded engine, or a 503 while weights are loading (or after the engine failed)."""
         state, engine = self.async_engine.state, self.async_engine.engine
+        if state == "sleeping":
+            raise NotReady("the model is asleep (POST /sleep): POST /wake_up wakes it", code="model_sleeping")
         if state != "ready" or engine is None:
             detail = f": {self.async_engine.error}" if self.async_engine.error else ""
             raise NotReady(

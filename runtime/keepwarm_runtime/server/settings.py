@@ -133,6 +133,28 @@ class ServeSettings:
         "intra-op CPU threads (see engine/threads.py)",
         unset="the CPUs this process may use: affinity mask and cgroup CPU quota",
     )
+    # sleep mode (server/sleep_mode.py)
+    enable_sleep_mode: bool = setting(
+        False, "serve POST /sleep?level=1|2, POST /wake_up and GET /is_sleeping (vLLM's sleep mode)"
+    )
+    wake_on_request: bool = setting(
+        False, "with sleep mode: a request to a sleeping engine wakes it (else 503 model_sleeping)"
+    )
+    # the supervising parent (server/supervisor.py)
+    supervise: bool = setting(
+        True,
+        "run the server as a worker forked by a parent that imported everything ahead and re-forks it "
+        "when it dies or hangs (--no-supervise: one process)",
+    )
+    supervisor_port: int | None = setting(
+        None, "port of the parent's own /health (the liveness probe's)", unset="--port + 1"
+    )
+    worker_health_timeout: float = setting(
+        10.0, "seconds the worker's /health may go unanswered before the parent restarts it"
+    )
+    max_failed_restarts: int = setting(
+        5, "failed worker restarts in a row after which the parent's /health answers 503"
+    )
     # the HTTP server
     uvicorn_log_level: str = setting("info", "uvicorn's log level")
     access_log: bool = setting(False, "log every request (uvicorn's access log)")

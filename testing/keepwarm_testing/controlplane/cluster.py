@@ -1,6 +1,10 @@
 """A real Kubernetes control plane on loopback for tests: etcd, kube-apiserver (RBAC on),
 kube-controller-manager, kube-scheduler, plus a kubelet stand-in with fake GPU nodes.
 
+`run_pods=True` (root only) makes the kubelet stand-in run pods for real (pods/runner.py): a bridge
+with a pod network on this machine, and the API server also reachable from pods at the bridge's
+address (a TCP forwarder; the serving certificate names that address).
+
     from keepwarm_testing.controlplane.build import build_control_plane
     with ControlPlane(build_control_plane()) as cp:
         cp.add_gpu_nodes(3)
@@ -33,6 +37,9 @@ from keepwarm_runtime.server.launcher import free_port
 
 from .kubelet import FakeKubelet
 from .pki import PKI, SERVING_NAMES, client_ssl_context, write_kubeconfig
+from .pods.apiproxy import TcpForwarder
+from .pods.images import ImageConfig
+from .pods.runner import PodRunner
 
 SERVICE_CIDR = "10.0.0.0/16"  # room for a Service per InferenceDeployment at bench scale (400+)
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
@@ -87,7 +94,13 @@ class ControlPlane:
         workdir: Path | None = None,
         extra_args: dict[str, list[str]] | None = None,
         heartbeat_s: float = 10.0,
+        run_pods: bool = False,
+        images: dict[str, ImageConfig] | None = None,
     ) -> None:
+        self.run_pods = run_pods
+        self.images = images or {}  # run_pods: image repository -> entrypoint/user (pods/images.py)
+        self.pods: PodRunner | None = None  # the pod runner (run_pods=True), from start() on
+        self._api_proxy: TcpForwarder | None = None
         self.bin_dir = Path(bin_dir)
         for name in (*COMPONENTS, "kubectl"):
             if not (self.bin_dir / name).is_file():
@@ -124,6 +137,8 @@ class ControlPlane:
         deadline = time.monotonic() + timeout_s
         self.data.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(parents=True, exist_ok=True)
+        if self.run_pods:
+            self.pods = PodRunner(self.root / "pods", self.ports["apiserver"], self.images)
         self._make_credentials()
         self._spawn("etcd", self._etcd_args())
         self._wait(
@@ -134,6 +149,9 @@ class ControlPlane:
         self._spawn("kube-apiserver", self._apiserver_args())
         self._http = self.http_client()
         self._wait("kube-apiserver", lambda: self._http.get("/readyz").status_code == 200, deadline)
+        if self.pods is not None:
+            port = self.ports["apiserver"]
+            self._api_proxy = TcpForwarder((self.pods.network.gateway, port), ("127.0.0.1", port))
         self._spawn("kube-controller-manager", self._controller_manager_args())
         self._spawn("kube-scheduler", self._scheduler_args())
         for name, port in (
@@ -150,15 +168,23 @@ class ControlPlane:
             lambda: self._http.get("/api/v1/namespaces/default/serviceaccounts/default").status_code == 200,
             deadline,
         )
-        self.kubelet = FakeKubelet(self.server, self.admin_tls(), heartbeat_s=self.heartbeat_s)
+        self.kubelet = FakeKubelet(
+            self.server, self.admin_tls(), heartbeat_s=self.heartbeat_s, runner=self.pods
+        )
         self.kubelet.start()
         return self
 
     def stop(self, *, failed: bool = False) -> None:
         """Stop everything and delete the data; on failure keep (and print) the logs."""
         if self.kubelet is not None:
-            self.kubelet.stop()
+            self.kubelet.stop()  # stops the pod runner too
             self.kubelet = None
+        elif self.pods is not None:
+            self.pods.stop()
+        self.pods = None
+        if self._api_proxy is not None:
+            self._api_proxy.close()
+            self._api_proxy = None
         if self._http is not None:
             self._http.close()
             self._http = None
@@ -340,7 +366,8 @@ class ControlPlane:
     # -- internals -------------------------------------------------------------------------------
     def _make_credentials(self) -> None:
         self.pki = PKI(self.data / "pki")
-        self.serving = self.pki.issue("apiserver", "kube-apiserver", alt_names=SERVING_NAMES)
+        names = SERVING_NAMES + ([f"IP:{self.pods.network.gateway}"] if self.pods else [])
+        self.serving = self.pki.issue("apiserver", "kube-apiserver", alt_names=names)
         self.admin = self.pki.issue("admin", "keepwarm-admin", organization="system:masters")
         self.sa_keys = self.pki.service_account_keys()
         ca = self.pki.ca.cert

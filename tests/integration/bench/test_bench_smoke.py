@@ -55,6 +55,19 @@ def test_restart_benchmark_reports_every_path_and_the_warm_one_attaches(tmp_path
         assert start["phases_s"]["weights"] > 0 and start["wall_to_ready_s"] > 0, path
 
 
+def test_recovery_benchmark_reports_every_figure_the_issue_names(tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "keepwarm_runtime.cli", "bench", "recovery"]
+    result = json.loads(_run([*argv, "--params", "2M", "--repeats", "1", "--json"], tmp_path).stdout)
+    keys = ("fresh_ready_s", "fresh_after_imports_s", "supervised_ready_s", "crash_to_first_token_s")
+    for key in (*keys, "wake_to_first_token_s", "wake_level2_to_first_token_s"):
+        assert result[key] > 0, key
+    assert result["fresh_after_imports_s"] < result["fresh_process_ready_s"]
+    assert result["restarts"]["crash"] == 1  # the crash really restarted the worker
+    # The new worker's phases add up to its own fork-to-ready, and it imported (almost) nothing.
+    assert sum(result["crash_phases_s"].values()) == pytest.approx(result["crash_worker_ready_s"], abs=0.5)
+    assert result["crash_phases_s"]["imports"] < result["fresh_phases_s"]["imports"]
+
+
 def test_throughput_benchmark_runs_both_engines_on_the_same_prompts(tmp_path: Path) -> None:
     out = tmp_path / "throughput.json"
     argv = [sys.executable, "bench/throughput.py", "--params", "2M", "--prompts", "4", "--output-tokens", "6"]

@@ -119,3 +119,13 @@ def test_limits_are_refused_by_name(make_tiny) -> None:
     with pytest.raises(ValueError, match="prompt_logprobs must be in"):
         SamplingParams(prompt_logprobs=21)
     assert not engine.requests.get("long")
+
+
+def test_n_completions_share_one_scored_prompt(make_tiny) -> None:
+    model_dir = make_tiny("llama")
+    ids = prompt(18, 13)
+    llm = LLM(model_dir, block_size=4, num_kv_blocks=128)
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=4, prompt_logprobs=1, ignore_eos=True)
+    output = llm.generate({"prompt_token_ids": ids}, params)[0]
+    assert [len(o.token_ids) for o in output.outputs] == [4, 4, 4]
+    assert_matches(output, reference(model_dir, [ids])[0], top=1)

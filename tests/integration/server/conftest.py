@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,14 +50,27 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
         return exc.code, json.loads(exc.read())
 
 
+def _long_poll_until_ready(url: str) -> list[tuple[int, float]]:
+    """(status, seconds) of each /ready?wait=1000 request, as a startup probe retries them."""
+    attempts: list[tuple[int, float]] = []
+    while not attempts or (attempts[-1][0] != 200 and len(attempts) < 10):
+        started = time.monotonic()
+        status, _ = http_get(url + "/ready?wait=1000", 120.0)
+        attempts.append((status, time.monotonic() - started))
+    return attempts
+
+
 @pytest.fixture(scope="session")
 def served(tiny_llama: Path, hung_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("server-log") / "serve.log"
     args = ["--served-model-name", "tiny", "--cache-socket-dir", str(hung_cache_dir)]
     args += ["--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "512", "--max-num-seqs", "32"]
     proc = start_server(tiny_llama, log, args=args)
+    pool = ThreadPoolExecutor(1)
     try:
         proc.wait("/health", timeout=240)
+        # A startup probe's long polls, sent while loading: answered once the weights are in.
+        long_poll = pool.submit(_long_poll_until_ready, proc.url)
         early = {
             "ready": http_get(proc.url + "/ready"),
             "chat": _post(
@@ -64,8 +79,10 @@ def served(tiny_llama: Path, hung_cache_dir: Path, tmp_path_factory: pytest.Temp
             "health": http_get(proc.url + "/health"),
         }
         proc.wait("/ready", timeout=240)
+        early["ready_long_poll"] = long_poll.result(timeout=120)
         yield Served(proc, "tiny", early)
     finally:
+        pool.shutdown(wait=False)
         code = proc.stop()
         assert code is not None
 

@@ -27,6 +27,19 @@ def test_health_answers_while_loading_and_ready_and_inference_wait(served):
     assert chat_status == 503 and chat_body["error"]["type"] == "service_unavailable_error"
 
 
+def test_ready_long_poll_answers_once_loaded_and_refuses_a_bad_wait(served):
+    """Sent while /ready still said 503, each long poll (wait=1000: capped, not refused) held its answer
+    for the whole cap or until the weights were in, and the last answered 200; a wait that is not a
+    number is refused by name."""
+    from keepwarm_api.probes import READY_WAIT_MAX_S
+
+    *waiting, (last_status, _) = served.early["ready_long_poll"]
+    assert last_status == 200
+    assert all(status == 503 and seconds >= READY_WAIT_MAX_S - 1 for status, seconds in waiting), waiting
+    bad = httpx.get(served.proc.url + "/ready", params={"wait": "soon"}, timeout=10)
+    assert bad.status_code in (400, 422) and "wait" in bad.text
+
+
 def test_weights_fell_back_to_disk_and_load_metrics_are_exposed(served):
     metrics = served.proc.metrics()
     assert metrics['keepwarm_weight_load_seconds{source="disk"}'] >= 0

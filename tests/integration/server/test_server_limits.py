@@ -3,6 +3,7 @@ and /health answering throughout."""
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 import time
@@ -62,6 +63,37 @@ def test_a_50_mb_body_gets_413_while_health_answers(served, chunked):
     assert result["answer"].startswith(b"HTTP/1.1 413"), result["answer"][:200]
     assert b"request_too_large" in result["answer"]
     assert worst < 1.0
+
+
+def _send_all_then_read(url: str, path: str, length: int, extra_headers: bytes = b"") -> bytes:
+    """Send the head, wait until the server has answered (an early refusal), then send the whole
+    declared body anyway (as urllib, httpx and the openai client do) and only then read the answer."""
+    parts = urlsplit(url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=60) as sock:
+        head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n".encode()
+        sock.sendall(head + b"Content-Type: application/json\r\n" + extra_headers + b"\r\n")
+        readable, _, _ = select.select([sock], [], [], 60)
+        assert readable, "the server did not answer before the body was sent"
+        time.sleep(0.5)  # without lingering, the server has closed by now
+        block = b" " * (1024 * 1024)
+        for start in range(0, length, len(block)):
+            sock.sendall(block[: length - start])
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+        return answer
+
+
+def test_an_early_413_reaches_a_client_that_sends_its_whole_body_first(served):
+    answer = _send_all_then_read(served.proc.url, "/v1/completions", 12 * 1024 * 1024)
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert b"request_too_large" in answer
+
+
+def test_an_early_401_reaches_a_client_that_sends_its_whole_body_first(served_secure):
+    answer = _send_all_then_read(served_secure.proc.url, "/v1/completions", 4 * 1024 * 1024)
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+    assert b"invalid_api_key" in answer
 
 
 def test_lone_surrogates_are_a_400(served):

@@ -23,7 +23,7 @@ def test_daemonset_runs_agent_with_report_flags_and_socket_dir():
     assert ds["metadata"]["namespace"] == "keepwarm-system"
     assert ds["metadata"]["ownerReferences"][0]["uid"] == "u-1"
     pod = ds["spec"]["template"]["spec"]
-    (container,) = pod["containers"]
+    container, _holder = pod["containers"]
     cmd = container["command"]
     assert cmd[:3] == ["keepwarm", "cache", "serve"]
     i = cmd.index("--report-to-kubernetes")
@@ -152,6 +152,62 @@ def test_private_socket_mode_drops_group():
 
 
 def test_agent_is_ready_only_when_its_daemon_answers():
-    (container,) = agent_daemonset("llama", spec(), "ns", OWNER)["spec"]["template"]["spec"]["containers"]
+    container, _holder = agent_daemonset("llama", spec(), "ns", OWNER)["spec"]["template"]["spec"][
+        "containers"
+    ]
     assert container["readinessProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
     assert container["ports"] == [{"name": "metrics", "containerPort": spec().agent.metrics_port}]
+
+
+def test_upgrades_surge_and_the_old_pod_hands_over():
+    """maxSurge 1 / maxUnavailable 0: the new pod runs beside the old one on each node and takes its
+    daemon's arenas, socket and lock over; the old one then idles (an exited container would be
+    restarted by the kubelet and take everything back)."""
+    ds = agent_daemonset("llama", spec(), "ns", OWNER)
+    assert ds["spec"]["updateStrategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    agent, holder = ds["spec"]["template"]["spec"]["containers"]
+    cmd = agent["command"]
+    assert cmd[cmd.index("--after-handoff") + 1] == "wait"
+    assert holder["name"] == "holder"
+    assert holder["command"] == [
+        "keepwarm", "cache", "hold", "--socket-dir", "/var/run/keepwarm/llama",
+        "--after-handoff", "wait", "--group", "2000",
+    ]  # fmt: skip
+    assert holder["image"] == agent["image"]
+    assert {"name": "sockets", "mountPath": "/var/run/keepwarm/llama"} in holder["volumeMounts"]
+    assert holder["securityContext"] == agent["securityContext"]
+
+
+def test_the_rendered_commands_parse_as_the_runtime_declares_them():
+    """The flags the builder writes are the ones `keepwarm cache serve` and `hold` accept."""
+    import argparse
+
+    from keepwarm_runtime.cache.cli import register
+
+    parser = argparse.ArgumentParser(prog="keepwarm")
+    register(parser.add_subparsers(dest="command"))
+    agent, holder = agent_daemonset("llama", spec(), "ns", OWNER)["spec"]["template"]["spec"]["containers"]
+    for command in (agent["command"], holder["command"]):
+        args = parser.parse_args(command[1:])
+        assert args.after_handoff == "wait" and args.socket_dir == "/var/run/keepwarm/llama"
+
+
+def test_shared_socket_group_is_served_not_only_reachable():
+    """Pods with groupId as a supplemental group reach the 0770 socket; the daemon must also allow
+    them (it serves only its own uid plus --allow-uid/--allow-gid): found running the DaemonSet for
+    real, where every runtime pod fell back to disk ("uid 10001 with gids [2000, 10001] is not
+    allowed")."""
+
+    def allowed(**socket):
+        cmd = agent_daemonset("llama", spec(socket=socket), "ns", OWNER)["spec"]["template"]["spec"]
+        command = cmd["containers"][0]["command"]
+        return [command[i + 1] for i, arg in enumerate(command) if arg == "--allow-gid"]
+
+    assert allowed() == ["2000"]
+    assert allowed(groupId=3000) == ["3000"]
+    assert allowed(groupId=3000, allowedGids=[3000, 4000]) == ["3000", "4000"]
+    assert allowed(allowedUids=[10001]) == []  # only those uids, as the spec says
+    assert allowed(mode="0700") == []

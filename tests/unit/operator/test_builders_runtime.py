@@ -42,12 +42,17 @@ def test_cached_model_pods_attach_to_the_cache():
     assert c["command"][c["command"].index("--dtype") + 1] == "float16"  # auto follows the cache
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert c["command"][c["command"].index("--device") + 1] == "cuda"
-    assert c["startupProbe"]["httpGet"]["path"] == "/ready"
+    assert c["startupProbe"]["httpGet"]["path"].startswith("/ready?")
     assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 1800
     assert (
         c["readinessProbe"]["httpGet"]["path"] == "/ready"
         and c["livenessProbe"]["httpGet"]["path"] == "/health"
     )
+    # Liveness asks the supervising parent, on the port the command gives it.
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert c["livenessProbe"]["httpGet"]["port"] == "supervisor"
+    assert c["command"][c["command"].index("--supervisor-port") + 1] == str(ports["supervisor"])
+    assert ports["supervisor"] != ports["http"]
     (pref,) = pod["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
     assert pref["preference"]["matchExpressions"] == [
         {"key": warm_label_key("wc1", "llama-8b"), "operator": "Exists"}
@@ -96,3 +101,26 @@ def test_warm_label_keys_are_valid_label_keys():
     prefix, name = long.split("/")
     assert prefix == "warm.keepwarm.dev" and len(name) <= 63
     assert warm_label_key("c" * 40, "m" * 63) == long and long != warm_label_key("c" * 40, "n" * 63)
+
+
+def test_startup_probe_long_polls_so_ready_follows_the_runtime_at_once():
+    """The startup probe waits on /ready?wait=N (the kubelet's timeout longer than N, so it is not cut
+    short) and retries every second: the pod is Ready when the runtime is, not up to a period later."""
+    from urllib.parse import parse_qs, urlsplit
+
+    from keepwarm_api.probes import READY_WAIT_MAX_S, READY_WAIT_PARAM
+
+    dep = runtime_deployment("chat", "ns", idep(), BINDING, OWNER)
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    startup = c["startupProbe"]
+    url = urlsplit(startup["httpGet"]["path"])
+    wait = int(parse_qs(url.query)[READY_WAIT_PARAM][0])
+    assert url.path == c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert 1 <= wait <= READY_WAIT_MAX_S
+    assert startup["timeoutSeconds"] > wait and startup["periodSeconds"] == 1
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_rolling_update_keeps_every_replica_serving():
+    dep = runtime_deployment("chat", "ns", idep(replicas=1), BINDING, OWNER)
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0}}

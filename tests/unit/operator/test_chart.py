@@ -197,3 +197,13 @@ def test_the_inline_path_prefix_reaches_the_policy_as_a_cel_string(prefix, cel):
 def test_an_inline_path_prefix_that_is_no_plain_directory_is_refused_by_name(prefix):
     with pytest.raises(Exception, match=r"tenancyPolicy\.inlinePathPrefix"):
         _inline_path_policy(prefix)
+
+
+def test_operator_pod_names_its_kopf_identity():
+    """kopf takes its peering identity from POD_ID, else from getpass.getuser(), which raises for the
+    image's uid 65532 (no passwd entry): the operator pod exited at start until the chart set it."""
+    (deployment,) = [d for d in render(VALUES[0]) if d["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_ID"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == 65532

@@ -115,6 +115,33 @@ class HostArena:
             self.fd = -1
 
 
+class AdoptedArena:
+    """An arena received from a predecessor daemon or the holder: its sealed memfd (or, on the gpu tier,
+    its VMM POSIX-fd handle) and size. It is never written, so it needs no mapping of its own."""
+
+    def __init__(self, name: str, fd: int, size: int, page_mode: str) -> None:
+        self.name, self.fd, self.size, self.page_mode = name, fd, size, page_mode
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def verify_sealed(name: str, fd: int, size: int) -> None:
+    """A host arena handed over must be a memfd of ``size`` bytes whose seals all hold, as ``seal``
+    left it: anything else could change under its clients (ArenaSealError)."""
+    try:
+        actual = os.fstat(fd).st_size
+        held = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as exc:
+        raise ArenaSealError(f"arena {name}: not a sealable memfd: {exc}") from None
+    if actual != size:
+        raise ArenaSealError(f"arena {name}: {actual} bytes, the record says {size}")
+    if held & _SEALS != _SEALS:
+        raise ArenaSealError(f"arena {name}: seals {held:#x} lack {_SEALS & ~held:#x}")
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:

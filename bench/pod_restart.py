@@ -1,0 +1,214 @@
+"""A pod restart as a user sees it, on real pods: from `kubectl delete pod`, a crash, and scale 0 -> 1.
+
+    flock /tmp/kw-bench.lock .venv/bin/python bench/pod_restart.py [--params 1M] [--json-out FILE]
+
+Needs root (the kubelet stand-in runs pods for real: testing/keepwarm_testing/controlplane/pods/).
+Two fake nodes; `helm install` of the chart; a host-tier WeightCache selecting one node only (the
+warm node); the model generated under modelDirectory on both. Per mode, one InferenceDeployment of
+one replica: `warm` attaches through the cache (cacheRef), `cold` names the same directory as its
+own source (no cache: weights from disk; the page cache is not dropped, the machine is shared).
+Per case the clock starts at the action and stops at the new pod's Ready (polled every 50 ms) and at
+its first token (the official `openai` client, polling after Ready). One JSON object:
+  runs[]: size_params, case (delete | crash | scale_from_zero), mode (warm | cold), node (where the
+          new pod landed), pod_ready_s, first_token_s, process_ready_s (the runtime's own start to
+          ready, keepwarm_process_start_to_ready_seconds), ready_lag_s (pod Ready minus the runtime's
+          ready instant: what probes and the kubelet add), phases (keepwarm_startup_phase_seconds)
+A benchmark, not a test: nothing here asserts speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import httpx
+import openai
+import yaml
+
+from keepwarm_api.inferencedeployment import DEFAULT_IMAGE
+from keepwarm_runtime.modelgen import make_model
+from keepwarm_testing.controlplane.build import build_control_plane
+from keepwarm_testing.controlplane.cluster import ControlPlane
+from keepwarm_testing.controlplane.pods.images import from_dockerfile, repository
+from keepwarm_testing.operator import CHART, GROUP_PATH, NAMESPACE, RELEASE, ROOT, condition, items, samples
+
+WC, APPS, MODEL_DIR, POLL_S = "bench", "bench-apps", "/var/lib/models/bench", 0.05
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def boot_time() -> float:
+    line = next(x for x in Path("/proc/stat").read_text().splitlines() if x.startswith("btime"))
+    return float(line.split()[1])
+
+
+def process_start(pid: int) -> float:
+    """Wall-clock start of a host process (from /proc: jiffies since boot)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return boot_time() + int(fields[19]) / CLK_TCK
+
+
+def runtime_pods(cp: ControlPlane, name: str) -> list[dict[str, Any]]:
+    selector = f"app.kubernetes.io/name=keepwarm-runtime,app.kubernetes.io/instance={name}"
+    return items(cp, f"/api/v1/namespaces/{APPS}/pods?labelSelector={selector}")
+
+
+def ready(pod: dict[str, Any]) -> bool:
+    return condition(pod, "Ready").get("status") == "True" and not pod["metadata"].get("deletionTimestamp")
+
+
+def wait(predicate: Any, timeout_s: float = 900.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if value := predicate():
+                return value
+        except httpx.HTTPError:  # e.g. 429 while the API server initializes a new CRD's storage
+            pass
+        time.sleep(POLL_S)
+    raise TimeoutError(f"gave up after {timeout_s:.0f} s")
+
+
+def first_token(pod: dict[str, Any], model: str) -> None:
+    client = openai.OpenAI(base_url=f"http://{pod['status']['podIP']}:8000/v1", api_key="x", max_retries=0)
+    while True:
+        try:
+            client.completions.create(model=model, prompt="Hello", max_tokens=1)
+            return
+        except openai.APIError:
+            time.sleep(POLL_S)
+
+
+def runtime_metrics(pod: dict[str, Any]) -> tuple[float, dict[str, float]]:
+    text = httpx.get(f"http://{pod['status']['podIP']}:8000/metrics", timeout=30).text
+    ready_s = samples(text, "keepwarm_process_start_to_ready_seconds")[0].value
+    phases = {s.labels["phase"]: round(s.value, 3) for s in samples(text, "keepwarm_startup_phase_seconds")}
+    return ready_s, phases
+
+
+def measure(cp: ControlPlane, name: str, case: str, mode: str, params: str) -> dict[str, Any]:
+    (old,) = runtime_pods(cp, name)
+    restarts = old["status"]["containerStatuses"][0]["restartCount"]
+    if case == "scale_from_zero":
+        cp.kubectl("scale", "-n", APPS, f"inferencedeployment/{name}", "--replicas=0")
+        wait(lambda: not runtime_pods(cp, name))
+    t0 = time.time()
+    if case == "delete":
+        cp.kubectl("delete", "pod", "-n", APPS, old["metadata"]["name"], "--wait=false")
+    elif case == "crash":
+        worker = cp.pods.worker(APPS, old["metadata"]["name"])
+        os.kill(worker.containers[0].running.pid1(), signal.SIGKILL)
+    else:
+        cp.kubectl("scale", "-n", APPS, f"inferencedeployment/{name}", "--replicas=1")
+
+    def new_ready() -> dict[str, Any] | None:
+        for pod in runtime_pods(cp, name):
+            status = (pod.get("status", {}).get("containerStatuses") or [{}])[0]
+            fresh = (
+                pod["metadata"]["uid"] != old["metadata"]["uid"] or status.get("restartCount", 0) > restarts
+            )
+            if fresh and ready(pod):
+                return pod
+        return None
+
+    pod = wait(new_ready)
+    pod_ready = time.time()
+    first_token(pod, "tiny")
+    token = time.time()
+    process_ready_s, phases = runtime_metrics(pod)
+    pid1 = cp.pods.worker(APPS, pod["metadata"]["name"]).containers[0].running.pid1()
+    runtime_ready = process_start(pid1) + process_ready_s
+    return {
+        "size_params": params, "case": case, "mode": mode, "node": pod["spec"]["nodeName"],
+        "pod_ready_s": round(pod_ready - t0, 3), "first_token_s": round(token - t0, 3),
+        "process_ready_s": round(process_ready_s, 3), "ready_lag_s": round(pod_ready - runtime_ready, 3),
+        "phases": phases,
+    }  # fmt: skip
+
+
+def deployment(name: str, mode: str) -> dict[str, Any]:
+    model = (
+        {"cacheRef": WC, "name": "tiny"}
+        if mode == "warm"
+        else {"name": "tiny", "source": {"path": MODEL_DIR}}
+    )
+    return {
+        "apiVersion": "keepwarm.dev/v1alpha1",
+        "kind": "InferenceDeployment",
+        "metadata": {"name": name, "namespace": APPS},
+        "spec": {"model": model, "replicas": 1, "gpusPerPod": 0, "runtime": {"maxModelLen": 256}},
+    }
+
+
+def run(params: str, cases: list[str], modes: list[str]) -> dict[str, Any]:
+    dockerfile = ROOT / "Dockerfile"
+    images = {
+        yaml.safe_load((CHART / "values.yaml").read_text())["image"]["repository"]: from_dockerfile(
+            dockerfile, "operator"
+        ),
+        repository(DEFAULT_IMAGE): from_dockerfile(dockerfile, "runtime"),
+    }
+    runs = []
+    with ControlPlane(build_control_plane(), run_pods=True, images=images) as cp:
+        warm_node, cold_node = cp.add_gpu_nodes(1, labels={"bench-cache": "on"}) + cp.add_gpu_nodes(1)
+        for node in (warm_node, cold_node):
+            model = make_model(cp.pods.node(node).root / MODEL_DIR.lstrip("/"), params=params)
+            for path in model.iterdir():
+                path.chmod(0o644)
+        with helm.Config(kubeconfig_path=str(cp.kubeconfig), namespace=NAMESPACE) as cfg:
+            cfg.install(CHART, RELEASE, {"replicaCount": 1}, create_namespace=True, timeout=300)
+        cache_spec = {
+            "tier": "host",
+            "nodeSelector": {"bench-cache": "on"},
+            "agent": {"gpuAccess": {"mode": "None"}},
+            "models": [{"name": "tiny", "source": {"path": MODEL_DIR}, "pin": True}],
+        }
+        cache = {"apiVersion": "keepwarm.dev/v1alpha1", "kind": "WeightCache", "metadata": {"name": WC}}
+        cache["spec"] = cache_spec
+        cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(cache))
+
+        def resident() -> bool:
+            wcns = items(cp, f"{GROUP_PATH}/weightcachenodes?labelSelector=keepwarm.dev/weightcache={WC}")
+            models = [m for w in wcns for m in (w.get("status") or {}).get("models", [])]
+            return any(m["state"] == "Resident" for m in models)
+
+        wait(resident)
+        cp.kubectl("create", "namespace", APPS)
+        for mode in modes:
+            name = f"bench-{mode}"
+            cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(deployment(name, mode)))
+            wait(lambda name=name: [p for p in runtime_pods(cp, name) if ready(p)])
+            for case in cases:
+                runs.append(measure(cp, name, case, mode, params))
+                print(json.dumps(runs[-1]), file=sys.stderr)
+            cp.kubectl("delete", "-n", APPS, "inferencedeployment", name, "--wait=true", timeout=300)
+            wait(lambda name=name: not runtime_pods(cp, name))
+    return {"runs": runs, "warm_node": warm_node, "load_avg": os.getloadavg(), "cpus": os.cpu_count()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--params", default="1M", help="model size for keepwarm_runtime.modelgen (e.g. 1M, 500M)"
+    )
+    parser.add_argument("--cases", default="delete,crash,scale_from_zero")
+    parser.add_argument("--modes", default="warm,cold")
+    parser.add_argument("--json-out", type=Path)
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("bench/pod_restart.py runs pods for real: it needs root")
+    result = run(args.params, args.cases.split(","), args.modes.split(","))
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json_out:
+        args.json_out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

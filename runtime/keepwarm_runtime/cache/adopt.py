@@ -1,0 +1,204 @@
+"""Taking arenas handed over (by a predecessor daemon or the holder): verify each, serve what holds.
+
+A record is only a claim; before an arena is served, this daemon checks what it can without reading
+the weights:
+
+* the descriptor: on the host tier a memfd of exactly the recorded size whose seals all hold (no
+  write, grow or shrink: nobody can have changed it); on the gpu tier the record's size is taken as
+  given (the VMM handle cannot be inspected without importing it; untested on GPU);
+* the files: every shard is re-read (headers only) and its identity (device, inode, size, mtime,
+  ctime) must equal the one recorded at load, the check every hit makes;
+* this daemon's configuration: tier, GPU, serving dtype and expert layout, by recomputing the key
+  with its own settings (every field but ``version`` must agree); from another keepwarm version the
+  arena layout is also re-planned (the tensor table must be the one this version would write, so a
+  version whose layout changed reloads instead of misreading bytes), while the same version, whose
+  key agrees on every field, wrote the table with this very code;
+* the budget: pinned and most recently used arenas first, each must fit beside those already taken.
+
+An arena that fails any check is closed and named with the reason in the log; the model is then
+loaded from disk like any other (``--model`` or the node agent). The content digest is carried
+over as recorded: the bytes themselves are sealed, so they are the bytes that were digested.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from keepwarm_runtime.cache.backends.host import AdoptedArena, ArenaSealError, verify_sealed
+from keepwarm_runtime.cache.checkpoint import CheckpointError, read_checkpoint
+from keepwarm_runtime.cache.fingerprint import WeightCacheKey, compute_key
+from keepwarm_runtime.cache.handoff import ArenaRecord, HandoffRefused, Stream, shard_identities
+from keepwarm_runtime.cache.loader import ArenaLayout, TensorEntry, plan_layout
+from keepwarm_runtime.cache.registry import BudgetExceeded, ResidentModel
+from keepwarm_runtime.engine.moe.kernel_layout import MODEL, conversion_id
+
+if TYPE_CHECKING:
+    from keepwarm_runtime.cache.daemon import CacheDaemon
+
+log = logging.getLogger(__name__)
+
+
+class Unfit(Exception):
+    """This arena cannot be served by this daemon; the message says why (logged, then reloaded)."""
+
+
+@dataclass
+class Adoption:
+    taken: list[str]  # model names now served from handed-over arenas
+    dropped: dict[str, str]  # model name -> why it was not taken
+    seconds: float
+
+
+def _check_descriptor(daemon: CacheDaemon, record: ArenaRecord, fd: int) -> None:
+    if record.tier != daemon.tier:
+        raise Unfit(f"tier: the arena is {record.tier}, this daemon serves {daemon.tier}")
+    if record.gpu_uuid != daemon.gpu_uuid:
+        raise Unfit(f"gpu: the arena lives on {record.gpu_uuid}, this daemon serves {daemon.gpu_uuid}")
+    if record.size <= 0:
+        raise Unfit(f"size: {record.size} bytes")
+    if record.tier == "host":
+        try:
+            verify_sealed(record.name, fd, record.size)
+        except ArenaSealError as exc:
+            raise Unfit(f"seals: {exc}") from None
+
+
+def _check_files(record: ArenaRecord, model_dir: Path):
+    try:
+        shards = read_checkpoint(model_dir)
+    except CheckpointError as exc:
+        raise Unfit(f"files: {exc}") from None
+    want = shard_identities(record, model_dir)
+    now = {s.path: s.identity.as_tuple() for s in shards}
+    changed = sorted(p.name for p in set(want) | set(now) if want.get(p) != now.get(p))
+    if changed:
+        raise Unfit(f"changed on disk: {', '.join(changed[:6])}")
+    return shards
+
+
+def _check_key(daemon: CacheDaemon, record: ArenaRecord, model_dir: Path, shards, online) -> WeightCacheKey:
+    """This daemon's key for the model (its version), if the recorded key agrees on everything else."""
+    try:
+        handed = WeightCacheKey.from_dict(record.key)
+    except ValueError as exc:
+        raise Unfit(f"key: {exc}") from None
+    key = compute_key(model_dir, daemon.dtype, shards=shards, conversion=daemon.conversion, online=online)
+    candidates = (key, replace(key, conversion=conversion_id(MODEL)))
+    best = min(candidates, key=lambda k: len([f for f in handed.diff(k) if f != "version"]))
+    differ = [f for f in handed.diff(best) if f != "version"]
+    if differ:
+        detail = ", ".join(f"{f} {getattr(handed, f)} (this daemon: {getattr(best, f)})" for f in differ)
+        raise Unfit(f"key: {detail[:500]}")
+    return best
+
+
+def verify(daemon: CacheDaemon, record: ArenaRecord, fd: int) -> ResidentModel:
+    """The resident model this daemon can serve from ``fd`` (which it then owns); Unfit otherwise."""
+    from keepwarm_runtime.cache.daemon import online_settings
+
+    _check_descriptor(daemon, record, fd)
+    model_dir = Path(record.path)
+    shards = _check_files(record, model_dir)
+    try:
+        online = online_settings(model_dir, record.quantization)
+        key = _check_key(daemon, record, model_dir, shards, online)
+        entries = tuple(TensorEntry.from_wire(row) for row in record.tensors)
+        if record.key.get("version") == key.version:  # same code, same key: the layout it writes
+            layout = ArenaLayout(entries, _extent(entries))
+        else:  # another version: its table must be the one this version plans
+            layout = plan_layout(shards, daemon.dtype, online, daemon.config.expert_layout)
+            if entries != layout.entries:
+                raise Unfit("layout: the tensor table is not the one this version writes")
+            key = replace(key, conversion=daemon.conversion if layout.up_first else conversion_id(MODEL))
+    except Unfit:
+        raise
+    except Exception as exc:  # a quantization or layout this version refuses, a malformed row
+        raise Unfit(f"layout: {type(exc).__name__}: {str(exc)[:300]}") from None
+    if layout.size > record.size:
+        raise Unfit(f"layout: {layout.size} bytes of tensors do not fit the {record.size}-byte arena")
+    pinned = record.pinned or record.name in daemon.config.pins or model_dir.name in daemon.config.pins
+    return ResidentModel(
+        record.name,
+        model_dir,
+        key,
+        layout,
+        AdoptedArena(record.name, fd, record.size, record.page_mode),
+        daemon.tier,
+        record.digest,
+        pinned,
+        float(record.load_seconds),
+        shards,
+        gpu_uuid=daemon.gpu_uuid,
+        quantization=record.quantization,
+        hits=record.hits,
+        last_used=time.monotonic() - float(record.idle_s),
+    )
+
+
+def _extent(entries: tuple[TensorEntry, ...]) -> int:
+    """Bytes the tensor table spans; an entry at a negative offset or of a size that does not match
+    its shape is refused, like the client refuses it (client.check_layout)."""
+    end = 0
+    for e in entries:
+        count = e.dtype.itemsize
+        for d in e.shape:
+            count *= d
+        if e.offset < 0 or e.nbytes != count:
+            raise Unfit(f"layout: tensor {e.name!r} is malformed")
+        end = max(end, e.offset + e.nbytes)
+    return end
+
+
+def _order(stream: Stream) -> list[int]:
+    """Indices of the stream's records: pinned first, then most recently used (what the budget keeps)."""
+
+    def rank(i: int) -> tuple[int, float]:
+        raw = stream.items[i][0]
+        ok = isinstance(raw, dict)
+        pinned = ok and raw.get("pinned") is True
+        idle = raw.get("idle_s") if ok and isinstance(raw.get("idle_s"), (int, float)) else float("inf")
+        return (0 if pinned else 1, float(idle))
+
+    return sorted(range(len(stream.items)), key=rank)
+
+
+def adopt(daemon: CacheDaemon, stream: Stream, source: str) -> Adoption:
+    """Verify every record of ``stream`` and insert those that hold into the daemon's registry.
+
+    Descriptors taken are owned by their arenas (set to -1 in the stream); the caller closes the rest
+    with ``stream.close()``. ``source`` ("predecessor pid N", "holder") is for the log.
+    """
+    started = time.perf_counter()
+    taken: list[str] = []
+    dropped: dict[str, str] = {}
+    for i in _order(stream):
+        raw, fd = stream.items[i]
+        name = str(raw.get("name"))[:200] if isinstance(raw, dict) else "?"
+        try:
+            record = ArenaRecord.from_wire(raw)
+            if daemon.registry.get(record.name) is not None:
+                raise Unfit("a model of that name is already resident")
+            model = verify(daemon, record, fd)
+            daemon.registry.reserve(model.nbytes, evict=False)
+        except (Unfit, HandoffRefused, BudgetExceeded) as exc:
+            reason = f"budget: {exc}" if isinstance(exc, BudgetExceeded) else str(exc)
+            dropped[name] = reason
+            log.warning("not taking %s from the %s: %s", name, source, reason)
+            continue
+        stream.items[i] = (raw, -1)  # the arena owns the descriptor now
+        daemon.registry.insert(model)
+        daemon.metrics.resident_bytes.labels(model.name, model.tier).set(model.nbytes)
+        taken.append(model.name)
+    seconds = time.perf_counter() - started
+    log.info(
+        "took %d arenas from the %s in %.3fs without reading weights%s",
+        len(taken),
+        source,
+        seconds,
+        f"; {len(dropped)} dropped (reloaded if wanted): {', '.join(sorted(dropped))}" if dropped else "",
+    )
+    return Adoption(taken, dropped, seconds)

@@ -1,0 +1,65 @@
+"""What the supervising parent imports before it forks workers: everything a worker would import.
+
+A worker forked after these imports starts with torch, transformers' attention registry and weight
+conversions, the checkpoint's own modelling module, the engine and the server already in memory (and
+FastAPI's lazy imports done, by one app built and dropped), so a restart pays none of those seconds.
+Only imports happen here: no torch op, no CUDA call, no model built, no tokenizer loaded (tokenizers'
+thread pool must not exist before a fork), so the parent stays one thread (server/supervisor.py
+checks before each fork).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+
+logger = logging.getLogger(__name__)
+
+
+def model_class(model_dir: str) -> type:
+    """The class the engine will build for ``model_dir`` (engine/loader.py's choice); resolving it
+    imports its modelling module. KeyError for an architecture transformers has no causal LM for."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from keepwarm_runtime.engine.multimodal import model_class as audio_language_class
+
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    return audio_language_class(hf_config) or MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
+
+
+def preload(model_dir: str) -> float:
+    """Import the serving path of ``model_dir``'s checkpoint; returns the seconds it took."""
+    started = time.perf_counter()
+    import torch  # noqa: F401
+    import transformers.core_model_loading  # noqa: F401
+    import uvicorn  # noqa: F401
+    from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+    import keepwarm_runtime.engine.llm_engine
+    import keepwarm_runtime.server.app  # noqa: F401
+    from keepwarm_runtime.audio.whisper_engine import is_whisper_checkpoint
+
+    loaded = "-"
+    if is_whisper_checkpoint(model_dir):
+        importlib.import_module("keepwarm_runtime.audio.whisper_engine")
+        loaded = "whisper"
+    else:
+        try:
+            loaded = model_class(model_dir).__module__
+        except (ImportError, OSError, ValueError, KeyError) as exc:  # the engine names a bad checkpoint
+            logger.warning("preloading %s's model classes failed (%s); a worker imports them", model_dir, exc)
+    _warm_app_imports(model_dir)
+    seconds = time.perf_counter() - started
+    logger.info("preloaded the serving path in %.2fs (model classes: %s)", seconds, loaded)
+    return seconds
+
+
+def _warm_app_imports(model_dir: str) -> None:
+    """Build and drop one app: FastAPI imports more on its first routes (pydantic.v1's compatibility
+    layer, ~0.25 s here), which a worker would otherwise pay after each fork. Nothing is started."""
+    from keepwarm_runtime.server.app import create_app
+
+    app = create_app(lambda: None, model_dir=model_dir)  # never started: no engine, no threads
+    app.state.ctx.close()

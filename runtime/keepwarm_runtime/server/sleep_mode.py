@@ -1,0 +1,124 @@
+"""vLLM-compatible sleep mode (``--enable-sleep-mode``): ``POST /sleep?level=1|2``, ``POST /wake_up``,
+``GET /is_sleeping``.
+
+A router (production-stack, llm-d) puts idle replicas to sleep and wakes them when traffic returns;
+what sleeping frees and what waking restores is engine/sleep.py. Both run in the engine thread between
+steps (``AsyncEngine.call``), so they never race a step. Sleeping while requests run is a 409 naming
+them; while asleep, inference routes answer 503 ``model_sleeping`` (and /ready 503, so routers route
+around), unless ``--wake-on-request``, which wakes the engine before the request runs. /health stays
+200 (``engine: sleeping``): a sleeping server is alive. ``keepwarm_sleep_level`` shows the state.
+A wake that cannot get the weights back (the cache lost the model and ``--no-cache-fallback``) is a
+503 ``wake_failed`` with the reason, and the engine stays asleep, so a later wake can retry.
+Without ``--enable-sleep-mode`` the routes do not exist (404), as in vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from keepwarm_runtime.server.async_engine import AsyncEngine
+from keepwarm_runtime.server.errors import BadRequest, Conflict, NotReady
+from keepwarm_runtime.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+ROUTES = ("/sleep", "/wake_up", "/is_sleeping")
+T = TypeVar("T")
+
+
+class SleepMode:
+    """The server's side of sleeping: one sleep or wake at a time, the level, the metric."""
+
+    def __init__(self, async_engine: AsyncEngine, metrics: ServerMetrics, wake_on_request: bool) -> None:
+        self.async_engine, self.metrics, self.wake_on_request = async_engine, metrics, wake_on_request
+        self.level = 0  # 0 awake, else the level it sleeps at
+        self._weights_released = False
+        self._lock = asyncio.Lock()
+
+    async def sleep(self, level: int) -> None:
+        from keepwarm_runtime.engine import sleep as engine_sleep
+
+        async with self._lock:
+            if self.level:
+                if level != self.level:
+                    raise Conflict(f"the engine already sleeps at level {self.level}; wake it first")
+                return
+
+            def put_to_sleep(engine: AsyncEngine) -> engine_sleep.SleepReport:
+                if engine.in_flight:
+                    raise Conflict(f"{engine.in_flight} requests are running; retry once they finish")
+                try:
+                    report = engine_sleep.sleep(engine.engine, level)
+                except engine_sleep.SleepError as exc:
+                    raise Conflict(f"cannot sleep: {exc}") from exc
+                engine.state = "sleeping"
+                return report
+
+            report = await self._in_engine_thread(put_to_sleep)
+            self.level, self._weights_released = level, report.weights_released
+            self.metrics.sleep_level.set(level)
+            logger.info(
+                "asleep at level %d in %.2fs (weights let go: %s)",
+                level,
+                report.seconds,
+                report.weights_released,
+            )
+
+    async def wake(self) -> None:
+        from keepwarm_runtime.engine import sleep as engine_sleep
+
+        async with self._lock:
+            if not self.level:
+                return
+            released = self._weights_released
+
+            def wake_up(engine: AsyncEngine) -> float:
+                seconds = engine_sleep.wake(engine.engine, released)
+                engine.state = "ready"
+                return seconds
+
+            try:
+                seconds = await self._in_engine_thread(wake_up)
+            except Exception as exc:  # the cache lost the model and --no-cache-fallback, a bad disk...
+                logger.exception("waking failed; the engine stays asleep")
+                raise NotReady(
+                    f"waking failed, the engine stays asleep: {type(exc).__name__}: {exc}", code="wake_failed"
+                ) from exc
+            self.level = 0
+            self.metrics.sleep_level.set(0)
+            logger.info("awake in %.2fs", seconds)
+
+    async def before_request(self) -> None:
+        """With --wake-on-request, a request to a sleeping engine wakes it first."""
+        if self.level and self.wake_on_request:
+            await self.wake()
+
+    async def _in_engine_thread(self, fn: Callable[[AsyncEngine], T]) -> T:
+        state = self.async_engine.state
+        if state not in ("ready", "sleeping"):
+            raise NotReady(f"the engine is {state}", code="model_not_ready")
+        return await asyncio.wrap_future(self.async_engine.call(fn))
+
+
+def register_sleep_routes(app: FastAPI, mode: SleepMode) -> None:
+    @app.post("/sleep")
+    async def sleep(request: Request) -> Response:
+        raw = request.query_params.get("level", "1")
+        if raw not in ("1", "2"):
+            raise BadRequest(f"level must be 1 or 2, got {raw!r}", param="level")
+        await mode.sleep(int(raw))
+        return Response(status_code=200)
+
+    @app.post("/wake_up")
+    async def wake_up() -> Response:
+        await mode.wake()
+        return Response(status_code=200)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> JSONResponse:
+        return JSONResponse({"is_sleeping": bool(mode.level)})

@@ -1,0 +1,294 @@
+"""The user's journey on real pods: helm install to first token, then restarts as a user causes them.
+
+One control plane whose kubelet stand-in runs pods for real (root only): `helm install` of
+charts/keepwarm (the operator runs as the chart's Deployment pod, as its ServiceAccount); a host-tier
+WeightCache with a model under modelDirectory (the agent DaemonSet pod runs `keepwarm cache serve`);
+an InferenceDeployment of 2 replicas (pods run `keepwarm serve` as rendered). The official `openai`
+client talks to each pod IP. The steps share state and run in order.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import helm_python as helm
+import openai
+import pytest
+import yaml
+
+from keepwarm_api.inferencedeployment import DEFAULT_IMAGE
+from keepwarm_testing.controlplane.build import ControlPlaneBuildError, build_control_plane
+from keepwarm_testing.controlplane.cluster import ControlPlane
+from keepwarm_testing.controlplane.pods.images import from_dockerfile, repository
+from keepwarm_testing.operator import (
+    CHART,
+    GROUP_PATH,
+    NAMESPACE,
+    RELEASE,
+    ROOT,
+    condition,
+    get,
+    items,
+    samples,
+)
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0, reason="running pods needs root (namespaces, mounts, cgroups)"),
+]
+WC, MODEL, IDEP, APPS = "journey", "tiny", "chat", "journey-apps"
+MODEL_DIR = "/var/lib/models/tiny"  # on the node, under the WeightCache's default modelDirectory
+PROMPT = [{"role": "user", "content": "Say something."}]
+
+
+def operator_image() -> str:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    return values["image"]["repository"]
+
+
+@pytest.fixture(scope="module")
+def journey(request: pytest.FixtureRequest) -> Iterator[SimpleNamespace]:
+    try:
+        bin_dir = build_control_plane()
+    except ControlPlaneBuildError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    dockerfile = ROOT / "Dockerfile"
+    images = {
+        operator_image(): from_dockerfile(dockerfile, "operator"),
+        repository(DEFAULT_IMAGE): from_dockerfile(dockerfile, "runtime"),
+    }
+    cp = ControlPlane(bin_dir, run_pods=True, images=images)
+    failed, runner = True, None
+    try:
+        cp.start()
+        (node,) = cp.add_gpu_nodes(1)
+        assert cp.pods is not None
+        runner = cp.pods
+        root = cp.pods.node(node).root
+        from keepwarm_runtime.modelgen import make_model
+
+        model = make_model(root / MODEL_DIR.lstrip("/"), arch="llama", params="1M", dtype="bfloat16")
+        for path in model.iterdir():  # as a node's model files are: readable by the runtime's user
+            path.chmod(0o644)
+        yield SimpleNamespace(cp=cp, node=node, root=root)
+        failed = request.session.testsfailed > 0
+    finally:
+        if failed:
+            dump_logs(cp)
+        cp.stop(failed=failed)
+    assert runner is not None and runner.leftovers() == [], "pods left things behind"
+
+
+def dump_logs(cp: ControlPlane) -> None:
+    """Copy every container log the runner still has next to the control plane's logs (kept on
+    failure; their path is printed)."""
+    if cp.pods is None:
+        return
+    for log in sorted((cp.pods.root / "pods").glob("*/containers/*/*/log")):
+        uid, _, container, restart = log.parts[-5:-1]
+        target = cp.logs / "containers" / f"{uid}-{container}-{restart}.log"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(log, target)
+
+
+def pods(cp: ControlPlane, namespace: str, selector: str) -> list[dict[str, Any]]:
+    return items(cp, f"/api/v1/namespaces/{namespace}/pods?labelSelector={selector}")
+
+
+def is_ready(pod: dict[str, Any]) -> bool:
+    return condition(pod, "Ready").get("status") == "True" and not pod["metadata"].get("deletionTimestamp")
+
+
+def ready_pods(cp: ControlPlane, namespace: str, selector: str, count: int) -> list[dict[str, Any]] | None:
+    found = [p for p in pods(cp, namespace, selector) if is_ready(p)]
+    return found if len(found) == count else None
+
+
+def client(pod: dict[str, Any]) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"http://{pod['status']['podIP']}:8000/v1", api_key="x", max_retries=0, timeout=120
+    )
+
+
+def answer(pod: dict[str, Any]) -> str:
+    out = client(pod).chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=8, temperature=0)
+    return out.choices[0].message.content or ""
+
+
+def metric(pod: dict[str, Any], name: str) -> dict[str, float]:
+    import httpx
+
+    text = httpx.get(f"http://{pod['status']['podIP']}:8000/metrics", timeout=30).text
+    return {s.labels.get("source", ""): s.value for s in samples(text, name)}
+
+
+RUNTIME = f"app.kubernetes.io/name=keepwarm-runtime,app.kubernetes.io/instance={IDEP}"
+
+
+def test_helm_install_runs_the_operator_as_its_pod(journey: SimpleNamespace) -> None:
+    cp = journey.cp
+    with helm.Config(kubeconfig_path=str(cp.kubeconfig), namespace=NAMESPACE) as cfg:
+        release = cfg.install(CHART, RELEASE, {"replicaCount": 1}, create_namespace=True, timeout=120)
+    assert release["name"] == RELEASE
+    (operator,) = cp.wait_for(
+        lambda: ready_pods(cp, NAMESPACE, "app.kubernetes.io/name=keepwarm-operator", 1),
+        timeout_s=180,
+        what="the operator pod Ready",
+    )
+    assert operator["spec"]["serviceAccountName"] == f"{RELEASE}-keepwarm"
+
+
+def test_weightcache_agent_pod_makes_the_node_ready(journey: SimpleNamespace) -> None:
+    cp = journey.cp
+    cache = {
+        "apiVersion": "keepwarm.dev/v1alpha1",
+        "kind": "WeightCache",
+        "metadata": {"name": WC},
+        "spec": {
+            "tier": "host",
+            "agent": {"gpuAccess": {"mode": "None"}},
+            "models": [{"name": MODEL, "source": {"path": MODEL_DIR}, "pin": True}],
+        },
+    }
+    cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(cache))
+
+    def node_ready() -> dict[str, Any] | None:
+        (wcn,) = items(cp, f"{GROUP_PATH}/weightcachenodes?labelSelector=keepwarm.dev/weightcache={WC}") or [
+            None
+        ]
+        status = (wcn or {}).get("status", {})
+        resident = any(m["name"] == MODEL and m["state"] == "Resident" for m in status.get("models", []))
+        return wcn if status.get("phase") == "Ready" and resident else None
+
+    wcn = cp.wait_for(node_ready, timeout_s=240, what="WeightCacheNode Ready with the model resident")
+    assert wcn["spec"]["nodeName"] == journey.node
+    agents = f"app.kubernetes.io/name=keepwarm-agent,app.kubernetes.io/instance={WC}"
+    cp.wait_for(lambda: ready_pods(cp, NAMESPACE, agents, 1), timeout_s=120, what="the agent pod Ready")
+
+
+def test_inference_pods_answer_from_the_node_cache(journey: SimpleNamespace) -> None:
+    cp = journey.cp
+    cp.kubectl("create", "namespace", APPS)
+    dep = {
+        "apiVersion": "keepwarm.dev/v1alpha1",
+        "kind": "InferenceDeployment",
+        "metadata": {"name": IDEP, "namespace": APPS},
+        "spec": {
+            "model": {"cacheRef": WC, "name": MODEL},
+            "replicas": 2,
+            "gpusPerPod": 0,
+            "runtime": {"maxModelLen": 256, "extraArgs": ["--num-kv-blocks", "64"]},
+        },
+    }
+    cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(dep))
+    ready = cp.wait_for(lambda: ready_pods(cp, APPS, RUNTIME, 2), timeout_s=300, what="2 runtime pods Ready")
+    answers = {answer(p) for p in ready}
+    assert len(answers) == 1 and answers != {""}
+    journey.answer = answers.pop()
+    for pod in ready:
+        loads = metric(pod, "keepwarm_weight_load_seconds")
+        assert set(loads) == {"cache"}, loads  # attached from the node cache, nothing from disk
+        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+        assert env["KEEPWARM_CACHE_MODE"] == "zero_copy"
+
+
+def test_deleted_pod_is_replaced_and_answers_identically(journey: SimpleNamespace) -> None:
+    cp = journey.cp
+    victim = ready_pods(cp, APPS, RUNTIME, 2)[0]
+    cp.kubectl("delete", "pod", "-n", APPS, victim["metadata"]["name"], "--wait=true", timeout=120)
+    fresh = cp.wait_for(
+        lambda: (
+            (r := ready_pods(cp, APPS, RUNTIME, 2))
+            and victim["metadata"]["uid"] not in {p["metadata"]["uid"] for p in r}
+            and r
+        ),
+        timeout_s=300,
+        what="a replacement pod Ready",
+    )
+    for pod in fresh:
+        assert answer(pod) == journey.answer
+
+
+def test_killed_runtime_restarts_in_place_and_answers(journey: SimpleNamespace) -> None:
+    cp = journey.cp
+    pod = ready_pods(cp, APPS, RUNTIME, 2)[0]
+    assert cp.pods is not None
+    worker = cp.pods.worker(APPS, pod["metadata"]["name"])
+    assert worker is not None and worker.containers[0].running is not None
+    pid1 = worker.containers[0].running.pid1()
+    assert pid1 is not None
+    os.kill(pid1, signal.SIGKILL)
+
+    def restarted() -> dict[str, Any] | None:
+        now = get(cp, f"/api/v1/namespaces/{APPS}/pods/{pod['metadata']['name']}")
+        status = (now or {}).get("status", {}).get("containerStatuses", [{}])[0]
+        return now if status.get("restartCount") == 1 and is_ready(now) else None
+
+    again = cp.wait_for(restarted, timeout_s=300, what="the killed runtime restarted and Ready")
+    last = again["status"]["containerStatuses"][0]["lastState"]["terminated"]
+    assert last["exitCode"] == 137
+    assert answer(again) == journey.answer
+
+
+def test_scale_to_zero_and_back(journey: SimpleNamespace) -> None:
+    cp = journey.cp
+    cp.kubectl("scale", "-n", APPS, f"inferencedeployment/{IDEP}", "--replicas=0")
+    cp.wait_for(lambda: not pods(cp, APPS, RUNTIME), timeout_s=180, what="no runtime pods")
+    cp.kubectl("scale", "-n", APPS, f"inferencedeployment/{IDEP}", "--replicas=1")
+    (pod,) = cp.wait_for(lambda: ready_pods(cp, APPS, RUNTIME, 1), timeout_s=300, what="1 runtime pod Ready")
+    assert answer(pod) == journey.answer
+    assert set(metric(pod, "keepwarm_weight_load_seconds")) == {"cache"}
+
+
+def test_removing_the_model_keeps_serving_pods_serving(journey: SimpleNamespace) -> None:
+    """As the README says: the Deployment is left alone (Available False, ModelNotInCache), the agent
+    is not restarted, and a pod that attached keeps serving from its mapping after the eviction."""
+    cp = journey.cp
+    (pod,) = ready_pods(cp, APPS, RUNTIME, 1)
+    agents = f"app.kubernetes.io/name=keepwarm-agent,app.kubernetes.io/instance={WC}"
+    (agent,) = pods(cp, NAMESPACE, agents)
+    cp.kubectl("patch", "weightcache", WC, "--type=merge", "-p", '{"spec": {"models": []}}')
+
+    def evicted() -> bool:
+        wcns = items(cp, f"{GROUP_PATH}/weightcachenodes?labelSelector=keepwarm.dev/weightcache={WC}")
+        return bool(wcns) and all(not (w.get("status") or {}).get("models") for w in wcns)
+
+    cp.wait_for(evicted, timeout_s=120, what="the model gone from the WeightCacheNode")
+    idep_path = f"{GROUP_PATH}/namespaces/{APPS}/inferencedeployments/{IDEP}"
+    cp.wait_for(
+        lambda: condition(get(cp, idep_path), "Available").get("reason") == "ModelNotInCache",
+        timeout_s=120,
+        what="the InferenceDeployment saying ModelNotInCache",
+    )
+    assert answer(pod) == journey.answer
+    (still,) = pods(cp, APPS, RUNTIME)
+    assert still["metadata"]["uid"] == pod["metadata"]["uid"] and is_ready(still)
+    (agent_now,) = pods(cp, NAMESPACE, agents)
+    assert agent_now["metadata"]["uid"] == agent["metadata"]["uid"]
+    assert agent_now["status"]["containerStatuses"][0]["restartCount"] == 0
+
+
+def test_uninstall_leaves_nothing_behind(journey: SimpleNamespace) -> None:
+    cp = journey.cp
+    cp.kubectl("delete", "-n", APPS, "inferencedeployment", IDEP, "--wait=true", timeout=180)
+    cp.kubectl("delete", "weightcache", WC, "--wait=true", timeout=180)
+    with helm.Config(kubeconfig_path=str(cp.kubeconfig), namespace=NAMESPACE) as cfg:
+        cfg.uninstall(RELEASE, timeout=120)
+    cp.kubectl("delete", "namespace", APPS, NAMESPACE, "--wait=true", timeout=240)
+    assert cp.pods is not None
+    cp.wait_for(lambda: not cp.pods.workers(), timeout_s=120, what="every pod stopped on the node")
+    assert not list((cp.pods.root / "pods").glob("*"))  # no pod directory (volumes, logs, scratch)
+    assert not cp.pods.cgroup_pids(), "processes survived in the pods' cgroups"
+    assert cp.pods.leftovers() == []  # namespaces, veths, cgroups of every pod that ran
+    assert not mounts_under(cp.pods.root)
+
+
+def mounts_under(root: Path) -> list[str]:
+    return [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if str(root) in line]
