@@ -29,6 +29,8 @@ UNPLOTTED: dict[str, str] = {
     "keepwarm_cache_refused_connections": "alert on it: connections over the overall/per-uid limits",
     "keepwarm_cache_seal_failures": "alert on it: arenas refused because memfd seals failed",
     "keepwarm_cache_changed_on_disk": "alert on it: resident models dropped after a shard changed on disk",
+    "keepwarm_lora_requests_info": "for routers (vLLM's lora_requests_info: adapters running and waiting "
+    "now, as labels), not a time series to plot",
     "keepwarm_worker_restarts": "alert on it: serving workers the supervising parent restarted, by cause",
     "keepwarm_sleep_level": "a state (0 awake, else the sleep level) that routers read from /metrics",
     "keepwarm_moe_layers": "a load-time fact (experts backend per module), read from /metrics or the log",

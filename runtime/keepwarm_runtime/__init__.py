@@ -13,6 +13,7 @@ _LAZY = {
     "LLMEngine": "keepwarm_runtime.engine.llm_engine",
     "RequestOutput": "keepwarm_runtime.engine.outputs",
     "CompletionOutput": "keepwarm_runtime.engine.outputs",
+    "LoRARequest": "keepwarm_runtime.engine.llm",
 }
 __all__ = ["__version__", *_LAZY]
 

@@ -39,6 +39,9 @@ class EngineConfig:
     kv_cache_memory_gib: float = 1.0  # CPU: KV-cache budget when num_kv_blocks is None
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of total memory weights + KV cache may use
     max_prompt_logprobs_len: int = 32768  # longest prompt whose prompt logprobs a request may ask for
+    enable_lora: bool = False  # serve PEFT LoRA adapters per request (engine/lora)
+    max_loras: int = 4  # adapter slots on the device: most distinct adapters in one batch
+    max_lora_rank: int = 64  # adapters of a higher rank are refused at load
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -57,7 +60,14 @@ class EngineConfig:
             raise ValueError(
                 f"quantization {self.quantization!r} is not supported; use fp8 or leave it unset"
             )
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_prompt_logprobs_len"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+            "max_prompt_logprobs_len",
+            "max_loras",
+            "max_lora_rank",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

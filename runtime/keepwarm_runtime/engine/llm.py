@@ -4,12 +4,16 @@ from keepwarm_runtime import LLM, SamplingParams
 llm = LLM("/models/tiny")
 outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
 outputs = llm.chat([{"role": "user", "content": "Hi"}])
+
+llm = LLM("/models/tiny", enable_lora=True)
+outputs = llm.generate(["Hello"], lora_request=LoRARequest("sql", 1, "/adapters/sql"))
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from typing import Any
 
 from keepwarm_runtime.engine.chat import render_chat
@@ -20,6 +24,16 @@ from keepwarm_runtime.engine.sampling_params import SamplingParams
 
 Prompt = str | dict[str, Any]  # text, {"prompt": text} or {"prompt_token_ids": [...]}
 Messages = list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's: a PEFT adapter by name and path, registered with the engine on first use. keepwarm
+    keys adapters by name; ``lora_int_id`` is accepted for vLLM's signature and not used."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
 
 
 class LLM:
@@ -36,8 +50,10 @@ class LLM:
         self,
         prompts: Prompt | Seq[Prompt],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        self.enqueue(prompts, sampling_params)
+        """``lora_request``: one adapter for every prompt, or one (or None: the base) per prompt."""
+        self.enqueue(prompts, sampling_params, lora_request)
         return self.wait_for_completion()
 
     def chat(
@@ -62,13 +78,27 @@ class LLM:
         self,
         prompts: Prompt | Seq[Prompt],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[str]:
         """Queue prompts without running them; `wait_for_completion()` runs everything queued."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        loras = self._loras(lora_request, len(prompts))
         return [
-            self._add(*self._encode(p), params)
-            for p, params in zip(prompts, _per_prompt(sampling_params, len(prompts)), strict=True)
+            self._add(*self._encode(p), params, lora)
+            for p, params, lora in zip(
+                prompts, _per_prompt(sampling_params, len(prompts)), loras, strict=True
+            )
         ]
+
+    def _loras(self, request: LoRARequest | Seq[LoRARequest | None] | None, count: int) -> list[str | None]:
+        """Adapter names per prompt, registering each adapter the engine does not know yet."""
+        requests = [request] * count if request is None or isinstance(request, LoRARequest) else list(request)
+        if len(requests) != count:
+            raise ValueError(f"got {len(requests)} LoRA requests for {count} prompts")
+        for lora in requests:
+            if lora is not None and lora.lora_name not in self.engine.lora_names():
+                self.engine.add_lora(lora.lora_name, lora.lora_path)
+        return [None if lora is None else lora.lora_name for lora in requests]
 
     def enqueue_chat(
         self,
@@ -111,9 +141,11 @@ class LLM:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
         return self._encode(prompt["prompt"])
 
-    def _add(self, text: str | None, tokens: list[int], params: SamplingParams) -> str:
+    def _add(
+        self, text: str | None, tokens: list[int], params: SamplingParams, lora: str | None = None
+    ) -> str:
         request_id = str(next(self._ids))
-        self.engine.add_request(request_id, tokens, params, prompt=text)
+        self.engine.add_request(request_id, tokens, params, prompt=text, lora_name=lora)
         self._pending.append(request_id)
         return request_id
 

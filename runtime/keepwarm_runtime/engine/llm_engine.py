@@ -6,6 +6,9 @@ raises, a detokenizer error, scoring its prompt) finishes that request alone, wi
 ``RequestOutput.error`` set; the other sequences of the step carry on. Prompt logprobs, when asked,
 are stored as each prefill chunk computes them (engine/prompt_logprobs.py); a request with
 ``max_tokens`` 0 finishes once its prompt is in, sampling nothing.
+
+With ``enable_lora`` a request may name a registered PEFT adapter (``add_lora``); requests for
+different adapters and the base share batches (engine/lora).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from keepwarm_runtime.engine.detokenizer import IncrementalDetokenizer, find_sto
 from keepwarm_runtime.engine.host_memory import keep_freed_memory
 from keepwarm_runtime.engine.kv_cache import allocate_kv_cache, num_blocks_for, probe_kv_specs
 from keepwarm_runtime.engine.loader import LoadInfo, load_model
+from keepwarm_runtime.engine.lora import LoraInUse, LoraSlots
+from keepwarm_runtime.engine.lora.adapter import LoraWeights
 from keepwarm_runtime.engine.model_runner import ModelRunner, StepLogits
 from keepwarm_runtime.engine.multimodal import MultimodalInput
 from keepwarm_runtime.engine.outputs import CompletionOutput, EngineStats, RequestOutput
@@ -92,8 +97,13 @@ class LLMEngine:
         self.max_prompt_logprobs_len = config.max_prompt_logprobs_len
 
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, config.block_size, self.device)
+        self.lora = (
+            LoraSlots(self.model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
+        )
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.lora
+        )
+        self.runner = ModelRunner(self.model, config.block_size, self.device, self.lora)
         self.sampler = Sampler(self.eos_token_ids, config.seed, self.device)
         self.requests: dict[str, _Request] = {}
         self._token_text: dict[int, str] = {}  # decoded single tokens, for logprob alternatives
@@ -133,10 +143,13 @@ class LLMEngine:
         prompt: str | None = None,
         priority: int = 0,
         multimodal: MultimodalInput | None = None,  # embeddings for placeholder tokens (engine/multimodal.py)
+        lora_name: str | None = None,  # a registered adapter (add_lora); None: the base model
     ) -> None:
         """Queue a request (lower ``priority`` first); ValueError, and nothing queued, if it is invalid."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if lora_name is not None and lora_name not in self.lora_names():
+            raise ValueError(f"LoRA adapter {lora_name!r} is not loaded")
         params.validate(self.vocab_size)
         ids = list(prompt_token_ids)
         if not ids:
@@ -154,6 +167,8 @@ class LLMEngine:
                 f"{self.max_prompt_logprobs_len} (max_prompt_logprobs_len)"
             )
         seqs = [self._new_sequence(request_id, i, ids, params, priority, multimodal) for i in range(params.n)]
+        for seq in seqs:
+            seq.lora_name, seq.lora_id = lora_name, self.lora.ids[lora_name] if lora_name is not None else 0
         request = _Request(request_id, prompt, ids, seqs)
         request.detokenizers = [
             IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) for _ in seqs
@@ -179,6 +194,25 @@ class LLMEngine:
             seq.generator = torch.Generator(device=self.device).manual_seed(seed)
         return seq
 
+    def add_lora(self, name: str, path: str) -> LoraWeights:
+        """Register a PEFT adapter; LoraLoadError names what is wrong and changes nothing."""
+        if self.lora is None:
+            raise ValueError("this engine was started without enable_lora")
+        return self.lora.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Forget an adapter: KeyError if unknown, LoraInUse while unfinished requests (queued or
+        running) name it, so weights in use are never freed."""
+        if self.lora is None or name not in self.lora.adapters:
+            raise KeyError(name)
+        users = [r for r in self.requests.values() if any(s.lora_name == name for s in r.seqs)]
+        if users:
+            raise LoraInUse(f"LoRA adapter {name!r} is in use by {len(users)} unfinished requests")
+        self.lora.remove(name)
+
+    def lora_names(self) -> list[str]:
+        return list(self.lora.adapters) if self.lora is not None else []
+
     def token_text(self, token_id: int) -> str:
         """One token's text as a client reads it (not its byte-level symbol such as 'Ġthe')."""
         text = self._token_text.get(token_id)
@@ -198,7 +232,12 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
-        return EngineStats(len(s.running), len(s.waiting), self.block_manager.usage(), s.num_preemptions)
+        stats = EngineStats(len(s.running), len(s.waiting), self.block_manager.usage(), s.num_preemptions)
+        if self.lora is not None:
+            stats.running_loras = tuple(sorted({q.lora_name for q in s.running if q.lora_name is not None}))
+            stats.waiting_loras = tuple(sorted({q.lora_name for q in s.waiting if q.lora_name is not None}))
+            stats.max_loras = self.lora.max_loras
+        return stats
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()

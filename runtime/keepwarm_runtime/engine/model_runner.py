@@ -4,7 +4,8 @@ It builds the step's AttentionMetadata from the scheduler's host lists, and has 
 derive its own typed metadata from it once (`backend.build`), before any layer runs. The lm head runs
 only on the rows the step needs: each sequence's last known token, plus the prompt positions a
 sequence scores for prompt logprobs (engine/prompt_logprobs.py); a step without the latter keeps
-exactly one row per sampled sequence.
+exactly one row per sampled sequence. With LoRA adapters (engine/lora) each token's adapter slot
+is set around the pass, so one pass serves any mix of adapters and the base.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from torch import nn
 
 from keepwarm_runtime.engine.attention.layer import KeepwarmAttention
 from keepwarm_runtime.engine.attention.metadata import AttentionMetadata, use_metadata
+from keepwarm_runtime.engine.lora import LoraSlots
+from keepwarm_runtime.engine.lora.slots import use_step
 from keepwarm_runtime.engine.multimodal import forward_with_embeds, place
 from keepwarm_runtime.engine.prompt_logprobs import PromptChunk, positions_to_score
 from keepwarm_runtime.engine.scheduler import SchedulerOutput
@@ -42,8 +45,11 @@ class _Rows:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, block_size: int, device: torch.device):
+    def __init__(
+        self, model: nn.Module, block_size: int, device: torch.device, lora: LoraSlots | None = None
+    ):
         self.model = model
+        self.lora = lora
         self.block_size = block_size
         self.device = device
         self._backend = None  # the attached layers' attention backend, found on the first step
@@ -113,7 +119,7 @@ class ModelRunner:
         ids, pos, meta, rows = self.prepare(out)
         kept = rows.sample_index + rows.prompt_index
         keep = torch.tensor(kept or [0], dtype=torch.long, device=self.device)
-        with use_metadata(meta):
+        with use_metadata(meta), use_step(self._lora_step(out)):
             if any(seq.multimodal is not None for seq in out.seqs):
                 logits = forward_with_embeds(self.model, self._embeds(out, ids), pos, keep)
             else:
@@ -131,6 +137,15 @@ class ModelRunner:
             logits=logits[:n].float() if n else None,
             prompt_chunks=rows.prompt_chunks,
             prompt_logits=logits[n:] if rows.prompt_index else None,
+        )
+
+    def _lora_step(self, out: SchedulerOutput):
+        """Each packed token's adapter slot (-1: the base), as the LoRA hooks read it; None without LoRA."""
+        if self.lora is None or all(seq.lora_name is None for seq in out.seqs):
+            return None
+        slots = [self.lora.slot(seq.lora_name) for seq in out.seqs]
+        return self.lora.step(
+            [s for s, n in zip(slots, out.num_scheduled_tokens, strict=True) for _ in range(n)]
         )
 
     def _embeds(self, out: SchedulerOutput, ids: torch.Tensor) -> torch.Tensor:

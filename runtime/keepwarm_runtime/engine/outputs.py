@@ -45,3 +45,6 @@ class EngineStats:
     num_waiting: int  # sequences queued (new or preempted)
     kv_cache_usage: float  # fraction of KV blocks in use, 0..1
     num_preemptions: int  # total since start
+    running_loras: tuple[str, ...] = ()  # LoRA adapters of running sequences (engine/lora), sorted
+    waiting_loras: tuple[str, ...] = ()  # LoRA adapters of waiting sequences, sorted
+    max_loras: int = 0  # adapter slots; 0: LoRA is off

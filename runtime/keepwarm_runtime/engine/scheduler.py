@@ -11,6 +11,11 @@ preempted: its blocks are freed and it is recomputed later from the start.
 A sequence that scores its prompt (prompt logprobs, engine/prompt_logprobs.py) takes no prefix hits
 until its prompt is scored, and its prefill chunks also come out of a second per-step budget,
 ``PROMPT_LOGITS_PER_STEP`` positions, which bounds the logits a step keeps for scoring.
+
+A sequence with a LoRA adapter is admitted only once its adapter holds a slot (engine/lora/slots.py);
+while every slot is pinned by other adapters it stays queued and the base-model sequences behind it
+go ahead, but no later adapter sequence does (so pins drain and it gets the next slot: FCFS among
+adapter requests). Running sequences pin their adapter's slot until they finish or are preempted.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from keepwarm_runtime.engine.block_manager import BlockManager
+from keepwarm_runtime.engine.lora import LoraSlots
 from keepwarm_runtime.engine.prompt_logprobs import PROMPT_LOGITS_PER_STEP
 from keepwarm_runtime.engine.sequence import Sequence, SequenceStatus
 
@@ -37,8 +43,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        lora: LoraSlots | None = None,
+    ):
         self.block_manager = block_manager
+        self.lora = lora
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -81,17 +94,29 @@ class Scheduler:
                 budget -= n
                 scoring_budget -= n if seq.needs_prompt_logits else 0
                 i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            seq = self.waiting[0]
+        index = 0  # sequences before it wait for an adapter slot
+        lora_blocked = False  # an earlier adapter sequence found no slot: later ones wait behind it
+        while (
+            index < len(self.waiting)
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+            and not preempted
+        ):
+            seq = self.waiting[index]
             scoring = seq.needs_prompt_logits
             if scoring and scoring_budget == 0:
                 break
+            if seq.lora_name is not None and (lora_blocked or not self.lora.acquire(seq.lora_name)):
+                lora_blocked = True
+                index += 1
+                continue
             hits = [] if scoring else self.block_manager.find_cached_prefix(seq)
             num_computed = len(hits) * self.block_manager.block_size
             n = min(seq.num_tokens - num_computed, budget, scoring_budget if scoring else budget)
             if not self.block_manager.allocate(seq, num_computed + n, hits):
+                self._unpin(seq)
                 break
-            self.waiting.popleft()
+            del self.waiting[index]
             seq.num_computed_tokens = num_computed
             if seq.num_output_tokens == 0:
                 seq.num_cached_tokens = num_computed
@@ -113,12 +138,18 @@ class Scheduler:
         """Free a finished or aborted sequence's blocks at once."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self._unpin(seq)
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         self.block_manager.free(seq)
 
+    def _unpin(self, seq: Sequence) -> None:
+        if seq.lora_name is not None:
+            self.lora.release(seq.lora_name)
+
     def _preempt(self, seq: Sequence) -> None:
+        self._unpin(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING

@@ -48,6 +48,10 @@ class Sequence:
     generator: torch.Generator | None = None  # per-sequence RNG when the request has a seed
     # Multimodal (engine/multimodal.py): embeddings for placeholder tokens; their digest salts block hashes.
     multimodal: MultimodalInput | None = None
+    # LoRA (engine/lora): the adapter this sequence runs with (None: the base) and the identity of its
+    # registration, which salts block hashes so KV computed under one adapter never serves another.
+    lora_name: str | None = None
+    lora_id: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -58,8 +62,10 @@ class Sequence:
 
     @property
     def hash_salt(self) -> int | None:
-        """Starts the prefix-cache hash chain: the media digest, so other audio never shares KV."""
-        return self.multimodal.digest if self.multimodal is not None else None
+        """Starts the prefix-cache hash chain: the media digest and the adapter, so KV computed for
+        other audio or under another adapter is never shared."""
+        digest = self.multimodal.digest if self.multimodal is not None else None
+        return digest if self.lora_name is None else hash((digest, "lora", self.lora_id))
 
     @property
     def needs_prompt_logits(self) -> bool:

@@ -32,6 +32,14 @@ from keepwarm_runtime.server.engine_client import EngineClient
 from keepwarm_runtime.server.errors import BadRequest, from_validation_error, install_error_handlers
 from keepwarm_runtime.server.guards import ApiKey, BodyLimit
 from keepwarm_runtime.server.linger import LingeringClose
+from keepwarm_runtime.server.lora import (
+    LOAD_ROUTE,
+    UNLOAD_ROUTE,
+    LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
+    load_lora_adapter,
+    unload_lora_adapter,
+)
 from keepwarm_runtime.server.metrics import ServerMetrics, process_start_time
 from keepwarm_runtime.server.openapi import body_schema, install_openapi
 from keepwarm_runtime.server.protocol import (
@@ -70,10 +78,12 @@ ROUTES = (
     "/metrics",
     "/version",
     "/debug/stats",
+    LOAD_ROUTE,
+    UNLOAD_ROUTE,
     *AUDIO_ROUTES,
     *SLEEP_ROUTES,
 )
-NOT_INFERENCE = ("/v1/models",)
+NOT_INFERENCE = ("/v1/models", LOAD_ROUTE, UNLOAD_ROUTE)
 READY_POLL_S = 0.01  # how often a long-polling /ready looks at the engine (a probe sees ready this late)
 
 
@@ -122,6 +132,7 @@ def create_app(
         metrics.record_engine(
             stats.num_running, stats.num_waiting, stats.kv_cache_usage, stats.num_preemptions
         )
+        metrics.record_loras(stats.running_loras, stats.waiting_loras, stats.max_loras)
 
     async_engine = AsyncEngine(
         make_engine, on_stats=on_stats, on_ready=on_ready, on_abort=lambda _: metrics.aborts.inc()
@@ -132,6 +143,7 @@ def create_app(
         served_model_name=name,
         model_dir=model_dir,
         options=options,
+        loras={m.name: m for m in options.lora_modules},
     )
 
     @contextlib.asynccontextmanager
@@ -198,14 +210,17 @@ def create_app(
         max_len = engine.max_model_len if async_engine.ready and engine is not None else None
         return ModelCard(id=name, root=str(model_dir), max_model_len=max_len)
 
+    def lora_card(adapter: str) -> ModelCard:
+        return ModelCard(id=adapter, root=ctx.loras[adapter].path, parent=name)
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse(ModelList(data=[card()]).model_dump())
+        return JSONResponse(ModelList(data=[card(), *map(lora_card, list(ctx.loras))]).model_dump())
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> JSONResponse:
         ctx.check_model(model_id)
-        return JSONResponse(card().model_dump())
+        return JSONResponse((lora_card(model_id) if ctx.lora_name(model_id) else card()).model_dump())
 
     sleeper = SleepMode(async_engine, metrics, wake_on_request) if sleep_mode else None
     if sleeper is not None:
@@ -226,6 +241,9 @@ def create_app(
     post("/v1/responses", ResponsesRequest, create_response)
     post("/tokenize", TokenizeRequest, tokenize)
     post("/detokenize", DetokenizeRequest, detokenize)
+    if options.allow_runtime_lora_updating:
+        post(LOAD_ROUTE, LoadLoraAdapterRequest, load_lora_adapter)
+        post(UNLOAD_ROUTE, UnloadLoraAdapterRequest, unload_lora_adapter)
     register_audio_routes(app, ctx, audio or AudioServerSettings())
     bodies = [ChatCompletionRequest, CompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest]
     install_openapi(app, bodies)

@@ -67,7 +67,9 @@ class AsyncEngine:
         self.engine: EngineClient | None = None  # the LLMEngine once ready; read-only from other threads
         self.state = "loading"
         self.error: str | None = None  # why loading failed
-        self._inbox: deque[tuple[str, Any]] = deque()  # ("add", (id, ids, params, stream)) | ("abort", id)
+        self._inbox: deque[tuple[str, Any]] = (
+            deque()
+        )  # ("add", (id, ...)) | ("abort", id) | ("call", (fn, ..))
         self._streams: dict[str, _Stream] = {}  # engine-thread only
         self._wake = threading.Event()
         self._stop = False
@@ -112,11 +114,13 @@ class AsyncEngine:
         params: SamplingParams,
         priority: int = 0,
         multimodal: MultimodalInput | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative RequestOutputs until finished; abort the request if the consumer goes away.
-        ``multimodal``: embeddings for the prompt's placeholder tokens (engine/multimodal.py), or None."""
+        ``multimodal``: embeddings for the prompt's placeholder tokens (engine/multimodal.py), or None;
+        ``lora_name``: the LoRA adapter it runs with (engine/lora), or None for the base model."""
         stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
-        self._post(("add", (request_id, prompt_token_ids, params, priority, multimodal, stream)))
+        self._post(("add", (request_id, prompt_token_ids, params, priority, multimodal, lora_name, stream)))
         try:
             while True:
                 item = await stream.queue.get()
@@ -173,11 +177,13 @@ class AsyncEngine:
         while self._inbox:
             kind, payload = self._inbox.popleft()
             if kind == "add":
-                request_id, prompt_token_ids, params, priority, multimodal, stream = payload
+                request_id, prompt_token_ids, params, priority, multimodal, lora_name, stream = payload
                 # Only what the request set: engines without priorities or audio (WhisperEngine) take neither.
                 extra: dict[str, Any] = {} if multimodal is None else {"multimodal": multimodal}
                 if priority:
                     extra["priority"] = priority
+                if lora_name is not None:
+                    extra["lora_name"] = lora_name
                 try:
                     self.engine.add_request(request_id, prompt_token_ids, params, **extra)
                 except Exception as exc:  # bad params or prompt too long: only this request fails

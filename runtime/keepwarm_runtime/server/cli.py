@@ -99,6 +99,8 @@ def serve(config: ServeSettings) -> int:
         print(f"keepwarm serve: {config.model_dir} is not a directory", file=sys.stderr)
         return 2
     settings = engine_settings(config)
+    if config.lora_modules or config.allow_runtime_lora_updating:
+        settings.setdefault("enable_lora", True)
     model_dir = os.path.abspath(config.model_dir)
     server = ServerStart(config, settings, model_dir, thread_choice, openmp_prepared)
     if config.supervise:
@@ -236,6 +238,8 @@ class ServerStart:
             profile = StartupProfile.since_process_start(started_at)
             profile.mark("imports")
             engine = LLMEngine(EngineConfig(model_dir, **settings), profile, prefetch)
+            for adapter in config.lora_modules:  # a bad adapter fails the start, naming it
+                engine.add_lora(adapter.name, adapter.path)
             if not load_first:  # a restarted worker's first queued request is its warm-up
                 engine.warm_up()
             return engine
@@ -246,6 +250,8 @@ class ServerStart:
             preprocess_timeout_s=config.preprocess_timeout,
             max_request_body_bytes=config.max_request_body_bytes,
             api_key=config.api_key or None,
+            lora_modules=config.lora_modules,
+            allow_runtime_lora_updating=config.allow_runtime_lora_updating,
         )
         app = create_app(
             make_engine,

@@ -48,7 +48,8 @@ class Unauthorized(APIError):
 
 
 class Conflict(APIError):
-    """409: the request contradicts the server's state (POST /sleep while requests run)."""
+    """409: the request contradicts the server's state (POST /sleep while requests run, unloading a LoRA
+    adapter requests still use)."""
 
     status = 409
     type = "invalid_request_error"
@@ -74,6 +75,13 @@ class ModelNotFound(APIError):
             param="model",
             code="model_not_found",
         )
+
+
+class NotFound(APIError):
+    """404: the request names something else this server does not have (a LoRA adapter to unload)."""
+
+    status = 404
+    type = "NotFoundError"
 
 
 class NotReady(APIError):

@@ -110,6 +110,13 @@ class ServerMetrics:
             ["backend"],
             registry=r,
         )
+        self.lora_requests_info = Gauge(
+            "keepwarm_lora_requests_info",
+            "LoRA adapters of running and waiting requests, comma-separated (vLLM's lora_requests_info; "
+            "value: when it was set)",
+            ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+            registry=r,
+        )
         self.worker_restarts = Counter(
             "keepwarm_worker_restarts",
             "Serving workers restarted by the supervising parent, by cause (crash, hang, unhealthy)",
@@ -145,6 +152,14 @@ class ServerMetrics:
         self.waiting.set(num_waiting)
         self.kv_usage.set(kv_usage)
         self.preemptions.set(preemptions)
+
+    def record_loras(self, running: tuple[str, ...], waiting: tuple[str, ...], max_loras: int) -> None:
+        """One series, as vLLM's: the adapters in use now (routers pick pods that have an adapter loaded)."""
+        if not max_loras:
+            return
+        self.lora_requests_info.clear()
+        labels = {"running_lora_adapters": ",".join(running), "waiting_lora_adapters": ",".join(waiting)}
+        self.lora_requests_info.labels(**labels, max_lora=str(max_loras)).set(time.time())
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -35,7 +35,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "keepwarm"
-    root: str | None = None  # the model directory
+    root: str | None = None  # the model directory (a LoRA adapter's: its directory)
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
     max_model_len: int | None = None
 
 

@@ -23,6 +23,7 @@ from keepwarm_runtime.server.async_engine import AsyncEngine, EngineRequestError
 from keepwarm_runtime.server.engine_client import EngineClient
 from keepwarm_runtime.server.errors import APIError, BadRequest, ClientClosedRequest, ModelNotFound, NotReady
 from keepwarm_runtime.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_PREPROCESS_TIMEOUT_S
+from keepwarm_runtime.server.lora_modules import LoraModule
 from keepwarm_runtime.server.metrics import RequestTimer, ServerMetrics
 from keepwarm_runtime.server.protocol import SamplingRequest
 
@@ -66,6 +67,8 @@ class ServingOptions:
     preprocess_workers: int = 2  # threads for tokenizing/rendering
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     api_key: str | None = None  # Bearer key every route but probes and metrics needs
+    lora_modules: tuple[LoraModule, ...] = ()  # adapters loaded at start (server/lora.py)
+    allow_runtime_lora_updating: bool = False  # the load/unload adapter routes exist
 
 
 @dataclass
@@ -75,6 +78,7 @@ class ServingContext:
     served_model_name: str  # the name clients put in `model`
     model_dir: Path
     options: ServingOptions = field(default_factory=ServingOptions)
+    loras: dict[str, LoraModule] = field(default_factory=dict)  # adapters clients may name in `model`
     _compiler: StructuredOutputCompiler | None = None  # built on first use
     _pool: ThreadPoolExecutor | None = None
 
@@ -92,8 +96,17 @@ class ServingContext:
         return engine
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in (self.served_model_name, str(self.model_dir)):
+        served = (self.served_model_name, str(self.model_dir), *self.loras)
+        if model is not None and model not in served:
             raise ModelNotFound(model, self.served_model_name)
+
+    def response_model(self, model: str | None) -> str:
+        """The ``model`` a response names: the adapter the request selected, else the served name."""
+        return self.lora_name(model) or self.served_model_name
+
+    def lora_name(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` selects, None for the base model."""
+        return model if model in self.loras else None
 
     def close(self) -> None:
         if self._pool is not None:
@@ -228,11 +241,12 @@ class ServingContext:
         timer: RequestTimer,
         priority: int = 0,
         multimodal: MultimodalInput | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The engine's cumulative outputs, with metrics; engine rejections become 400/500 errors."""
         try:
             async for output in self.async_engine.generate(
-                request_id, prompt_ids, params, priority, multimodal
+                request_id, prompt_ids, params, priority, multimodal, lora_name
             ):
                 timer.tokens(sum(len(o.token_ids) for o in output.outputs))
                 yield output

@@ -148,10 +148,13 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     prompt_ids, plan, top_n = prepared.prompt_ids, prepared.plan, prepared.top_n
     request_id = random_id("chatcmpl")
     timer = RequestTimer(ctx.metrics, len(prompt_ids), arrival=arrival)
-    outputs = ctx.stream(request_id, prompt_ids, prepared.params, timer, req.priority, prepared.multimodal)
+    lora = ctx.lora_name(req.model)
+    outputs = ctx.stream(
+        request_id, prompt_ids, prepared.params, timer, req.priority, prepared.multimodal, lora
+    )
     if req.stream:
         first = await race_disconnect(anext(outputs), raw)
-        body = _stream(req, plan, request_id, ctx.served_model_name, len(prompt_ids), first, outputs)
+        body = _stream(req, plan, request_id, ctx.response_model(req.model), len(prompt_ids), first, outputs)
         return StreamingResponse(body, media_type="text/event-stream")
     final = await race_disconnect(last_output(outputs), raw)
     choices = [_choice(req, plan, o, top_n) for o in final.outputs]
@@ -160,7 +163,11 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     if req.prompt_logprobs is not None and final.prompt_logprobs is not None:
         scored = prompt_logprobs(final.prompt_logprobs, req.return_tokens_as_token_ids)
     response = ChatCompletionResponse(
-        id=request_id, model=ctx.served_model_name, choices=choices, usage=usage, prompt_logprobs=scored
+        id=request_id,
+        model=ctx.response_model(req.model),
+        choices=choices,
+        usage=usage,
+        prompt_logprobs=scored,
     )
     return JSONResponse(response.model_dump(exclude_none=False))
 

@@ -63,7 +63,12 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     base_id = random_id("cmpl")
     streams = [
         ctx.stream(
-            f"{base_id}-{i}", ids, params, RequestTimer(ctx.metrics, len(ids), arrival=arrival), req.priority
+            f"{base_id}-{i}",
+            ids,
+            params,
+            RequestTimer(ctx.metrics, len(ids), arrival=arrival),
+            req.priority,
+            lora_name=ctx.lora_name(req.model),
         )
         for i, ids in enumerate(prompt_ids)
     ]
@@ -95,7 +100,9 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     usage = UsageInfo(
         prompt_tokens=n_prompt_tokens, completion_tokens=completion, total_tokens=n_prompt_tokens + completion
     )
-    response = CompletionResponse(id=base_id, model=ctx.served_model_name, choices=choices, usage=usage)
+    response = CompletionResponse(
+        id=base_id, model=ctx.response_model(req.model), choices=choices, usage=usage
+    )
     return JSONResponse(response.model_dump())
 
 
@@ -179,7 +186,7 @@ async def _stream(
     first: tuple[int, RequestOutput],
     merged: AsyncIterator[tuple[int, RequestOutput]],
 ) -> AsyncIterator[str]:
-    created, model = int(time.time()), ctx.served_model_name
+    created, model = int(time.time()), ctx.response_model(req.model)
     tracker = DeltaTracker()
     sent_chars: dict[int, int] = {}  # choice index -> characters of generated text sent (for offsets)
     completion_tokens: dict[int, int] = {}

@@ -181,10 +181,11 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Reque
     refuse_unsupported(req)
     prepared = await prepare_chat(ctx, to_chat_request(req), raw)
     response = _response(req, random_id("resp"), int(time.time()))
-    response.model = ctx.served_model_name
+    response.model = ctx.response_model(req.model)
     response_id = response.id
     timer = RequestTimer(ctx.metrics, len(prepared.prompt_ids), arrival=arrival)
-    outputs = ctx.stream(response_id, prepared.prompt_ids, prepared.params, timer)
+    lora = ctx.lora_name(req.model)
+    outputs = ctx.stream(response_id, prepared.prompt_ids, prepared.params, timer, lora_name=lora)
     if req.stream:
         first = await race_disconnect(anext(outputs), raw)
         body = _stream(response, prepared.plan, len(prepared.prompt_ids), first, outputs)

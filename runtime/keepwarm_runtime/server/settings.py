@@ -20,6 +20,7 @@ from keepwarm_runtime.server.limits import (
     DEFAULT_MAX_MEDIA_BYTES,
     DEFAULT_PREPROCESS_TIMEOUT_S,
 )
+from keepwarm_runtime.server.lora_modules import LoraModule, parse_lora_module
 from keepwarm_runtime.server.tool_parsers import TOOL_PARSERS
 
 ENGINE = "engine"  # the group of settings passed to EngineConfig
@@ -73,6 +74,22 @@ class ServeSettings:
     seed: int | None = engine(None, "seed for requests that set none")
     max_prompt_logprobs_len: int | None = engine(
         None, "longest prompt whose prompt logprobs (or echo with logprobs) a request may ask for"
+    )
+    # LoRA adapters (server/lora.py, engine/lora)
+    enable_lora: bool | None = engine(
+        None, "serve LoRA adapters (on by itself with --lora-modules or --allow-runtime-lora-updating)"
+    )
+    max_loras: int | None = engine(None, "LoRA adapter slots: most distinct adapters in one batch")
+    max_lora_rank: int | None = engine(None, "highest LoRA rank an adapter may have")
+    lora_modules: tuple[LoraModule, ...] = setting(
+        (),
+        "a LoRA adapter clients name in `model`: name=path, or JSON {name, path, base_model_name} "
+        "(repeat the flag; the variable takes name=path entries separated by commas)",
+        parse=parse_lora_module,
+        metavar="NAME=PATH",
+    )
+    allow_runtime_lora_updating: bool = setting(
+        False, "enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's runtime updating)"
     )
     # audio
     audio_backend: str | None = setting(

@@ -109,3 +109,11 @@ def test_contention_benchmark_reports_the_ratio_beside_a_hog(tmp_path: Path) -> 
     assert result["hog_over_alone"] == pytest.approx(
         result["hog_tokens_per_s"] / result["alone_tokens_per_s"], rel=0.05
     )
+
+
+def test_lora_benchmark_reports_load_times_and_ratios(tmp_path: Path) -> None:
+    argv = [sys.executable, "bench/lora.py", "--params", "2M", "--prompts", "4", "--output-tokens", "3"]
+    result = json.loads(_run([*argv, "--ranks", "4,8", "--adapters", "2", "--threads", "1"], tmp_path).stdout)
+    assert set(result["load_from_disk_ms"]) == {"4", "8"} and result["load_from_cache_ms"] is None
+    for key in ("base_tok_s", "mixed_tok_s", "peft_tok_s", "mixed_over_base", "mixed_over_peft"):
+        assert result[key] > 0, key

@@ -19,7 +19,7 @@ import torch
 
 from keepwarm_runtime.cache import client, holder, protocol
 from keepwarm_runtime.cache.client import attach, connect
-from keepwarm_runtime.cache.handoff import recv_stream, send_stream
+from keepwarm_runtime.cache.handoff import HandoffRefused, recv_stream, send_stream
 from keepwarm_runtime.cache.launcher import HolderProcess
 
 pytestmark = pytest.mark.integration
@@ -210,11 +210,22 @@ def test_holder_records_of_another_format_are_refused_by_name(daemon_factory, ch
 
 
 def _ask_handoff(socket_path: Path, formats: list[int]):
-    sock = socket.socket(socket.AF_UNIX)
-    sock.settimeout(30)
-    sock.connect(str(socket_path))
-    protocol.send_frame(sock, {"cmd": "handoff", "formats": formats})
-    return sock, recv_stream(sock)
+    """Ask as a successor does: a daemon still winding up an abandoned hand-off answers ``busy`` until
+    it has seen that successor's connection close (on a loaded box that can take a moment), and a
+    successor asks again (cache/succession.py retries the same way)."""
+    deadline = time.monotonic() + 60
+    while True:
+        sock = socket.socket(socket.AF_UNIX)
+        sock.settimeout(30)
+        sock.connect(str(socket_path))
+        protocol.send_frame(sock, {"cmd": "handoff", "formats": formats})
+        try:
+            return sock, recv_stream(sock)
+        except HandoffRefused as exc:
+            sock.close()
+            if not str(exc).startswith("busy:") or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def test_an_abandoned_handoff_leaves_the_daemon_serving_and_nothing_leaked(

@@ -40,9 +40,11 @@ class ClientServer:
         return self.proc.url + "/v1"
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="package", autouse=True)
 def offline_clients():
-    """Clients must never reach the network (tokenizer downloads, telemetry, tracing export)."""
+    """Clients must never reach the network (tokenizer downloads, telemetry, tracing export). Package
+    scope: the variables are restored when these tests end, so the agent tests that download from the
+    loopback Hub later in the same session are not offline."""
     saved = {k: os.environ.get(k) for k in OFFLINE_ENV}
     os.environ.update(OFFLINE_ENV)
     os.environ.setdefault("OPENAI_API_KEY", "unused")

@@ -1,0 +1,171 @@
+"""LoRA adapters: load time per rank, and mixed-adapter throughput vs the base alone and vs PEFT.
+
+    flock /tmp/kw-bench.lock .venv/bin/python bench/lora.py [--params 10M] [--prompts 16]
+        [--prompt-len 32] [--output-tokens 32] [--ranks 8,16,64] [--adapters 4] [--threads 2]
+        [--model-dir DIR] [--json-out FILE]
+
+Generates a random-weight Llama of about --params parameters (unless --model-dir is given) and PEFT
+adapters on every projection (q/k/v/o/gate/up/down, random lora_B), saved by PEFT itself. Measures:
+
+* ``load_from_disk_ms[rank]``: registering an adapter (read + check, engine/lora/adapter.py) and copying
+  it into a slot, median of 5; ``load_from_cache_ms`` is null: adapters are not in the node cache yet;
+* ``base_tok_s``: --prompts greedy requests on the base, all at once (continuous batching);
+* ``mixed_tok_s``: the same requests spread round-robin over --adapters adapters of the middle rank,
+  all at once in the same engine (one batch mixes them);
+* ``peft_tok_s``: PEFT's way, per adapter in turn: ``set_adapter`` then ``generate()`` on that
+  adapter's requests as one batch (equal prompt lengths: no padding);
+* ``mixed_over_base`` and ``mixed_over_peft``: the ratios the issue's goals name (>= 0.7 and >= 3).
+
+fp32, greedy, EOS ignored, every request asks for --output-tokens tokens. A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from keepwarm_runtime import LLM, SamplingParams
+from keepwarm_runtime.engine.llm import LoRARequest
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(model_dir: Path, out: Path, rank: int, seed: int) -> Path:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=g) * 0.02)
+    model.save_pretrained(out)
+    return out
+
+
+def load_ms(llm: LLM, path: Path, reps: int = 5) -> float:
+    """Median ms to register an adapter and copy it into a slot (then forget it again)."""
+    engine, times = llm.engine, []
+    for i in range(reps):
+        name = f"probe-{i}"
+        start = time.perf_counter()
+        engine.add_lora(name, str(path))
+        assert engine.lora.acquire(name)
+        times.append((time.perf_counter() - start) * 1000)
+        engine.lora.release(name)
+        engine.remove_lora(name)
+    return round(statistics.median(times), 2)
+
+
+def keepwarm_tok_s(llm: LLM, prompts: list[list[int]], loras: list[LoRARequest | None], tokens: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=loras)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == tokens for o in outs)
+    return len(prompts) * tokens / elapsed
+
+
+def peft_tok_s(model_dir: Path, adapters: list[Path], prompts: list[list[int]], tokens: int) -> float:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, adapters[0], adapter_name="a0")
+    for i, path in enumerate(adapters[1:], 1):
+        model.load_adapter(path, adapter_name=f"a{i}")
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(len(adapters)):
+            mine = prompts[i :: len(adapters)]
+            model.set_adapter(f"a{i}")
+            ids = torch.tensor(mine)
+            model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+    return len(prompts) * tokens / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", default="10M")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--ranks", default="8,16,64")
+    parser.add_argument("--adapters", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model-dir", type=Path)
+    parser.add_argument("--json-out", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    ranks = [int(r) for r in args.ranks.split(",")]
+    mixed_rank = ranks[len(ranks) // 2]
+
+    with tempfile.TemporaryDirectory(prefix="kw-bench-lora-") as tmp:
+        root = Path(tmp)
+        model_dir = args.model_dir
+        if model_dir is None:
+            from keepwarm_runtime.modelgen import make_model
+
+            model_dir = make_model(root / "model", arch="llama", params=args.params, dtype="float32")
+        by_rank = {r: make_adapter(model_dir, root / f"rank{r}", r, seed=r) for r in ranks}
+        mixed = [
+            make_adapter(model_dir, root / f"mixed{i}", mixed_rank, seed=100 + i)
+            for i in range(args.adapters)
+        ]
+        llm = LLM(
+            model_dir, dtype="float32", enable_lora=True, max_loras=args.adapters, max_lora_rank=max(ranks)
+        )
+        g = torch.Generator().manual_seed(0)
+        vocab = llm.engine.vocab_size
+        prompts = [
+            torch.randint(10, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)
+        ]
+        load = {str(r): load_ms(llm, path) for r, path in by_rank.items()}
+        requests = [LoRARequest(f"m{i}", i + 1, str(p)) for i, p in enumerate(mixed)]
+        keepwarm_tok_s(
+            llm, prompts[:2], [None, requests[0]], 2
+        )  # warm-up: first-pass costs, adapter registration
+        base = keepwarm_tok_s(llm, prompts, [None] * len(prompts), args.output_tokens)
+        loras = [requests[i % len(requests)] for i in range(len(prompts))]
+        mixed_rate = keepwarm_tok_s(llm, prompts, loras, args.output_tokens)
+        peft = peft_tok_s(model_dir, mixed, prompts, args.output_tokens)
+
+    result = {
+        "model": str(args.model_dir or f"random llama {args.params}"),
+        "threads": args.threads,
+        "prompts": args.prompts,
+        "prompt_len": args.prompt_len,
+        "output_tokens": args.output_tokens,
+        "adapters": args.adapters,
+        "mixed_rank": mixed_rank,
+        "load_from_disk_ms": load,
+        "load_from_cache_ms": None,  # adapters are not in the node cache yet
+        "base_tok_s": round(base, 1),
+        "mixed_tok_s": round(mixed_rate, 1),
+        "peft_tok_s": round(peft, 1),
+        "mixed_over_base": round(mixed_rate / base, 3),
+        "mixed_over_peft": round(mixed_rate / peft, 3),
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json_out:
+        args.json_out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

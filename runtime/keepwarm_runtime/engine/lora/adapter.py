@@ -1,0 +1,179 @@
+"""Read and check one PEFT LoRA adapter against the loaded base, before it can touch any request.
+
+A PEFT adapter directory holds `adapter_config.json` and `adapter_model.safetensors`, whose tensors
+are named `base_model.model.<module>.lora_A.weight` ([r, in]) and `...lora_B.weight` ([out, r]).
+Everything is read and checked here, on the host: a config field keepwarm does not implement, a
+tensor it does not recognise, a module the base lacks or holds in another form, a shape for another
+base, a rank above the configured maximum or an unreadable file raises `LoraLoadError` naming it,
+and nothing is registered. What comes out is ready to be copied into a slot (engine/lora/slots.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+# Projections an adapter may target: attention and MLP, separate or fused (Phi-3's qkv_proj, gate_up_proj).
+TARGETABLE = frozenset(
+    {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj"}
+)
+# Config fields whose non-default value changes the computation in a way keepwarm does not implement.
+_UNSUPPORTED = {
+    "use_dora": "DoRA (weight-decomposed LoRA)",
+    "modules_to_save": "modules_to_save (fully trained copies of base modules)",
+    "layers_to_transform": "layers_to_transform",
+    "rank_pattern": "rank_pattern (per-module ranks)",
+    "alpha_pattern": "alpha_pattern (per-module alphas)",
+    "target_parameters": "target_parameters (LoRA on raw parameters, e.g. MoE experts)",
+    "lora_bias": "lora_bias (a bias on lora_B)",
+    "fan_in_fan_out": "fan_in_fan_out (Conv1D-style weights)",
+    "use_qalora": "QA-LoRA",
+    "trainable_token_indices": "trainable_token_indices",
+    "megatron_config": "megatron_config",
+}
+
+
+class LoraLoadError(ValueError):
+    """The adapter cannot be applied to this base; the message names the adapter and what is wrong."""
+
+
+@dataclass
+class LoraWeights:
+    """One adapter, checked: per base module A [r, in] and B [out, r]; the update is scaling * x A^T B^T."""
+
+    name: str
+    path: str
+    rank: int
+    scaling: float
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module name -> (A, B), on the host
+
+
+def scaling_of(config: dict) -> float:
+    """PEFT's scaling: lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora."""
+    r, alpha = config["r"], config.get("lora_alpha", 8)
+    return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+
+
+def read_config(name: str, directory: Path, max_rank: int) -> dict:
+    """The adapter's config, refused by name where it asks for what keepwarm does not implement."""
+    try:
+        config = json.loads((directory / CONFIG_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise LoraLoadError(f"adapter {name!r}: cannot read {directory / CONFIG_FILE}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise LoraLoadError(f"adapter {name!r}: {CONFIG_FILE} is not a JSON object")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise LoraLoadError(f"adapter {name!r}: peft_type {config['peft_type']!r} is not LORA")
+    for key, what in _UNSUPPORTED.items():
+        if config.get(key):
+            raise LoraLoadError(f"adapter {name!r}: {key} is set; keepwarm does not support {what}")
+    if config.get("bias", "none") != "none":
+        raise LoraLoadError(f"adapter {name!r}: bias={config['bias']!r}; keepwarm supports only bias='none'")
+    r = config.get("r")
+    if not isinstance(r, int) or r < 1:
+        raise LoraLoadError(f"adapter {name!r}: r must be a positive integer, got {r!r}")
+    if r > max_rank:
+        raise LoraLoadError(f"adapter {name!r}: rank {r} is above this engine's max_lora_rank {max_rank}")
+    targets = config.get("target_modules")
+    if isinstance(targets, list):
+        unknown = sorted(set(targets) - TARGETABLE)
+        if unknown:
+            raise LoraLoadError(
+                f"adapter {name!r}: target_modules {unknown} are not projections keepwarm applies LoRA to "
+                f"({', '.join(sorted(TARGETABLE))})"
+            )
+    return config
+
+
+def read_tensors(name: str, directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = directory / WEIGHTS_FILE
+    if not path.is_file():
+        raise LoraLoadError(f"adapter {name!r}: {path} does not exist (only safetensors adapters are read)")
+    try:
+        return load_file(str(path), device="cpu")
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise LoraLoadError(f"adapter {name!r}: {path} is not a readable safetensors file: {exc}") from exc
+
+
+def pair_tensors(name: str, tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """`base_model.model.<module>.lora_A.weight` -> {module: {"A": .., "B": ..}}; other tensors refused."""
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        stem = key.removeprefix(PEFT_PREFIX)
+        for part in ("A", "B"):
+            suffix = f".lora_{part}.weight"
+            if stem.endswith(suffix):
+                pairs.setdefault(stem[: -len(suffix)], {})[part] = tensor
+                break
+        else:
+            raise LoraLoadError(
+                f"adapter {name!r}: tensor {key!r} is not a lora_A/lora_B weight; keepwarm does not apply it"
+            )
+    for module, pair in pairs.items():
+        if set(pair) != {"A", "B"}:
+            raise LoraLoadError(f"adapter {name!r}: {module} has lora_{''.join(pair)} but not both A and B")
+    if not pairs:
+        raise LoraLoadError(f"adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
+    return pairs
+
+
+def check_module(name: str, model: nn.Module, module_name: str) -> nn.Linear:
+    """The base's plain linear layer an adapter targets; anything else refused by name."""
+    short = module_name.rpartition(".")[2]
+    if short not in TARGETABLE:
+        raise LoraLoadError(
+            f"adapter {name!r}: {module_name} is not a projection keepwarm applies LoRA to "
+            f"({', '.join(sorted(TARGETABLE))})"
+        )
+    if ".experts." in f".{module_name}.":
+        raise LoraLoadError(
+            f"adapter {name!r}: {module_name} is inside MoE experts; keepwarm does not apply LoRA to experts"
+        )
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        raise LoraLoadError(
+            f"adapter {name!r}: the base model has no module {module_name} (an adapter for another model?)"
+        ) from None
+    if type(module) is not nn.Linear:
+        raise LoraLoadError(
+            f"adapter {name!r}: {module_name} is a {type(module).__name__}, not a plain nn.Linear; keepwarm "
+            "does not apply LoRA to it (FP8 linear layers and MoE experts are not supported)"
+        )
+    return module
+
+
+def load_adapter(
+    name: str, path: str | Path, model: nn.Module, max_rank: int, dtype: torch.dtype
+) -> LoraWeights:
+    """Read and check the adapter at ``path`` against ``model``; LoraLoadError names what is wrong."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise LoraLoadError(f"adapter {name!r}: {directory} is not a directory")
+    config = read_config(name, directory, max_rank)
+    rank, scaling = config["r"], scaling_of(config)
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for module_name, pair in sorted(pair_tensors(name, read_tensors(name, directory)).items()):
+        linear = check_module(name, model, module_name)
+        a, b = pair["A"], pair["B"]
+        want_a, want_b = (rank, linear.in_features), (linear.out_features, rank)
+        if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+            raise LoraLoadError(
+                f"adapter {name!r}: {module_name} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; "
+                f"this base needs {want_a} and {want_b} at rank {rank} (an adapter for another base?)"
+            )
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise LoraLoadError(f"adapter {name!r}: {module_name} holds NaN or infinite weights")
+        modules[module_name] = (a.to(dtype), b.to(dtype))
+    return LoraWeights(name, str(directory), rank, scaling, modules)

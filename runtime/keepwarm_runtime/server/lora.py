@@ -1,0 +1,74 @@
+"""LoRA adapters over HTTP, in vLLM's shapes: `--lora-modules`, the adapters in /v1/models, and the
+runtime `POST /v1/load_lora_adapter` / `/v1/unload_lora_adapter` (only with
+--allow-runtime-lora-updating, like vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+
+A request selects an adapter by naming it in ``model``. The adapters themselves are checked and run
+by the engine (engine/lora); this module keeps the server's list of names and turns the engine's
+refusals into HTTP errors: a bad adapter 400, an unknown one 404, one still in use 409. Loading
+reads the adapter in the engine thread, between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict
+
+from keepwarm_runtime.server.lora_modules import LoraModule
+
+if TYPE_CHECKING:
+    from fastapi import Request
+
+    from keepwarm_runtime.server.serving import ServingContext
+
+LOAD_ROUTE = "/v1/load_lora_adapter"
+UNLOAD_ROUTE = "/v1/unload_lora_adapter"
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM's; adapters are keyed by name here
+
+
+async def load_lora_adapter(ctx: ServingContext, req: LoadLoraAdapterRequest, raw: Request) -> Any:
+    from fastapi.responses import PlainTextResponse
+
+    from keepwarm_runtime.engine.lora import LoraLoadError
+    from keepwarm_runtime.server.errors import BadRequest
+
+    if req.lora_name in ctx.loras or req.lora_name == ctx.served_model_name:
+        raise BadRequest(f"The lora adapter '{req.lora_name}' has already been loaded.", param="lora_name")
+    try:
+        await asyncio.wrap_future(
+            ctx.async_engine.call(lambda e: e.engine.add_lora(req.lora_name, req.lora_path))
+        )
+    except LoraLoadError as exc:
+        raise BadRequest(str(exc), param="lora_path", code="invalid_lora_adapter") from exc
+    ctx.loras[req.lora_name] = LoraModule(req.lora_name, req.lora_path)
+    return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+
+async def unload_lora_adapter(ctx: ServingContext, req: UnloadLoraAdapterRequest, raw: Request) -> Any:
+    from fastapi.responses import PlainTextResponse
+
+    from keepwarm_runtime.engine.lora import LoraInUse
+    from keepwarm_runtime.server.errors import Conflict, NotFound
+
+    if req.lora_name not in ctx.loras:
+        raise NotFound(f"The lora adapter '{req.lora_name}' cannot be found.", param="lora_name")
+    try:
+        await asyncio.wrap_future(ctx.async_engine.call(lambda e: e.engine.remove_lora(req.lora_name)))
+    except LoraInUse as exc:
+        raise Conflict(str(exc), param="lora_name", code="lora_adapter_in_use") from exc
+    except KeyError:
+        pass  # already gone from the engine: forget the name too
+    ctx.loras.pop(req.lora_name, None)
+    return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")

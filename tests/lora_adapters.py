@@ -1,0 +1,37 @@
+"""PEFT LoRA adapters for tests, made by PEFT itself, and PEFT's own greedy tokens as the reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.integration.engine.reference import transformers_greedy
+
+
+def make_adapter(model_dir: Path, out: Path, seed: int, **config) -> Path:
+    """A PEFT adapter saved by PEFT, its lora_B random so it changes the output."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(lora_dropout=0.0, **config))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=g) * 0.3)
+    model.save_pretrained(out)
+    return out
+
+
+def peft_greedy(
+    model_dir: Path, adapter: Path | None, prompts: list[list[int]], new_tokens: int = 6
+) -> list[list[int]]:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter)
+    return transformers_greedy(model, prompts, new_tokens)
