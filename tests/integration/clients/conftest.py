@@ -40,20 +40,22 @@ class ClientServer:
         return self.proc.url + "/v1"
 
 
-@pytest.fixture(scope="package", autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def offline_clients():
-    """Clients must never reach the network (tokenizer downloads, telemetry, tracing export). Package
-    scope: the variables are restored when these tests end, so the agent tests that download from the
-    loopback Hub later in the same session are not offline."""
-    saved = {k: os.environ.get(k) for k in OFFLINE_ENV}
-    os.environ.update(OFFLINE_ENV)
-    os.environ.setdefault("OPENAI_API_KEY", "unused")
-    yield
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    """Clients must never reach the network (tokenizer downloads, telemetry, tracing export).
+
+    Module scope: a "package" fixture here would belong to `tests` (the nearest directory with an
+    __init__.py) and so last the whole session, leaving the agent's loopback-Hub downloads offline.
+    huggingface_hub reads HF_HUB_OFFLINE once, at import, into a constant every later call consults,
+    so the constant is set and restored along with the variables."""
+    from huggingface_hub import constants
+
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in OFFLINE_ENV.items():
+            patch.setenv(key, value)
+        patch.setenv("OPENAI_API_KEY", os.environ.get("OPENAI_API_KEY", "unused"))
+        patch.setattr(constants, "HF_HUB_OFFLINE", True)
+        yield
 
 
 @pytest.fixture(scope="session")
