@@ -3,8 +3,6 @@
 Shapes come from a probe pass (one token through the model with no metadata set: each layer records
 what it was handed and the window it was called with; the backend then accepts or refuses each
 layer), so MLA's separate key/value widths and per-layer head counts need no model knowledge here.
-The pass runs on meta tensors (shapes only, no weight read) and, for a model whose forward needs
-values, on the real weights.
 Sizing: an explicit block count, else a memory budget (CPU) or what is left of the GPU after the weights.
 On CPU the tensors live in fresh anonymous mappings, which the kernel zero-fills page by page on first
 touch: allocating is free, and only blocks a sequence ever writes cost memory (torch.zeros wrote every
@@ -29,8 +27,11 @@ from keepwarm_runtime.engine.config import EngineConfig
 
 @torch.inference_mode()
 def probe_kv_specs(model: nn.Module, layers: list[KeepwarmAttention], device: torch.device) -> list[KVSpec]:
-    if not _probe_on_meta(model, layers):
-        _probe(model, layers, torch.zeros(1, 1, dtype=torch.long, device=device))
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    for layer in layers:
+        layer.probe_calls = 0
+    with use_metadata(None):
+        model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1)
     reused = [
         f"{layer.owner} layer_idx {layer.layer_idx} ({layer.probe_calls}x)"
         for layer in layers
@@ -54,38 +55,6 @@ def probe_kv_specs(model: nn.Module, layers: list[KeepwarmAttention], device: to
         if layer.backend is not None:
             layer.backend.check_layer(layer)
     return [layer.kv_spec for layer in layers]
-
-
-def _probe(
-    model: nn.Module,
-    layers: list[KeepwarmAttention],
-    ids: torch.Tensor,
-    weights: dict[str, torch.Tensor] | None = None,  # in place of the model's own (functional_call)
-) -> None:
-    for layer in layers:
-        layer.probe_calls = 0
-    kwargs = {"input_ids": ids, "position_ids": ids, "use_cache": False, "logits_to_keep": 1}
-    with use_metadata(None):
-        if weights is None:
-            model(**kwargs)
-        else:
-            torch.func.functional_call(model, weights, args=(), kwargs=kwargs, strict=False)
-
-
-def _probe_on_meta(model: nn.Module, layers: list[KeepwarmAttention]) -> bool:
-    """The probe pass with every weight and buffer swapped for a meta tensor of its shape and dtype:
-    the same modules run but compute no value, where a real pass reads every weight once (~0.3 s for
-    2 GB on a small CPU, on every restart). False, with nothing recorded, when the forward needs
-    values (an op without a meta kernel, a branch on data): the real pass then runs."""
-    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    meta = {name: torch.empty_like(t, device="meta") for name, t in tensors.items()}
-    try:
-        _probe(model, layers, torch.zeros(1, 1, dtype=torch.long, device="meta"), meta)
-    except Exception:  # any failure only means this model needs the real pass
-        for layer in layers:
-            layer.kv_spec = None
-        return False
-    return True
 
 
 def bytes_per_block(specs: list[KVSpec], block_size: int, dtype: torch.dtype) -> int:
