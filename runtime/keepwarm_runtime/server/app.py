@@ -164,6 +164,7 @@ def create_app(
     if options.api_key:
         app.add_middleware(ApiKey, key=options.api_key)
     app.add_middleware(LingeringClose)  # outermost: every early refusal lets the client finish sending
+    sleeper = SleepMode(async_engine, metrics, wake_on_request) if sleep_mode else None
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -189,6 +190,8 @@ def create_app(
         while not async_engine.ready_event.is_set() and time.monotonic() < deadline:
             await asyncio.sleep(READY_POLL_S)
         ctx.engine  # noqa: B018 - raises NotReady (503) while loading
+        if sleeper is not None:
+            sleeper.check_admitting()  # 503 while draining to sleep
         return JSONResponse({"status": "ready", "model": name})
 
     @app.get("/version")
@@ -222,7 +225,6 @@ def create_app(
         ctx.check_model(model_id)
         return JSONResponse((lora_card(model_id) if ctx.lora_name(model_id) else card()).model_dump())
 
-    sleeper = SleepMode(async_engine, metrics, wake_on_request) if sleep_mode else None
     if sleeper is not None:
         register_sleep_routes(app, sleeper)
 
@@ -230,9 +232,10 @@ def create_app(
         path: str, model: type[R], handler: Callable[[ServingContext, R, Request], Awaitable[Any]]
     ) -> None:
         async def route(raw: Request) -> Any:
-            if sleeper is not None:
-                await sleeper.before_request()
-            return await handler(ctx, await _parse(ctx, raw, model), raw)
+            if sleeper is None:
+                return await handler(ctx, await _parse(ctx, raw, model), raw)
+            async with sleeper.admit():
+                return await handler(ctx, await _parse(ctx, raw, model), raw)
 
         app.post(path, openapi_extra=body_schema(model), name=handler.__name__)(route)
 

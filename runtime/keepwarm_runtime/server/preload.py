@@ -1,11 +1,13 @@
-"""What the supervising parent imports before it forks workers: everything a worker would import.
+"""What the supervising parent imports before it forks workers: all a worker imports to serve.
 
 A worker forked after these imports starts with torch, transformers' attention registry and weight
 conversions, the checkpoint's own modelling module, the engine and the server already in memory (and
-FastAPI's lazy imports done, by one app built and dropped), so a restart pays none of those seconds.
-Only imports happen here: no torch op, no CUDA call, no model built, no tokenizer loaded (tokenizers'
-thread pool must not exist before a fork), so the parent stays one thread (server/supervisor.py
-checks before each fork).
+FastAPI's lazy imports done, by one app built and dropped; uvicorn's loop and protocol classes;
+transformers' table of checkpoint conversions built), so a restart pays none of those seconds.
+Only imports and that pure-Python table happen here: no torch op, no CUDA call, no model built, no
+tokenizer loaded (tokenizers' thread pool must not exist before a fork), so the parent stays one
+thread (server/supervisor.py checks before each fork). The grammar stacks are not imported: only a
+constrained request needs them.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ def preload(model_dir: str) -> float:
         except (ImportError, OSError, ValueError, KeyError) as exc:  # the engine names a bad checkpoint
             logger.warning("preloading %s's model classes failed (%s); a worker imports them", model_dir, exc)
     _warm_app_imports(model_dir)
+    _import_serving_internals()
+    _build_conversion_table()
     seconds = time.perf_counter() - started
     logger.info("preloaded the serving path in %.2fs (model classes: %s)", seconds, loaded)
     return seconds
@@ -63,3 +67,30 @@ def _warm_app_imports(model_dir: str) -> None:
 
     app = create_app(lambda: None, model_dir=model_dir)  # never started: no engine, no threads
     app.state.ctx.close()
+
+
+def _import_serving_internals() -> None:
+    """What a worker would import only once it runs: uvicorn's event loop and protocol classes (its
+    "auto" choices: uvloop, httptools, ...), anyio's asyncio backend and the CPU attention backend.
+    Imports only; nothing is created. The grammar stacks stay out: only a constrained request needs them."""
+    from uvicorn.config import HTTP_PROTOCOLS, LIFESPAN, LOOP_FACTORIES, WS_PROTOCOLS
+    from uvicorn.importer import import_from_string
+
+    for target in (HTTP_PROTOCOLS["auto"], WS_PROTOCOLS["auto"], LIFESPAN["auto"], LOOP_FACTORIES["auto"]):
+        if target is not None:
+            import_from_string(target)
+    import_from_string(LOOP_FACTORIES["auto"])()  # picks (imports) uvloop or asyncio; makes no loop
+    import anyio._backends._asyncio  # noqa: F401
+
+    import keepwarm_runtime.engine.attention.cpu_backend  # noqa: F401
+
+
+def _build_conversion_table() -> None:
+    """transformers builds its table of checkpoint conversions, for every architecture at once (~1,000
+    regular expressions, 0.2-0.4 s on a small CPU), on the loader's first use; built here, every worker
+    inherits it. Pure Python: no tensor, no thread."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:  # an older transformers without conversion mappings (engine/loader.py)
+        return
+    get_checkpoint_conversion_mapping("llama")  # any name: the first call builds the whole table

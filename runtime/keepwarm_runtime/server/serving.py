@@ -275,10 +275,15 @@ def truncate_prompt(ids: list[int], keep: int | None) -> list[int]:
 
 
 def structured_params(request: SamplingRequest) -> StructuredOutputsParams | None:
-    """The request's constraint as StructuredOutputsParams, or None; ``structured_outputs`` wins."""
+    """The request's constraint as StructuredOutputsParams, or None; ``structured_outputs`` wins.
+
+    A request without one imports nothing: the grammar stacks (xgrammar, llguidance) load on the
+    first constrained request, so a server that never sees one never pays for them."""
+    so, fmt = request.structured_outputs, request.response_format
+    if so is None and (fmt is None or fmt.type == "text"):
+        return None
     from keepwarm_runtime.engine.structured import StructuredOutputsParams
 
-    so = request.structured_outputs
     if so is not None:
         return StructuredOutputsParams(
             json=so.json_,
@@ -288,9 +293,7 @@ def structured_params(request: SamplingRequest) -> StructuredOutputsParams | Non
             json_object=bool(so.json_object),
             any_whitespace=so.any_whitespace,
         )
-    fmt = request.response_format
-    if fmt is None or fmt.type == "text":
-        return None
+    assert fmt is not None  # checked above: no constraint means None
     if fmt.type == "json_object":
         return StructuredOutputsParams(json_object=True)
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:

@@ -92,6 +92,18 @@ def test_n_seeded_samples_and_logprobs(llm) -> None:
     )
 
 
+def test_warm_up_leaves_nothing_behind(model_dir) -> None:
+    """A warmed engine holds no request, no KV block and no cached prefix, and answers as an unwarmed
+    one does (greedy: the sampler's random stream is untouched either way)."""
+    cold = LLM(model_dir, block_size=4, num_kv_blocks=128)
+    warm = LLM(model_dir, block_size=4, num_kv_blocks=128)
+    warm.engine.warm_up()
+    assert not warm.engine.has_unfinished_requests() and warm.engine.stats().kv_cache_usage == 0
+    assert warm.engine.block_manager.cached == {}
+    batch = prompts(3)
+    assert tokens(warm.generate(batch, GREEDY)) == tokens(cold.generate(batch, GREEDY))
+
+
 def test_abort_frees_blocks_at_once(llm) -> None:
     engine = llm.engine
     engine.add_request("x", prompts(1, length=30)[0]["prompt_token_ids"], GREEDY)

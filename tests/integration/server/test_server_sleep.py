@@ -1,11 +1,13 @@
 """Sleep mode through a real `keepwarm serve` and the official openai client: sleep frees the engine,
-requests get a clear 503 (or wake it, by flag), a busy engine refuses with 409, and after waking the
-same greedy request gives the same text (the weights came back intact, from the cache or the disk)."""
+requests get a clear 503 (or wake it, by flag), a busy engine refuses with 409 or drains (drain=true:
+running requests finish, new ones get the 503 meanwhile), and after waking the same greedy request
+gives the same text (the weights came back intact, from the cache or the disk)."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -107,6 +109,35 @@ def test_sleep_while_a_request_runs_is_a_409(cached):
     assert refused.status_code == 409, refused.text
     assert "requests are running" in refused.json()["error"]["message"]
     assert sum(1 for _ in chunks) >= 199  # the request carried on to its end
+    assert not _is_sleeping(cached)
+
+
+def test_a_drained_sleep_lets_running_requests_finish_and_refuses_new_ones(cached):
+    """drain=true: the running stream reaches its end, a request sent meanwhile is a 503
+    model_sleeping, /ready is 503, and the engine sleeps once the stream is done."""
+    stream = _client(cached).completions.create(
+        model="tiny", prompt="go", max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+    )
+    chunks = iter(stream)
+    next(chunks)
+    with ThreadPoolExecutor(1) as pool:
+        sleeping = pool.submit(httpx.post, cached.url + "/sleep?level=1&drain=true", timeout=120)
+        while httpx.get(cached.url + "/ready", timeout=30).status_code == 200:
+            assert not sleeping.done(), sleeping.result().text  # it must wait for the stream
+        with pytest.raises(openai.InternalServerError) as info:
+            _greedy(cached)
+        assert info.value.status_code == 503 and info.value.body["code"] == "model_sleeping"
+        assert not _is_sleeping(cached)  # the stream still runs
+        assert sum(1 for _ in chunks) >= 199  # and carries on to its end
+        assert sleeping.result().status_code == 200
+    assert _is_sleeping(cached) and _sleep_level(cached) == 1
+    assert httpx.post(cached.url + "/wake_up", timeout=60).status_code == 200
+    assert _greedy(cached)
+
+
+def test_bad_drain_values_are_refused_by_name(cached):
+    response = httpx.post(cached.url + "/sleep?level=1&drain=maybe", timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "drain"
     assert not _is_sleeping(cached)
 
 

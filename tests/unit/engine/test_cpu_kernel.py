@@ -6,6 +6,7 @@ build that fails and inputs it cannot take are named refusals; selection falls b
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -117,6 +118,24 @@ def test_a_build_that_fails_is_a_named_error(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     with pytest.raises(native.KernelUnavailable, match="Error"):
         native.load()
+
+
+@pytest.mark.parametrize("extensions_dir", [None, "ext"])
+def test_a_cached_build_is_found_where_torchs_builder_puts_it(tmp_path, monkeypatch, extensions_dir) -> None:
+    """The direct load (no builder import) looks in the builder's own folder, with and without
+    TORCH_EXTENSIONS_DIR; nothing there means the builder runs."""
+    from torch.utils import cpp_extension
+
+    if extensions_dir is None:
+        monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    else:
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / extensions_dir))
+    name = "keepwarm_cpu_probe"
+    assert native._built_library(name) is None
+    folder = Path(cpp_extension._get_build_directory(name, verbose=False))  # creates it
+    (folder / f"{name}.so").write_bytes(b"")
+    assert native._built_library(name) == folder / f"{name}.so"
 
 
 def test_a_build_is_named_for_the_cpu_it_was_made_for(monkeypatch) -> None:

@@ -4,7 +4,8 @@ The kernel is compiled for this machine's CPU (`-march=native`) with the compile
 builder finds, once, into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``); later processes load the cached library in milliseconds. The library
 name carries a hash of the source and of the CPU's instruction-set flags, so a cache shared between
-machines never hands one CPU another's build. `make venv` builds it ahead
+machines never hands one CPU another's build, and a process finding that build loads it directly,
+without importing the builder. `make venv` builds it ahead
 (`python -m keepwarm_runtime.engine.attention.native`), so no server or test compiles it; the runtime
 image does not (it has no compiler, and a build is only good for the CPU it was made on), so CPU pods of
 that image run the torch backend.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import sys
 import threading
 import time
@@ -56,6 +58,27 @@ def _cpu_flags() -> str:
     return "unknown"
 
 
+def _built_library(name: str) -> Path | None:
+    """The cached build of ``name`` where torch's extension builder puts it, if it is there.
+
+    Its name carries the source and CPU hash, so a file there is this kernel for this CPU; loading it
+    directly skips importing the builder (setuptools, ~0.2 s) and its ninja run on every start. The
+    folder is torch's (``cpp_extension._get_build_directory``; a test checks the two agree); a miss or
+    a ROCm build goes to the builder."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not root:
+        if torch.version.hip is not None:
+            return None
+        accelerator = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
+        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(
+            os.path.realpath(torch._appdirs.user_cache_dir(appname="torch_extensions")),
+            f"{python}_{accelerator}",
+        )
+    path = Path(root) / name / f"{name}.so"
+    return path if path.is_file() else None
+
+
 def load() -> str:
     """Build (when this CPU has no cached build) and load the kernel; idempotent, thread-safe.
 
@@ -64,10 +87,20 @@ def load() -> str:
     with _lock:
         if _loaded is not None:
             return _loaded
-        from torch.utils import cpp_extension
-
         name = library_name()
         started = time.perf_counter()
+        built = _built_library(name)
+        if built is not None:
+            try:
+                torch.ops.load_library(str(built))
+            except OSError as exc:  # a torn or foreign build: the builder below redoes it
+                log.warning("CPU attention kernel %s did not load (%s); rebuilding", built, exc)
+            else:
+                log.info("CPU attention kernel %s loaded in %.2fs", name, time.perf_counter() - started)
+                _loaded = name
+                return name
+        from torch.utils import cpp_extension
+
         try:
             cpp_extension.load(
                 name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS), is_python_module=False
