@@ -29,10 +29,10 @@ from keepwarm_runtime.cache.loader import TensorEntry, load_from_disk
 from keepwarm_runtime.cache.metrics import client_metrics
 from keepwarm_runtime.engine.moe.kernel_layout import MODEL, conversion_id
 from keepwarm_runtime.engine.quant.settings import Fp8Settings
+from keepwarm_runtime.log_once import warning_once
 
 log = logging.getLogger(__name__)
 _FROM_ENV: Any = object()  # default of socket_dir/mode/fallback: read KEEPWARM_CACHE_* variables
-_logged_reasons: set[str] = set()
 _RETRY_ERRNOS = {errno.EAGAIN, errno.ECONNREFUSED}
 PAGE_MODES = frozenset({"4k", "thp", "hugetlb", "vmm"})  # what a daemon's arenas may report
 
@@ -127,9 +127,7 @@ def attach(
                 raise
             reason = exc.reason
             metrics.misses.labels(reason.split(":")[0]).inc()
-            if reason not in _logged_reasons:
-                _logged_reasons.add(reason)
-                log.warning("weight cache miss for %s (%s); loading from disk", model_dir, exc)
+            warning_once(log, reason, "weight cache miss for %s (%s); loading from disk", model_dir, exc)
     tensors = load_from_disk(shards, dtype, device)
     seconds = time.perf_counter() - started
     metrics.attach_seconds.labels("disk").observe(seconds)
