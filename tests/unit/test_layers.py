@@ -50,3 +50,8 @@ def test_nothing_below_the_server_imports_the_server() -> None:
     """The server is the top layer: only it and the command line (keepwarm_runtime/cli.py) import it."""
     below = [f for f in offenders("", "keepwarm_runtime.server") if not f.startswith(("server/", "cli.py"))]
     assert below == []
+
+
+def test_the_engine_imports_nothing_from_audio() -> None:
+    """Audio sits above the engine (its Whisper engine uses the engine's loader), never below it."""
+    assert offenders("engine", "keepwarm_runtime.audio") == []
