@@ -18,11 +18,14 @@ from pathlib import Path
 from typing import ClassVar
 
 from keepwarm_api.settings import SettingError, add_command, resolve, setting
+from keepwarm_api.values import DType
 
 # Default torch threads per child: 1. On a small shared machine, OpenMP threads that wait for a
 # descheduled sibling make a forward pass ~8x slower (measured: 5.3 s with 2 threads, 0.63 s with 1,
 # 1 GiB float32 model, 2 cores at load ~5); the same setting applies to every path.
 DEFAULT_THREADS = 1
+# The benchmarks generate bfloat16 checkpoints and serve them as they are or widened to float32.
+BENCH_DTYPES = (DType.FLOAT32.value, DType.BFLOAT16.value)
 
 
 @dataclass(frozen=True)
@@ -32,9 +35,7 @@ class RestartSettings:
     ENV_PREFIX: ClassVar[str] = "KEEPWARM_BENCH_"
 
     size_gib: float = setting(0.5, "checkpoint size in GiB (bfloat16)")
-    serving_dtype: str = setting(
-        "float32", "dtype the weights are served in", choices=("float32", "bfloat16")
-    )
+    serving_dtype: str = setting("float32", "dtype the weights are served in", choices=BENCH_DTYPES)
     repeats: int = setting(2, "runs per path; the best is reported")
     device: str = setting("cpu", "cpu (host tier) or cuda:N (gpu tier)")
     threads: int = setting(DEFAULT_THREADS, "torch threads per child process (0: torch default)")
@@ -55,9 +56,7 @@ class RecoverySettings:
     ENV_PREFIX: ClassVar[str] = "KEEPWARM_BENCH_"
 
     params: str = setting("500M", "size of the generated Llama checkpoint (the demo's: 500M)")
-    serving_dtype: str = setting(
-        "float32", "dtype the weights are served in", choices=("float32", "bfloat16")
-    )
+    serving_dtype: str = setting("float32", "dtype the weights are served in", choices=BENCH_DTYPES)
     repeats: int = setting(3, "crashes and wakes timed; the best and every run are reported")
     threads: int = setting(0, "the servers' --threads (0: their own choice)")
     dir: str | None = setting(

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from keepwarm_api.values import CacheMode
 from keepwarm_runtime.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 
 if TYPE_CHECKING:
@@ -102,7 +103,7 @@ class WhisperEngine:
         dtype: str = "float32",
         max_num_seqs: int = 32,
         cache_socket_dir: str | None = None,
-        cache_mode: str = "zero_copy",
+        cache_mode: str = CacheMode.ZERO_COPY.value,
         cache_fallback: bool = True,
     ):
         from transformers import AutoFeatureExtractor, AutoTokenizer, WhisperForConditionalGeneration

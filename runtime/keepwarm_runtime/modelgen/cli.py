@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from keepwarm_api.values import SERVING_DTYPES, DType
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from keepwarm_runtime.modelgen.architectures import ARCHITECTURES
@@ -14,7 +16,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("out", help="output directory")
     parser.add_argument("--arch", default="llama", choices=sorted(ARCHITECTURES))
     parser.add_argument("--params", default="1M", help="approximate parameter count, e.g. 100M, 1.5B")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default=DType.BFLOAT16.value, choices=SERVING_DTYPES)
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shards", type=int, default=2, help="number of safetensors shards")
