@@ -8,7 +8,7 @@ import torch
 
 from keepwarm_runtime.audio.whisper_engine import TranscriptionParams, WhisperEngine
 from keepwarm_runtime.model_kind import ModelKind, detect_kind
-from tests.integration.audio.whisper_model import make_whisper
+from keepwarm_runtime.modelgen.whisper import make_whisper
 
 
 @pytest.fixture(scope="module")
