@@ -1,10 +1,12 @@
 """`keepwarm bench NAME ...`: run a benchmark script from the repository's bench/ folder.
 
 Benchmarks live beside the code (bench/<name>.py, each with ``main(argv) -> int`` for its own command
-line and ``report(settings) -> int``) rather than in the package, so they can build large checkpoints
-and spawn fresh processes freely. Their settings are declared here (keepwarm_api.settings), so that
-`keepwarm --help` lists them without importing the benchmark; the parsed settings object, not argv,
-is what reaches the benchmark.
+line) rather than in the package, so they can build large checkpoints and spawn fresh processes
+freely. Every one is registered here. Those in BENCHMARKS also have ``report(settings) -> int``:
+their settings are declared here (keepwarm_api.settings), so that `keepwarm --help` lists them
+without importing the benchmark, and the parsed settings object, not argv, reaches the benchmark.
+The others (FORWARDED) keep their own argparse flags: `keepwarm bench NAME ARGS` hands ARGS to
+their ``main`` unread (`keepwarm bench NAME --help` prints the benchmark's own help).
 """
 
 from __future__ import annotations
@@ -80,11 +82,30 @@ BENCHMARKS: dict[str, tuple[str, type]] = {
 }
 
 
+# benchmark name -> help; its flags are bench/<name>.py's own (main(argv) parses them)
+FORWARDED: dict[str, str] = {
+    "throughput": "offline throughput: keepwarm's engine vs transformers' own engines, same prompts",
+    "serve": "`keepwarm serve` vs `transformers serve` under the same open-loop load",
+    "contention": "engine tokens/s alone vs beside a CPU hog, keepwarm's thread settings vs torch's",
+    "handoff": "how long the node's cache is cold when its daemon is upgraded or killed",
+    "lora": "LoRA adapters: load time per rank, mixed-adapter throughput vs the base and vs PEFT",
+    "moe": "one MoE layer per backend and weight format: tokens/s and FP8/bf16 bytes",
+    "audio": "audio decode + resample throughput per backend at 1, 8 and 32 concurrent requests",
+    "operator_scale": "the operator on the test control plane: N InferenceDeployments over M fake nodes",
+    "pod_restart": "a pod restart as a user sees it, on real pods (root): delete, crash, scale 0 -> 1",
+}
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="run a benchmark (prints JSON)")
     sub = bench.add_subparsers(dest="bench_name", required=True)
     for name, (help_text, settings) in BENCHMARKS.items():
         add_command(sub, name, settings, help_text, run)
+    for name, help_text in FORWARDED.items():
+        # no flags of its own (prefix "+"), so every argument, --help too, reaches the benchmark
+        forwarded = sub.add_parser(name, help=help_text, add_help=False, prefix_chars="+")
+        forwarded.add_argument("bench_argv", nargs=argparse.REMAINDER)
+        forwarded.set_defaults(handler=run_forwarded)
 
 
 def _import_bench(name: str):
@@ -98,6 +119,10 @@ def _import_bench(name: str):
             ) from None
         sys.path.insert(0, str(repo))
         return importlib.import_module(f"bench.{name}")
+
+
+def run_forwarded(args: argparse.Namespace) -> int:
+    return int(_import_bench(args.bench_name).main(args.bench_argv) or 0)
 
 
 def run(args: argparse.Namespace) -> int:
