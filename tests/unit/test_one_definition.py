@@ -68,3 +68,12 @@ def test_value_sets_are_defined_once(package: str) -> None:
         for line in second_definitions(path.read_text())
     ]
     assert offenders == [], "import these from keepwarm_api.values instead"
+
+
+def test_the_home_needs_no_pydantic() -> None:
+    """The cache daemon and the engine import it on machines without pydantic."""
+    import subprocess
+    import sys
+
+    code = "import sys, keepwarm_api.values; sys.exit('pydantic' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
