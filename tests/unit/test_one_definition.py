@@ -1,5 +1,5 @@
 """Each shared value set is defined once, in keepwarm_api/values.py: read from the source, so a second
-hand-written list of dtype names, tiers or cache modes anywhere in the packages fails here."""
+hand-written list of dtype names, tiers, cache modes or quantizations in the packages fails here."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from keepwarm_api.values import SERVING_DTYPES, CacheMode, Tier
+from keepwarm_api.values import SERVING_DTYPES, CacheMode, Quantization, Tier
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("api/keepwarm_api", "runtime/keepwarm_runtime", "operator/keepwarm_operator", "bench")
@@ -19,6 +19,7 @@ VALUE_SETS = {
     "dtype names": (frozenset(SERVING_DTYPES), 2),
     "tiers": (frozenset(t.value for t in Tier), 2),
     "cache modes": (frozenset(m.value for m in CacheMode), 2),
+    "quantizations": (frozenset(q.value for q in Quantization), 2),
 }
 
 

@@ -6,14 +6,14 @@ from dataclasses import dataclass
 
 import torch
 
-from keepwarm_api.values import SERVING_DTYPES, CacheMode
+from keepwarm_api.values import SERVING_DTYPES, CacheMode, Quantization
 from keepwarm_runtime.engine.moe import kernel_layout
 from keepwarm_runtime.engine.moe import oracle as moe_oracle
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in SERVING_DTYPES}
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flashinfer")
 MOE_BACKENDS = ("auto", *moe_oracle.BACKENDS)
-QUANTIZATIONS = (None, "fp8")  # online quantization of a bf16/fp32 checkpoint
+QUANTIZATIONS = (None, Quantization.FP8.value)  # online quantization of a bf16/fp32 checkpoint
 
 
 @dataclass
