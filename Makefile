@@ -88,7 +88,7 @@ dashboards: $(STAMP)
 	$(BIN)/python scripts/metrics_reference.py
 
 crds: $(STAMP)
-	$(BIN)/python -m keepwarm_api.crdgen crds charts/keepwarm/crds
+	$(BIN)/python -m keepwarm_api.crdgen charts/keepwarm/crds
 
 # Conformance sweep: every transformers causal-LM type against generate() (tests/sweep/run.py); rewrites
 # the committed report and the README's architecture list from it. After an interrupted run:

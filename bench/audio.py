@@ -32,7 +32,7 @@ FORMATS = {  # soundfile (format, subtype) per --format
 }
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--format", choices=sorted(FORMATS), default="mp3")
     p.add_argument("--seconds", type=float, default=10.0, help="clip length")
@@ -44,7 +44,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="turns per backend; the best one is reported")
     p.add_argument("--backends", nargs="+", default=None, help="default: every backend that loads")
     p.add_argument("--json-out", default=None)
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def make_clip(fmt: str, seconds: float, rate: int, channels: int) -> bytes:
@@ -93,8 +93,8 @@ def available_backends() -> list[str]:
     return names
 
 
-def main() -> int:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     import torch
 
     torch.set_num_threads(1)  # the server resamples in request threads; one core each, like the decoders

@@ -99,7 +99,7 @@ def peft_tok_s(model_dir: Path, adapters: list[Path], prompts: list[list[int]], 
     return len(prompts) * tokens / (time.perf_counter() - start)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", default="10M")
     parser.add_argument("--prompts", type=int, default=16)
@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--model-dir", type=Path)
     parser.add_argument("--json-out", type=Path)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     ranks = [int(r) for r in args.ranks.split(",")]
     mixed_rank = ranks[len(ranks) // 2]

@@ -22,7 +22,7 @@ import time
 BATCHES = (1, 16, 256)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--hidden", type=int, default=1024)
@@ -35,7 +35,7 @@ def parse_args() -> argparse.Namespace:
         "--skip-flashinfer", action="store_true", help="torch and transformers only (no kernel JIT)"
     )
     p.add_argument("--json-out", default=None)
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def _time(fn, repeats: int, sync) -> float:
@@ -50,8 +50,8 @@ def _time(fn, repeats: int, sync) -> float:
     return best
 
 
-def main() -> int:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     import torch
 

@@ -402,7 +402,7 @@ def run(cp: ControlPlane, args: argparse.Namespace, result: dict) -> None:
         op.stop()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--crs", type=int, default=200, help="InferenceDeployments to create")
     ap.add_argument("--nodes", type=int, default=100, help="fake GPU nodes (8 GPUs each)")
@@ -418,7 +418,7 @@ def main() -> int:
     ap.add_argument("--steady-window-s", type=float, default=60.0, help="steady-state request sampling")
     ap.add_argument("--json-out", type=Path, default=None)
     ap.add_argument("--keep-logs", type=Path, default=None, help="copy the component and operator logs here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.run_agents is not None:
         run_agents([tuple(spec) for spec in json.loads(args.run_agents)])
         return 0

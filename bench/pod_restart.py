@@ -192,7 +192,7 @@ def run(params: str, cases: list[str], modes: list[str]) -> dict[str, Any]:
     return {"runs": runs, "warm_node": warm_node, "load_avg": os.getloadavg(), "cpus": os.cpu_count()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--params", default="1M", help="model size for keepwarm_runtime.modelgen (e.g. 1M, 500M)"
@@ -200,7 +200,7 @@ def main() -> None:
     parser.add_argument("--cases", default="delete,crash,scale_from_zero")
     parser.add_argument("--modes", default="warm,cold")
     parser.add_argument("--json-out", type=Path)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if os.geteuid() != 0:
         sys.exit("bench/pod_restart.py runs pods for real: it needs root")
     result = run(args.params, args.cases.split(","), args.modes.split(","))

@@ -86,8 +86,8 @@ def workload(args: argparse.Namespace) -> list[tuple[list[int], int]]:
     return requests
 
 
-def main() -> int:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     from keepwarm_runtime.engine import threads
 
     # As `keepwarm serve` does, before torch is imported: --threads threads, and OpenMP threads that

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 from pydantic.alias_generators import to_camel
 
 from .group import API_VERSION, GROUP, VERSION  # noqa: F401 (re-exported: the models' home)
+from .values import DType, Quantization  # noqa: F401 (re-exported: the models' home)
 
 # A Kubernetes resource quantity ("40Gi", "500m", 2): int-or-string, as core types declare it.
 Quantity = Annotated[
@@ -61,18 +62,6 @@ class Condition(KubeModel):
     """When status last changed."""
     observed_generation: int | None = Field(default=None, ge=0)
     """metadata.generation this condition was computed from."""
-
-
-class DType(StrEnum):
-    AUTO = "auto"
-    BFLOAT16 = "bfloat16"
-    FLOAT16 = "float16"
-    FLOAT32 = "float32"
-
-
-class Quantization(StrEnum):
-    NONE = "none"
-    FP8 = "fp8"
 
 
 class PVCSource(KubeModel):

@@ -21,6 +21,7 @@ from .common import (
     ResourceRequirements,
     Toleration,
 )
+from .values import CacheMode
 
 KIND = "InferenceDeployment"
 PLURAL = "inferencedeployments"
@@ -48,11 +49,6 @@ class ModelRef(KubeModel):
     """Model name within the WeightCache."""
     source: ModelSource | None = None
     """Inline source when not using a cache (always loaded from disk)."""
-
-
-class CacheMode(StrEnum):
-    ZERO_COPY = "zero_copy"
-    COPY = "copy"
 
 
 class RuntimeSettings(KubeModel):

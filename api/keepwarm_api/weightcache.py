@@ -22,6 +22,7 @@ from .common import (
     ResourceRequirements,
     Toleration,
 )
+from .values import Tier
 
 KIND = "WeightCache"
 PLURAL = "weightcaches"
@@ -31,11 +32,6 @@ DEFAULT_AGENT_IMAGE = "ghcr.io/keepwarm/keepwarm-runtime:0.1.0"
 MAX_NAME_LENGTH = 40
 DEFAULT_MODEL_DIRECTORY = "/var/lib/models"
 DEFAULT_HEARTBEAT_S = 15
-
-
-class Tier(StrEnum):
-    GPU = "gpu"
-    HOST = "host"
 
 
 class CachedModel(KubeModel):

@@ -1,10 +1,12 @@
 """`keepwarm bench NAME ...`: run a benchmark script from the repository's bench/ folder.
 
 Benchmarks live beside the code (bench/<name>.py, each with ``main(argv) -> int`` for its own command
-line and ``report(settings) -> int``) rather than in the package, so they can build large checkpoints
-and spawn fresh processes freely. Their settings are declared here (keepwarm_api.settings), so that
-`keepwarm --help` lists them without importing the benchmark; the parsed settings object, not argv,
-is what reaches the benchmark.
+line) rather than in the package, so they can build large checkpoints and spawn fresh processes
+freely. Every one is registered here. Those in BENCHMARKS also have ``report(settings) -> int``:
+their settings are declared here (keepwarm_api.settings), so that `keepwarm --help` lists them
+without importing the benchmark, and the parsed settings object, not argv, reaches the benchmark.
+The others (FORWARDED) keep their own argparse flags: `keepwarm bench NAME ARGS` hands ARGS to
+their ``main`` unread (`keepwarm bench NAME --help` prints the benchmark's own help).
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ from pathlib import Path
 from typing import ClassVar
 
 from keepwarm_api.settings import SettingError, add_command, resolve, setting
+from keepwarm_api.values import DType
 
 # Default torch threads per child: 1. On a small shared machine, OpenMP threads that wait for a
 # descheduled sibling make a forward pass ~8x slower (measured: 5.3 s with 2 threads, 0.63 s with 1,
 # 1 GiB float32 model, 2 cores at load ~5); the same setting applies to every path.
 DEFAULT_THREADS = 1
+# The benchmarks generate bfloat16 checkpoints and serve them as they are or widened to float32.
+BENCH_DTYPES = (DType.FLOAT32.value, DType.BFLOAT16.value)
 
 
 @dataclass(frozen=True)
@@ -32,9 +37,7 @@ class RestartSettings:
     ENV_PREFIX: ClassVar[str] = "KEEPWARM_BENCH_"
 
     size_gib: float = setting(0.5, "checkpoint size in GiB (bfloat16)")
-    serving_dtype: str = setting(
-        "float32", "dtype the weights are served in", choices=("float32", "bfloat16")
-    )
+    serving_dtype: str = setting("float32", "dtype the weights are served in", choices=BENCH_DTYPES)
     repeats: int = setting(2, "runs per path; the best is reported")
     device: str = setting("cpu", "cpu (host tier) or cuda:N (gpu tier)")
     threads: int = setting(DEFAULT_THREADS, "torch threads per child process (0: torch default)")
@@ -55,9 +58,7 @@ class RecoverySettings:
     ENV_PREFIX: ClassVar[str] = "KEEPWARM_BENCH_"
 
     params: str = setting("500M", "size of the generated Llama checkpoint (the demo's: 500M)")
-    serving_dtype: str = setting(
-        "float32", "dtype the weights are served in", choices=("float32", "bfloat16")
-    )
+    serving_dtype: str = setting("float32", "dtype the weights are served in", choices=BENCH_DTYPES)
     repeats: int = setting(3, "crashes and wakes timed; the best and every run are reported")
     threads: int = setting(0, "the servers' --threads (0: their own choice)")
     dir: str | None = setting(
@@ -81,11 +82,30 @@ BENCHMARKS: dict[str, tuple[str, type]] = {
 }
 
 
+# benchmark name -> help; its flags are bench/<name>.py's own (main(argv) parses them)
+FORWARDED: dict[str, str] = {
+    "throughput": "offline throughput: keepwarm's engine vs transformers' own engines, same prompts",
+    "serve": "`keepwarm serve` vs `transformers serve` under the same open-loop load",
+    "contention": "engine tokens/s alone vs beside a CPU hog, keepwarm's thread settings vs torch's",
+    "handoff": "how long the node's cache is cold when its daemon is upgraded or killed",
+    "lora": "LoRA adapters: load time per rank, mixed-adapter throughput vs the base and vs PEFT",
+    "moe": "one MoE layer per backend and weight format: tokens/s and FP8/bf16 bytes",
+    "audio": "audio decode + resample throughput per backend at 1, 8 and 32 concurrent requests",
+    "operator_scale": "the operator on the test control plane: N InferenceDeployments over M fake nodes",
+    "pod_restart": "a pod restart as a user sees it, on real pods (root): delete, crash, scale 0 -> 1",
+}
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="run a benchmark (prints JSON)")
     sub = bench.add_subparsers(dest="bench_name", required=True)
     for name, (help_text, settings) in BENCHMARKS.items():
         add_command(sub, name, settings, help_text, run)
+    for name, help_text in FORWARDED.items():
+        # no flags of its own (prefix "+"), so every argument, --help too, reaches the benchmark
+        forwarded = sub.add_parser(name, help=help_text, add_help=False, prefix_chars="+")
+        forwarded.add_argument("bench_argv", nargs=argparse.REMAINDER)
+        forwarded.set_defaults(handler=run_forwarded)
 
 
 def _import_bench(name: str):
@@ -99,6 +119,10 @@ def _import_bench(name: str):
             ) from None
         sys.path.insert(0, str(repo))
         return importlib.import_module(f"bench.{name}")
+
+
+def run_forwarded(args: argparse.Namespace) -> int:
+    return int(_import_bench(args.bench_name).main(args.bench_argv) or 0)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ from keepwarm_runtime.server.launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (this package is installed editable)
 CHART = ROOT / "charts" / "keepwarm"
+CRDS = CHART / "crds"  # the generated CRDs (keepwarm_api.crdgen)
 RELEASE, NAMESPACE = "kw", "keepwarm-system"
 OPERATOR_SA = f"{RELEASE}-keepwarm"
 GROUP_PATH = "/apis/keepwarm.dev/v1alpha1"
@@ -65,8 +66,8 @@ def condition(obj: dict | None, type_: str) -> dict:
 
 
 def install_crds(cp: Any) -> None:
-    cp.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
-    for crd in sorted((ROOT / "crds").glob("*.yaml")):
+    cp.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRDS))
+    for crd in sorted(CRDS.glob("*.yaml")):
         name = yaml.safe_load(crd.read_text())["metadata"]["name"]
         cp.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
 

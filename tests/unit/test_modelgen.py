@@ -54,3 +54,29 @@ def test_checkpoint_layout(tiny_llama) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     assert tokenizer.chat_template
     assert (tiny_llama / "generation_config.json").exists()
+
+
+def make_model_cli(*argv: str) -> int:
+    from keepwarm_runtime.cli import main
+
+    return main(["make-model", *argv])
+
+
+def test_make_model_writes_a_whisper_a_user_can_serve(tmp_path, capsys) -> None:
+    from keepwarm_runtime.model_kind import ModelKind, detect_kind
+
+    out = tmp_path / "whisper"
+    assert make_model_cli(str(out), "--arch", "whisper", "--dtype", "float32") == 0
+    assert json.loads(capsys.readouterr().out)["arch"] == "whisper"
+    assert detect_kind(out) is ModelKind.SPEECH
+    assert {"preprocessor_config.json", "generation_config.json", "tokenizer.json"} <= {
+        p.name for p in out.iterdir()
+    }
+    with safe_open(out / "model.safetensors", framework="pt") as f:
+        assert {str(f.get_slice(name).get_dtype()) for name in f.keys()} == {"F32"}  # noqa: SIM118
+
+
+def test_make_model_refuses_sizing_flags_for_an_audio_model(tmp_path, capsys) -> None:
+    assert make_model_cli(str(tmp_path / "v"), "--arch", "voxtral", "--params", "1M", "--fp8") == 2
+    assert "--params, --fp8 not for --arch voxtral" in capsys.readouterr().err
+    assert not (tmp_path / "v").exists()

@@ -31,7 +31,7 @@ from keepwarm_runtime.audio.errors import (
 from keepwarm_runtime.audio.headers import declared_duration
 from keepwarm_runtime.audio.resample import downmix, resample
 from keepwarm_runtime.audio.settings import AUTO, AUTO_ORDER, resolve_backend
-from keepwarm_runtime.server.log_once import log_once
+from keepwarm_runtime.log_once import log_once
 
 logger = logging.getLogger(__name__)
 

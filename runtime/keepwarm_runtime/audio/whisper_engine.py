@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from keepwarm_api.values import CacheMode
 from keepwarm_runtime.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 
 if TYPE_CHECKING:
@@ -55,15 +55,6 @@ def _load_model(
     with contextlib.suppress(OSError):  # no generation_config.json: the config's defaults
         model.generation_config = GenerationConfig.from_pretrained(model_dir)
     return model, LoadInfo(res.source, res.seconds, res.reason)
-
-
-def is_whisper_checkpoint(model_dir: str | Path) -> bool:
-    """True when ``config.json`` names a Whisper-family model (served by this engine, not LLMEngine)."""
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and config.get("model_type") == "whisper"
 
 
 @dataclass(frozen=True)
@@ -112,7 +103,7 @@ class WhisperEngine:
         dtype: str = "float32",
         max_num_seqs: int = 32,
         cache_socket_dir: str | None = None,
-        cache_mode: str = "zero_copy",
+        cache_mode: str = CacheMode.ZERO_COPY.value,
         cache_fallback: bool = True,
     ):
         from transformers import AutoFeatureExtractor, AutoTokenizer, WhisperForConditionalGeneration

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from keepwarm_api.values import CacheMode, Tier
 from keepwarm_runtime import __version__
 from keepwarm_runtime.cache import protocol, security
 from keepwarm_runtime.cache.checkpoint import Shard, parse_dtype, read_checkpoint
@@ -29,10 +30,10 @@ from keepwarm_runtime.cache.loader import TensorEntry, load_from_disk
 from keepwarm_runtime.cache.metrics import client_metrics
 from keepwarm_runtime.engine.moe.kernel_layout import MODEL, conversion_id
 from keepwarm_runtime.engine.quant.settings import Fp8Settings
+from keepwarm_runtime.log_once import warning_once
 
 log = logging.getLogger(__name__)
 _FROM_ENV: Any = object()  # default of socket_dir/mode/fallback: read KEEPWARM_CACHE_* variables
-_logged_reasons: set[str] = set()
 _RETRY_ERRNOS = {errno.EAGAIN, errno.ECONNREFUSED}
 PAGE_MODES = frozenset({"4k", "thp", "hugetlb", "vmm"})  # what a daemon's arenas may report
 
@@ -92,11 +93,11 @@ def attach(
     if socket_dir is _FROM_ENV:
         socket_dir = env_text(SOCKET_DIR_ENV, None)
     if mode is _FROM_ENV:
-        mode = env_text(MODE_ENV, "zero_copy")
+        mode = env_text(MODE_ENV, CacheMode.ZERO_COPY.value)
     if fallback is _FROM_ENV:
         fallback = env_flag(FALLBACK_ENV, True)
-    if mode not in ("zero_copy", "copy"):
-        raise ValueError(f"unknown cache mode {mode!r}; use zero_copy or copy")
+    if mode not in tuple(CacheMode):
+        raise ValueError(f"unknown cache mode {mode!r}; use {' or '.join(CacheMode)}")
     dtype, device = parse_dtype(dtype), torch.device(device)
     conversion = conversion_id(expert_layout)  # an unknown layout is refused before any I/O
     model_dir = Path(model_dir)
@@ -127,9 +128,7 @@ def attach(
                 raise
             reason = exc.reason
             metrics.misses.labels(reason.split(":")[0]).inc()
-            if reason not in _logged_reasons:
-                _logged_reasons.add(reason)
-                log.warning("weight cache miss for %s (%s); loading from disk", model_dir, exc)
+            warning_once(log, reason, "weight cache miss for %s (%s); loading from disk", model_dir, exc)
     tensors = load_from_disk(shards, dtype, device)
     seconds = time.perf_counter() - started
     metrics.attach_seconds.labels("disk").observe(seconds)
@@ -291,7 +290,7 @@ def _bad_reply(message: str) -> CacheAttachError:
 def check_hit(reply: dict[str, Any], device: torch.device) -> None:
     """Honour or refuse, by name, every field of a hit that is not the tensor table."""
     tier, page_mode, gpu = reply.get("tier"), reply.get("page_mode"), reply.get("gpu_uuid")
-    if tier not in ("host", "gpu"):
+    if tier not in tuple(Tier):
         raise _bad_reply(f"unknown tier {tier!r}")
     if page_mode not in PAGE_MODES:
         raise _bad_reply(f"unknown page_mode {page_mode!r}")
@@ -335,12 +334,12 @@ def _map_tensors(
 
         mapping = import_arena(fd, size, device.index or 0)
         tensors = {e.name: mapping.tensor(e.offset, e.dtype, e.shape) for e in entries}
-        return {n: t.clone() for n, t in tensors.items()} if mode == "copy" else tensors
+        return {n: t.clone() for n, t in tensors.items()} if mode == CacheMode.COPY else tensors
 
     from keepwarm_runtime.cache.backends.host import map_readonly, readonly_tensor
 
     buf = map_readonly(fd, size)
-    if mode == "copy" or device.type != "cpu":
+    if mode == CacheMode.COPY or device.type != "cpu":
         # One bulk copy out of the arena, then views of the private copy (moved to `device`).
         private = torch.empty(size, dtype=torch.uint8)
         src = readonly_tensor(buf, 0, torch.uint8, (size,))

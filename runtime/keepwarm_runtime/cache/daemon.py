@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from keepwarm_api.values import Tier
 from keepwarm_runtime import __version__
 from keepwarm_runtime.cache import holder, security, succession
 from keepwarm_runtime.cache.checkpoint import parse_dtype, read_checkpoint
@@ -37,6 +38,7 @@ from keepwarm_runtime.cache.limits import ServerLimits, raise_nofile_limit
 from keepwarm_runtime.cache.loader import fill_arena, plan_layout
 from keepwarm_runtime.cache.metrics import DaemonMetrics
 from keepwarm_runtime.cache.registry import ModelRegistry, ResidentModel
+from keepwarm_runtime.cache.settings import TIERS
 from keepwarm_runtime.cache.succession import Inheritance
 from keepwarm_runtime.engine.moe.kernel_layout import MODEL, conversion_id
 from keepwarm_runtime.engine.quant.settings import Fp8Settings, fp8_settings
@@ -86,13 +88,13 @@ def online_settings(path: Path, quantization: str | None) -> Fp8Settings | None:
 
 
 def resolve_tier(tier: str) -> str:
-    if tier not in ("auto", "gpu", "host"):
-        raise ValueError(f"unknown tier {tier!r}; use auto, gpu or host")
+    if tier not in TIERS:
+        raise ValueError(f"unknown tier {tier!r}; use {', '.join(TIERS)}")
     if tier != "auto":
         return tier
     import torch
 
-    return "gpu" if torch.cuda.is_available() else "host"
+    return Tier.GPU.value if torch.cuda.is_available() else Tier.HOST.value
 
 
 def socket_name(serves_gpu: str | None) -> str:

@@ -18,12 +18,12 @@ from typing import ClassVar
 
 from keepwarm_api import podenv
 from keepwarm_api.settings import setting
+from keepwarm_api.values import SERVING_DTYPES, DType, Quantization, Tier
 from keepwarm_runtime.cache.gpus import fake_gpu_uuid
 from keepwarm_runtime.engine.moe.layouts import LAYOUTS, MODEL
 
-DTYPES = ("float32", "bfloat16", "float16")
-TIERS = ("auto", "gpu", "host")
-QUANTIZATIONS = ("none", "fp8")
+TIERS = ("auto", *(t.value for t in Tier))  # auto: gpu when CUDA is present
+QUANTIZATIONS = tuple(q.value for q in Quantization)
 AFTER_HANDOFF = ("exit", "wait")  # what a daemon (or holder) does once a successor took over
 AFTER_HANDOFF_HELP = (
     "once a successor took over: exit, or wait idle for SIGTERM (in a pod, so that the kubelet does "
@@ -103,7 +103,9 @@ class CacheServeSettings:
         parse=fake_gpu_uuid,
     )
     dtype: str = setting(
-        "bfloat16", "serving dtype of floating tensors (clients must ask for the same)", choices=DTYPES
+        DType.BFLOAT16.value,
+        "serving dtype of floating tensors (clients must ask for the same)",
+        choices=SERVING_DTYPES,
     )
     quantization: str = setting(
         "none",

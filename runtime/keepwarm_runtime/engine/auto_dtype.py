@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from keepwarm_api.values import SERVING_DTYPES
+
 AUTO_DTYPE = "auto"  # the --dtype value this module resolves
-# The names engine.config.DTYPES maps to torch dtypes (that module imports torch; a test keeps them equal).
-ENGINE_DTYPES = ("float32", "bfloat16", "float16")
 CHECKPOINT_DEFAULT = "float32"  # no dtype in config.json: transformers loads float32
 BF16_CPU_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})  # /proc/cpuinfo flags of native bfloat16
 CPUINFO = Path("/proc/cpuinfo")
@@ -39,7 +39,7 @@ def config_dtype(config: dict) -> str | None:
     for holder in (config, config.get("text_config") or {}):
         for key in ("dtype", "torch_dtype"):
             value = holder.get(key)
-            if value in ENGINE_DTYPES:
+            if value in SERVING_DTYPES:
                 return value
     return None
 

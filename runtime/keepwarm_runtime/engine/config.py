@@ -6,13 +6,14 @@ from dataclasses import dataclass
 
 import torch
 
+from keepwarm_api.values import SERVING_DTYPES, CacheMode, Quantization
 from keepwarm_runtime.engine.moe import kernel_layout
 from keepwarm_runtime.engine.moe import oracle as moe_oracle
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in SERVING_DTYPES}
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flashinfer")
 MOE_BACKENDS = ("auto", *moe_oracle.BACKENDS)
-QUANTIZATIONS = (None, "fp8")  # online quantization of a bf16/fp32 checkpoint
+QUANTIZATIONS = (None, Quantization.FP8.value)  # online quantization of a bf16/fp32 checkpoint
 
 
 @dataclass
@@ -32,7 +33,7 @@ class EngineConfig:
     quantization: str | None = None  # "fp8": quantize linear and expert weights online, 128x128 blocks
     expert_layout: str = kernel_layout.MODEL  # or flashinfer_cutlass: experts as it takes them
     cache_socket_dir: str | None = None  # node weight cache socket dir; None: read the checkpoint from disk
-    cache_mode: str = "zero_copy"  # zero_copy | copy (see keepwarm_runtime.cache.client.attach)
+    cache_mode: str = CacheMode.ZERO_COPY.value  # a CacheMode (see keepwarm_runtime.cache.client.attach)
     cache_fallback: bool = True  # fall back to disk when the cache cannot serve the model
     seed: int = 0  # seeds sampling of requests that set no seed of their own
     enable_prefix_caching: bool = True  # share KV blocks between requests with a common prompt prefix

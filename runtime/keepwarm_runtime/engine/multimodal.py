@@ -17,11 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-# model_type -> the transformers class the engine builds (not registered with AutoModelForCausalLM).
-AUDIO_LANGUAGE_MODELS = {
-    "qwen2_audio": "Qwen2AudioForConditionalGeneration",
-    "voxtral": "VoxtralForConditionalGeneration",
-}
+from keepwarm_runtime.model_kind import AUDIO_LANGUAGE_MODELS
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,10 @@ that result instead of attaching again (``take``), provided it asks for exactly 
 
 Only plain attaches of causal LMs are prefetched: with ``--quantization fp8`` or a kernel
 ``--expert-layout`` what the cache is asked for depends on the built model, so the loader attaches
-itself; a Whisper checkpoint is loaded by its own engine (audio/whisper_engine.py), so nothing is
-attached for it here. Nothing here imports torch at module level, so the server can start the thread
-before its own imports begin.
+itself; a speech (Whisper) checkpoint is loaded by its own engine (audio/whisper_engine.py), so
+nothing is attached for it here (the server passes the kind it detected: keepwarm_runtime.model_kind).
+Nothing here imports torch at module level, so the server can start the thread before its own
+imports begin.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from keepwarm_runtime.engine.moe.layouts import MODEL
+from keepwarm_runtime.model_kind import ModelKind
 
 if TYPE_CHECKING:
     from keepwarm_runtime.cache.client import AttachResult
@@ -50,20 +52,22 @@ class WeightPrefetch:
         self._arguments: dict[str, Any] | None = None  # what was attached; None: nothing (yet)
 
     @classmethod
-    def start(cls, model_dir: str, engine_settings: dict[str, Any]) -> WeightPrefetch:
-        """Begin attaching for ``EngineConfig(model_dir, **engine_settings)``. Settings the engine
-        will refuse end the thread quietly: the engine raises its own error when it builds that
-        config, and ``take`` then has nothing to give."""
+    def start(cls, model_dir: str, engine_settings: dict[str, Any], kind: ModelKind) -> WeightPrefetch:
+        """Begin attaching for ``EngineConfig(model_dir, **engine_settings)`` of a ``kind`` model.
+        Settings the engine will refuse end the thread quietly: the engine raises its own error when
+        it builds that config, and ``take`` then has nothing to give."""
         prefetch = cls()
         thread = threading.Thread(
-            target=prefetch._run, args=(model_dir, engine_settings), name="keepwarm-weights", daemon=True
+            target=prefetch._run,
+            args=(model_dir, engine_settings, kind),
+            name="keepwarm-weights",
+            daemon=True,
         )
         thread.start()
         return prefetch
 
-    def _run(self, model_dir: str, engine_settings: dict[str, Any]) -> None:
+    def _run(self, model_dir: str, engine_settings: dict[str, Any], kind: ModelKind) -> None:
         try:
-            from keepwarm_runtime.audio.whisper_engine import is_whisper_checkpoint
             from keepwarm_runtime.cache.client import attach
             from keepwarm_runtime.engine.config import EngineConfig
 
@@ -71,7 +75,7 @@ class WeightPrefetch:
             # Online FP8 and kernel expert layouts key the arena by what the built model holds: the
             # loader attaches those itself, once it has the model.
             converted = config.quantization is not None or config.expert_layout != MODEL
-            if converted or is_whisper_checkpoint(model_dir):
+            if converted or kind is ModelKind.SPEECH:
                 self._future.set_result(None)
                 return
             self._arguments = attach_arguments(config)

@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
+from keepwarm_runtime.engine.config import DTYPES
 from keepwarm_runtime.modelgen.architectures import ARCHITECTURES, hidden_for
 from keepwarm_runtime.modelgen.tokenizer import END_OF_TURN, build_tokenizer
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9}
 
 

@@ -102,13 +102,15 @@ def serve(config: ServeSettings) -> int:
     if config.lora_modules or config.allow_runtime_lora_updating:
         settings.setdefault("enable_lora", True)
     model_dir = os.path.abspath(config.model_dir)
-    server = ServerStart(config, settings, model_dir, thread_choice, openmp_prepared)
+    from keepwarm_runtime.model_kind import detect_kind
+
+    server = ServerStart(config, settings, model_dir, detect_kind(model_dir), thread_choice, openmp_prepared)
     if config.supervise:
         return supervise(server)
     from keepwarm_runtime.engine.prefetch import WeightPrefetch
 
     # The weights need only torch: attach them while the server and transformers import.
-    prefetch = WeightPrefetch.start(model_dir, settings)
+    prefetch = WeightPrefetch.start(model_dir, settings, server.kind)
     return server.run(started_at, prefetch)
 
 
@@ -122,7 +124,7 @@ def supervise(server: ServerStart) -> int:
     config = server.config
     if server.check() is not None:
         return 2
-    preload(server.model_dir)
+    preload(server.model_dir, server.kind)
     health_port = config.supervisor_port if config.supervisor_port is not None else config.port + 1
     try:
         listener = bind_listener(config.host, config.port)
@@ -138,7 +140,7 @@ def supervise(server: ServerStart) -> int:
         from keepwarm_runtime.engine.prefetch import WeightPrefetch
 
         started_at = time.time()  # the fork: this worker's start
-        prefetch = WeightPrefetch.start(server.model_dir, server.settings)
+        prefetch = WeightPrefetch.start(server.model_dir, server.settings, server.kind)
         # A restarted worker loads before it accepts: requests wait in the backlog, never see a 503.
         return server.run(started_at, prefetch, listener, load_first=sum(RESTARTS.by_cause.values()) > 0)
 
@@ -173,6 +175,7 @@ class ServerStart:
     config: ServeSettings
     settings: dict[str, Any]  # EngineConfig keyword arguments
     model_dir: str  # absolute
+    kind: Any  # model_kind.ModelKind: what model_dir holds, decided once (detect_kind)
     thread_choice: Any  # engine.threads.ThreadChoice
     openmp_prepared: bool
     audio: Any = None  # AudioServerSettings once checked
@@ -190,9 +193,7 @@ class ServerStart:
                 config.max_audio_upload_bytes,
                 config.media_fetch_timeout,
             )
-            self.audio = audio_settings(
-                config.audio_backend, config.max_audio_upload_bytes, self.model_dir, media
-            )
+            self.audio = audio_settings(config.audio_backend, config.max_audio_upload_bytes, self.kind, media)
         except (ValueError, RuntimeError) as exc:
             print(f"keepwarm serve: {exc}", file=sys.stderr)
             return 2
@@ -232,7 +233,7 @@ class ServerStart:
             from keepwarm_runtime.engine.llm_engine import LLMEngine
             from keepwarm_runtime.engine.startup import StartupProfile
 
-            speech = make_speech_engine(model_dir, settings)
+            speech = make_speech_engine(model_dir, self.kind, settings)
             if speech is not None:
                 return speech
             profile = StartupProfile.since_process_start(started_at)

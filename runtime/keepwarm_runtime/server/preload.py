@@ -16,6 +16,8 @@ import importlib
 import logging
 import time
 
+from keepwarm_runtime.model_kind import ModelKind
+
 logger = logging.getLogger(__name__)
 
 
@@ -31,8 +33,9 @@ def model_class(model_dir: str) -> type:
     return audio_language_class(hf_config) or MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
 
 
-def preload(model_dir: str) -> float:
-    """Import the serving path of ``model_dir``'s checkpoint; returns the seconds it took."""
+def preload(model_dir: str, kind: ModelKind) -> float:
+    """Import the serving path of ``model_dir``'s checkpoint (a ``kind`` model); returns the seconds
+    it took."""
     started = time.perf_counter()
     import torch  # noqa: F401
     import transformers.core_model_loading  # noqa: F401
@@ -41,10 +44,9 @@ def preload(model_dir: str) -> float:
 
     import keepwarm_runtime.engine.llm_engine
     import keepwarm_runtime.server.app  # noqa: F401
-    from keepwarm_runtime.audio.whisper_engine import is_whisper_checkpoint
 
     loaded = "-"
-    if is_whisper_checkpoint(model_dir):
+    if kind is ModelKind.SPEECH:
         importlib.import_module("keepwarm_runtime.audio.whisper_engine")
         loaded = "whisper"
     else:

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from keepwarm_runtime.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_TOP_K, SEED_RANGE
-from keepwarm_runtime.server.log_once import warning_once
+from keepwarm_runtime.log_once import warning_once
 
 logger = logging.getLogger(__name__)
 

@@ -30,6 +30,7 @@ from keepwarm_runtime.audio.transcript_formats import (
     as_verbose_json,
     as_vtt,
 )
+from keepwarm_runtime.model_kind import ModelKind
 from keepwarm_runtime.server.errors import APIError, BadRequest, PayloadTooLarge
 from keepwarm_runtime.server.limits import DEFAULT_MAX_MEDIA_BYTES
 from keepwarm_runtime.server.media_fetch import MediaPolicy
@@ -72,17 +73,16 @@ class _Form:
 
 
 def audio_settings(
-    backend: str | None, max_upload_bytes: int, model_dir: str, media: MediaPolicy | None = None
+    backend: str | None, max_upload_bytes: int, kind: ModelKind, media: MediaPolicy | None = None
 ) -> AudioServerSettings:
     """Start-up checks: an unknown backend name is a ValueError listing the valid ones; for a speech
     model, a backend that cannot load is a RuntimeError. Logs the choice once."""
     from keepwarm_runtime.audio import check_backend, resolve_backend
-    from keepwarm_runtime.audio.whisper_engine import is_whisper_checkpoint
 
     name = resolve_backend(backend)
     if max_upload_bytes <= 0:
         raise ValueError(f"--max-audio-upload-bytes must be positive (got {max_upload_bytes})")
-    if is_whisper_checkpoint(model_dir):
+    if kind is ModelKind.SPEECH:
         check_backend(name)
         require_multipart()
         logger.info("audio: backend %s, uploads up to %d bytes", name, max_upload_bytes)
@@ -96,12 +96,12 @@ def audio_settings(
     return AudioServerSettings(backend=name, max_upload_bytes=max_upload_bytes, media=media)
 
 
-def make_speech_engine(model_dir: str, settings: dict[str, Any]) -> Any:
-    """A WhisperEngine for a Whisper checkpoint (with the engine flags that apply to it), else None."""
-    from keepwarm_runtime.audio.whisper_engine import WhisperEngine, is_whisper_checkpoint
-
-    if not is_whisper_checkpoint(model_dir):
+def make_speech_engine(model_dir: str, kind: ModelKind, settings: dict[str, Any]) -> Any:
+    """A WhisperEngine for a speech model (with the engine flags that apply to it), else None."""
+    if kind is not ModelKind.SPEECH:
         return None
+    from keepwarm_runtime.audio.whisper_engine import WhisperEngine
+
     honoured = ("device", "dtype", "max_num_seqs", "cache_socket_dir", "cache_mode", "cache_fallback")
     refused = sorted(k for k, v in settings.items() if k not in honoured and v is not None)
     if refused:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from keepwarm_api.settings import setting
+from keepwarm_api.values import CacheMode
 from keepwarm_runtime.server.limits import (
     DEFAULT_FETCH_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
@@ -42,7 +43,10 @@ class ServeSettings:
         None, "node weight cache socket directory; unset: load weights from disk", group=ENGINE
     )
     cache_mode: str = setting(
-        "zero_copy", "attach cached weights zero-copy or copy", choices=("zero_copy", "copy"), group=ENGINE
+        CacheMode.ZERO_COPY.value,
+        "attach cached weights zero-copy or copy",
+        choices=tuple(m.value for m in CacheMode),
+        group=ENGINE,
     )
     cache_fallback: bool = setting(
         True, "fall back to disk when the cache cannot serve the model", group=ENGINE

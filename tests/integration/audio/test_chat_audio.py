@@ -15,9 +15,9 @@ import numpy as np
 import openai
 import pytest
 
+from keepwarm_runtime.modelgen.qwen2_audio import make_qwen2_audio
 from keepwarm_runtime.server.launcher import ServerProcess
 from tests.integration.audio.media_server import MediaServer
-from tests.integration.audio.qwen2_audio_model import make_qwen2_audio
 from tests.integration.audio.serving import audio_server, noise_wav, openai_client
 
 pytestmark = pytest.mark.integration

@@ -12,9 +12,9 @@ from pathlib import Path
 import openai
 import pytest
 
+from keepwarm_runtime.modelgen.voxtral import make_voxtral_tekken
 from keepwarm_runtime.server.launcher import ServerProcess
 from tests.integration.audio.serving import audio_server, noise_wav, openai_client
-from tests.integration.audio.voxtral_model import make_voxtral_tekken
 
 pytestmark = pytest.mark.integration
 MODEL = "voxtral-tiny"

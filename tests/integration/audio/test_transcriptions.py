@@ -20,9 +20,9 @@ import numpy as np
 import openai
 import pytest
 
+from keepwarm_runtime.modelgen.whisper import make_whisper
 from keepwarm_runtime.server.launcher import ServerProcess
 from tests.integration.audio.serving import audio_server, openai_client
-from tests.integration.audio.whisper_model import make_whisper
 
 pytestmark = pytest.mark.integration
 MODEL = "whisper-tiny"

@@ -12,7 +12,7 @@ from keepwarm_runtime import SamplingParams
 from keepwarm_runtime.engine.config import EngineConfig
 from keepwarm_runtime.engine.llm_engine import LLMEngine
 from keepwarm_runtime.engine.multimodal import encode_audio
-from tests.integration.audio.qwen2_audio_model import make_qwen2_audio
+from keepwarm_runtime.modelgen.qwen2_audio import make_qwen2_audio
 
 MAX_TOKENS = 12
 PROMPT = "<|audio_bos|><|AUDIO|><|audio_eos|>What is this sound?"
@@ -128,7 +128,7 @@ def test_placeholder_count_must_match_the_audio(model_dir: Path, hf) -> None:
 def test_voxtral_batched_and_chunked_matches_generate(tmp_path_factory: pytest.TempPathFactory) -> None:
     from transformers import AutoFeatureExtractor, AutoTokenizer, VoxtralForConditionalGeneration
 
-    from tests.integration.audio.voxtral_model import BEGIN_AUDIO, make_voxtral
+    from keepwarm_runtime.modelgen.voxtral import BEGIN_AUDIO, make_voxtral
 
     model_dir = make_voxtral(tmp_path_factory.mktemp("voxtral") / "tiny-voxtral")
     extractor, tokenizer = (

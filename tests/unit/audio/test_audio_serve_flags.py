@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from keepwarm_runtime.model_kind import ModelKind
 from keepwarm_runtime.server import cli
 from keepwarm_runtime.server.serving_audio import audio_settings, make_speech_engine
 from keepwarm_runtime.server.settings import ServeSettings
@@ -31,12 +32,12 @@ def test_flag_wins_over_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_settings_for_a_text_model_skip_the_backend_check(tmp_path: Path) -> None:
-    settings = audio_settings("auto", 10, str(tmp_path))
+    settings = audio_settings("auto", 10, ModelKind.TEXT)
     assert (settings.backend, settings.max_upload_bytes) == ("auto", 10)
     with pytest.raises(ValueError, match="valid: auto, torchcodec, soundfile, pyav"):
-        audio_settings("wav", 10, str(tmp_path))
+        audio_settings("wav", 10, ModelKind.TEXT)
     with pytest.raises(ValueError, match="positive"):
-        audio_settings("auto", 0, str(tmp_path))
+        audio_settings("auto", 0, ModelKind.TEXT)
 
 
 def test_unknown_backend_fails_at_start_up(tmp_path: Path) -> None:
@@ -51,10 +52,10 @@ def test_unknown_backend_fails_at_start_up(tmp_path: Path) -> None:
 
 
 def test_whisper_refuses_engine_flags_it_cannot_honour(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text('{"model_type": "whisper"}')
+    settings = {"max_model_len": 10, "num_kv_blocks": 4, "dtype": "float32"}
     with pytest.raises(ValueError, match="--max-model-len, --num-kv-blocks"):
-        make_speech_engine(str(tmp_path), {"max_model_len": 10, "num_kv_blocks": 4, "dtype": "float32"})
-    assert make_speech_engine(str(tmp_path.parent), {}) is None  # no config.json: not a speech model
+        make_speech_engine(str(tmp_path), ModelKind.SPEECH, settings)
+    assert make_speech_engine(str(tmp_path), ModelKind.TEXT, settings) is None  # LLMEngine's model
 
 
 def test_missing_form_parser_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -75,7 +76,7 @@ def test_media_allow_lists_are_off_by_default_and_read_the_env(
 
     args = parse(["/m"])
     assert (args.allowed_media_domains, args.allowed_local_media_path) == (None, None)
-    default = audio_settings("auto", 10, str(tmp_path)).media
+    default = audio_settings("auto", 10, ModelKind.TEXT).media
     assert (default.domains, default.local_root, default.max_bytes) == (frozenset(), None, 10)
     monkeypatch.setenv("KEEPWARM_ALLOWED_MEDIA_DOMAINS", "media.example.com")
     monkeypatch.setenv("KEEPWARM_ALLOWED_LOCAL_MEDIA_PATH", str(tmp_path))

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from keepwarm_runtime.audio import check_backend, load_audio, resolve_backend
-from keepwarm_runtime.server.log_once import clear_once_cache
+from keepwarm_runtime.log_once import clear_once_cache
 from tests.unit.audio.samples import encode
 
 

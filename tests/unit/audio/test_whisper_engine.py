@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
-from keepwarm_runtime.audio.whisper_engine import TranscriptionParams, WhisperEngine, is_whisper_checkpoint
-from tests.integration.audio.whisper_model import make_whisper
+from keepwarm_runtime.audio.whisper_engine import TranscriptionParams, WhisperEngine
+from keepwarm_runtime.model_kind import ModelKind, detect_kind
+from keepwarm_runtime.modelgen.whisper import make_whisper
 
 
 @pytest.fixture(scope="module")
@@ -111,11 +110,8 @@ def test_bad_params_are_refused_by_name(
     assert not engine.has_unfinished_requests()
 
 
-def test_checkpoint_detection(engine: WhisperEngine, tmp_path: Path) -> None:
-    assert is_whisper_checkpoint(engine.model.name_or_path)
-    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
-    assert not is_whisper_checkpoint(tmp_path)
-    assert not is_whisper_checkpoint("/nonexistent")
+def test_the_checkpoint_is_detected_as_a_speech_model(engine: WhisperEngine) -> None:
+    assert detect_kind(engine.model.name_or_path) is ModelKind.SPEECH
 
 
 def test_end_of_text_stops_after_the_first_token_like_generate(engine: WhisperEngine) -> None:

@@ -34,3 +34,17 @@ def test_readme_links_the_architecture_page_and_shows_a_real_dashboard_png():
     assert images and all((ROOT / image).stat().st_size > 10_000 for image in images)
     for image in re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", DOC.read_text()):
         assert (DOC.parent / image).exists(), image
+
+
+def test_the_architecture_page_names_every_route_the_server_serves():
+    from keepwarm_runtime.server.app import ROUTES
+
+    text = DOC.read_text()
+    assert [route for route in ROUTES if f"`{route}`" not in text] == []
+
+
+def test_paths_the_architecture_page_names_exist():
+    """Every repository path in backquotes that looks like a folder or file of the tree is there."""
+    top = "runtime|api|operator|testing|charts|bench|docs|tests"
+    named = set(re.findall(rf"`((?:{top})/[a-z0-9_./-]+)`", DOC.read_text()))
+    assert named and [path for path in sorted(named) if not (ROOT / path).exists()] == []

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from keepwarm_runtime.engine import auto_dtype as a
-from keepwarm_runtime.engine.config import DTYPES
 
 CPUINFO = """processor\t: 0
 vendor_id\t: GenuineIntel
@@ -18,10 +17,6 @@ bugs\t\t: spectre_v1
 processor\t: 1
 flags\t\t: fpu
 """
-
-
-def test_the_engine_and_this_module_name_the_same_dtypes():
-    assert set(a.ENGINE_DTYPES) == set(DTYPES)
 
 
 def test_cpu_flags_come_from_the_first_flags_line():

@@ -14,10 +14,11 @@ from keepwarm_runtime.engine.config import EngineConfig
 from keepwarm_runtime.engine.loader import load_model
 from keepwarm_runtime.engine.prefetch import WeightPrefetch
 from keepwarm_runtime.engine.startup import StartupProfile
+from keepwarm_runtime.model_kind import ModelKind
 
 
 def test_the_loader_uses_the_prefetched_weights_and_says_so(tiny_llama: Path):
-    prefetch = WeightPrefetch.start(str(tiny_llama), {"dtype": "float32"})
+    prefetch = WeightPrefetch.start(str(tiny_llama), {"dtype": "float32"}, ModelKind.TEXT)
     profile = StartupProfile()
     model, info = load_model(EngineConfig(str(tiny_llama), dtype="float32"), profile, prefetch)
 
@@ -29,7 +30,7 @@ def test_the_loader_uses_the_prefetched_weights_and_says_so(tiny_llama: Path):
 
 
 def test_a_prefetch_for_other_settings_is_not_used(tiny_llama: Path, caplog):
-    prefetch = WeightPrefetch.start(str(tiny_llama), {"dtype": "float32"})
+    prefetch = WeightPrefetch.start(str(tiny_llama), {"dtype": "float32"}, ModelKind.TEXT)
     profile = StartupProfile()
     with caplog.at_level(logging.WARNING, "keepwarm_runtime.engine.prefetch"):
         model, _ = load_model(EngineConfig(str(tiny_llama), dtype="bfloat16"), profile, prefetch)
@@ -42,7 +43,7 @@ def test_a_prefetch_for_other_settings_is_not_used(tiny_llama: Path, caplog):
 
 def test_a_failed_attach_is_raised_where_the_loader_takes_it(tiny_llama: Path, tmp_path: Path):
     settings = {"cache_socket_dir": str(tmp_path / "no-daemon"), "cache_fallback": False}
-    prefetch = WeightPrefetch.start(str(tiny_llama), settings)
+    prefetch = WeightPrefetch.start(str(tiny_llama), settings, ModelKind.TEXT)
     with pytest.raises(CacheAttachError):
         prefetch.take(EngineConfig(str(tiny_llama), **settings))
 
@@ -55,5 +56,11 @@ def test_a_failed_attach_is_raised_where_the_loader_takes_it(tiny_llama: Path, t
     ],
 )
 def test_nothing_is_prefetched_for_settings_the_loader_must_handle(tiny_llama: Path, settings):
-    prefetch = WeightPrefetch.start(str(tiny_llama), settings)
+    prefetch = WeightPrefetch.start(str(tiny_llama), settings, ModelKind.TEXT)
     assert prefetch.take(EngineConfig(str(tiny_llama))) is None
+
+
+def test_nothing_is_prefetched_for_a_speech_model(tiny_llama: Path):
+    """Whisper's own engine loads its weights: an attach here would be a second copy nobody takes."""
+    prefetch = WeightPrefetch.start(str(tiny_llama), {"dtype": "float32"}, ModelKind.SPEECH)
+    assert prefetch.take(EngineConfig(str(tiny_llama), dtype="float32")) is None

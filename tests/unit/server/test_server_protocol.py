@@ -7,7 +7,7 @@ import logging
 import pytest
 from pydantic import ValidationError
 
-from keepwarm_runtime.server.log_once import clear_once_cache
+from keepwarm_runtime.log_once import clear_once_cache
 from keepwarm_runtime.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

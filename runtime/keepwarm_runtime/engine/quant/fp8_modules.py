@@ -23,6 +23,7 @@ from keepwarm_runtime.engine.moe.experts import HALVES_APART_ATTR, is_experts_mo
 from keepwarm_runtime.engine.quant import fp8_gemm
 from keepwarm_runtime.engine.quant.fp8 import dequantize_blocks, quantize_blocks
 from keepwarm_runtime.engine.quant.settings import SCALE_SUFFIX, Fp8Settings, QuantizationError
+from keepwarm_runtime.log_once import log_once
 
 log = logging.getLogger(__name__)
 
@@ -42,23 +43,14 @@ class Fp8Linear(nn.Linear):
             flat = x.reshape(-1, x.shape[-1])
             if self.gpu_kernel is None:
                 self.gpu_kernel, why = fp8_gemm.checked_kernel(flat, self.weight, self.weight_scale_inv)
-                _log_once(why)
+                # one line per decision, not per module: the key drops the per-call detail in brackets
+                log_once(log, logging.INFO, why.split(" (")[0], "FP8 linear: %s", why)
             if self.gpu_kernel:
                 out = fp8_gemm.scaled_mm(flat, self.weight, self.weight_scale_inv, x.dtype)
                 out = out if self.bias is None else out + self.bias
                 return out.reshape(*x.shape[:-1], out.shape[-1])
         weight = dequantize_blocks(self.weight, self.weight_scale_inv, x.dtype, self.block)
         return F.linear(x, weight, self.bias)
-
-
-_logged: set[str] = set()
-
-
-def _log_once(message: str) -> None:
-    key = message.split(" (")[0]
-    if key not in _logged:
-        _logged.add(key)
-        log.info("FP8 linear: %s", message)
 
 
 def _grid(shape, block) -> tuple[int, int]:

@@ -1,7 +1,8 @@
 """A tiny random Voxtral checkpoint on disk (transformers' VoxtralConfig, Llama text model), with one
 of two tokenizers: a locally trained one with an audio placeholder token (`make_voxtral`; tests build
 the prompt ids themselves, one placeholder per audio embedding), or a tekken.json that mistral-common
-reads, as real checkpoints ship (`make_voxtral_tekken`; Voxtral's own processor builds the prompt)."""
+reads, as real checkpoints ship (`make_voxtral_tekken`; Voxtral's own processor builds the prompt:
+what `keepwarm make-model --arch voxtral` writes, since the server's Voxtral chat path needs it)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,15 @@ AUDIO, BEGIN_AUDIO = "[AUDIO]", "[BEGIN_AUDIO]"
 MEL_BINS = 128
 
 
-def save_voxtral(path: Path, seed: int, vocab_size: int, bos: int, eos: int, pad: int, audio: int) -> None:
-    """Write the tiny random Voxtral (1-layer encoder, 2-layer Llama decoder) and its feature
-    extractor to ``path``; the caller writes the tokenizer whose ids these are."""
+def save_voxtral(
+    path: Path, seed: int, vocab_size: int, bos: int, eos: int, pad: int, audio: int, dtype: str = "float32"
+) -> None:
+    """Write the tiny random Voxtral (1-layer encoder, 2-layer Llama decoder) in ``dtype`` and its
+    feature extractor to ``path``; the caller writes the tokenizer whose ids these are."""
     import torch
     from transformers import VoxtralConfig, VoxtralForConditionalGeneration, WhisperFeatureExtractor
+
+    from keepwarm_runtime.engine.config import DTYPES
 
     config = VoxtralConfig(
         audio_config={
@@ -46,7 +51,7 @@ def save_voxtral(path: Path, seed: int, vocab_size: int, bos: int, eos: int, pad
     model = VoxtralForConditionalGeneration(config).eval()
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = pad
-    model.save_pretrained(path)
+    model.to(DTYPES[dtype]).save_pretrained(path)
     WhisperFeatureExtractor(feature_size=MEL_BINS).save_pretrained(path)
 
 
@@ -111,11 +116,11 @@ def write_tekken(path: Path) -> int:
     return size
 
 
-def make_voxtral_tekken(path: Path, seed: int = 0) -> Path:
+def make_voxtral_tekken(path: Path, seed: int = 0, dtype: str = "float32") -> Path:
     """A tiny random Voxtral whose tokenizer is tekken.json (loaded by mistral-common, as the real ones)."""
 
     path.mkdir(parents=True, exist_ok=True)
     vocab_size = write_tekken(path)
     bos, eos, pad = (TEKKEN_SPECIALS.index(t) for t in ("<s>", "</s>", "<pad>"))
-    save_voxtral(path, seed, vocab_size, bos, eos, pad, TEKKEN_SPECIALS.index(AUDIO))
+    save_voxtral(path, seed, vocab_size, bos, eos, pad, TEKKEN_SPECIALS.index(AUDIO), dtype)
     return path

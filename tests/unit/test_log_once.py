@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from keepwarm_runtime.server.log_once import clear_once_cache, warning_once
+from keepwarm_runtime.log_once import clear_once_cache, warning_once
 
 
 def test_warning_once_per_key_and_clear(caplog):

@@ -1,5 +1,6 @@
-"""A tiny random Qwen2-Audio checkpoint on disk: transformers' own config classes, a locally trained
-tokenizer with the audio placeholder tokens, and the processor that expands them."""
+"""A tiny random Qwen2-Audio checkpoint on disk (`keepwarm make-model --arch qwen2_audio`):
+transformers' own config classes, a locally trained tokenizer with the audio placeholder tokens, and
+the processor that expands them."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from pathlib import Path
 AUDIO, AUDIO_BOS, AUDIO_EOS = "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"
 
 
-def make_qwen2_audio(path: Path, seed: int = 0) -> Path:
+def make_qwen2_audio(path: Path, seed: int = 0, dtype: str = "float32") -> Path:
+    """Write the tiny random Qwen2-Audio (1-layer encoder, 2-layer Qwen2 decoder) to ``path`` in ``dtype``."""
     import torch
     from transformers import (
         Qwen2AudioConfig,
@@ -17,6 +19,7 @@ def make_qwen2_audio(path: Path, seed: int = 0) -> Path:
         WhisperFeatureExtractor,
     )
 
+    from keepwarm_runtime.engine.config import DTYPES
     from keepwarm_runtime.modelgen.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(1024)
@@ -53,7 +56,7 @@ def make_qwen2_audio(path: Path, seed: int = 0) -> Path:
     model = Qwen2AudioForConditionalGeneration(config).eval()
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(path)
+    model.to(DTYPES[dtype]).save_pretrained(path)
     processor = Qwen2AudioProcessor(
         feature_extractor=WhisperFeatureExtractor(feature_size=80), tokenizer=tokenizer, chat_template=None
     )

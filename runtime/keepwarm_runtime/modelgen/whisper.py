@@ -1,5 +1,6 @@
-"""A tiny random Whisper checkpoint on disk: transformers' WhisperConfig, a locally trained BPE tokenizer
-with Whisper's special tokens, the feature extractor and a generation config like OpenAI's."""
+"""A tiny random Whisper checkpoint on disk (`keepwarm make-model --arch whisper`): transformers'
+WhisperConfig, a locally trained BPE tokenizer with Whisper's special tokens, the feature extractor
+and a generation config like OpenAI's."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ SPECIALS = [
 ]
 
 
-def make_whisper(path: Path, *, max_length: int = 40, seed: int = 0) -> Path:
-    """Write a ~0.3M-parameter random Whisper to ``path``; greedy output runs to ``max_length`` tokens."""
+def make_whisper(path: Path, *, max_length: int = 40, seed: int = 0, dtype: str = "float32") -> Path:
+    """Write a ~0.3M-parameter random Whisper to ``path`` in ``dtype``; greedy output runs to
+    ``max_length`` tokens."""
     import torch
     from transformers import (
         GenerationConfig,
@@ -29,6 +31,7 @@ def make_whisper(path: Path, *, max_length: int = 40, seed: int = 0) -> Path:
         WhisperForConditionalGeneration,
     )
 
+    from keepwarm_runtime.engine.config import DTYPES
     from keepwarm_runtime.modelgen.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(1024)
@@ -68,7 +71,7 @@ def make_whisper(path: Path, *, max_length: int = 40, seed: int = 0) -> Path:
         no_timestamps_token_id=ids["<|notimestamps|>"],
         is_multilingual=True,
     )
-    model.save_pretrained(path)
+    model.to(DTYPES[dtype]).save_pretrained(path)
     tokenizer.save_pretrained(path)
     WhisperFeatureExtractor(feature_size=80, sampling_rate=16000).save_pretrained(path)
     return path

@@ -1,0 +1,57 @@
+"""Which keepwarm_runtime packages may import which: read from the source, so a new import that
+crosses a layer fails here rather than in review. Imports inside functions count too."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import keepwarm_runtime
+
+ROOT = Path(keepwarm_runtime.__file__).parent
+
+
+def imports_of(source: str, package: str) -> set[str]:
+    """Every module ``source`` imports (absolute names; relative ones resolved against ``package``)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join([*parts[: len(parts) - node.level + 1], base]).rstrip(".")
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+            names.add(base)
+    return names
+
+
+def offenders(importers: str, forbidden: str) -> list[str]:
+    """Files under ``importers`` (a package path relative to keepwarm_runtime, "" for all) that import
+    ``forbidden`` (a dotted package) or anything in it."""
+    found = []
+    for path in sorted((ROOT / importers).rglob("*.py")):
+        package = ".".join(("keepwarm_runtime", *path.relative_to(ROOT).parent.parts))
+        names = imports_of(path.read_text(), package)
+        bad = sorted(n for n in names if n == forbidden or n.startswith(forbidden + "."))
+        if bad:
+            found.append(f"{path.relative_to(ROOT)}: {', '.join(bad)}")
+    return found
+
+
+def test_imports_of_sees_function_level_and_relative_imports() -> None:
+    source = "def f():\n    from keepwarm_runtime.server import app\nfrom .state import x\nimport a.b\n"
+    names = imports_of(source, "keepwarm_runtime.agent")
+    assert {"keepwarm_runtime.server.app", "keepwarm_runtime.agent.state", "a.b"} <= names
+
+
+def test_nothing_below_the_server_imports_the_server() -> None:
+    """The server is the top layer: only it and the command line (keepwarm_runtime/cli.py) import it."""
+    below = [f for f in offenders("", "keepwarm_runtime.server") if not f.startswith(("server/", "cli.py"))]
+    assert below == []
+
+
+def test_the_engine_imports_nothing_from_audio() -> None:
+    """Audio sits above the engine (its Whisper engine uses the engine's loader), never below it."""
+    assert offenders("engine", "keepwarm_runtime.audio") == []
