@@ -67,12 +67,14 @@ def _built_library(name: str) -> Path | None:
     a ROCm build goes to the builder."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if not root:
+        from torch import _appdirs  # a submodule torch does not import itself
+
         if torch.version.hip is not None:
             return None
         accelerator = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
         python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
         root = os.path.join(
-            os.path.realpath(torch._appdirs.user_cache_dir(appname="torch_extensions")),
+            os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions")),
             f"{python}_{accelerator}",
         )
     path = Path(root) / name / f"{name}.so"
