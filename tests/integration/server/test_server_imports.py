@@ -64,8 +64,9 @@ os._exit(0)
 
 PRELOAD = """
 import json, sys
+from keepwarm_runtime.model_kind import detect_kind
 from keepwarm_runtime.server.preload import preload
-preload(sys.argv[1])
+preload(sys.argv[1], detect_kind(sys.argv[1]))
 json.dump(sorted(sys.modules), open(sys.argv[2], "w"))
 """
 
