@@ -29,6 +29,13 @@ UNPLOTTED: dict[str, str] = {
     "keepwarm_cache_refused_connections": "alert on it: connections over the overall/per-uid limits",
     "keepwarm_cache_seal_failures": "alert on it: arenas refused because memfd seals failed",
     "keepwarm_cache_changed_on_disk": "alert on it: resident models dropped after a shard changed on disk",
+    # The cache's own restarts (hand-off to a successor, recovery from the holder): events of a start,
+    # not series to plot; the log of that start says the same.
+    "keepwarm_cache_handoffs": "alert on it: hand-offs by role and outcome (refused, abandoned, unconfirmed)",
+    "keepwarm_cache_adopted_arenas": "a start-up fact (arenas taken from a predecessor or the holder)",
+    "keepwarm_cache_dropped_arenas": "alert on it: handed-over arenas not taken, by source and reason",
+    "keepwarm_cache_adopt_seconds": "a start-up fact (seconds to verify and take the handed-over arenas)",
+    "keepwarm_cache_start_arenas": "a start-up fact (how warm the start was: resident arenas by origin)",
     "keepwarm_lora_requests_info": "for routers (vLLM's lora_requests_info: adapters running and waiting "
     "now, as labels), not a time series to plot",
     "keepwarm_worker_restarts": "alert on it: serving workers the supervising parent restarted, by cause",

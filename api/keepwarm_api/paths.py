@@ -5,6 +5,8 @@ pods must not change when models do, so they mount the WeightCache's modelDirect
 HOST_MODELS_MOUNT and find a path source under it (host_model_dir); pvc sources stay per-model mounts
 at `<MODELS_ROOT>/<model name>` in both. Both mount the node's download directory at HF_MOUNT. The
 fingerprint does not depend on the directory, so the agent's copy is the one a runtime pod asks for.
+On host-tier nodes the agent pod also builds the CPU attention kernel into the node's kernel folder
+(kernel_cache_dir), which CPU runtime pods mount read-only at KERNELS_MOUNT.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from .common import ModelSource
 MODELS_ROOT = "/models"  # path and pvc sources, one directory per model name
 HF_MOUNT = "/var/cache/keepwarm"  # the node's download directory (WeightCache spec.downloadDirectory)
 HOST_MODELS_MOUNT = "/host-models"  # the WeightCache's modelDirectory inside agent pods (read-only)
+KERNELS_MOUNT = "/var/lib/keepwarm/kernels"  # the node's CPU kernel builds (kernel_cache_dir) in pods
 
 
 class PathOutsideModelDirectory(ValueError):
@@ -26,6 +29,12 @@ def host_model_dir(path: str, model_directory: str, mount: str = HOST_MODELS_MOU
     if not path.startswith(prefix):
         raise PathOutsideModelDirectory(f"source.path {path} is not under modelDirectory {model_directory}")
     return f"{mount.rstrip('/')}/{path[len(prefix) :].strip('/')}"
+
+
+def kernel_cache_dir(download_directory: str) -> str:
+    """The node's folder of CPU kernel builds: under the WeightCache's download directory (a cache
+    that outlives pods), written only by the agent pod, read-only in runtime pods."""
+    return f"{download_directory.rstrip('/')}/kernels"
 
 
 def model_dir(name: str, root: str = MODELS_ROOT) -> str:

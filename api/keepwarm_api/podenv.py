@@ -18,6 +18,9 @@ MODEL_ROOT = env_name("model_root")  # where the agent finds path/pvc sources (d
 NODE_NAME = "NODE_NAME"  # the downward API's node name on agent pods (Kubernetes' convention)
 HOST_MODEL_ROOT = env_name("host_model_root")  # where the agent sees WeightCache.spec.modelDirectory
 DOWNLOAD_ROOT = env_name("download_root")  # where the agent keeps Hugging Face downloads
+# KEEPWARM_KERNEL_CACHE: a read-only folder of CPU kernels the node agent built for this node
+# (engine/attention/native.py loads a build from there before building one of its own)
+KERNEL_CACHE = env_name("kernel_cache")
 
 
 def env_bool(value: bool) -> str:

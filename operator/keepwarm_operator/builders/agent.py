@@ -22,6 +22,11 @@ holder container keeps every arena's descriptor, so an agent container that cras
 The socket directory is a hostPath, which ignores fsGroup: the agent runs as root with only CHOWN and
 FOWNER (no other capabilities), creates /var/run/keepwarm/<cache>/ with group socket.groupId and mode
 socket.mode (setgid, so sockets inherit the group), and inference pods run with that group.
+
+On the host tier (CPU nodes) an init container builds keepwarm's CPU attention kernel for the node's
+CPU into the node's kernel folder (keepwarm_api.paths.kernel_cache_dir; a no-op once built, a logged
+no-op in an image without a compiler); CPU runtime pods mount it read-only (builders/runtime.py), so a
+node compiles it once and no inference pod can write code another one loads.
 """
 
 from __future__ import annotations
@@ -32,13 +37,21 @@ from kubernetes.utils.quantity import parse_quantity
 
 from keepwarm_api import GROUP, podenv
 from keepwarm_api.lease import LEASE_GROUP
-from keepwarm_api.paths import HOST_MODELS_MOUNT
+from keepwarm_api.paths import HOST_MODELS_MOUNT, KERNELS_MOUNT
 from keepwarm_api.weightcache import GPUAccessMode, SocketMode, Tier, WeightCacheSpec
 
 from .meta import agent_labels, agent_name, object_meta
-from .volumes import hf_volume, model_mount
+from .volumes import hf_volume, kernels_volume, model_mount
 
 SOCKET_MOUNT = "/var/run/keepwarm"
+# Builds the CPU attention kernel (keepwarm_runtime.engine.attention.native; --optional: a node that
+# cannot build it says why and the agent starts anyway).
+KERNEL_BUILD = ["python", "-m", "keepwarm_runtime.engine.attention.native", "--optional"]
+
+
+def builds_kernels(spec: WeightCacheSpec) -> bool:
+    """Whether the cache's agent pods build the CPU kernel for their node: host tier, CPU nodes."""
+    return spec.tier == Tier.HOST
 
 
 def socket_dir(spec: WeightCacheSpec, cache: str) -> str:
@@ -254,6 +267,27 @@ def agent_daemonset(
         "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}},
     }
     pod_spec["containers"] += [container, holder]
+    if builds_kernels(spec):
+        volume, mount = kernels_volume(spec.download_directory, read_only=False)
+        pod_spec["volumes"].append(volume)
+        pod_spec["initContainers"] = [
+            {
+                "name": "kernels",
+                "image": spec.agent.image,
+                "imagePullPolicy": spec.agent.image_pull_policy,
+                "command": KERNEL_BUILD,
+                "env": [
+                    {"name": "TORCH_EXTENSIONS_DIR", "value": KERNELS_MOUNT},  # torch's builder writes here
+                    {"name": "HOME", "value": "/tmp"},
+                ],
+                "volumeMounts": [mount, {"name": "tmp", "mountPath": "/tmp"}],
+                "securityContext": {
+                    "allowPrivilegeEscalation": False,
+                    "readOnlyRootFilesystem": True,
+                    "capabilities": {"drop": ["ALL"]},
+                },
+            }
+        ]
     return {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",

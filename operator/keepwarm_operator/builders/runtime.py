@@ -3,6 +3,10 @@
 Warm-node preference is a preferred node affinity on a node label the operator maintains
 (warm.keepwarm.dev/<cache>.<model>), not a list of node names: the pod template then stays the same
 when nodes warm up or cool down, so cache changes never roll the pods.
+
+CPU pods of a host-tier cache mount the node's kernel folder read-only and name it in
+KEEPWARM_KERNEL_CACHE: the CPU attention kernel the node's agent built loads in milliseconds instead of
+being compiled by every fresh pod (builders/agent.py).
 """
 
 from __future__ import annotations
@@ -12,12 +16,13 @@ from typing import Any
 
 from keepwarm_api import podenv
 from keepwarm_api.inferencedeployment import InferenceDeploymentSpec
+from keepwarm_api.paths import KERNELS_MOUNT
 from keepwarm_api.probes import HEALTH_PATH, READY_PATH, ready_long_poll
 from keepwarm_api.weightcache import CachedModel, WeightCacheSpec
 
-from .agent import socket_dir
+from .agent import builds_kernels, socket_dir
 from .meta import GPU_RESOURCE, object_meta, runtime_labels, warm_label_key
-from .volumes import hf_volume, model_mount
+from .volumes import hf_volume, kernels_volume, model_mount
 
 WARM_AFFINITY_WEIGHT = 100
 # The startup probe long-polls /ready for this long per attempt (keepwarm_api.probes): it succeeds the
@@ -89,6 +94,11 @@ def runtime_deployment(
             volumes.append(volume)
             mounts.append(mount)
         env.append({"name": podenv.CACHE_SOCKET_DIR, "value": sockets})
+        if not spec.gpus_per_pod and builds_kernels(binding.spec):
+            volume, mount = kernels_volume(binding.spec.download_directory, read_only=True)
+            volumes.append(volume)
+            mounts.append(mount)
+            env.append({"name": podenv.KERNEL_CACHE, "value": KERNELS_MOUNT})
         pod_security["supplementalGroups"] = [binding.spec.socket.group_id]
         affinity = {
             "nodeAffinity": {

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from keepwarm_api.common import ModelSource
-from keepwarm_api.paths import HF_MOUNT, source_dir
+from keepwarm_api.paths import HF_MOUNT, KERNELS_MOUNT, kernel_cache_dir, source_dir
 
 
 @dataclass(frozen=True)
@@ -39,3 +39,11 @@ def model_mount(name: str, source: ModelSource) -> ModelMount:
 def hf_volume(host_dir: str, read_only: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     volume = {"name": "hf-cache", "hostPath": {"path": host_dir, "type": "DirectoryOrCreate"}}
     return volume, {"name": "hf-cache", "mountPath": HF_MOUNT, "readOnly": read_only}
+
+
+def kernels_volume(download_directory: str, read_only: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The node's CPU kernel builds (paths.kernel_cache_dir): a hostPath, so a build outlives the pod
+    that made it; written by the agent pod only, read-only in runtime pods."""
+    host = kernel_cache_dir(download_directory)
+    volume = {"name": "keepwarm-kernels", "hostPath": {"path": host, "type": "DirectoryOrCreate"}}
+    return volume, {"name": "keepwarm-kernels", "mountPath": KERNELS_MOUNT, "readOnly": read_only}

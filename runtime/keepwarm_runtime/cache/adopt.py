@@ -15,8 +15,9 @@ the weights:
   key agrees on every field, wrote the table with this very code;
 * the budget: pinned and most recently used arenas first, each must fit beside those already taken.
 
-An arena that fails any check is closed and named with the reason in the log; the model is then
-loaded from disk like any other (``--model`` or the node agent). The content digest is carried
+An arena that fails any check is closed and named with the reason in the log and in
+``keepwarm_cache_dropped_arenas_total`` (its label: the check, metrics.DROP_REASONS); the model is
+then loaded from disk like any other (``--model`` or the node agent). The content digest is carried
 over as recorded: the bytes themselves are sealed, so they are the bytes that were digested.
 """
 
@@ -33,6 +34,7 @@ from keepwarm_runtime.cache.checkpoint import CheckpointError, read_checkpoint
 from keepwarm_runtime.cache.fingerprint import WeightCacheKey, compute_key
 from keepwarm_runtime.cache.handoff import ArenaRecord, HandoffRefused, Stream, shard_identities
 from keepwarm_runtime.cache.loader import ArenaLayout, TensorEntry, plan_layout
+from keepwarm_runtime.cache.metrics import DROP_REASONS
 from keepwarm_runtime.cache.registry import BudgetExceeded, ResidentModel
 from keepwarm_runtime.engine.moe.kernel_layout import MODEL, conversion_id
 
@@ -43,7 +45,13 @@ log = logging.getLogger(__name__)
 
 
 class Unfit(Exception):
-    """This arena cannot be served by this daemon; the message says why (logged, then reloaded)."""
+    """This arena cannot be served by this daemon: ``reason`` names the check (metrics.DROP_REASONS,
+    a metric label), the message says why (logged, then reloaded)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        assert reason in DROP_REASONS, reason  # a bounded label set
+        super().__init__(f"{reason.replace('_', ' ')}: {detail}")
+        self.reason = reason
 
 
 @dataclass
@@ -55,28 +63,28 @@ class Adoption:
 
 def _check_descriptor(daemon: CacheDaemon, record: ArenaRecord, fd: int) -> None:
     if record.tier != daemon.tier:
-        raise Unfit(f"tier: the arena is {record.tier}, this daemon serves {daemon.tier}")
+        raise Unfit("tier", f"the arena is {record.tier}, this daemon serves {daemon.tier}")
     if record.gpu_uuid != daemon.gpu_uuid:
-        raise Unfit(f"gpu: the arena lives on {record.gpu_uuid}, this daemon serves {daemon.gpu_uuid}")
+        raise Unfit("gpu", f"the arena lives on {record.gpu_uuid}, this daemon serves {daemon.gpu_uuid}")
     if record.size <= 0:
-        raise Unfit(f"size: {record.size} bytes")
+        raise Unfit("size", f"{record.size} bytes")
     if record.tier == "host":
         try:
             verify_sealed(record.name, fd, record.size)
         except ArenaSealError as exc:
-            raise Unfit(f"seals: {exc}") from None
+            raise Unfit("seals", str(exc)) from None
 
 
 def _check_files(record: ArenaRecord, model_dir: Path):
     try:
         shards = read_checkpoint(model_dir)
     except CheckpointError as exc:
-        raise Unfit(f"files: {exc}") from None
+        raise Unfit("files", str(exc)) from None
     want = shard_identities(record, model_dir)
     now = {s.path: s.identity.as_tuple() for s in shards}
     changed = sorted(p.name for p in set(want) | set(now) if want.get(p) != now.get(p))
     if changed:
-        raise Unfit(f"changed on disk: {', '.join(changed[:6])}")
+        raise Unfit("changed_on_disk", ", ".join(changed[:6]))
     return shards
 
 
@@ -85,14 +93,14 @@ def _check_key(daemon: CacheDaemon, record: ArenaRecord, model_dir: Path, shards
     try:
         handed = WeightCacheKey.from_dict(record.key)
     except ValueError as exc:
-        raise Unfit(f"key: {exc}") from None
+        raise Unfit("key", str(exc)) from None
     key = compute_key(model_dir, daemon.dtype, shards=shards, conversion=daemon.conversion, online=online)
     candidates = (key, replace(key, conversion=conversion_id(MODEL)))
     best = min(candidates, key=lambda k: len([f for f in handed.diff(k) if f != "version"]))
     differ = [f for f in handed.diff(best) if f != "version"]
     if differ:
         detail = ", ".join(f"{f} {getattr(handed, f)} (this daemon: {getattr(best, f)})" for f in differ)
-        raise Unfit(f"key: {detail[:500]}")
+        raise Unfit("key", detail[:500])
     return best
 
 
@@ -112,14 +120,14 @@ def verify(daemon: CacheDaemon, record: ArenaRecord, fd: int) -> ResidentModel:
         else:  # another version: its table must be the one this version plans
             layout = plan_layout(shards, daemon.dtype, online, daemon.config.expert_layout)
             if entries != layout.entries:
-                raise Unfit("layout: the tensor table is not the one this version writes")
+                raise Unfit("layout", "the tensor table is not the one this version writes")
             key = replace(key, conversion=daemon.conversion if layout.up_first else conversion_id(MODEL))
     except Unfit:
         raise
     except Exception as exc:  # a quantization or layout this version refuses, a malformed row
-        raise Unfit(f"layout: {type(exc).__name__}: {str(exc)[:300]}") from None
+        raise Unfit("layout", f"{type(exc).__name__}: {str(exc)[:300]}") from None
     if layout.size > record.size:
-        raise Unfit(f"layout: {layout.size} bytes of tensors do not fit the {record.size}-byte arena")
+        raise Unfit("layout", f"{layout.size} bytes of tensors do not fit the {record.size}-byte arena")
     pinned = record.pinned or record.name in daemon.config.pins or model_dir.name in daemon.config.pins
     return ResidentModel(
         record.name,
@@ -148,7 +156,7 @@ def _extent(entries: tuple[TensorEntry, ...]) -> int:
         for d in e.shape:
             count *= d
         if e.offset < 0 or e.nbytes != count:
-            raise Unfit(f"layout: tensor {e.name!r} is malformed")
+            raise Unfit("layout", f"tensor {e.name!r} is malformed")
         end = max(end, e.offset + e.nbytes)
     return end
 
@@ -166,39 +174,56 @@ def _order(stream: Stream) -> list[int]:
     return sorted(range(len(stream.items)), key=rank)
 
 
-def adopt(daemon: CacheDaemon, stream: Stream, source: str) -> Adoption:
+def adopt(daemon: CacheDaemon, stream: Stream, source: str, who: str = "") -> Adoption:
     """Verify every record of ``stream`` and insert those that hold into the daemon's registry.
 
     Descriptors taken are owned by their arenas (set to -1 in the stream); the caller closes the rest
-    with ``stream.close()``. ``source`` ("predecessor pid N", "holder") is for the log.
+    with ``stream.close()``. ``source`` (metrics.PREDECESSOR or HOLDER) labels the metrics and each
+    model's origin; ``who`` ("pid N") only adds to the log.
     """
     started = time.perf_counter()
     taken: list[str] = []
     dropped: dict[str, str] = {}
+    where = f"{source} {who}".strip()
     for i in _order(stream):
         raw, fd = stream.items[i]
         name = str(raw.get("name"))[:200] if isinstance(raw, dict) else "?"
         try:
-            record = ArenaRecord.from_wire(raw)
+            try:
+                record = ArenaRecord.from_wire(raw)
+            except HandoffRefused as exc:
+                raise Unfit("record", str(exc)) from None
             if daemon.registry.get(record.name) is not None:
-                raise Unfit("a model of that name is already resident")
+                raise Unfit("resident", "a model of that name is resident already")
             model = verify(daemon, record, fd)
-            daemon.registry.reserve(model.nbytes, evict=False)
-        except (Unfit, HandoffRefused, BudgetExceeded) as exc:
-            reason = f"budget: {exc}" if isinstance(exc, BudgetExceeded) else str(exc)
-            dropped[name] = reason
-            log.warning("not taking %s from the %s: %s", name, source, reason)
+            try:
+                daemon.registry.reserve(model.nbytes, evict=False)
+            except BudgetExceeded as exc:
+                raise Unfit("budget", str(exc)) from None
+        except Unfit as exc:
+            dropped[name] = str(exc)
+            daemon.metrics.dropped_arenas.labels(source, exc.reason).inc()
+            log.warning("not taking %s from the %s: %s", name, where, exc)
             continue
         stream.items[i] = (raw, -1)  # the arena owns the descriptor now
+        model.origin = source
         daemon.registry.insert(model)
         daemon.metrics.resident_bytes.labels(model.name, model.tier).set(model.nbytes)
+        daemon.metrics.adopted_arenas.labels(source).inc()
         taken.append(model.name)
     seconds = time.perf_counter() - started
+    daemon.metrics.adopt_seconds.labels(source).set(seconds)
     log.info(
         "took %d arenas from the %s in %.3fs without reading weights%s",
         len(taken),
-        source,
+        where,
         seconds,
         f"; {len(dropped)} dropped (reloaded if wanted): {', '.join(sorted(dropped))}" if dropped else "",
     )
     return Adoption(taken, dropped, seconds)
+
+
+def refuse(daemon: CacheDaemon, stream: Stream, source: str) -> None:
+    """Count every arena of a stream refused as a whole (a record format this daemon does not read)."""
+    if stream.items:
+        daemon.metrics.dropped_arenas.labels(source, "format").inc(len(stream.items))

@@ -36,7 +36,7 @@ from keepwarm_runtime.cache.fingerprint import compute_key, read_config
 from keepwarm_runtime.cache.handlers import CommandHandlers
 from keepwarm_runtime.cache.limits import ServerLimits, raise_nofile_limit
 from keepwarm_runtime.cache.loader import fill_arena, plan_layout
-from keepwarm_runtime.cache.metrics import DaemonMetrics
+from keepwarm_runtime.cache.metrics import ARENA_SOURCES, DaemonMetrics
 from keepwarm_runtime.cache.registry import ModelRegistry, ResidentModel
 from keepwarm_runtime.cache.settings import TIERS
 from keepwarm_runtime.cache.succession import Inheritance
@@ -369,8 +369,16 @@ class CacheDaemon:
         listener.settimeout(0.2)
         self._listener = listener
         self.sync_holder()
+        self._count_start()
         if self.config.metrics_port is not None:
             self.metrics.serve(self.config.metrics_port, took_over=self.took_over)
+
+    def _count_start(self) -> None:
+        """Where the arenas this daemon begins serving came from (keepwarm_cache_start_arenas): a
+        start that read everything from disk although a predecessor or the holder had it shows here."""
+        origins = [m.origin for m in self.registry.models()]
+        for source in ARENA_SOURCES:
+            self.metrics.start_arenas.labels(source).set(origins.count(source))
 
     @property
     def stopping(self) -> bool:

@@ -43,6 +43,7 @@ from keepwarm_runtime.cache.handoff import (
     send_stream,
 )
 from keepwarm_runtime.cache.launcher import READY_PREFIX
+from keepwarm_runtime.cache.metrics import HOLDER
 
 if TYPE_CHECKING:
     from keepwarm_runtime.cache.daemon import CacheDaemon
@@ -274,7 +275,7 @@ def _connect(socket_dir: Path) -> socket.socket | None:
 def recover(daemon: CacheDaemon) -> None:
     """Take back, verified (adopt.py), what the holder kept for ``daemon``'s socket; a daemon without
     a holder, or whose holder does not answer, loads from disk."""
-    from keepwarm_runtime.cache.adopt import adopt
+    from keepwarm_runtime.cache.adopt import adopt, refuse
 
     try:
         stream = reclaim(daemon.socket_dir, daemon.socket_path.name)
@@ -286,8 +287,9 @@ def recover(daemon: CacheDaemon) -> None:
     try:
         if stream.items:
             check_format(stream.head)
-            adopt(daemon, stream, "holder")
+            adopt(daemon, stream, HOLDER)
     except HandoffRefused as exc:
+        refuse(daemon, stream, HOLDER)
         log.warning("taking nothing from the holder: %s; loading from disk", exc)
     finally:
         stream.close()

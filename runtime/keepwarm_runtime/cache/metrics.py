@@ -22,6 +22,31 @@ from prometheus_client.samples import Sample
 log = logging.getLogger(__name__)
 GPU_LABEL = "gpu"  # per-GPU daemons: the UUID of the GPU the sample's daemon serves
 
+# Label values of the hand-off metrics: bounded sets, named once here (the code passes only these).
+PREDECESSOR, SUCCESSOR = "predecessor", "successor"  # a daemon's role in a hand-off
+HOLDER, DISK = "holder", "disk"  # with PREDECESSOR: where a resident arena came from
+ARENA_SOURCES = (PREDECESSOR, HOLDER, DISK)
+COMMITTED = "committed"  # the successor serves; the predecessor stopped accepting
+UNCONFIRMED = "unconfirmed"  # successor: the predecessor exited before confirming the commit
+ABANDONED = "abandoned"  # predecessor: the successor went away before committing; still serving
+REFUSED = "refused"  # predecessor: refused by name (another uid, a malformed request, busy)
+HANDOFF_OUTCOMES = (COMMITTED, UNCONFIRMED, ABANDONED, REFUSED)
+# Why a handed-over arena was not taken (adopt.py): the check that failed.
+DROP_REASONS = (
+    "record",  # the record is malformed
+    "format",  # the whole stream is in a record format this daemon does not read
+    "resident",  # a model of that name is resident already
+    "tier",  # another tier
+    "gpu",  # another GPU
+    "size",  # a nonsensical size
+    "seals",  # the memfd is not sealed as recorded (it could have been written)
+    "files",  # the checkpoint cannot be read
+    "changed_on_disk",  # a shard's identity differs from the one recorded at load
+    "key",  # another serving configuration (dtype, expert layout, ...)
+    "layout",  # the tensor table is not one this version writes
+    "budget",  # it does not fit beside the arenas taken before it
+)
+
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -91,6 +116,41 @@ class DaemonMetrics:
         self.changed_on_disk = Counter(
             "keepwarm_cache_changed_on_disk_total",
             "Resident models dropped because a shard changed on disk after load",
+            registry=r,
+        )
+
+        self.handoffs = Counter(
+            "keepwarm_cache_handoffs_total",
+            "Hand-offs between daemons on one socket, by this daemon's role and the outcome "
+            f"({', '.join(HANDOFF_OUTCOMES)})",
+            ["role", "outcome"],
+            registry=r,
+        )
+        self.adopted_arenas = Counter(
+            "keepwarm_cache_adopted_arenas_total",
+            "Handed-over arenas verified and served without reading the weights, by source "
+            f"({PREDECESSOR}, {HOLDER})",
+            ["source"],
+            registry=r,
+        )
+        self.dropped_arenas = Counter(
+            "keepwarm_cache_dropped_arenas_total",
+            "Handed-over arenas not taken (reloaded if wanted), by source and reason "
+            f"({', '.join(DROP_REASONS)})",
+            ["source", "reason"],
+            registry=r,
+        )
+        self.adopt_seconds = Gauge(
+            "keepwarm_cache_adopt_seconds",
+            "Seconds spent verifying and taking the arenas handed over at start, by source",
+            ["source"],
+            registry=r,
+        )
+        self.start_arenas = Gauge(
+            "keepwarm_cache_start_arenas",
+            "Arenas resident when the daemon began serving, by where they came from "
+            f"({', '.join(ARENA_SOURCES)})",
+            ["source"],
             registry=r,
         )
 

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from keepwarm_runtime.cache.checkpoint import Shard
 from keepwarm_runtime.cache.fingerprint import WeightCacheKey
 from keepwarm_runtime.cache.loader import ArenaLayout
+from keepwarm_runtime.cache.metrics import DISK
 
 
 class BudgetExceeded(Exception):
@@ -47,6 +48,7 @@ class ResidentModel:
     quantization: str | None = None  # online quantization applied at load ("fp8"), kept for reloads
     hits: int = 0
     last_used: float = field(default_factory=time.monotonic)
+    origin: str = DISK  # where its arena came from (metrics.ARENA_SOURCES): read here, or handed over
 
     @property
     def nbytes(self) -> int:

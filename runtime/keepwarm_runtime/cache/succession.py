@@ -21,6 +21,8 @@ refused: clients queue in the one backlog whoever accepts. The lock's open file 
 travels too, so the lock is never free for a third daemon to grab. If the successor dies before it
 commits, its copies of the descriptors die with it and the running daemon carries on; if the
 running daemon dies first, the successor finds the lock free and starts as after a crash.
+
+Each side counts its hand-offs by outcome in ``keepwarm_cache_handoffs_total`` (metrics.py).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from keepwarm_runtime.cache import protocol, security
-from keepwarm_runtime.cache.adopt import Adoption, adopt
+from keepwarm_runtime.cache.adopt import Adoption, adopt, refuse
 from keepwarm_runtime.cache.handoff import (
     READABLE_FORMATS,
     RECORD_FORMAT,
@@ -43,6 +45,14 @@ from keepwarm_runtime.cache.handoff import (
     record_of,
     recv_stream,
     send_stream,
+)
+from keepwarm_runtime.cache.metrics import (
+    ABANDONED,
+    COMMITTED,
+    PREDECESSOR,
+    REFUSED,
+    SUCCESSOR,
+    UNCONFIRMED,
 )
 
 if TYPE_CHECKING:
@@ -96,21 +106,24 @@ def give(daemon: CacheDaemon, conn: socket.socket, cred: security.PeerCred, requ
         daemon.metrics.refused_peers.inc()
         why = f"hand-off is for the daemon's own uid {daemon.policy.uid}; uid {cred.uid} is a client"
         log.warning("refused a hand-off request from pid=%d: %s", cred.pid, why)
-        protocol.send_frame(conn, protocol.error_reply("forbidden", why))
+        _refuse(daemon, conn, "forbidden", why)
         return
     formats = request.get("formats")
     if not isinstance(formats, list) or not all(type(f) is int for f in formats) or len(formats) > 64:
-        why = "handoff: 'formats' must list integers"
-        protocol.send_frame(conn, protocol.error_reply("bad_request", why))
+        _refuse(daemon, conn, "bad_request", "handoff: 'formats' must list integers")
         return
     if daemon.stopping or not daemon.handing_off.acquire(blocking=False):
-        why = "this daemon is stopping or handing off already"
-        protocol.send_frame(conn, protocol.error_reply("busy", why))
+        _refuse(daemon, conn, "busy", "this daemon is stopping or handing off already")
         return
     try:
         _stream_and_wait(daemon, conn, cred, formats)
     finally:
         daemon.handing_off.release()
+
+
+def _refuse(daemon: CacheDaemon, conn: socket.socket, code: str, why: str) -> None:
+    daemon.metrics.handoffs.labels(PREDECESSOR, REFUSED).inc()
+    protocol.send_frame(conn, protocol.error_reply(code, why))
 
 
 def _stream_and_wait(
@@ -143,13 +156,16 @@ def _stream_and_wait(
     try:
         request, fds = protocol.recv_frame(conn, protocol.MAX_REQUEST_BYTES)
     except (protocol.ProtocolError, OSError) as exc:
+        daemon.metrics.handoffs.labels(PREDECESSOR, ABANDONED).inc()
         log.warning("hand-off to pid=%d abandoned (%s); still serving", cred.pid, exc)
         return
     for fd in fds:
         os.close(fd)
     if request.get("cmd") != "commit":
+        daemon.metrics.handoffs.labels(PREDECESSOR, ABANDONED).inc()
         log.warning("hand-off to pid=%d abandoned (it sent %r); still serving", cred.pid, request.get("cmd"))
         return
+    daemon.metrics.handoffs.labels(PREDECESSOR, COMMITTED).inc()
     daemon.hand_over()
     conn.settimeout(SEND_TIMEOUT_S)
     with contextlib.suppress(OSError):
@@ -184,15 +200,16 @@ def _ask(daemon: CacheDaemon) -> Inheritance:
     try:
         if len(stream.final_fds) != 2:
             raise HandoffRefused(f"the stream ended with {len(stream.final_fds)} descriptors, not 2")
-        source = f"predecessor pid {stream.head.get('pid')}"
+        who = f"pid {stream.head.get('pid')}"
         _log_config_changes(daemon, stream.head.get("config"))
         try:
             if stream.head.get("refused"):
                 raise HandoffRefused(str(stream.head["refused"])[:300])
             check_format(stream.head)
-            adoption = adopt(daemon, stream, source)
+            adoption = adopt(daemon, stream, PREDECESSOR, who)
         except HandoffRefused as exc:
-            log.warning("taking no arenas from the %s: %s; loading from disk instead", source, exc)
+            refuse(daemon, stream, PREDECESSOR)
+            log.warning("taking no arenas from the predecessor %s: %s; loading from disk instead", who, exc)
             adoption = Adoption([], {}, 0.0)
         listener_fd, lock_fd = stream.final_fds
         stream.final_fds = []
@@ -252,6 +269,7 @@ def commit(daemon: CacheDaemon, inheritance: Inheritance) -> None:
             os.close(fd)
         if reply.get("committed") is True:
             daemon.lock.adopt(inheritance.lock_fd)
+            daemon.metrics.handoffs.labels(SUCCESSOR, COMMITTED).inc()
             log.info("took over from pid %d", inheritance.pid)
             return
         why = f"it answered {str(reply)[:200]}"
@@ -264,6 +282,7 @@ def commit(daemon: CacheDaemon, inheritance: Inheritance) -> None:
     while time.monotonic() < deadline:
         with contextlib.suppress(security.DaemonAlreadyRunning):
             daemon.lock.acquire()
+            daemon.metrics.handoffs.labels(SUCCESSOR, UNCONFIRMED).inc()
             log.warning("the predecessor did not confirm the hand-off (%s) but has exited; serving", why)
             return
         time.sleep(RETRY_S)

@@ -55,6 +55,35 @@ def _scrape(port: str) -> str:
         return ""
 
 
+def _metric(port: str, name: str, **labels: str) -> float | None:
+    """The value of the sample ``name`` with exactly ``labels`` on the daemon's real /metrics, or None."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(_scrape(port)):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return sample.value
+    return None
+
+
+def _dropped(port: str) -> dict[tuple[str, str], float]:
+    """keepwarm_cache_dropped_arenas_total by (source, reason)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        (s.labels["source"], s.labels["reason"]): s.value
+        for f in text_string_to_metric_families(_scrape(port))
+        for s in f.samples
+        if s.name == "keepwarm_cache_dropped_arenas_total"
+    }
+
+
+def _start_arenas(port: str) -> dict[str, float | None]:
+    """keepwarm_cache_start_arenas by source: where the arenas the daemon began serving came from."""
+    sources = ("predecessor", "holder", "disk")
+    return {s: _metric(port, "keepwarm_cache_start_arenas", source=s) for s in sources}
+
+
 def _settled_fd_count(pid: int, quiet_s: float = 1.0) -> int:
     """The daemon's open descriptors once the count has not changed for ``quiet_s``."""
     count, since = _fd_count(pid), time.monotonic()
@@ -124,6 +153,12 @@ def test_upgrade_hands_off_under_attach_load(daemon_factory, checkpoint_writer, 
     assert "took 2 arenas from the predecessor" in second.stderr
     assert "loaded" not in second.stderr  # not one byte of weights read again
     assert "committed the hand-off" in first.stderr and "Traceback" not in first.stderr + second.stderr
+    handoffs = "keepwarm_cache_handoffs_total"
+    assert _metric(port[1], handoffs, role="successor", outcome="committed") == 1
+    assert _metric(port[1], "keepwarm_cache_adopted_arenas_total", source="predecessor") == 2
+    assert _dropped(port[1]) == {}
+    assert _start_arenas(port[1]) == {"predecessor": 2, "holder": 0, "disk": 0}
+    assert _metric(port[1], "keepwarm_cache_adopt_seconds", source="predecessor") is not None
     assert second.terminate() == 0
 
 
@@ -174,7 +209,8 @@ def test_sigkill_recovers_from_the_holder_and_drops_what_does_not_verify(
         os.close(unsealed)
         assert {r["name"] for r in others} == {"a", "b"}
 
-        second = daemon_factory(socket_dir, [a, b, c]).wait_ready()
+        port = str(_free_port())
+        second = daemon_factory(socket_dir, [a, b, c], "--metrics-port", port).wait_ready()
         assert "took 1 arenas from the holder" in second.stderr, second.stderr
         assert "not taking b from the holder: changed on disk" in second.stderr
         assert "not taking c from the holder: seals" in second.stderr
@@ -184,6 +220,10 @@ def test_sigkill_recovers_from_the_holder_and_drops_what_does_not_verify(
         for model, want in ((a, _disk(a)), (b, b_new), (c, _disk(c))):
             res = attach(model, socket_dir, dtype=torch.bfloat16, fallback=False)
             assert all(torch.equal(res.tensors[n], t) for n, t in want.items()), model.name
+        assert _metric(port, "keepwarm_cache_adopted_arenas_total", source="holder") == 1
+        assert _dropped(port) == {("holder", "changed_on_disk"): 1, ("holder", "seals"): 1}
+        assert _start_arenas(port) == {"predecessor": 0, "holder": 1, "disk": 2}
+        assert _metric(port, "keepwarm_cache_handoffs_total", role="successor", outcome="committed") is None
         _wait_for(lambda: sorted(r["name"] for r in _holder_records(socket_dir)) == ["a", "b", "c"])
         assert second.terminate() == 0
     finally:
@@ -201,9 +241,12 @@ def test_holder_records_of_another_format_are_refused_by_name(daemon_factory, ch
         stream = holder.reclaim(socket_dir, "host.sock")
         assert _store_raw(socket_dir, {"format": 99}, stream.items)["stored"] == 1
         stream.close()
-        second = daemon_factory(socket_dir, [model]).wait_ready()
+        port = str(_free_port())
+        second = daemon_factory(socket_dir, [model], "--metrics-port", port).wait_ready()
         assert "arena record format 99 is not one this daemon reads (1)" in second.stderr
         assert "loaded m " in second.stderr
+        assert _dropped(port) == {("holder", "format"): 1}
+        assert _start_arenas(port) == {"predecessor": 0, "holder": 0, "disk": 1}
         assert attach(model, socket_dir, dtype=torch.bfloat16, fallback=False).source == "cache"
     finally:
         hold.terminate()
@@ -233,7 +276,8 @@ def test_an_abandoned_handoff_leaves_the_daemon_serving_and_nothing_leaked(
 ):
     model = checkpoint_writer(tmp_path / "models" / "m", seed=1)
     socket_dir = tmp_path / "wc"
-    first = daemon_factory(socket_dir, [model]).wait_ready()
+    port = str(_free_port())
+    first = daemon_factory(socket_dir, [model], "--metrics-port", port).wait_ready()
     assert attach(model, socket_dir, dtype=torch.bfloat16, fallback=False).source == "cache"
     baseline = _settled_fd_count(first.proc.pid)  # once the attach's connection is closed
 
@@ -251,6 +295,8 @@ def test_an_abandoned_handoff_leaves_the_daemon_serving_and_nothing_leaked(
     assert attach(model, socket_dir, dtype=torch.bfloat16, fallback=False).source == "cache"
     _wait_for(lambda: _fd_count(first.proc.pid) <= baseline)
     assert _serving_pid(socket_dir) == first.proc.pid
+    assert _metric(port, "keepwarm_cache_handoffs_total", role="predecessor", outcome="abandoned") == 2
+    assert _metric(port, "keepwarm_cache_handoffs_total", role="predecessor", outcome="committed") is None
 
     second = daemon_factory(socket_dir, [model]).wait_ready()  # a real successor still takes over
     assert first.wait_exit() == 0
@@ -262,11 +308,14 @@ def test_predecessor_killed_before_the_commit(daemon_factory, checkpoint_writer,
     extra = checkpoint_writer(tmp_path / "models" / "extra", seed=2, rows=4096)  # loaded before commit
     socket_dir = tmp_path / "wc"
     first = daemon_factory(socket_dir, [kept]).wait_ready()
-    second = daemon_factory(socket_dir, [kept, extra])
+    port = str(_free_port())
+    second = daemon_factory(socket_dir, [kept, extra], "--metrics-port", port)
     _wait_for(lambda: "took 1 arenas from the predecessor" in second.stderr or second.proc.poll() is not None)
     first.kill()  # between the stream and the commit: the successor's extra load is under way
     second.wait_ready()
     assert "did not confirm the hand-off" in second.stderr and "has exited; serving" in second.stderr
+    assert _metric(port, "keepwarm_cache_handoffs_total", role="successor", outcome="unconfirmed") == 1
+    assert _start_arenas(port) == {"predecessor": 1, "holder": 0, "disk": 1}
     for model in (kept, extra):
         res = attach(model, socket_dir, dtype=torch.bfloat16, fallback=False)
         assert all(torch.equal(res.tensors[n], t) for n, t in _disk(model).items())
@@ -285,16 +334,23 @@ def test_a_successor_of_another_configuration_takes_what_fits(daemon_factory, ch
     first = daemon_factory(socket_dir, [a, b]).wait_ready()
     attach(b, socket_dir, dtype=torch.bfloat16, fallback=False)  # b is the most recently used
     one = plan_layout(read_checkpoint(a), torch.bfloat16).size
-    second = daemon_factory(socket_dir, [], "--budget", str(one + (1 << 20))).wait_ready()
+    port = str(_free_port())
+    second = daemon_factory(socket_dir, [], "--budget", str(one + (1 << 20)), "--metrics-port", port)
+    second.wait_ready()
     assert first.wait_exit() == 0
     assert "took 1 arenas from the predecessor" in second.stderr
     assert "not taking a from the predecessor" in second.stderr and "budget" in second.stderr
     assert "configuration changes at hand-off: budget None -> " in second.stderr
+    assert _dropped(port) == {("predecessor", "budget"): 1}
+    assert _start_arenas(port) == {"predecessor": 1, "holder": 0, "disk": 0}
     assert attach(b, socket_dir, dtype=torch.bfloat16, fallback=False).source == "cache"
 
-    third = daemon_factory(socket_dir, [b], "--dtype", "float32").wait_ready()
+    port = str(_free_port())
+    third = daemon_factory(socket_dir, [b], "--dtype", "float32", "--metrics-port", port).wait_ready()
     assert second.wait_exit() == 0
     assert "not taking b from the predecessor" in third.stderr and "key: dtype bfloat16" in third.stderr
+    assert _dropped(port) == {("predecessor", "key"): 1}
+    assert _start_arenas(port) == {"predecessor": 0, "holder": 0, "disk": 1}
     res = attach(b, socket_dir, dtype=torch.float32, fallback=False)  # reloaded in the new dtype
     assert res.tensors["a.weight"].dtype == torch.float32
 
@@ -336,7 +392,9 @@ def test_a_forged_handoff_request_from_an_allowed_client_is_refused(
     request.addfinalizer(lambda: shutil.rmtree(root, ignore_errors=True))
     model = checkpoint_writer(root / "models" / "m", seed=1)
     socket_dir = root / "wc"
-    first = daemon_factory(socket_dir, [model], "--group", "nogroup", "--allow-uid", str(NOBODY)).wait_ready()
+    port = str(_free_port())
+    args = ("--group", "nogroup", "--allow-uid", str(NOBODY), "--metrics-port", port)
+    first = daemon_factory(socket_dir, [model], *args).wait_ready()
     reply = _handoff_as(NOBODY, NOBODY, first.socket)
     assert reply.get("ok") is False, reply
     assert reply["error"]["code"] == "forbidden" and reply["got_fds"] == 0
@@ -344,6 +402,7 @@ def test_a_forged_handoff_request_from_an_allowed_client_is_refused(
     assert first.proc.poll() is None
     assert attach(model, socket_dir, dtype=torch.bfloat16, fallback=False).source == "cache"
     assert _serving_pid(socket_dir) == first.proc.pid
+    assert _metric(port, "keepwarm_cache_handoffs_total", role="predecessor", outcome="refused") == 1
 
 
 def test_after_handoff_wait_idles_until_sigterm_and_a_new_holder_takes_the_deposits(

@@ -144,6 +144,46 @@ def test_a_build_is_named_for_the_cpu_it_was_made_for(monkeypatch) -> None:
     assert native.library_name() != here
 
 
+def test_a_build_is_named_for_the_torch_it_links(monkeypatch) -> None:
+    here = native.library_name()
+    monkeypatch.setattr(torch, "__version__", "0.0.0+other")
+    assert native.library_name() != here
+
+
+def test_a_fresh_process_loads_the_node_agents_build_and_builds_nothing(tmp_path) -> None:
+    """What a CPU runtime pod does with the folder its node's agent built into (KEEPWARM_KERNEL_CACHE,
+    mounted read-only): a real process loads that build and writes no build of its own."""
+    import os
+    import subprocess
+    import sys
+
+    from keepwarm_api.podenv import KERNEL_CACHE
+
+    node, own = tmp_path / "node", tmp_path / "own"
+    build = [sys.executable, "-m", "keepwarm_runtime.engine.attention.native"]
+    agent = {**os.environ, "TORCH_EXTENSIONS_DIR": str(node)}
+    subprocess.run([*build, "--optional"], env=agent, check=True, timeout=600)  # the agent pod's init
+    (name,) = [p.name for p in node.iterdir() if p.name.startswith("keepwarm_cpu_")]
+    before = sorted((p, p.stat().st_mtime_ns) for p in node.rglob("*"))
+    pod = {**os.environ, KERNEL_CACHE: str(node), "TORCH_EXTENSIONS_DIR": str(own)}
+    run = subprocess.run(build, env=pod, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == name
+    assert f"loaded from {node / name} " in run.stderr
+    assert not own.exists()  # the pod's own cache: nothing built, nothing created
+    assert sorted((p, p.stat().st_mtime_ns) for p in node.rglob("*")) == before
+
+
+def test_optional_build_failure_exits_zero_and_says_why(monkeypatch, capsys) -> None:
+    def no_compiler():
+        raise native.KernelUnavailable("RuntimeError: c++: command not found")
+
+    monkeypatch.setattr(native, "load", no_compiler)
+    assert native.main(["--optional"]) == 0
+    assert native.main([]) == 1
+    assert "cannot be built here: RuntimeError: c++: command not found" in capsys.readouterr().err
+
+
 def test_auto_on_cpu_falls_back_to_torch_when_the_kernel_cannot_build_and_says_why(caplog) -> None:
     def no_compiler():
         raise native.KernelUnavailable("RuntimeError: c++: command not found")

@@ -211,3 +211,28 @@ def test_shared_socket_group_is_served_not_only_reachable():
     assert allowed(groupId=3000, allowedGids=[3000, 4000]) == ["3000", "4000"]
     assert allowed(allowedUids=[10001]) == []  # only those uids, as the spec says
     assert allowed(mode="0700") == []
+
+
+def test_host_tier_agents_build_the_cpu_kernel_into_the_nodes_kernel_folder():
+    """The init container writes the node's kernel folder (a hostPath under the download directory);
+    the gpu tier, whose pods do not run the CPU kernel, builds nothing."""
+    from keepwarm_operator.builders.agent import KERNEL_BUILD
+    from keepwarm_runtime.engine.attention import native
+
+    pod = agent_daemonset("llama", spec(tier="host", downloadDirectory="/data/kw"), "ns", OWNER)
+    pod = pod["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    assert init["command"] == KERNEL_BUILD and init["image"] == pod["containers"][0]["image"]
+    assert native.__name__ == KERNEL_BUILD[2] and native.parser().parse_args(KERNEL_BUILD[3:]).optional
+    env = {e["name"]: e["value"] for e in init["env"]}
+    (mount,) = [m for m in init["volumeMounts"] if m["mountPath"] == env["TORCH_EXTENSIONS_DIR"]]
+    assert mount.get("readOnly") is not True
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["hostPath"] == {"path": "/data/kw/kernels", "type": "DirectoryOrCreate"}
+    assert init["securityContext"]["readOnlyRootFilesystem"] is True  # the build goes to the mounts only
+    assert {m["mountPath"] for m in init["volumeMounts"]} == {env["TORCH_EXTENSIONS_DIR"], env["HOME"]}
+
+    gpu = agent_daemonset("llama", spec(), "ns", OWNER)["spec"]["template"]["spec"]
+    assert "initContainers" not in gpu and all(
+        "kernels" not in v["hostPath"]["path"] for v in gpu["volumes"] if "hostPath" in v
+    )

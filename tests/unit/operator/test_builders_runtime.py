@@ -124,3 +124,31 @@ def test_startup_probe_long_polls_so_ready_follows_the_runtime_at_once():
 def test_rolling_update_keeps_every_replica_serving():
     dep = runtime_deployment("chat", "ns", idep(replicas=1), BINDING, OWNER)
     assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0}}
+
+
+def test_cpu_pods_of_a_host_tier_cache_load_the_nodes_kernel_build_read_only():
+    """The folder the node's agent builds the CPU kernel into (test_builders_agent) is mounted read-only
+    and named in KEEPWARM_KERNEL_CACHE, where the runtime looks first (engine/attention/native.py);
+    GPU pods, and pods of a gpu-tier cache (whose agents build nothing), do not get it."""
+    from keepwarm_api.podenv import KERNEL_CACHE
+    from keepwarm_operator.builders.agent import agent_daemonset
+
+    host = WeightCacheSpec.model_validate({**CACHE.model_dump(by_alias=True), "tier": "host"})
+    binding = CacheBinding("wc1", host, host.models[0])
+    pod = runtime_deployment("chat", "ns", idep(gpusPerPod=0), binding, OWNER)["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == env[KERNEL_CACHE]]
+    assert mount["readOnly"] is True
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    agent = agent_daemonset("wc1", host, "ns", None)["spec"]["template"]["spec"]
+    (built,) = [v for v in agent["volumes"] if v["name"] == volume["name"]]
+    assert volume == built  # the same node folder the agent's init container writes
+    (init,) = agent["initContainers"]
+    written = {e["name"]: e["value"] for e in init["env"]}["TORCH_EXTENSIONS_DIR"]
+    assert written == env[KERNEL_CACHE]  # and at the same path inside both pods
+
+    for spec_, cache in ((idep(), binding), (idep(gpusPerPod=0), BINDING)):
+        pod = runtime_deployment("chat", "ns", spec_, cache, OWNER)["spec"]["template"]["spec"]
+        assert KERNEL_CACHE not in {e["name"] for e in pod["containers"][0]["env"]}
+        assert volume["name"] not in {v["name"] for v in pod["volumes"]}

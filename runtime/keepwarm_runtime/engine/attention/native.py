@@ -3,12 +3,17 @@
 The kernel is compiled for this machine's CPU (`-march=native`) with the compiler torch's extension
 builder finds, once, into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``); later processes load the cached library in milliseconds. The library
-name carries a hash of the source and of the CPU's instruction-set flags, so a cache shared between
-machines never hands one CPU another's build, and a process finding that build loads it directly,
-without importing the builder. `make venv` builds it ahead
-(`python -m keepwarm_runtime.engine.attention.native`), so no server or test compiles it; the runtime
-image does not (it has no compiler, and a build is only good for the CPU it was made on), so CPU pods of
-that image run the torch backend.
+name carries a hash of the source, the torch and Python versions and the CPU's instruction-set flags,
+so a cache shared between machines or images never hands one CPU (or torch) another's build, and a
+process finding that build loads it directly, without importing the builder. `make venv` builds it
+ahead (`python -m keepwarm_runtime.engine.attention.native`), so no server or test compiles it; the
+runtime image does not (it has no compiler, and a build is only good for the CPU it was made on), so
+CPU pods of that image run the torch backend.
+
+On a node, the agent pod of a host-tier WeightCache builds it once (``--optional``: a node without a
+compiler only logs why) into the node's kernel folder, which CPU runtime pods mount read-only and name
+in ``KEEPWARM_KERNEL_CACHE`` (keepwarm_api.podenv): a build found there is loaded first, so a fresh
+pod does not compile, and no pod can write what another loads. A miss there builds as above.
 
 It links the OpenMP runtime torch already loaded (the same soname), so its threads are torch's
 intra-op threads, under the same count and spin settings (engine/threads.py).
@@ -16,6 +21,7 @@ intra-op threads, under the same count and spin settings (engine/threads.py).
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import logging
 import os
@@ -25,6 +31,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from keepwarm_api.podenv import KERNEL_CACHE
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +49,11 @@ class KernelUnavailable(RuntimeError):
 
 
 def library_name() -> str:
-    """Names a build by its source and this CPU's instruction sets (a build is only good for both)."""
+    """Names a build by its source, the torch and Python it links and this CPU's instruction sets (a
+    build is only good for all of them)."""
     digest = hashlib.sha256(SOURCE.read_bytes())
     digest.update(" ".join(CFLAGS).encode())
+    digest.update(f"torch {torch.__version__} python {sys.version_info[:2]}".encode())
     digest.update(_cpu_flags().encode())
     return f"keepwarm_cpu_{digest.hexdigest()[:12]}"
 
@@ -56,6 +66,14 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return "unknown"
+
+
+def _node_build(name: str) -> Path | None:
+    """The node agent's build of ``name`` (``KEEPWARM_KERNEL_CACHE``, laid out as the builder lays out
+    TORCH_EXTENSIONS_DIR), if there is one."""
+    root = os.environ.get(KERNEL_CACHE)
+    path = Path(root) / name / f"{name}.so" if root else None
+    return path if path is not None and path.is_file() else None
 
 
 def _built_library(name: str) -> Path | None:
@@ -91,14 +109,20 @@ def load() -> str:
             return _loaded
         name = library_name()
         started = time.perf_counter()
-        built = _built_library(name)
-        if built is not None:
+        for built in (_node_build(name), _built_library(name)):
+            if built is None:
+                continue
             try:
                 torch.ops.load_library(str(built))
-            except OSError as exc:  # a torn or foreign build: the builder below redoes it
-                log.warning("CPU attention kernel %s did not load (%s); rebuilding", built, exc)
+            except OSError as exc:  # a torn or foreign build: the next one, or the builder, redoes it
+                log.warning("CPU attention kernel %s did not load (%s)", built, exc)
             else:
-                log.info("CPU attention kernel %s loaded in %.2fs", name, time.perf_counter() - started)
+                log.info(
+                    "CPU attention kernel %s loaded from %s in %.2fs",
+                    name,
+                    built.parent,
+                    time.perf_counter() - started,
+                )
                 _loaded = name
                 return name
         from torch.utils import cpp_extension
@@ -132,14 +156,23 @@ def paged_decode_attention(
     )
 
 
-def main() -> int:
-    """Build the kernel now (image builds, `make venv`), so no serving process compiles it."""
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``main`` (the agent pod's init container runs it: builders/agent.py)."""
+    p = argparse.ArgumentParser(prog="python -m keepwarm_runtime.engine.attention.native")
+    p.add_argument("--optional", action="store_true", help="exit 0 when the kernel cannot be built")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Build the kernel now (image builds, `make venv`, the agent pod), so no serving process compiles
+    it. ``--optional`` (the agent pod): a machine that cannot build it says why and exits 0."""
+    args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         print(load())
     except KernelUnavailable as exc:
         print(f"keepwarm: the CPU attention kernel cannot be built here: {exc}", file=sys.stderr)
-        return 1
+        return 0 if args.optional else 1
     return 0
 
 
