@@ -5,6 +5,7 @@ pods must not change when models do, so they mount the WeightCache's modelDirect
 HOST_MODELS_MOUNT and find a path source under it (host_model_dir); pvc sources stay per-model mounts
 at `<MODELS_ROOT>/<model name>` in both. Both mount the node's download directory at HF_MOUNT. The
 fingerprint does not depend on the directory, so the agent's copy is the one a runtime pod asks for.
+LoRA adapters on a pvc are mounted at `<LORA_ROOT>/<adapter name>` in runtime pods.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from .common import ModelSource
 
 MODELS_ROOT = "/models"  # path and pvc sources, one directory per model name
 HF_MOUNT = "/var/cache/keepwarm"  # the node's download directory (WeightCache spec.downloadDirectory)
+LORA_ROOT = "/lora"  # LoRA adapters on a pvc, one directory per adapter name
 HOST_MODELS_MOUNT = "/host-models"  # the WeightCache's modelDirectory inside agent pods (read-only)
 
 
@@ -30,6 +32,11 @@ def host_model_dir(path: str, model_directory: str, mount: str = HOST_MODELS_MOU
 
 def model_dir(name: str, root: str = MODELS_ROOT) -> str:
     """The directory a path or pvc source of model `name` is mounted at."""
+    return f"{root}/{name}"
+
+
+def lora_dir(name: str, root: str = LORA_ROOT) -> str:
+    """The directory a pvc source of LoRA adapter `name` is mounted at."""
     return f"{root}/{name}"
 
 
