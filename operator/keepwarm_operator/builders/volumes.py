@@ -40,8 +40,10 @@ def model_mount(name: str, source: ModelSource) -> ModelMount:
 def lora_mount(adapter: LoraAdapter) -> ModelMount:
     """Volume and mount for one LoRA adapter (none for a containerPath); read-only, like models."""
     source = adapter.source
-    if source.pvc is None:
-        return ModelMount(None, None, source.container_path or "")  # the CEL rule: one of the two
+    if source.container_path is not None:
+        return ModelMount(None, None, source.container_path)
+    if source.pvc is None:  # the CRD's CEL rule makes this unreachable
+        raise ValueError(f"LoRA adapter {adapter.name!r}: source needs one of pvc, containerPath")
     volume_name = f"lora-{adapter.name}"  # fits: LORA_NAME_MAX
     path = lora_dir(adapter.name)
     volume = {
