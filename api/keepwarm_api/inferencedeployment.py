@@ -106,7 +106,7 @@ class LoraAdapter(KubeModel):
     """Name clients send in `model` (listed in /v1/models with the base as parent); a DNS label of at
     most 58 characters, other than the served model's name."""
     source: LoraAdapterSource
-    """Where the adapter's files come from."""
+    """Where the adapter's files come from: exactly one of pvc, containerPath."""
 
 
 class LoraSettings(KubeModel):

@@ -486,6 +486,12 @@ def test_a_lora_section_is_accepted_with_its_adapter_names_intact(env):
     assert [a["name"] for a in stored["adapters"]] == ["sql", "de"]
     assert stored["enabled"] is True and stored["allowRuntimeUpdating"] is False  # defaults
 
+    def explained():  # the API server publishes a new CRD's schema to kubectl explain asynchronously
+        out = env.cp.kubectl("explain", "idep.spec.lora.adapters.source", check=False).stdout
+        return "containerPath" in out and "pvc" in out and "exactly one" in out
+
+    wait(env.cp, explained, "kubectl explain of spec.lora.adapters.source")
+
 
 def test_missing_cache_is_a_condition_not_a_crash(env):
     apply(env, inference("orphan", env.ns, env.pool, model={"cacheRef": "no-such-cache", "name": MODEL}))
