@@ -70,7 +70,8 @@ class PVCSource(KubeModel):
     claim_name: str = Field(min_length=1, max_length=253)
     """Name of the PersistentVolumeClaim, in the namespace of the pods that mount it."""
     sub_path: str = ""
-    """Directory inside the volume that holds config.json and the safetensors files."""
+    """Directory inside the volume that holds the files: a checkpoint's config.json and safetensors, or
+    a LoRA adapter's adapter_config.json and adapter_model.safetensors."""
 
 
 class SecretKeyRef(KubeModel):

@@ -3,13 +3,14 @@
 Becomes a Deployment and a Service. Pods attach to a WeightCache's sockets on their node and prefer
 nodes where the model is already resident. spec.replicas is the scale subresource, so `kubectl scale`
 and an HPA targeting the InferenceDeployment own the replica count; the operator copies it through.
+spec.lora names the LoRA adapters the pods serve on the one base model (`keepwarm serve --enable-lora`).
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from .common import (
     DNS_LABEL,
@@ -18,6 +19,7 @@ from .common import (
     EnvVar,
     KubeModel,
     ModelSource,
+    PVCSource,
     ResourceRequirements,
     Toleration,
 )
@@ -27,6 +29,13 @@ KIND = "InferenceDeployment"
 PLURAL = "inferencedeployments"
 SHORT_NAMES = ["idep"]
 DEFAULT_IMAGE = "ghcr.io/keepwarm/keepwarm-runtime:0.1.0"
+# Bounds of spec.lora. An adapter's pod volume is "lora-" + its name, and volume names are DNS labels
+# of at most 63 characters. Slots cost max_loras * max_lora_rank rows per targeted projection on the
+# device; 512 is the highest rank vLLM serves.
+LORA_NAME_MAX = 58
+MAX_LORAS_LIMIT = 256
+MAX_LORA_RANK_LIMIT = 512
+MAX_ADAPTERS = 64
 
 
 class ModelRef(KubeModel):
@@ -66,6 +75,72 @@ class RuntimeSettings(KubeModel):
     """Load from disk when the cache is absent or mismatched (otherwise fail the start)."""
     extra_args: list[str] = Field(default_factory=list)
     """Further `keepwarm serve` flags, appended verbatim."""
+
+
+class LoraAdapterSource(KubeModel):
+    """Where a PEFT adapter's files (adapter_config.json, adapter_model.safetensors) come from; exactly
+    one of pvc, containerPath. No hostPath: the chart's tenancy policy guards only spec.model's path;
+    no Hugging Face: downloads are the node agent's, and adapters are not cached on nodes yet."""
+
+    model_config = KubeModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                {
+                    "rule": "[has(self.pvc), has(self.containerPath)].filter(x, x).size() == 1",
+                    "message": "set exactly one of source.pvc, source.containerPath",
+                }
+            ]
+        }
+    }
+
+    pvc: PVCSource | None = None
+    """Adapter files on a PersistentVolumeClaim, mounted read-only at /lora/<adapter name>."""
+    container_path: str | None = Field(default=None, pattern=r"^/.*", max_length=4096)
+    """Absolute directory already inside the runtime container, e.g. baked into the image."""
+
+
+class LoraAdapter(KubeModel):
+    """One LoRA adapter the pods serve; a request selects it by naming it in `model`."""
+
+    name: str = Field(max_length=LORA_NAME_MAX, pattern=DNS_LABEL)
+    """Name clients send in `model` (listed in /v1/models with the base as parent); a DNS label of at
+    most 58 characters, other than the served model's name."""
+    source: LoraAdapterSource
+    """Where the adapter's files come from: exactly one of pvc, containerPath."""
+
+
+class LoraSettings(KubeModel):
+    """LoRA adapters on the one base model: every pod serves each of them and the base, mixed in one
+    batch. Changing the list rolls the pods (the adapters are passed as `--lora-modules`)."""
+
+    enabled: bool = True
+    """Serve LoRA adapters; false turns them off and keeps the list."""
+    max_loras: int | None = Field(default=None, ge=1, le=MAX_LORAS_LIMIT)
+    """Adapter slots on the device: most distinct adapters in one batch (unset: the runtime's default);
+    requests for more wait for a slot."""
+    max_lora_rank: int | None = Field(default=None, ge=1, le=MAX_LORA_RANK_LIMIT)
+    """Highest adapter rank accepted (unset: the runtime's default); a pod refuses a higher one by name at
+    start."""
+    adapters: list[LoraAdapter] = Field(
+        default_factory=list,
+        max_length=MAX_ADAPTERS,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    """Adapters loaded at start; names are unique."""
+    allow_runtime_updating: bool = False
+    """Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (authorised like every route under
+    the runtime's API key); adapters loaded that way last as long as the pod."""
+
+    @field_validator("adapters")
+    @classmethod
+    def _unique_names(cls, adapters: list[LoraAdapter]) -> list[LoraAdapter]:
+        """The API server refuses duplicates (a list-map keyed by name); this says so off the cluster."""
+        seen: set[str] = set()
+        for adapter in adapters:
+            if adapter.name in seen:
+                raise ValueError(f"LoRA adapter name {adapter.name!r} appears twice; names are unique")
+            seen.add(adapter.name)
+        return adapters
 
 
 class PodOverrides(KubeModel):
@@ -108,6 +183,8 @@ class InferenceDeploymentSpec(KubeModel):
     """Always, IfNotPresent or Never."""
     runtime: RuntimeSettings = Field(default_factory=RuntimeSettings, json_schema_extra={"default": {}})
     """Runtime settings."""
+    lora: LoraSettings | None = None
+    """LoRA adapters served on the model."""
     env: list[EnvVar] = Field(default_factory=list)
     """Extra environment variables for the runtime container."""
     resources: ResourceRequirements | None = None
@@ -184,5 +261,13 @@ ROOT_VALIDATIONS = [
     {
         "rule": "size(self.metadata.name) <= 52",
         "message": "InferenceDeployment names are at most 52 characters",
-    }
+    },
+    {
+        # The served name is spec.model.name, else metadata.name (the operator's rule for inline sources).
+        "rule": "!has(self.spec) || !has(self.spec.lora) || !has(self.spec.lora.adapters)"
+        " || self.spec.lora.adapters.all(a, a.name !="
+        " (has(self.spec.model.name) ? self.spec.model.name : self.metadata.name))",
+        "message": "a LoRA adapter cannot take the served model's name (spec.model.name, else "
+        "metadata.name): clients select adapters by name",
+    },
 ]

@@ -7,6 +7,7 @@ at `<MODELS_ROOT>/<model name>` in both. Both mount the node's download director
 fingerprint does not depend on the directory, so the agent's copy is the one a runtime pod asks for.
 On host-tier nodes the agent pod also builds the CPU attention kernel into the node's kernel folder
 (kernel_cache_dir), which CPU runtime pods mount read-only at KERNELS_MOUNT.
+LoRA adapters on a pvc are mounted at `<LORA_ROOT>/<adapter name>` in runtime pods.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from .common import ModelSource
 
 MODELS_ROOT = "/models"  # path and pvc sources, one directory per model name
 HF_MOUNT = "/var/cache/keepwarm"  # the node's download directory (WeightCache spec.downloadDirectory)
+LORA_ROOT = "/lora"  # LoRA adapters on a pvc, one directory per adapter name
 HOST_MODELS_MOUNT = "/host-models"  # the WeightCache's modelDirectory inside agent pods (read-only)
 KERNELS_MOUNT = "/var/lib/keepwarm/kernels"  # the node's CPU kernel builds (kernel_cache_dir) in pods
 
@@ -39,6 +41,11 @@ def kernel_cache_dir(download_directory: str) -> str:
 
 def model_dir(name: str, root: str = MODELS_ROOT) -> str:
     """The directory a path or pvc source of model `name` is mounted at."""
+    return f"{root}/{name}"
+
+
+def lora_dir(name: str, root: str = LORA_ROOT) -> str:
+    """The directory a pvc source of LoRA adapter `name` is mounted at."""
     return f"{root}/{name}"
 
 

@@ -14,15 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from keepwarm_api import podenv
-from keepwarm_api.inferencedeployment import InferenceDeploymentSpec
+from keepwarm_api import podenv, serveflags
+from keepwarm_api.inferencedeployment import InferenceDeploymentSpec, LoraSettings
 from keepwarm_api.paths import KERNELS_MOUNT
 from keepwarm_api.probes import HEALTH_PATH, READY_PATH, ready_long_poll
 from keepwarm_api.weightcache import CachedModel, WeightCacheSpec
 
 from .agent import builds_kernels, socket_dir
 from .meta import GPU_RESOURCE, object_meta, runtime_labels, warm_label_key
-from .volumes import hf_volume, kernels_volume, model_mount
+from .volumes import ModelMount, hf_volume, kernels_volume, lora_mount, model_mount
 
 WARM_AFFINITY_WEIGHT = 100
 # The startup probe long-polls /ready for this long per attempt (keepwarm_api.probes): it succeeds the
@@ -45,6 +45,29 @@ def supervisor_port(spec: InferenceDeploymentSpec) -> int:
     return spec.port + 1
 
 
+def lora_mounts(lora: LoraSettings | None) -> dict[str, ModelMount]:
+    """Each served adapter's mount, by name; none when LoRA is off."""
+    if lora is None or not lora.enabled:
+        return {}
+    return {adapter.name: lora_mount(adapter) for adapter in lora.adapters}
+
+
+def lora_args(lora: LoraSettings | None, mounts: dict[str, ModelMount]) -> list[str]:
+    """`keepwarm serve`'s LoRA flags; unset bounds keep the runtime's defaults (stated only there)."""
+    if lora is None or not lora.enabled:
+        return []
+    args = [serveflags.ENABLE_LORA]
+    if lora.max_loras is not None:
+        args += [serveflags.MAX_LORAS, str(lora.max_loras)]
+    if lora.max_lora_rank is not None:
+        args += [serveflags.MAX_LORA_RANK, str(lora.max_lora_rank)]
+    for name, mount in mounts.items():
+        args += [serveflags.LORA_MODULES, serveflags.lora_module(name, mount.path)]
+    if lora.allow_runtime_updating:
+        args.append(serveflags.ALLOW_RUNTIME_LORA_UPDATING)
+    return args
+
+
 def runtime_command(spec: InferenceDeploymentSpec, model_path: str, model_name: str, dtype: str) -> list[str]:
     command = ["keepwarm", "serve", model_path, "--host", "0.0.0.0", "--port", str(spec.port)]
     command += ["--supervisor-port", str(supervisor_port(spec))]
@@ -57,6 +80,7 @@ def runtime_command(spec: InferenceDeploymentSpec, model_path: str, model_name: 
         command += ["--max-model-len", str(spec.runtime.max_model_len)]
     if spec.runtime.max_num_seqs:
         command += ["--max-num-seqs", str(spec.runtime.max_num_seqs)]
+    command += lora_args(spec.lora, lora_mounts(spec.lora))
     return [*command, *spec.runtime.extra_args]
 
 
@@ -77,9 +101,10 @@ def runtime_deployment(
         dtype = binding.model.dtype.value
     mm = model_mount(model_name, source)
     volumes, mounts = [], []
-    if mm.volume:
-        volumes.append(mm.volume)
-        mounts.append(mm.mount)
+    for m in (mm, *lora_mounts(spec.lora).values()):
+        if m.volume:
+            volumes.append(m.volume)
+            mounts.append(m.mount)
     env: list[dict[str, Any]] = []
     pod_security: dict[str, Any] = {}
     affinity: dict[str, Any] | None = None

@@ -7,14 +7,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from keepwarm_api.common import ModelSource
-from keepwarm_api.paths import HF_MOUNT, KERNELS_MOUNT, kernel_cache_dir, source_dir
+from keepwarm_api.inferencedeployment import LoraAdapter
+from keepwarm_api.paths import HF_MOUNT, KERNELS_MOUNT, kernel_cache_dir, lora_dir, source_dir
 
 
 @dataclass(frozen=True)
 class ModelMount:
     volume: dict[str, Any] | None  # pod volume (None when shared, e.g. the HF download dir)
     mount: dict[str, Any] | None  # container volumeMount
-    path: str  # directory inside the container with config.json + safetensors
+    path: str  # directory inside the container with the checkpoint's (or the adapter's) files
 
 
 def model_mount(name: str, source: ModelSource) -> ModelMount:
@@ -34,6 +35,25 @@ def model_mount(name: str, source: ModelSource) -> ModelMount:
             mount["subPath"] = source.pvc.sub_path
         return ModelMount(volume, mount, path)
     return ModelMount(None, None, path)  # Hugging Face: inside the shared download mount
+
+
+def lora_mount(adapter: LoraAdapter) -> ModelMount:
+    """Volume and mount for one LoRA adapter (none for a containerPath); read-only, like models."""
+    source = adapter.source
+    if source.container_path is not None:
+        return ModelMount(None, None, source.container_path)
+    if source.pvc is None:  # the CRD's CEL rule makes this unreachable
+        raise ValueError(f"LoRA adapter {adapter.name!r}: source needs one of pvc, containerPath")
+    volume_name = f"lora-{adapter.name}"  # fits: LORA_NAME_MAX
+    path = lora_dir(adapter.name)
+    volume = {
+        "name": volume_name,
+        "persistentVolumeClaim": {"claimName": source.pvc.claim_name, "readOnly": True},
+    }
+    mount = {"name": volume_name, "mountPath": path, "readOnly": True}
+    if source.pvc.sub_path:
+        mount["subPath"] = source.pvc.sub_path
+    return ModelMount(volume, mount, path)
 
 
 def hf_volume(host_dir: str, read_only: bool) -> tuple[dict[str, Any], dict[str, Any]]:

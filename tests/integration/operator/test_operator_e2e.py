@@ -45,6 +45,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 WC, MODEL, IDEP = "kwe2e", "tiny", "chat"
 WARM = warm_label_key(WC, MODEL)
 RECONCILES = "keepwarm_operator_reconcile_total"
+PVC = {"pvc": {"claimName": "adapters"}}  # a LoRA adapter source
 
 
 @pytest.fixture(scope="module")
@@ -415,6 +416,27 @@ def test_spec_change_rolls_the_pods(env):
             lambda p: weightcache("bad9", p, models=[{"name": "m", "source": {"path": "/etc/kubernetes"}}]),
             "source.path must lie under spec.modelDirectory",
         ),
+        (
+            lambda p: inference("bad10", "default", p, lora={"maxLoras": 0}),
+            "spec.lora.maxLoras: Invalid value: 0",
+        ),
+        (
+            lambda p: inference("bad11", "default", p, lora={"adapters": [{"name": "a", "source": PVC}] * 2}),
+            "Duplicate value",
+        ),
+        (
+            lambda p: inference(
+                "bad12",
+                "default",
+                p,
+                lora={"adapters": [{"name": "a", "source": {**PVC, "containerPath": "/a"}}]},
+            ),
+            "set exactly one of source.pvc, source.containerPath",
+        ),
+        (
+            lambda p: inference("bad13", "default", p, lora={"adapters": [{"name": MODEL, "source": PVC}]}),
+            "a LoRA adapter cannot take the served model's name",
+        ),
     ],
     ids=[
         "two-sources",
@@ -425,6 +447,10 @@ def test_spec_change_rolls_the_pods(env):
         "mixed-dtypes",
         "group-not-allowed",
         "path-outside-model-directory",
+        "lora-no-slots",
+        "lora-duplicate-adapter",
+        "lora-two-sources",
+        "lora-adapter-named-like-the-model",
     ],
 )
 def test_invalid_resources_are_rejected_by_the_api_server(env, doc, message):
@@ -439,6 +465,32 @@ def test_fp8_on_the_host_tier_is_accepted(env):
     doc = weightcache("fp8host", env.pool, tier="host", models=models)
     result = env.cp.kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(doc), check=False)
     assert result.returncode == 0, result.stderr
+
+
+def test_a_lora_section_is_accepted_with_its_adapter_names_intact(env):
+    """The CEL rules compile and pass a good spec: adapters from a pvc and a containerPath, inline model
+    named by metadata.name."""
+    lora = {
+        "maxLoras": 2,
+        "maxLoraRank": 16,
+        "adapters": [{"name": "sql", "source": PVC}, {"name": "de", "source": {"containerPath": "/opt/de"}}],
+    }
+    doc = inference(
+        "lora", "default", env.pool, model={"source": {"path": "/var/lib/models/tiny"}}, lora=lora
+    )
+    result = env.cp.kubectl(
+        "apply", "--dry-run=server", "-o", "json", "-f", "-", input=yaml.safe_dump(doc), check=False
+    )
+    assert result.returncode == 0, result.stderr
+    stored = json.loads(result.stdout)["spec"]["lora"]
+    assert [a["name"] for a in stored["adapters"]] == ["sql", "de"]
+    assert stored["enabled"] is True and stored["allowRuntimeUpdating"] is False  # defaults
+
+    def explained():  # the API server publishes a new CRD's schema to kubectl explain asynchronously
+        out = env.cp.kubectl("explain", "idep.spec.lora.adapters.source", check=False).stdout
+        return "containerPath" in out and "pvc" in out and "exactly one" in out
+
+    wait(env.cp, explained, "kubectl explain of spec.lora.adapters.source")
 
 
 def test_missing_cache_is_a_condition_not_a_crash(env):

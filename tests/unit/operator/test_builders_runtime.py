@@ -152,3 +152,70 @@ def test_cpu_pods_of_a_host_tier_cache_load_the_nodes_kernel_build_read_only():
         pod = runtime_deployment("chat", "ns", spec_, cache, OWNER)["spec"]["template"]["spec"]
         assert KERNEL_CACHE not in {e["name"] for e in pod["containers"][0]["env"]}
         assert volume["name"] not in {v["name"] for v in pod["volumes"]}
+
+
+LORA = {
+    "maxLoras": 2,
+    "maxLoraRank": 16,
+    "adapters": [
+        {"name": "sql", "source": {"pvc": {"claimName": "adapters", "subPath": "sql-r16"}}},
+        {"name": "chat-de", "source": {"containerPath": "/opt/adapters/chat-de"}},
+    ],
+}
+
+
+def serve_settings(command: list[str]):
+    """The settings `keepwarm serve` resolves from a rendered command, by the runtime's own parser."""
+    import argparse
+
+    from keepwarm_runtime.server import cli
+
+    assert command[:2] == ["keepwarm", "serve"]
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers(dest="command"))
+    return cli.serve_settings(parser.parse_args(command[1:]))
+
+
+def test_lora_adapters_reach_the_runtime_as_its_own_flags():
+    dep = runtime_deployment("chat", "ns", idep(lora=LORA), BINDING, OWNER)
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    settings = serve_settings(c["command"])
+    assert (settings.enable_lora, settings.max_loras, settings.max_lora_rank) == (True, 2, 16)
+    assert [(m.name, m.path) for m in settings.lora_modules] == [
+        ("sql", "/lora/sql"),
+        ("chat-de", "/opt/adapters/chat-de"),
+    ]
+    assert settings.allow_runtime_lora_updating is False
+    assert settings.served_model_name == "llama-8b"
+    # The pvc adapter is mounted read-only where its flag points; the containerPath one needs no volume.
+    volume = next(v for v in pod["volumes"] if v["name"] == "lora-sql")
+    assert volume["persistentVolumeClaim"] == {"claimName": "adapters", "readOnly": True}
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "lora-sql")
+    assert mount == {"name": "lora-sql", "mountPath": "/lora/sql", "readOnly": True, "subPath": "sql-r16"}
+    assert not any(v["name"].startswith("lora-chat") for v in pod["volumes"])
+
+
+def test_lora_bounds_left_unset_keep_the_runtimes_defaults_and_updating_is_opt_in():
+    lora = {"allowRuntimeUpdating": True}
+    (c,) = runtime_deployment("chat", "ns", idep(lora=lora), BINDING, OWNER)["spec"]["template"]["spec"][
+        "containers"
+    ]
+    settings = serve_settings(c["command"])
+    assert settings.enable_lora is True and settings.allow_runtime_lora_updating is True
+    assert (settings.max_loras, settings.max_lora_rank, settings.lora_modules) == (None, None, ())
+
+
+def test_lora_disabled_or_absent_renders_nothing():
+    plain = runtime_deployment("chat", "ns", idep(), BINDING, OWNER)
+    off = runtime_deployment("chat", "ns", idep(lora={**LORA, "enabled": False}), BINDING, OWNER)
+    assert off == plain
+    assert "--enable-lora" not in plain["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert serve_settings(plain["spec"]["template"]["spec"]["containers"][0]["command"]).enable_lora is None
+
+
+def test_changing_the_adapters_rolls_the_pods():
+    a = runtime_deployment("chat", "ns", idep(lora=LORA), BINDING, OWNER)
+    fewer = {**LORA, "adapters": LORA["adapters"][:1]}
+    b = runtime_deployment("chat", "ns", idep(lora=fewer), BINDING, OWNER)
+    assert a["spec"]["template"] != b["spec"]["template"]

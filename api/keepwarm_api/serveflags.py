@@ -1,0 +1,22 @@
+"""`keepwarm serve` flags the operator puts on runtime pods: one home for their names.
+
+The runtime declares its settings in `keepwarm_runtime.server.settings.ServeSettings`, which the
+operator cannot import (no torch in its image); every flag is ``settings.flag_name`` of a field name
+there, so this module derives them by the same rule. A unit test parses a rendered command with the
+runtime's own parser, so a renamed setting fails it rather than a pod.
+"""
+
+from __future__ import annotations
+
+from .settings import flag_name
+
+ENABLE_LORA = flag_name("enable_lora")  # --enable-lora: serve LoRA adapters
+MAX_LORAS = flag_name("max_loras")  # --max-loras: adapter slots, most distinct adapters in one batch
+MAX_LORA_RANK = flag_name("max_lora_rank")  # --max-lora-rank: adapters of a higher rank are refused
+LORA_MODULES = flag_name("lora_modules")  # --lora-modules name=path, once per adapter
+ALLOW_RUNTIME_LORA_UPDATING = flag_name("allow_runtime_lora_updating")  # /v1/(un)load_lora_adapter
+
+
+def lora_module(name: str, path: str) -> str:
+    """One ``--lora-modules`` value (the runtime's ``parse_lora_module`` reads it back)."""
+    return f"{name}={path}"
