@@ -30,6 +30,11 @@ SHORT_NAMES = ["wcn"]
 STALE_HEARTBEATS = 4  # missed heartbeats before a node is Stale
 STALE = "Stale"  # condition type: True (set by the operator) when the heartbeat stopped
 HEARTBEAT_FRESH, HEARTBEAT_MISSED = "HeartbeatFresh", "HeartbeatMissed"  # its reasons
+PEERS_REFUSED = "PeersRefused"  # condition type: True while the node's daemon refuses clients (agent)
+PEER_NOT_ALLOWED = "PeerNotAllowed"  # its reason
+REFUSAL_WINDOW_S = (
+    600  # a refusal keeps PeersRefused True this long; refusals closer than this are one episode
+)
 
 
 def object_name(cache: str, node: str) -> str:
@@ -197,7 +202,7 @@ class WeightCacheNodeStatus(KubeModel):
         default_factory=list,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
-    """Stale (set by the operator)."""
+    """Stale (set by the operator); PeersRefused (set by the agent) while its daemon refuses clients."""
 
     def resident(self) -> set[str]:
         """Models a pod placed on this node finds warm on whichever GPU it gets (resident_models)."""
@@ -236,6 +241,32 @@ def phase_of(models: list[ResidentModel]) -> NodePhase:
     return NodePhase.LOADING
 
 
+class Refusals(KubeModel, frozen=True):
+    """The daemon's latest episode of refused clients (refusals less than REFUSAL_WINDOW_S apart);
+    in the daemon's `stats` reply, where the node agent reads it."""
+
+    count: int
+    since: dt.datetime
+    """The episode's first refusal."""
+    last_at: dt.datetime
+    reason: str
+    """The last refusal in words (cache.security.PeerPolicy.refusal)."""
+
+    def condition(self, now: dt.datetime) -> Condition | None:
+        """PeersRefused=True while the last refusal is recent, else None: a pod whose uid or groups
+        the daemon does not allow loads from disk, and this is where `kubectl describe wcn` says why."""
+        if (now - self.last_at).total_seconds() >= REFUSAL_WINDOW_S:
+            return None
+        message = f"{self.reason} ({self.count} refused since {self.since:%Y-%m-%dT%H:%M:%SZ})"
+        return Condition(
+            type=PEERS_REFUSED,
+            status=ConditionStatus.TRUE,
+            reason=PEER_NOT_ALLOWED,
+            message=message[:1000],
+            last_transition_time=self.since,
+        )
+
+
 def agent_status(
     models: list[ResidentModel],
     gpu_uuids: list[str],
@@ -244,15 +275,18 @@ def agent_status(
     now: dt.datetime,
     reporting_since: dt.datetime,
     gpus: list[GPUResidency] | None = None,
+    refusals: Refusals | None = None,
 ) -> WeightCacheNodeStatus:
     """The status an agent reports: phase from its models (each combined over the GPUs when there
-    are per-GPU reports), Stale=False since it started reporting."""
+    are per-GPU reports), Stale=False since it started reporting, PeersRefused while the daemon
+    refuses clients (Refusals.condition)."""
     fresh = Condition(
         type=STALE,
         status=ConditionStatus.FALSE,
         reason=HEARTBEAT_FRESH,
         last_transition_time=reporting_since,
     )
+    refused = refusals.condition(now) if refusals else None
     return WeightCacheNodeStatus(
         phase=phase_of(models),
         heartbeat=now,
@@ -262,5 +296,5 @@ def agent_status(
         gpus=gpus or [],
         agent_version=version,
         message=message,
-        conditions=[fresh],
+        conditions=[fresh] if refused is None else [fresh, refused],
     )

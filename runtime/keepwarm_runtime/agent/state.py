@@ -24,6 +24,7 @@ from keepwarm_api.weightcachenode import (
     GPUModel,
     GPUResidency,
     ModelState,
+    Refusals,
     ResidentModel,
     WeightCacheNodeSpec,
     WeightCacheNodeStatus,
@@ -144,6 +145,12 @@ def gpu_model(m: ResidentModel) -> GPUModel:
     return GPUModel(name=m.name, state=m.state, bytes=m.bytes, message=m.message)
 
 
+def latest_refusals(snapshots: dict[str, dict[str, Any]]) -> Refusals | None:
+    """The most recent episode of refused clients across the node's daemons (one per GPU or one)."""
+    episodes = [Refusals.model_validate(r) for snap in snapshots.values() if (r := snap.get("refusals"))]
+    return max(episodes, key=lambda r: r.last_at, default=None)
+
+
 def node_status(
     state: AgentState, snapshots: dict[str, dict[str, Any]], wanted: list[WantedModel], version: str
 ) -> WeightCacheNodeStatus:
@@ -158,10 +165,13 @@ def node_status(
         for key, snap in snapshots.items()
     }
     gpu_keys = sorted(k for k in per_daemon if k)
+    refusals = latest_refusals(snapshots)
     if not gpu_keys:
         models = next(iter(per_daemon.values()), [])
         gpus = [u for snap in snapshots.values() if (u := snap.get("gpu_uuid"))]
-        return agent_status(models, gpus, version, state.message, now(), state.reporting_since)
+        return agent_status(
+            models, gpus, version, state.message, now(), state.reporting_since, refusals=refusals
+        )
     per_gpu = [
         GPUResidency(
             uuid=key,
@@ -170,7 +180,16 @@ def node_status(
         for key in gpu_keys
     ]
     models = [combine_gpus({key: per_daemon[key][i] for key in gpu_keys}) for i in range(len(wanted))]
-    return agent_status(models, gpu_keys, version, state.message, now(), state.reporting_since, gpus=per_gpu)
+    return agent_status(
+        models,
+        gpu_keys,
+        version,
+        state.message,
+        now(),
+        state.reporting_since,
+        gpus=per_gpu,
+        refusals=refusals,
+    )
 
 
 def fresh_since(stored: dict[str, Any] | None, since: dt.datetime, now: dt.datetime) -> dt.datetime:

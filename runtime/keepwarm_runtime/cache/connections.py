@@ -138,9 +138,11 @@ class SocketServer:
     def _serve(self, conn: socket.socket, cred: security.PeerCred, conn_id: int) -> None:
         d, limits = self.daemon, self.limits
         if not d.policy.allows(cred):
+            why = d.policy.refusal(cred)
             d.metrics.refused_peers.inc()
-            self.client_log.warning("refused peer pid=%d: %s", cred.pid, d.policy.refusal(cred))
-            self._refuse(conn, "forbidden", d.policy.refusal(cred))
+            d.refusals.record(why)
+            self.client_log.warning("refused peer pid=%d: %s", cred.pid, why)
+            self._refuse(conn, "forbidden", why)
             return
         # After a hand-off, a connection this daemon accepted is still served until its client closes.
         while (d.handed_off or not d.stopping) and self.table.waiting(conn_id, idle=True):

@@ -126,6 +126,7 @@ class CacheDaemon:
         self.metrics = DaemonMetrics()
         self.handlers = CommandHandlers(self)
         self.policy = security.PeerPolicy(allow_uids=config.allow_uids, allow_gids=config.allow_gids)
+        self.refusals = security.RefusalLog()  # peers the policy refused, for the node agent
         self._gid = security.resolve_gid(config.group)
         self._load_lock = threading.Lock()
         self._failed: dict[str, FailedModel] = {}
@@ -290,6 +291,7 @@ class CacheDaemon:
             "serves_gpu": self.serves_gpu,
             "models": {m.name: m.describe() for m in self.registry.models()},
             "failed": self.failed_models(),
+            "refusals": (refused := self.refusals.latest()) and refused.wire(),
         }
 
     def _new_arena(self, name: str, size: int):

@@ -10,6 +10,7 @@ socket owned by itself or root.
 from __future__ import annotations
 
 import ctypes
+import datetime as dt
 import errno
 import fcntl
 import grp
@@ -17,11 +18,13 @@ import os
 import socket
 import stat
 import struct
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from keepwarm_api import podenv
 from keepwarm_api.settings import present
+from keepwarm_api.weightcachenode import REFUSAL_WINDOW_S, Refusals
 
 
 class CacheSecurityError(Exception):
@@ -64,6 +67,28 @@ class PeerPolicy:
         return (
             f"uid {cred.uid} with {groups} is not allowed; start the daemon with --allow-uid or --allow-gid"
         )
+
+
+class RefusalLog:
+    """The latest episode of refused peers, for the node agent to report (Refusals.condition): a
+    pod refused here falls back to disk, and its user looks at the WeightCacheNode, not this log."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._latest: Refusals | None = None
+
+    def record(self, reason: str, at: dt.datetime | None = None) -> None:
+        at = at or dt.datetime.now(dt.UTC)
+        with self._lock:
+            last = self._latest
+            if last is None or (at - last.last_at).total_seconds() >= REFUSAL_WINDOW_S:
+                self._latest = Refusals(count=1, since=at, last_at=at, reason=reason)
+            else:
+                self._latest = Refusals(count=last.count + 1, since=last.since, last_at=at, reason=reason)
+
+    def latest(self) -> Refusals | None:
+        with self._lock:
+            return self._latest
 
 
 def _peer_groups_ctypes(sock: socket.socket, count: int) -> bytes:

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from keepwarm_runtime.cache.client import attach
+from keepwarm_runtime.cache import client
+from keepwarm_runtime.cache.client import attach, connect
 
 pytestmark = [
     pytest.mark.integration,
@@ -82,3 +83,7 @@ def test_supplementary_group_is_admitted(shared_root, daemon_factory):
     os.chmod(socket_dir / "host.sock", 0o666)
     refused = _attach_as(NOBODY, NOBODY, [OTHER_GID], model, socket_dir)
     assert refused["source"] == "disk" and refused["reason"] == "error: forbidden", refused
+    # The node agent reads the refusal from the daemon's stats to report it on the WeightCacheNode.
+    with connect(socket_dir / "host.sock", 30.0) as sock:
+        refusals = client.request(sock, {"cmd": "stats"})[0]["refusals"]
+    assert refusals["count"] == 1 and f"uid {NOBODY} with gids [{OTHER_GID}, {NOBODY}]" in refusals["reason"]

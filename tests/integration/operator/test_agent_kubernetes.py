@@ -6,13 +6,16 @@ Hub token from a Secret through the API, and reports the WeightCacheNode status.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
+import sys
 import uuid
 
 import pytest
 import yaml
 
+from keepwarm_api.weightcachenode import PEERS_REFUSED
 from keepwarm_operator.builders.agent import agent_rbac
 from keepwarm_runtime.cache.launcher import serve_command
 from keepwarm_testing.operator import (
@@ -26,6 +29,17 @@ from keepwarm_testing.operator import (
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+NOBODY = 65534
+# A client of a uid the daemon does not allow: it connects and prints the daemon's answer (from inside
+# the socket directory: the test's tmp_path above it is private to root).
+FOREIGN_CLIENT = f"""
+import os, socket, sys
+os.chdir(sys.argv[1])
+os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})
+s = socket.socket(socket.AF_UNIX)
+s.connect("host.sock")
+print(s.recv(65536)[4:].decode(errors="replace"))
+"""
 
 
 def test_cache_serve_reports_and_follows_the_weightcache(control_plane, tiny_llama, tmp_path):
@@ -136,6 +150,23 @@ def test_cache_serve_reports_and_follows_the_weightcache(control_plane, tiny_lla
             renewals.add(wait(cp, renewed, "a renewal", timeout_s=30))
         wcn_now = get(cp, f"{GROUP_PATH}/weightcachenodes/{cache}.{node}")["metadata"]["resourceVersion"]
         assert wcn_now == steady, "a steady agent wrote its WeightCacheNode"
+
+        # A pod whose uid and groups the daemon does not allow loads from disk; the node says why.
+        socket_dir = tmp_path / "sock"
+        os.chmod(socket_dir, 0o777)
+        os.chmod(socket_dir / "host.sock", 0o666)
+        refused = subprocess.run(
+            [sys.executable, "-c", FOREIGN_CLIENT, str(socket_dir)],
+            capture_output=True, text=True, timeout=60, check=True,
+        ).stdout  # fmt: skip
+        assert '"forbidden"' in refused, refused
+
+        def peers_refused():
+            status = get(cp, f"{GROUP_PATH}/weightcachenodes/{cache}.{node}").get("status") or {}
+            return next((c for c in status.get("conditions", []) if c["type"] == PEERS_REFUSED), None)
+
+        cond = wait(cp, peers_refused, f"PeersRefused on the node (agent log {log})", timeout_s=30)
+        assert cond["status"] == "True" and f"uid {NOBODY} with gids [{NOBODY}]" in cond["message"], cond
         assert proc.poll() is None, log.read_text()
     finally:
         proc.terminate()

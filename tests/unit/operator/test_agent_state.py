@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from keepwarm_api.paths import PathOutsideModelDirectory
-from keepwarm_api.weightcachenode import WeightCacheNodeSpec
+from keepwarm_api.weightcachenode import PEERS_REFUSED, REFUSAL_WINDOW_S, WeightCacheNodeSpec, agent_status
 from keepwarm_runtime.agent.kubernetes import NodeAgent
 from keepwarm_runtime.agent.state import (
     AgentState,
@@ -21,6 +21,7 @@ from keepwarm_runtime.agent.state import (
     status_differs,
     wanted_models,
 )
+from keepwarm_runtime.cache.security import RefusalLog
 
 SPEC = {"weightCache": "wc", "nodeName": "node-1", "heartbeatSeconds": 5, "modelDirectory": "/m"}
 
@@ -161,6 +162,47 @@ def test_a_steady_node_needs_no_status_write_and_transitions_only_after_stale():
     assert fresh_since(marked, start, later) == later  # the operator marked it Stale: a transition
     state.reporting_since = fresh_since(marked, start, later)
     assert status_differs(marked, node_status(state, loaded, wanted, "v"))
+
+
+def test_refused_clients_show_on_the_node_while_recent():
+    """A pod the daemon refuses loads from disk; its user finds why on the WeightCacheNode
+    (PeersRefused), for REFUSAL_WINDOW_S after the last refusal."""
+    start = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    log = RefusalLog()
+    log.record("uid 1 with gids [1] is not allowed", start)
+    log.record("uid 2 with gids [2] is not allowed", start + dt.timedelta(seconds=30))
+    episode = log.latest()
+    assert (episode.count, episode.since, episode.reason) == (2, start, "uid 2 with gids [2] is not allowed")
+    quiet = start + dt.timedelta(seconds=30 + REFUSAL_WINDOW_S)
+    log.record("uid 3 with gids [3] is not allowed", quiet)
+    assert (log.latest().count, log.latest().since) == (1, quiet)  # a new episode
+
+    def conditions(at):
+        return {c.type: c for c in agent_status([], [], "v", "", at, start, refusals=episode).conditions}
+
+    refused = conditions(start + dt.timedelta(seconds=31))[PEERS_REFUSED]
+    assert (refused.status, refused.reason, refused.last_transition_time) == ("True", "PeerNotAllowed", start)
+    assert refused.message.startswith(
+        "uid 2 with gids [2] is not allowed (2 refused since 2026-01-01T00:00:00Z"
+    )
+    assert PEERS_REFUSED not in conditions(quiet)  # quiet for the window: the condition goes
+
+    # From the daemons' snapshots as the agent reads them (stats JSON): the latest episode of any GPU's.
+    wanted = wanted_models(spec([]))
+    state = AgentState(reporting_since=start)
+    older = RefusalLog()
+    older.record("uid 7 with gids [7] is not allowed", dt.datetime.now(dt.UTC) - dt.timedelta(seconds=60))
+    newer = RefusalLog()
+    newer.record("uid 8 with gids [8] is not allowed")
+    snaps = {
+        "GPU-a": {"gpu_uuid": "GPU-a", "models": {}, "refusals": older.latest().wire()},
+        "GPU-b": {"gpu_uuid": "GPU-b", "models": {}, "refusals": newer.latest().wire()},
+    }
+    status = node_status(state, snaps, wanted, "v").wire()
+    (cond,) = [c for c in status["conditions"] if c["type"] == PEERS_REFUSED]
+    assert cond["message"].startswith("uid 8 ")
+    quiet_snaps = {key: {**snap, "refusals": None} for key, snap in snaps.items()}
+    assert [c["type"] for c in node_status(state, quiet_snaps, wanted, "v").wire()["conditions"]] == ["Stale"]
 
 
 def test_load_options_carry_pin_and_quantization():
