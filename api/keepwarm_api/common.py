@@ -227,3 +227,13 @@ def merge_conditions(
             stamp = dt.datetime.fromisoformat(before["lastTransitionTime"].replace("Z", "+00:00"))
         merged.append(cond.model_copy(update={"last_transition_time": stamp}).wire())
     return merged
+
+
+def upsert_conditions(
+    old: list[dict[str, Any]] | None, new: list[Condition], now: dt.datetime
+) -> list[dict[str, Any]]:
+    """`new` merged in (merge_conditions), every other condition of `old` kept as it was: for a
+    writer that owns only some of an object's condition types."""
+    replaced = {cond.type for cond in new}
+    kept = [c for c in old or [] if c.get("type") not in replaced]
+    return [*kept, *merge_conditions(old, new, now)]

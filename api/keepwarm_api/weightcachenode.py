@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import datetime as dt
 from enum import StrEnum
+from typing import Any
 
 from pydantic import Field
 
-from .common import Condition, ConditionStatus, KubeModel
+from .common import Condition, ConditionStatus, KubeModel, upsert_conditions
 from .weightcache import DEFAULT_HEARTBEAT_S, DEFAULT_MODEL_DIRECTORY, CachedModel, WeightCacheSpec
 
 KIND = "WeightCacheNode"
@@ -32,9 +33,10 @@ STALE = "Stale"  # condition type: True (set by the operator) when the heartbeat
 HEARTBEAT_FRESH, HEARTBEAT_MISSED = "HeartbeatFresh", "HeartbeatMissed"  # its reasons
 PEERS_REFUSED = "PeersRefused"  # condition type: True while the node's daemon refuses clients (agent)
 PEER_NOT_ALLOWED = "PeerNotAllowed"  # its reason
-REFUSAL_WINDOW_S = (
-    600  # a refusal keeps PeersRefused True this long; refusals closer than this are one episode
-)
+# A refusal keeps PeersRefused True this long; refusals closer together than this are one episode.
+REFUSAL_WINDOW_S = 600
+DAEMON_STARTED = "DaemonStarted"  # condition type: False (agent) when the node's daemon could not start
+START_FAILED = "StartFailed"  # its reason
 
 
 def object_name(cache: str, node: str) -> str:
@@ -202,7 +204,8 @@ class WeightCacheNodeStatus(KubeModel):
         default_factory=list,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
-    """Stale (set by the operator); PeersRefused (set by the agent) while its daemon refuses clients."""
+    """Stale (set by the operator); PeersRefused (set by the agent) while its daemon refuses clients;
+    DaemonStarted=False (set by the agent) when its daemon could not start."""
 
     def resident(self) -> set[str]:
         """Models a pod placed on this node finds warm on whichever GPU it gets (resident_models)."""
@@ -265,6 +268,20 @@ class Refusals(KubeModel, frozen=True):
             message=message[:1000],
             last_transition_time=self.since,
         )
+
+
+def start_failure_status(stored: dict[str, Any] | None, message: str, now: dt.datetime) -> dict[str, Any]:
+    """The status an agent writes when its daemon cannot start (a socket directory of another owner,
+    a tier the node lacks...) just before its process exits: Degraded, the reason in the message and
+    in DaemonStarted=False, the other conditions kept. The next agent that reports replaces it all."""
+    failed = Condition(
+        type=DAEMON_STARTED, status=ConditionStatus.FALSE, reason=START_FAILED, message=message[:1000]
+    )
+    return {
+        "phase": NodePhase.DEGRADED.value,
+        "message": message[:1000],
+        "conditions": upsert_conditions((stored or {}).get("conditions"), [failed], now),
+    }
 
 
 def agent_status(

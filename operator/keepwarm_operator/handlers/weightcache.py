@@ -20,7 +20,7 @@ import kopf
 from pydantic import ValidationError
 
 from keepwarm_api import API_VERSION
-from keepwarm_api.common import condition, merge_conditions
+from keepwarm_api.common import condition, merge_conditions, upsert_conditions
 from keepwarm_api.lease import LEASE_API_VERSION, renewed_at
 from keepwarm_api.weightcache import (
     KIND,
@@ -139,7 +139,8 @@ def _sync_nodes(
             since = "creation" if last == created else last.isoformat().replace("+00:00", "Z")
             message = f"no heartbeat since {since} (agents report every {spec.heartbeat_seconds}s)"
             stale = condition(STALE, True, HEARTBEAT_MISSED, message, None)
-            conditions = merge_conditions((obj.get("status") or {}).get("conditions"), [stale], now)
+            # The agent's own conditions stay (why its daemon did not start, refused clients).
+            conditions = upsert_conditions((obj.get("status") or {}).get("conditions"), [stale], now)
             patch = {
                 # Precondition: an agent that reported since we read the object wins (409, no write).
                 "metadata": {"resourceVersion": obj["metadata"]["resourceVersion"]},

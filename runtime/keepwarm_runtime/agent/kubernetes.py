@@ -93,6 +93,14 @@ def _clients() -> tuple[Any, Any]:
     return client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
 
 
+def fetch_node_object(api: Any, name: str) -> dict[str, Any] | None:
+    """The WeightCacheNode `name` (None until the operator created it); a list by name, as the agent
+    may list and watch but not get."""
+    found = api.list_cluster_custom_object(GROUP, VERSION, wcn.PLURAL, field_selector=f"metadata.name={name}")
+    items = found.get("items") or []
+    return items[0] if items else None
+
+
 def daemon_key(daemon: Any) -> str:
     """The GPU UUID a daemon serves ("" for the host tier's one): its key in books and status."""
     return getattr(daemon, "serves_gpu", None) or ""
@@ -137,13 +145,8 @@ class NodeAgent:
         return wcn.object_name(self.cache, self.node)
 
     def fetch(self) -> dict[str, Any] | None:
-        """This node's WeightCacheNode now (None until the operator created it); a list by name, as
-        the agent may list and watch but not get."""
-        found = self.api.list_cluster_custom_object(
-            GROUP, VERSION, wcn.PLURAL, field_selector=f"metadata.name={self.object_name}"
-        )
-        items = found.get("items") or []
-        return items[0] if items else None
+        """This node's WeightCacheNode now (None until the operator created it)."""
+        return fetch_node_object(self.api, self.object_name)
 
     def reconcile(self, obj: dict[str, Any]) -> None:
         """One pass: start loads of what is wanted and missing, release what is no longer wanted,
@@ -443,6 +446,24 @@ class NodeAgent:
 def _on(key: str) -> str:
     """ " on GPU-..." for a log line about one GPU's daemon; nothing for the host tier's one."""
     return f" on {key}" if key else ""
+
+
+def report_start_failure(settings: CacheServeSettings, message: str) -> None:
+    """Write why this node's daemon could not start onto its WeightCacheNode (start_failure_status)
+    before the process exits: the pod's log says it too, but a platform engineer reads the node
+    object. Best effort: a failure here is logged, never raised over the daemon's own error."""
+    name = wcn.object_name(settings.weightcache, settings.node_name)
+    try:
+        api, _ = _clients()
+        if (stored := fetch_node_object(api, name)) is None:
+            log.warning("WeightCacheNode %s not created yet; the start failure is only in this log", name)
+            return
+        status = wcn.start_failure_status(stored.get("status"), message, now())
+        api.patch_cluster_custom_object_status(
+            GROUP, VERSION, wcn.PLURAL, name, {"status": status}, _content_type="application/merge-patch+json"
+        )
+    except Exception as exc:  # no API, no permission: the log line above stands
+        log.warning("could not report the start failure on WeightCacheNode %s: %s", name, exc)
 
 
 def run_agent(daemons: list[Any], settings: CacheServeSettings, stop: threading.Event | None = None) -> None:

@@ -169,6 +169,10 @@ def serve(settings: CacheServeSettings) -> int:
             daemons[-1].claim()  # a second daemon stops here, before loading anything
     except Exception as exc:  # bad tier/device/group/socket dir, no CUDA, no GPU, lock held: one line
         close_all()
+        if settings.report_to_kubernetes:
+            from keepwarm_runtime.agent.kubernetes import report_start_failure
+
+            report_start_failure(settings, f"{type(exc).__name__}: {exc}")
         return _fail("serve", exc)
     quantization = daemons[0].config.quantization
     for daemon in daemons:

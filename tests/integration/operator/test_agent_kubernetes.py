@@ -15,7 +15,7 @@ import uuid
 import pytest
 import yaml
 
-from keepwarm_api.weightcachenode import PEERS_REFUSED
+from keepwarm_api.weightcachenode import DAEMON_STARTED, PEERS_REFUSED
 from keepwarm_operator.builders.agent import agent_rbac
 from keepwarm_runtime.cache.launcher import serve_command
 from keepwarm_testing.operator import (
@@ -178,3 +178,59 @@ def test_cache_serve_reports_and_follows_the_weightcache(control_plane, tiny_lla
         cp.kubectl("delete", "clusterrole,clusterrolebinding", agent, check=False)
         cp.kubectl("delete", "serviceaccount,role,rolebinding", agent, "-n", NAMESPACE, check=False)
         cp.kubectl("delete", "secret", f"{cache}-hf", "-n", NAMESPACE, check=False)
+
+
+def test_a_daemon_that_cannot_start_says_why_on_its_node(control_plane, tiny_llama, tmp_path):
+    """A socket directory owned by another uid stops the daemon (it never serves from a directory
+    others control): the pod's log says so and, for `kubectl get wcn`, so does its WeightCacheNode,
+    until a daemon starts there and reports."""
+    cp = control_plane
+    install_crds(cp)
+    cache = f"nostart{uuid.uuid4().hex[:5]}"
+    (node,) = cp.add_gpu_nodes(1, prefix=cache)
+    wcn = {
+        "apiVersion": "keepwarm.dev/v1alpha1",
+        "kind": "WeightCacheNode",
+        "metadata": {"name": f"{cache}.{node}"},
+        "spec": {"weightCache": cache, "nodeName": node, "modelDirectory": "/m", "heartbeatSeconds": 1},
+    }
+    cp.kubectl("create", "namespace", NAMESPACE, check=False)
+    docs = [wcn, *agent_rbac(cache, NAMESPACE, None, [])]
+    cp.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(docs))
+    env = {**cp.env(agent_pod_kubeconfig(cp, cache, node)), "POD_NAMESPACE": NAMESPACE}
+    socket_dir = tmp_path / "sock"
+    socket_dir.mkdir()
+    os.chown(socket_dir, NOBODY, NOBODY)
+    cmd = serve_command(socket_dir, [], "--report-to-kubernetes", "--weightcache", cache, "--node-name", node)
+    path = f"{GROUP_PATH}/weightcachenodes/{cache}.{node}"
+    try:
+        failed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert failed.returncode == 2 and str(socket_dir) in failed.stderr, failed.stderr
+        status = get(cp, path).get("status") or {}
+        assert status, failed.stderr
+        (started,) = [c for c in status["conditions"] if c["type"] == DAEMON_STARTED]
+        assert status["phase"] == "Degraded" and started["status"] == "False", status
+        assert started["reason"] == "StartFailed" and str(socket_dir) in started["message"], started
+
+        os.chown(socket_dir, 0, 0)  # the fault goes away: the next start reports as usual
+        log = tmp_path / "agent.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        try:
+
+            def reporting():
+                status = (get(cp, path) or {}).get("status") or {}
+                types = [c["type"] for c in status.get("conditions", [])]
+                return status.get("phase") == "Ready" and DAEMON_STARTED not in types
+
+            wait(cp, reporting, f"the started daemon's report replaces the failure (agent log {log})", 60)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    finally:
+        cp.kubectl("delete", "pod", f"keepwarm-agent-{cache}", "-n", NAMESPACE, "--wait=false", check=False)
+        cp.remove_node(node)
+        cp.kubectl("delete", "wcn", f"{cache}.{node}", check=False)
+        agent = f"keepwarm-agent-{cache}"
+        cp.kubectl("delete", "clusterrole,clusterrolebinding", agent, check=False)
+        cp.kubectl("delete", "serviceaccount,role,rolebinding", agent, "-n", NAMESPACE, check=False)

@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from keepwarm_api.paths import PathOutsideModelDirectory
-from keepwarm_api.weightcachenode import PEERS_REFUSED, REFUSAL_WINDOW_S, WeightCacheNodeSpec, agent_status
+from keepwarm_api.weightcachenode import (
+    DAEMON_STARTED,
+    PEERS_REFUSED,
+    REFUSAL_WINDOW_S,
+    STALE,
+    WeightCacheNodeSpec,
+    agent_status,
+    start_failure_status,
+)
 from keepwarm_runtime.agent.kubernetes import NodeAgent
 from keepwarm_runtime.agent.state import (
     AgentState,
@@ -203,6 +211,19 @@ def test_refused_clients_show_on_the_node_while_recent():
     assert cond["message"].startswith("uid 8 ")
     quiet_snaps = {key: {**snap, "refusals": None} for key, snap in snaps.items()}
     assert [c["type"] for c in node_status(state, quiet_snaps, wanted, "v").wire()["conditions"]] == ["Stale"]
+
+
+def test_a_start_failure_keeps_the_nodes_other_conditions_and_its_own_transition_time():
+    start = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    stored = node_status(AgentState(reporting_since=start), {"": {"models": {}}}, [], "v").wire()
+    first = start_failure_status(stored, "CacheSecurityError: socket directory /s is owned by uid 7", start)
+    assert first["phase"] == "Degraded" and first["message"].endswith("owned by uid 7")
+    assert [c["type"] for c in first["conditions"]] == [STALE, DAEMON_STARTED]
+    assert first["conditions"][0] == stored["conditions"][0]  # the agent's Stale=False, untouched
+    later = start + dt.timedelta(minutes=5)
+    again = start_failure_status({**stored, **first}, "CacheSecurityError: same", later)
+    (failed,) = [c for c in again["conditions"] if c["type"] == DAEMON_STARTED]
+    assert failed["lastTransitionTime"] == "2026-01-01T00:00:00Z" and failed["message"].endswith("same")
 
 
 def test_load_options_carry_pin_and_quantization():
