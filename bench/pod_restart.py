@@ -1,18 +1,22 @@
 """A pod restart as a user sees it, on real pods: from `kubectl delete pod`, a crash, and scale 0 -> 1.
 
-    flock /tmp/kw-bench.lock .venv/bin/python bench/pod_restart.py [--params 1M] [--json-out FILE]
+    flock /tmp/kw-bench.lock .venv/bin/python bench/pod_restart.py [--params 500M,1B] [--json-out FILE]
 
 Needs root (the kubelet stand-in runs pods for real: testing/keepwarm_testing/controlplane/pods/).
 Two fake nodes; `helm install` of the chart; a host-tier WeightCache selecting one node only (the
 warm node); the model generated under modelDirectory on both. Per mode, one InferenceDeployment of
 one replica: `warm` attaches through the cache (cacheRef), `cold` names the same directory as its
-own source (no cache: weights from disk; the page cache is not dropped, the machine is shared).
+own source (no cache: weights from disk). Before every case the checkpoint's files are evicted from
+the page cache (posix_fadvise DONTNEED on each file: a node whose disk cache does not hold the
+weights, while the image's own files stay cached as on a node that ran the image before).
 Per case the clock starts at the action and stops at the new pod's Ready (polled every 50 ms) and at
 its first token (the official `openai` client, polling after Ready). One JSON object:
-  runs[]: size_params, case (delete | crash | scale_from_zero), mode (warm | cold), node (where the
-          new pod landed), pod_ready_s, first_token_s, process_ready_s (the runtime's own start to
-          ready, keepwarm_process_start_to_ready_seconds), ready_lag_s (pod Ready minus the runtime's
-          ready instant: what probes and the kubelet add), phases (keepwarm_startup_phase_seconds)
+  runs[]: size_params, size_gib, case (delete | crash | scale_from_zero), mode (warm | cold), node
+          (where the new pod landed), pod_ready_s, first_token_s, container_start_s (the action to
+          the new container's first process: scheduling, the kubelet, volumes), process_ready_s (the
+          runtime's own start to ready, keepwarm_process_start_to_ready_seconds), ready_lag_s (pod
+          Ready minus the runtime's ready instant: what probes and the kubelet add), phases
+          (keepwarm_startup_phase_seconds)
 A benchmark, not a test: nothing here asserts speed.
 """
 
@@ -85,6 +89,20 @@ def first_token(pod: dict[str, Any], model: str) -> None:
             time.sleep(POLL_S)
 
 
+def evict_from_page_cache(model_dir: Path) -> None:
+    """Drop the checkpoint's pages from the page cache (clean pages: no root needed)."""
+    for path in model_dir.iterdir():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def size_gib(model_dir: Path) -> float:
+    return round(sum(p.stat().st_size for p in model_dir.glob("*.safetensors")) / 2**30, 3)
+
+
 def runtime_metrics(pod: dict[str, Any]) -> tuple[float, dict[str, float]]:
     text = httpx.get(f"http://{pod['status']['podIP']}:8000/metrics", timeout=30).text
     ready_s = samples(text, "keepwarm_process_start_to_ready_seconds")[0].value
@@ -92,12 +110,16 @@ def runtime_metrics(pod: dict[str, Any]) -> tuple[float, dict[str, float]]:
     return ready_s, phases
 
 
-def measure(cp: ControlPlane, name: str, case: str, mode: str, params: str) -> dict[str, Any]:
+def measure(
+    cp: ControlPlane, name: str, case: str, mode: str, params: str, models: list[Path]
+) -> dict[str, Any]:
     (old,) = runtime_pods(cp, name)
     restarts = old["status"]["containerStatuses"][0]["restartCount"]
     if case == "scale_from_zero":
         cp.kubectl("scale", "-n", APPS, f"inferencedeployment/{name}", "--replicas=0")
         wait(lambda: not runtime_pods(cp, name))
+    for model in models:
+        evict_from_page_cache(model)
     t0 = time.time()
     if case == "delete":
         cp.kubectl("delete", "pod", "-n", APPS, old["metadata"]["name"], "--wait=false")
@@ -123,10 +145,12 @@ def measure(cp: ControlPlane, name: str, case: str, mode: str, params: str) -> d
     token = time.time()
     process_ready_s, phases = runtime_metrics(pod)
     pid1 = cp.pods.worker(APPS, pod["metadata"]["name"]).containers[0].running.pid1()
-    runtime_ready = process_start(pid1) + process_ready_s
+    started = process_start(pid1)
+    runtime_ready = started + process_ready_s
     return {
-        "size_params": params, "case": case, "mode": mode, "node": pod["spec"]["nodeName"],
-        "pod_ready_s": round(pod_ready - t0, 3), "first_token_s": round(token - t0, 3),
+        "size_params": params, "size_gib": size_gib(models[0]), "case": case, "mode": mode,
+        "node": pod["spec"]["nodeName"], "pod_ready_s": round(pod_ready - t0, 3),
+        "first_token_s": round(token - t0, 3), "container_start_s": round(started - t0, 3),
         "process_ready_s": round(process_ready_s, 3), "ready_lag_s": round(pod_ready - runtime_ready, 3),
         "phases": phases,
     }  # fmt: skip
@@ -157,9 +181,10 @@ def run(params: str, cases: list[str], modes: list[str]) -> dict[str, Any]:
     runs = []
     with ControlPlane(build_control_plane(), run_pods=True, images=images) as cp:
         warm_node, cold_node = cp.add_gpu_nodes(1, labels={"bench-cache": "on"}) + cp.add_gpu_nodes(1)
+        models = []
         for node in (warm_node, cold_node):
-            model = make_model(cp.pods.node(node).root / MODEL_DIR.lstrip("/"), params=params)
-            for path in model.iterdir():
+            models.append(make_model(cp.pods.node(node).root / MODEL_DIR.lstrip("/"), params=params))
+            for path in models[-1].iterdir():
                 path.chmod(0o644)
         with helm.Config(kubeconfig_path=str(cp.kubeconfig), namespace=NAMESPACE) as cfg:
             cfg.install(CHART, RELEASE, {"replicaCount": 1}, create_namespace=True, timeout=300)
@@ -185,7 +210,7 @@ def run(params: str, cases: list[str], modes: list[str]) -> dict[str, Any]:
             cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(deployment(name, mode)))
             wait(lambda name=name: [p for p in runtime_pods(cp, name) if ready(p)])
             for case in cases:
-                runs.append(measure(cp, name, case, mode, params))
+                runs.append(measure(cp, name, case, mode, params, models))
                 print(json.dumps(runs[-1]), file=sys.stderr)
             cp.kubectl("delete", "-n", APPS, "inferencedeployment", name, "--wait=true", timeout=300)
             wait(lambda name=name: not runtime_pods(cp, name))
@@ -195,7 +220,7 @@ def run(params: str, cases: list[str], modes: list[str]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--params", default="1M", help="model size for keepwarm_runtime.modelgen (e.g. 1M, 500M)"
+        "--params", default="1M", help="model sizes for keepwarm_runtime.modelgen, comma-separated (500M,1B)"
     )
     parser.add_argument("--cases", default="delete,crash,scale_from_zero")
     parser.add_argument("--modes", default="warm,cold")
@@ -203,7 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         sys.exit("bench/pod_restart.py runs pods for real: it needs root")
-    result = run(args.params, args.cases.split(","), args.modes.split(","))
+    sizes = [run(params, args.cases.split(","), args.modes.split(",")) for params in args.params.split(",")]
+    result = {**sizes[-1], "runs": [r for size in sizes for r in size["runs"]]}
     text = json.dumps(result, indent=2)
     print(text)
     if args.json_out:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from keepwarm_api.common import ModelSource
+from keepwarm_api.common import ModelSource, PVCSource
 from keepwarm_api.inferencedeployment import LoraAdapter
 from keepwarm_api.paths import HF_MOUNT, KERNELS_MOUNT, kernel_cache_dir, lora_dir, source_dir
 
@@ -26,14 +26,7 @@ def model_mount(name: str, source: ModelSource) -> ModelMount:
         volume = {"name": volume_name, "hostPath": {"path": source.path, "type": "Directory"}}
         return ModelMount(volume, {"name": volume_name, "mountPath": path, "readOnly": True}, path)
     if source.pvc is not None:
-        volume = {
-            "name": volume_name,
-            "persistentVolumeClaim": {"claimName": source.pvc.claim_name, "readOnly": True},
-        }
-        mount = {"name": volume_name, "mountPath": path, "readOnly": True}
-        if source.pvc.sub_path:
-            mount["subPath"] = source.pvc.sub_path
-        return ModelMount(volume, mount, path)
+        return pvc_mount(volume_name, source.pvc, path)
     return ModelMount(None, None, path)  # Hugging Face: inside the shared download mount
 
 
@@ -44,15 +37,15 @@ def lora_mount(adapter: LoraAdapter) -> ModelMount:
         return ModelMount(None, None, source.container_path)
     if source.pvc is None:  # the CRD's CEL rule makes this unreachable
         raise ValueError(f"LoRA adapter {adapter.name!r}: source needs one of pvc, containerPath")
-    volume_name = f"lora-{adapter.name}"  # fits: LORA_NAME_MAX
-    path = lora_dir(adapter.name)
-    volume = {
-        "name": volume_name,
-        "persistentVolumeClaim": {"claimName": source.pvc.claim_name, "readOnly": True},
-    }
+    return pvc_mount(f"lora-{adapter.name}", source.pvc, lora_dir(adapter.name))  # fits: LORA_NAME_MAX
+
+
+def pvc_mount(volume_name: str, pvc: PVCSource, path: str) -> ModelMount:
+    """A claim mounted read-only at `path` (its subPath when set): a model's or an adapter's."""
+    volume = {"name": volume_name, "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": True}}
     mount = {"name": volume_name, "mountPath": path, "readOnly": True}
-    if source.pvc.sub_path:
-        mount["subPath"] = source.pvc.sub_path
+    if pvc.sub_path:
+        mount["subPath"] = pvc.sub_path
     return ModelMount(volume, mount, path)
 
 
