@@ -359,13 +359,7 @@ class CacheDaemon:
                 listener.detach()  # commit closed the descriptor
                 raise
         else:
-            security.remove_stale_socket(self.socket_path, self.lock)
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            old_umask = os.umask(0o177)
-            try:
-                listener.bind(str(self.socket_path))
-            finally:
-                os.umask(old_umask)
+            listener = security.bind_private(self.socket_path, self.lock)
         security.secure_socket_file(self.socket_path, self._gid)
         listener.listen(socket.SOMAXCONN)  # a restart storm of pods queues instead of failing
         listener.settimeout(0.2)

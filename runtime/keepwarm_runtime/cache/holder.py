@@ -95,13 +95,7 @@ class Holder:
                 if self.path.exists() and self._take_over(busy):
                     return
                 time.sleep(0.2)
-        security.remove_stale_socket(self.path, self.lock)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
-        try:
-            listener.bind(str(self.path))
-        finally:
-            os.umask(old)
+        listener = security.bind_private(self.path, self.lock)
         os.chmod(self.path, 0o600)
         listener.listen(64)
         self._listener = listener

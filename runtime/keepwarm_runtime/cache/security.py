@@ -162,6 +162,19 @@ def prepare_socket_dir(path: str | Path, gid: int | None = None) -> Path:
     return path
 
 
+def bind_private(path: Path, lock: DaemonLock) -> socket.socket:
+    """A Unix socket bound at `path` (a stale one of a dead holder of `lock` removed first), created
+    0600 under a private umask so no other uid ever sees it open, even for an instant."""
+    remove_stale_socket(path, lock)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)
+    try:
+        listener.bind(str(path))
+    finally:
+        os.umask(old_umask)
+    return listener
+
+
 class DaemonLock:
     """Exclusive flock on ``<socket>.lock``: one daemon per socket; only its holder may unlink."""
 
