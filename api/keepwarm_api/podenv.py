@@ -21,6 +21,7 @@ DOWNLOAD_ROOT = env_name("download_root")  # where the agent keeps Hugging Face 
 # KEEPWARM_KERNEL_CACHE: a read-only folder of CPU kernels the node agent built for this node
 # (engine/attention/native.py loads a build from there before building one of its own)
 KERNEL_CACHE = env_name("kernel_cache")
+HF_ENDPOINT = "HF_ENDPOINT"  # huggingface_hub's Hub address (WeightCache spec.agent.huggingFaceEndpoint)
 
 
 def env_bool(value: bool) -> str:

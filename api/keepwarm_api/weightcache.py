@@ -80,6 +80,9 @@ class AgentSpec(KubeModel):
     """How agents reach the node's GPUs."""
     metrics_port: int = Field(default=9400, ge=1, le=65535)
     """Port of the agent's /metrics endpoint."""
+    hugging_face_endpoint: str | None = Field(default=None, max_length=2048, pattern=r"^https?://[^\s]+$")
+    """Where the agents download huggingFace sources from (HF_ENDPOINT): a Hub mirror or proxy inside
+    the cluster; unset: huggingface.co."""
 
 
 class SocketMode(StrEnum):

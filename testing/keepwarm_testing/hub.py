@@ -49,7 +49,8 @@ def git(repo: Path, *args: str) -> str:
 
 
 class _Gate(BaseHTTPRequestHandler):
-    """Forward to olah; 401 for a gated repository without its token."""
+    """Forward to olah; 401 for a gated repository without its token. Redirects olah answers with
+    point back at the gate, so clients never go around it (nor need to reach olah's loopback port)."""
 
     hub: LocalHub  # set on the per-hub subclass
 
@@ -84,7 +85,10 @@ class _Gate(BaseHTTPRequestHandler):
         upstream.close()
         self._record(auth, resp.status)
         self.send_response(resp.status)
+        olah = f"http://127.0.0.1:{self.hub.olah_port}"
         for key, value in resp.getheaders():
+            if key.lower() == "location":  # olah's redirects (a trailing slash) name its own port
+                value = value.replace(olah, self.hub.endpoint)
             if key.lower() not in HOP_BY_HOP and key.lower() != "content-length":
                 self.send_header(key, value)
         length = resp.getheader("Content-Length") if self.command == "HEAD" else None
@@ -101,8 +105,9 @@ class _Gate(BaseHTTPRequestHandler):
 class LocalHub:
     """Model repositories as git repositories, served by olah behind the token gate on loopback."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, host: str = "127.0.0.1") -> None:
         self.workdir = workdir
+        self.host = host  # the gate's address: loopback, or the pod bridge's for agents in pods
         self.mirrors = workdir / "mirrors"
         self.port, self.olah_port = free_port(), free_port()
         self.gated: dict[str, str] = {}  # repo id -> the token it needs
@@ -114,7 +119,7 @@ class LocalHub:
     @property
     def endpoint(self) -> str:
         """HF_ENDPOINT for clients."""
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def running(self) -> bool:
@@ -156,7 +161,7 @@ class LocalHub:
 
     def _config(self) -> Path:
         config = self.workdir / "olah.toml"
-        netloc = f"127.0.0.1:{self.port}"  # URLs olah writes point at the gate, never around it
+        netloc = f"{self.host}:{self.port}"  # URLs olah writes point at the gate, never around it
         config.write_text(
             "[basic]\n"
             f'host = "127.0.0.1"\nport = {self.olah_port}\n'
@@ -175,7 +180,7 @@ class LocalHub:
         log.close()
         self._wait_for_olah()
         handler = type("Gate", (_Gate,), {"hub": self})
-        self._gate = ThreadingHTTPServer(("127.0.0.1", self.port), handler)
+        self._gate = ThreadingHTTPServer((self.host, self.port), handler)
         self._gate.daemon_threads = True
         threading.Thread(target=self._gate.serve_forever, daemon=True, name="hub-gate").start()
         return self

@@ -204,6 +204,8 @@ def agent_daemonset(
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "HOME", "value": "/tmp"},  # read-only root filesystem: caches go to the emptyDir
     ]
+    if spec.agent.hugging_face_endpoint:
+        env.append({"name": podenv.HF_ENDPOINT, "value": spec.agent.hugging_face_endpoint})
     for model in sorted(spec.models, key=lambda m: m.name):
         if model.source.pvc is not None:  # the one source a pod spec must name (see the docstring)
             mm = model_mount(model.name, model.source)

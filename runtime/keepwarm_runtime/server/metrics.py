@@ -95,7 +95,7 @@ class ServerMetrics:
         )
         self.start_to_ready = Gauge(
             "keepwarm_process_start_to_ready_seconds",
-            "Seconds from process start to ready",
+            "Seconds from the serving process's start (a supervised worker's: its fork) to ready",
             registry=r,
         )
         self.startup_phase = Gauge(

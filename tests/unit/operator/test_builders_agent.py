@@ -236,3 +236,15 @@ def test_host_tier_agents_build_the_cpu_kernel_into_the_nodes_kernel_folder():
     assert "initContainers" not in gpu and all(
         "kernels" not in v["hostPath"]["path"] for v in gpu["volumes"] if "hostPath" in v
     )
+
+
+def test_a_hub_mirror_reaches_the_agent_as_hf_endpoint():
+    def env(s):
+        (container, _holder) = agent_daemonset("llama", s, "ns", OWNER)["spec"]["template"]["spec"][
+            "containers"
+        ]
+        return {e["name"]: e.get("value") for e in container["env"]}
+
+    mirror = spec(agent={"huggingFaceEndpoint": "http://hub-mirror.ml.svc:8090"})
+    assert env(mirror)["HF_ENDPOINT"] == "http://hub-mirror.ml.svc:8090"
+    assert "HF_ENDPOINT" not in env(spec())  # huggingface_hub's own default: huggingface.co
