@@ -1,15 +1,17 @@
 """Container lifecycle hooks as the kubelet runs them: preStop before SIGTERM, within the grace period.
 
     lifecycle.check(container)               # at container start: an unsupported hook is refused by name
-    lifecycle.pre_stop(container, target, s) # at deletion: run the container's preStop for up to s seconds
+    lifecycle.pre_stop(container, target, s, cancel)  # at deletion: its preStop, for up to s seconds
 
 preStop handlers: `exec` (in the container's namespaces as its user, as an exec probe), `httpGet`
 (from the host to the pod IP, a named port resolved through the container's ports), `sleep` (the
 kubelet itself waits; nothing runs in the container). The hook may take the whole grace period; the
 kubelet then sends SIGTERM and keeps whatever is left of the period for it, at least
 MIN_GRACE_AFTER_HOOK_S (its one-off extension for a hook that overran). A failed hook is logged and
-the pod stops anyway. postStart, the deprecated tcpSocket handler and anything else are refused when
-the container would start (CreateContainerConfigError), never skipped in silence.
+the pod stops anyway. Hooks run on pod deletion only: a container killed for a failed liveness or
+startup probe gets SIGTERM at once here (the kubelet would run its preStop first). postStart, the
+deprecated tcpSocket handler and anything else are refused when the container would start
+(CreateContainerConfigError), never skipped in silence.
 """
 
 from __future__ import annotations
