@@ -4,8 +4,8 @@ One control plane whose kubelet stand-in runs pods for real (root only): `helm i
 charts/keepwarm (the operator runs as the chart's Deployment pod, as its ServiceAccount); a host-tier
 WeightCache with a model under modelDirectory (the agent DaemonSet pod runs `keepwarm cache serve`);
 an InferenceDeployment of 2 replicas (pods run `keepwarm serve` as rendered). The official `openai`
-client talks to each pod IP; a spec change rolls the pods while client threads send requests all
-along. The steps share state and run in order.
+client talks to each pod IP; the agent pod is restarted and then a spec change rolls the pods while
+client threads send requests all along. The steps share state and run in order.
 """
 
 from __future__ import annotations
@@ -328,9 +328,37 @@ class Traffic:
                         self.answers.setdefault(uid, []).append(out.choices[0].message.content or "")
 
 
+def test_a_restarted_agent_leaves_serving_pods_serving(journey: SimpleNamespace) -> None:
+    """The agent pod deleted while a runtime pod serves: the runtime keeps answering from its mapping
+    all along, and the DaemonSet's new agent has the model again (the next step's new pod attaches
+    to it)."""
+    cp = journey.cp
+    (pod,) = ready_pods(cp, APPS, RUNTIME, 1)
+    (agent,) = ready_pods(cp, NAMESPACE, AGENTS, 1)
+    uid = pod["metadata"]["uid"]
+    traffic = Traffic(cp)
+    traffic.start()
+    try:
+        cp.wait_for(lambda: traffic.count(uid) >= 3, timeout_s=120, what="traffic flowing")
+        cp.kubectl("delete", "pod", "-n", NAMESPACE, agent["metadata"]["name"], "--wait=true", timeout=180)
+        (fresh_agent,) = cp.wait_for(
+            lambda: ready_pods(cp, NAMESPACE, AGENTS, 1), timeout_s=240, what="the new agent pod Ready"
+        )
+        assert fresh_agent["metadata"]["uid"] != agent["metadata"]["uid"]
+        cp.wait_for(lambda: cache_node_ready(cp), timeout_s=240, what="the model resident again")
+        served = traffic.count(uid)
+        cp.wait_for(lambda: traffic.count(uid) >= served + 3, timeout_s=120, what="the pod still serving")
+    finally:
+        traffic.finish()
+    assert traffic.failures == []
+    assert set(traffic.answers) == {uid}
+    assert set(traffic.answers[uid]) == {journey.answer}
+
+
 def test_a_spec_change_rolls_with_no_request_failing(journey: SimpleNamespace) -> None:
     """maxUnavailable 0: the old pod serves until the new one is Ready, then serves through its preStop
-    sleep while clients stop picking it, and drains; not one request of the clients fails."""
+    sleep while clients stop picking it, and drains; not one request of the clients fails. The new
+    pod attaches to the node cache of the agent restarted in the previous step, not to disk."""
     cp = journey.cp
     (old,) = ready_pods(cp, APPS, RUNTIME, 1)
     traffic = Traffic(cp)
@@ -363,41 +391,6 @@ def test_a_spec_change_rolls_with_no_request_failing(journey: SimpleNamespace) -
     assert {"name": "JOURNEY_ROLLOUT", "value": "1"} in new["spec"]["containers"][0]["env"]
     assert set(traffic.answers) == {old["metadata"]["uid"], new["metadata"]["uid"]}
     assert {a for answers in traffic.answers.values() for a in answers} == {journey.answer}
-
-
-def test_a_restarted_agent_leaves_serving_pods_serving_and_new_pods_attach(journey: SimpleNamespace) -> None:
-    """The agent pod deleted while a runtime pod serves: the runtime keeps answering from its mapping
-    all along, and once the DaemonSet's new agent has the model again a fresh runtime pod attaches
-    to the node cache, not to disk."""
-    cp = journey.cp
-    (pod,) = ready_pods(cp, APPS, RUNTIME, 1)
-    (agent,) = ready_pods(cp, NAMESPACE, AGENTS, 1)
-    uid = pod["metadata"]["uid"]
-    traffic = Traffic(cp)
-    traffic.start()
-    try:
-        cp.wait_for(lambda: traffic.count(uid) >= 3, timeout_s=120, what="traffic flowing")
-        cp.kubectl("delete", "pod", "-n", NAMESPACE, agent["metadata"]["name"], "--wait=true", timeout=180)
-        (fresh_agent,) = cp.wait_for(
-            lambda: ready_pods(cp, NAMESPACE, AGENTS, 1), timeout_s=240, what="the new agent pod Ready"
-        )
-        assert fresh_agent["metadata"]["uid"] != agent["metadata"]["uid"]
-        cp.wait_for(lambda: cache_node_ready(cp), timeout_s=240, what="the model resident again")
-        served = traffic.count(uid)
-        cp.wait_for(lambda: traffic.count(uid) >= served + 3, timeout_s=120, what="the pod still serving")
-    finally:
-        traffic.finish()
-    assert traffic.failures == []
-    assert set(traffic.answers) == {uid}
-    assert set(traffic.answers[uid]) == {journey.answer}
-    cp.kubectl("delete", "pod", "-n", APPS, pod["metadata"]["name"], "--wait=false")
-    (new,) = cp.wait_for(
-        lambda: (r := ready_pods(cp, APPS, RUNTIME, 1)) and r[0]["metadata"]["uid"] != uid and r,
-        timeout_s=300,
-        what="a replacement runtime pod Ready",
-    )
-    cp.wait_for(lambda: len(pods(cp, APPS, RUNTIME)) == 1, timeout_s=120, what="the deleted pod gone")
-    assert answer(new) == journey.answer
     assert set(metric(new, "keepwarm_weight_load_seconds")) == {"cache"}
 
 
