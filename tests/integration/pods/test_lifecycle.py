@@ -1,6 +1,7 @@
 """Lifecycle hooks in the pod runner, as the kubelet runs them: preStop (exec, httpGet, sleep) before
 SIGTERM within the grace period, a terminating pod still serving during its preStop and reported
-as terminating (deletionTimestamp) meanwhile; hooks the runner does not run are refused by name."""
+as terminating meanwhile (deletionTimestamp; its EndpointSlice endpoint not ready, terminating);
+hooks the runner does not run are refused by name."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def server(name: str, port: int, pre_stop: dict[str, Any]) -> dict[str, Any]:
 
 def hooked_pod(name: str, containers: list[dict[str, Any]], grace_s: int = 30) -> dict[str, Any]:
     return {
-        "metadata": {"name": name},
+        "metadata": {"name": name, "labels": {"app": name}},
         "spec": {
             "containers": containers,
             "terminationGracePeriodSeconds": grace_s,
@@ -90,13 +91,35 @@ def test_exec_and_http_prestop_hooks_run_before_sigterm(cluster: ControlPlane) -
     assert events(cp, "hooked", "by-http") == ["up", "/prestop-http", "term"]
 
 
+def endpoint_conditions(cp: ControlPlane, service: str) -> list[dict[str, bool]]:
+    """The conditions of the service's endpoints, as the EndpointSlice controller publishes them."""
+    selector = f"kubernetes.io/service-name={service}"
+    slices = cp.http.get(f"/apis/discovery.k8s.io/v1/namespaces/{NS}/endpointslices?labelSelector={selector}")
+    return [e.get("conditions", {}) for s in slices.json()["items"] for e in s.get("endpoints") or []]
+
+
 def test_a_pod_serves_through_its_prestop_sleep_while_reported_terminating(cluster: ControlPlane) -> None:
-    """What an endpoints consumer sees: the pod has its deletionTimestamp at once (so it stops picking
-    it) while its container still runs and answers until the sleep is over; SIGTERM only then."""
+    """What an endpoints consumer sees: at once the pod has its deletionTimestamp and its endpoint
+    turns not ready, terminating, still serving (so clients stop picking it), while its container
+    runs and answers until the sleep is over; SIGTERM only then."""
     cp = cluster
-    sleep_s = 4
+    sleep_s = 10  # room for the EndpointSlice controller to publish the change on a loaded machine
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "sleeper"},
+        "spec": {"selector": {"app": "sleeper"}, "ports": [{"port": 80, "targetPort": 8080}]},
+    }
+    assert cp.http.post(f"/api/v1/namespaces/{NS}/services", json=service).status_code == 201
     create_pod(cp, hooked_pod("sleeper", [server("web", 8080, {"sleep": {"seconds": sleep_s}})]))
     pod = cp.wait_for(lambda: (p := get_pod(cp, "sleeper")) and ready(p) and p, timeout_s=120, what="Ready")
+    cp.wait_for(
+        lambda: (
+            endpoint_conditions(cp, "sleeper") == [{"ready": True, "serving": True, "terminating": False}]
+        ),
+        timeout_s=60,
+        what="the pod's endpoint ready",
+    )
     url = f"http://{pod['status']['podIP']}:8080/during"
     cp.kubectl("delete", "pod", "-n", NS, "sleeper", "--wait=false")
     deleted_at = time.monotonic()
@@ -105,11 +128,19 @@ def test_a_pod_serves_through_its_prestop_sleep_while_reported_terminating(clust
         timeout_s=30,
         what="the pod marked terminating",
     )
+    cp.wait_for(
+        lambda: (
+            endpoint_conditions(cp, "sleeper") == [{"ready": False, "serving": True, "terminating": True}]
+        ),
+        timeout_s=sleep_s,
+        what="the endpoint terminating, not ready, still serving",
+    )
     assert "running" in container_status(terminating)["state"]
     assert httpx.get(url, timeout=10).text == "up"  # still serving inside the preStop sleep
     cp.wait_for(lambda: get_pod(cp, "sleeper") is None, timeout_s=60, what="pod gone")
     assert time.monotonic() - deleted_at >= sleep_s  # SIGTERM waited for the hook
     assert events(cp, "sleeper", "web") == ["up", "/during", "term"]
+    cp.kubectl("delete", "service", "-n", NS, "sleeper")
 
 
 def test_hooks_the_runner_does_not_run_are_refused_by_name(cluster: ControlPlane) -> None:
