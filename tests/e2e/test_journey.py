@@ -4,20 +4,26 @@ One control plane whose kubelet stand-in runs pods for real (root only): `helm i
 charts/keepwarm (the operator runs as the chart's Deployment pod, as its ServiceAccount); a host-tier
 WeightCache with a model under modelDirectory (the agent DaemonSet pod runs `keepwarm cache serve`);
 an InferenceDeployment of 2 replicas (pods run `keepwarm serve` as rendered). The official `openai`
-client talks to each pod IP. The steps share state and run in order.
+client talks to each pod IP; the agent pod is restarted and then a spec change rolls the pods while
+client threads send requests all along. The steps share state and run in order.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import threading
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import helm_python as helm
+import httpx
 import openai
 import pytest
 import yaml
@@ -123,13 +129,12 @@ def answer(pod: dict[str, Any]) -> str:
 
 
 def metric(pod: dict[str, Any], name: str) -> dict[str, float]:
-    import httpx
-
     text = httpx.get(f"http://{pod['status']['podIP']}:8000/metrics", timeout=30).text
     return {s.labels.get("source", ""): s.value for s in samples(text, name)}
 
 
 RUNTIME = f"app.kubernetes.io/name=keepwarm-runtime,app.kubernetes.io/instance={IDEP}"
+AGENTS = f"app.kubernetes.io/name=keepwarm-agent,app.kubernetes.io/instance={WC}"
 
 
 def test_helm_install_runs_the_operator_as_its_pod(journey: SimpleNamespace) -> None:
@@ -158,19 +163,19 @@ def test_weightcache_agent_pod_makes_the_node_ready(journey: SimpleNamespace) ->
         },
     }
     cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(cache))
-
-    def node_ready() -> dict[str, Any] | None:
-        (wcn,) = items(cp, f"{GROUP_PATH}/weightcachenodes?labelSelector=keepwarm.dev/weightcache={WC}") or [
-            None
-        ]
-        status = (wcn or {}).get("status", {})
-        resident = any(m["name"] == MODEL and m["state"] == "Resident" for m in status.get("models", []))
-        return wcn if status.get("phase") == "Ready" and resident else None
-
-    wcn = cp.wait_for(node_ready, timeout_s=240, what="WeightCacheNode Ready with the model resident")
+    wcn = cp.wait_for(
+        lambda: cache_node_ready(cp), timeout_s=240, what="WeightCacheNode Ready with the model resident"
+    )
     assert wcn["spec"]["nodeName"] == journey.node
-    agents = f"app.kubernetes.io/name=keepwarm-agent,app.kubernetes.io/instance={WC}"
-    cp.wait_for(lambda: ready_pods(cp, NAMESPACE, agents, 1), timeout_s=120, what="the agent pod Ready")
+    cp.wait_for(lambda: ready_pods(cp, NAMESPACE, AGENTS, 1), timeout_s=120, what="the agent pod Ready")
+
+
+def cache_node_ready(cp: ControlPlane) -> dict[str, Any] | None:
+    """The WeightCacheNode, once Ready with the model resident."""
+    (wcn,) = items(cp, f"{GROUP_PATH}/weightcachenodes?labelSelector=keepwarm.dev/weightcache={WC}") or [None]
+    status = (wcn or {}).get("status", {})
+    resident = any(m["name"] == MODEL and m["state"] == "Resident" for m in status.get("models", []))
+    return wcn if status.get("phase") == "Ready" and resident else None
 
 
 def test_inference_pods_answer_from_the_node_cache(journey: SimpleNamespace) -> None:
@@ -267,13 +272,134 @@ def test_scale_to_zero_and_back(journey: SimpleNamespace) -> None:
     assert set(metric(pod, "keepwarm_weight_load_seconds")) == {"cache"}
 
 
+# How stale an endpoints consumer's view may be: each client thread re-reads the pods from the API
+# server, then sends to what it read for this long (EndpointSlices and kube-proxies lag about as much).
+ENDPOINTS_LAG_S = 1.0
+
+
+@dataclass
+class Traffic:
+    """Client threads sending requests all the time to the Ready, non-terminating runtime pods, as a
+    Service's clients do; every answer and every failure is kept, by pod."""
+
+    cp: ControlPlane
+    threads: int = 3
+    stop: threading.Event = field(default_factory=threading.Event)
+    answers: dict[str, list[str]] = field(default_factory=dict)  # pod uid -> answers
+    failures: list[str] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _workers: list[threading.Thread] = field(default_factory=list)
+
+    def start(self) -> None:
+        self._workers = [threading.Thread(target=self._loop, daemon=True) for _ in range(self.threads)]
+        for worker in self._workers:
+            worker.start()
+
+    def finish(self) -> None:
+        self.stop.set()
+        for worker in self._workers:
+            worker.join(timeout=180)
+
+    def count(self, uid: str) -> int:
+        with self._lock:
+            return len(self.answers.get(uid, []))
+
+    def _loop(self) -> None:
+        clients: dict[str, openai.OpenAI] = {}  # by pod uid: each keeps its connections alive
+        while not self.stop.is_set():
+            try:
+                endpoints = [p for p in pods(self.cp, APPS, RUNTIME) if is_ready(p)]
+            except httpx.HTTPError:  # the API server busy: no endpoints news, not a failed request
+                time.sleep(0.1)
+                continue
+            until = time.monotonic() + ENDPOINTS_LAG_S
+            while endpoints and time.monotonic() < until and not self.stop.is_set():
+                for pod in endpoints:
+                    uid = pod["metadata"]["uid"]
+                    try:
+                        out = clients.setdefault(uid, client(pod)).chat.completions.create(
+                            model=MODEL, messages=PROMPT, max_tokens=8, temperature=0
+                        )
+                    except Exception as exc:  # every failure counts, whatever its kind
+                        with self._lock:
+                            self.failures.append(f"{pod['metadata']['name']}: {type(exc).__name__}: {exc}")
+                        continue
+                    with self._lock:
+                        self.answers.setdefault(uid, []).append(out.choices[0].message.content or "")
+
+
+def test_a_restarted_agent_leaves_serving_pods_serving(journey: SimpleNamespace) -> None:
+    """The agent pod deleted while a runtime pod serves: the runtime keeps answering from its mapping
+    all along, and the DaemonSet's new agent has the model again (the next step's new pod attaches
+    to it)."""
+    cp = journey.cp
+    (pod,) = ready_pods(cp, APPS, RUNTIME, 1)
+    (agent,) = ready_pods(cp, NAMESPACE, AGENTS, 1)
+    uid = pod["metadata"]["uid"]
+    traffic = Traffic(cp)
+    traffic.start()
+    try:
+        cp.wait_for(lambda: traffic.count(uid) >= 3, timeout_s=120, what="traffic flowing")
+        cp.kubectl("delete", "pod", "-n", NAMESPACE, agent["metadata"]["name"], "--wait=true", timeout=180)
+        (fresh_agent,) = cp.wait_for(
+            lambda: ready_pods(cp, NAMESPACE, AGENTS, 1), timeout_s=240, what="the new agent pod Ready"
+        )
+        assert fresh_agent["metadata"]["uid"] != agent["metadata"]["uid"]
+        cp.wait_for(lambda: cache_node_ready(cp), timeout_s=240, what="the model resident again")
+        served = traffic.count(uid)
+        cp.wait_for(lambda: traffic.count(uid) >= served + 3, timeout_s=120, what="the pod still serving")
+    finally:
+        traffic.finish()
+    assert traffic.failures == []
+    assert set(traffic.answers) == {uid}
+    assert set(traffic.answers[uid]) == {journey.answer}
+
+
+def test_a_spec_change_rolls_with_no_request_failing(journey: SimpleNamespace) -> None:
+    """maxUnavailable 0: the old pod serves until the new one is Ready, then serves through its preStop
+    sleep while clients stop picking it, and drains; not one request of the clients fails. The new
+    pod attaches to the node cache of the agent restarted in the previous step, not to disk."""
+    cp = journey.cp
+    (old,) = ready_pods(cp, APPS, RUNTIME, 1)
+    traffic = Traffic(cp)
+    traffic.start()
+    try:
+        cp.wait_for(lambda: traffic.count(old["metadata"]["uid"]) >= 3, timeout_s=120, what="traffic flowing")
+        env = [{"name": "JOURNEY_ROLLOUT", "value": "1"}]  # a pod template change
+        cp.kubectl(
+            "patch",
+            "-n",
+            APPS,
+            f"inferencedeployment/{IDEP}",
+            "--type=merge",
+            "-p",
+            json.dumps({"spec": {"env": env}}),
+        )
+
+        def rolled() -> dict[str, Any] | None:
+            now = pods(cp, APPS, RUNTIME)
+            fresh = [p for p in now if p["metadata"]["uid"] != old["metadata"]["uid"] and is_ready(p)]
+            return fresh[0] if len(now) == 1 and fresh else None
+
+        new = cp.wait_for(rolled, timeout_s=300, what="the new pod Ready and the old one gone")
+        cp.wait_for(
+            lambda: traffic.count(new["metadata"]["uid"]) >= 3, timeout_s=120, what="the new pod serving"
+        )
+    finally:
+        traffic.finish()
+    assert traffic.failures == []
+    assert {"name": "JOURNEY_ROLLOUT", "value": "1"} in new["spec"]["containers"][0]["env"]
+    assert set(traffic.answers) == {old["metadata"]["uid"], new["metadata"]["uid"]}
+    assert {a for answers in traffic.answers.values() for a in answers} == {journey.answer}
+    assert set(metric(new, "keepwarm_weight_load_seconds")) == {"cache"}
+
+
 def test_removing_the_model_keeps_serving_pods_serving(journey: SimpleNamespace) -> None:
     """As the README says: the Deployment is left alone (Available False, ModelNotInCache), the agent
     is not restarted, and a pod that attached keeps serving from its mapping after the eviction."""
     cp = journey.cp
     (pod,) = ready_pods(cp, APPS, RUNTIME, 1)
-    agents = f"app.kubernetes.io/name=keepwarm-agent,app.kubernetes.io/instance={WC}"
-    (agent,) = pods(cp, NAMESPACE, agents)
+    (agent,) = pods(cp, NAMESPACE, AGENTS)
     cp.kubectl("patch", "weightcache", WC, "--type=merge", "-p", '{"spec": {"models": []}}')
 
     def evicted() -> bool:
@@ -290,7 +416,7 @@ def test_removing_the_model_keeps_serving_pods_serving(journey: SimpleNamespace)
     assert answer(pod) == journey.answer
     (still,) = pods(cp, APPS, RUNTIME)
     assert still["metadata"]["uid"] == pod["metadata"]["uid"] and is_ready(still)
-    (agent_now,) = pods(cp, NAMESPACE, agents)
+    (agent_now,) = pods(cp, NAMESPACE, AGENTS)
     assert agent_now["metadata"]["uid"] == agent["metadata"]["uid"]
     assert agent_now["status"]["containerStatuses"][0]["restartCount"] == 0
 

@@ -18,6 +18,7 @@ from keepwarm_api import podenv, serveflags
 from keepwarm_api.inferencedeployment import InferenceDeploymentSpec, LoraSettings
 from keepwarm_api.paths import KERNELS_MOUNT
 from keepwarm_api.probes import HEALTH_PATH, READY_PATH, ready_long_poll
+from keepwarm_api.shutdown import PRESTOP_SLEEP_S, TERMINATION_GRACE_S
 from keepwarm_api.weightcache import CachedModel, WeightCacheSpec
 
 from .agent import builds_kernels, socket_dir
@@ -181,10 +182,15 @@ def runtime_deployment(
             "periodSeconds": 10,
             "failureThreshold": 3,
         },
+        # A deleted pod serves on while endpoints drop it, then drains (keepwarm_api.shutdown). The
+        # kubelet's own sleep action (Kubernetes >= 1.30, the chart's floor): no process in the
+        # container, so it needs no shell or binary in the image and costs the pod's memory nothing.
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
     pod_spec: dict[str, Any] = {
         "containers": [container],
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
         "volumes": volumes,
         "securityContext": pod_security,
         "nodeSelector": dict(spec.pod.node_selector),

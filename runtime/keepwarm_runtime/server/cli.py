@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from keepwarm_api.settings import SettingError, add_command, env_names, group, resolve
+from keepwarm_api.shutdown import DRAIN_S
 from keepwarm_runtime.engine.auto_dtype import AUTO_DTYPE, auto_dtype
 from keepwarm_runtime.server.settings import ENGINE, ServeSettings
 
@@ -154,6 +155,7 @@ def supervise(server: ServerStart) -> int:
         worker,
         health,
         close_in_worker=[health],
+        listener=listener,
     )
     logger.info(
         "supervising: workers serve http://%s:%d; the parent's /health is on port %d",
@@ -272,7 +274,7 @@ class ServerStart:
                 port=config.port,
                 log_level=config.uvicorn_log_level,
                 access_log=config.access_log,
-                timeout_graceful_shutdown=5,
+                timeout_graceful_shutdown=DRAIN_S,
             )
         )
         async_engine = app.state.ctx.async_engine

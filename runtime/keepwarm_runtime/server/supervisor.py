@@ -21,8 +21,10 @@ counts live in the parent, and each worker inherits them by the fork and exports
 
 A worker that fails to load before any worker was ever ready ends the parent with its exit code,
 as `keepwarm serve` without a parent would end: bad settings or a broken checkpoint do not heal by
-retrying. SIGTERM (or SIGINT) is passed to the worker, which drains its requests (uvicorn's graceful
-shutdown); after ``stop_grace_s`` it is killed.
+retrying. SIGTERM (or SIGINT) first closes the parent's copy of the listening socket, then is passed
+to the worker, which stops accepting and drains its requests (uvicorn's graceful shutdown, up to
+keepwarm_api.shutdown.DRAIN_S); after ``stop_grace_s`` it is killed. With both copies closed the port
+refuses new connections at once instead of queueing them in a backlog nobody will accept from.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from keepwarm_api.shutdown import DRAIN_S, STOP_MARGIN_S
 from keepwarm_runtime.server.worker_probe import PENDING, HealthProbe
 
 logger = logging.getLogger(__name__)
@@ -63,7 +66,7 @@ class SupervisorConfig:
     health_interval: float = 1.0  # seconds between /health polls of the worker
     backoff_base_s: float = 0.5  # the second restart in a row waits this long, each later one twice that
     backoff_cap_s: float = 30.0
-    stop_grace_s: float = 10.0  # SIGTERM to SIGKILL when stopping the worker (uvicorn's grace: 5 s)
+    stop_grace_s: float = DRAIN_S + STOP_MARGIN_S  # SIGTERM to SIGKILL when stopping the worker
 
 
 @dataclass
@@ -149,8 +152,10 @@ class Supervisor:
         worker: Callable[[], int],
         health: socket.socket,
         close_in_worker: list,
+        listener: socket.socket | None = None,
     ) -> None:
         self.config, self._worker, self._health = config, worker, health
+        self._listener = listener  # the serving socket the workers inherit: closed here on stop
         self._close_in_worker = close_in_worker  # the parent's sockets a worker must not keep
         self.pid: int | None = None
         self._spawned_at = self._last_answer = self._ready_at = 0.0
@@ -349,7 +354,10 @@ class Supervisor:
         self._restart_at = time.monotonic() + delay
 
     def _stop_worker(self) -> int:
-        """SIGTERM the worker (it drains its requests), SIGKILL it after the grace period."""
+        """Close the parent's listening socket, SIGTERM the worker (it stops accepting and drains its
+        requests), SIGKILL it after the grace period."""
+        if self._listener is not None:
+            self._listener.close()  # the worker's copy alone keeps the port open, until it stops
         if self.pid is None:
             return 0
         logger.info("stopping worker %d (grace %.0fs)", self.pid, self.config.stop_grace_s)

@@ -201,3 +201,30 @@ def test_without_the_parent_the_server_is_one_process(tiny_llama, tmp_path):
         assert "supervising" not in proc.log_text()
     finally:
         assert proc.stop() is not None  # uvicorn ends a lone server by re-raising the SIGTERM
+
+
+def test_after_sigterm_new_connections_are_refused_while_the_stream_in_flight_finishes(tiny_llama, tmp_path):
+    """Once the pod is told to stop (after its preStop), a stray new connection is refused at once, so a
+    client retries another endpoint, instead of waiting in a backlog nobody will accept from; the
+    stream already running still gets every token."""
+    proc = _start(tiny_llama, tmp_path / "serve.log")
+    host, port = urlsplit(proc.url).hostname, urlsplit(proc.url).port
+    stream = _client(proc).completions.create(
+        model="tiny", prompt="go", max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+    )
+    chunks, attempts = [], []
+    for chunk in stream:
+        if not chunks:
+            os.kill(proc.proc.pid, signal.SIGTERM)
+        elif "refused" not in attempts:
+            try:
+                socket.create_connection((host, port), timeout=2).close()
+                attempts.append("accepted")
+            except ConnectionRefusedError:
+                attempts.append("refused")
+            except OSError as exc:
+                attempts.append(type(exc).__name__)
+        chunks.append(chunk)
+    assert len(chunks) >= 200 and chunks[-1].choices[0].finish_reason == "length"
+    assert "refused" in attempts, (attempts, proc.log_text()[-2000:])
+    assert proc.proc.wait(60) == 0

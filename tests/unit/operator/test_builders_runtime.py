@@ -126,6 +126,18 @@ def test_rolling_update_keeps_every_replica_serving():
     assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0}}
 
 
+def test_a_deleted_pod_serves_through_its_prestop_sleep_and_the_grace_covers_the_drain():
+    """The preStop sleep keeps the pod serving while endpoints drop it; the grace period outlasts the
+    sleep, the runtime's drain and the parent's kill of a late worker, so the kubelet's SIGKILL never
+    cuts a request short."""
+    from keepwarm_api.shutdown import DRAIN_S, PRESTOP_SLEEP_S, STOP_MARGIN_S
+
+    pod = runtime_deployment("chat", "ns", idep(), BINDING, OWNER)["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["lifecycle"] == {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}}
+    assert pod["terminationGracePeriodSeconds"] > PRESTOP_SLEEP_S + DRAIN_S + STOP_MARGIN_S
+
+
 def test_cpu_pods_of_a_host_tier_cache_load_the_nodes_kernel_build_read_only():
     """The folder the node's agent builds the CPU kernel into (test_builders_agent) is mounted read-only
     and named in KEEPWARM_KERNEL_CACHE, where the runtime looks first (engine/attention/native.py);

@@ -10,8 +10,10 @@
      the container under restartPolicy Always with the kubelet's backoff: the first restart at once,
      then 10 s doubling to 5 min (CrashLoopBackOff while waiting), reset after a run of 10 min;
      restartCount and lastState as the kubelet reports them;
-  4. deletion: SIGTERM to every container, SIGKILL to the whole cgroup after the pod's grace period,
-     then the namespace, veth, cgroup and pod directory go, and the Pod object is deleted for good.
+  4. deletion: each running container's preStop hook (lifecycle.py), all at once, within the pod's
+     grace period; then SIGTERM to every container, SIGKILL to the whole cgroup once the rest of the
+     period is spent (at least 2 s after a hook that overran, as the kubelet grants), then the
+     namespace, veth, cgroup and pod directory go, and the Pod object is deleted for good.
 Every change of what a user sees is PATCHed to the pod's status.
 """
 
@@ -27,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import container as ct
-from . import probes, volumes
+from . import lifecycle, probes, volumes
 from .env import ConfigError, container_argv, container_env
 from .status import ContainerView, pod_status, terminated, timestamp, without_times
 
@@ -268,6 +270,7 @@ class PodWorker:
 
     # -- launch ----------------------------------------------------------------------------------
     def _launch(self, spec: dict[str, Any]) -> ct.Launch:
+        lifecycle.check(spec)
         pod_sec = self.pod["spec"].get("securityContext") or {}
         sec = spec.get("securityContext") or {}
         image = self.runner.image(spec.get("image", ""))
@@ -332,16 +335,47 @@ class PodWorker:
             self.pod["status"] = status
 
     def _terminate(self) -> None:
-        """SIGTERM every container, wait up to the grace period, SIGKILL what is left."""
+        """preStop hooks, then SIGTERM every container, wait out the grace period, SIGKILL what is left."""
+        grace_s = 0.0 if self.runner.stopping.is_set() else self.grace_s
+        hooks_s = self._pre_stop(grace_s)
         live = [run.running for run in (*self.inits, *self.containers) if run.running is not None]
         for running in live:
             running.signal(signal.SIGTERM)
-        deadline = time.monotonic() + (0 if self.runner.stopping.is_set() else self.grace_s)
+        left_s = grace_s - hooks_s
+        if hooks_s:
+            left_s = max(left_s, lifecycle.MIN_GRACE_AFTER_HOOK_S)
+        deadline = time.monotonic() + left_s
         while time.monotonic() < deadline and any(r.exit_code() is None for r in live):
             time.sleep(0.05)
         self.cgroup.kill_all()
         for running in live:
             running.proc.wait()
+
+    def _pre_stop(self, budget_s: float) -> float:
+        """Run the running containers' preStop hooks side by side, for at most budget_s; the seconds
+        spent (0 when no container has one)."""
+        hooked = [
+            run
+            for run in self.containers
+            if run.running is not None
+            and run.launch is not None
+            and "preStop" in (run.spec.get("lifecycle") or {})
+        ]
+        if not hooked or budget_s <= 0:
+            return 0.0
+        ip = "127.0.0.1" if self.host_network else (self.pod_ip or "")
+        started = time.monotonic()
+        threads = []
+        for run in hooked:
+            assert run.running is not None and run.launch is not None
+            target = lifecycle.HookTarget(ip, run.running.pid1(), run.launch.uid, run.launch.gid)
+            args = (run.spec, target, budget_s, self.runner.stopping)
+            threads.append(threading.Thread(target=lifecycle.pre_stop, args=args, daemon=True))
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(max(0.0, started + budget_s - time.monotonic()))
+        return time.monotonic() - started
 
     def _teardown(self) -> None:
         self.cgroup.remove()
