@@ -136,11 +136,15 @@ def weightcache_nodes(cp: ControlPlane, cache: str) -> list[dict[str, Any]]:
     return items(cp, f"{GROUP_PATH}/weightcachenodes?labelSelector=keepwarm.dev/weightcache={cache}")
 
 
+def lists_resident(wcn: dict[str, Any] | None, model: str = MODEL) -> bool:
+    """The WeightCacheNode lists `model` Resident, whatever its phase."""
+    models = ((wcn or {}).get("status") or {}).get("models", [])
+    return any(m["name"] == model and m["state"] == "Resident" for m in models)
+
+
 def is_resident(wcn: dict[str, Any] | None, model: str = MODEL) -> bool:
     """The WeightCacheNode says Ready with `model` Resident."""
-    status = (wcn or {}).get("status") or {}
-    resident = any(m["name"] == model and m["state"] == "Resident" for m in status.get("models", []))
-    return status.get("phase") == "Ready" and resident
+    return ((wcn or {}).get("status") or {}).get("phase") == "Ready" and lists_resident(wcn, model)
 
 
 def resident_node(cp: ControlPlane, cache: str) -> dict[str, Any] | None:

@@ -35,6 +35,7 @@ from keepwarm_testing.e2e import (
     install_chart,
     is_ready,
     is_resident,
+    lists_resident,
     metric,
     pods,
     ready_pods,
@@ -92,13 +93,13 @@ class NodeWatch:
 
     def __init__(self, cp: Any) -> None:
         self.cp, self.path = cp, f"{GROUP_PATH}/weightcachenodes?labelSelector=keepwarm.dev/weightcache={WC}"
-        self.seen: list[tuple[str, bool, dict[str, Any]]] = []  # (event type, model Resident, status)
+        self.seen: list[tuple[str, dict[str, Any]]] = []  # (event type, the object as it was)
         self.errors: list[str] = []
         self.stop = threading.Event()
 
     def __enter__(self) -> NodeWatch:
         listing = get(self.cp, self.path) or {}
-        self.seen += [("LISTED", is_resident(obj), obj.get("status") or {}) for obj in listing["items"]]
+        self.seen += [("LISTED", obj) for obj in listing["items"]]
         self.version = listing["metadata"]["resourceVersion"]
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -126,11 +127,15 @@ class NodeWatch:
         if event["type"] == "ERROR":  # e.g. 410 Gone: the versions between are lost, say so
             raise RuntimeError(f"watch error: {obj}")
         self.version = obj["metadata"]["resourceVersion"]
-        self.seen.append((event["type"], is_resident(obj), obj.get("status") or {}))
+        self.seen.append((event["type"], obj))
 
-    @property
-    def cold(self) -> list[tuple[str, bool, dict[str, Any]]]:
-        return [s for s in self.seen if s[0] == "DELETED" or not s[1]]
+    def cold(self, *, ready: bool = True) -> list[dict[str, Any]]:
+        """The statuses seen without the model Resident (with `ready`: or the node not Ready)."""
+        return [
+            obj.get("status") or {}
+            for kind, obj in self.seen
+            if kind == "DELETED" or not (is_resident(obj) if ready else lists_resident(obj))
+        ]
 
 
 def running_agents(cp: Any) -> frozenset[str]:
@@ -206,7 +211,7 @@ def test_agent_rollout_hands_off_and_keeps_the_node_warm(rollout: SimpleNamespac
         time.sleep(2 * POLL_S)  # one more look by every watcher after the end
     assert get(cp, f"/api/v1/namespaces/{NAMESPACE}/pods/{old['metadata']['name']}") is None
     assert node.seen and not node.errors, node.errors
-    assert not node.cold, f"the WeightCacheNode showed the model not Resident: {node.cold[0]}"
+    assert not node.cold(), f"the WeightCacheNode showed the model not Resident: {node.cold()[0]}"
     overlap = [uids for uids in agents.seen if uids >= {old["metadata"]["uid"], new["metadata"]["uid"]}]
     assert overlap, f"old and new agent never ran side by side: {sorted(set(agents.seen), key=len)}"
     assert asks.seen and all(asks.seen) and not asks.errors, (asks.errors[:3], asks.seen.count(False))
@@ -231,7 +236,8 @@ def test_runtime_pod_started_after_the_rollout_attaches_from_the_cache(rollout: 
 
 def test_killed_agent_restarts_warm_through_the_holder(rollout: SimpleNamespace) -> None:
     """SIGKILL of the agent container's daemon: the kubelet restarts the container, whose daemon
-    takes the arenas back from the holder container; the runtime pod keeps serving meanwhile."""
+    takes the arenas back from the holder container; every write of the WeightCacheNode lists the
+    model Resident, and the runtime pod keeps serving meanwhile."""
     cp, agent = rollout.cp, rollout.agent
     runtime = the_runtime_pod(cp)
     assert cp.pods is not None
@@ -247,11 +253,17 @@ def test_killed_agent_restarts_warm_through_the_holder(rollout: SimpleNamespace)
         )
         return now if status.get("restartCount") == 1 and is_ready(now) else None
 
-    with Watch(lambda: answer(runtime) == rollout.answer) as asks:
+    with NodeWatch(cp) as node, Watch(lambda: answer(runtime) == rollout.answer) as asks:
         os.kill(daemon, signal.SIGKILL)
         again = cp.wait_for(restarted, timeout_s=300, what="the killed agent container restarted and Ready")
         cp.wait_for(lambda: resident_node(cp, WC), timeout_s=120, what="the model Resident again")
         time.sleep(2 * POLL_S)
+    # The operator may call the node Stale meanwhile (no heartbeat for a while on a loaded box): that
+    # is true; listing the model as anything but Resident would not be.
+    assert node.seen and not node.errors, node.errors
+    assert not node.cold(ready=False), (
+        f"the WeightCacheNode listed the model not Resident: {node.cold(ready=False)[0]}"
+    )
     assert asks.seen and all(asks.seen) and not asks.errors, (asks.errors[:3], asks.seen.count(False))
     statuses = {s["name"]: s for s in again["status"]["containerStatuses"]}
     assert statuses["agent"]["lastState"]["terminated"]["exitCode"] == 137
