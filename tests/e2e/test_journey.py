@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,111 +24,36 @@ import helm_python as helm
 import httpx
 import openai
 import pytest
-import yaml
 
-from keepwarm_api.inferencedeployment import DEFAULT_IMAGE
-from keepwarm_testing.controlplane.build import ControlPlaneBuildError, build_control_plane
 from keepwarm_testing.controlplane.cluster import ControlPlane
-from keepwarm_testing.controlplane.pods.images import from_dockerfile, repository
-from keepwarm_testing.operator import (
-    CHART,
-    GROUP_PATH,
-    NAMESPACE,
-    RELEASE,
-    ROOT,
-    condition,
-    get,
-    items,
-    samples,
+from keepwarm_testing.e2e import (
+    MODEL,
+    PROMPT,
+    answer,
+    apply,
+    client,
+    cpu_inference_deployment,
+    host_weightcache,
+    install_chart,
+    is_ready,
+    metric,
+    pods,
+    ready_pods,
+    resident_node,
 )
+from keepwarm_testing.operator import GROUP_PATH, NAMESPACE, RELEASE, condition, get, items
 
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.slow,
     pytest.mark.skipif(os.geteuid() != 0, reason="running pods needs root (namespaces, mounts, cgroups)"),
 ]
-WC, MODEL, IDEP, APPS = "journey", "tiny", "chat", "journey-apps"
-MODEL_DIR = "/var/lib/models/tiny"  # on the node, under the WeightCache's default modelDirectory
-PROMPT = [{"role": "user", "content": "Say something."}]
-
-
-def operator_image() -> str:
-    values = yaml.safe_load((CHART / "values.yaml").read_text())
-    return values["image"]["repository"]
+WC, IDEP, APPS = "journey", "chat", "journey-apps"
 
 
 @pytest.fixture(scope="module")
-def journey(request: pytest.FixtureRequest) -> Iterator[SimpleNamespace]:
-    try:
-        bin_dir = build_control_plane()
-    except ControlPlaneBuildError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    dockerfile = ROOT / "Dockerfile"
-    images = {
-        operator_image(): from_dockerfile(dockerfile, "operator"),
-        repository(DEFAULT_IMAGE): from_dockerfile(dockerfile, "runtime"),
-    }
-    cp = ControlPlane(bin_dir, run_pods=True, images=images)
-    failed, runner = True, None
-    try:
-        cp.start()
-        (node,) = cp.add_gpu_nodes(1)
-        assert cp.pods is not None
-        runner = cp.pods
-        root = cp.pods.node(node).root
-        from keepwarm_runtime.modelgen import make_model
-
-        model = make_model(root / MODEL_DIR.lstrip("/"), arch="llama", params="1M", dtype="bfloat16")
-        for path in model.iterdir():  # as a node's model files are: readable by the runtime's user
-            path.chmod(0o644)
-        yield SimpleNamespace(cp=cp, node=node, root=root)
-        failed = request.session.testsfailed > 0
-    finally:
-        if failed:
-            dump_logs(cp)
-        cp.stop(failed=failed)
-    assert runner is not None and runner.leftovers() == [], "pods left things behind"
-
-
-def dump_logs(cp: ControlPlane) -> None:
-    """Copy every container log the runner still has next to the control plane's logs (kept on
-    failure; their path is printed)."""
-    if cp.pods is None:
-        return
-    for log in sorted((cp.pods.root / "pods").glob("*/containers/*/*/log")):
-        uid, _, container, restart = log.parts[-5:-1]
-        target = cp.logs / "containers" / f"{uid}-{container}-{restart}.log"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(log, target)
-
-
-def pods(cp: ControlPlane, namespace: str, selector: str) -> list[dict[str, Any]]:
-    return items(cp, f"/api/v1/namespaces/{namespace}/pods?labelSelector={selector}")
-
-
-def is_ready(pod: dict[str, Any]) -> bool:
-    return condition(pod, "Ready").get("status") == "True" and not pod["metadata"].get("deletionTimestamp")
-
-
-def ready_pods(cp: ControlPlane, namespace: str, selector: str, count: int) -> list[dict[str, Any]] | None:
-    found = [p for p in pods(cp, namespace, selector) if is_ready(p)]
-    return found if len(found) == count else None
-
-
-def client(pod: dict[str, Any]) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"http://{pod['status']['podIP']}:8000/v1", api_key="x", max_retries=0, timeout=120
-    )
-
-
-def answer(pod: dict[str, Any]) -> str:
-    out = client(pod).chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=8, temperature=0)
-    return out.choices[0].message.content or ""
-
-
-def metric(pod: dict[str, Any], name: str) -> dict[str, float]:
-    text = httpx.get(f"http://{pod['status']['podIP']}:8000/metrics", timeout=30).text
-    return {s.labels.get("source", ""): s.value for s in samples(text, name)}
+def journey(e2e_cluster: SimpleNamespace) -> SimpleNamespace:
+    return e2e_cluster
 
 
 RUNTIME = f"app.kubernetes.io/name=keepwarm-runtime,app.kubernetes.io/instance={IDEP}"
@@ -138,61 +61,25 @@ AGENTS = f"app.kubernetes.io/name=keepwarm-agent,app.kubernetes.io/instance={WC}
 
 
 def test_helm_install_runs_the_operator_as_its_pod(journey: SimpleNamespace) -> None:
-    cp = journey.cp
-    with helm.Config(kubeconfig_path=str(cp.kubeconfig), namespace=NAMESPACE) as cfg:
-        release = cfg.install(CHART, RELEASE, {"replicaCount": 1}, create_namespace=True, timeout=120)
-    assert release["name"] == RELEASE
-    (operator,) = cp.wait_for(
-        lambda: ready_pods(cp, NAMESPACE, "app.kubernetes.io/name=keepwarm-operator", 1),
-        timeout_s=180,
-        what="the operator pod Ready",
-    )
+    operator = install_chart(journey.cp)
     assert operator["spec"]["serviceAccountName"] == f"{RELEASE}-keepwarm"
 
 
 def test_weightcache_agent_pod_makes_the_node_ready(journey: SimpleNamespace) -> None:
     cp = journey.cp
-    cache = {
-        "apiVersion": "keepwarm.dev/v1alpha1",
-        "kind": "WeightCache",
-        "metadata": {"name": WC},
-        "spec": {
-            "tier": "host",
-            "agent": {"gpuAccess": {"mode": "None"}},
-            "models": [{"name": MODEL, "source": {"path": MODEL_DIR}, "pin": True}],
-        },
-    }
-    cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(cache))
+    apply(cp, host_weightcache(WC))
     wcn = cp.wait_for(
-        lambda: cache_node_ready(cp), timeout_s=240, what="WeightCacheNode Ready with the model resident"
+        lambda: resident_node(cp, WC), timeout_s=240, what="WeightCacheNode Ready with the model resident"
     )
     assert wcn["spec"]["nodeName"] == journey.node
     cp.wait_for(lambda: ready_pods(cp, NAMESPACE, AGENTS, 1), timeout_s=120, what="the agent pod Ready")
 
 
-def cache_node_ready(cp: ControlPlane) -> dict[str, Any] | None:
-    """The WeightCacheNode, once Ready with the model resident."""
-    (wcn,) = items(cp, f"{GROUP_PATH}/weightcachenodes?labelSelector=keepwarm.dev/weightcache={WC}") or [None]
-    status = (wcn or {}).get("status", {})
-    resident = any(m["name"] == MODEL and m["state"] == "Resident" for m in status.get("models", []))
-    return wcn if status.get("phase") == "Ready" and resident else None
-
 
 def test_inference_pods_answer_from_the_node_cache(journey: SimpleNamespace) -> None:
     cp = journey.cp
     cp.kubectl("create", "namespace", APPS)
-    dep = {
-        "apiVersion": "keepwarm.dev/v1alpha1",
-        "kind": "InferenceDeployment",
-        "metadata": {"name": IDEP, "namespace": APPS},
-        "spec": {
-            "model": {"cacheRef": WC, "name": MODEL},
-            "replicas": 2,
-            "gpusPerPod": 0,
-            "runtime": {"maxModelLen": 256, "extraArgs": ["--num-kv-blocks", "64"]},
-        },
-    }
-    cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(dep))
+    apply(cp, cpu_inference_deployment(IDEP, APPS, WC, replicas=2))
     ready = cp.wait_for(lambda: ready_pods(cp, APPS, RUNTIME, 2), timeout_s=300, what="2 runtime pods Ready")
     answers = {answer(p) for p in ready}
     assert len(answers) == 1 and answers != {""}
@@ -345,7 +232,7 @@ def test_a_restarted_agent_leaves_serving_pods_serving(journey: SimpleNamespace)
             lambda: ready_pods(cp, NAMESPACE, AGENTS, 1), timeout_s=240, what="the new agent pod Ready"
         )
         assert fresh_agent["metadata"]["uid"] != agent["metadata"]["uid"]
-        cp.wait_for(lambda: cache_node_ready(cp), timeout_s=240, what="the model resident again")
+        cp.wait_for(lambda: resident_node(cp, WC), timeout_s=240, what="the model resident again")
         served = traffic.count(uid)
         cp.wait_for(lambda: traffic.count(uid) >= served + 3, timeout_s=120, what="the pod still serving")
     finally:

@@ -134,6 +134,9 @@ class NodeAgent:
         self.wake = threading.Event()  # the reporter: report now
         self.changed = threading.Event()  # the reconciler: the spec changed or a load finished
         self.desired: dict[str, Any] | None = None  # this node's WeightCacheNode as last seen
+        # Whether a pass has read the spec (or failed to): before that the status would list no
+        # models, or a model the daemon took over at start as Loading (see report).
+        self.passed = False
         # ... and as last seen by the reporter, from the watch or its own write (status and uid)
         self.seen: dict[str, Any] | None = None
         self.renewed = -float("inf")  # time.monotonic() of the last Lease renewal (or attempt)
@@ -161,6 +164,7 @@ class NodeAgent:
         with self.lock:
             self.wanted = wanted
             self.state.message = ""
+            self.passed = True
             if generation != self.state.generation:  # spec changed: retry failures and evictions now
                 for book in self.state.books.values():
                     book.failed.clear()
@@ -186,6 +190,8 @@ class NodeAgent:
             if (key, w.name) in self.inflight:
                 continue
             daemon_name = self._loaded(key).get(w.name)
+            if daemon_name is None and self._book_handed_over(key, w, resident):
+                continue
             if daemon_name in resident:
                 if w.pin and not resident[daemon_name]["pinned"]:  # no-op reload; marks pinned
                     daemon.add_model(self._path(w), **load_options(w))
@@ -204,6 +210,25 @@ class NodeAgent:
                 book.loading.add(w.name)
             self.inflight[(key, w.name)] = self.pool.submit(self._load, key, w)
             self.wake.set()  # report Loading now
+
+    def _book_handed_over(self, key: str, w: WantedModel, resident: dict[str, Any]) -> bool:
+        """A model the daemon already holds from the same directory, though this agent never loaded
+        it: the arena its predecessor or the holder handed over at start (cache/adopt.py verified
+        it). Booked through the same add_model a load makes, which finds it resident (headers and
+        key only, no weights read), so the status goes on saying Resident through an upgrade or a
+        restart instead of Loading. Hub sources are not known by directory before their download:
+        they take the usual way (reported Loading until that no-op load returns)."""
+        if w.path is None or not any(m.get("path") == os.path.realpath(w.path) for m in resident.values()):
+            return False
+        try:
+            daemon_name = self.daemons[key].add_model(self._path(w), **load_options(w))
+        except Exception as exc:  # no longer what the spec asks for: the usual load reports why
+            log.info("%s%s: the arena handed over does not serve it (%s); loading", w.name, _on(key), exc)
+            return False
+        with self.lock:
+            self.state.books[key].daemon_names[w.name] = daemon_name
+        log.info("%s%s is resident from the start (handed over)", w.name, _on(key))
+        return True
 
     def _downloading_elsewhere(self, key: str, w: WantedModel) -> bool:
         """Whether another daemon's job is downloading this Hub model now: this daemon waits for it
@@ -298,10 +323,12 @@ class NodeAgent:
         return {key: daemon.snapshot() for key, daemon in self.daemons.items()}
 
     def report(self) -> bool:
-        """Write the WeightCacheNode status if it changed (not its heartbeat stamp alone); False while
-        the operator has not created the object yet."""
+        """Write the WeightCacheNode status if it changed (not its heartbeat stamp alone), once a pass
+        has read the spec; False while the operator has not created the object yet."""
         from kubernetes.client import ApiException
 
+        if not self.passed:
+            return True  # nothing before a pass: the status would not say what the node holds
         with self.lock:
             stored = None if self.seen is None else self.seen.get("status") or {}
             self.state.reporting_since = fresh_since(stored, self.state.reporting_since, now())
@@ -437,6 +464,7 @@ class NodeAgent:
             except Exception as exc:
                 log.warning("agent pass for %s failed: %s", self.object_name, exc)
                 self.state.message = f"{type(exc).__name__}: {exc}"[:1000]
+                self.passed = True  # the failure is what the status says
             self.wake.set()
             self.changed.wait(self._next_pass_s())
         self.wake.set()

@@ -139,6 +139,28 @@ def test_agent_loads_evicts_and_reports_failures(model_root, tmp_path):
         daemon.close()
 
 
+def test_a_model_the_daemon_already_holds_is_resident_from_the_first_pass(model_root, tmp_path):
+    """As after a hand-off or a restart through the holder: the daemon holds the model before this
+    agent exists. The agent books it in its first pass (no load job, so never reported Loading) and
+    writes no status before that pass (it would list no models)."""
+    from keepwarm_runtime.cache.daemon import CacheDaemon, DaemonConfig
+
+    daemon = CacheDaemon(DaemonConfig(socket_dir=tmp_path / "sock", tier="host", dtype="bfloat16"))
+    try:
+        daemon.add_model(model_root / "llama-a")  # the predecessor's arena, taken over at start
+        agent_ = agent(daemon, model_root)  # api=None: a status write would fail
+        assert agent_.report()  # before any pass: nothing written
+        agent_.reconcile(cache([{"name": "llama-a", "source": {"path": "/m/llama-a"}, "pin": True}]))
+        assert not agent_.inflight  # booked in the pass itself, not loaded on the pool
+        status = node_status(agent_.state, agent_.snapshots(), agent_.wanted, "v").wire()
+        assert [(m["name"], m["state"], m["pinned"]) for m in status["models"]] == [
+            ("llama-a", "Resident", True)
+        ]
+        assert daemon.snapshot()["models"]["llama-a"]["pinned"]  # the spec's pin reached the daemon
+    finally:
+        daemon.close()
+
+
 def test_stale_condition_keeps_its_transition_time_across_heartbeats():
     wanted = wanted_models(spec([{"name": "a", "source": {"path": "/m/a"}}]))
     state = AgentState(reporting_since=dt.datetime(2026, 1, 1, tzinfo=dt.UTC))

@@ -1,0 +1,194 @@
+"""What the end-to-end tests on real pods (tests/e2e) share: the cluster, the chart, the objects a user
+applies, and how a test looks at pods, asks a runtime pod and reads its metrics.
+
+`pod_cluster` is one control plane whose kubelet stand-in runs pods for real (root only), with the
+Dockerfile's stages as the chart's and the runtime's images, one node, and a random-weight model in
+that node's filesystem under the WeightCache's default modelDirectory (MODEL_DIR). Each e2e module
+gets its own (tests/e2e/conftest.py).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import Any
+
+import helm_python as helm
+import httpx
+import openai
+import yaml
+
+from keepwarm_api.inferencedeployment import DEFAULT_IMAGE
+from keepwarm_testing.controlplane.build import build_control_plane
+from keepwarm_testing.controlplane.cluster import ControlPlane
+from keepwarm_testing.controlplane.pods.images import from_dockerfile, repository
+from keepwarm_testing.operator import CHART, GROUP_PATH, NAMESPACE, RELEASE, ROOT, condition, items, samples
+
+MODEL = "tiny"
+MODEL_DIR = "/var/lib/models/tiny"  # on the node, under the WeightCache's default modelDirectory
+PROMPT = [{"role": "user", "content": "Say something."}]
+OPERATOR = "app.kubernetes.io/name=keepwarm-operator"
+
+
+def operator_image() -> str:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    return values["image"]["repository"]
+
+
+@contextmanager
+def pod_cluster(failed: Callable[[], bool]) -> Iterator[SimpleNamespace]:
+    """The started cluster as (cp, node, root). At the end it stops, with every container log kept
+    beside the control plane's when `failed()` (or setting up failed), and it fails when the pods
+    left anything behind on the machine. Raises ControlPlaneBuildError when it cannot be built."""
+    bin_dir = build_control_plane()
+    dockerfile = ROOT / "Dockerfile"
+    images = {
+        operator_image(): from_dockerfile(dockerfile, "operator"),
+        repository(DEFAULT_IMAGE): from_dockerfile(dockerfile, "runtime"),
+    }
+    cp = ControlPlane(bin_dir, run_pods=True, images=images)
+    failing, runner = True, None
+    try:
+        cp.start()
+        (node,) = cp.add_gpu_nodes(1)
+        assert cp.pods is not None
+        runner = cp.pods
+        root = cp.pods.node(node).root
+        from keepwarm_runtime.modelgen import make_model
+
+        model = make_model(root / MODEL_DIR.lstrip("/"), arch="llama", params="1M", dtype="bfloat16")
+        for path in model.iterdir():  # as a node's model files are: readable by the runtime's user
+            path.chmod(0o644)
+        yield SimpleNamespace(cp=cp, node=node, root=root)
+        failing = failed()
+    finally:
+        if failing:
+            dump_logs(cp)
+        cp.stop(failed=failing)
+    assert runner is not None and runner.leftovers() == [], "pods left things behind"
+
+
+def dump_logs(cp: ControlPlane) -> None:
+    """Copy every container log the runner still has next to the control plane's logs (kept on
+    failure; their path is printed)."""
+    if cp.pods is None:
+        return
+    for log in sorted((cp.pods.root / "pods").glob("*/containers/*/*/log")):
+        uid, _, container, restart = log.parts[-5:-1]
+        target = cp.logs / "containers" / f"{uid}-{container}-{restart}.log"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(log, target)
+
+
+# -- what a user applies ----------------------------------------------------------------------------
+
+
+def install_chart(cp: ControlPlane) -> dict[str, Any]:
+    """`helm install` of charts/keepwarm with one operator replica; returns the operator pod, Ready."""
+    with helm.Config(kubeconfig_path=str(cp.kubeconfig), namespace=NAMESPACE) as cfg:
+        release = cfg.install(CHART, RELEASE, {"replicaCount": 1}, create_namespace=True, timeout=120)
+    assert release["name"] == RELEASE
+    (operator,) = cp.wait_for(
+        lambda: ready_pods(cp, NAMESPACE, OPERATOR, 1), timeout_s=180, what="the operator pod Ready"
+    )
+    return operator
+
+
+def host_weightcache(name: str, **agent: Any) -> dict[str, Any]:
+    """A host-tier WeightCache keeping MODEL (pinned) warm; `agent` adds to spec.agent."""
+    return {
+        "apiVersion": "keepwarm.dev/v1alpha1",
+        "kind": "WeightCache",
+        "metadata": {"name": name},
+        "spec": {
+            "tier": "host",
+            "agent": {"gpuAccess": {"mode": "None"}, **agent},
+            "models": [{"name": MODEL, "source": {"path": MODEL_DIR}, "pin": True}],
+        },
+    }
+
+
+def cpu_inference_deployment(name: str, namespace: str, cache: str, replicas: int) -> dict[str, Any]:
+    """An InferenceDeployment of MODEL from `cache` on CPU pods, small enough for the test box."""
+    return {
+        "apiVersion": "keepwarm.dev/v1alpha1",
+        "kind": "InferenceDeployment",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "model": {"cacheRef": cache, "name": MODEL},
+            "replicas": replicas,
+            "gpusPerPod": 0,
+            "runtime": {"maxModelLen": 256, "extraArgs": ["--num-kv-blocks", "64"]},
+        },
+    }
+
+
+def apply(cp: ControlPlane, obj: dict[str, Any]) -> None:
+    cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(obj))
+
+
+# -- looking at the cluster -------------------------------------------------------------------------
+
+
+def weightcache_nodes(cp: ControlPlane, cache: str) -> list[dict[str, Any]]:
+    return items(cp, f"{GROUP_PATH}/weightcachenodes?labelSelector=keepwarm.dev/weightcache={cache}")
+
+
+def lists_resident(wcn: dict[str, Any] | None, model: str = MODEL) -> bool:
+    """The WeightCacheNode lists `model` Resident, whatever its phase."""
+    models = ((wcn or {}).get("status") or {}).get("models", [])
+    return any(m["name"] == model and m["state"] == "Resident" for m in models)
+
+
+def is_resident(wcn: dict[str, Any] | None, model: str = MODEL) -> bool:
+    """The WeightCacheNode says Ready with `model` Resident."""
+    return ((wcn or {}).get("status") or {}).get("phase") == "Ready" and lists_resident(wcn, model)
+
+
+def resident_node(cp: ControlPlane, cache: str) -> dict[str, Any] | None:
+    """The cache's one WeightCacheNode once it is Ready with MODEL Resident, else None."""
+    (wcn,) = weightcache_nodes(cp, cache) or [None]
+    return wcn if is_resident(wcn) else None
+
+
+def agent_selector(cache: str) -> str:
+    return f"app.kubernetes.io/name=keepwarm-agent,app.kubernetes.io/instance={cache}"
+
+
+def runtime_selector(idep: str) -> str:
+    return f"app.kubernetes.io/name=keepwarm-runtime,app.kubernetes.io/instance={idep}"
+
+
+def pods(cp: ControlPlane, namespace: str, selector: str) -> list[dict[str, Any]]:
+    return items(cp, f"/api/v1/namespaces/{namespace}/pods?labelSelector={selector}")
+
+
+def is_ready(pod: dict[str, Any]) -> bool:
+    return condition(pod, "Ready").get("status") == "True" and not pod["metadata"].get("deletionTimestamp")
+
+
+def ready_pods(cp: ControlPlane, namespace: str, selector: str, count: int) -> list[dict[str, Any]] | None:
+    found = [p for p in pods(cp, namespace, selector) if is_ready(p)]
+    return found if len(found) == count else None
+
+
+# -- asking pods ------------------------------------------------------------------------------------
+
+
+def client(pod: dict[str, Any]) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"http://{pod['status']['podIP']}:8000/v1", api_key="x", max_retries=0, timeout=120
+    )
+
+
+def answer(pod: dict[str, Any]) -> str:
+    out = client(pod).chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=8, temperature=0)
+    return out.choices[0].message.content or ""
+
+
+def metric(pod: dict[str, Any], name: str) -> dict[str, float]:
+    """The samples of `name` on a runtime pod's /metrics, by their `source` label."""
+    text = httpx.get(f"http://{pod['status']['podIP']}:8000/metrics", timeout=30).text
+    return {s.labels.get("source", ""): s.value for s in samples(text, name)}
