@@ -75,7 +75,6 @@ def test_weightcache_agent_pod_makes_the_node_ready(journey: SimpleNamespace) ->
     cp.wait_for(lambda: ready_pods(cp, NAMESPACE, AGENTS, 1), timeout_s=120, what="the agent pod Ready")
 
 
-
 def test_inference_pods_answer_from_the_node_cache(journey: SimpleNamespace) -> None:
     cp = journey.cp
     cp.kubectl("create", "namespace", APPS)
