@@ -23,6 +23,7 @@ from typing import Any
 from pydantic import Field
 
 from .common import Condition, ConditionStatus, KubeModel, upsert_conditions
+from .refusals import Refusals
 from .weightcache import DEFAULT_HEARTBEAT_S, DEFAULT_MODEL_DIRECTORY, CachedModel, WeightCacheSpec
 
 KIND = "WeightCacheNode"
@@ -33,8 +34,6 @@ STALE = "Stale"  # condition type: True (set by the operator) when the heartbeat
 HEARTBEAT_FRESH, HEARTBEAT_MISSED = "HeartbeatFresh", "HeartbeatMissed"  # its reasons
 PEERS_REFUSED = "PeersRefused"  # condition type: True while the node's daemon refuses clients (agent)
 PEER_NOT_ALLOWED = "PeerNotAllowed"  # its reason
-# A refusal keeps PeersRefused True this long; refusals closer together than this are one episode.
-REFUSAL_WINDOW_S = 600
 DAEMON_STARTED = "DaemonStarted"  # condition type: False (agent) when the node's daemon could not start
 START_FAILED = "StartFailed"  # its reason
 
@@ -244,30 +243,20 @@ def phase_of(models: list[ResidentModel]) -> NodePhase:
     return NodePhase.LOADING
 
 
-class Refusals(KubeModel, frozen=True):
-    """The daemon's latest episode of refused clients (refusals less than REFUSAL_WINDOW_S apart);
-    in the daemon's `stats` reply, where the node agent reads it."""
-
-    count: int
-    since: dt.datetime
-    """The episode's first refusal."""
-    last_at: dt.datetime
-    reason: str
-    """The last refusal in words (cache.security.PeerPolicy.refusal)."""
-
-    def condition(self, now: dt.datetime) -> Condition | None:
-        """PeersRefused=True while the last refusal is recent, else None: a pod whose uid or groups
-        the daemon does not allow loads from disk, and this is where `kubectl describe wcn` says why."""
-        if (now - self.last_at).total_seconds() >= REFUSAL_WINDOW_S:
-            return None
-        message = f"{self.reason} ({self.count} refused since {self.since:%Y-%m-%dT%H:%M:%SZ})"
-        return Condition(
-            type=PEERS_REFUSED,
-            status=ConditionStatus.TRUE,
-            reason=PEER_NOT_ALLOWED,
-            message=message[:1000],
-            last_transition_time=self.since,
-        )
+def refusal_condition(refusals: Refusals, now: dt.datetime) -> Condition | None:
+    """PeersRefused=True while the daemon's last refusal is recent (refusals.REFUSAL_WINDOW_S), else
+    None: a pod whose uid or groups the daemon does not allow loads from disk, and this is where
+    `kubectl describe wcn` says why."""
+    if not refusals.recent(now):
+        return None
+    message = f"{refusals.reason} ({refusals.count} refused since {refusals.since:%Y-%m-%dT%H:%M:%SZ})"
+    return Condition(
+        type=PEERS_REFUSED,
+        status=ConditionStatus.TRUE,
+        reason=PEER_NOT_ALLOWED,
+        message=message[:1000],
+        last_transition_time=refusals.since,
+    )
 
 
 def start_failure_status(stored: dict[str, Any] | None, message: str, now: dt.datetime) -> dict[str, Any]:
@@ -296,14 +285,14 @@ def agent_status(
 ) -> WeightCacheNodeStatus:
     """The status an agent reports: phase from its models (each combined over the GPUs when there
     are per-GPU reports), Stale=False since it started reporting, PeersRefused while the daemon
-    refuses clients (Refusals.condition)."""
+    refuses clients (refusal_condition)."""
     fresh = Condition(
         type=STALE,
         status=ConditionStatus.FALSE,
         reason=HEARTBEAT_FRESH,
         last_transition_time=reporting_since,
     )
-    refused = refusals.condition(now) if refusals else None
+    refused = refusal_condition(refusals, now) if refusals else None
     return WeightCacheNodeStatus(
         phase=phase_of(models),
         heartbeat=now,

@@ -2,7 +2,8 @@
 
 One control plane whose kubelet stand-in runs pods for real (root only): `helm install` of
 charts/keepwarm (the operator runs as the chart's Deployment pod, as its ServiceAccount); a host-tier
-WeightCache with a model under modelDirectory (the agent DaemonSet pod runs `keepwarm cache serve`);
+WeightCache with a model under modelDirectory and one from the Hub (keepwarm_testing.hub on the pod
+bridge, named as the cache's Hub mirror; the agent DaemonSet pod runs `keepwarm cache serve`);
 an InferenceDeployment of 2 replicas (pods run `keepwarm serve` as rendered). The official `openai`
 client talks to each pod IP; the agent pod is restarted and then a spec change rolls the pods while
 client threads send requests all along. The steps share state and run in order.
@@ -15,6 +16,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,6 +27,9 @@ import httpx
 import openai
 import pytest
 
+from keepwarm_api.paths import hf_snapshot_dir
+from keepwarm_api.weightcache import WeightCacheSpec
+from keepwarm_runtime.modelgen import make_model
 from keepwarm_testing.controlplane.cluster import ControlPlane
 from keepwarm_testing.e2e import (
     MODEL,
@@ -36,11 +41,13 @@ from keepwarm_testing.e2e import (
     host_weightcache,
     install_chart,
     is_ready,
+    lists_resident,
     metric,
     pods,
     ready_pods,
     resident_node,
 )
+from keepwarm_testing.hub import LocalHub
 from keepwarm_testing.operator import GROUP_PATH, NAMESPACE, RELEASE, condition, get, items
 
 pytestmark = [
@@ -49,11 +56,25 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="running pods needs root (namespaces, mounts, cgroups)"),
 ]
 WC, IDEP, APPS = "journey", "chat", "journey-apps"
+HUB_MODEL, HUB_REPO = "tiny-hub", "org/tiny-hub"  # a second model, from the (loopback) Hub
 
 
 @pytest.fixture(scope="module")
 def journey(e2e_cluster: SimpleNamespace) -> SimpleNamespace:
     return e2e_cluster
+
+
+@pytest.fixture(scope="module")
+def hub(journey: SimpleNamespace, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
+    """The loopback Hub on the pod bridge's address (pods reach the host there), holding HUB_REPO."""
+    assert journey.cp.pods is not None
+    work = tmp_path_factory.mktemp("hub")
+    served = LocalHub(work / "hub", host=journey.cp.pods.network.gateway)
+    (work / "hub").mkdir()
+    sha = served.add_repo(HUB_REPO, make_model(work / "model", params="1M", dtype="bfloat16", seed=1))
+    served.start()
+    yield SimpleNamespace(hub=served, sha=sha)
+    served.stop()
 
 
 RUNTIME = f"app.kubernetes.io/name=keepwarm-runtime,app.kubernetes.io/instance={IDEP}"
@@ -65,13 +86,24 @@ def test_helm_install_runs_the_operator_as_its_pod(journey: SimpleNamespace) -> 
     assert operator["spec"]["serviceAccountName"] == f"{RELEASE}-keepwarm"
 
 
-def test_weightcache_agent_pod_makes_the_node_ready(journey: SimpleNamespace) -> None:
+def test_weightcache_agent_pod_makes_the_node_ready(journey: SimpleNamespace, hub: SimpleNamespace) -> None:
+    """One model under modelDirectory, one from the Hub: the agent pod downloads it through the Hub
+    mirror the WeightCache names (spec.agent.huggingFaceEndpoint)."""
     cp = journey.cp
-    apply(cp, host_weightcache(WC))
+    cache = host_weightcache(WC, huggingFaceEndpoint=hub.hub.endpoint)
+    hub_source = {"huggingFace": {"repo": HUB_REPO, "revision": "main"}}
+    cache["spec"]["models"].append({"name": HUB_MODEL, "source": hub_source})
+    apply(cp, cache)
     wcn = cp.wait_for(
-        lambda: resident_node(cp, WC), timeout_s=240, what="WeightCacheNode Ready with the model resident"
+        lambda: (w := resident_node(cp, WC)) and lists_resident(w, HUB_MODEL) and w,
+        timeout_s=240,
+        what="WeightCacheNode Ready with both models resident",
     )
     assert wcn["spec"]["nodeName"] == journey.node
+    assert hub.hub.requests_for(HUB_REPO), "the agent did not download through the WeightCache's mirror"
+    node_downloads = WeightCacheSpec.model_fields["download_directory"].default  # a node path
+    snapshot = journey.root / hf_snapshot_dir(HUB_REPO, hub.sha, node_downloads).lstrip("/")
+    assert (snapshot / "config.json").is_file()  # in the node's download directory
     cp.wait_for(lambda: ready_pods(cp, NAMESPACE, AGENTS, 1), timeout_s=120, what="the agent pod Ready")
 
 

@@ -19,12 +19,12 @@ from pydantic import ValidationError
 from keepwarm_api.common import ConditionStatus, Quantization, SecretKeyRef
 from keepwarm_api.lease import parse_time
 from keepwarm_api.paths import HOST_MODELS_MOUNT, MODELS_ROOT, host_model_dir, model_dir
+from keepwarm_api.refusals import Refusals
 from keepwarm_api.weightcachenode import (
     STALE,
     GPUModel,
     GPUResidency,
     ModelState,
-    Refusals,
     ResidentModel,
     WeightCacheNodeSpec,
     WeightCacheNodeStatus,
@@ -147,7 +147,7 @@ def gpu_model(m: ResidentModel) -> GPUModel:
 
 def latest_refusals(snapshots: dict[str, dict[str, Any]]) -> Refusals | None:
     """The most recent episode of refused clients across the node's daemons (one per GPU or one)."""
-    episodes = [Refusals.model_validate(r) for snap in snapshots.values() if (r := snap.get("refusals"))]
+    episodes = [Refusals.from_wire(r) for snap in snapshots.values() if (r := snap.get("refusals"))]
     return max(episodes, key=lambda r: r.last_at, default=None)
 
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from keepwarm_api import podenv
+from keepwarm_api.refusals import Refusals, record
 from keepwarm_api.settings import present
-from keepwarm_api.weightcachenode import REFUSAL_WINDOW_S, Refusals
 
 
 class CacheSecurityError(Exception):
@@ -70,8 +70,8 @@ class PeerPolicy:
 
 
 class RefusalLog:
-    """The latest episode of refused peers, for the node agent to report (Refusals.condition): a
-    pod refused here falls back to disk, and its user looks at the WeightCacheNode, not this log."""
+    """The latest episode of refused peers, for the node agent to report (as PeersRefused): a pod
+    refused here falls back to disk, and its user looks at the WeightCacheNode, not this log."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -80,11 +80,7 @@ class RefusalLog:
     def record(self, reason: str, at: dt.datetime | None = None) -> None:
         at = at or dt.datetime.now(dt.UTC)
         with self._lock:
-            last = self._latest
-            if last is None or (at - last.last_at).total_seconds() >= REFUSAL_WINDOW_S:
-                self._latest = Refusals(count=1, since=at, last_at=at, reason=reason)
-            else:
-                self._latest = Refusals(count=last.count + 1, since=last.since, last_at=at, reason=reason)
+            self._latest = record(self._latest, reason, at)
 
     def latest(self) -> Refusals | None:
         with self._lock:

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from keepwarm_api.paths import PathOutsideModelDirectory
+from keepwarm_api.refusals import REFUSAL_WINDOW_S
 from keepwarm_api.weightcachenode import (
     DAEMON_STARTED,
     PEERS_REFUSED,
-    REFUSAL_WINDOW_S,
     STALE,
     WeightCacheNodeSpec,
     agent_status,
