@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -33,6 +35,7 @@ from keepwarm_runtime.modelgen import make_model
 from keepwarm_testing.controlplane.cluster import ControlPlane
 from keepwarm_testing.e2e import (
     MODEL,
+    MODEL_DIR,
     PROMPT,
     answer,
     apply,
@@ -57,6 +60,7 @@ pytestmark = [
 ]
 WC, IDEP, APPS = "journey", "chat", "journey-apps"
 HUB_MODEL, HUB_REPO = "tiny-hub", "org/tiny-hub"  # a second model, from the (loopback) Hub
+ADAPTER = "terse"  # a LoRA adapter the InferenceDeployment serves on top of MODEL
 
 
 @pytest.fixture(scope="module")
@@ -107,14 +111,48 @@ def test_weightcache_agent_pod_makes_the_node_ready(journey: SimpleNamespace, hu
     cp.wait_for(lambda: ready_pods(cp, NAMESPACE, AGENTS, 1), timeout_s=120, what="the agent pod Ready")
 
 
-def test_inference_pods_answer_from_the_node_cache(journey: SimpleNamespace) -> None:
+@pytest.fixture(scope="module")
+def adapter_dir(journey: SimpleNamespace) -> Iterator[Path]:
+    """A PEFT adapter of the journey's model where a containerPath can name it: the pods' root is the
+    host's, but with an empty /tmp, so it lies under /var/tmp (and goes with the module)."""
+    from tests.lora_adapters import make_adapter
+
+    parent = Path(tempfile.mkdtemp(prefix="keepwarm-e2e-", dir="/var/tmp"))
+    try:
+        os.chmod(parent, 0o755)  # the runtime's uid reads it
+        out = make_adapter(
+            journey.root / MODEL_DIR.lstrip("/"),
+            parent / ADAPTER,
+            3,
+            r=8,
+            target_modules=["q_proj", "v_proj"],
+        )
+        for path in out.rglob("*"):
+            os.chmod(path, 0o755 if path.is_dir() else 0o644)
+        os.chmod(out, 0o755)
+        yield out
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+def test_inference_pods_answer_from_the_node_cache(journey: SimpleNamespace, adapter_dir: Path) -> None:
+    """2 replicas attach the model from the node cache; spec.lora names an adapter the pods also serve
+    (the CRD's fields, rendered to `keepwarm serve`'s flags, answered through the openai client)."""
     cp = journey.cp
     cp.kubectl("create", "namespace", APPS)
-    apply(cp, cpu_inference_deployment(IDEP, APPS, WC, replicas=2))
+    dep = cpu_inference_deployment(IDEP, APPS, WC, replicas=2)
+    adapters = [{"name": ADAPTER, "source": {"containerPath": str(adapter_dir)}}]
+    dep["spec"]["lora"] = {"maxLoras": 2, "maxLoraRank": 8, "adapters": adapters}
+    apply(cp, dep)
     ready = cp.wait_for(lambda: ready_pods(cp, APPS, RUNTIME, 2), timeout_s=300, what="2 runtime pods Ready")
     answers = {answer(p) for p in ready}
     assert len(answers) == 1 and answers != {""}
     journey.answer = answers.pop()
+    for pod in ready:
+        served = {m.id: m for m in client(pod).models.list()}
+        assert served[ADAPTER].model_extra["parent"] == MODEL, served
+        out = client(pod).chat.completions.create(model=ADAPTER, messages=PROMPT, max_tokens=8, temperature=0)
+        assert out.model == ADAPTER and out.choices[0].message.content not in ("", journey.answer)
     for pod in ready:
         loads = metric(pod, "keepwarm_weight_load_seconds")
         assert set(loads) == {"cache"}, loads  # attached from the node cache, nothing from disk
