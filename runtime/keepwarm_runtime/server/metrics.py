@@ -26,6 +26,7 @@ from keepwarm_runtime.cache.metrics import client_metrics
 from keepwarm_runtime.server.supervisor import RESTARTS
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_ADAPTER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -117,6 +118,14 @@ class ServerMetrics:
             ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
             registry=r,
         )
+        self.lora_load = Histogram(
+            "keepwarm_lora_load_seconds",
+            "Seconds to read and check a LoRA adapter as it is registered, by where its tensors came "
+            "from (cache: the node cache's arena, zero-copy; disk)",
+            ["source"],
+            buckets=_ADAPTER_BUCKETS,
+            registry=r,
+        )
         self.worker_restarts = Counter(
             "keepwarm_worker_restarts",
             "Serving workers restarted by the supervising parent, by cause (crash, hang, unhealthy)",
@@ -160,6 +169,10 @@ class ServerMetrics:
         self.lora_requests_info.clear()
         labels = {"running_lora_adapters": ",".join(running), "waiting_lora_adapters": ",".join(waiting)}
         self.lora_requests_info.labels(**labels, max_lora=str(max_loras)).set(time.time())
+
+    def record_lora_load(self, source: str, seconds: float) -> None:
+        """One adapter registered (engine/lora/adapter.py LoraWeights.source and .seconds)."""
+        self.lora_load.labels(source=source).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

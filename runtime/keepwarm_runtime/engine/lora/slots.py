@@ -10,7 +10,8 @@ token's own slot's columns, so one batch mixes any adapters and the base in two 
 ops only (CPU and GPU). The order of operations is PEFT's, ``lora_B(lora_A(x)) * scaling``, so fp32
 results match it to rounding.
 
-Registered adapters stay on the host (engine/lora/adapter.py checked them); a slot holds a copy on
+Registered adapters stay on the host (engine/lora/adapter.py checked them; attached from the node cache,
+they are read-only views of its arena, which slots only ever copy from); a slot holds a copy on
 the device while some sequence uses it, and afterwards until the least recently used unpinned slot
 is needed for another adapter. A sequence whose adapter finds no slot waits (engine/scheduler.py).
 """
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from keepwarm_runtime.engine.lora.adapter import LoraLoadError, LoraWeights, load_adapter
+from keepwarm_runtime.engine.lora.adapter import AdapterCache, LoraLoadError, LoraWeights, load_adapter
 
 
 class LoraInUse(RuntimeError):
@@ -85,8 +86,10 @@ class _Stacked:
 
 
 class LoraSlots:
-    def __init__(self, model: nn.Module, max_loras: int, max_rank: int):
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, cache: AdapterCache | None = None):
+        """``cache``: read adapters through the node cache (engine/lora/adapter.py); None: from disk."""
         self.model = model
+        self.cache = cache
         self.max_loras, self.max_rank = max_loras, max_rank
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
@@ -106,7 +109,7 @@ class LoraSlots:
         """Read, check and register an adapter; LoraLoadError names what is wrong, changing nothing."""
         if name in self.adapters:
             raise LoraLoadError(f"adapter {name!r} is already loaded")
-        weights = load_adapter(name, path, self.model, self.max_rank, self.dtype)
+        weights = load_adapter(name, path, self.model, self.max_rank, self.dtype, self.cache)
         for module_name in weights.modules:  # checked above: every one is a targetable nn.Linear
             if module_name not in self._stacked:
                 linear = self.model.get_submodule(module_name)
