@@ -254,3 +254,24 @@ def test_daemon_absent_or_restarting_falls_back_to_disk_by_name(
     weights = llm.engine.lora.adapters["after-kill"]
     assert weights.source == "disk" and weights.reason.startswith("unavailable"), weights.reason
     assert any("'after-kill'" in r.getMessage() for r in caplog.records)
+
+
+def test_a_successor_daemon_serves_the_adapter_it_took_over(setup: Setup, tmp_path: Path) -> None:
+    """A restart by hand-off keeps the adapter resident, still an adapter (adopt.py keys it as one)."""
+    adapter = setup.adapters["kv"]
+    socket_dir = tmp_path / "wc"
+    first = DaemonProcess(socket_dir, [], "--dtype", "float32", "--adapter", str(adapter)).wait_ready()
+    second = DaemonProcess(socket_dir, [], "--dtype", "float32")  # no --adapter: only a take-over has it
+    try:
+        second.wait_ready()
+        assert first.wait_exit(120) == 0, first.stderr
+        with connect(second.socket, timeout_s=10.0) as sock:
+            stats, _ = request(sock, {"cmd": "stats"})
+        assert stats["models"]["kv"]["kind"] == "adapter", second.stderr
+        hit = attach_adapter(adapter, socket_dir, dtype=torch.float32, fallback=False)
+        disk = attach_adapter(adapter, None, dtype=torch.float32)
+        assert hit.source == "cache"
+        assert all(torch.equal(hit.tensors[n], t) for n, t in disk.tensors.items())
+    finally:
+        first.kill()
+        second.kill()
