@@ -126,6 +126,18 @@ class ServerMetrics:
             buckets=_ADAPTER_BUCKETS,
             registry=r,
         )
+        self.lora_requests = Counter(
+            "keepwarm_lora_requests",
+            "Requests served with each LoRA adapter, counted as they end (base-model requests are not)",
+            ["adapter"],
+            registry=r,
+        )
+        self.lora_generation_tokens = Counter(
+            "keepwarm_lora_generation_tokens",
+            "Tokens generated with each LoRA adapter (also counted in keepwarm_generation_tokens)",
+            ["adapter"],
+            registry=r,
+        )
         self.worker_restarts = Counter(
             "keepwarm_worker_restarts",
             "Serving workers restarted by the supervising parent, by cause (crash, hang, unhealthy)",
@@ -179,9 +191,13 @@ class ServerMetrics:
 
 
 class RequestTimer:
-    """Times one request: ``tokens(n)`` when its generated-token count grows, ``done()`` at the end."""
+    """Times one request: ``tokens(n)`` when its generated-token count grows, ``done()`` at the end.
+
+    ``adapter``: the LoRA adapter the request runs with (set before its first token), whose own
+    request and token counters it also feeds."""
 
     def __init__(self, metrics: ServerMetrics, prompt_tokens: int, arrival: float | None = None) -> None:
+        self.adapter: str | None = None
         self._metrics = metrics
         self._arrival = time.perf_counter() if arrival is None else arrival  # perf_counter() at arrival
         self._first: float | None = None
@@ -196,9 +212,15 @@ class RequestTimer:
                 self._first = now
                 self._metrics.ttft.observe(now - self._arrival)
             self._metrics.generation_tokens.inc(total_generated - self._generated)
+            if self.adapter is not None:
+                self._metrics.lora_generation_tokens.labels(self.adapter).inc(
+                    total_generated - self._generated
+                )
             self._generated, self._last = total_generated, now
 
     def done(self) -> None:
+        if self.adapter is not None:
+            self._metrics.lora_requests.labels(self.adapter).inc()
         self._metrics.e2e.observe(self._last - self._arrival)
         if self._first is not None and self._generated > 1:
             self._metrics.tpot.observe((self._last - self._first) / (self._generated - 1))

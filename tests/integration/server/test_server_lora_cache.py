@@ -3,7 +3,8 @@
 The daemon holds the base and one adapter (`--adapter`); the server names the cache socket. The
 `--lora-modules` adapter attaches from the cache, one loaded at runtime that the daemon lacks is read
 from disk, and `keepwarm_lora_load_seconds{source}` counts each where it came from; both give PEFT's
-greedy tokens.
+greedy tokens, and each adapter's requests and generated tokens are counted under its name
+(`keepwarm_lora_requests`, `keepwarm_lora_generation_tokens`; the base's are not).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ NEW_TOKENS = 6
 PROMPT = [5, 87, 301, 44, 1024, 9, 77]
 
 
-def test_adapters_from_the_node_cache_and_disk_match_peft_and_are_counted_by_source(
+def test_adapters_from_cache_and_disk_match_peft_and_are_counted_by_source_and_name(
     tiny_llama: Path, tmp_path: Path
 ) -> None:
     cached = make_adapter(tiny_llama, tmp_path / "sql", seed=1, r=4, lora_alpha=8, target_modules=["q_proj"])
@@ -49,7 +50,7 @@ def test_adapters_from_the_node_cache_and_disk_match_peft_and_are_counted_by_sou
             timeout=120,
         )
         assert r.status_code == 200, r.text
-        for name in ("sql", "late"):
+        for name in ("sql", "late", "sql", str(tiny_llama)):  # the last: the base model
             out = c.completions.create(
                 model=name,
                 prompt=PROMPT,
@@ -59,8 +60,14 @@ def test_adapters_from_the_node_cache_and_disk_match_peft_and_are_counted_by_sou
                 extra_body={"min_tokens": NEW_TOKENS, "return_tokens_as_token_ids": True},
             )
             ids = [int(t.removeprefix("token_id:")) for t in out.choices[0].logprobs.tokens]
-            assert ids == expected[name], f"adapter {name}"
+            assert ids == expected.get(name, ids), f"adapter {name}"
         samples = proc.metrics()
+        assert samples['keepwarm_lora_requests_total{adapter="sql"}'] == 2
+        assert samples['keepwarm_lora_requests_total{adapter="late"}'] == 1
+        assert samples['keepwarm_lora_generation_tokens_total{adapter="sql"}'] == 2 * NEW_TOKENS
+        assert samples['keepwarm_lora_generation_tokens_total{adapter="late"}'] == NEW_TOKENS
+        assert samples["keepwarm_generation_tokens_total"] == 4 * NEW_TOKENS  # the base's too
+        assert not [k for k in samples if k.startswith("keepwarm_lora_requests_total") and "tiny" in k]
         assert samples['keepwarm_lora_load_seconds_count{source="cache"}'] == 1
         assert samples['keepwarm_lora_load_seconds_count{source="disk"}'] == 1
         assert samples['keepwarm_weight_load_seconds{source="cache"}'] > 0
