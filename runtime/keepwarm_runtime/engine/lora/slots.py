@@ -2,7 +2,8 @@
 
 Each targetable projection of the base gets a forward hook. Its adapters live stacked: A as
 [max_loras * max_rank, in] and B as [out, max_loras * max_rank], slot s owning rows (columns)
-s*R .. s*R+r (zero padding above an adapter's rank r, and for modules it does not target). A step
+s*R .. s*R+r for an adapter of rank r (the columns above r are never gathered; A rows are zero for
+modules it does not target). A step
 hands every token a slot (-1: the base model, no update). For the tokens x of one projection the
 update is ``((x A^T) * mask) B^T * scale`` over the step's active columns only (the ranks of the
 adapters this step uses, gathered once and reused while that set is unchanged): the mask keeps each
@@ -173,15 +174,18 @@ class LoraSlots:
         return None if victim is None else self.resident.pop(victim)
 
     def _load(self, name: str, slot: int) -> None:
+        """Copy ``name`` into ``slot``: its rank's rows of every stacked projection (a step gathers
+        no column above a slot's rank, so whatever an earlier occupant left there is never read);
+        projections it does not target get zero A rows, so they add nothing (B stays finite)."""
         weights = self.adapters[name]
-        lo, hi = slot * self.max_rank, (slot + 1) * self.max_rank
-        for stacked in self._stacked.values():
-            stacked.a[lo:hi].zero_()
-            stacked.b[:, lo:hi].zero_()
-        for module_name, (a, b) in weights.modules.items():
-            stacked = self._stacked[module_name]
-            stacked.a[lo : lo + weights.rank].copy_(a)
-            stacked.b[:, lo : lo + weights.rank].copy_(b)
+        lo, hi = slot * self.max_rank, slot * self.max_rank + weights.rank
+        for module_name, stacked in self._stacked.items():
+            pair = weights.modules.get(module_name)
+            if pair is None:
+                stacked.a[lo:hi].zero_()
+            else:
+                stacked.a[lo:hi].copy_(pair[0])
+                stacked.b[:, lo:hi].copy_(pair[1])
         self.scaling[slot] = weights.scaling
         self.ranks[slot] = weights.rank
         self.generation[slot] += 1
