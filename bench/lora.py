@@ -33,12 +33,18 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+from keepwarm_runtime.engine import threads
 
-from keepwarm_runtime import LLM, SamplingParams
-from keepwarm_runtime.cache.launcher import DaemonProcess
-from keepwarm_runtime.engine.llm import LoRARequest
-from keepwarm_runtime.engine.lora.adapter import AdapterCache
+# As `keepwarm serve` does, before torch is imported: OpenMP threads that spin a bounded while, then
+# sleep (engine/threads.py); without it a loaded CPU stalls each of an adapter load's many small ops.
+threads.prepare_openmp(threads.choose_threads())
+
+import torch  # noqa: E402
+
+from keepwarm_runtime import LLM, SamplingParams  # noqa: E402
+from keepwarm_runtime.cache.launcher import DaemonProcess  # noqa: E402
+from keepwarm_runtime.engine.llm import LoRARequest  # noqa: E402
+from keepwarm_runtime.engine.lora.adapter import AdapterCache  # noqa: E402
 
 RATES = ("base_tok_s", "mixed_tok_s", "peft_tok_s", "mixed_over_base", "mixed_over_peft")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

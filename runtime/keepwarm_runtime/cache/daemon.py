@@ -42,13 +42,13 @@ from keepwarm_runtime.cache.adapters import (
     adapter_layout,
     read_adapter,
 )
-from keepwarm_runtime.cache.checkpoint import parse_dtype, read_checkpoint
+from keepwarm_runtime.cache.checkpoint import Shard, parse_dtype, read_checkpoint
 from keepwarm_runtime.cache.client import HOST_SOCKET
 from keepwarm_runtime.cache.connections import SocketServer
-from keepwarm_runtime.cache.fingerprint import compute_key, read_config
+from keepwarm_runtime.cache.fingerprint import WeightCacheKey, compute_key, read_config
 from keepwarm_runtime.cache.handlers import CommandHandlers
 from keepwarm_runtime.cache.limits import ServerLimits, raise_nofile_limit
-from keepwarm_runtime.cache.loader import fill_arena, plan_layout
+from keepwarm_runtime.cache.loader import ArenaLayout, fill_arena, plan_layout
 from keepwarm_runtime.cache.metrics import ARENA_SOURCES, DaemonMetrics
 from keepwarm_runtime.cache.registry import ModelRegistry, ResidentModel
 from keepwarm_runtime.cache.settings import TIERS
@@ -251,7 +251,16 @@ class CacheDaemon:
         )
         return name
 
-    def _fill(self, name, path, key, layout, shards, pinned: bool, evict: bool) -> ResidentModel:
+    def _fill(
+        self,
+        name: str,
+        path: Path,
+        key: WeightCacheKey,
+        layout: ArenaLayout,
+        shards: list[Shard],
+        pinned: bool,
+        evict: bool,
+    ) -> ResidentModel:
         """Make room, then read ``shards`` into a new sealed arena laid out as ``layout``."""
         for victim in self.registry.reserve(layout.size, keep=name, evict=evict):
             self._drop(victim, "evicted for --budget")

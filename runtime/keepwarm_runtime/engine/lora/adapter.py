@@ -30,6 +30,9 @@ from keepwarm_api.values import CacheMode
 from keepwarm_runtime.cache.adapters import CONFIG_FILE, WEIGHTS_FILE
 
 log = logging.getLogger(__name__)
+# How long an adapter's attach waits for a daemon that refuses connections (one restarting, or a dead
+# one's socket file): adapters load between engine steps, so a long wait would stall every request.
+CACHE_TIMEOUT_S = 1.0
 PEFT_PREFIX = "base_model.model."
 # Projections an adapter may target: attention and MLP, separate or fused (Phi-3's qkv_proj, gate_up_proj).
 TARGETABLE = frozenset(
@@ -129,7 +132,12 @@ def read_tensors(
         raise LoraLoadError(f"adapter {name!r}: {path} does not exist (only safetensors adapters are read)")
     try:
         res = attach_adapter(
-            directory, cache.socket_dir, dtype=dtype, mode=cache.mode, fallback=cache.fallback
+            directory,
+            cache.socket_dir,
+            dtype=dtype,
+            mode=cache.mode,
+            fallback=cache.fallback,
+            timeout_s=CACHE_TIMEOUT_S,
         )
     except CacheAttachError as exc:
         raise LoraLoadError(
@@ -192,6 +200,15 @@ def check_module(name: str, model: nn.Module, module_name: str) -> nn.Linear:
     return module
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN or infinity in ``t``: one min/max pass (NaN propagates through both), no boolean copy
+    of the tensor as ``isfinite(t).all()`` makes (several times slower over a large adapter)."""
+    if not t.numel():
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+
+
 def load_adapter(
     name: str,
     path: str | Path,
@@ -219,7 +236,7 @@ def load_adapter(
                 f"adapter {name!r}: {module_name} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; "
                 f"this base needs {want_a} and {want_b} at rank {rank} (an adapter for another base?)"
             )
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        if not (all_finite(a) and all_finite(b)):
             raise LoraLoadError(f"adapter {name!r}: {module_name} holds NaN or infinite weights")
         modules[module_name] = (a.to(dtype), b.to(dtype))
     seconds = time.perf_counter() - started
