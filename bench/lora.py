@@ -8,7 +8,7 @@ Generates a random-weight Llama of about --params parameters (unless --model-dir
 adapters on every projection (q/k/v/o/gate/up/down, random lora_B), saved by PEFT itself. Measures:
 
 * ``load_from_disk_ms[rank]``: registering an adapter (read + check, engine/lora/adapter.py) and copying
-  it into a slot, median of 5 (the file is in the page cache after the first);
+  it into a slot, median of 9 (the file is in the page cache after the first);
 * ``load_from_cache_ms[rank]``: the same with the adapter attached zero-copy from a real node cache
   daemon (`keepwarm cache serve --adapter`, host tier, started here) instead of read from disk;
 * ``base_tok_s``: --prompts greedy requests on the base, all at once (continuous batching);
@@ -65,7 +65,7 @@ def make_adapter(model_dir: Path, out: Path, rank: int, seed: int) -> Path:
     return out
 
 
-def load_ms(llm: LLM, path: Path, cache: AdapterCache, reps: int = 5) -> float:
+def load_ms(llm: LLM, path: Path, cache: AdapterCache, reps: int = 9) -> float:
     """Median ms to register an adapter through ``cache`` and copy it into a slot (then forget it)."""
     engine, times = llm.engine, []
     engine.lora.cache = cache  # where adapters come from: the node cache or disk

@@ -75,7 +75,8 @@ class LoraWeights:
     path: str
     rank: int
     scaling: float
-    modules: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module name -> (A, B), on the host
+    # module name -> (A, B), on the host (a gpu-tier arena's stay on the engine's GPU)
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
     source: str = "disk"  # "cache" (read-only views of the daemon's arena) | "disk"
     reason: str | None = None  # why not from the cache, when a cache was asked (client.AttachResult)
     seconds: float = 0.0  # wall time to read and check it
@@ -119,9 +120,13 @@ def read_config(name: str, directory: Path, max_rank: int) -> dict:
 
 
 def read_tensors(
-    name: str, directory: Path, dtype: torch.dtype, cache: AdapterCache
+    name: str, directory: Path, dtype: torch.dtype, cache: AdapterCache, device: torch.device
 ) -> tuple[dict[str, torch.Tensor], str, str | None]:
-    """The adapter file's tensors in ``dtype``, from the node cache or disk: (tensors, source, reason)."""
+    """The adapter file's tensors in ``dtype``, from the node cache or disk: (tensors, source, reason).
+
+    ``device`` (the engine's) picks the daemon: on CUDA its GPU's gpu-tier daemon when one runs (the
+    tensors then stay in that GPU's arena; untested on a GPU so far), else the host tier's, mapped on
+    the host."""
     from safetensors import SafetensorError
 
     from keepwarm_runtime.cache.checkpoint import CheckpointError
@@ -135,6 +140,7 @@ def read_tensors(
             directory,
             cache.socket_dir,
             dtype=dtype,
+            device=device,
             mode=cache.mode,
             fallback=cache.fallback,
             timeout_s=CACHE_TIMEOUT_S,
@@ -206,7 +212,7 @@ def all_finite(t: torch.Tensor) -> bool:
     if not t.numel():
         return True
     lo, hi = torch.aminmax(t)
-    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+    return math.isfinite(lo.item()) and math.isfinite(hi.item())
 
 
 def load_adapter(
@@ -225,7 +231,8 @@ def load_adapter(
         raise LoraLoadError(f"adapter {name!r}: {directory} is not a directory")
     config = read_config(name, directory, max_rank)
     rank, scaling = config["r"], scaling_of(config)
-    tensors, source, reason = read_tensors(name, directory, dtype, cache or AdapterCache())
+    device = next(model.parameters()).device
+    tensors, source, reason = read_tensors(name, directory, dtype, cache or AdapterCache(), device)
     modules: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for module_name, pair in sorted(pair_tensors(name, tensors).items()):
         linear = check_module(name, model, module_name)
