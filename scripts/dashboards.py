@@ -38,6 +38,14 @@ UNPLOTTED: dict[str, str] = {
     "keepwarm_cache_start_arenas": "a start-up fact (how warm the start was: resident arenas by origin)",
     "keepwarm_lora_requests_info": "for routers (vLLM's lora_requests_info: adapters running and waiting "
     "now, as labels), not a time series to plot",
+    "keepwarm_lora_load_seconds": "an event per adapter registered (by source: cache or disk), read from "
+    "/metrics or the log; bench/lora.py measures it",
+    "keepwarm_lora_requests": "per adapter: unbounded label values (adapters come and go at runtime); "
+    "query it per adapter, e.g. topk by adapter",
+    "keepwarm_lora_generation_tokens": "per adapter: unbounded label values (adapters come and go at "
+    "runtime); query it per adapter, e.g. topk by adapter",
+    "keepwarm_cache_resident_adapters": "a count beside keepwarm_cache_resident_bytes, which plots adapters "
+    "under their names",
     "keepwarm_worker_restarts": "alert on it: serving workers the supervising parent restarted, by cause",
     "keepwarm_sleep_level": "a state (0 awake, else the sleep level) that routers read from /metrics",
     "keepwarm_moe_layers": "a load-time fact (experts backend per module), read from /metrics or the log",

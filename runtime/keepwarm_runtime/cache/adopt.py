@@ -6,8 +6,9 @@ the weights:
 * the descriptor: on the host tier a memfd of exactly the recorded size whose seals all hold (no
   write, grow or shrink: nobody can have changed it); on the gpu tier the record's size is taken as
   given (the VMM handle cannot be inspected without importing it; untested on GPU);
-* the files: every shard is re-read (headers only) and its identity (device, inode, size, mtime,
-  ctime) must equal the one recorded at load, the check every hit makes;
+* the files: every shard is re-read (headers only; a LoRA adapter's as an adapter, cache/adapters.py)
+  and its identity (device, inode, size, mtime, ctime) must equal the one recorded at load, the check
+  every hit makes;
 * this daemon's configuration: tier, GPU, serving dtype and expert layout, by recomputing the key
   with its own settings (every field but ``version`` must agree); from another keepwarm version the
   arena layout is also re-planned (the tensor table must be the one this version would write, so a
@@ -29,6 +30,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from keepwarm_runtime.cache.adapters import (
+    KIND_ADAPTER,
+    KIND_MODEL,
+    adapter_key,
+    adapter_layout,
+    is_adapter_key,
+    read_adapter,
+)
 from keepwarm_runtime.cache.backends.host import AdoptedArena, ArenaSealError, verify_sealed
 from keepwarm_runtime.cache.checkpoint import CheckpointError, read_checkpoint
 from keepwarm_runtime.cache.fingerprint import WeightCacheKey, compute_key
@@ -75,9 +84,17 @@ def _check_descriptor(daemon: CacheDaemon, record: ArenaRecord, fd: int) -> None
             raise Unfit("seals", str(exc)) from None
 
 
-def _check_files(record: ArenaRecord, model_dir: Path):
+def _kind(record: ArenaRecord) -> str:
+    """A LoRA adapter's arena (its key says so: cache/adapters.py), or a model's."""
     try:
-        shards = read_checkpoint(model_dir)
+        return KIND_ADAPTER if is_adapter_key(WeightCacheKey.from_dict(record.key)) else KIND_MODEL
+    except ValueError:
+        return KIND_MODEL  # _check_key names the malformed key
+
+
+def _check_files(record: ArenaRecord, model_dir: Path, kind: str):
+    try:
+        shards = read_adapter(model_dir) if kind == KIND_ADAPTER else read_checkpoint(model_dir)
     except CheckpointError as exc:
         raise Unfit("files", str(exc)) from None
     want = shard_identities(record, model_dir)
@@ -88,14 +105,19 @@ def _check_files(record: ArenaRecord, model_dir: Path):
     return shards
 
 
-def _check_key(daemon: CacheDaemon, record: ArenaRecord, model_dir: Path, shards, online) -> WeightCacheKey:
+def _check_key(
+    daemon: CacheDaemon, record: ArenaRecord, model_dir: Path, shards, online, kind: str
+) -> WeightCacheKey:
     """This daemon's key for the model (its version), if the recorded key agrees on everything else."""
     try:
         handed = WeightCacheKey.from_dict(record.key)
     except ValueError as exc:
         raise Unfit("key", str(exc)) from None
-    key = compute_key(model_dir, daemon.dtype, shards=shards, conversion=daemon.conversion, online=online)
-    candidates = (key, replace(key, conversion=conversion_id(MODEL)))
+    if kind == KIND_ADAPTER:
+        candidates: tuple[WeightCacheKey, ...] = (adapter_key(model_dir, daemon.dtype, shards),)
+    else:
+        key = compute_key(model_dir, daemon.dtype, shards=shards, conversion=daemon.conversion, online=online)
+        candidates = (key, replace(key, conversion=conversion_id(MODEL)))
     best = min(candidates, key=lambda k: len([f for f in handed.diff(k) if f != "version"]))
     differ = [f for f in handed.diff(best) if f != "version"]
     if differ:
@@ -110,13 +132,18 @@ def verify(daemon: CacheDaemon, record: ArenaRecord, fd: int) -> ResidentModel:
 
     _check_descriptor(daemon, record, fd)
     model_dir = Path(record.path)
-    shards = _check_files(record, model_dir)
+    kind = _kind(record)
+    shards = _check_files(record, model_dir, kind)
     try:
-        online = online_settings(model_dir, record.quantization)
-        key = _check_key(daemon, record, model_dir, shards, online)
+        online = online_settings(model_dir, record.quantization) if kind == KIND_MODEL else None
+        key = _check_key(daemon, record, model_dir, shards, online, kind)
         entries = tuple(TensorEntry.from_wire(row) for row in record.tensors)
         if record.key.get("version") == key.version:  # same code, same key: the layout it writes
             layout = ArenaLayout(entries, _extent(entries))
+        elif kind == KIND_ADAPTER:
+            layout = adapter_layout(shards, daemon.dtype)
+            if entries != layout.entries:
+                raise Unfit("layout", "the tensor table is not the one this version writes")
         else:  # another version: its table must be the one this version plans
             layout = plan_layout(shards, daemon.dtype, online, daemon.config.expert_layout)
             if entries != layout.entries:
@@ -144,6 +171,7 @@ def verify(daemon: CacheDaemon, record: ArenaRecord, fd: int) -> ResidentModel:
         quantization=record.quantization,
         hits=record.hits,
         last_used=time.monotonic() - float(record.idle_s),
+        kind=kind,
     )
 
 

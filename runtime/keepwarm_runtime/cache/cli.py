@@ -150,7 +150,9 @@ def daemon_configs(settings: CacheServeSettings) -> list[DaemonConfig]:
 
 
 def serve(settings: CacheServeSettings) -> int:
-    """Claim the sockets, load the models, serve until SIGTERM; 2 on bad settings or when none loads."""
+    """Claim the sockets, load the models and adapters, serve until SIGTERM; 2 on bad settings or when
+    none of the models loads (an adapter that fails is logged and Failed, like a model)."""
+    from keepwarm_runtime.cache.adapters import KIND_ADAPTER
     from keepwarm_runtime.cache.daemon import CacheDaemon
 
     if settings.report_to_kubernetes and not (settings.weightcache and settings.node_name):
@@ -177,6 +179,7 @@ def serve(settings: CacheServeSettings) -> int:
     quantization = daemons[0].config.quantization
     for daemon in daemons:
         loaded = load_initial_models(daemon, list(settings.model), quantization)
+        load_initial_models(daemon, list(settings.adapters), kind=KIND_ADAPTER)
         if settings.model and not loaded:
             close_all()
             return _fail("serve", f"none of the {len(settings.model)} models loaded; see the errors above")
@@ -232,16 +235,21 @@ def _serve_then_stop_all(daemon, stop_all) -> None:
             stop_all()
 
 
-def load_initial_models(daemon, paths: list[str], quantization: str | None = None) -> list[str]:
-    """Load each model without evicting another (quantized online when ``quantization`` is set); a
-    failure is an ERROR line (or a WARNING when it only does not fit the budget) and a Failed entry,
-    never the end of the daemon."""
+def load_initial_models(
+    daemon, paths: list[str], quantization: str | None = None, kind: str | None = None
+) -> list[str]:
+    """Load each model (or LoRA adapter, by ``kind``) without evicting another (a model quantized
+    online when ``quantization`` is set); a failure is an ERROR line (or a WARNING when it only does
+    not fit the budget) and a Failed entry, never the end of the daemon."""
+    from keepwarm_runtime.cache.adapters import KIND_MODEL
     from keepwarm_runtime.cache.registry import BudgetExceeded
 
     loaded = []
     for path in paths:
         try:
-            loaded.append(daemon.add_model(path, evict=False, quantization=quantization))
+            loaded.append(
+                daemon.add_model(path, evict=False, quantization=quantization, kind=kind or KIND_MODEL)
+            )
         except BudgetExceeded as exc:
             log.warning("not loading %s: %s", path, exc)
         except Exception as exc:
@@ -281,4 +289,7 @@ def format_ls_row(m: dict) -> str:
     if m.get("state") == "Failed":
         return f"{m['name']}\tFailed\t{m['reason']}"
     pin = " pinned" if m["pinned"] else ""
-    return f"{m['name']}\t{m['bytes'] / 2**20:.1f} MiB\t{m['tier']}\t{m['key_digest']}{pin}\t{m['path']}"
+    kind = m.get("kind", "model")
+    return (
+        f"{m['name']}\t{kind}\t{m['bytes'] / 2**20:.1f} MiB\t{m['tier']}\t{m['key_digest']}{pin}\t{m['path']}"
+    )

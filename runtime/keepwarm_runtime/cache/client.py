@@ -1,6 +1,7 @@
 """Client side of the cache: ``attach()`` named tensors from the node's daemon, or from disk.
 
-An inference process calls ``attach(model_dir, socket_dir)`` once at start. On a hit it gets
+An inference process calls ``attach(model_dir, socket_dir)`` once at start (and ``attach_adapter`` for
+each LoRA adapter it registers). On a hit it gets
 zero-copy views of the daemon's arena (read-only memory: never write into them); on any miss or
 error it falls back to a plain safetensors load when ``fallback`` is true, logging each distinct
 reason once and counting every fallback in ``keepwarm_cache_client_misses_total``.
@@ -14,6 +15,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,9 +25,10 @@ import torch
 from keepwarm_api.values import CacheMode, Tier
 from keepwarm_runtime import __version__
 from keepwarm_runtime.cache import protocol, security
-from keepwarm_runtime.cache.checkpoint import Shard, parse_dtype, read_checkpoint
+from keepwarm_runtime.cache.adapters import adapter_key, read_adapter
+from keepwarm_runtime.cache.checkpoint import parse_dtype, read_checkpoint
 from keepwarm_runtime.cache.env import FALLBACK_ENV, MODE_ENV, SOCKET_DIR_ENV, env_flag, env_text
-from keepwarm_runtime.cache.fingerprint import compute_key
+from keepwarm_runtime.cache.fingerprint import WeightCacheKey, compute_key
 from keepwarm_runtime.cache.loader import TensorEntry, load_from_disk
 from keepwarm_runtime.cache.metrics import client_metrics
 from keepwarm_runtime.engine.moe.kernel_layout import MODEL, conversion_id
@@ -35,6 +38,7 @@ from keepwarm_runtime.log_once import warning_once
 log = logging.getLogger(__name__)
 _FROM_ENV: Any = object()  # default of socket_dir/mode/fallback: read KEEPWARM_CACHE_* variables
 _RETRY_ERRNOS = {errno.EAGAIN, errno.ECONNREFUSED}
+HOST_SOCKET = "host.sock"  # the host tier's daemon (daemon.socket_name)
 PAGE_MODES = frozenset({"4k", "thp", "hugetlb", "vmm"})  # what a daemon's arenas may report
 
 
@@ -105,20 +109,14 @@ def attach(
     metrics = client_metrics()
     reason = None
     if socket_dir is not None:
-        try:
-            result = _attach_from_cache(
-                model_dir,
-                shards,
-                Path(socket_dir),
-                dtype,
-                device,
-                mode,
-                timeout_s,
-                tp_rank,
-                tp_size,
-                online,
-                conversion,
+
+        def key() -> WeightCacheKey:
+            return compute_key(
+                model_dir, dtype, tp_rank, tp_size, shards=shards, conversion=conversion, online=online
             )
+
+        try:
+            result = _attach_from_cache(key, model_dir, Path(socket_dir), device, mode, timeout_s)
             result.seconds = time.perf_counter() - started
             metrics.hits.inc()
             metrics.attach_seconds.labels("cache").observe(result.seconds)
@@ -135,6 +133,50 @@ def attach(
     return AttachResult(tensors, {}, "disk", reason, seconds)
 
 
+def attach_adapter(
+    directory: str | Path,
+    socket_dir: str | Path | None,
+    *,
+    dtype: torch.dtype | str,
+    device: str | torch.device = "cpu",
+    mode: str = CacheMode.ZERO_COPY.value,
+    fallback: bool = True,
+    timeout_s: float = 5.0,
+) -> AttachResult:
+    """A LoRA adapter's tensors (cache/adapters.py): attached from the node cache, else from disk.
+
+    Like ``attach``, but keyed and laid out as an adapter (no model conversion applies). The arena
+    of a host-tier daemon is mapped on the host, whatever ``device`` is: registered adapters stay
+    on the host and their slots copy them to the device (engine/lora/slots.py); a gpu-tier arena
+    stays on its GPU. The disk path reads to the host. ``socket_dir=None`` reads from disk. The
+    caller logs ``reason`` (it knows the adapter's name); the model's client metrics are untouched.
+    CheckpointError (a missing or malformed file) is raised before the cache is asked.
+    """
+    started = time.perf_counter()
+    if mode not in tuple(CacheMode):
+        raise ValueError(f"unknown cache mode {mode!r}; use {' or '.join(CacheMode)}")
+    dtype, device, directory = parse_dtype(dtype), torch.device(device), Path(directory)
+    shards = read_adapter(directory)
+    reason = None
+    if socket_dir is not None:
+        socket = socket_path_for(Path(socket_dir), device)
+        on = device if socket.name != HOST_SOCKET else torch.device("cpu")
+
+        def key() -> WeightCacheKey:
+            return adapter_key(directory, dtype, shards)
+
+        try:
+            result = _attach_from_cache(key, directory, Path(socket_dir), on, mode, timeout_s)
+            result.seconds = time.perf_counter() - started
+            return result
+        except CacheAttachError as exc:
+            if not fallback:
+                raise
+            reason = exc.reason
+    tensors = load_from_disk(shards, dtype, "cpu")
+    return AttachResult(tensors, {}, "disk", reason, time.perf_counter() - started)
+
+
 def socket_path_for(socket_dir: Path, device: torch.device) -> Path:
     """gpu-<UUID>.sock for a CUDA device when that daemon exists, else host.sock."""
     if device.type == "cuda":
@@ -143,7 +185,7 @@ def socket_path_for(socket_dir: Path, device: torch.device) -> Path:
         gpu = socket_dir / f"gpu-{cuda.gpu_uuid(device.index or 0)}.sock"
         if gpu.exists():
             return gpu
-    return socket_dir / "host.sock"
+    return socket_dir / HOST_SOCKET
 
 
 def request(sock: socket.socket, header: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
@@ -229,19 +271,14 @@ def _attach_from_cache(*args) -> AttachResult:
 
 
 def _attach_or_raise(
+    make_key: Callable[[], WeightCacheKey],
     model_dir: Path,
-    shards: list[Shard],
     socket_dir: Path,
-    dtype: torch.dtype,
     device: torch.device,
     mode: str,
     timeout_s: float,
-    tp_rank: int,
-    tp_size: int,
-    online: Fp8Settings | None,
-    conversion: str,
 ) -> AttachResult:
-    key = compute_key(model_dir, dtype, tp_rank, tp_size, shards=shards, conversion=conversion, online=online)
+    key = make_key()
     sock = open_session(socket_path_for(socket_dir, device), timeout_s)
     fds: list[int] = []
     try:

@@ -7,6 +7,10 @@ take back what the descriptor holder kept: holder.py), load the initial models i
 ``bind`` (after a take-over: commit, and serve the predecessor's own listener), ``serve_forever``; a
 client that can connect can attach, and one ``READY`` line on stderr says so.
 
+``--adapter`` (and ``add_model(kind="adapter")``) loads a PEFT LoRA adapter directory the same way,
+laid out as stored (cache/adapters.py): none of the model conversions (online FP8, expert layouts)
+apply to it; clients attach it with ``client.attach_adapter``.
+
 A model that fails to load (bad shard, no room under the budget, unsealable arena) is ``Failed`` with
 a reason naming the file, in ``stats``/``list`` and metrics; it never costs a resident model its
 place, because every header is validated before anything is evicted. A resident model whose shard
@@ -30,12 +34,21 @@ from typing import Any
 from keepwarm_api.values import Tier
 from keepwarm_runtime import __version__
 from keepwarm_runtime.cache import holder, security, succession
-from keepwarm_runtime.cache.checkpoint import parse_dtype, read_checkpoint
+from keepwarm_runtime.cache.adapters import (
+    KIND_ADAPTER,
+    KIND_MODEL,
+    KINDS,
+    adapter_key,
+    adapter_layout,
+    read_adapter,
+)
+from keepwarm_runtime.cache.checkpoint import Shard, parse_dtype, read_checkpoint
+from keepwarm_runtime.cache.client import HOST_SOCKET
 from keepwarm_runtime.cache.connections import SocketServer
-from keepwarm_runtime.cache.fingerprint import compute_key, read_config
+from keepwarm_runtime.cache.fingerprint import WeightCacheKey, compute_key, read_config
 from keepwarm_runtime.cache.handlers import CommandHandlers
 from keepwarm_runtime.cache.limits import ServerLimits, raise_nofile_limit
-from keepwarm_runtime.cache.loader import fill_arena, plan_layout
+from keepwarm_runtime.cache.loader import ArenaLayout, fill_arena, plan_layout
 from keepwarm_runtime.cache.metrics import ARENA_SOURCES, DaemonMetrics
 from keepwarm_runtime.cache.registry import ModelRegistry, ResidentModel
 from keepwarm_runtime.cache.settings import TIERS
@@ -99,7 +112,7 @@ def resolve_tier(tier: str) -> str:
 
 def socket_name(serves_gpu: str | None) -> str:
     """gpu-<UUID>.sock for the daemon of one GPU (the name cache.client looks for), else host.sock."""
-    return f"gpu-{serves_gpu}.sock" if serves_gpu else "host.sock"
+    return f"gpu-{serves_gpu}.sock" if serves_gpu else HOST_SOCKET
 
 
 class CacheDaemon:
@@ -124,6 +137,9 @@ class CacheDaemon:
         self.socket_path = self.socket_dir / socket_name(self.serves_gpu)
         self.registry = ModelRegistry(config.budget)
         self.metrics = DaemonMetrics()
+        self.metrics.resident_adapters.set_function(
+            lambda: sum(m.kind == KIND_ADAPTER for m in self.registry.models())
+        )
         self.handlers = CommandHandlers(self)
         self.policy = security.PeerPolicy(allow_uids=config.allow_uids, allow_gids=config.allow_gids)
         self.refusals = security.RefusalLog()  # peers the policy refused, for the node agent
@@ -146,20 +162,32 @@ class CacheDaemon:
     # -- node agent API -------------------------------------------------------------------------
 
     def add_model(
-        self, path: str | Path, pin: bool = False, evict: bool = True, quantization: str | None = None
+        self,
+        path: str | Path,
+        pin: bool = False,
+        evict: bool = True,
+        quantization: str | None = None,
+        kind: str = KIND_MODEL,
     ) -> str:
         """Load ``path`` (once; a second call with the same settings is a no-op) and return its name.
 
         ``evict=False`` (the initial models) refuses a model that does not fit the budget instead
         of evicting another. ``quantization="fp8"`` quantizes a float checkpoint online into the
         arena (``loader.plan_layout``); an FP8 checkpoint or another method is refused by name.
-        On failure the model is recorded as Failed and the error re-raised.
+        ``kind="adapter"`` loads a PEFT LoRA adapter directory as stored (cache/adapters.py): no
+        quantization or layout conversion applies to it. On failure the model is recorded as Failed
+        and the error re-raised.
         """
+        if kind not in KINDS:
+            raise ValueError(f"unknown kind {kind!r}; use {' or '.join(KINDS)}")
         path = Path(path).resolve()
         name = self.registry.unique_name(path)
         try:
             with self._load_lock:
-                name = self._load(path, name, pin, evict, quantization)
+                if kind == KIND_ADAPTER:
+                    name = self._load_adapter(path, name, pin, evict)
+                else:
+                    name = self._load(path, name, pin, evict, quantization)
         except Exception as exc:
             self._record_failure(name, path, exc)
             raise
@@ -184,6 +212,57 @@ class CacheDaemon:
         layout = plan_layout(shards, self.dtype, online, self.config.expert_layout)
         if not layout.up_first:
             key = unconverted
+        model = self._fill(name, path, key, layout, shards, pinned, evict)
+        model.quantization = quantization if online is not None else None
+        self._install(model)
+        notes = f", {len(layout.quantized)} quantized to fp8 online" if online is not None else ""
+        if layout.up_first:
+            notes += f", {len(layout.up_first)} in the {self.config.expert_layout} layout"
+        log.info(
+            "loaded %s (%d tensors%s, %.2f GiB %s, %s pages) in %.2fs",
+            name,
+            len(layout.entries),
+            notes,
+            model.nbytes / 2**30,
+            self.tier,
+            model.arena.page_mode,
+            model.load_seconds,
+        )
+        return name
+
+    def _load_adapter(self, path: Path, name: str, pin: bool, evict: bool) -> str:
+        """A LoRA adapter: its tensors as stored (floats in the serving dtype), keyed as an adapter."""
+        shards = read_adapter(path)
+        key = adapter_key(path, self.dtype, shards)
+        current = self.registry.get(name)
+        if current is not None and current.key == key:
+            current.pinned = current.pinned or pin
+            return name
+        pinned = pin or name in self.config.pins or path.name in self.config.pins
+        model = self._fill(name, path, key, adapter_layout(shards, self.dtype), shards, pinned, evict)
+        model.kind = KIND_ADAPTER
+        self._install(model)
+        log.info(
+            "loaded adapter %s (%d tensors, %.2f MiB %s) in %.3fs",
+            name,
+            len(model.layout.entries),
+            model.nbytes / 2**20,
+            self.tier,
+            model.load_seconds,
+        )
+        return name
+
+    def _fill(
+        self,
+        name: str,
+        path: Path,
+        key: WeightCacheKey,
+        layout: ArenaLayout,
+        shards: list[Shard],
+        pinned: bool,
+        evict: bool,
+    ) -> ResidentModel:
+        """Make room, then read ``shards`` into a new sealed arena laid out as ``layout``."""
         for victim in self.registry.reserve(layout.size, keep=name, evict=evict):
             self._drop(victim, "evicted for --budget")
             self.metrics.evictions.inc()
@@ -196,40 +275,18 @@ class CacheDaemon:
             arena.close()
             raise
         seconds = time.perf_counter() - started
-        model = ResidentModel(
-            name,
-            path,
-            key,
-            layout,
-            arena,
-            self.tier,
-            digest,
-            pinned,
-            seconds,
-            shards,
-            gpu_uuid=self.gpu_uuid,
-            quantization=quantization if online is not None else None,
+        return ResidentModel(
+            name, path, key, layout, arena, self.tier, digest, pinned, seconds, shards, gpu_uuid=self.gpu_uuid
         )
-        old = self.registry.remove(name)
+
+    def _install(self, model: ResidentModel) -> None:
+        """Serve ``model`` from now on, in place of an older version of the same name."""
+        old = self.registry.remove(model.name)
         if old is not None:
             self._drop(old, "replaced by a new version")
         self.registry.insert(model)
-        self.metrics.resident_bytes.labels(name, self.tier).set(model.nbytes)
-        self.metrics.load_seconds.labels(name).set(seconds)
-        notes = f", {len(layout.quantized)} quantized to fp8 online" if online is not None else ""
-        if layout.up_first:
-            notes += f", {len(layout.up_first)} in the {self.config.expert_layout} layout"
-        log.info(
-            "loaded %s (%d tensors%s, %.2f GiB %s, %s pages) in %.2fs",
-            name,
-            len(layout.entries),
-            notes,
-            model.nbytes / 2**30,
-            self.tier,
-            arena.page_mode,
-            seconds,
-        )
-        return name
+        self.metrics.resident_bytes.labels(model.name, self.tier).set(model.nbytes)
+        self.metrics.load_seconds.labels(model.name).set(model.load_seconds)
 
     def _record_failure(self, name: str, path: Path, exc: Exception) -> None:
         from keepwarm_runtime.cache.backends.host import ArenaSealError
@@ -269,7 +326,7 @@ class CacheDaemon:
 
     def _reload(self, model: ResidentModel) -> None:
         try:
-            self.add_model(model.path, pin=model.pinned, quantization=model.quantization)
+            self.add_model(model.path, pin=model.pinned, quantization=model.quantization, kind=model.kind)
         except Exception:  # recorded as Failed by add_model; the stale bytes must go
             if self.registry.remove(model.name, model) is not None:
                 self._drop(model, "changed on disk and the reload failed", level=logging.WARNING)

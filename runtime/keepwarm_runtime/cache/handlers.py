@@ -121,6 +121,7 @@ class CommandHandlers:
                 "tier": m.tier,
                 "key_digest": m.key.digest,
                 "path": str(m.path),
+                "kind": m.kind,
             }
             for m in self.daemon.registry.models()
         ]

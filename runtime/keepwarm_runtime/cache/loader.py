@@ -110,22 +110,38 @@ def plan_layout(
     served = _served_tensors(records, conversion, serving)
     quantized = {} if quantization is None else _online_quantized(served, model, quantization, model_dir)
     up_first = _up_first_entries(served, model, expert_layout, model_dir)
-    entries, offset = [], 0
+    placed: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+    for t in served:
+        q = quantized.get(t.name)
+        placed.append((t.name, E4M3 if q else t.dtype, t.shape))
+        if q:
+            placed.append((q.scale, torch.float32, (*t.shape[:-2], *_grid(t.shape, q.block))))
+    entries, size = pack_entries(placed)
+    return ArenaLayout(entries, size, conversion.placements, quantized, up_first)
 
-    def add(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-        nonlocal offset
+
+def plain_layout(shards: list[Shard], serving: torch.dtype) -> ArenaLayout:
+    """Every tensor as stored, floats in the serving dtype, in file order: no merge, quantization or
+    kernel layout (a LoRA adapter's arena, cache/adapters.py)."""
+    records = [rec for shard in shards for rec in shard.tensors]
+    entries, size = pack_entries(
+        [(r.name, tensor_serving_dtype(r.name, r.dtype, serving), r.shape) for r in records]
+    )
+    return ArenaLayout(entries, size)
+
+
+def pack_entries(
+    tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
+) -> tuple[tuple[TensorEntry, ...], int]:
+    """Place (name, dtype, shape) one after another, each ALIGN-aligned; returns entries and size."""
+    entries, offset = [], 0
+    for name, dtype, shape in tensors:
         nbytes = dtype.itemsize
         for dim in shape:
             nbytes *= dim
         entries.append(TensorEntry(name, dtype, tuple(shape), offset, nbytes))
         offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
-
-    for t in served:
-        q = quantized.get(t.name)
-        add(t.name, E4M3 if q else t.dtype, t.shape)
-        if q:
-            add(q.scale, torch.float32, (*t.shape[:-2], *_grid(t.shape, q.block)))
-    return ArenaLayout(tuple(entries), offset, conversion.placements, quantized, up_first)
+    return tuple(entries), offset
 
 
 def _grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:

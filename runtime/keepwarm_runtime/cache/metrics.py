@@ -102,6 +102,11 @@ class DaemonMetrics:
             ["code"],
             registry=r,
         )
+        self.resident_adapters = Gauge(
+            "keepwarm_cache_resident_adapters",
+            "LoRA adapters resident (each is also in keepwarm_cache_resident_bytes under its name)",
+            registry=r,
+        )
         self.failed_models = Gauge(
             "keepwarm_cache_failed_models",
             "1 for each model that failed to load (reason in `keepwarm cache ls`/stats)",

@@ -29,7 +29,8 @@ streams of arena records ``handoff.py`` specifies).
   ``gpu_uuid``, ``digest``), "mismatch" (``fields`` that differ, and ``reason`` "changed on disk"
   when the daemon found the resident model's files rewritten) or "absent".
 * ``list`` answers ``models``: one row per model with ``state`` "Resident" (``bytes``, ``pinned``,
-  ``tier``, ``key_digest``, ``path``) or "Failed" (``path``, ``reason`` naming the file).
+  ``tier``, ``key_digest``, ``path``, ``kind`` "model" or "adapter": a LoRA adapter, cache/adapters.py)
+  or "Failed" (``path``, ``reason`` naming the file).
 * ``stats`` answers the daemon snapshot: ``models`` (name -> resident model) and ``failed``
   (name -> ``{"state": "Failed", "path", "reason"}``), the shape the node agent reports.
 """

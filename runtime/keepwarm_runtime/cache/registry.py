@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from keepwarm_runtime.cache.adapters import KIND_MODEL
 from keepwarm_runtime.cache.checkpoint import Shard
 from keepwarm_runtime.cache.fingerprint import WeightCacheKey
 from keepwarm_runtime.cache.loader import ArenaLayout
@@ -49,6 +50,7 @@ class ResidentModel:
     hits: int = 0
     last_used: float = field(default_factory=time.monotonic)
     origin: str = DISK  # where its arena came from (metrics.ARENA_SOURCES): read here, or handed over
+    kind: str = KIND_MODEL  # adapters.KINDS: a model's checkpoint, or a LoRA adapter's (plain layout)
 
     @property
     def nbytes(self) -> int:
@@ -69,6 +71,7 @@ class ResidentModel:
             "hits": self.hits,
             "page_mode": self.arena.page_mode,
             "state": "Resident",
+            "kind": self.kind,
         }
 
 

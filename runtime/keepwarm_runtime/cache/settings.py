@@ -3,7 +3,7 @@ KEEPWARM_CACHE_* variables, --help and the README's table from this class).
 
 Every setting is ``--flag`` and ``KEEPWARM_CACHE_<FIELD>`` (``--budget`` <- ``KEEPWARM_CACHE_BUDGET``),
 except the node name, which agent pods get as ``NODE_NAME`` from the downward API; repeatable flags
-(``--model``, ``--pin``, ``--allow-uid``, ``--allow-gid``, ``--fake-gpu``) take comma-separated
+(``--model``, ``--adapter``, ``--pin``, ``--allow-uid``, ``--allow-gid``, ``--fake-gpu``) take comma-separated
 variables. Fields that DaemonConfig also has carry over to it by name
 (``keepwarm_api.settings.carry_over``); ``--all-gpus`` and ``--fake-gpu`` choose how many daemons run
 (cache/gpus.py).
@@ -84,6 +84,12 @@ class CacheServeSettings:
     ENV_PREFIX: ClassVar[str] = "KEEPWARM_CACHE_"
 
     model: tuple[str, ...] = setting((), "checkpoint directory to load at start", metavar="DIR")
+    adapters: tuple[str, ...] = setting(
+        (),
+        "PEFT LoRA adapter directory to load at start, as stored (no --quantization or --expert-layout)",
+        flag="--adapter",
+        metavar="DIR",
+    )
     socket_dir: str | None = setting(
         None, "socket directory, e.g. /var/run/keepwarm/WEIGHTCACHE", required=True
     )

@@ -8,7 +8,8 @@ are stored as each prefill chunk computes them (engine/prompt_logprobs.py); a re
 ``max_tokens`` 0 finishes once its prompt is in, sampling nothing.
 
 With ``enable_lora`` a request may name a registered PEFT adapter (``add_lora``); requests for
-different adapters and the base share batches (engine/lora).
+different adapters and the base share batches (engine/lora). Adapters come through the node cache
+when the engine has a cache socket, as its weights do.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from keepwarm_runtime.engine.host_memory import keep_freed_memory
 from keepwarm_runtime.engine.kv_cache import allocate_kv_cache, num_blocks_for, probe_kv_specs
 from keepwarm_runtime.engine.loader import LoadInfo, load_model
 from keepwarm_runtime.engine.lora import LoraInUse, LoraSlots
-from keepwarm_runtime.engine.lora.adapter import LoraWeights
+from keepwarm_runtime.engine.lora.adapter import AdapterCache, LoraWeights
 from keepwarm_runtime.engine.model_runner import ModelRunner, StepLogits
 from keepwarm_runtime.engine.multimodal import MultimodalInput
 from keepwarm_runtime.engine.outputs import CompletionOutput, EngineStats, RequestOutput
@@ -97,8 +98,11 @@ class LLMEngine:
         self.max_prompt_logprobs_len = config.max_prompt_logprobs_len
 
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        cache = AdapterCache(config.cache_socket_dir, config.cache_mode, config.cache_fallback)
         self.lora = (
-            LoraSlots(self.model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
+            LoraSlots(self.model, config.max_loras, config.max_lora_rank, cache)
+            if config.enable_lora
+            else None
         )
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.lora

@@ -115,6 +115,9 @@ def create_app(
         info = engine.load_info
         metrics.record_load(info.source, info.seconds, started_at)
         metrics.record_moe(getattr(engine, "moe_backends", {}))
+        lora = getattr(engine, "lora", None)  # the adapters of --lora-modules, registered at start
+        for adapter in lora.adapters.values() if lora is not None else ():
+            metrics.record_lora_load(adapter.source, adapter.seconds)
         startup = getattr(engine, "startup", None)  # engine/startup.py; speech engines keep none
         if startup is not None:
             startup.mark("ready")

@@ -26,6 +26,7 @@ from keepwarm_runtime.cache.metrics import client_metrics
 from keepwarm_runtime.server.supervisor import RESTARTS
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_ADAPTER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -117,6 +118,26 @@ class ServerMetrics:
             ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
             registry=r,
         )
+        self.lora_load = Histogram(
+            "keepwarm_lora_load_seconds",
+            "Seconds to read and check a LoRA adapter as it is registered, by where its tensors came "
+            "from (cache: the node cache's arena, zero-copy; disk)",
+            ["source"],
+            buckets=_ADAPTER_BUCKETS,
+            registry=r,
+        )
+        self.lora_requests = Counter(
+            "keepwarm_lora_requests",
+            "Requests served with each LoRA adapter, counted as they end (base-model requests are not)",
+            ["adapter"],
+            registry=r,
+        )
+        self.lora_generation_tokens = Counter(
+            "keepwarm_lora_generation_tokens",
+            "Tokens generated with each LoRA adapter (also counted in keepwarm_generation_tokens)",
+            ["adapter"],
+            registry=r,
+        )
         self.worker_restarts = Counter(
             "keepwarm_worker_restarts",
             "Serving workers restarted by the supervising parent, by cause (crash, hang, unhealthy)",
@@ -161,14 +182,22 @@ class ServerMetrics:
         labels = {"running_lora_adapters": ",".join(running), "waiting_lora_adapters": ",".join(waiting)}
         self.lora_requests_info.labels(**labels, max_lora=str(max_loras)).set(time.time())
 
+    def record_lora_load(self, source: str, seconds: float) -> None:
+        """One adapter registered (engine/lora/adapter.py LoraWeights.source and .seconds)."""
+        self.lora_load.labels(source=source).observe(seconds)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class RequestTimer:
-    """Times one request: ``tokens(n)`` when its generated-token count grows, ``done()`` at the end."""
+    """Times one request: ``tokens(n)`` when its generated-token count grows, ``done()`` at the end.
+
+    ``adapter``: the LoRA adapter the request runs with (set before its first token), whose own
+    request and token counters it also feeds."""
 
     def __init__(self, metrics: ServerMetrics, prompt_tokens: int, arrival: float | None = None) -> None:
+        self.adapter: str | None = None
         self._metrics = metrics
         self._arrival = time.perf_counter() if arrival is None else arrival  # perf_counter() at arrival
         self._first: float | None = None
@@ -183,9 +212,15 @@ class RequestTimer:
                 self._first = now
                 self._metrics.ttft.observe(now - self._arrival)
             self._metrics.generation_tokens.inc(total_generated - self._generated)
+            if self.adapter is not None:
+                self._metrics.lora_generation_tokens.labels(self.adapter).inc(
+                    total_generated - self._generated
+                )
             self._generated, self._last = total_generated, now
 
     def done(self) -> None:
+        if self.adapter is not None:
+            self._metrics.lora_requests.labels(self.adapter).inc()
         self._metrics.e2e.observe(self._last - self._arrival)
         if self._first is not None and self._generated > 1:
             self._metrics.tpot.observe((self._last - self._first) / (self._generated - 1))

@@ -243,7 +243,9 @@ class ServingContext:
         multimodal: MultimodalInput | None = None,
         lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """The engine's cumulative outputs, with metrics; engine rejections become 400/500 errors."""
+        """The engine's cumulative outputs, with metrics (per adapter too); engine rejections become
+        400/500 errors."""
+        timer.adapter = lora_name
         try:
             async for output in self.async_engine.generate(
                 request_id, prompt_ids, params, priority, multimodal, lora_name

@@ -178,6 +178,20 @@ def _edit_tensors(rename=lambda k: k, reshape=None):
     return edit
 
 
+def _poison(value: float):
+    """One lora_B weight set to ``value`` (NaN or an infinity)."""
+    from safetensors.torch import load_file, save_file
+
+    def edit(directory: Path) -> None:
+        path = directory / "adapter_model.safetensors"
+        tensors = load_file(path)
+        key = sorted(k for k in tensors if "lora_B" in k)[-1]
+        tensors[key][-1, -1] = value
+        save_file(tensors, path)
+
+    return edit
+
+
 def _truncate(directory: Path) -> None:
     path = directory / "adapter_model.safetensors"
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
@@ -209,6 +223,8 @@ def test_bad_adapters_refused_by_name_and_nothing_else_affected(lora_setup, tmp_
             "target_parameters",
         ),
         "no-dir": (tmp_path / "absent", "is not a directory"),
+        "nan": (_corrupt(good, tmp_path / "n", _poison(float("nan"))), "NaN or infinite"),
+        "inf": (_corrupt(good, tmp_path / "i", _poison(float("-inf"))), "NaN or infinite"),
         "moe-experts": (
             _corrupt(
                 good,

@@ -6,20 +6,33 @@ Everything is read and checked here, on the host: a config field keepwarm does n
 tensor it does not recognise, a module the base lacks or holds in another form, a shape for another
 base, a rank above the configured maximum or an unreadable file raises `LoraLoadError` naming it,
 and nothing is registered. What comes out is ready to be copied into a slot (engine/lora/slots.py).
+
+The tensors come through the node cache when the engine has a cache socket (``AdapterCache``):
+zero-copy views of the daemon's arena of that adapter file (cache/adapters.py: keyed by the file's
+identity, so a rewritten file is a miss and never served stale), else, and whenever the daemon is
+absent or cannot serve it, from disk; the log says which and why, naming the adapter, and
+``LoraWeights.source`` keeps it (the server's ``keepwarm_lora_load_seconds{source}``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
+from keepwarm_api.values import CacheMode
+from keepwarm_runtime.cache.adapters import CONFIG_FILE, WEIGHTS_FILE
+
+log = logging.getLogger(__name__)
+# How long an adapter's attach waits for a daemon that refuses connections (one restarting, or a dead
+# one's socket file): adapters load between engine steps, so a long wait would stall every request.
+CACHE_TIMEOUT_S = 1.0
 PEFT_PREFIX = "base_model.model."
 # Projections an adapter may target: attention and MLP, separate or fused (Phi-3's qkv_proj, gate_up_proj).
 TARGETABLE = frozenset(
@@ -45,6 +58,15 @@ class LoraLoadError(ValueError):
     """The adapter cannot be applied to this base; the message names the adapter and what is wrong."""
 
 
+@dataclass(frozen=True)
+class AdapterCache:
+    """Where adapter tensors come from: the node cache behind ``socket_dir`` (None: disk only)."""
+
+    socket_dir: str | None = None
+    mode: str = CacheMode.ZERO_COPY.value  # a CacheMode, as for the model's weights
+    fallback: bool = True  # read from disk when the cache cannot serve an adapter (else refuse it)
+
+
 @dataclass
 class LoraWeights:
     """One adapter, checked: per base module A [r, in] and B [out, r]; the update is scaling * x A^T B^T."""
@@ -53,7 +75,11 @@ class LoraWeights:
     path: str
     rank: int
     scaling: float
-    modules: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module name -> (A, B), on the host
+    # module name -> (A, B), on the host (a gpu-tier arena's stay on the engine's GPU)
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    source: str = "disk"  # "cache" (read-only views of the daemon's arena) | "disk"
+    reason: str | None = None  # why not from the cache, when a cache was asked (client.AttachResult)
+    seconds: float = 0.0  # wall time to read and check it
 
 
 def scaling_of(config: dict) -> float:
@@ -93,17 +119,43 @@ def read_config(name: str, directory: Path, max_rank: int) -> dict:
     return config
 
 
-def read_tensors(name: str, directory: Path) -> dict[str, torch.Tensor]:
+def read_tensors(
+    name: str, directory: Path, dtype: torch.dtype, cache: AdapterCache, device: torch.device
+) -> tuple[dict[str, torch.Tensor], str, str | None]:
+    """The adapter file's tensors in ``dtype``, from the node cache or disk: (tensors, source, reason).
+
+    ``device`` (the engine's) picks the daemon: on CUDA its GPU's gpu-tier daemon when one runs (the
+    tensors then stay in that GPU's arena; untested on a GPU so far), else the host tier's, mapped on
+    the host."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+
+    from keepwarm_runtime.cache.checkpoint import CheckpointError
+    from keepwarm_runtime.cache.client import CacheAttachError, attach_adapter
 
     path = directory / WEIGHTS_FILE
     if not path.is_file():
         raise LoraLoadError(f"adapter {name!r}: {path} does not exist (only safetensors adapters are read)")
     try:
-        return load_file(str(path), device="cpu")
-    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        res = attach_adapter(
+            directory,
+            cache.socket_dir,
+            dtype=dtype,
+            device=device,
+            mode=cache.mode,
+            fallback=cache.fallback,
+            timeout_s=CACHE_TIMEOUT_S,
+        )
+    except CacheAttachError as exc:
+        raise LoraLoadError(
+            f"adapter {name!r}: the node cache cannot serve {path} ({exc}) and cache fallback is off"
+        ) from exc
+    except (CheckpointError, SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise LoraLoadError(f"adapter {name!r}: {path} is not a readable safetensors file: {exc}") from exc
+    if res.reason is not None:
+        log.warning(
+            "LoRA adapter %r: not from the node cache (%s); read %s from disk", name, res.reason, path
+        )
+    return res.tensors, res.source, res.reason
 
 
 def pair_tensors(name: str, tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
@@ -154,17 +206,35 @@ def check_module(name: str, model: nn.Module, module_name: str) -> nn.Linear:
     return module
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN or infinity in ``t``: one min/max pass (NaN propagates through both), no boolean copy
+    of the tensor as ``isfinite(t).all()`` makes (several times slower over a large adapter)."""
+    if not t.numel():
+        return True
+    lo, hi = torch.aminmax(t)
+    return math.isfinite(lo.item()) and math.isfinite(hi.item())
+
+
 def load_adapter(
-    name: str, path: str | Path, model: nn.Module, max_rank: int, dtype: torch.dtype
+    name: str,
+    path: str | Path,
+    model: nn.Module,
+    max_rank: int,
+    dtype: torch.dtype,
+    cache: AdapterCache | None = None,
 ) -> LoraWeights:
-    """Read and check the adapter at ``path`` against ``model``; LoraLoadError names what is wrong."""
+    """Read (through ``cache``, if given) and check the adapter at ``path`` against ``model``;
+    LoraLoadError names what is wrong."""
+    started = time.perf_counter()
     directory = Path(path)
     if not directory.is_dir():
         raise LoraLoadError(f"adapter {name!r}: {directory} is not a directory")
     config = read_config(name, directory, max_rank)
     rank, scaling = config["r"], scaling_of(config)
+    device = next(model.parameters()).device
+    tensors, source, reason = read_tensors(name, directory, dtype, cache or AdapterCache(), device)
     modules: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    for module_name, pair in sorted(pair_tensors(name, read_tensors(name, directory)).items()):
+    for module_name, pair in sorted(pair_tensors(name, tensors).items()):
         linear = check_module(name, model, module_name)
         a, b = pair["A"], pair["B"]
         want_a, want_b = (rank, linear.in_features), (linear.out_features, rank)
@@ -173,7 +243,16 @@ def load_adapter(
                 f"adapter {name!r}: {module_name} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; "
                 f"this base needs {want_a} and {want_b} at rank {rank} (an adapter for another base?)"
             )
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        if not (all_finite(a) and all_finite(b)):
             raise LoraLoadError(f"adapter {name!r}: {module_name} holds NaN or infinite weights")
         modules[module_name] = (a.to(dtype), b.to(dtype))
-    return LoraWeights(name, str(directory), rank, scaling, modules)
+    seconds = time.perf_counter() - started
+    log.info(
+        "LoRA adapter %r: %d modules at rank %d from %s in %.1f ms",
+        name,
+        len(modules),
+        rank,
+        source,
+        seconds * 1e3,
+    )
+    return LoraWeights(name, str(directory), rank, scaling, modules, source, reason, seconds)

@@ -2,7 +2,8 @@
 
 Each targetable projection of the base gets a forward hook. Its adapters live stacked: A as
 [max_loras * max_rank, in] and B as [out, max_loras * max_rank], slot s owning rows (columns)
-s*R .. s*R+r (zero padding above an adapter's rank r, and for modules it does not target). A step
+s*R .. s*R+r for an adapter of rank r (the columns above r are never gathered; A rows are zero for
+modules it does not target). A step
 hands every token a slot (-1: the base model, no update). For the tokens x of one projection the
 update is ``((x A^T) * mask) B^T * scale`` over the step's active columns only (the ranks of the
 adapters this step uses, gathered once and reused while that set is unchanged): the mask keeps each
@@ -10,7 +11,8 @@ token's own slot's columns, so one batch mixes any adapters and the base in two 
 ops only (CPU and GPU). The order of operations is PEFT's, ``lora_B(lora_A(x)) * scaling``, so fp32
 results match it to rounding.
 
-Registered adapters stay on the host (engine/lora/adapter.py checked them); a slot holds a copy on
+Registered adapters stay on the host (engine/lora/adapter.py checked them; attached from the node cache,
+they are read-only views of its arena, which slots only ever copy from); a slot holds a copy on
 the device while some sequence uses it, and afterwards until the least recently used unpinned slot
 is needed for another adapter. A sequence whose adapter finds no slot waits (engine/scheduler.py).
 """
@@ -27,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from keepwarm_runtime.engine.lora.adapter import LoraLoadError, LoraWeights, load_adapter
+from keepwarm_runtime.engine.lora.adapter import AdapterCache, LoraLoadError, LoraWeights, load_adapter
 
 
 class LoraInUse(RuntimeError):
@@ -85,8 +87,10 @@ class _Stacked:
 
 
 class LoraSlots:
-    def __init__(self, model: nn.Module, max_loras: int, max_rank: int):
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, cache: AdapterCache | None = None):
+        """``cache``: read adapters through the node cache (engine/lora/adapter.py); None: from disk."""
         self.model = model
+        self.cache = cache
         self.max_loras, self.max_rank = max_loras, max_rank
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
@@ -106,7 +110,7 @@ class LoraSlots:
         """Read, check and register an adapter; LoraLoadError names what is wrong, changing nothing."""
         if name in self.adapters:
             raise LoraLoadError(f"adapter {name!r} is already loaded")
-        weights = load_adapter(name, path, self.model, self.max_rank, self.dtype)
+        weights = load_adapter(name, path, self.model, self.max_rank, self.dtype, self.cache)
         for module_name in weights.modules:  # checked above: every one is a targetable nn.Linear
             if module_name not in self._stacked:
                 linear = self.model.get_submodule(module_name)
@@ -170,15 +174,18 @@ class LoraSlots:
         return None if victim is None else self.resident.pop(victim)
 
     def _load(self, name: str, slot: int) -> None:
+        """Copy ``name`` into ``slot``: its rank's rows of every stacked projection (a step gathers
+        no column above a slot's rank, so whatever an earlier occupant left there is never read);
+        projections it does not target get zero A rows, so they add nothing (B stays finite)."""
         weights = self.adapters[name]
-        lo, hi = slot * self.max_rank, (slot + 1) * self.max_rank
-        for stacked in self._stacked.values():
-            stacked.a[lo:hi].zero_()
-            stacked.b[:, lo:hi].zero_()
-        for module_name, (a, b) in weights.modules.items():
-            stacked = self._stacked[module_name]
-            stacked.a[lo : lo + weights.rank].copy_(a)
-            stacked.b[:, lo : lo + weights.rank].copy_(b)
+        lo, hi = slot * self.max_rank, slot * self.max_rank + weights.rank
+        for module_name, stacked in self._stacked.items():
+            pair = weights.modules.get(module_name)
+            if pair is None:
+                stacked.a[lo:hi].zero_()
+            else:
+                stacked.a[lo:hi].copy_(pair[0])
+                stacked.b[:, lo:hi].copy_(pair[1])
         self.scaling[slot] = weights.scaling
         self.ranks[slot] = weights.rank
         self.generation[slot] += 1
