@@ -75,9 +75,12 @@ def _pytest(
     *select: str,
     core: bool = True,
     env: dict[str, str] | None = None,
+    per_test_s: int = 45,
 ) -> Step:
-    argv = [PY, "-m", "pytest", path, *select, "-q", "-rA", "-p", "no:cacheprovider"]
-    argv += [f"--junitxml={WORK}/{name}.xml", f"--timeout={ceiling_s}"]
+    """pytest verbose (the output names the test that ran last), each test stopped at `per_test_s` with
+    its stack (pytest-timeout) so that one stuck test leaves the step's time to the others."""
+    argv = [PY, "-m", "pytest", path, *select, "-v", "-rA", "-p", "no:cacheprovider"]
+    argv += [f"--junitxml={WORK}/{name}.xml", f"--timeout={min(per_test_s, ceiling_s)}"]
     return Step(name, argv, ceiling_s, "pytest", imports, core=core, env=env or {})
 
 
@@ -110,18 +113,20 @@ def _moe(flashinfer: bool, ceiling_s: int) -> Step:
     return Step(name, argv, ceiling_s, "json", MOE_MODULES, MOE_HELP, False)
 
 
+# Boxes from the first GPU run (2026-12-04, H200): the image's first imports are slow (env 16 s,
+# three tiny-model parity tests 32 s), every restart case spawns four Python processes, each GPU cache
+# test starts its own daemon; 35 s for the 1 GiB restart and 60 s for the cache tests were too short.
 STEPS: list[Step] = [
     Step("env", [PY, ENV_SCRIPT], 25, "json", ["torch", "transformers", "flashinfer"], gate=True),
-    _pytest("tests-cache", "tests/gpu/cache", 60, CACHE_MODULES),
+    _restart(1, "bfloat16", 90),
+    # FlashInfer JIT-compiles its kernels (nvcc) on first use (about 40 s in the first run).
+    _pytest("tests-flashinfer", "tests/gpu/engine", 100, ENGINE_MODULES, "-k", "flashinfer", per_test_s=80),
+    _pytest("tests-cache", "tests/gpu/cache", 150, CACHE_MODULES),
     _pytest("tests-engine-torch", "tests/gpu/engine", 60, ENGINE_MODULES, "-k", "not flashinfer"),
-    _restart(1, "bfloat16", 35),
-    _restart(16, "bfloat16", 120),  # includes writing the 16 GiB checkpoint (reused by f32)
-    # FlashInfer JIT-compiles its kernels (nvcc) on first use: after the restart figures, so a slow
-    # build costs the steps past the budget line, not those.
-    _pytest("tests-flashinfer", "tests/gpu/engine", 150, ENGINE_MODULES, "-k", "flashinfer"),
     _throughput("flashinfer", 60),
     # Past the budget line: run when the steps above finish early, or by name in a rerun.
-    _restart(1, "float32", 30, core=False),
+    _restart(16, "bfloat16", 180, core=False),  # includes writing the 16 GiB checkpoint (reused by f32)
+    _restart(1, "float32", 60, core=False),
     # Any other GPU tests (tests/gpu/moe, ...): none yet is "empty", not a failure.
     _pytest("tests-gpu-other", "tests/gpu", 90, [], *OTHER_TESTS, core=False),
     _restart(16, "float32", 90, core=False),

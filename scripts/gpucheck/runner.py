@@ -27,6 +27,8 @@ SUMMARY = "summary.json"
 BUNDLE = "gpu-check.tar.gz"
 PYTEST_NO_TESTS = 5  # pytest's exit code when it collected nothing
 BENCH_DIR_MIN_FREE = 40 << 30  # checkpoints of 1, 4 and 16 GiB, with room to spare
+# How a step past its box is stopped: each signal, then how long it may take to exit.
+STOP_SIGNALS = ((signal.SIGINT, 6.0), (signal.SIGABRT, 3.0), (signal.SIGKILL, 10.0))
 
 
 def unpack_site(archive: Path, record: Path, dest: Path) -> str:
@@ -64,6 +66,7 @@ def step_env(site: Path | None) -> dict[str, str]:
     return os.environ | {
         "PYTHONPATH": os.pathsep.join(paths),
         "PYTHONUNBUFFERED": "1",
+        "PYTHONFAULTHANDLER": "1",  # SIGABRT at the box dumps every thread's stack (stop_group)
         "KEEPWARM_BENCH_DIR": str(bench_dir()),
         # flashinfer JIT-compiles kernels on first use; one cache for every step of the run
         "FLASHINFER_WORKSPACE_BASE": str(Path(tempfile.gettempdir()) / "keepwarm-flashinfer"),
@@ -89,8 +92,7 @@ def run_step(step: plan.Step, box_s: float, py: str, work: Path, env: dict[str, 
             if step.kind == "pytest" and rc == PYTEST_NO_TESTS:
                 status = "empty"
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            rc = proc.wait()
+            rc = stop_group(proc)
             status = "timeout"
     record = {"status": status, "rc": rc, "seconds": round(time.perf_counter() - started, 1)}
     record["box_s"] = round(box_s)
@@ -102,6 +104,22 @@ def run_step(step: plan.Step, box_s: float, py: str, work: Path, env: dict[str, 
         record["stderr_tail"] = err.read_text()[-2500:]
         record["stdout_tail"] = out.read_text()[-1500:]
     return record
+
+
+def stop_group(proc: subprocess.Popen) -> int:
+    """Stop a step past its box so that it says where it was: SIGINT first (pytest writes its junit
+    XML and summary, Python prints a KeyboardInterrupt traceback), then SIGABRT (faulthandler dumps
+    every thread's stack), then SIGKILL."""
+    for sig, grace_s in STOP_SIGNALS:
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            return proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            continue
+    return proc.wait()
 
 
 def parse_json(text: str):

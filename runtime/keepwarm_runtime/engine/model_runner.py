@@ -107,6 +107,7 @@ class ModelRunner:
             prompt_lens_list=prompt_lens,
             query_lens_list=query_lens,
             context_lens_list=context_lens,
+            block_tables_list=[list(seq.block_ids) for seq in out.seqs],
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)

@@ -112,6 +112,7 @@ def test_paged_batch_matches_naive(
         prefill_only=prefill_only,
         query_lens_list=qlens,
         context_lens_list=ctx,
+        block_tables_list=[s[2] for s in seqs],
         prompt_lens=torch.tensor(prompt_lens),
         prompt_lens_list=prompt_lens,
     )

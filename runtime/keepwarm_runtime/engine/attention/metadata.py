@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,11 +29,13 @@ class AttentionMetadata:
     max_context_len: int
     block_size: int
     prefill_only: bool  # no sequence has cached K/V: attend to the new K/V directly
+    # The same on the host, required so that no builder is handed an empty list (FlashInfer's page
+    # table is built from these; a runner that left one out failed only on a GPU).
+    query_lens_list: list[int]
+    context_lens_list: list[int]
+    block_tables_list: list[list[int]]  # unpadded
     prompt_lens: torch.Tensor | None = None  # [B] int64: prompt length per sequence (None: all prompt)
-    query_lens_list: list[int] = field(default_factory=list)  # the same on the host
-    context_lens_list: list[int] = field(default_factory=list)
     prompt_lens_list: list[int] | None = None
-    block_tables_list: list[list[int]] = field(default_factory=list)  # the same on the host, unpadded
     backend_metadata: Any = None  # the backend's typed metadata for this pass, from its build()
 
 
