@@ -253,16 +253,20 @@ def _spawn(mode: str, paths: Paths, socket_dir: Path | None) -> tuple[dict, floa
     env = os.environ | {
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     }
-    started = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
-    result = None
-    for line in proc.stdout:
-        if line.startswith("RESULT "):
-            wall = time.perf_counter() - started
-            result = json.loads(line[7:])
-    _, err = proc.communicate()
-    if proc.returncode != 0 or result is None:
-        raise RuntimeError(f"bench child {mode} failed (rc {proc.returncode}):\n{err[-3000:]}")
+    # stderr goes to a file: a pipe read only after stdout could fill (64 KiB of warnings) and stall
+    # the child while this loop waits on its stdout.
+    with tempfile.TemporaryFile("w+") as err:
+        started = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO, env=env)
+        result = None
+        for line in proc.stdout:
+            if line.startswith("RESULT "):
+                wall = time.perf_counter() - started
+                result = json.loads(line[7:])
+        proc.wait()
+        if proc.returncode != 0 or result is None:
+            err.seek(0)
+            raise RuntimeError(f"bench child {mode} failed (rc {proc.returncode}):\n{err.read()[-3000:]}")
     return result, wall
 
 
