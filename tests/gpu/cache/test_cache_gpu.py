@@ -98,29 +98,31 @@ def test_logits_identical_to_from_pretrained(gpu_daemon, tiny_llama):
         assert torch.equal(model(ids).logits, reference(ids).logits)
 
 
-def test_two_clients_at_once_and_read_only(gpu_daemon, tiny_llama, record_property):
+def test_two_clients_at_once_and_read_only(gpu_daemon, tiny_llama, tmp_path, record_property):
     """Both clients map the arena at once and see the checkpoint's bytes; then one writes into it."""
     socket_dir, daemon = gpu_daemon
     args = [sys.executable, "-c", CLIENT, str(tiny_llama), str(socket_dir)]
+    # stderr to files: a pipe nobody reads until after the first stdout line could stall a client
     reader, writer = (
         subprocess.Popen(
             args + extra,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stderr=(tmp_path / f"client-{i}.err").open("w"),
             text=True,
         )
-        for extra in ([], ["write"])
+        for i, extra in enumerate(([], ["write"]))
     )
     disk_sha = _sha(attach(tiny_llama, None, dtype=torch.float32).tensors)
-    for proc in (reader, writer):  # both attached and hashed before anything is written
+    for i, proc in enumerate((reader, writer)):  # both attached and hashed before anything is written
         line = proc.stdout.readline()
-        assert line, proc.communicate(timeout=60)[1]
+        assert line, (tmp_path / f"client-{i}.err").read_text()
         result = json.loads(line)
         assert (result["source"], result["tier"], result["sha"]) == ("cache", "gpu", disk_sha)
-    _, reader_err = reader.communicate(timeout=120)
-    assert reader.returncode == 0, reader_err
-    _, writer_err = writer.communicate("go\n", timeout=120)
+    reader.communicate(timeout=120)
+    assert reader.returncode == 0, (tmp_path / "client-0.err").read_text()
+    writer.communicate("go\n", timeout=120)
+    writer_err = (tmp_path / "client-1.err").read_text()
     # Read-only where the driver allows it: then the write faults and the writer dies, alone.
     verdict = "refused" if writer.returncode else "allowed (driver gave read-write)"
     record_property("read_only_mapping", verdict)
