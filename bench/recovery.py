@@ -37,6 +37,7 @@ import httpx
 
 from keepwarm_api.settings import SettingError, add_arguments, resolve
 from keepwarm_runtime.bench_cli import RecoverySettings
+from keepwarm_runtime.cache.backends.host import page_facts
 from keepwarm_runtime.cache.launcher import DaemonProcess
 from keepwarm_runtime.server.launcher import ServerProcess, start_server
 from keepwarm_runtime.server.supervisor import STABLE_S
@@ -133,6 +134,7 @@ def run(settings: RecoverySettings) -> dict:
         "cpus": os.cpu_count(),
         "machine": platform.machine(),
         "loadavg_1m_start": round(os.getloadavg()[0], 2),
+        **page_facts(),  # the client's map of the arena, hence every attach and wake, depends on them
     }
     with tempfile.TemporaryDirectory(prefix="keepwarm-recovery-") as tmp:
         socket_dir = Path(tmp) / "wc"

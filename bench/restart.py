@@ -49,6 +49,7 @@ from pathlib import Path
 
 from keepwarm_api.settings import SettingError, add_arguments, resolve
 from keepwarm_runtime.bench_cli import RestartSettings
+from keepwarm_runtime.cache.backends.host import page_facts
 from keepwarm_runtime.cache.launcher import DaemonProcess
 from keepwarm_runtime.server.launcher import start_server
 
@@ -338,22 +339,6 @@ def _serve_best(
     return best | {"ready_s_runs": [r["ready_s"] for r in runs]}
 
 
-def _page_facts() -> dict:
-    from keepwarm_runtime.cache.backends.host import thp_shmem_mode
-
-    def read(path: str) -> str:
-        try:
-            return Path(path).read_text().strip()
-        except OSError:
-            return "unavailable"
-
-    return {
-        "thp_enabled": read("/sys/kernel/mm/transparent_hugepage/enabled"),
-        "thp_shmem": thp_shmem_mode(),
-        "hugetlb_pages_total": read("/proc/sys/vm/nr_hugepages"),
-    }
-
-
 def run(settings: RestartSettings) -> dict:
     from keepwarm_runtime.cache.checkpoint import read_checkpoint
 
@@ -376,7 +361,7 @@ def run(settings: RestartSettings) -> dict:
         "loadavg_1m_start": round(os.getloadavg()[0], 2),
         "torch_threads": settings.threads,
         "engine_paths": "LLMEngine (engine.loader.load_model), first greedy token",
-        **_page_facts(),
+        **page_facts(),
     }
     cold = settings.drop_caches
     out["page_cache"] = "dropped before each cold path" if cold else "warm (not dropped)"

@@ -39,6 +39,23 @@ def thp_shmem_mode() -> str:
     return match.group(1) if match else "unavailable"
 
 
+def page_facts() -> dict[str, str]:
+    """The kernel settings that decide a host arena's pages, for benchmark reports: with 4 KiB pages a
+    client's map of a 2 GiB arena costs ~0.15 s of page-table setup, with huge pages ~0.01 s."""
+
+    def read(path: str) -> str:
+        try:
+            return Path(path).read_text().strip()
+        except OSError:
+            return "unavailable"
+
+    return {
+        "thp_enabled": read("/sys/kernel/mm/transparent_hugepage/enabled"),
+        "thp_shmem": thp_shmem_mode(),
+        "hugetlb_pages_total": read("/proc/sys/vm/nr_hugepages"),
+    }
+
+
 def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
