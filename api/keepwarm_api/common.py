@@ -107,8 +107,9 @@ class ModelSource(KubeModel):
     )
 
     path: str | None = Field(default=None, pattern=r"^/.*", max_length=4096)
-    """Absolute directory on the node (a hostPath) holding config.json and the safetensors files; in a
-    WeightCache it must lie under spec.modelDirectory, in an InferenceDeployment under the directory the
+    """Absolute directory on the node (a hostPath) holding config.json and the safetensors files (a
+    LoRA adapter's: adapter_config.json and adapter_model.safetensors); in a WeightCache it must lie
+    under spec.modelDirectory, in an InferenceDeployment under the directory the
     cluster's keepwarm chart allows (tenancyPolicy.inlinePathPrefix, enforced by the API server)."""
     pvc: PVCSource | None = None
     """Model files on a PersistentVolumeClaim."""

@@ -80,7 +80,9 @@ class RuntimeSettings(KubeModel):
 class LoraAdapterSource(KubeModel):
     """Where a PEFT adapter's files (adapter_config.json, adapter_model.safetensors) come from; exactly
     one of pvc, containerPath. No hostPath: the chart's tenancy policy guards only spec.model's path;
-    no Hugging Face: downloads are the node agent's, and adapters are not cached on nodes yet."""
+    no Hugging Face: downloads are the node agent's (a WeightCache model may list Hub adapters, which
+    its agents download and cache). A pod registers an adapter from the node cache when its directory
+    is the same files the node's daemon read (identity by file), else from disk."""
 
     model_config = KubeModel.model_config | {
         "json_schema_extra": {

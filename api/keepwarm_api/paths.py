@@ -7,7 +7,10 @@ at `<MODELS_ROOT>/<model name>` in both. Both mount the node's download director
 fingerprint does not depend on the directory, so the agent's copy is the one a runtime pod asks for.
 On host-tier nodes the agent pod also builds the CPU attention kernel into the node's kernel folder
 (kernel_cache_dir), which CPU runtime pods mount read-only at KERNELS_MOUNT.
-LoRA adapters on a pvc are mounted at `<LORA_ROOT>/<adapter name>` in runtime pods.
+LoRA adapters on a pvc are mounted at `<LORA_ROOT>/<adapter name>` in runtime pods. A WeightCache
+model's adapters (spec.models[].adapters) on a pvc are mounted in agent pods at
+`<CACHED_ADAPTERS_ROOT>/<model>/<adapter>` (cached_adapter_dir); their path sources lie under the
+modelDirectory mount like models' (host_model_dir), and Hub sources under the download mount.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ MODELS_ROOT = "/models"  # path and pvc sources, one directory per model name
 HF_MOUNT = "/var/cache/keepwarm"  # the node's download directory (WeightCache spec.downloadDirectory)
 LORA_ROOT = "/lora"  # LoRA adapters on a pvc, one directory per adapter name
 HOST_MODELS_MOUNT = "/host-models"  # the WeightCache's modelDirectory inside agent pods (read-only)
+CACHED_ADAPTERS_ROOT = "/adapters"  # a WeightCache model's pvc adapters in agent pods, <model>/<adapter>
 KERNELS_MOUNT = "/var/lib/keepwarm/kernels"  # the node's CPU kernel builds (kernel_cache_dir) in pods
 
 
@@ -47,6 +51,12 @@ def model_dir(name: str, root: str = MODELS_ROOT) -> str:
 def lora_dir(name: str, root: str = LORA_ROOT) -> str:
     """The directory a pvc source of LoRA adapter `name` is mounted at."""
     return f"{root}/{name}"
+
+
+def cached_adapter_dir(model: str, adapter: str, root: str = CACHED_ADAPTERS_ROOT) -> str:
+    """The directory a pvc source of adapter `adapter` of WeightCache model `model` is mounted at in
+    agent pods (names are DNS labels, so the two levels never collide)."""
+    return f"{root}/{model}/{adapter}"
 
 
 def hf_cache_dir(root: str = HF_MOUNT) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from .common import (
     DNS_LABEL,
@@ -32,6 +32,20 @@ DEFAULT_AGENT_IMAGE = "ghcr.io/keepwarm/keepwarm-runtime:0.1.0"
 MAX_NAME_LENGTH = 40
 DEFAULT_MODEL_DIRECTORY = "/var/lib/models"
 DEFAULT_HEARTBEAT_S = 15
+# LoRA adapters per cached model. Bounded so the API server's CEL cost estimate for the path rule
+# (every adapter's source.path under modelDirectory) stays within its per-rule budget.
+MAX_CACHED_ADAPTERS = 32
+
+
+class CachedAdapter(KubeModel):
+    """A PEFT LoRA adapter of one model, kept resident beside it (its tensors as stored, in the
+    cache's dtype): runtime pods attach it zero-copy like the model, matched by file identity."""
+
+    name: str = Field(min_length=1, max_length=63, pattern=DNS_LABEL)
+    """Adapter name, unique within its model; reported under status.adapters of each WeightCacheNode."""
+    source: ModelSource
+    """Where the adapter's directory (adapter_config.json, adapter_model.safetensors) comes from:
+    exactly one of path (under spec.modelDirectory), pvc, huggingFace."""
 
 
 class CachedModel(KubeModel):
@@ -46,7 +60,27 @@ class CachedModel(KubeModel):
     quantization: Quantization = Quantization.NONE
     """Weight quantization the daemon applies once, at load, into the arena (either tier)."""
     pin: bool = False
-    """Pinned models are never evicted to make room under the budget."""
+    """Pinned models are never evicted to make room under the budget (nor are their adapters)."""
+    adapters: list[CachedAdapter] = Field(
+        default_factory=list,
+        max_length=MAX_CACHED_ADAPTERS,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    """LoRA adapters of this model the agents keep resident too (at most 32, names unique within the
+    model). Counted against the budget like models; a failed adapter fails alone."""
+
+    @field_validator("adapters")
+    @classmethod
+    def _unique_adapter_names(cls, adapters: list[CachedAdapter]) -> list[CachedAdapter]:
+        """The API server refuses duplicates (a list-map keyed by name); this says so off the cluster."""
+        seen: set[str] = set()
+        for adapter in adapters:
+            if adapter.name in seen:
+                raise ValueError(
+                    f"adapter name {adapter.name!r} appears twice in one model; names are unique"
+                )
+            seen.add(adapter.name)
+        return adapters
 
 
 class GPUAccessMode(StrEnum):
@@ -129,6 +163,12 @@ class WeightCacheSpec(KubeModel):
                     " || m.source.path.startsWith(self.modelDirectory + '/'))",
                     "message": "source.path must lie under spec.modelDirectory (the one host directory the "
                     "agents mount)",
+                },
+                {
+                    "rule": "self.models.all(m, !has(m.adapters) || m.adapters.all(a, !has(a.source.path)"
+                    " || a.source.path.startsWith(self.modelDirectory + '/')))",
+                    "message": "an adapter's source.path must lie under spec.modelDirectory (the one host "
+                    "directory the agents mount)",
                 },
             ]
         }

@@ -1,10 +1,11 @@
 """WeightCacheNode (cluster-scoped, named <cache>.<node>, owned by its WeightCache).
 
-The operator creates one per node an agent runs on and writes into its spec the models that node
-should hold (node_spec; KServe's LocalModelNode way): the agent watches only this object, so the agent
-DaemonSet's pod template never changes when models do. The agent on that node writes its status
-(agent_status). The operator only marks it Stale when the heartbeat stops and deletes it when the
-Node is gone or no longer selected.
+The operator creates one per node an agent runs on and writes into its spec the models that node should
+hold (node_spec; KServe's LocalModelNode way), each model with its LoRA adapters: the agent watches only
+this object, so the agent DaemonSet's pod template never changes when models do. The agent on that node
+writes its status (agent_status): models under status.models (what the warm rule reads), adapters under
+status.adapters, by model and name. The operator only marks it Stale when the heartbeat stops and
+deletes it when the Node is gone or no longer selected.
 
 Per-GPU truth: on the gpu tier the agent runs one daemon per GPU (each on gpu-<UUID>.sock, the socket
 an inference pod on that GPU attaches to) and reports each GPU's models under status.gpus. The warm
@@ -109,6 +110,30 @@ class ResidentModel(KubeModel):
     """When a Failed or Evicted model is tried again (exponential backoff, capped)."""
 
 
+class ResidentAdapter(KubeModel):
+    """One LoRA adapter of a model as the agent holds it (its state combined over the GPUs, as a
+    model's is: Resident only when every GPU holds it)."""
+
+    model: str
+    """The model it adapts (as in the WeightCache)."""
+    name: str
+    """Adapter name, unique within its model."""
+    state: ModelState
+    """Loading, Resident, Evicted or Failed."""
+    bytes: int = 0
+    """Bytes held in the arenas (every GPU's copy counted)."""
+    fingerprint: str = ""
+    """Its cache key hash (file identity, tensor headers, dtype, keepwarm version)."""
+    gpu_uuids: list[str] = Field(default_factory=list)
+    """GPUs holding a copy (gpu tier)."""
+    message: str = ""
+    """Why it failed (or on which GPUs it is still missing), when not Resident."""
+    attempts: int = 0
+    """Failed loads (or evictions) in a row, when state is Failed or Evicted."""
+    retry_at: dt.datetime | None = None
+    """When a Failed or Evicted adapter is tried again (exponential backoff, capped)."""
+
+
 class GPUModel(KubeModel):
     """One model as one GPU's daemon holds it."""
 
@@ -186,8 +211,13 @@ class WeightCacheNodeStatus(KubeModel):
     """Last time the agent reported."""
     models: list[ResidentModel] = Field(default_factory=list)
     """Models on this node."""
+    adapters: list[ResidentAdapter] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["model", "name"]},
+    )
+    """LoRA adapters on this node, per model (spec.models[].adapters)."""
     total_bytes: int = 0
-    """Bytes held across models."""
+    """Bytes held across models and adapters."""
     gpu_uuids: list[str] = Field(default_factory=list)
     """GPUs the agent sees."""
     gpus: list[GPUResidency] = Field(
@@ -233,9 +263,9 @@ def node_spec(cache: str, node: str, spec: WeightCacheSpec) -> WeightCacheNodeSp
     )
 
 
-def phase_of(models: list[ResidentModel]) -> NodePhase:
-    """Degraded when a model failed, Ready when none is still loading, else Loading."""
-    states = {m.state for m in models}
+def phase_of(models: list[ResidentModel], adapters: list[ResidentAdapter] | None = None) -> NodePhase:
+    """Degraded when a model or adapter failed, Ready when none is still loading, else Loading."""
+    states = {m.state for m in [*models, *(adapters or [])]}
     if ModelState.FAILED in states:
         return NodePhase.DEGRADED
     if states <= {ModelState.RESIDENT, ModelState.EVICTED}:
@@ -282,10 +312,12 @@ def agent_status(
     reporting_since: dt.datetime,
     gpus: list[GPUResidency] | None = None,
     refusals: Refusals | None = None,
+    adapters: list[ResidentAdapter] | None = None,
 ) -> WeightCacheNodeStatus:
-    """The status an agent reports: phase from its models (each combined over the GPUs when there
-    are per-GPU reports), Stale=False since it started reporting, PeersRefused while the daemon
-    refuses clients (refusal_condition)."""
+    """The status an agent reports: phase from its models and adapters (each combined over the GPUs
+    when there are per-GPU reports), Stale=False since it started reporting, PeersRefused while the
+    daemon refuses clients (refusal_condition)."""
+    adapters = adapters or []
     fresh = Condition(
         type=STALE,
         status=ConditionStatus.FALSE,
@@ -294,10 +326,11 @@ def agent_status(
     )
     refused = refusal_condition(refusals, now) if refusals else None
     return WeightCacheNodeStatus(
-        phase=phase_of(models),
+        phase=phase_of(models, adapters),
         heartbeat=now,
         models=models,
-        total_bytes=sum(m.bytes for m in models),
+        adapters=adapters,
+        total_bytes=sum(m.bytes for m in [*models, *adapters]),
         gpu_uuids=sorted(set(gpu_uuids) | {u for m in models for u in m.gpu_uuids}),
         gpus=gpus or [],
         agent_version=version,

@@ -4,8 +4,9 @@ DaemonSet.
 The pod template depends on the cache's settings (image, tier, dtype, socket, budget, directories),
 never on its model list: models reach the agents through their WeightCacheNode specs, path sources
 through one read-only mount of spec.modelDirectory, Hub tokens through the API (the Role names the
-Secrets). Adding or removing a model therefore rolls no agent and drops no cache. The exception is a
-pvc source: a claim can only be mounted by the pod spec, so adding or removing one rolls the agents.
+Secrets). Adding or removing a model (or a model's LoRA adapter) therefore rolls no agent and drops
+no cache. The exception is a pvc source, a model's or an adapter's: a claim can only be mounted by the
+pod spec, so adding or removing one rolls the agents.
 
 On the gpu tier the agent runs one daemon per GPU it sees (`--all-gpus`, each on gpu-<UUID>.sock),
 since an inference pod attaches the socket of the GPU the device plugin gave it.
@@ -41,7 +42,7 @@ from keepwarm_api.paths import HOST_MODELS_MOUNT, KERNELS_MOUNT
 from keepwarm_api.weightcache import GPUAccessMode, SocketMode, Tier, WeightCacheSpec
 
 from .meta import agent_labels, agent_name, object_meta
-from .volumes import hf_volume, kernels_volume, model_mount
+from .volumes import cached_adapter_mount, hf_volume, kernels_volume, model_mount
 
 SOCKET_MOUNT = "/var/run/keepwarm"
 # Builds the CPU attention kernel (keepwarm_runtime.engine.attention.native; --optional: a node that
@@ -60,8 +61,10 @@ def socket_dir(spec: WeightCacheSpec, cache: str) -> str:
 
 
 def token_secrets(spec: WeightCacheSpec) -> list[str]:
-    """Names of the Secrets holding the cache's Hub tokens (in the agent namespace)."""
-    refs = (m.source.hugging_face.token_secret_ref for m in spec.models if m.source.hugging_face)
+    """Names of the Secrets holding the cache's Hub tokens, its models' and their adapters' (in the
+    agent namespace)."""
+    sources = [s for m in spec.models for s in (m.source, *(a.source for a in m.adapters))]
+    refs = (s.hugging_face.token_secret_ref for s in sources if s.hugging_face)
     return sorted({ref.name for ref in refs if ref is not None})
 
 
@@ -211,6 +214,11 @@ def agent_daemonset(
             mm = model_mount(model.name, model.source)
             volumes.append(mm.volume)
             mounts.append(mm.mount)
+        for adapter in sorted(model.adapters, key=lambda a: a.name):
+            if adapter.source.pvc is not None:
+                am = cached_adapter_mount(model.name, adapter.name, adapter.source.pvc)
+                volumes.append(am.volume)
+                mounts.append(am.mount)
     pod_spec: dict[str, Any] = {
         "serviceAccountName": agent_name(cache),
         "nodeSelector": dict(spec.node_selector),

@@ -3,12 +3,20 @@ names (the node agent loads from the same directories)."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
 from keepwarm_api.common import ModelSource, PVCSource
 from keepwarm_api.inferencedeployment import LoraAdapter
-from keepwarm_api.paths import HF_MOUNT, KERNELS_MOUNT, kernel_cache_dir, lora_dir, source_dir
+from keepwarm_api.paths import (
+    HF_MOUNT,
+    KERNELS_MOUNT,
+    cached_adapter_dir,
+    kernel_cache_dir,
+    lora_dir,
+    source_dir,
+)
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,14 @@ def lora_mount(adapter: LoraAdapter) -> ModelMount:
     if source.pvc is None:  # the CRD's CEL rule makes this unreachable
         raise ValueError(f"LoRA adapter {adapter.name!r}: source needs one of pvc, containerPath")
     return pvc_mount(f"lora-{adapter.name}", source.pvc, lora_dir(adapter.name))  # fits: LORA_NAME_MAX
+
+
+def cached_adapter_mount(model: str, adapter: str, pvc: PVCSource) -> ModelMount:
+    """A WeightCache model's adapter on a claim, in agent pods (paths.cached_adapter_dir). Its volume
+    name is a digest of model and adapter: "<model>-<adapter>" could pass 63 characters, and two
+    pairs could spell the same one."""
+    digest = hashlib.sha256(f"{model}/{adapter}".encode()).hexdigest()[:16]
+    return pvc_mount(f"adapter-{digest}", pvc, cached_adapter_dir(model, adapter))
 
 
 def pvc_mount(volume_name: str, pvc: PVCSource, path: str) -> ModelMount:

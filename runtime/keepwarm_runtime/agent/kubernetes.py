@@ -10,6 +10,11 @@ the host tier's one, and keeps every wanted model in each: a pod attaches the da
 given. Each daemon has its own bookkeeping (state.DaemonBook): a model can be resident on one GPU,
 loading on a second and failed on a third, and is reported so, per GPU, in the status.
 
+A model's LoRA adapters (spec.models[].adapters) are jobs like models: resolved from their source the
+same way, loaded with ``add_model(kind="adapter")``, retried and released the same way, and reported
+under status.adapters; an adapter that fails to load fails alone (its model and the other adapters
+stay as they are).
+
 Loads run on a small thread pool (`max_loads` at a time, one job per model and daemon), so one slow or
 hung download does not hold up the rest; a Hub model is downloaded once per node (the daemons' jobs
 share it under a per-model lock); each daemon loads into its arena one model at a time. A download

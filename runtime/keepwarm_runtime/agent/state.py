@@ -1,51 +1,77 @@
 """Pure parts of the node agent: which models its WeightCacheNode wants here, and the status to report.
 
 The node's wanted models arrive as the typed WeightCacheNode spec of keepwarm_api (the operator writes
-it); model directories follow keepwarm_api.paths, the convention the operator mounts sources by; the
-status is built by keepwarm_api.weightcachenode.agent_status from the daemons' snapshots (one per GPU
-with per-GPU daemons, each tracked in its own DaemonBook), and written only when it differs from the
-stored one (status_differs) other than in its heartbeat stamp: liveness is the node's Lease
-(keepwarm_api.lease), so a steady node writes no WeightCacheNode at all.
+it). Each model's LoRA adapters are wanted entries of their own (kind adapter, keyed
+``<model>/<adapter>``: adapter_key), loaded, retried and released by the same bookkeeping as models, and
+reported apart, under status.adapters. Model and adapter directories follow keepwarm_api.paths, the
+convention the operator mounts sources by; the status is built by
+keepwarm_api.weightcachenode.agent_status from the daemons' snapshots (one per GPU with per-GPU daemons,
+each tracked in its own DaemonBook), and written only when it differs from the stored one
+(status_differs) other than in its heartbeat stamp: liveness is the node's Lease (keepwarm_api.lease),
+so a steady node writes no WeightCacheNode at all.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
-from keepwarm_api.common import ConditionStatus, Quantization, SecretKeyRef
+from keepwarm_api.common import ConditionStatus, ModelSource, Quantization, SecretKeyRef
 from keepwarm_api.lease import parse_time
-from keepwarm_api.paths import HOST_MODELS_MOUNT, MODELS_ROOT, host_model_dir, model_dir
+from keepwarm_api.paths import (
+    CACHED_ADAPTERS_ROOT,
+    HOST_MODELS_MOUNT,
+    MODELS_ROOT,
+    cached_adapter_dir,
+    host_model_dir,
+    model_dir,
+)
 from keepwarm_api.refusals import Refusals
 from keepwarm_api.weightcachenode import (
     STALE,
     GPUModel,
     GPUResidency,
     ModelState,
+    ResidentAdapter,
     ResidentModel,
     WeightCacheNodeSpec,
     WeightCacheNodeStatus,
     agent_status,
     combine_gpus,
 )
+from keepwarm_runtime.cache.adapters import KIND_ADAPTER, KIND_MODEL
 
 EVICTED_MESSAGE = "evicted under the budget"
 RETRY_BASE_S = 10.0  # first retry of a failed or evicted model after this long, then doubling
 RETRY_CAP_S = 600.0  # ... up to this
 
 
+def adapter_key(model: str, adapter: str) -> str:
+    """The agent's name for an adapter in its books: "<model>/<adapter>" (never a model's name: those
+    are DNS labels, without a slash)."""
+    return f"{model}/{adapter}"
+
+
 @dataclass(frozen=True)
 class WantedModel:
-    name: str  # model name in the WeightCache
+    name: str  # model name in the WeightCache; for an adapter its adapter_key
     path: str | None  # directory to load (None for a Hub source still to download)
     pin: bool
     repo: str | None = None  # Hugging Face source
     revision: str | None = None
     quantization: Quantization = Quantization.NONE  # applied by the daemon at load
     token: SecretKeyRef | None = None  # Hub token, read by the agent from a Secret in its namespace
+    model: str | None = None  # set for an adapter: the model it adapts
+    adapter: str | None = None  # set for an adapter: its name within that model
+
+    @property
+    def kind(self) -> str:
+        """What the daemon loads: a model or a LoRA adapter (CacheDaemon.add_model's kind)."""
+        return KIND_MODEL if self.adapter is None else KIND_ADAPTER
 
 
 @dataclass
@@ -72,28 +98,62 @@ class AgentState:
 
 def load_options(w: WantedModel) -> dict[str, Any]:
     """Keywords of `CacheDaemon.add_model` for a wanted model: its pin and the quantization the
-    daemon applies at load (`quantization: fp8` -> online FP8 in the arena, part of the cache key)."""
+    daemon applies at load (`quantization: fp8` -> online FP8 in the arena, part of the cache key);
+    for an adapter its pin and kind (adapters are held as stored: no quantization)."""
+    if w.adapter is not None:
+        return {"pin": w.pin, "kind": KIND_ADAPTER}
     online = None if w.quantization == Quantization.NONE else w.quantization.value
     return {"pin": w.pin, "quantization": online}
 
 
 def wanted_models(
-    spec: WeightCacheNodeSpec, host_root: str = HOST_MODELS_MOUNT, pvc_root: str = MODELS_ROOT
+    spec: WeightCacheNodeSpec,
+    host_root: str = HOST_MODELS_MOUNT,
+    pvc_root: str = MODELS_ROOT,
+    adapter_root: str = CACHED_ADAPTERS_ROOT,
 ) -> list[WantedModel]:
-    """The node's models with the directory each is read from in the agent pod (Hub: downloaded)."""
-    out = []
+    """The node's models, then their adapters, each with the directory it is read from in the agent
+    pod (Hub: downloaded). Adapters share their model's pin."""
+    models, adapters = [], []
     for m in spec.models:
-        hf, path = m.source.hugging_face, m.source.path
-        if hf is not None:
-            out.append(
-                WantedModel(m.name, None, m.pin, hf.repo, hf.revision, m.quantization, hf.token_secret_ref)
+        pvc_dir = model_dir(m.name, pvc_root)
+        models.append(
+            _wanted(
+                m.name,
+                m.source,
+                spec.model_directory,
+                host_root,
+                pvc_dir,
+                pin=m.pin,
+                quantization=m.quantization,
             )
-        elif path is not None:  # under modelDirectory, which the DaemonSet mounts once
-            directory = host_model_dir(path, spec.model_directory, host_root)
-            out.append(WantedModel(m.name, directory, m.pin, quantization=m.quantization))
-        else:  # pvc sources are mounted one by one by the DaemonSet
-            out.append(WantedModel(m.name, model_dir(m.name, pvc_root), m.pin, quantization=m.quantization))
-    return out
+        )
+        for a in m.adapters:
+            pvc_dir = cached_adapter_dir(m.name, a.name, adapter_root)
+            wanted = _wanted(
+                adapter_key(m.name, a.name), a.source, spec.model_directory, host_root, pvc_dir, pin=m.pin
+            )
+            adapters.append(dataclasses.replace(wanted, model=m.name, adapter=a.name))
+    return models + adapters
+
+
+def _wanted(
+    name: str,
+    source: ModelSource,
+    model_directory: str,
+    host_root: str,
+    pvc_dir: str,
+    pin: bool,
+    quantization: Quantization = Quantization.NONE,
+) -> WantedModel:
+    hf, path = source.hugging_face, source.path
+    if hf is not None:
+        return WantedModel(name, None, pin, hf.repo, hf.revision, quantization, hf.token_secret_ref)
+    if path is not None:  # under modelDirectory, which the DaemonSet mounts once
+        return WantedModel(
+            name, host_model_dir(path, model_directory, host_root), pin, quantization=quantization
+        )
+    return WantedModel(name, pvc_dir, pin, quantization=quantization)  # pvc: mounted one by one
 
 
 def now() -> dt.datetime:
@@ -140,6 +200,31 @@ def resident_model(w: WantedModel, state: DaemonBook, snapshot: dict[str, Any]) 
     return base
 
 
+def resident_adapter(w: WantedModel, m: ResidentModel) -> ResidentAdapter:
+    """An adapter's status entry from the entry resident_model (or combine_gpus) made for it."""
+    assert w.model is not None and w.adapter is not None  # an adapter (wanted_models)
+    return ResidentAdapter(
+        model=w.model,
+        name=w.adapter,
+        state=m.state,
+        bytes=m.bytes,
+        fingerprint=m.fingerprint,
+        gpu_uuids=m.gpu_uuids,
+        message=m.message,
+        attempts=m.attempts,
+        retry_at=m.retry_at,
+    )
+
+
+def split_adapters(
+    wanted: list[WantedModel], entries: list[ResidentModel]
+) -> tuple[list[ResidentModel], list[ResidentAdapter]]:
+    """Entries made for `wanted` (same order) as the models' and the adapters' status entries."""
+    models = [m for w, m in zip(wanted, entries, strict=True) if w.adapter is None]
+    adapters = [resident_adapter(w, m) for w, m in zip(wanted, entries, strict=True) if w.adapter is not None]
+    return models, adapters
+
+
 def gpu_model(m: ResidentModel) -> GPUModel:
     """A model's entry on one GPU (the per-GPU part of its status entry)."""
     return GPUModel(name=m.name, state=m.state, bytes=m.bytes, message=m.message)
@@ -158,7 +243,8 @@ def node_status(
 
     ``snapshots`` maps each daemon's GPU UUID ("" for the host tier's one daemon) to its snapshot.
     With per-GPU daemons each GPU is reported under gpus and each model's node-level entry combines
-    them (Resident only when every GPU holds it: weightcachenode.combine_gpus).
+    them (Resident only when every GPU holds it: weightcachenode.combine_gpus); adapters combine the
+    same way and are reported under adapters only (status.gpus lists models).
     """
     per_daemon = {
         key: [resident_model(w, state.books.get(key) or DaemonBook(), snap) for w in wanted]
@@ -167,19 +253,27 @@ def node_status(
     gpu_keys = sorted(k for k in per_daemon if k)
     refusals = latest_refusals(snapshots)
     if not gpu_keys:
-        models = next(iter(per_daemon.values()), [])
+        models, adapters = split_adapters(wanted, next(iter(per_daemon.values()), []))
         gpus = [u for snap in snapshots.values() if (u := snap.get("gpu_uuid"))]
         return agent_status(
-            models, gpus, version, state.message, now(), state.reporting_since, refusals=refusals
+            models,
+            gpus,
+            version,
+            state.message,
+            now(),
+            state.reporting_since,
+            refusals=refusals,
+            adapters=adapters,
         )
     per_gpu = [
         GPUResidency(
             uuid=key,
-            models=[gpu_model(m) for m in per_daemon[key]],
+            models=[gpu_model(m) for w, m in zip(wanted, per_daemon[key], strict=True) if w.adapter is None],
         )
         for key in gpu_keys
     ]
-    models = [combine_gpus({key: per_daemon[key][i] for key in gpu_keys}) for i in range(len(wanted))]
+    combined = [combine_gpus({key: per_daemon[key][i] for key in gpu_keys}) for i in range(len(wanted))]
+    models, adapters = split_adapters(wanted, combined)
     return agent_status(
         models,
         gpu_keys,
@@ -189,6 +283,7 @@ def node_status(
         state.reporting_since,
         gpus=per_gpu,
         refusals=refusals,
+        adapters=adapters,
     )
 
 

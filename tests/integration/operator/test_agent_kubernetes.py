@@ -234,3 +234,155 @@ def test_a_daemon_that_cannot_start_says_why_on_its_node(control_plane, tiny_lla
         agent = f"keepwarm-agent-{cache}"
         cp.kubectl("delete", "clusterrole,clusterrolebinding", agent, check=False)
         cp.kubectl("delete", "serviceaccount,role,rolebinding", agent, "-n", NAMESPACE, check=False)
+
+
+def test_a_weightcache_models_adapters_are_cached_attached_released_and_failed_alone(
+    control_plane, tiny_llama, tmp_path
+):
+    """spec.models[].adapters end to end: the API server takes the field (and refuses a bad one), the
+    node spec the operator derives from it (node_spec) reaches a real agent, which loads each adapter
+    into its daemon; the node's status lists each adapter, a runtime client attaches a Resident one
+    from the daemon socket, a corrupt one fails alone, and one removed from the spec is released."""
+    from keepwarm_api.weightcache import WeightCacheSpec
+    from keepwarm_api.weightcachenode import node_spec
+    from keepwarm_runtime.cache.client import attach_adapter
+    from tests.lora_adapters import make_adapter
+
+    cp = control_plane
+    install_crds(cp)
+    cache = f"lora{uuid.uuid4().hex[:5]}"
+    (node,) = cp.add_gpu_nodes(1, prefix=cache)
+    models = tmp_path / "models"
+    shutil.copytree(tiny_llama, models / "base")
+    sql = make_adapter(
+        tiny_llama, models / "adapters" / "sql", seed=1, r=4, lora_alpha=8, target_modules=["q_proj"]
+    )
+    make_adapter(tiny_llama, models / "adapters" / "de", seed=2, r=4, lora_alpha=8, target_modules=["o_proj"])
+    broken = models / "adapters" / "broken"
+    shutil.copytree(sql, broken)
+    (broken / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
+
+    def adapter(name):
+        return {"name": name, "source": {"path": f"/m/adapters/{name}"}}
+
+    spec = {
+        "tier": "host",
+        "modelDirectory": "/m",
+        "heartbeatSeconds": 1,
+        "models": [
+            {
+                "name": "base",
+                "source": {"path": "/m/base"},
+                "adapters": [adapter(n) for n in ("sql", "de", "broken")],
+            }
+        ],
+    }
+    wc = {
+        "apiVersion": "keepwarm.dev/v1alpha1",
+        "kind": "WeightCache",
+        "metadata": {"name": cache},
+        "spec": spec,
+    }
+    refused = json.loads(json.dumps(wc))
+    refused["spec"]["models"][0]["adapters"][0]["source"]["path"] = "/elsewhere/sql"
+    out = cp.kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(refused), check=False)
+    assert (
+        out.returncode != 0 and "an adapter's source.path must lie under spec.modelDirectory" in out.stderr
+    ), out
+    stored = json.loads(cp.kubectl("create", "-o", "json", "-f", "-", input=yaml.safe_dump(wc)).stdout)
+    assert [a["name"] for a in stored["spec"]["models"][0]["adapters"]] == ["sql", "de", "broken"]
+
+    def explained():  # the API server publishes a new CRD's schema to kubectl explain asynchronously
+        out = cp.kubectl("explain", "wc.spec.models.adapters", check=False).stdout
+        return "unique within the model" in out and "source" in out
+
+    wait(cp, explained, "kubectl explain of spec.models.adapters")
+    node_obj = node_spec(cache, node, WeightCacheSpec.model_validate(stored["spec"]))
+    wcn = {
+        "apiVersion": "keepwarm.dev/v1alpha1",
+        "kind": "WeightCacheNode",
+        "metadata": {"name": f"{cache}.{node}"},
+        "spec": node_obj.wire(),
+    }  # what the operator writes for the node, from the WeightCache above
+    cp.kubectl("create", "namespace", NAMESPACE, check=False)
+    docs = [wcn, *agent_rbac(cache, NAMESPACE, None, [])]
+    cp.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(docs))
+    env = {
+        **cp.env(agent_pod_kubeconfig(cp, cache, node)),
+        "KEEPWARM_HOST_MODEL_ROOT": str(models),  # the mount of modelDirectory /m
+        "POD_NAMESPACE": NAMESPACE,
+    }
+    socket_dir = tmp_path / "sock"
+    cmd = serve_command(
+        socket_dir,
+        [],
+        "--dtype",
+        "bfloat16",
+        "--report-to-kubernetes",
+        "--weightcache",
+        cache,
+        "--node-name",
+        node,
+    )
+    log = tmp_path / "agent.log"
+    path = f"{GROUP_PATH}/weightcachenodes/{cache}.{node}"
+    with open(log, "w") as out_file:
+        proc = subprocess.Popen(cmd, env=env, stdout=out_file, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+
+        def reported():
+            status = (get(cp, path) or {}).get("status") or {}
+            models_ = {m["name"]: m["state"] for m in status.get("models", [])}
+            adapters = {a["name"]: a for a in status.get("adapters", [])}
+            return models_, adapters, status
+
+        def first_pass():
+            models_, adapters, status = reported()
+            states = {n: a["state"] for n, a in adapters.items()}
+            wanted = {"sql": "Resident", "de": "Resident", "broken": "Failed"}
+            return models_ == {"base": "Resident"} and states == wanted and status
+
+        status = wait(cp, first_pass, f"base, sql and de resident, broken failed (agent log {log})", 120)
+        adapters = {a["name"]: a for a in status["adapters"]}
+        assert all(a["model"] == "base" for a in adapters.values())
+        assert adapters["sql"]["bytes"] > 0 and adapters["sql"]["fingerprint"]
+        assert "broken" in adapters["broken"]["message"] and adapters["broken"]["retryAt"], adapters
+        assert status["phase"] == "Degraded"  # an adapter failed; the model did not
+        # A runtime pod's client attaches the adapter from the daemon, zero-copy, no disk fallback.
+        hit = attach_adapter(sql, socket_dir, dtype="bfloat16", fallback=False)
+        assert hit.source == "cache" and hit.model == "sql" and hit.tensors, hit
+
+        def ls():
+            """`keepwarm cache ls`: name -> kind (or Failed)."""
+            argv = [sys.executable, "-m", "keepwarm_runtime.cli", "cache", "ls"]
+            listing = subprocess.run(
+                [*argv, "--socket", str(socket_dir / "host.sock")],
+                capture_output=True, text=True, timeout=60, check=True, cwd=ROOT,
+            ).stdout  # fmt: skip
+            return {line.split("\t")[0]: line.split("\t")[1] for line in listing.splitlines()}
+
+        assert {n: k for n, k in ls().items() if k != "Failed"} == {
+            "base": "model",
+            "sql": "adapter",
+            "de": "adapter",
+        }
+        # sql leaves the spec (the operator writes the node spec anew): released, gone from the status.
+        patch = {"spec": {"models": [{**spec["models"][0], "adapters": [adapter("de")]}]}}
+        cp.kubectl("patch", "wcn", f"{cache}.{node}", "--type=merge", "-p", json.dumps(patch))
+
+        def released():
+            models_, adapters, status = reported()
+            return models_ == {"base": "Resident"} and set(adapters) == {"de"} and status["phase"] == "Ready"
+
+        wait(cp, released, f"sql and broken released, de resident (agent log {log})", 60)
+        assert {n: k for n, k in ls().items() if k != "Failed"} == {"base": "model", "de": "adapter"}
+        assert proc.poll() is None, log.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        cp.remove_node(node)
+        cp.kubectl("delete", "wcn", f"{cache}.{node}", check=False)
+        cp.kubectl("delete", "wc", cache, check=False)
+        agent = f"keepwarm-agent-{cache}"
+        cp.kubectl("delete", "clusterrole,clusterrolebinding", agent, check=False)
+        cp.kubectl("delete", "serviceaccount,role,rolebinding", agent, "-n", NAMESPACE, check=False)
