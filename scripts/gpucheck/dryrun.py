@@ -6,8 +6,9 @@ from the archive + the repository + packages the GPU image has (others refused, 
 with --no-deps semantics, and with the image's own transformers (manifest.LOCAL_STANDINS) in use;
 each pinned module (carried or stand-in) is imported from the archive or the stand-ins, at its pin;
 `keepwarm --help` builds every subcommand; each benchmark step's flags exist in its --help; pytest
-collects tests/gpu; with --smoke, the CPU twins run (plan.SMOKE_STEPS). Then prints the plan and the
-device command. Binary modules in the archive are built for the GPU
+collects tests/gpu; with --smoke, the CPU twins run (plan.SMOKE_STEPS) and their JSON results hold the
+keys they expect (the restart twin: both `keepwarm serve` starts). Then prints the plan and the device
+command. Binary modules in the archive are built for the GPU
 machine's Python 3.12, so the same versions built for this interpreter stand in for them here
 (.whl/local/), fetched once, as do image packages this venv lacks (manifest.LOCAL_STANDINS).
 """
@@ -54,7 +55,7 @@ def describe_plan(steps: list[plan.Step]) -> str:
     rows[0] += f"{plan.core_ceiling_s(steps)} s); device call timeout_s={plan.DEVICE_TIMEOUT_S}"
     for s in steps:
         line = " ".join(s.command("python3", "$WORK"))
-        rows.append(f"  {s.name:<22} {s.ceiling_s:>4} s  {'core ' if s.core else 'extra'}  {line}")
+        rows.append(f"  {s.name:<24} {s.ceiling_s:>4} s  {'core ' if s.core else 'extra'}  {line}")
     rows.append(f"device: run(command={device_command()!r}, carry={manifest.CARRY_PATHS}, ")
     rows[-1] += f"timeout_s={plan.DEVICE_TIMEOUT_S})"
     return "\n".join(rows)
@@ -214,10 +215,29 @@ def check_smoke(report: Report, env: dict[str, str]) -> None:
         except subprocess.TimeoutExpired:
             report.fail(f"{step.name}: over {step.ceiling_s} s")
             continue
-        if done.returncode == 0:
-            report.ok(f"{step.name}: ran on CPU under the GPU image's packages")
-        else:
+        if done.returncode != 0:
             report.fail(f"{step.name}: rc {done.returncode}\n{done.stderr[-2000:]}")
+            continue
+        found = expected_values(step, done.stdout)
+        missing = [key for key, value in found.items() if value is None]
+        if missing:
+            report.fail(f"{step.name}: its JSON result lacks {', '.join(missing)}\n{done.stdout[-1500:]}")
+        else:
+            shown = "".join(f"; {key} = {value}" for key, value in found.items())
+            report.ok(f"{step.name}: ran on CPU under the GPU image's packages{shown}")
+
+
+def expected_values(step: plan.Step, stdout: str) -> dict[str, object]:
+    """{dotted key: value or None} for each of step.expect in the step's JSON stdout."""
+    from scripts.gpucheck.runner import parse_json
+
+    result, found = parse_json(stdout), {}
+    for key in step.expect:
+        value = result
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        found[key] = value
+    return found
 
 
 def run(steps: list[plan.Step], wheels: bool = True, smoke: bool = False) -> Report:

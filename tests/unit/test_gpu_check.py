@@ -223,6 +223,21 @@ def test_dry_run_fails_on_a_step_that_imports_what_the_gpu_lacks():
         assert f"ok:   import {module}" in report.lines, report.lines
 
 
+def test_serve_restart_step_starts_servers_and_imports_the_web_stack():
+    steps = {s.name: s for s in plan.STEPS}
+    serve = steps["restart-1gib-bf16-serve"]
+    assert "--no-serve" not in serve.argv and not serve.core
+    assert set(plan.SERVER_MODULES) <= set(serve.imports)
+    assert {"keepwarm_runtime.server.app", "keepwarm_runtime.server.errors", "uvicorn"} <= set(serve.imports)
+    assert all(
+        "--no-serve" in s.argv for n, s in steps.items() if n.startswith("restart-") and s is not serve
+    )
+    names = [s.name for s in plan.STEPS]
+    last_core = max(i for i, s in enumerate(plan.STEPS) if s.core)
+    assert names.index("restart-1gib-bf16-serve") == last_core + 1  # first past the budget line
+    assert plan.select(["restart-1gib-bf16-serve"]) == [serve]
+
+
 def test_missing_archive_fails_the_dry_run_with_the_fix(tmp_path, monkeypatch):
     monkeypatch.setattr(manifest, "ARCHIVE", tmp_path / "site.tar.xz")
     report = dryrun.Report()
@@ -246,3 +261,17 @@ def test_archive_record_round_trip(tmp_path, monkeypatch):
     assert prepare.archive_is_current()
     manifest.ARCHIVE.write_bytes(b"other bytes")
     assert not prepare.archive_is_current()
+
+
+def test_smoke_restart_twin_must_show_both_server_starts():
+    step = next(s for s in plan.SMOKE_STEPS if s.name == "smoke-restart-cpu")
+    assert "--no-serve" not in step.argv
+    good = {
+        "serve": {
+            "disk_warm": {"wall_to_ready_s": 4.1},
+            "cache": {"wall_to_ready_s": 3.2, "weights_source": "cache"},
+        }
+    }
+    assert all(v is not None for v in dryrun.expected_values(step, json.dumps(good)).values())
+    found = dryrun.expected_values(step, "log line\n" + json.dumps({"warm_attach_s": 0.3}))
+    assert found == dict.fromkeys(step.expect)  # --no-serve's result: every server key missing
