@@ -275,3 +275,19 @@ def test_smoke_restart_twin_must_show_both_server_starts():
     assert all(v is not None for v in dryrun.expected_values(step, json.dumps(good)).values())
     found = dryrun.expected_values(step, "log line\n" + json.dumps({"warm_attach_s": 0.3}))
     assert found == dict.fromkeys(step.expect)  # --no-serve's result: every server key missing
+
+
+def test_env_step_reports_carried_versions_and_unmet_requirements(monkeypatch):
+    from scripts.gpucheck import envinfo
+
+    monkeypatch.setattr(
+        manifest,
+        "CARRIED",
+        [
+            manifest.Pin("fastapi", "0", ("fastapi",), "demo"),
+            manifest.Pin("no-such-dist-here", "1", ("nope",), "demo"),
+        ],
+    )
+    found = envinfo.carried_requirements()
+    assert found["versions"]["no-such-dist-here"] is None
+    assert found["versions"]["fastapi"] and found["unmet"] == []  # this venv meets fastapi's needs
