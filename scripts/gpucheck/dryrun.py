@@ -4,9 +4,11 @@ Checks, each reported as a line "ok|FAIL|skip: what": the carried archive exists
 and sha256, and fits the device call beside the working tree; every module each step needs imports
 from the archive + the repository + packages the GPU image has (others refused, see blocker.py),
 with --no-deps semantics, and with the image's own transformers (manifest.LOCAL_STANDINS) in use;
-`keepwarm --help` builds every subcommand; each benchmark step's flags
-exist in its --help; pytest collects tests/gpu; with --smoke, the CPU twins run (plan.SMOKE_STEPS). Then
-prints the plan and the device command. Binary modules in the archive are built for the GPU
+each pinned module (carried or stand-in) is imported from the archive or the stand-ins, at its pin;
+`keepwarm --help` builds every subcommand; each benchmark step's flags exist in its --help; pytest
+collects tests/gpu; with --smoke, the CPU twins run (plan.SMOKE_STEPS) and their JSON results hold the
+keys they expect (the restart twin: both `keepwarm serve` starts). Then prints the plan and the device
+command. Binary modules in the archive are built for the GPU
 machine's Python 3.12, so the same versions built for this interpreter stand in for them here
 (.whl/local/), fetched once, as do image packages this venv lacks (manifest.LOCAL_STANDINS).
 """
@@ -53,7 +55,7 @@ def describe_plan(steps: list[plan.Step]) -> str:
     rows[0] += f"{plan.core_ceiling_s(steps)} s); device call timeout_s={plan.DEVICE_TIMEOUT_S}"
     for s in steps:
         line = " ".join(s.command("python3", "$WORK"))
-        rows.append(f"  {s.name:<22} {s.ceiling_s:>4} s  {'core ' if s.core else 'extra'}  {line}")
+        rows.append(f"  {s.name:<24} {s.ceiling_s:>4} s  {'core ' if s.core else 'extra'}  {line}")
     rows.append(f"device: run(command={device_command()!r}, carry={manifest.CARRY_PATHS}, ")
     rows[-1] += f"timeout_s={plan.DEVICE_TIMEOUT_S})"
     return "\n".join(rows)
@@ -132,23 +134,44 @@ def check_imports(report: Report, env: dict[str, str], steps: list[plan.Step], w
             report.fail(f"import {module}: {result}")
 
 
-def check_versions(report: Report, env: dict[str, str]) -> None:
-    """The versions the checks above imported: the stand-ins and pins must be the ones in use."""
+VERSION_PROBE = """
+import importlib, importlib.metadata, json, sys
+found = {"torch": [importlib.import_module("torch").__version__, None]}
+for dist, module in zip(sys.argv[1::2], sys.argv[2::2]):
+    spec = importlib.import_module(module).__spec__  # a namespace package (opentelemetry): its first part
+    where = spec.origin if spec.origin not in (None, "namespace") else [*spec.submodule_search_locations][0]
+    found[dist] = [importlib.metadata.version(dist), where]
+print(json.dumps(found))
+"""
+
+
+def check_versions(report: Report, env: dict[str, str], paths: list[Path]) -> None:
+    """The versions the checks above imported: each pin's module must come from the archive (or the
+    stand-ins' overlay), not from this venv, and its distribution must be the pinned version."""
     pins = [*manifest.LOCAL_STANDINS, *manifest.CARRIED]
-    expected = {p.modules[0]: p.version for p in pins if p.modules[0] not in ("pynvml", "tvm_ffi")}
-    code = "import importlib, json, sys; print(json.dumps({m: importlib.import_module(m).__version__ "
-    code += "for m in sys.argv[1:]}))"
-    done = _run([sys.executable, "-c", code, "torch", *expected], env)
+    argv = [a for p in pins for a in (p.name, p.modules[0])]
+    done = _run([sys.executable, "-c", VERSION_PROBE, *argv], env)
     if done.returncode != 0:
         report.fail(f"version probe: {done.stderr[-1500:]}")
         return
     found = json.loads(done.stdout)
-    wrong = {m: v for m, v in expected.items() if found[m] != v}
-    if wrong:
-        report.fail(f"imported versions differ from the pins: {wrong} vs {found}")
+    wrong = {p.name: found[p.name][0] for p in pins if found[p.name][0] != p.version}
+    roots = [path.resolve() for path in paths]
+    elsewhere = {
+        p.name: found[p.name][1]
+        for p in pins
+        if not any(Path(found[p.name][1]).resolve().is_relative_to(root) for root in roots)
+    }
+    if wrong or elsewhere:
+        report.fail(
+            f"imported versions differ from the pins: {wrong}; imported from outside the archive: {elsewhere}"
+        )
     else:
-        shown = ", ".join(f"{m} {v}" for m, v in found.items())
-        report.ok(f"versions in use: {shown} (torch differs from the GPU image's 2.11: not checkable here)")
+        shown = ", ".join(f"{name} {version}" for name, (version, _) in found.items())
+        report.ok(
+            f"versions in use, pins from the archive: {shown} "
+            "(torch differs from the GPU image's 2.11: not checkable here)"
+        )
 
 
 def check_cli_and_flags(report: Report, env: dict[str, str], steps: list[plan.Step]) -> None:
@@ -192,10 +215,29 @@ def check_smoke(report: Report, env: dict[str, str]) -> None:
         except subprocess.TimeoutExpired:
             report.fail(f"{step.name}: over {step.ceiling_s} s")
             continue
-        if done.returncode == 0:
-            report.ok(f"{step.name}: ran on CPU under the GPU image's packages")
-        else:
+        if done.returncode != 0:
             report.fail(f"{step.name}: rc {done.returncode}\n{done.stderr[-2000:]}")
+            continue
+        found = expected_values(step, done.stdout)
+        missing = [key for key, value in found.items() if value is None]
+        if missing:
+            report.fail(f"{step.name}: its JSON result lacks {', '.join(missing)}\n{done.stdout[-1500:]}")
+        else:
+            shown = "".join(f"; {key} = {value}" for key, value in found.items())
+            report.ok(f"{step.name}: ran on CPU under the GPU image's packages{shown}")
+
+
+def expected_values(step: plan.Step, stdout: str) -> dict[str, object]:
+    """{dotted key: value or None} for each of step.expect in the step's JSON stdout."""
+    from scripts.gpucheck.runner import parse_json
+
+    result, found = parse_json(stdout), {}
+    for key in step.expect:
+        value = result
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        found[key] = value
+    return found
 
 
 def run(steps: list[plan.Step], wheels: bool = True, smoke: bool = False) -> Report:
@@ -224,7 +266,7 @@ def run(steps: list[plan.Step], wheels: bool = True, smoke: bool = False) -> Rep
     if not report.failed or not wheels:
         check_imports(report, env, steps, wheels)
         if wheels:
-            check_versions(report, env)
+            check_versions(report, env, paths)
         else:
             report.skip("versions (--no-wheels): this venv's transformers, not the image's")
         check_cli_and_flags(report, env, steps)

@@ -1,6 +1,9 @@
 """The GPU run's first step: what machine and versions produced the figures, as one JSON document.
 
-Exits non-zero when CUDA is not visible, so a run on the wrong machine says so at once.
+Exits non-zero when CUDA is not visible, so a run on the wrong machine says so at once. Also lists
+each carried package's version in use and any requirement of it that the image's packages do not meet
+(gpu-prepare checks requirement names only: the image's versions of anyio, click, h11 are not known
+here), so a step that then fails on an import says why.
 """
 
 from __future__ import annotations
@@ -18,6 +21,38 @@ def _version(module: str) -> str | None:
         return str(importlib.import_module(module).__version__)
     except Exception as exc:  # report, never fail: a missing optional part is a fact to record
         return f"unavailable: {type(exc).__name__}: {exc}"
+
+
+def carried_requirements() -> dict:
+    """{"versions": {carried distribution: version in use}, "unmet": [requirement: what is there]},
+    leaving out the requirements manifest.NOT_CARRIED leaves behind on purpose."""
+    import importlib.metadata as md
+
+    from packaging.requirements import Requirement
+
+    from scripts.gpucheck import manifest
+
+    versions, unmet = {}, []
+    for pin in manifest.CARRIED:
+        try:
+            dist = md.distribution(pin.name)
+        except md.PackageNotFoundError:
+            versions[pin.name] = None
+            continue
+        versions[pin.name] = dist.version
+        for text in dist.requires or []:
+            req = Requirement(text)
+            if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+                continue
+            if manifest.normalize(req.name) in manifest.NOT_CARRIED:  # left behind on purpose
+                continue
+            try:
+                have = md.version(req.name)
+            except md.PackageNotFoundError:
+                have = None
+            if have is None or not req.specifier.contains(have, prereleases=True):
+                unmet.append(f"{pin.name} needs {text}: {have or 'absent'}")
+    return {"versions": versions, "unmet": unmet}
 
 
 def _run(argv: list[str]) -> str | None:
@@ -44,6 +79,10 @@ def main() -> int:
         ),
         "nvcc": _run(["nvcc", "--version"]),
     }
+    try:
+        info["carried"] = carried_requirements()
+    except Exception as exc:  # report, never fail
+        info["carried"] = f"unavailable: {type(exc).__name__}: {exc}"
     if info["cuda_available"]:
         props = torch.cuda.get_device_properties(0)
         info |= {"gpu": props.name, "gpu_memory_gib": round(props.total_memory / 2**30, 1)}

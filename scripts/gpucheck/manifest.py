@@ -34,6 +34,9 @@ class Pin:
     version: str
     modules: tuple[str, ...]  # top-level modules it provides
     why: str
+    # Carried although the image has the distribution: the archive's copy comes first on PYTHONPATH
+    # there, for a version the image's may not satisfy. `why` must say which requirement forces it.
+    shadows_image: bool = False
 
 
 # Carried: what the GPU run imports and the image lacks. Exact versions, one of each.
@@ -45,6 +48,29 @@ CARRIED: list[Pin] = [
         "the FlashInfer attention backend (JIT-compiled there with nvcc)",
     ),
     Pin("apache-tvm-ffi", "0.1.15.post2", ("tvm_ffi",), "flashinfer.jit imports tvm_ffi at import time"),
+    # The web stack of a `keepwarm serve` process (bench restart's serve cases start whole servers),
+    # at this venv's versions. The image has its other needs: anyio, click, h11, annotated-doc, httpx.
+    Pin("fastapi", "0.165.0", ("fastapi",), "server/app.py and server/errors.py build the app on it"),
+    Pin("starlette", "1.10.0", ("starlette",), "fastapi's ASGI core; server/errors.py imports it too"),
+    Pin("uvicorn", "0.55.0", ("uvicorn",), "server/cli.py serves the app with uvicorn"),
+    Pin("pydantic", "2.14.4", ("pydantic",), "the request and response models (server/protocol.py)"),
+    Pin("pydantic-core", "2.50.5", ("pydantic_core",), "pydantic 2.14.4 requires exactly this build"),
+    Pin("annotated-types", "0.8.0", ("annotated_types",), "pydantic requires it"),
+    Pin("typing-inspection", "0.4.5", ("typing_inspection",), "pydantic and fastapi require it"),
+    Pin(
+        "opentelemetry-api",
+        "1.45.2",
+        ("opentelemetry",),
+        "fastapi 0.165 requires it and imports it unconditionally (fastapi.telemetry, from routing.py)",
+    ),
+    Pin(
+        "typing-extensions",
+        "4.16.0",
+        ("typing_extensions",),
+        "pydantic 2.14 and pydantic-core 2.50 require typing-extensions>=4.16.0 (typing-inspection "
+        ">=4.15); the image has typing-extensions at a version nobody has read, so this copy shadows it",
+        shadows_image=True,
+    ),
 ]
 
 # For the dry run only, never carried: the GPU image's own versions of pure-Python packages the run
@@ -69,7 +95,8 @@ NOT_CARRIED: dict[str, str] = {
 }
 
 # Seen absent on the GPU machine, though this venv's newer copies of image packages may require them
-# (typer → pydantic): the dry run refuses them whatever requires them here.
+# (typer → pydantic): the dry run refuses them whatever requires them here, unless they are carried
+# (then the archive's copy is what the run imports, as on the GPU machine).
 KNOWN_ABSENT = {
     "pydantic",
     "pydantic-core",
@@ -104,3 +131,8 @@ def image_packages() -> set[str]:
 
 def carried_names() -> set[str]:
     return {normalize(pin.name) for pin in CARRIED}
+
+
+def shadowing_names() -> set[str]:
+    """Carried distributions that the image also has (Pin.shadows_image): the archive's copy wins."""
+    return {normalize(pin.name) for pin in CARRIED if pin.shadows_image}

@@ -27,6 +27,8 @@ class Step:
     core: bool = True  # inside the budget line; False: runs only if time is left
     gate: bool = False  # when it fails, nothing after it can pass: the run stops
     env: dict[str, str] = field(default_factory=dict)  # set for this step only (e.g. an opt-in)
+    # Dotted keys its JSON result must hold (the smoke twins: a case that silently did not run fails).
+    expect: tuple[str, ...] = ()
 
     def command(self, py: str, work: str) -> list[str]:
         return [a.replace(PY, py).replace(WORK, work) for a in self.argv]
@@ -51,7 +53,17 @@ CACHE_MODULES = [
     "keepwarm_runtime.cache.cli",
     "keepwarm_runtime.cli",
 ]
-SERVER_MODULES = ["keepwarm_runtime.server.app"]  # what a `keepwarm serve` process imports
+# What a `keepwarm serve` process imports: server/cli.py's check() (media_fetch, serving_audio), then
+# run() (uvicorn, the app and its error handlers); the carried web stack (manifest.CARRIED) serves them.
+SERVER_MODULES = [
+    "keepwarm_runtime.server.cli",
+    "keepwarm_runtime.server.media_fetch",
+    "keepwarm_runtime.server.serving_audio",
+    "keepwarm_runtime.server.errors",
+    "keepwarm_runtime.server.app",
+    "keepwarm_runtime.server.serving",
+    "uvicorn",
+]
 RESTART_HELP = [PY, "-m", "keepwarm_runtime.cli", "bench", "restart", "--help"]
 THROUGHPUT_HELP = [PY, "bench/throughput.py", "--help"]
 MOE_HELP = [PY, "bench/moe.py", "--help"]
@@ -86,9 +98,9 @@ def _pytest(
 
 
 def _restart(size_gib: int, dtype: str, ceiling_s: int, core: bool = True, serve: bool = False) -> Step:
-    """The restart benchmark on cuda:0; `serve` adds whole `keepwarm serve` starts, which need the web
-    stack (fastapi, uvicorn, pydantic): the GPU image lacks it and it is not carried yet, so without
-    `serve` the steps time the engine paths only (--no-serve)."""
+    """The restart benchmark on cuda:0. Without `serve` it times the engine paths only (--no-serve);
+    `serve` adds whole `keepwarm serve` starts timed to /ready (from disk and attached from the cache),
+    whose web stack (fastapi, starlette, uvicorn, pydantic) the image lacks and the archive carries."""
     argv = [PY, "-m", "keepwarm_runtime.cli", "bench", "restart", "--size-gib", str(size_gib)]
     argv += ["--serving-dtype", dtype, "--device", "cuda:0", "--repeats", "1", "--threads", "0", "--json"]
     argv += [] if serve else ["--no-serve"]
@@ -129,6 +141,9 @@ STEPS: list[Step] = [
     _pytest("tests-cache", "tests/gpu/cache", 150, CACHE_MODULES),
     _pytest("tests-flashinfer", "tests/gpu/engine", 200, ENGINE_MODULES, "-k", "flashinfer", per_test_s=120),
     # Past the budget line: run when the steps above finish early, or by name in a rerun.
+    # The 1 GiB restart again with two whole server starts (disk, cache): each a fresh process that
+    # imports torch, transformers and the web stack, on top of the engine paths' 120 s box.
+    _restart(1, "bfloat16", 150, core=False, serve=True),
     _throughput("flashinfer", 60, core=False),
     _pytest("tests-engine-torch", "tests/gpu/engine", 60, ENGINE_MODULES, "-k", "not flashinfer", core=False),
     _restart(16, "bfloat16", 180, core=False),  # includes writing the 16 GiB checkpoint (reused by f32)
@@ -186,7 +201,19 @@ SMOKE_THROUGHPUT = ["--params", "1M", "--prompts", "4", "--output-tokens", "4", 
 SMOKE_STEPS: list[Step] = [
     # tests/gpu/engine's CPU twin: greedy parity with transformers on every tested architecture
     Step("smoke-engine-parity-cpu", [PY, "-m", "pytest", "-q", *SMOKE_PYTEST], 300, "pytest"),
-    Step("smoke-restart-cpu", [*RESTART_HELP[:-1], *SMOKE_RESTART, "--threads", "1", "--json"], 300, "json"),
+    # restart-1gib-bf16-serve's twin: two whole `keepwarm serve` processes (from disk, attached from the
+    # cache) started and timed to /ready under the image's packages plus the carried web stack.
+    Step(
+        "smoke-restart-cpu",
+        [*RESTART_HELP[:-1], *SMOKE_RESTART, "--threads", "1", "--json"],
+        300,
+        "json",
+        expect=(
+            "serve.disk_warm.wall_to_ready_s",
+            "serve.cache.wall_to_ready_s",
+            "serve.cache.weights_source",
+        ),
+    ),
     Step(
         "smoke-throughput-cpu",
         [*THROUGHPUT_HELP[:-1], *SMOKE_THROUGHPUT, "--threads", "1", "--device", "cpu"],

@@ -100,9 +100,12 @@ def unresolved(reqs: list[str], provided: set[str]) -> list[str]:
 def check_requirements(wheels: list[Path]) -> None:
     provided = manifest.image_packages() | manifest.carried_names()
     provided |= {manifest.normalize(n) for n in manifest.NOT_CARRIED}
-    overlap = manifest.image_packages() & manifest.carried_names()
+    overlap = manifest.image_packages() & manifest.carried_names() - manifest.shadowing_names()
     if overlap:
-        raise SystemExit(f"gpu-prepare: carrying a package the image has: {', '.join(sorted(overlap))}")
+        raise SystemExit(
+            f"gpu-prepare: carrying a package the image has: {', '.join(sorted(overlap))} "
+            "(mark its Pin shadows_image=True, with the requirement that forces it, if that is meant)"
+        )
     problems = {w.name: unresolved(requirements(w), provided) for w in wheels}
     problems = {k: v for k, v in problems.items() if v}
     if problems:

@@ -167,6 +167,10 @@ def headline(steps: dict[str, dict]) -> dict:
             figures[name] = {
                 k: result.get(k) for k in ("hf_from_pretrained_s", "warm_attach_s", "ratio", "ratio_ceiling")
             }
+            if isinstance(result.get("serve"), dict):  # whole `keepwarm serve` starts, by weight source
+                figures[name]["serve_ready_s"] = {
+                    case: r.get("ready_s") for case, r in result["serve"].items()
+                }
         elif name.startswith("throughput-"):
             figures[name] = {
                 "keepwarm_tokens_per_s": result.get("keepwarm", {}).get("tokens_per_s"),

@@ -120,11 +120,31 @@ def test_unresolved_requirements_honour_markers_and_extras(tmp_path):
 
 
 def test_manifest_never_carries_what_the_image_has():
-    decided = manifest.image_packages() | manifest.carried_names() | set(manifest.NOT_CARRIED)
-    assert not manifest.carried_names() & manifest.image_packages()
-    assert {"torch", "transformers", "prometheus-client", "pytest"} <= manifest.image_packages()
-    assert not manifest.KNOWN_ABSENT & manifest.image_packages()
-    assert all(manifest.normalize(n) == n for n in decided)
+    """Each package is the image's, carried, or left behind, in exactly one place, except a carried copy
+    that deliberately shadows the image's (Pin.shadows_image) for a version a requirement needs."""
+    image, carried, left = manifest.image_packages(), manifest.carried_names(), set(manifest.NOT_CARRIED)
+    assert carried & image == manifest.shadowing_names()
+    assert not left & image and not left & carried
+    assert {"torch", "transformers", "prometheus-client", "pytest"} <= image
+    assert not manifest.KNOWN_ABSENT & image
+    assert all(manifest.normalize(n) == n for n in image | carried | left | manifest.KNOWN_ABSENT)
+    for pin in manifest.CARRIED:
+        assert pin.why and pin.modules and pin.version
+        if pin.shadows_image:
+            assert "image" in pin.why and ">=" in pin.why  # says which requirement forces the copy
+    assert len(carried) == len(manifest.CARRIED)  # one of each
+
+
+def test_the_web_stack_of_keepwarm_serve_is_carried():
+    """bench restart's serve cases start `keepwarm serve` there: fastapi and what it imports at this
+    venv's versions (the second GPU run died on 'No module named fastapi')."""
+    from importlib.metadata import version
+
+    carried = {manifest.normalize(p.name): p for p in manifest.CARRIED}
+    for name in ("fastapi", "starlette", "uvicorn", "pydantic", "pydantic-core", "opentelemetry-api"):
+        assert carried[name].version == version(name), name
+    assert carried["typing-extensions"].shadows_image
+    assert {"fastapi", "starlette", "uvicorn", "pydantic"} <= manifest.KNOWN_ABSENT  # seen absent there
 
 
 # -- blocker: this venv importing like the GPU machine ----------------------------------------
@@ -153,14 +173,22 @@ def test_blocked_package_fails_to_import_in_every_child_process(tmp_path):
 
 
 def test_block_list_refuses_what_the_gpu_image_lacks_and_keeps_what_it_has():
+    image_only = blocker.blocked_modules(
+        manifest.image_packages(), manifest.FROM_REPO, manifest.KNOWN_ABSENT, manifest.normalize
+    )
+    assert {"pydantic", "fastapi", "uvicorn", "kopf", "keepwarm_operator"} <= set(image_only)
     blocked = blocker.blocked_modules(
         manifest.image_packages(),
         manifest.carried_names() | manifest.FROM_REPO,
         manifest.KNOWN_ABSENT,
         manifest.normalize,
     )
-    assert {"pydantic", "fastapi", "uvicorn", "kopf", "keepwarm_operator"} <= set(blocked)
+    assert {"kopf", "keepwarm_operator", "python_multipart"} <= set(blocked)
     assert not {"torch", "transformers", "safetensors", "numpy", "keepwarm_runtime", "_pytest"} & set(blocked)
+    # carried, though seen absent on the GPU machine: the archive's copy is what the run imports
+    assert not {"pydantic", "pydantic_core", "fastapi", "starlette", "uvicorn", "opentelemetry"} & set(
+        blocked
+    )
 
 
 # -- dry run ---------------------------------------------------------------------------------------
@@ -183,13 +211,31 @@ def test_dry_run_passes_on_this_checkout_without_the_archive():
 
 @pytest.mark.integration
 def test_dry_run_fails_on_a_step_that_imports_what_the_gpu_lacks():
-    server_step = plan.Step("serve", ["{py}", "-c", "pass"], 10, "text", ["keepwarm_runtime.server.protocol"])
-    report = dryrun.run([server_step], wheels=False)
+    """python-multipart (audio uploads) is neither in the image nor carried; the server's modules are."""
+    imports = ["python_multipart", *plan.SERVER_MODULES]
+    report = dryrun.run([plan.Step("serve", ["{py}", "-c", "pass"], 10, "text", imports)], wheels=False)
     assert report.failed
     assert any(
-        line.startswith("FAIL: import keepwarm_runtime.server.protocol") and "pydantic" in line
+        line.startswith("FAIL: import python_multipart") and "python-multipart is not on the GPU" in line
         for line in report.lines
     ), report.lines
+    for module in plan.SERVER_MODULES:
+        assert f"ok:   import {module}" in report.lines, report.lines
+
+
+def test_serve_restart_step_starts_servers_and_imports_the_web_stack():
+    steps = {s.name: s for s in plan.STEPS}
+    serve = steps["restart-1gib-bf16-serve"]
+    assert "--no-serve" not in serve.argv and not serve.core
+    assert set(plan.SERVER_MODULES) <= set(serve.imports)
+    assert {"keepwarm_runtime.server.app", "keepwarm_runtime.server.errors", "uvicorn"} <= set(serve.imports)
+    assert all(
+        "--no-serve" in s.argv for n, s in steps.items() if n.startswith("restart-") and s is not serve
+    )
+    names = [s.name for s in plan.STEPS]
+    last_core = max(i for i, s in enumerate(plan.STEPS) if s.core)
+    assert names.index("restart-1gib-bf16-serve") == last_core + 1  # first past the budget line
+    assert plan.select(["restart-1gib-bf16-serve"]) == [serve]
 
 
 def test_missing_archive_fails_the_dry_run_with_the_fix(tmp_path, monkeypatch):
@@ -215,3 +261,33 @@ def test_archive_record_round_trip(tmp_path, monkeypatch):
     assert prepare.archive_is_current()
     manifest.ARCHIVE.write_bytes(b"other bytes")
     assert not prepare.archive_is_current()
+
+
+def test_smoke_restart_twin_must_show_both_server_starts():
+    step = next(s for s in plan.SMOKE_STEPS if s.name == "smoke-restart-cpu")
+    assert "--no-serve" not in step.argv
+    good = {
+        "serve": {
+            "disk_warm": {"wall_to_ready_s": 4.1},
+            "cache": {"wall_to_ready_s": 3.2, "weights_source": "cache"},
+        }
+    }
+    assert all(v is not None for v in dryrun.expected_values(step, json.dumps(good)).values())
+    found = dryrun.expected_values(step, "log line\n" + json.dumps({"warm_attach_s": 0.3}))
+    assert found == dict.fromkeys(step.expect)  # --no-serve's result: every server key missing
+
+
+def test_env_step_reports_carried_versions_and_unmet_requirements(monkeypatch):
+    from scripts.gpucheck import envinfo
+
+    monkeypatch.setattr(
+        manifest,
+        "CARRIED",
+        [
+            manifest.Pin("fastapi", "0", ("fastapi",), "demo"),
+            manifest.Pin("no-such-dist-here", "1", ("nope",), "demo"),
+        ],
+    )
+    found = envinfo.carried_requirements()
+    assert found["versions"]["no-such-dist-here"] is None
+    assert found["versions"]["fastapi"] and found["unmet"] == []  # this venv meets fastapi's needs

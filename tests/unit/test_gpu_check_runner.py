@@ -158,3 +158,14 @@ def test_a_failed_gate_step_stops_the_run(tmp_path, monkeypatch):
     assert runner.main([gate, _step("after", "print(1)", 5)], budget_s=30) == 1
     summary = json.loads((tmp_path / "out" / runner.SUMMARY).read_text())
     assert summary["steps"]["after"] == {"status": "skipped", "why": "env failed"}
+
+
+def test_headline_shows_the_server_starts_of_a_serve_restart():
+    serve = {"disk_warm": {"ready_s": 9.5, "wall_to_ready_s": 11.0}, "cache": {"ready_s": 6.25}}
+    steps = {"restart-1gib-bf16-serve": {"result": {"ratio": 3.0, "serve": serve}}}
+    figures = runner.headline(steps)["restart-1gib-bf16-serve"]
+    assert figures["ratio"] == 3.0 and figures["serve_ready_s"] == {"disk_warm": 9.5, "cache": 6.25}
+    assert (
+        "serve_ready_s"
+        not in runner.headline({"restart-1gib-bf16": {"result": {"ratio": 3.0}}})["restart-1gib-bf16"]
+    )
