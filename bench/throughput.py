@@ -32,6 +32,7 @@ agree except for rare near-ties; padded batches differ numerically). A benchmark
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -293,8 +294,10 @@ class HFGenerateBatch:
         # it sizes them from free memory, and rezeroing that oversized attention mask every step was three
         # quarters of its time at small sizes.
         page = 256
+        # transformers renamed the field (5.17, the GPU image's, has block_size; newer ones page_size)
+        fields = inspect.signature(ContinuousBatchingConfig).parameters
         self.cb_config = ContinuousBatchingConfig(
-            page_size=page,
+            **{"page_size" if "page_size" in fields else "block_size": page},
             num_blocks=sum(-(-(len(p) + n) // page) for p, n in requests) + 1,
             max_batch_tokens=max(sum(len(p) for p, _ in requests), len(requests)),
             max_requests_per_batch=len(requests),
@@ -303,8 +306,10 @@ class HFGenerateBatch:
     def run(self) -> tuple[float, float, list[list[int]]]:
         import torch
 
+        # no_grad, not inference_mode: the manager's tensors, made on this thread, are updated in place
+        # on its generation thread, outside this thread's inference mode (transformers 5.17 refuses)
         with (
-            torch.inference_mode(),
+            torch.no_grad(),
             self.model.continuous_batching_context_manager(
                 generation_config=self.config,
                 block=True,
