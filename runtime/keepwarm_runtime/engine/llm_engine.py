@@ -23,6 +23,7 @@ from keepwarm_runtime.engine.attention.fuser import fuse_attention
 from keepwarm_runtime.engine.attention.select import select_backend
 from keepwarm_runtime.engine.block_manager import BlockManager
 from keepwarm_runtime.engine.config import EngineConfig
+from keepwarm_runtime.engine.cpu_linear import use_weight_major_linear
 from keepwarm_runtime.engine.detokenizer import IncrementalDetokenizer, find_stop
 from keepwarm_runtime.engine.host_memory import keep_freed_memory
 from keepwarm_runtime.engine.kv_cache import allocate_kv_cache, num_blocks_for, probe_kv_specs
@@ -70,6 +71,8 @@ class LLMEngine:
         if self.device.type == "cpu":
             keep_freed_memory()  # a step's large temporaries reuse heap memory (engine/host_memory.py)
         self.model, info = load_model(config, profile, prefetch)
+        if self.device.type == "cpu":
+            use_weight_major_linear(self.model)  # few-token steps (engine/cpu_linear.py)
         self.load_info: LoadInfo = info
         self.moe_backends = {c.module: c.backend for c in info.moe}  # experts module -> MoE backend
         self.model_name = config.model_dir

@@ -28,6 +28,7 @@ from torch import nn
 
 from keepwarm_api.values import CacheMode
 from keepwarm_runtime.cache.adapters import CONFIG_FILE, WEIGHTS_FILE
+from keepwarm_runtime.engine.cpu_linear import PLAIN_LINEARS
 
 log = logging.getLogger(__name__)
 # How long an adapter's attach waits for a daemon that refuses connections (one restarting, or a dead
@@ -198,7 +199,7 @@ def check_module(name: str, model: nn.Module, module_name: str) -> nn.Linear:
         raise LoraLoadError(
             f"adapter {name!r}: the base model has no module {module_name} (an adapter for another model?)"
         ) from None
-    if type(module) is not nn.Linear:
+    if type(module) not in PLAIN_LINEARS:
         raise LoraLoadError(
             f"adapter {name!r}: {module_name} is a {type(module).__name__}, not a plain nn.Linear; keepwarm "
             "does not apply LoRA to it (FP8 linear layers and MoE experts are not supported)"
