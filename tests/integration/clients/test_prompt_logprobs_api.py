@@ -86,11 +86,17 @@ def test_prompt_logprobs_in_vllm_shape_on_completions_and_chat(client, reference
     ref = reference(PROMPT)
     assert scored[0] is None and len(scored) == len(PROMPT)
     for position, (token, entry) in enumerate(zip(PROMPT[1:], scored[1:], strict=True)):
-        assert entry[str(token)]["logprob"] == pytest.approx(ref[position, token].item(), abs=TOL)
-        assert entry[str(token)]["rank"] == int((ref[position] > ref[position, token]).sum()) + 1
-        top = ref[position].topk(2).indices.tolist()
-        assert {str(t) for t in top} <= set(entry) and len(entry) <= 3
-        assert all(isinstance(v["decoded_token"], str) for v in entry.values())
+        row, value = ref[position], ref[position, token]
+        for alternative, item in entry.items():
+            assert item["logprob"] == pytest.approx(row[int(alternative)].item(), abs=TOL)
+            assert isinstance(item["decoded_token"], str)
+        # Ranks and the top two as far as fp32 decides them: the tiny model's logits are nearly flat,
+        # and values closer than TOL may order either way (the engine's batch shapes round differently).
+        rank = entry[str(token)]["rank"]
+        assert int((row > value + TOL).sum()) + 1 <= rank <= int((row > value - TOL).sum()) + 1
+        third = row.topk(3).values[2]
+        assert {str(t) for t in (row > third + TOL).nonzero().flatten().tolist()} <= set(entry)
+        assert len(entry) <= 3
     chat = client.chat.completions.create(
         model="tiny",
         messages=[{"role": "user", "content": "Score me."}],
