@@ -205,6 +205,17 @@ class LabelSelector(KubeModel):
         )
 
 
+def first_duplicate(names: list[str]) -> str | None:
+    """The first name that appears twice, or None: list-maps keyed by name refuse duplicates on the API
+    server, and the models' validators say so off the cluster."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            return name
+        seen.add(name)
+    return None
+
+
 def condition(
     type_: str, status: bool | None, reason: str, message: str, generation: int | None
 ) -> Condition:

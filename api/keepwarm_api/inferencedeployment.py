@@ -22,6 +22,7 @@ from .common import (
     PVCSource,
     ResourceRequirements,
     Toleration,
+    first_duplicate,
 )
 from .values import CacheMode
 
@@ -137,11 +138,8 @@ class LoraSettings(KubeModel):
     @classmethod
     def _unique_names(cls, adapters: list[LoraAdapter]) -> list[LoraAdapter]:
         """The API server refuses duplicates (a list-map keyed by name); this says so off the cluster."""
-        seen: set[str] = set()
-        for adapter in adapters:
-            if adapter.name in seen:
-                raise ValueError(f"LoRA adapter name {adapter.name!r} appears twice; names are unique")
-            seen.add(adapter.name)
+        if (twice := first_duplicate([a.name for a in adapters])) is not None:
+            raise ValueError(f"LoRA adapter name {twice!r} appears twice; names are unique")
         return adapters
 
 

@@ -21,6 +21,7 @@ from .common import (
     Quantization,
     ResourceRequirements,
     Toleration,
+    first_duplicate,
 )
 from .values import Tier
 
@@ -73,13 +74,8 @@ class CachedModel(KubeModel):
     @classmethod
     def _unique_adapter_names(cls, adapters: list[CachedAdapter]) -> list[CachedAdapter]:
         """The API server refuses duplicates (a list-map keyed by name); this says so off the cluster."""
-        seen: set[str] = set()
-        for adapter in adapters:
-            if adapter.name in seen:
-                raise ValueError(
-                    f"adapter name {adapter.name!r} appears twice in one model; names are unique"
-                )
-            seen.add(adapter.name)
+        if (twice := first_duplicate([a.name for a in adapters])) is not None:
+            raise ValueError(f"adapter name {twice!r} appears twice in one model; names are unique")
         return adapters
 
 
