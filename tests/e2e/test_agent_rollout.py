@@ -43,11 +43,12 @@ from keepwarm_testing.e2e import (
     runtime_selector,
 )
 from keepwarm_testing.operator import GROUP_PATH, NAMESPACE, get, samples
+from tests.running_pods import NEEDS_ROOT
 
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.slow,
-    pytest.mark.skipif(os.geteuid() != 0, reason="running pods needs root (namespaces, mounts, cgroups)"),
+    NEEDS_ROOT,
 ]
 WC, IDEP, APPS = "rollout", "chat", "rollout-apps"
 AGENTS, RUNTIME = agent_selector(WC), runtime_selector(IDEP)

@@ -52,11 +52,12 @@ from keepwarm_testing.e2e import (
 )
 from keepwarm_testing.hub import LocalHub
 from keepwarm_testing.operator import GROUP_PATH, NAMESPACE, RELEASE, condition, get, items
+from tests.running_pods import NEEDS_ROOT
 
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.slow,
-    pytest.mark.skipif(os.geteuid() != 0, reason="running pods needs root (namespaces, mounts, cgroups)"),
+    NEEDS_ROOT,
 ]
 WC, IDEP, APPS = "journey", "chat", "journey-apps"
 HUB_MODEL, HUB_REPO = "tiny-hub", "org/tiny-hub"  # a second model, from the (loopback) Hub

@@ -42,6 +42,16 @@ print(s.recv(65536)[4:].decode(errors="replace"))
 """
 
 
+def _remove_agent(cp, cache: str, node: str) -> None:
+    """What an agent test leaves on the control plane: its pod, node, WeightCacheNode and RBAC."""
+    cp.kubectl("delete", "pod", f"keepwarm-agent-{cache}", "-n", NAMESPACE, "--wait=false", check=False)
+    cp.remove_node(node)
+    cp.kubectl("delete", "wcn", f"{cache}.{node}", check=False)
+    agent = f"keepwarm-agent-{cache}"
+    cp.kubectl("delete", "clusterrole,clusterrolebinding", agent, check=False)
+    cp.kubectl("delete", "serviceaccount,role,rolebinding", agent, "-n", NAMESPACE, check=False)
+
+
 def test_cache_serve_reports_and_follows_the_weightcache(control_plane, tiny_llama, tmp_path):
     cp = control_plane
     install_crds(cp)
@@ -171,12 +181,7 @@ def test_cache_serve_reports_and_follows_the_weightcache(control_plane, tiny_lla
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-        cp.kubectl("delete", "pod", f"keepwarm-agent-{cache}", "-n", NAMESPACE, "--wait=false", check=False)
-        cp.remove_node(node)
-        cp.kubectl("delete", "wcn", f"{cache}.{node}", check=False)
-        agent = f"keepwarm-agent-{cache}"
-        cp.kubectl("delete", "clusterrole,clusterrolebinding", agent, check=False)
-        cp.kubectl("delete", "serviceaccount,role,rolebinding", agent, "-n", NAMESPACE, check=False)
+        _remove_agent(cp, cache, node)
         cp.kubectl("delete", "secret", f"{cache}-hf", "-n", NAMESPACE, check=False)
 
 
@@ -228,12 +233,7 @@ def test_a_daemon_that_cannot_start_says_why_on_its_node(control_plane, tiny_lla
             proc.terminate()
             proc.wait(timeout=30)
     finally:
-        cp.kubectl("delete", "pod", f"keepwarm-agent-{cache}", "-n", NAMESPACE, "--wait=false", check=False)
-        cp.remove_node(node)
-        cp.kubectl("delete", "wcn", f"{cache}.{node}", check=False)
-        agent = f"keepwarm-agent-{cache}"
-        cp.kubectl("delete", "clusterrole,clusterrolebinding", agent, check=False)
-        cp.kubectl("delete", "serviceaccount,role,rolebinding", agent, "-n", NAMESPACE, check=False)
+        _remove_agent(cp, cache, node)
 
 
 def test_a_weightcache_models_adapters_are_cached_attached_released_and_failed_alone(
@@ -380,9 +380,5 @@ def test_a_weightcache_models_adapters_are_cached_attached_released_and_failed_a
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-        cp.remove_node(node)
-        cp.kubectl("delete", "wcn", f"{cache}.{node}", check=False)
+        _remove_agent(cp, cache, node)
         cp.kubectl("delete", "wc", cache, check=False)
-        agent = f"keepwarm-agent-{cache}"
-        cp.kubectl("delete", "clusterrole,clusterrolebinding", agent, check=False)
-        cp.kubectl("delete", "serviceaccount,role,rolebinding", agent, "-n", NAMESPACE, check=False)

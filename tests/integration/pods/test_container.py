@@ -16,10 +16,11 @@ import pytest
 from keepwarm_testing.controlplane.pods import cgroups
 from keepwarm_testing.controlplane.pods.container import Launch, Mount, Running, effective_capabilities, start
 from keepwarm_testing.controlplane.pods.network import PodNetwork, existing
+from tests.running_pods import NEEDS_ROOT
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(os.geteuid() != 0, reason="running pods needs root (namespaces, mounts, cgroups)"),
+    NEEDS_ROOT,
 ]
 VENV_BIN = str(Path(os.sys.executable).parent)
 PATH = f"{VENV_BIN}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"

@@ -7,7 +7,6 @@ output on a hostPath, their IP), and at the machine (namespaces, veths, cgroups)
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import textwrap
 from collections.abc import Iterator
@@ -19,11 +18,12 @@ import pytest
 
 from keepwarm_testing.controlplane.build import ControlPlaneBuildError, build_control_plane
 from keepwarm_testing.controlplane.cluster import ControlPlane
+from tests.running_pods import NEEDS_ROOT
 
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.slow,
-    pytest.mark.skipif(os.geteuid() != 0, reason="running pods needs root (namespaces, mounts, cgroups)"),
+    NEEDS_ROOT,
 ]
 NS = "pods-test"
 
