@@ -165,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in names[shift:] + names[:shift]:
             seconds, cpu, tokens[name] = engines[name].run()
             runs[name].append((seconds, cpu))
+            # Each round as it ends: a run cut by a time box still leaves its figures on stderr.
+            rate = total_tokens / seconds
+            line = f"round {round_ + 1} {name}: {seconds:.2f} s, {rate:.1f} tok/s"
+            print(line, file=sys.stderr, flush=True)
     for name, got in tokens.items():
         counted = sum(min(len(t), n) for t, (_, n) in zip(got, requests, strict=True))
         assert counted == total_tokens, f"{name} generated {counted} of {total_tokens} tokens"

@@ -135,6 +135,7 @@ class CacheDaemon:
         self.serves_gpu = self.gpu_uuid or config.fake_gpu_uuid
         self.socket_dir = Path(config.socket_dir)
         self.socket_path = self.socket_dir / socket_name(self.serves_gpu)
+        security.check_socket_path(self.socket_path)  # before any model is loaded
         self.registry = ModelRegistry(config.budget)
         self.metrics = DaemonMetrics()
         self.metrics.resident_adapters.set_function(

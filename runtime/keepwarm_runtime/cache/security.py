@@ -158,6 +158,21 @@ def prepare_socket_dir(path: str | Path, gid: int | None = None) -> Path:
     return path
 
 
+# sun_path in struct sockaddr_un is 108 bytes on Linux, one of them the terminating NUL.
+MAX_SOCKET_PATH_BYTES = 107
+
+
+def check_socket_path(path: Path) -> None:
+    """Refuse a socket path bind() would refuse, naming it: the per-GPU socket name carries the GPU's
+    UUID (~50 bytes), so a deep socket directory can fit every file but the socket."""
+    length = len(os.fsencode(path))
+    if length > MAX_SOCKET_PATH_BYTES:
+        raise ValueError(
+            f"socket path {path} is {length} bytes; AF_UNIX allows {MAX_SOCKET_PATH_BYTES}: "
+            "choose a shorter socket directory"
+        )
+
+
 def bind_private(path: Path, lock: DaemonLock) -> socket.socket:
     """A Unix socket bound at `path` (a stale one of a dead holder of `lock` removed first), created
     0600 under a private umask so no other uid ever sees it open, even for an instant."""

@@ -1,6 +1,6 @@
 """GPU tier (CUDA VMM memory shared by fd) against a real daemon: the host-tier flows, on CUDA.
 
-Untested where written (no GPU there): run with scripts/gpu-check on a CUDA machine.
+Run with scripts/gpu-check on a CUDA machine (step tests-cache); passed on an H200 on 2026-12-04.
 """
 
 from __future__ import annotations
@@ -141,19 +141,19 @@ def test_mismatch_falls_back_on_cuda(gpu_daemon, tiny_llama):
     assert res.tensors["model.embed_tokens.weight"].device.type == "cuda"
 
 
-def test_host_tier_serves_cuda_clients_by_copy(tiny_llama, tmp_path):
-    daemon = _gpu_daemon(tmp_path / "wc", tiny_llama, tier="host")
+def test_host_tier_serves_cuda_clients_by_copy(tiny_llama, socket_dir):
+    daemon = _gpu_daemon(socket_dir, tiny_llama, tier="host")
     try:
-        res = attach(tiny_llama, tmp_path / "wc", dtype=torch.float32, device="cuda:0", fallback=False)
+        res = attach(tiny_llama, socket_dir, dtype=torch.float32, device="cuda:0", fallback=False)
         assert (res.source, res.tier) == ("cache", "host")
         assert res.tensors["model.embed_tokens.weight"].device.type == "cuda"
     finally:
         assert daemon.terminate(60) == 0
 
 
-def test_killed_gpu_daemon_falls_back(tiny_llama, tmp_path):
-    daemon = _gpu_daemon(tmp_path / "wc", tiny_llama)
+def test_killed_gpu_daemon_falls_back(tiny_llama, socket_dir):
+    daemon = _gpu_daemon(socket_dir, tiny_llama)
     daemon.proc.kill()
     daemon.proc.wait(60)
-    res = attach(tiny_llama, tmp_path / "wc", dtype=torch.float32, device="cuda:0")
+    res = attach(tiny_llama, socket_dir, dtype=torch.float32, device="cuda:0")
     assert res.source == "disk" and res.reason.startswith("unavailable")

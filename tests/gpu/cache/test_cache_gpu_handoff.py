@@ -1,6 +1,6 @@
 """GPU tier hand-off and holder recovery: the VMM POSIX-fd handles travel as the memfds do.
 
-Untested where written (no GPU there): run with scripts/gpu-check on a CUDA machine. What it finds
+Run with scripts/gpu-check (step tests-cache); passed on an H200 on 2026-12-04. What it finds
 out is whether an exported handle's fd alone keeps the allocation alive once the daemon that
 allocated it has exited (hand-off) or was killed (holder).
 """
@@ -29,8 +29,7 @@ def _same_as_disk(model, socket_dir) -> None:
         assert torch.equal(res.tensors[name].cpu(), t), name
 
 
-def test_gpu_arenas_survive_a_handoff_and_a_sigkill(tiny_llama, tmp_path):
-    socket_dir = tmp_path / "wc"
+def test_gpu_arenas_survive_a_handoff_and_a_sigkill(tiny_llama, socket_dir):
     hold = HolderProcess(socket_dir).wait_ready()
     try:
         first = _daemon(socket_dir, tiny_llama)

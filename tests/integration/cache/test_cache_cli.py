@@ -97,3 +97,13 @@ def test_serve_socket_dir_is_a_file(tmp_path):
     (tmp_path / "file").write_text("x")
     out = cache_cli("serve", "--socket-dir", str(tmp_path / "file" / "wc"))
     assert_one_line_error(out, "keepwarm cache serve:")
+
+
+def test_serve_socket_path_past_af_unix_limit_is_refused_before_loading(checkpoint_writer, tmp_path):
+    """A per-GPU socket is named after the GPU's UUID: under a deep directory only the socket fails to fit.
+    Refused by name before any model is read (one line: no "loaded" log before it)."""
+    model = checkpoint_writer(tmp_path / "models" / "m", seed=1)
+    deep = tmp_path / ("d" * 40) / "wc"
+    gpu = "GPU-c349ec48-74d5-38a9-3f78-1a309601a729"
+    out = cache_cli("serve", "--socket-dir", str(deep), "--fake-gpu", gpu, "--model", str(model))
+    assert_one_line_error(out, "keepwarm cache serve:", "AF_UNIX allows 107", gpu)
