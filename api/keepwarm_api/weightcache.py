@@ -23,6 +23,7 @@ from .common import (
     Toleration,
     first_duplicate,
 )
+from .sockets import MAX_GPU_SOCKET_DIR, MAX_SOCKET_PATH_BYTES
 from .values import Tier
 
 KIND = "WeightCache"
@@ -267,5 +268,13 @@ ROOT_VALIDATIONS = [
     {
         "rule": f"size(self.metadata.name) <= {MAX_NAME_LENGTH}",
         "message": f"WeightCache names are at most {MAX_NAME_LENGTH} characters (children add a prefix)",
-    }
+    },
+    {
+        # The agent binds <socket.directory>/<name>/gpu-<GPU UUID>.sock (builders.agent.socket_dir).
+        "rule": "self.spec.tier != 'gpu'"
+        f" || size(self.spec.socket.directory) + 1 + size(self.metadata.name) <= {MAX_GPU_SOCKET_DIR}",
+        "message": f"on the gpu tier, socket.directory + '/' + the WeightCache name is at most "
+        f"{MAX_GPU_SOCKET_DIR} characters: each GPU's socket, gpu-<GPU UUID>.sock, is placed there, and a "
+        f"Unix socket path is at most {MAX_SOCKET_PATH_BYTES} bytes",
+    },
 ]

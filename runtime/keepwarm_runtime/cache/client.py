@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from keepwarm_api.sockets import HOST_SOCKET, gpu_socket_name
 from keepwarm_api.values import CacheMode, Tier
 from keepwarm_runtime import __version__
 from keepwarm_runtime.cache import protocol, security
@@ -38,7 +39,6 @@ from keepwarm_runtime.log_once import warning_once
 log = logging.getLogger(__name__)
 _FROM_ENV: Any = object()  # default of socket_dir/mode/fallback: read KEEPWARM_CACHE_* variables
 _RETRY_ERRNOS = {errno.EAGAIN, errno.ECONNREFUSED}
-HOST_SOCKET = "host.sock"  # the host tier's daemon (daemon.socket_name)
 PAGE_MODES = frozenset({"4k", "thp", "hugetlb", "vmm"})  # what a daemon's arenas may report
 
 
@@ -182,7 +182,7 @@ def socket_path_for(socket_dir: Path, device: torch.device) -> Path:
     if device.type == "cuda":
         from keepwarm_runtime.cache.backends import cuda
 
-        gpu = socket_dir / f"gpu-{cuda.gpu_uuid(device.index or 0)}.sock"
+        gpu = socket_dir / gpu_socket_name(cuda.gpu_uuid(device.index or 0))
         if gpu.exists():
             return gpu
     return socket_dir / HOST_SOCKET

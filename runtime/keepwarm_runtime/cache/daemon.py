@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from keepwarm_api.sockets import HOST_SOCKET, gpu_socket_name
 from keepwarm_api.values import Tier
 from keepwarm_runtime import __version__
 from keepwarm_runtime.cache import holder, security, succession
@@ -43,7 +44,6 @@ from keepwarm_runtime.cache.adapters import (
     read_adapter,
 )
 from keepwarm_runtime.cache.checkpoint import Shard, parse_dtype, read_checkpoint
-from keepwarm_runtime.cache.client import HOST_SOCKET
 from keepwarm_runtime.cache.connections import SocketServer
 from keepwarm_runtime.cache.fingerprint import WeightCacheKey, compute_key, read_config
 from keepwarm_runtime.cache.handlers import CommandHandlers
@@ -112,7 +112,7 @@ def resolve_tier(tier: str) -> str:
 
 def socket_name(serves_gpu: str | None) -> str:
     """gpu-<UUID>.sock for the daemon of one GPU (the name cache.client looks for), else host.sock."""
-    return f"gpu-{serves_gpu}.sock" if serves_gpu else HOST_SOCKET
+    return gpu_socket_name(serves_gpu) if serves_gpu else HOST_SOCKET
 
 
 class CacheDaemon:

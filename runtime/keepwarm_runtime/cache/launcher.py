@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+from keepwarm_api.sockets import HOST_SOCKET
+
 READY_PREFIX = "READY "
 
 
@@ -89,7 +91,7 @@ class DaemonProcess:
     @property
     def socket(self) -> Path:
         """The host tier's socket (gpu-tier sockets are named after the GPU's UUID)."""
-        return self.socket_dir / "host.sock"
+        return self.socket_dir / HOST_SOCKET
 
     def terminate(self, timeout_s: float = 30.0) -> int:
         if self.proc.poll() is None:

@@ -25,6 +25,7 @@ from pathlib import Path
 from keepwarm_api import podenv
 from keepwarm_api.refusals import Refusals, record
 from keepwarm_api.settings import present
+from keepwarm_api.sockets import MAX_SOCKET_PATH_BYTES
 
 
 class CacheSecurityError(Exception):
@@ -156,10 +157,6 @@ def prepare_socket_dir(path: str | Path, gid: int | None = None) -> Path:
         os.chown(path, -1, gid)
     os.chmod(path, mode)
     return path
-
-
-# sun_path in struct sockaddr_un is 108 bytes on Linux, one of them the terminating NUL.
-MAX_SOCKET_PATH_BYTES = 107
 
 
 def check_socket_path(path: Path) -> None:

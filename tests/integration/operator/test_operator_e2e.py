@@ -437,6 +437,11 @@ def test_spec_change_rolls_the_pods(env):
             lambda p: inference("bad13", "default", p, lora={"adapters": [{"name": MODEL, "source": PVC}]}),
             "a LoRA adapter cannot take the served model's name",
         ),
+        (
+            # 17 + 1 + 40 characters: a GPU's socket under it would pass AF_UNIX's 107 bytes
+            lambda p: weightcache("b" * 40, p, socket={"directory": "/var/run/keepwarm"}),
+            "a Unix socket path is at most 107 bytes",
+        ),
     ],
     ids=[
         "two-sources",
@@ -451,6 +456,7 @@ def test_spec_change_rolls_the_pods(env):
         "lora-duplicate-adapter",
         "lora-two-sources",
         "lora-adapter-named-like-the-model",
+        "gpu-socket-path-too-long",
     ],
 )
 def test_invalid_resources_are_rejected_by_the_api_server(env, doc, message):
@@ -463,6 +469,17 @@ def test_fp8_on_the_host_tier_is_accepted(env):
     """The daemon quantizes at load on either tier, so the API server takes fp8 with tier host."""
     models = [{"name": "m", "source": {"path": "/var/lib/models/a"}, "quantization": "fp8"}]
     doc = weightcache("fp8host", env.pool, tier="host", models=models)
+    result = env.cp.kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(doc), check=False)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "tier"), [("b" * 40, "host"), ("b" * 39, "gpu")], ids=["host-tier", "gpu-at-the-limit"]
+)
+def test_socket_paths_that_fit_are_accepted(env, name, tier):
+    """host.sock is short, so the host tier keeps 40-character names; on the gpu tier 17 + 1 + 39
+    characters of directory leave room for gpu-<GPU UUID>.sock within 107 bytes."""
+    doc = weightcache(name, env.pool, tier=tier, socket={"directory": "/var/run/keepwarm"})
     result = env.cp.kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(doc), check=False)
     assert result.returncode == 0, result.stderr
 
