@@ -376,13 +376,17 @@ def _map_tensors(
     from keepwarm_runtime.cache.backends.host import map_readonly, readonly_tensor
 
     buf = map_readonly(fd, size)
+    arena = readonly_tensor(buf, 0, torch.uint8, (size,))  # one buffer export; it keeps the mapping
     if mode == CacheMode.COPY or device.type != "cpu":
         # One bulk copy out of the arena, then views of the private copy (moved to `device`).
         private = torch.empty(size, dtype=torch.uint8)
-        src = readonly_tensor(buf, 0, torch.uint8, (size,))
-        private.copy_(src)
-        del src  # releases the buffer export so the mapping can close
+        private.copy_(arena)
+        del arena  # releases the buffer export so the mapping can close
         buf.close()
-        private = private.to(device)
-        return {e.name: private[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in entries}
-    return {e.name: readonly_tensor(buf, e.offset, e.dtype, e.shape) for e in entries}
+        return _views(private.to(device), entries)
+    return _views(arena, entries)  # slices of one tensor: far cheaper than a buffer export per tensor
+
+
+def _views(arena: torch.Tensor, entries: list[TensorEntry]) -> dict[str, torch.Tensor]:
+    """Each entry's tensor as a view of the flat uint8 ``arena`` (offsets are aligned to its dtype)."""
+    return {e.name: arena[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in entries}

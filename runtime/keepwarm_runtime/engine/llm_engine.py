@@ -207,9 +207,21 @@ class LLMEngine:
 
     def add_lora(self, name: str, path: str) -> LoraWeights:
         """Register a PEFT adapter; LoraLoadError names what is wrong and changes nothing."""
+        return self.register_lora(self.read_lora(name, path))
+
+    def read_lora(self, name: str, path: str) -> LoraWeights:
+        """Read and check an adapter without touching the engine's state: callable from any thread
+        while steps run (the server reads there, so a load never pauses the batch)."""
+        return self._lora_slots().read(name, path)
+
+    def register_lora(self, weights: LoraWeights) -> LoraWeights:
+        """Make an adapter read by ``read_lora`` selectable; in the engine's thread, between steps."""
+        return self._lora_slots().register(weights)
+
+    def _lora_slots(self) -> LoraSlots:
         if self.lora is None:
             raise ValueError("this engine was started without enable_lora")
-        return self.lora.add(name, path)
+        return self.lora
 
     def remove_lora(self, name: str) -> None:
         """Forget an adapter: KeyError if unknown, LoraInUse while unfinished requests (queued or

@@ -5,8 +5,9 @@ runtime `POST /v1/load_lora_adapter` / `/v1/unload_lora_adapter` (only with
 A request selects an adapter by naming it in ``model``. The adapters themselves are checked and run
 by the engine (engine/lora); this module keeps the server's list of names and turns the engine's
 refusals into HTTP errors: a bad adapter 400, an unknown one 404, one still in use 409. Loading
-reads the adapter in the engine thread, between steps (through the node cache when the server has a
-cache socket), and observes ``keepwarm_lora_load_seconds{source}``.
+reads and checks the adapter in a worker thread while the engine keeps stepping (through the node
+cache when the server has a cache socket), then registers it in the engine thread between two steps,
+and observes ``keepwarm_lora_load_seconds{source}``.
 """
 
 from __future__ import annotations
@@ -48,9 +49,9 @@ async def load_lora_adapter(ctx: ServingContext, req: LoadLoraAdapterRequest, ra
     if req.lora_name in ctx.loras or req.lora_name == ctx.served_model_name:
         raise BadRequest(f"The lora adapter '{req.lora_name}' has already been loaded.", param="lora_name")
     try:
-        weights = await asyncio.wrap_future(
-            ctx.async_engine.call(lambda e: e.engine.add_lora(req.lora_name, req.lora_path))
-        )
+        # Read and check in a worker thread while steps go on; only registering waits for a step's end.
+        weights = await asyncio.to_thread(ctx.async_engine.engine.read_lora, req.lora_name, req.lora_path)
+        await asyncio.wrap_future(ctx.async_engine.call(lambda e: e.engine.register_lora(weights)))
     except LoraLoadError as exc:
         raise BadRequest(str(exc), param="lora_path", code="invalid_lora_adapter") from exc
     ctx.metrics.record_lora_load(weights.source, weights.seconds)

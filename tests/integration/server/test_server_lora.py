@@ -199,6 +199,59 @@ def test_load_and_unload_at_runtime(lora_server) -> None:
     assert token_ids(greedy(c, "json-form")) == expected["json-form"]
 
 
+def _feed_fifo(path: Path, text: str, until) -> None:
+    """Write ``text`` to the FIFO once its reader has it open, having first put a regular file with
+    that text in its place (the reader holds the FIFO by descriptor; later checks see a plain file).
+    Gives up if ``until`` (a future) ends first, so a load that never reads it cannot hang the test."""
+    import errno
+    import os
+
+    deadline = time.monotonic() + 120
+    while not until.done() and time.monotonic() < deadline:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:  # ENXIO: no reader yet
+                raise
+            time.sleep(0.05)
+            continue
+        regular = path.with_suffix(".regular")
+        regular.write_text(text)
+        os.replace(regular, path)
+        with os.fdopen(fd, "w") as fifo:
+            fifo.write(text)
+        return
+
+
+@pytest.mark.integration
+def test_an_adapter_read_that_stalls_does_not_pause_serving(lora_server, tmp_path: Path) -> None:
+    """The adapter's config is a FIFO nobody writes yet: its read blocks (as a slow volume would).
+    The base model keeps answering meanwhile; once the config arrives the load completes and the
+    adapter serves PEFT's tokens."""
+    import concurrent.futures
+    import os
+    import shutil
+
+    proc, adapters, expected = lora_server
+    slow = tmp_path / "slow"
+    shutil.copytree(adapters["late"], slow)
+    config = (slow / "adapter_config.json").read_text()
+    (slow / "adapter_config.json").unlink()
+    os.mkfifo(slow / "adapter_config.json")
+    body = {"lora_name": "slow", "lora_path": str(slow)}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        load = pool.submit(_post, proc, "/v1/load_lora_adapter", body)
+        try:
+            assert token_ids(greedy(client(proc), "tiny")) == expected[None]
+            assert not load.done(), load.result().text  # still waiting for its config
+        finally:
+            _feed_fifo(slow / "adapter_config.json", config, until=load)  # even on failure: unblocks it
+        assert load.result().status_code == 200, load.result().text
+    c = client(proc)
+    assert token_ids(greedy(c, "slow")) == expected["late"]
+    assert _post(proc, "/v1/unload_lora_adapter", {"lora_name": "slow"}).status_code == 200
+
+
 @pytest.mark.integration
 def test_a_bad_lora_module_fails_the_start_naming_it(tiny_llama: Path, tmp_path: Path) -> None:
     proc = start_server(

@@ -108,9 +108,20 @@ class LoraSlots:
 
     def add(self, name: str, path: str | Path) -> LoraWeights:
         """Read, check and register an adapter; LoraLoadError names what is wrong, changing nothing."""
+        return self.register(self.read(name, path))
+
+    def read(self, name: str, path: str | Path) -> LoraWeights:
+        """Read and check an adapter, changing nothing here: safe beside running steps (it reads only
+        the base's module shapes), so a server reads outside the engine thread and only registers in it."""
         if name in self.adapters:
             raise LoraLoadError(f"adapter {name!r} is already loaded")
-        weights = load_adapter(name, path, self.model, self.max_rank, self.dtype, self.cache)
+        return load_adapter(name, path, self.model, self.max_rank, self.dtype, self.cache)
+
+    def register(self, weights: LoraWeights) -> LoraWeights:
+        """Make a read adapter selectable (between steps): hooks its projections, slots it on first use."""
+        name = weights.name
+        if name in self.adapters:
+            raise LoraLoadError(f"adapter {name!r} is already loaded")
         for module_name in weights.modules:  # checked above: every one is a targetable nn.Linear
             if module_name not in self._stacked:
                 linear = self.model.get_submodule(module_name)
@@ -179,13 +190,18 @@ class LoraSlots:
         projections it does not target get zero A rows, so they add nothing (B stays finite)."""
         weights = self.adapters[name]
         lo, hi = slot * self.max_rank, slot * self.max_rank + weights.rank
+        targets, sources, untargeted = [], [], []
         for module_name, stacked in self._stacked.items():
             pair = weights.modules.get(module_name)
             if pair is None:
-                stacked.a[lo:hi].zero_()
+                untargeted.append(stacked.a[lo:hi])
             else:
-                stacked.a[lo:hi].copy_(pair[0])
-                stacked.b[:, lo:hi].copy_(pair[1])
+                targets += (stacked.a[lo:hi], stacked.b[:, lo:hi])
+                sources += pair
+        # One fused call each instead of a copy per projection: hundreds of them on a deep model.
+        torch._foreach_copy_(targets, sources)
+        if untargeted:
+            torch._foreach_zero_(untargeted)
         self.scaling[slot] = weights.scaling
         self.ranks[slot] = weights.rank
         self.generation[slot] += 1
