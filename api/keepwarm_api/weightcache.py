@@ -234,6 +234,19 @@ class ModelResidency(KubeModel):
     """Nodes whose agent failed to load it."""
 
 
+class AdapterResidency(KubeModel):
+    """How many nodes hold one LoRA adapter of a model (spec.models[].adapters)."""
+
+    model: str
+    """The model it adapts."""
+    name: str
+    """Adapter name, unique within its model."""
+    resident_nodes: int = 0
+    """Nodes whose agent reports the adapter resident (on every GPU, on the gpu tier)."""
+    failed_nodes: int = 0
+    """Nodes whose agent failed to load it."""
+
+
 class WeightCacheStatus(KubeModel):
     """Observed state, aggregated from the WeightCacheNodes by the operator."""
 
@@ -242,13 +255,15 @@ class WeightCacheStatus(KubeModel):
     desired_nodes: int = 0
     """Nodes that should run an agent (DaemonSet desiredNumberScheduled)."""
     ready_nodes: int = 0
-    """Nodes whose agent reports in time and holds every model."""
+    """Nodes whose agent reports in time and holds every model and every adapter."""
     stale_nodes: int = 0
     """Nodes whose agent stopped reporting."""
     model_count: int = 0
     """Number of models in spec."""
     models: list[ModelResidency] = Field(default_factory=list)
     """Per-model resident node counts."""
+    adapters: list[AdapterResidency] = Field(default_factory=list)
+    """Per-adapter resident node counts, by model and adapter name."""
     conditions: list[Condition] = Field(
         default_factory=list,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},

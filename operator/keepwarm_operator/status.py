@@ -9,6 +9,7 @@ from typing import Any
 from keepwarm_api.common import Condition, condition
 from keepwarm_api.inferencedeployment import IDepConditionType, IDepReason, InferenceDeploymentStatus
 from keepwarm_api.weightcache import (
+    AdapterResidency,
     ModelResidency,
     WeightCacheConditionType,
     WeightCacheReason,
@@ -86,14 +87,26 @@ def gpus_match_condition(mismatches: list[str], generation: int) -> Condition:
     return condition(C.GPUS_MATCH, False, R.GPU_COUNT_MISMATCH, "; ".join(mismatches[:5]) + more, generation)
 
 
+def resident_adapters(node: WeightCacheNodeStatus) -> set[tuple[str, str]]:
+    """(model, adapter) pairs the node holds (each state is combined over its GPUs by the agent)."""
+    if node.phase == NodePhase.STALE:
+        return set()
+    return {(a.model, a.name) for a in node.adapters if a.state == ModelState.RESIDENT}
+
+
 def weightcache_status(
     spec: WeightCacheSpec, generation: int, desired_nodes: int, nodes: list[WeightCacheNodeStatus],
     gpu_mismatch: list[str] | None = None,
 ) -> WeightCacheStatus:  # fmt: skip
-    """Ready when every desired node reports every model resident; Degraded on stale or failed nodes;
-    GPUsMatch (tier gpu: pass gpu_mismatch, see gpu_mismatches) after them."""
+    """Ready when every desired node reports every model and adapter resident; Degraded on stale
+    nodes or failed loads; GPUsMatch (tier gpu: pass gpu_mismatch, see gpu_mismatches) after them."""
     wanted = {m.name for m in spec.models}
-    ready = sum(1 for n in nodes if n.phase != NodePhase.STALE and wanted <= n.resident())
+    wanted_adapters = {(m.name, a.name) for m in spec.models for a in m.adapters}
+
+    def holds_all(n: WeightCacheNodeStatus) -> bool:
+        return wanted <= n.resident() and wanted_adapters <= resident_adapters(n)
+
+    ready = sum(1 for n in nodes if n.phase != NodePhase.STALE and holds_all(n))
     stale = sum(1 for n in nodes if n.phase == NodePhase.STALE)
     residency = []
     for model in spec.models:
@@ -102,7 +115,23 @@ def weightcache_status(
             1 for n in nodes for m in n.models if m.name == model.name and m.state == ModelState.FAILED
         )
         residency.append(ModelResidency(name=model.name, resident_nodes=resident, failed_nodes=failed))
+    adapters = [
+        AdapterResidency(
+            model=model,
+            name=name,
+            resident_nodes=sum(1 for n in nodes if (model, name) in resident_adapters(n)),
+            failed_nodes=sum(
+                1
+                for n in nodes
+                for a in n.adapters
+                if (a.model, a.name) == (model, name) and a.state == ModelState.FAILED
+            ),
+        )
+        for model, name in sorted(wanted_adapters)
+    ]
     failed_models = sorted(r.name for r in residency if r.failed_nodes)
+    failed_models += [f"{a.model}/{a.name}" for a in adapters if a.failed_nodes]
+    held = "every model and adapter" if wanted_adapters else "every model"
     R, C = WeightCacheReason, WeightCacheConditionType
     if desired_nodes == 0:
         ready_cond = condition(
@@ -110,11 +139,11 @@ def weightcache_status(
         )
     elif ready >= desired_nodes:
         ready_cond = condition(
-            C.READY, True, R.ALL_NODES_READY, f"{ready}/{desired_nodes} nodes hold every model", generation
+            C.READY, True, R.ALL_NODES_READY, f"{ready}/{desired_nodes} nodes hold {held}", generation
         )
     else:
         ready_cond = condition(
-            C.READY, False, R.NODES_NOT_READY, f"{ready}/{desired_nodes} nodes hold every model", generation
+            C.READY, False, R.NODES_NOT_READY, f"{ready}/{desired_nodes} nodes hold {held}", generation
         )
     if stale:
         degraded = condition(
@@ -134,6 +163,7 @@ def weightcache_status(
         stale_nodes=stale,
         model_count=len(spec.models),
         models=residency,
+        adapters=adapters,
         conditions=[ready_cond, degraded]
         + ([] if gpu_mismatch is None else [gpus_match_condition(gpu_mismatch, generation)]),
     )

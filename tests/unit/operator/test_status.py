@@ -57,6 +57,51 @@ def test_partial_failed_and_stale_nodes():
     assert (degraded.status.value, degraded.reason) == ("True", "NodesStale")
 
 
+WITH_ADAPTERS = WeightCacheSpec.model_validate(
+    {
+        "models": [
+            {
+                "name": "a",
+                "source": {"path": "/a"},
+                "adapters": [
+                    {"name": "sql", "source": {"path": "/a-sql"}},
+                    {"name": "de", "source": {"path": "/a-de"}},
+                ],
+            }
+        ]
+    }
+)
+
+
+def node_with_adapters(phase="Ready", model="Resident", **adapters):
+    return WeightCacheNodeStatus.model_validate(
+        {
+            "phase": phase,
+            "models": [{"name": "a", "state": model}],
+            "adapters": [{"model": "a", "name": n, "state": s} for n, s in adapters.items()],
+            "heartbeat": NOW.isoformat(),
+        }
+    )
+
+
+def test_adapters_are_counted_and_a_node_is_ready_only_with_every_adapter():
+    nodes = [
+        node_with_adapters(sql="Resident", de="Resident"),
+        node_with_adapters(sql="Resident", de="Failed"),
+        node_with_adapters(sql="Loading"),  # de not reported yet
+        node_with_adapters("Stale", sql="Resident", de="Resident"),
+    ]
+    status = weightcache_status(WITH_ADAPTERS, 2, 4, nodes)
+    counts = {(r.model, r.name): (r.resident_nodes, r.failed_nodes) for r in status.adapters}
+    assert counts == {("a", "de"): (1, 1), ("a", "sql"): (2, 0)}  # a stale node counts for nothing
+    assert status.ready_nodes == 1 and status.models[0].resident_nodes == 3
+    ready, degraded = status.conditions
+    assert ready.reason == "NodesNotReady" and "1/4 nodes hold every model and adapter" in ready.message
+    assert degraded.reason == "NodesStale"
+    status = weightcache_status(WITH_ADAPTERS, 2, 3, nodes[:3])
+    assert status.conditions[1].reason == "ModelsFailed" and "a/de" in status.conditions[1].message
+
+
 def test_no_matching_nodes():
     ready = weightcache_status(SPEC, 1, 0, []).conditions[0]
     assert (ready.status.value, ready.reason) == ("False", "NoMatchingNodes")
