@@ -80,22 +80,28 @@ class RuntimeSettings(KubeModel):
 
 class LoraAdapterSource(KubeModel):
     """Where a PEFT adapter's files (adapter_config.json, adapter_model.safetensors) come from; exactly
-    one of pvc, containerPath. No hostPath: the chart's tenancy policy guards only spec.model's path;
-    no Hugging Face: downloads are the node agent's (a WeightCache model may list Hub adapters, which
-    its agents download and cache). A pod registers an adapter from the node cache when its directory
-    is the same files the node's daemon read (identity by file), else from disk."""
+    one of cached, pvc, containerPath. No hostPath of its own: the chart's tenancy policy guards only
+    spec.model's path; no Hugging Face of its own: downloads are the node agent's. `cached` names an
+    adapter the WeightCache lists for the served model (any of its sources, Hub included): the pods
+    mount the very files the node's agent caches. A pod registers an adapter from the node cache when
+    its directory is the same files the node's daemon read (identity by file), else from disk."""
 
     model_config = KubeModel.model_config | {
         "json_schema_extra": {
             "x-kubernetes-validations": [
                 {
-                    "rule": "[has(self.pvc), has(self.containerPath)].filter(x, x).size() == 1",
-                    "message": "set exactly one of source.pvc, source.containerPath",
+                    "rule": "[has(self.cached), has(self.pvc), has(self.containerPath)]"
+                    ".filter(x, x).size() == 1",
+                    "message": "set exactly one of source.cached, source.pvc, source.containerPath",
                 }
             ]
         }
     }
 
+    cached: str | None = Field(default=None, max_length=63, pattern=DNS_LABEL)
+    """Name of an adapter of the served model in its WeightCache (spec.models[].adapters; needs
+    spec.model.cacheRef): mounted at /lora/<adapter name> (a Hub adapter: read from the node's download
+    directory) and attached zero-copy from the node cache."""
     pvc: PVCSource | None = None
     """Adapter files on a PersistentVolumeClaim, mounted read-only at /lora/<adapter name>."""
     container_path: str | None = Field(default=None, pattern=r"^/.*", max_length=4096)
@@ -109,7 +115,7 @@ class LoraAdapter(KubeModel):
     """Name clients send in `model` (listed in /v1/models with the base as parent); a DNS label of at
     most 58 characters, other than the served model's name."""
     source: LoraAdapterSource
-    """Where the adapter's files come from: exactly one of pvc, containerPath."""
+    """Where the adapter's files come from: exactly one of cached, pvc, containerPath."""
 
 
 class LoraSettings(KubeModel):
@@ -215,6 +221,7 @@ class IDepReason(StrEnum):
     CACHE_NOT_FOUND = "CacheNotFound"
     NAMESPACE_NOT_ALLOWED = "NamespaceNotAllowed"
     MODEL_NOT_IN_CACHE = "ModelNotInCache"
+    ADAPTER_NOT_IN_CACHE = "AdapterNotInCache"
     MODEL_RESIDENT = "ModelResident"
     MODEL_NOT_RESIDENT = "ModelNotResident"
     NO_CACHE = "NoCacheConfigured"
@@ -269,5 +276,11 @@ ROOT_VALIDATIONS = [
         " (has(self.spec.model.name) ? self.spec.model.name : self.metadata.name))",
         "message": "a LoRA adapter cannot take the served model's name (spec.model.name, else "
         "metadata.name): clients select adapters by name",
+    },
+    {
+        "rule": "!has(self.spec) || !has(self.spec.lora) || !has(self.spec.lora.adapters)"
+        " || has(self.spec.model.cacheRef) || self.spec.lora.adapters.all(a, !has(a.source.cached))",
+        "message": "source.cached names an adapter of the served model in its WeightCache: it needs "
+        "spec.model.cacheRef",
     },
 ]

@@ -71,6 +71,9 @@ class CachedModel(KubeModel):
     """LoRA adapters of this model the agents keep resident too (at most 32, names unique within the
     model). Counted against the budget like models; a failed adapter fails alone."""
 
+    def adapter(self, name: str) -> CachedAdapter | None:
+        return next((a for a in self.adapters if a.name == name), None)
+
     @field_validator("adapters")
     @classmethod
     def _unique_adapter_names(cls, adapters: list[CachedAdapter]) -> list[CachedAdapter]:

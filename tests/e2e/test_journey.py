@@ -2,9 +2,10 @@
 
 One control plane whose kubelet stand-in runs pods for real (root only): `helm install` of
 charts/keepwarm (the operator runs as the chart's Deployment pod, as its ServiceAccount); a host-tier
-WeightCache with a model under modelDirectory and one from the Hub (keepwarm_testing.hub on the pod
-bridge, named as the cache's Hub mirror; the agent DaemonSet pod runs `keepwarm cache serve`);
-an InferenceDeployment of 2 replicas (pods run `keepwarm serve` as rendered). The official `openai`
+WeightCache with a model under modelDirectory (and a LoRA adapter of it) and one from the Hub
+(keepwarm_testing.hub on the pod bridge, named as the cache's Hub mirror; the agent DaemonSet pod
+runs `keepwarm cache serve`); an InferenceDeployment of 2 replicas serving the model and that cached
+adapter (pods run `keepwarm serve` as rendered). The official `openai`
 client talks to each pod IP; the agent pod is restarted and then a spec change rolls the pods while
 client threads send requests all along. The steps share state and run in order.
 """
@@ -13,9 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -61,7 +60,8 @@ pytestmark = [
 ]
 WC, IDEP, APPS = "journey", "chat", "journey-apps"
 HUB_MODEL, HUB_REPO = "tiny-hub", "org/tiny-hub"  # a second model, from the (loopback) Hub
-ADAPTER = "terse"  # a LoRA adapter the InferenceDeployment serves on top of MODEL
+ADAPTER = "terse"  # a LoRA adapter of MODEL the WeightCache keeps and the InferenceDeployment serves
+ADAPTER_DIR = f"/var/lib/models/adapters/{ADAPTER}"  # on the node, under the default modelDirectory
 
 
 @pytest.fixture(scope="module")
@@ -91,18 +91,38 @@ def test_helm_install_runs_the_operator_as_its_pod(journey: SimpleNamespace) -> 
     assert operator["spec"]["serviceAccountName"] == f"{RELEASE}-keepwarm"
 
 
-def test_weightcache_agent_pod_makes_the_node_ready(journey: SimpleNamespace, hub: SimpleNamespace) -> None:
-    """One model under modelDirectory, one from the Hub: the agent pod downloads it through the Hub
-    mirror the WeightCache names (spec.agent.huggingFaceEndpoint)."""
+def test_weightcache_agent_pod_makes_the_node_ready(
+    journey: SimpleNamespace, hub: SimpleNamespace, adapter_dir: Path
+) -> None:
+    """One model under modelDirectory with a LoRA adapter, one from the Hub: the agent pod downloads
+    it through the Hub mirror the WeightCache names (spec.agent.huggingFaceEndpoint)."""
     cp = journey.cp
     cache = host_weightcache(WC, huggingFaceEndpoint=hub.hub.endpoint)
+    cache["spec"]["models"][0]["adapters"] = [{"name": ADAPTER, "source": {"path": ADAPTER_DIR}}]
     hub_source = {"huggingFace": {"repo": HUB_REPO, "revision": "main"}}
     cache["spec"]["models"].append({"name": HUB_MODEL, "source": hub_source})
     apply(cp, cache)
+
+    def adapter_resident(wcn: dict[str, Any]) -> bool:
+        adapters = (wcn.get("status") or {}).get("adapters", [])
+        return any(a["name"] == ADAPTER and a["state"] == "Resident" for a in adapters)
+
     wcn = cp.wait_for(
-        lambda: (w := resident_node(cp, WC)) and lists_resident(w, HUB_MODEL) and w,
+        lambda: (w := resident_node(cp, WC)) and lists_resident(w, HUB_MODEL) and adapter_resident(w) and w,
         timeout_s=240,
-        what="WeightCacheNode Ready with both models resident",
+        what="WeightCacheNode Ready with both models and the adapter resident",
+    )
+    # The operator's aggregate says so too (WeightCache status.adapters).
+    cp.wait_for(
+        lambda: (
+            [
+                (a["model"], a["name"], a["residentNodes"])
+                for a in get(cp, f"{GROUP_PATH}/weightcaches/{WC}").get("status", {}).get("adapters", [])
+            ]
+            == [(MODEL, ADAPTER, 1)]
+        ),
+        timeout_s=120,
+        what="WeightCache status.adapters counting the node",
     )
     assert wcn["spec"]["nodeName"] == journey.node
     assert hub.hub.requests_for(HUB_REPO), "the agent did not download through the WeightCache's mirror"
@@ -113,36 +133,31 @@ def test_weightcache_agent_pod_makes_the_node_ready(journey: SimpleNamespace, hu
 
 
 @pytest.fixture(scope="module")
-def adapter_dir(journey: SimpleNamespace) -> Iterator[Path]:
-    """A PEFT adapter of the journey's model where a containerPath can name it: the pods' root is the
-    host's, but with an empty /tmp, so it lies under /var/tmp (and goes with the module)."""
+def adapter_dir(journey: SimpleNamespace) -> Path:
+    """A PEFT adapter of the journey's model on the node, under the WeightCache's modelDirectory
+    (ADAPTER_DIR there), readable by the runtime's uid."""
     from tests.lora_adapters import make_adapter
 
-    parent = Path(tempfile.mkdtemp(prefix="keepwarm-e2e-", dir="/var/tmp"))
-    try:
-        os.chmod(parent, 0o755)  # the runtime's uid reads it
-        out = make_adapter(
-            journey.root / MODEL_DIR.lstrip("/"),
-            parent / ADAPTER,
-            3,
-            r=8,
-            target_modules=["q_proj", "v_proj"],
-        )
-        for path in out.rglob("*"):
-            os.chmod(path, 0o755 if path.is_dir() else 0o644)
-        os.chmod(out, 0o755)
-        yield out
-    finally:
-        shutil.rmtree(parent, ignore_errors=True)
+    out = make_adapter(
+        journey.root / MODEL_DIR.lstrip("/"),
+        journey.root / ADAPTER_DIR.lstrip("/"),
+        3,
+        r=8,
+        target_modules=["q_proj", "v_proj"],
+    )
+    for path in [out, *out.rglob("*")]:
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    return out
 
 
-def test_inference_pods_answer_from_the_node_cache(journey: SimpleNamespace, adapter_dir: Path) -> None:
-    """2 replicas attach the model from the node cache; spec.lora names an adapter the pods also serve
-    (the CRD's fields, rendered to `keepwarm serve`'s flags, answered through the openai client)."""
+def test_inference_pods_answer_from_the_node_cache(journey: SimpleNamespace) -> None:
+    """2 replicas attach the model from the node cache; spec.lora names the WeightCache's adapter
+    (source.cached), which the pods mount and attach from the node cache too (the CRD's fields,
+    rendered to `keepwarm serve`'s flags, answered through the openai client)."""
     cp = journey.cp
     cp.kubectl("create", "namespace", APPS)
     dep = cpu_inference_deployment(IDEP, APPS, WC, replicas=2)
-    adapters = [{"name": ADAPTER, "source": {"containerPath": str(adapter_dir)}}]
+    adapters = [{"name": ADAPTER, "source": {"cached": ADAPTER}}]  # the WeightCache's adapter
     dep["spec"]["lora"] = {"maxLoras": 2, "maxLoraRank": 8, "adapters": adapters}
     apply(cp, dep)
     ready = cp.wait_for(lambda: ready_pods(cp, APPS, RUNTIME, 2), timeout_s=300, what="2 runtime pods Ready")
@@ -157,6 +172,8 @@ def test_inference_pods_answer_from_the_node_cache(journey: SimpleNamespace, ada
     for pod in ready:
         loads = metric(pod, "keepwarm_weight_load_seconds")
         assert set(loads) == {"cache"}, loads  # attached from the node cache, nothing from disk
+        adapter_loads = metric(pod, "keepwarm_lora_load_seconds_count")
+        assert adapter_loads == {"cache": 1.0}, adapter_loads  # the adapter too
         env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
         assert env["KEEPWARM_CACHE_MODE"] == "zero_copy"
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from keepwarm_api import podenv, serveflags
-from keepwarm_api.inferencedeployment import InferenceDeploymentSpec, LoraSettings
+from keepwarm_api.common import ModelSource
+from keepwarm_api.inferencedeployment import InferenceDeploymentSpec, LoraAdapter, LoraSettings
 from keepwarm_api.paths import KERNELS_MOUNT
 from keepwarm_api.probes import HEALTH_PATH, READY_PATH, ready_long_poll
 from keepwarm_api.shutdown import PRESTOP_SLEEP_S, TERMINATION_GRACE_S
@@ -46,11 +47,36 @@ def supervisor_port(spec: InferenceDeploymentSpec) -> int:
     return spec.port + 1
 
 
-def lora_mounts(lora: LoraSettings | None) -> dict[str, ModelMount]:
+def served_adapters(lora: LoraSettings | None) -> list[LoraAdapter]:
+    """The adapters the pods serve: none when LoRA is off."""
+    return [] if lora is None or not lora.enabled else list(lora.adapters)
+
+
+def missing_cached_adapters(lora: LoraSettings | None, model: CachedModel) -> list[str]:
+    """Names that served adapters' source.cached gives but the WeightCache model does not list."""
+    listed = {a.name for a in model.adapters}
+    cached = [a.source.cached for a in served_adapters(lora) if a.source.cached is not None]
+    return [name for name in cached if name not in listed]
+
+
+def cached_sources(lora: LoraSettings | None, binding: CacheBinding | None) -> dict[str, ModelSource]:
+    """Each served adapter with source.cached: the WeightCache source it names, by served name.
+    Raises ValueError for one the cache does not list (the handler reports it first: _resolve)."""
+    out: dict[str, ModelSource] = {}
+    for adapter in served_adapters(lora):
+        if adapter.source.cached is None:
+            continue
+        entry = None if binding is None else binding.model.adapter(adapter.source.cached)
+        if entry is None:
+            raise ValueError(f"LoRA adapter {adapter.name!r}: no cached adapter {adapter.source.cached!r}")
+        out[adapter.name] = entry.source
+    return out
+
+
+def lora_mounts(lora: LoraSettings | None, binding: CacheBinding | None = None) -> dict[str, ModelMount]:
     """Each served adapter's mount, by name; none when LoRA is off."""
-    if lora is None or not lora.enabled:
-        return {}
-    return {adapter.name: lora_mount(adapter) for adapter in lora.adapters}
+    cached = cached_sources(lora, binding)
+    return {a.name: lora_mount(a, cached.get(a.name)) for a in served_adapters(lora)}
 
 
 def lora_args(lora: LoraSettings | None, mounts: dict[str, ModelMount]) -> list[str]:
@@ -69,7 +95,10 @@ def lora_args(lora: LoraSettings | None, mounts: dict[str, ModelMount]) -> list[
     return args
 
 
-def runtime_command(spec: InferenceDeploymentSpec, model_path: str, model_name: str, dtype: str) -> list[str]:
+def runtime_command(
+    spec: InferenceDeploymentSpec, model_path: str, model_name: str, dtype: str,
+    adapters: dict[str, ModelMount],
+) -> list[str]:  # fmt: skip
     command = ["keepwarm", "serve", model_path, "--host", "0.0.0.0", "--port", str(spec.port)]
     command += ["--supervisor-port", str(supervisor_port(spec))]
     command += ["--served-model-name", model_name]
@@ -81,7 +110,7 @@ def runtime_command(spec: InferenceDeploymentSpec, model_path: str, model_name: 
         command += ["--max-model-len", str(spec.runtime.max_model_len)]
     if spec.runtime.max_num_seqs:
         command += ["--max-num-seqs", str(spec.runtime.max_num_seqs)]
-    command += lora_args(spec.lora, lora_mounts(spec.lora))
+    command += lora_args(spec.lora, adapters)
     return [*command, *spec.runtime.extra_args]
 
 
@@ -101,8 +130,9 @@ def runtime_deployment(
     if dtype == "auto" and binding is not None:
         dtype = binding.model.dtype.value
     mm = model_mount(model_name, source)
+    adapters = lora_mounts(spec.lora, binding)
     volumes, mounts = [], []
-    for m in (mm, *lora_mounts(spec.lora).values()):
+    for m in (mm, *adapters.values()):
         if m.volume:
             volumes.append(m.volume)
             mounts.append(m.mount)
@@ -115,7 +145,8 @@ def runtime_deployment(
             {"name": "keepwarm-sockets", "hostPath": {"path": sockets, "type": "DirectoryOrCreate"}}
         )
         mounts.append({"name": "keepwarm-sockets", "mountPath": sockets})
-        if source.hugging_face is not None:
+        hub = [source, *cached_sources(spec.lora, binding).values()]
+        if any(s.hugging_face is not None for s in hub):  # the model or an adapter: the download dir
             volume, mount = hf_volume(binding.spec.download_directory, read_only=True)
             volumes.append(volume)
             mounts.append(mount)
@@ -161,7 +192,7 @@ def runtime_deployment(
         "name": "runtime",
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
-        "command": runtime_command(spec, mm.path, model_name, dtype),
+        "command": runtime_command(spec, mm.path, model_name, dtype, adapters),
         "env": env,
         "ports": [
             {"name": "http", "containerPort": spec.port, "protocol": "TCP"},

@@ -33,7 +33,7 @@ from keepwarm_api.inferencedeployment import (
 from keepwarm_api.weightcache import WeightCacheSpec
 
 from ..builders.meta import IDEP_LABEL, runtime_labels, selector_string
-from ..builders.runtime import CacheBinding, runtime_deployment, runtime_service
+from ..builders.runtime import CacheBinding, missing_cached_adapters, runtime_deployment, runtime_service
 from ..kube import ApiError
 from ..metrics import APPLIES, reconciling
 from ..status import inference_status, status_changed
@@ -74,6 +74,14 @@ def _resolve(
         known = ", ".join(m.name for m in cache_spec.models) or "none"
         message = f"WeightCache {ref.cache_ref!r} has no model {ref.name!r} (it has: {known})"
         return None, condition(C.CACHE_WARM, False, R.MODEL_NOT_IN_CACHE, message, gen), 0
+    missing = missing_cached_adapters(spec.lora, model)
+    if missing:
+        known = ", ".join(a.name for a in model.adapters) or "none"
+        message = (
+            f"WeightCache {ref.cache_ref!r} lists no adapter {', '.join(map(repr, missing))} for model "
+            f"{model.name!r} (it has: {known}); fix spec.lora.adapters[].source.cached or add them there"
+        )
+        return None, condition(C.CACHE_WARM, False, R.ADAPTER_NOT_IN_CACHE, message, gen), 0
     warm = ctx.warm_nodes(ref.cache_ref, model.name)  # from the WeightCacheNode watch, no listing
     binding = CacheBinding(ref.cache_ref, cache_spec, model)
     if warm:

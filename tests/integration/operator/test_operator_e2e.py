@@ -431,11 +431,21 @@ def test_spec_change_rolls_the_pods(env):
                 p,
                 lora={"adapters": [{"name": "a", "source": {**PVC, "containerPath": "/a"}}]},
             ),
-            "set exactly one of source.pvc, source.containerPath",
+            "set exactly one of source.cached, source.pvc, source.containerPath",
         ),
         (
             lambda p: inference("bad13", "default", p, lora={"adapters": [{"name": MODEL, "source": PVC}]}),
             "a LoRA adapter cannot take the served model's name",
+        ),
+        (
+            lambda p: inference(
+                "bad14",
+                "default",
+                p,
+                model={"source": {"path": "/var/lib/models/tiny"}},
+                lora={"adapters": [{"name": "a", "source": {"cached": "a"}}]},
+            ),
+            "source.cached names an adapter of the served model in its WeightCache: it needs",
         ),
         (
             # 17 + 1 + 40 characters: a GPU's socket under it would pass AF_UNIX's 107 bytes
@@ -456,6 +466,7 @@ def test_spec_change_rolls_the_pods(env):
         "lora-duplicate-adapter",
         "lora-two-sources",
         "lora-adapter-named-like-the-model",
+        "lora-cached-without-cache-ref",
         "gpu-socket-path-too-long",
     ],
 )
@@ -505,9 +516,29 @@ def test_a_lora_section_is_accepted_with_its_adapter_names_intact(env):
 
     def explained():  # the API server publishes a new CRD's schema to kubectl explain asynchronously
         out = env.cp.kubectl("explain", "idep.spec.lora.adapters.source", check=False).stdout
-        return "containerPath" in out and "pvc" in out and "exactly one" in out
+        return "containerPath" in out and "pvc" in out and "cached" in out and "exactly one" in out
 
     wait(env.cp, explained, "kubectl explain of spec.lora.adapters.source")
+
+
+def test_an_adapter_the_cache_does_not_list_is_a_condition(env):
+    """spec.lora names a cached adapter the WeightCache's model lacks: AdapterNotInCache naming it and
+    what the model has; no Deployment (its pods would fail to start on the missing adapter)."""
+    lora = {"adapters": [{"name": "sql", "source": {"cached": "nope"}}]}
+    apply(env, inference("no-adapter", env.ns, env.pool, lora=lora))
+    obj = wait(
+        env.cp,
+        lambda: (
+            condition(idep(env, "no-adapter"), "Available").get("reason") == "AdapterNotInCache"
+            and idep(env, "no-adapter")
+        ),
+        "AdapterNotInCache condition",
+        op=env.op,
+    )
+    message = condition(obj, "Available")["message"]
+    assert "'nope'" in message and f"model {MODEL!r}" in message and "(it has: none)" in message
+    assert get(env.cp, f"/apis/apps/v1/namespaces/{env.ns}/deployments/no-adapter") is None
+    env.cp.kubectl("delete", "idep", "no-adapter", "-n", env.ns)
 
 
 def test_missing_cache_is_a_condition_not_a_crash(env):

@@ -231,3 +231,60 @@ def test_changing_the_adapters_rolls_the_pods():
     fewer = {**LORA, "adapters": LORA["adapters"][:1]}
     b = runtime_deployment("chat", "ns", idep(lora=fewer), BINDING, OWNER)
     assert a["spec"]["template"] != b["spec"]["template"]
+
+
+CACHE_WITH_ADAPTERS = WeightCacheSpec.model_validate(
+    {
+        "modelDirectory": "/data",
+        "models": [
+            {
+                "name": "llama-8b",
+                "source": {"path": "/data/llama"},
+                "adapters": [
+                    {"name": "sql", "source": {"path": "/data/adapters/sql"}},
+                    {"name": "de", "source": {"pvc": {"claimName": "adapters", "subPath": "de"}}},
+                    {"name": "fr", "source": {"huggingFace": {"repo": "org/fr-lora", "revision": "abc123"}}},
+                ],
+            }
+        ],
+    }
+)
+CACHED_BINDING = CacheBinding("wc1", CACHE_WITH_ADAPTERS, CACHE_WITH_ADAPTERS.models[0])
+
+
+def test_cached_adapters_mount_the_files_the_agent_caches():
+    """source.cached: a path adapter is the same host directory, a claim the same claim, a Hub adapter
+    the snapshot in the node's download directory (mounted although the model is a path)."""
+    lora = {
+        "adapters": [
+            {"name": n, "source": {"cached": c}} for n, c in (("text-sql", "sql"), ("de", "de"), ("fr", "fr"))
+        ]
+    }
+    pod = runtime_deployment("chat", "ns", idep(lora=lora), CACHED_BINDING, OWNER)["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    paths = {m.name: m.path for m in serve_settings(c["command"]).lora_modules}
+    assert paths == {
+        "text-sql": "/lora/text-sql",
+        "de": "/lora/de",
+        "fr": "/var/cache/keepwarm/huggingface/models--org--fr-lora/snapshots/abc123",
+    }
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["lora-text-sql"]["hostPath"] == {"path": "/data/adapters/sql", "type": "Directory"}
+    assert volumes["lora-de"]["persistentVolumeClaim"] == {"claimName": "adapters", "readOnly": True}
+    assert volumes["hf-cache"]["hostPath"]["path"] == "/var/cache/keepwarm"
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert mounts["lora-de"]["subPath"] == "de" and mounts["lora-text-sql"]["readOnly"] is True
+    assert mounts["hf-cache"]["readOnly"] is True
+
+
+def test_a_cached_adapter_the_cache_does_not_list_is_named():
+    from keepwarm_operator.builders.runtime import missing_cached_adapters
+
+    lora = {
+        "adapters": [{"name": "a", "source": {"cached": "sql"}}, {"name": "b", "source": {"cached": "nope"}}]
+    }
+    spec = idep(lora=lora)
+    assert missing_cached_adapters(spec.lora, CACHE_WITH_ADAPTERS.models[0]) == ["nope"]
+    with pytest.raises(ValueError, match="no cached adapter 'nope'"):
+        runtime_deployment("chat", "ns", spec, CACHED_BINDING, OWNER)
+    assert missing_cached_adapters(idep(lora={**lora, "enabled": False}).lora, CACHE.models[0]) == []

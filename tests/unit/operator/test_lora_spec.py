@@ -50,5 +50,5 @@ def test_the_crd_carries_the_same_constraints_for_the_api_server():
     item = adapters["items"]["properties"]
     assert item["name"]["maxLength"] == 58 and item["name"]["pattern"].startswith("^[a-z0-9]")
     (one_source,) = item["source"]["x-kubernetes-validations"]
-    assert "exactly one of source.pvc, source.containerPath" in one_source["message"]
+    assert "exactly one of source.cached, source.pvc, source.containerPath" in one_source["message"]
     assert any("served model's name" in v["message"] for v in schema["x-kubernetes-validations"])
