@@ -38,6 +38,7 @@ def test_restart_benchmark_reports_every_path_and_the_warm_one_attaches(tmp_path
     assert 0.005 * 2**30 < result["size_bytes"] < 0.02 * 2**30
     for key in ("hf_from_pretrained_s", "disk_s", "warm_attach_s", "forward_floor_s"):
         assert result[key] > 0, key
+    assert result["rounds"] == 2
     hf_over_warm = result["hf_from_pretrained_s"] / result["warm_attach_s"]
     assert result["ratio"] == pytest.approx(hf_over_warm, rel=0.02)
     assert result["forward_floor_s"] <= min(result["hf_from_pretrained_s"], result["warm_attach_s"])
@@ -61,6 +62,7 @@ def test_recovery_benchmark_reports_every_figure_the_issue_names(tmp_path: Path)
     keys = ("fresh_ready_s", "fresh_after_imports_s", "supervised_ready_s", "crash_to_first_token_s")
     for key in (*keys, "wake_to_first_token_s", "wake_level2_to_first_token_s"):
         assert result[key] > 0, key
+    assert result["rounds"] == 2
     assert result["fresh_after_imports_s"] < result["fresh_process_ready_s"]
     assert result["restarts"]["crash"] == 1  # the crash really restarted the worker
     # The new worker's phases add up to its own fork-to-ready, and it imported (almost) nothing.
@@ -113,10 +115,12 @@ def test_contention_benchmark_reports_the_ratio_beside_a_hog(tmp_path: Path) -> 
 
 def test_lora_benchmark_reports_load_times_and_ratios(tmp_path: Path) -> None:
     argv = [sys.executable, "bench/lora.py", "--params", "2M", "--prompts", "4", "--output-tokens", "3"]
-    result = json.loads(_run([*argv, "--ranks", "4,8", "--adapters", "2", "--threads", "1"], tmp_path).stdout)
+    extra = ["--ranks", "4,8", "--adapters", "2", "--threads", "1", "--rounds", "2"]
+    result = json.loads(_run([*argv, *extra], tmp_path).stdout)
     assert set(result["load_from_disk_ms"]) == set(result["load_from_cache_ms"]) == {"4", "8"}
     assert all(
         ms > 0 for ms in [*result["load_from_disk_ms"].values(), *result["load_from_cache_ms"].values()]
     )
     for key in ("base_tok_s", "mixed_tok_s", "peft_tok_s", "mixed_over_base", "mixed_over_peft"):
         assert result[key] > 0, key
+    assert result["rounds"] == 2
