@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -181,8 +182,9 @@ def pair_tensors(name: str, tensors: dict[str, torch.Tensor]) -> dict[str, dict[
     return pairs
 
 
-def check_module(name: str, model: nn.Module, module_name: str) -> nn.Linear:
-    """The base's plain linear layer an adapter targets; anything else refused by name."""
+def check_module(name: str, modules: Mapping[str, nn.Module], module_name: str) -> nn.Linear:
+    """The base's plain linear layer an adapter targets (``modules``: the base's named_modules, indexed
+    once per engine); anything else refused by name."""
     short = module_name.rpartition(".")[2]
     if short not in TARGETABLE:
         raise LoraLoadError(
@@ -193,12 +195,11 @@ def check_module(name: str, model: nn.Module, module_name: str) -> nn.Linear:
         raise LoraLoadError(
             f"adapter {name!r}: {module_name} is inside MoE experts; keepwarm does not apply LoRA to experts"
         )
-    try:
-        module = model.get_submodule(module_name)
-    except AttributeError:
+    module = modules.get(module_name)
+    if module is None:
         raise LoraLoadError(
             f"adapter {name!r}: the base model has no module {module_name} (an adapter for another model?)"
-        ) from None
+        )
     if type(module) not in PLAIN_LINEARS:
         raise LoraLoadError(
             f"adapter {name!r}: {module_name} is a {type(module).__name__}, not a plain nn.Linear; keepwarm "
@@ -223,8 +224,10 @@ def load_adapter(
     max_rank: int,
     dtype: torch.dtype,
     cache: AdapterCache | None = None,
+    base_modules: Mapping[str, nn.Module] | None = None,
 ) -> LoraWeights:
-    """Read (through ``cache``, if given) and check the adapter at ``path`` against ``model``;
+    """Read (through ``cache``, if given) and check the adapter at ``path`` against ``model``
+    (``base_modules``: its named_modules when the caller keeps them; a deep model has hundreds to look up);
     LoraLoadError names what is wrong."""
     started = time.perf_counter()
     directory = Path(path)
@@ -235,8 +238,10 @@ def load_adapter(
     device = next(model.parameters()).device
     tensors, source, reason = read_tensors(name, directory, dtype, cache or AdapterCache(), device)
     modules: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    if base_modules is None:
+        base_modules = dict(model.named_modules())
     for module_name, pair in sorted(pair_tensors(name, tensors).items()):
-        linear = check_module(name, model, module_name)
+        linear = check_module(name, base_modules, module_name)
         a, b = pair["A"], pair["B"]
         want_a, want_b = (rank, linear.in_features), (linear.out_features, rank)
         if tuple(a.shape) != want_a or tuple(b.shape) != want_b:

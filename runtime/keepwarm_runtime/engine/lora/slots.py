@@ -102,6 +102,7 @@ class LoraSlots:
         self.generation = [0] * max_loras  # bumped whenever a slot is (re)loaded
         self.ranks = [0] * max_loras
         self._stacked: dict[str, _Stacked] = {}
+        self._modules = dict(model.named_modules())  # what adapters may target, looked up per load
         self._next_id = itertools.count(1)
 
     # -- registration (host) ---------------------------------------------------------------------
@@ -115,7 +116,7 @@ class LoraSlots:
         the base's module shapes), so a server reads outside the engine thread and only registers in it."""
         if name in self.adapters:
             raise LoraLoadError(f"adapter {name!r} is already loaded")
-        return load_adapter(name, path, self.model, self.max_rank, self.dtype, self.cache)
+        return load_adapter(name, path, self.model, self.max_rank, self.dtype, self.cache, self._modules)
 
     def register(self, weights: LoraWeights) -> LoraWeights:
         """Make a read adapter selectable (between steps): hooks its projections, slots it on first use."""
