@@ -68,7 +68,9 @@ RESTART_HELP = [PY, "-m", "keepwarm_runtime.cli", "bench", "restart", "--help"]
 THROUGHPUT_HELP = [PY, "bench/throughput.py", "--help"]
 MOE_HELP = [PY, "bench/moe.py", "--help"]
 ENV_SCRIPT = "scripts/gpucheck/envinfo.py"
-OTHER_TESTS = ["--ignore=tests/gpu/cache", "--ignore=tests/gpu/engine"]  # run by their own steps
+# run by their own steps
+OTHER_TESTS = ["--ignore=tests/gpu/cache", "--ignore=tests/gpu/engine", "--ignore=tests/gpu/lora"]
+LORA_MODULES = ["peft", "keepwarm_runtime.engine.lora.slots", "keepwarm_runtime.cache.backends.cuda"]
 # tests/gpu/moe's FlashInfer fused-MoE parity cases (CUTLASS FP8 block-scale and bf16, SwiGLU with
 # alpha/beta/limit, biases; the flashinfer_cutlass expert layout served zero-copy from a gpu-tier
 # arena) run only with this set: their first call JIT-compiles for minutes.
@@ -130,28 +132,43 @@ def _moe(flashinfer: bool, ceiling_s: int) -> Step:
     return Step(name, argv, ceiling_s, "json", MOE_MODULES, MOE_HELP, False)
 
 
-# Boxes from the first GPU runs (2026-12-04, H200): the image's first imports are slow (env 16 s,
-# three tiny-model parity tests 32 s; the 1 GiB restart's checkpoint and two cold children took about
-# 60 s), every restart case spawns four Python processes, each GPU cache test starts its own daemon,
-# and FlashInfer JIT-compiles one module per dtype and head size (about 27 s each: one llama parity
-# test took 60 s). tests-engine-torch passed 3/3 in the first run (32 s): past the line now.
+# Boxes from the GPU runs (2026-12-04, H200, two sessions): the image's first imports are slow (env
+# 14-16 s), every restart case spawns four Python processes (the 1 GiB one took 100 s, its serve
+# variant 92 s), each GPU cache test starts its own daemon (10 tests: 145 s), and FlashInfer
+# JIT-compiles one module per dtype and head size (about 27 s each; its 4 parity tests took 138 s).
+# Core, first: what has never passed on a GPU (LoRA, FlashInfer throughput, the MoE tests), then the
+# cheapest regression check. Past the line: the steps that passed (tests-cache, tests-flashinfer,
+# both 1 GiB restarts, tests-engine-torch) and the larger restarts, run when time is left or by name.
 STEPS: list[Step] = [
     Step("env", [PY, ENV_SCRIPT], 25, "json", ["torch", "transformers", "flashinfer"], gate=True),
-    _restart(1, "bfloat16", 120),
-    _pytest("tests-cache", "tests/gpu/cache", 150, CACHE_MODULES),
-    _pytest("tests-flashinfer", "tests/gpu/engine", 200, ENGINE_MODULES, "-k", "flashinfer", per_test_s=120),
+    # LoRA on CUDA: PEFT parity of a mixed batch, adapters from a gpu-tier daemon (never run yet: a
+    # guess of two engines, PEFT on the CPU and one daemon start).
+    _pytest("tests-lora", "tests/gpu/lora", 120, LORA_MODULES, per_test_s=90),
+    # Cut at 60 s inside the transformers baseline, then at 135 s after keepwarm's two JIT builds
+    # (about 55 s) while the baseline ran; the bench now prints each round as it ends.
+    _throughput("flashinfer", 200),
+    # Any other GPU tests (tests/gpu/moe, ...): none yet is "empty", not a failure. Cut at 90 s with
+    # 4 passed and 3 skipped in the first run.
+    _pytest("tests-gpu-other", "tests/gpu", 140, [], *OTHER_TESTS),
     # Past the budget line: run when the steps above finish early, or by name in a rerun.
+    _pytest("tests-cache", "tests/gpu/cache", 150, CACHE_MODULES, core=False),
+    _pytest(
+        "tests-flashinfer",
+        "tests/gpu/engine",
+        200,
+        ENGINE_MODULES,
+        "-k",
+        "flashinfer",
+        core=False,
+        per_test_s=120,
+    ),
+    _restart(1, "bfloat16", 120, core=False),
     # The 1 GiB restart again with two whole server starts (disk, cache): each a fresh process that
     # imports torch, transformers and the web stack, on top of the engine paths' 120 s box.
     _restart(1, "bfloat16", 150, core=False, serve=True),
-    # Measured: 60 s cut it inside the transformers baseline (64 prompts x 128 tokens, two rounds),
-    # before keepwarm's FlashInfer rounds and their JIT compiles.
-    _throughput("flashinfer", 150, core=False),
     _pytest("tests-engine-torch", "tests/gpu/engine", 60, ENGINE_MODULES, "-k", "not flashinfer", core=False),
     _restart(16, "bfloat16", 180, core=False),  # includes writing the 16 GiB checkpoint (reused by f32)
     _restart(1, "float32", 60, core=False),
-    # Any other GPU tests (tests/gpu/moe, ...): none yet is "empty", not a failure.
-    _pytest("tests-gpu-other", "tests/gpu", 90, [], *OTHER_TESTS, core=False),
     _restart(16, "float32", 90, core=False),
     _throughput("torch", 50, core=False, skip_hf=True),
     _restart(4, "bfloat16", 50, core=False),
