@@ -167,8 +167,8 @@ def test_runtime_pods_get_only_variables_keepwarm_serve_reads():
 
 
 def test_cache_serve_settings_reach_the_daemon_config_by_name():
-    from keepwarm_runtime.cache.cli import daemon_config
     from keepwarm_runtime.cache.settings import CacheServeSettings
+    from keepwarm_runtime.node import daemon_config
 
     env = {"KEEPWARM_CACHE_SOCKET_DIR": "/s", "KEEPWARM_CACHE_BUDGET": "1GiB", "KEEPWARM_CACHE_PINS": "a,b"}
     argv = ["--tier", "host", "--allow-uid", "5", "--allow-uid", "6", "--request-deadline", "2.5"]
