@@ -521,39 +521,32 @@ def test_a_lora_section_is_accepted_with_its_adapter_names_intact(env):
     wait(env.cp, explained, "kubectl explain of spec.lora.adapters.source")
 
 
+def refused_with(env, name: str, reason: str) -> str:
+    """Wait for the InferenceDeployment's Available condition to carry `reason`; no Deployment was
+    applied. Returns the condition's message."""
+    obj = wait(
+        env.cp,
+        lambda: condition(idep(env, name), "Available").get("reason") == reason and idep(env, name),
+        f"{reason} condition",
+        op=env.op,
+    )
+    assert get(env.cp, f"/apis/apps/v1/namespaces/{env.ns}/deployments/{name}") is None
+    return condition(obj, "Available")["message"]
+
+
 def test_an_adapter_the_cache_does_not_list_is_a_condition(env):
     """spec.lora names a cached adapter the WeightCache's model lacks: AdapterNotInCache naming it and
     what the model has; no Deployment (its pods would fail to start on the missing adapter)."""
     lora = {"adapters": [{"name": "sql", "source": {"cached": "nope"}}]}
     apply(env, inference("no-adapter", env.ns, env.pool, lora=lora))
-    obj = wait(
-        env.cp,
-        lambda: (
-            condition(idep(env, "no-adapter"), "Available").get("reason") == "AdapterNotInCache"
-            and idep(env, "no-adapter")
-        ),
-        "AdapterNotInCache condition",
-        op=env.op,
-    )
-    message = condition(obj, "Available")["message"]
+    message = refused_with(env, "no-adapter", "AdapterNotInCache")
     assert "'nope'" in message and f"model {MODEL!r}" in message and "(it has: none)" in message
-    assert get(env.cp, f"/apis/apps/v1/namespaces/{env.ns}/deployments/no-adapter") is None
     env.cp.kubectl("delete", "idep", "no-adapter", "-n", env.ns)
 
 
 def test_missing_cache_is_a_condition_not_a_crash(env):
     apply(env, inference("orphan", env.ns, env.pool, model={"cacheRef": "no-such-cache", "name": MODEL}))
-    obj = wait(
-        env.cp,
-        lambda: (
-            condition(idep(env, "orphan"), "Available").get("reason") == "CacheNotFound"
-            and idep(env, "orphan")
-        ),
-        "CacheNotFound condition",
-        op=env.op,
-    )
-    assert "no-such-cache" in condition(obj, "Available")["message"]
-    assert get(env.cp, f"/apis/apps/v1/namespaces/{env.ns}/deployments/orphan") is None
+    assert "no-such-cache" in refused_with(env, "orphan", "CacheNotFound")
     assert env.op.healthy()
     env.cp.kubectl("delete", "idep", "orphan", "-n", env.ns)
 
