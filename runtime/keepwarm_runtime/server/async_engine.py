@@ -100,12 +100,25 @@ class AsyncEngine:
         """Run ``fn(self)`` in the engine thread between steps (sleep and wake: server/sleep_mode.py);
         the future holds its result or exception. Commands queued before it run first."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        if self.state not in ("ready", "sleeping"):
-            future.set_exception(EngineRequestError(f"engine is {self.state}", bad_request=False))
+        if (refused := self._not_loaded()) is not None:
+            future.set_exception(refused)
             return future
         self._inbox.append(("call", (fn, future)))
         self._wake.set()
         return future
+
+    def loaded_engine(self) -> EngineClient:
+        """The engine, for reads of what never changes once it is loaded (LLMEngine.read_lora), from
+        any thread; EngineRequestError, as ``call`` gives, while it is not ready or sleeping."""
+        if (refused := self._not_loaded()) is not None:
+            raise refused
+        assert self.engine is not None  # ready or sleeping: loaded
+        return self.engine
+
+    def _not_loaded(self) -> EngineRequestError | None:
+        if self.state in ("ready", "sleeping"):
+            return None
+        return EngineRequestError(f"engine is {self.state}", bad_request=False)
 
     async def generate(
         self,

@@ -50,7 +50,8 @@ async def load_lora_adapter(ctx: ServingContext, req: LoadLoraAdapterRequest, ra
         raise BadRequest(f"The lora adapter '{req.lora_name}' has already been loaded.", param="lora_name")
     try:
         # Read and check in a worker thread while steps go on; only registering waits for a step's end.
-        weights = await asyncio.to_thread(ctx.async_engine.engine.read_lora, req.lora_name, req.lora_path)
+        engine = ctx.async_engine.loaded_engine()
+        weights = await asyncio.to_thread(engine.read_lora, req.lora_name, req.lora_path)
         await asyncio.wrap_future(ctx.async_engine.call(lambda e: e.engine.register_lora(weights)))
     except LoraLoadError as exc:
         raise BadRequest(str(exc), param="lora_path", code="invalid_lora_adapter") from exc

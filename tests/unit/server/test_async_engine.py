@@ -175,3 +175,5 @@ def test_failed_load_reports_state_and_rejects_requests():
             await _collect(async_engine, "x", [1], 1)
 
     asyncio.run(main())
+    with pytest.raises(EngineRequestError, match="engine is failed"):  # no engine to read from either
+        async_engine.loaded_engine()
