@@ -125,7 +125,7 @@ class LoraSlots:
             raise LoraLoadError(f"adapter {name!r} is already loaded")
         for module_name in weights.modules:  # checked above: every one is a targetable nn.Linear
             if module_name not in self._stacked:
-                linear = self.model.get_submodule(module_name)
+                linear = self._modules[module_name]
                 stacked = self._stacked[module_name] = _Stacked(linear, self.max_loras * self.max_rank)
                 linear.register_forward_hook(stacked.hook)
         self.adapters[name] = weights
