@@ -54,9 +54,8 @@ def served_adapters(lora: LoraSettings | None) -> list[LoraAdapter]:
 
 def missing_cached_adapters(lora: LoraSettings | None, model: CachedModel) -> list[str]:
     """Names that served adapters' source.cached gives but the WeightCache model does not list."""
-    listed = {a.name for a in model.adapters}
     cached = [a.source.cached for a in served_adapters(lora) if a.source.cached is not None]
-    return [name for name in cached if name not in listed]
+    return [name for name in cached if model.adapter(name) is None]
 
 
 def cached_sources(lora: LoraSettings | None, binding: CacheBinding | None) -> dict[str, ModelSource]:
@@ -73,9 +72,8 @@ def cached_sources(lora: LoraSettings | None, binding: CacheBinding | None) -> d
     return out
 
 
-def lora_mounts(lora: LoraSettings | None, binding: CacheBinding | None = None) -> dict[str, ModelMount]:
-    """Each served adapter's mount, by name; none when LoRA is off."""
-    cached = cached_sources(lora, binding)
+def lora_mounts(lora: LoraSettings | None, cached: dict[str, ModelSource]) -> dict[str, ModelMount]:
+    """Each served adapter's mount, by name (``cached``: cached_sources); none when LoRA is off."""
     return {a.name: lora_mount(a, cached.get(a.name)) for a in served_adapters(lora)}
 
 
@@ -130,7 +128,8 @@ def runtime_deployment(
     if dtype == "auto" and binding is not None:
         dtype = binding.model.dtype.value
     mm = model_mount(model_name, source)
-    adapters = lora_mounts(spec.lora, binding)
+    cached = cached_sources(spec.lora, binding)
+    adapters = lora_mounts(spec.lora, cached)
     volumes, mounts = [], []
     for m in (mm, *adapters.values()):
         if m.volume:
@@ -145,8 +144,7 @@ def runtime_deployment(
             {"name": "keepwarm-sockets", "hostPath": {"path": sockets, "type": "DirectoryOrCreate"}}
         )
         mounts.append({"name": "keepwarm-sockets", "mountPath": sockets})
-        hub = [source, *cached_sources(spec.lora, binding).values()]
-        if any(s.hugging_face is not None for s in hub):  # the model or an adapter: the download dir
+        if any(s.hugging_face is not None for s in (source, *cached.values())):  # model or adapter
             volume, mount = hf_volume(binding.spec.download_directory, read_only=True)
             volumes.append(volume)
             mounts.append(mount)

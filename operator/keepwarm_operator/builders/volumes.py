@@ -12,6 +12,7 @@ from keepwarm_api.inferencedeployment import LoraAdapter
 from keepwarm_api.paths import (
     HF_MOUNT,
     KERNELS_MOUNT,
+    LORA_ROOT,
     cached_adapter_dir,
     kernel_cache_dir,
     lora_dir,
@@ -28,10 +29,15 @@ class ModelMount:
 
 def model_mount(name: str, source: ModelSource) -> ModelMount:
     """Volume and mount for one model; read-only: pods never write checkpoints."""
-    volume_name = f"model-{name}"[:63]
-    path = source_dir(name, source)
+    return source_mount(f"model-{name}"[:63], source, source_dir(name, source))
+
+
+def source_mount(volume_name: str, source: ModelSource, path: str) -> ModelMount:
+    """A model source's files at `path` (source_dir's answer for it): a path source's host directory
+    (the same files the agent reads), a claim, or a Hub snapshot inside the shared download mount."""
     if source.path is not None:
-        return host_dir_mount(volume_name, source.path, path)
+        volume = {"name": volume_name, "hostPath": {"path": source.path, "type": "Directory"}}
+        return ModelMount(volume, {"name": volume_name, "mountPath": path, "readOnly": True}, path)
     if source.pvc is not None:
         return pvc_mount(volume_name, source.pvc, path)
     return ModelMount(None, None, path)  # Hugging Face: inside the shared download mount
@@ -41,18 +47,14 @@ def lora_mount(adapter: LoraAdapter, cached: ModelSource | None = None) -> Model
     """Volume and mount for one LoRA adapter (none for a containerPath); read-only, like models.
     ``cached``: the WeightCache source its source.cached names, mounted as the agent reads it: a
     path the same host directory, a claim the same claim, a Hub adapter in the download mount."""
-    source, volume_name, path = adapter.source, f"lora-{adapter.name}", lora_dir(adapter.name)  # fits
+    source, volume_name = adapter.source, f"lora-{adapter.name}"  # fits: LORA_NAME_MAX
     if source.container_path is not None:
         return ModelMount(None, None, source.container_path)
     if cached is not None:
-        if cached.hugging_face is not None:
-            return ModelMount(None, None, source_dir(adapter.name, cached))
-        if cached.path is not None:
-            return host_dir_mount(volume_name, cached.path, path)
-        source = cached
+        return source_mount(volume_name, cached, source_dir(adapter.name, cached, models_root=LORA_ROOT))
     if source.pvc is None:  # the CRD's CEL rules make this unreachable
         raise ValueError(f"LoRA adapter {adapter.name!r}: source needs one of cached, pvc, containerPath")
-    return pvc_mount(volume_name, source.pvc, path)
+    return pvc_mount(volume_name, source.pvc, lora_dir(adapter.name))
 
 
 def cached_adapter_mount(model: str, adapter: str, pvc: PVCSource) -> ModelMount:
@@ -61,12 +63,6 @@ def cached_adapter_mount(model: str, adapter: str, pvc: PVCSource) -> ModelMount
     pairs could spell the same one."""
     digest = hashlib.sha256(f"{model}/{adapter}".encode()).hexdigest()[:16]
     return pvc_mount(f"adapter-{digest}", pvc, cached_adapter_dir(model, adapter))
-
-
-def host_dir_mount(volume_name: str, host_path: str, path: str) -> ModelMount:
-    """A node directory mounted read-only at `path`: a path source's (the same files the agent reads)."""
-    volume = {"name": volume_name, "hostPath": {"path": host_path, "type": "Directory"}}
-    return ModelMount(volume, {"name": volume_name, "mountPath": path, "readOnly": True}, path)
 
 
 def pvc_mount(volume_name: str, pvc: PVCSource, path: str) -> ModelMount:
