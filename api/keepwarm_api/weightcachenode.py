@@ -242,6 +242,12 @@ class WeightCacheNodeStatus(KubeModel):
             return set()
         return resident_models(self.models, self.gpus)
 
+    def resident_adapters(self) -> set[tuple[str, str]]:
+        """(model, adapter) pairs held here (each entry's state the agent combined over its GPUs)."""
+        if self.phase == NodePhase.STALE:
+            return set()
+        return {(a.model, a.name) for a in self.adapters if a.state == ModelState.RESIDENT}
+
 
 PRINTER_COLUMNS = [
     {"name": "Cache", "type": "string", "jsonPath": ".spec.weightCache"},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -87,13 +88,6 @@ def gpus_match_condition(mismatches: list[str], generation: int) -> Condition:
     return condition(C.GPUS_MATCH, False, R.GPU_COUNT_MISMATCH, "; ".join(mismatches[:5]) + more, generation)
 
 
-def resident_adapters(node: WeightCacheNodeStatus) -> set[tuple[str, str]]:
-    """(model, adapter) pairs the node holds (each state is combined over its GPUs by the agent)."""
-    if node.phase == NodePhase.STALE:
-        return set()
-    return {(a.model, a.name) for a in node.adapters if a.state == ModelState.RESIDENT}
-
-
 def weightcache_status(
     spec: WeightCacheSpec, generation: int, desired_nodes: int, nodes: list[WeightCacheNodeStatus],
     gpu_mismatch: list[str] | None = None,
@@ -102,11 +96,12 @@ def weightcache_status(
     nodes or failed loads; GPUsMatch (tier gpu: pass gpu_mismatch, see gpu_mismatches) after them."""
     wanted = {m.name for m in spec.models}
     wanted_adapters = {(m.name, a.name) for m in spec.models for a in m.adapters}
-
-    def holds_all(n: WeightCacheNodeStatus) -> bool:
-        return wanted <= n.resident() and wanted_adapters <= resident_adapters(n)
-
-    ready = sum(1 for n in nodes if n.phase != NodePhase.STALE and holds_all(n))
+    held_adapters = [n.resident_adapters() for n in nodes]  # once per node: read per adapter below
+    ready = sum(
+        1
+        for n, held in zip(nodes, held_adapters, strict=True)
+        if n.phase != NodePhase.STALE and wanted <= n.resident() and wanted_adapters <= held
+    )
     stale = sum(1 for n in nodes if n.phase == NodePhase.STALE)
     residency = []
     for model in spec.models:
@@ -115,23 +110,22 @@ def weightcache_status(
             1 for n in nodes for m in n.models if m.name == model.name and m.state == ModelState.FAILED
         )
         residency.append(ModelResidency(name=model.name, resident_nodes=resident, failed_nodes=failed))
+    resident_count = Counter(pair for held in held_adapters for pair in held)
+    failed_count = Counter(
+        (a.model, a.name) for n in nodes for a in n.adapters if a.state == ModelState.FAILED
+    )
     adapters = [
         AdapterResidency(
             model=model,
             name=name,
-            resident_nodes=sum(1 for n in nodes if (model, name) in resident_adapters(n)),
-            failed_nodes=sum(
-                1
-                for n in nodes
-                for a in n.adapters
-                if (a.model, a.name) == (model, name) and a.state == ModelState.FAILED
-            ),
+            resident_nodes=resident_count[model, name],
+            failed_nodes=failed_count[model, name],
         )
         for model, name in sorted(wanted_adapters)
     ]
     failed_models = sorted(r.name for r in residency if r.failed_nodes)
     failed_models += [f"{a.model}/{a.name}" for a in adapters if a.failed_nodes]
-    held = "every model and adapter" if wanted_adapters else "every model"
+    holding = "every model and adapter" if wanted_adapters else "every model"
     R, C = WeightCacheReason, WeightCacheConditionType
     if desired_nodes == 0:
         ready_cond = condition(
@@ -139,11 +133,11 @@ def weightcache_status(
         )
     elif ready >= desired_nodes:
         ready_cond = condition(
-            C.READY, True, R.ALL_NODES_READY, f"{ready}/{desired_nodes} nodes hold {held}", generation
+            C.READY, True, R.ALL_NODES_READY, f"{ready}/{desired_nodes} nodes hold {holding}", generation
         )
     else:
         ready_cond = condition(
-            C.READY, False, R.NODES_NOT_READY, f"{ready}/{desired_nodes} nodes hold {held}", generation
+            C.READY, False, R.NODES_NOT_READY, f"{ready}/{desired_nodes} nodes hold {holding}", generation
         )
     if stale:
         degraded = condition(
