@@ -44,6 +44,8 @@ UNPLOTTED: dict[str, str] = {
     "query it per adapter, e.g. topk by adapter",
     "keepwarm_lora_generation_tokens": "per adapter: unbounded label values (adapters come and go at "
     "runtime); query it per adapter, e.g. topk by adapter",
+    "keepwarm_lora_adapter_refused": "alert on it: adapters a pod's --lora-modules-file lists but it cannot "
+    "serve (no series while all load)",
     "keepwarm_cache_resident_adapters": "a count beside keepwarm_cache_resident_bytes, which plots adapters "
     "under their names",
     "keepwarm_worker_restarts": "alert on it: serving workers the supervising parent restarted, by cause",

@@ -10,7 +10,10 @@ On host-tier nodes the agent pod also builds the CPU attention kernel into the n
 LoRA adapters on a pvc are mounted at `<LORA_ROOT>/<adapter name>` in runtime pods. A WeightCache
 model's adapters (spec.models[].adapters) on a pvc are mounted in agent pods at
 `<CACHED_ADAPTERS_ROOT>/<model>/<adapter>` (cached_adapter_dir); their path sources lie under the
-modelDirectory mount like models' (host_model_dir), and Hub sources under the download mount.
+modelDirectory mount like models' (host_model_dir), and Hub sources under the download mount. Runtime
+pods that serve LoRA adapters from a WeightCache mount its modelDirectory and download directory the same
+way, so an adapter added to their list needs no new volume; the list itself is a ConfigMap's file at
+LORA_LIST_MOUNT/LORA_LIST_FILE, which the runtime re-reads when the kubelet updates it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from .common import ModelSource
 MODELS_ROOT = "/models"  # path and pvc sources, one directory per model name
 HF_MOUNT = "/var/cache/keepwarm"  # the node's download directory (WeightCache spec.downloadDirectory)
 LORA_ROOT = "/lora"  # LoRA adapters on a pvc, one directory per adapter name
-HOST_MODELS_MOUNT = "/host-models"  # the WeightCache's modelDirectory inside agent pods (read-only)
+HOST_MODELS_MOUNT = "/host-models"  # the WeightCache's modelDirectory in agent and LoRA pods (read-only)
+LORA_LIST_MOUNT = "/etc/keepwarm/lora"  # runtime pods: the ConfigMap listing the LoRA adapters they serve
+LORA_LIST_FILE = "adapters.json"  # its one key (serveflags.lora_modules_file writes it)
 CACHED_ADAPTERS_ROOT = "/adapters"  # a WeightCache model's pvc adapters in agent pods, <model>/<adapter>
 KERNELS_MOUNT = "/var/lib/keepwarm/kernels"  # the node's CPU kernel builds (kernel_cache_dir) in pods
 

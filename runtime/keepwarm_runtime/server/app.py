@@ -29,7 +29,7 @@ from keepwarm_runtime import __version__
 from keepwarm_runtime.engine.outputs import EngineStats
 from keepwarm_runtime.server.async_engine import AsyncEngine
 from keepwarm_runtime.server.engine_client import EngineClient
-from keepwarm_runtime.server.errors import BadRequest, from_validation_error, install_error_handlers
+from keepwarm_runtime.server.errors import BadRequest, NotReady, from_validation_error, install_error_handlers
 from keepwarm_runtime.server.guards import ApiKey, BodyLimit
 from keepwarm_runtime.server.linger import LingeringClose
 from keepwarm_runtime.server.lora import (
@@ -148,14 +148,23 @@ def create_app(
         options=options,
         loras={m.name: m for m in options.lora_modules},
     )
+    if options.lora_modules_file is not None:
+        from keepwarm_runtime.server.lora_file import LoraFileSync
+
+        ctx.lora_file = LoraFileSync(Path(options.lora_modules_file))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
+        lora_sync = None if ctx.lora_file is None else asyncio.create_task(ctx.lora_file.run(ctx))
         if load_before_serving:
             await asyncio.get_running_loop().run_in_executor(None, async_engine.ready_event.wait)
+            if ctx.lora_file is not None and async_engine.state != "failed":
+                await ctx.lora_file.synced.wait()  # its first request may name any listed adapter
         notify_serving()  # a supervised worker's parent judges its /health from now on
         yield
+        if lora_sync is not None:
+            lora_sync.cancel()
         async_engine.shutdown()
         ctx.close()
 
@@ -186,13 +195,18 @@ def create_app(
         """Liveness alias of /health (SageMaker and some load balancers probe /ping)."""
         return await health()
 
+    def adapters_synced() -> bool:
+        return ctx.lora_file is None or ctx.lora_file.synced.is_set()
+
     @app.get(READY_PATH)
     async def ready(wait: float = 0.0) -> JSONResponse:
         """?wait=S long-polls: answers the moment the engine leaves loading, or after S s (capped)."""
         deadline = time.monotonic() + min(max(wait, 0.0), READY_WAIT_MAX_S)
-        while not async_engine.ready_event.is_set() and time.monotonic() < deadline:
+        while not (async_engine.ready_event.is_set() and adapters_synced()) and time.monotonic() < deadline:
             await asyncio.sleep(READY_POLL_S)
         ctx.engine  # noqa: B018 - raises NotReady (503) while loading
+        if not adapters_synced():
+            raise NotReady("loading the --lora-modules-file adapters; retry shortly", code="model_not_ready")
         if sleeper is not None:
             sleeper.check_admitting()  # 503 while draining to sleep
         return JSONResponse({"status": "ready", "model": name})

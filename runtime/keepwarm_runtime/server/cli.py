@@ -17,6 +17,7 @@ import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from keepwarm_api.settings import SettingError, add_command, env_names, group, resolve
@@ -99,8 +100,16 @@ def serve(config: ServeSettings) -> int:
     if not os.path.isdir(config.model_dir):
         print(f"keepwarm serve: {config.model_dir} is not a directory", file=sys.stderr)
         return 2
+    if config.lora_modules_file is not None:
+        from keepwarm_runtime.server.lora_modules import parse_lora_modules_file
+
+        try:  # refused at start; a later bad content only leaves the served adapters as they are
+            parse_lora_modules_file(Path(config.lora_modules_file).read_text(), config.lora_modules_file)
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            print(f"keepwarm serve: --lora-modules-file: {exc}", file=sys.stderr)
+            return 2
     settings = engine_settings(config)
-    if config.lora_modules or config.allow_runtime_lora_updating:
+    if config.lora_modules or config.lora_modules_file or config.allow_runtime_lora_updating:
         settings.setdefault("enable_lora", True)
     model_dir = os.path.abspath(config.model_dir)
     from keepwarm_runtime.model_kind import detect_kind
@@ -254,6 +263,7 @@ class ServerStart:
             max_request_body_bytes=config.max_request_body_bytes,
             api_key=config.api_key or None,
             lora_modules=config.lora_modules,
+            lora_modules_file=config.lora_modules_file,
             allow_runtime_lora_updating=config.allow_runtime_lora_updating,
         )
         app = create_app(

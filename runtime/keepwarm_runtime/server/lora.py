@@ -7,12 +7,15 @@ by the engine (engine/lora); this module keeps the server's list of names and tu
 refusals into HTTP errors: a bad adapter 400, an unknown one 404, one still in use 409. Loading
 reads and checks the adapter in a worker thread while the engine keeps stepping (through the node
 cache when the server has a cache socket), then registers it in the engine thread between two steps,
-and observes ``keepwarm_lora_load_seconds{source}``.
+and observes ``keepwarm_lora_load_seconds{source}``. ``load_adapter`` and ``unload_adapter`` are the
+one way adapters come and go: the routes here and `--lora-modules-file` (server/lora_file.py) both
+use them, under ``ServingContext.lora_lock``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
@@ -40,23 +43,39 @@ class UnloadLoraAdapterRequest(BaseModel):
     lora_int_id: int | None = None  # vLLM's; adapters are keyed by name here
 
 
+async def load_adapter(ctx: ServingContext, module: LoraModule) -> None:
+    """Read and check ``module`` in a worker thread while steps go on, register it between two steps,
+    and let clients name it; LoraLoadError names what is wrong and changes nothing. Callers hold
+    ``ctx.lora_lock``, so two loads of one name never race."""
+    engine = ctx.async_engine.loaded_engine()
+    weights = await asyncio.to_thread(engine.read_lora, module.name, module.path)
+    await asyncio.wrap_future(ctx.async_engine.call(lambda e: e.engine.register_lora(weights)))
+    ctx.metrics.record_lora_load(weights.source, weights.seconds)
+    ctx.loras[module.name] = module
+
+
+async def unload_adapter(ctx: ServingContext, name: str) -> None:
+    """Free the adapter's slot and weights: LoraInUse while unfinished requests name it (nothing
+    changes then); one the engine no longer knows is simply forgotten."""
+    with contextlib.suppress(KeyError):  # already gone from the engine: forget the name too
+        await asyncio.wrap_future(ctx.async_engine.call(lambda e: e.engine.remove_lora(name)))
+    ctx.loras.pop(name, None)
+
+
 async def load_lora_adapter(ctx: ServingContext, req: LoadLoraAdapterRequest, raw: Request) -> Any:
     from fastapi.responses import PlainTextResponse
 
     from keepwarm_runtime.engine.lora import LoraLoadError
     from keepwarm_runtime.server.errors import BadRequest
 
-    if req.lora_name in ctx.loras or req.lora_name == ctx.served_model_name:
-        raise BadRequest(f"The lora adapter '{req.lora_name}' has already been loaded.", param="lora_name")
-    try:
-        # Read and check in a worker thread while steps go on; only registering waits for a step's end.
-        engine = ctx.async_engine.loaded_engine()
-        weights = await asyncio.to_thread(engine.read_lora, req.lora_name, req.lora_path)
-        await asyncio.wrap_future(ctx.async_engine.call(lambda e: e.engine.register_lora(weights)))
-    except LoraLoadError as exc:
-        raise BadRequest(str(exc), param="lora_path", code="invalid_lora_adapter") from exc
-    ctx.metrics.record_lora_load(weights.source, weights.seconds)
-    ctx.loras[req.lora_name] = LoraModule(req.lora_name, req.lora_path)
+    async with ctx.lora_lock:
+        if req.lora_name in ctx.loras or req.lora_name == ctx.served_model_name:
+            message = f"The lora adapter '{req.lora_name}' has already been loaded."
+            raise BadRequest(message, param="lora_name")
+        try:
+            await load_adapter(ctx, LoraModule(req.lora_name, req.lora_path))
+        except LoraLoadError as exc:
+            raise BadRequest(str(exc), param="lora_path", code="invalid_lora_adapter") from exc
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
 
@@ -66,13 +85,11 @@ async def unload_lora_adapter(ctx: ServingContext, req: UnloadLoraAdapterRequest
     from keepwarm_runtime.engine.lora import LoraInUse
     from keepwarm_runtime.server.errors import Conflict, NotFound
 
-    if req.lora_name not in ctx.loras:
-        raise NotFound(f"The lora adapter '{req.lora_name}' cannot be found.", param="lora_name")
-    try:
-        await asyncio.wrap_future(ctx.async_engine.call(lambda e: e.engine.remove_lora(req.lora_name)))
-    except LoraInUse as exc:
-        raise Conflict(str(exc), param="lora_name", code="lora_adapter_in_use") from exc
-    except KeyError:
-        pass  # already gone from the engine: forget the name too
-    ctx.loras.pop(req.lora_name, None)
+    async with ctx.lora_lock:
+        if req.lora_name not in ctx.loras:
+            raise NotFound(f"The lora adapter '{req.lora_name}' cannot be found.", param="lora_name")
+        try:
+            await unload_adapter(ctx, req.lora_name)
+        except LoraInUse as exc:
+            raise Conflict(str(exc), param="lora_name", code="lora_adapter_in_use") from exc
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")

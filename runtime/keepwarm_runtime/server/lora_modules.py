@@ -1,4 +1,5 @@
-"""`--lora-modules` values; standard library only, so the settings and `keepwarm --help` stay light."""
+"""`--lora-modules` values and `--lora-modules-file` contents; standard library only, so the settings and
+`keepwarm --help` stay light."""
 
 from __future__ import annotations
 
@@ -23,11 +24,39 @@ def parse_lora_module(text: str) -> LoraModule:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{text!r} is not valid JSON: {exc}") from None
-        unknown = sorted(set(data) - {"name", "path", "base_model_name"})
-        if unknown or not isinstance(data.get("name"), str) or not isinstance(data.get("path"), str):
-            raise ValueError(f"{text!r}: JSON form needs string name and path (and optional base_model_name)")
-        return LoraModule(data["name"], data["path"], data.get("base_model_name"))
+        return _json_form(data, repr(text))
     name, sep, path = text.partition("=")
     if not sep or not name.strip() or not path.strip():
         raise ValueError(f"{text!r} is not name=path")
     return LoraModule(name.strip(), path.strip())
+
+
+def _json_form(data: object, where: str) -> LoraModule:
+    base = data.get("base_model_name") if isinstance(data, dict) else None
+    if (
+        not isinstance(data, dict)
+        or set(data) - {"name", "path", "base_model_name"}
+        or not isinstance(data.get("name"), str)
+        or not data["name"].strip()
+        or not isinstance(data.get("path"), str)
+        or not data["path"].strip()
+        or not isinstance(base, str | None)
+    ):
+        raise ValueError(f"{where}: JSON form needs string name and path (and optional base_model_name)")
+    return LoraModule(data["name"], data["path"], base)
+
+
+def parse_lora_modules_file(text: str, where: str) -> tuple[LoraModule, ...]:
+    """A ``--lora-modules-file``: a JSON list of the JSON form, names unique (keepwarm_api.serveflags
+    .lora_modules_file writes it). ValueError naming ``where`` (the file) and the first problem."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where} is not valid JSON: {exc}") from None
+    if not isinstance(data, list):
+        raise ValueError(f"{where}: expected a JSON list of {{name, path}} objects")
+    modules = tuple(_json_form(entry, f"{where} entry {i}") for i, entry in enumerate(data))
+    names = [m.name for m in modules]
+    if twice := next((n for n in names if names.count(n) > 1), None):
+        raise ValueError(f"{where}: adapter {twice!r} is listed twice")
+    return modules

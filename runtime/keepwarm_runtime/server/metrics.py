@@ -138,6 +138,13 @@ class ServerMetrics:
             ["adapter"],
             registry=r,
         )
+        self.lora_refused = Gauge(
+            "keepwarm_lora_adapter_refused",
+            "LoRA adapters --lora-modules-file lists that the server cannot serve (value 1; the log names "
+            "why); retried while listed",
+            ["adapter"],
+            registry=r,
+        )
         self.worker_restarts = Counter(
             "keepwarm_worker_restarts",
             "Serving workers restarted by the supervising parent, by cause (crash, hang, unhealthy)",
@@ -185,6 +192,12 @@ class ServerMetrics:
     def record_lora_load(self, source: str, seconds: float) -> None:
         """One adapter registered (engine/lora/adapter.py LoraWeights.source and .seconds)."""
         self.lora_load.labels(source=source).observe(seconds)
+
+    def record_lora_refused(self, adapters: tuple[str, ...]) -> None:
+        """The --lora-modules-file entries refused now (server/lora_file.py); none: no series."""
+        self.lora_refused.clear()
+        for adapter in adapters:
+            self.lora_refused.labels(adapter=adapter).set(1)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from keepwarm_runtime.engine.outputs import RequestOutput
     from keepwarm_runtime.engine.sampling_params import SamplingParams
     from keepwarm_runtime.engine.structured import StructuredOutputCompiler, StructuredOutputsParams
+    from keepwarm_runtime.server.lora_file import LoraFileSync
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -68,6 +69,7 @@ class ServingOptions:
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     api_key: str | None = None  # Bearer key every route but probes and metrics needs
     lora_modules: tuple[LoraModule, ...] = ()  # adapters loaded at start (server/lora.py)
+    lora_modules_file: str | None = None  # adapters kept in step with this file (server/lora_file.py)
     allow_runtime_lora_updating: bool = False  # the load/unload adapter routes exist
 
 
@@ -79,6 +81,8 @@ class ServingContext:
     model_dir: Path
     options: ServingOptions = field(default_factory=ServingOptions)
     loras: dict[str, LoraModule] = field(default_factory=dict)  # adapters clients may name in `model`
+    lora_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # held while adapters come or go
+    lora_file: LoraFileSync | None = None  # --lora-modules-file's sync, when given
     _compiler: StructuredOutputCompiler | None = None  # built on first use
     _pool: ThreadPoolExecutor | None = None
 

@@ -81,7 +81,9 @@ class ServeSettings:
     )
     # LoRA adapters (server/lora.py, engine/lora)
     enable_lora: bool | None = engine(
-        None, "serve LoRA adapters (on by itself with --lora-modules or --allow-runtime-lora-updating)"
+        None,
+        "serve LoRA adapters (on by itself with --lora-modules, --lora-modules-file or "
+        "--allow-runtime-lora-updating)",
     )
     max_loras: int | None = engine(None, "LoRA adapter slots: most distinct adapters in one batch")
     max_lora_rank: int | None = engine(None, "highest LoRA rank an adapter may have")
@@ -91,6 +93,12 @@ class ServeSettings:
         "(repeat the flag; the variable takes name=path entries separated by commas)",
         parse=parse_lora_module,
         metavar="NAME=PATH",
+    )
+    lora_modules_file: str | None = setting(
+        None,
+        "a JSON list of LoRA adapters ({name, path} objects), re-read while serving: an adapter added "
+        "there loads and a removed one unloads once idle, with no restart (the operator's ConfigMap)",
+        metavar="PATH",
     )
     allow_runtime_lora_updating: bool = setting(
         False, "enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's runtime updating)"
