@@ -100,10 +100,12 @@ class LoraAdapterSource(KubeModel):
 
     cached: str | None = Field(default=None, max_length=63, pattern=DNS_LABEL)
     """Name of an adapter of the served model in its WeightCache (spec.models[].adapters; needs
-    spec.model.cacheRef): mounted at /lora/<adapter name> (a Hub adapter: read from the node's download
-    directory) and attached zero-copy from the node cache."""
+    spec.model.cacheRef): read where the node's agent reads it (a path in the cache's modelDirectory, a
+    Hub adapter in the node's download directory, both mounted read-only; a pvc adapter from its claim,
+    at /lora/<adapter name>) and attached zero-copy from the node cache."""
     pvc: PVCSource | None = None
-    """Adapter files on a PersistentVolumeClaim, mounted read-only at /lora/<adapter name>."""
+    """Adapter files on a PersistentVolumeClaim, mounted read-only at /lora/<adapter name> (a pod volume:
+    adding or removing a pvc adapter rolls the pods)."""
     container_path: str | None = Field(default=None, pattern=r"^/.*", max_length=4096)
     """Absolute directory already inside the runtime container, e.g. baked into the image."""
 
@@ -120,7 +122,9 @@ class LoraAdapter(KubeModel):
 
 class LoraSettings(KubeModel):
     """LoRA adapters on the one base model: every pod serves each of them and the base, mixed in one
-    batch. Changing the list rolls the pods (the adapters are passed as `--lora-modules`)."""
+    batch. The list reaches the pods as a ConfigMap they mount (`keepwarm serve --lora-modules-file`),
+    which running pods follow: changing it rolls no pod, unless it adds or removes a pvc adapter (a pod
+    volume)."""
 
     enabled: bool = True
     """Serve LoRA adapters; false turns them off and keeps the list."""
@@ -128,14 +132,15 @@ class LoraSettings(KubeModel):
     """Adapter slots on the device: most distinct adapters in one batch (unset: the runtime's default);
     requests for more wait for a slot."""
     max_lora_rank: int | None = Field(default=None, ge=1, le=MAX_LORA_RANK_LIMIT)
-    """Highest adapter rank accepted (unset: the runtime's default); a pod refuses a higher one by name at
-    start."""
+    """Highest adapter rank accepted (unset: the runtime's default); a pod refuses a higher one by name
+    (its log and keepwarm_lora_adapter_refused) and serves the others."""
     adapters: list[LoraAdapter] = Field(
         default_factory=list,
         max_length=MAX_ADAPTERS,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
-    """Adapters loaded at start; names are unique."""
+    """Adapters every pod serves, loaded at start and kept in step while pods run (a removed adapter is
+    unloaded once its requests finish); names are unique."""
     allow_runtime_updating: bool = False
     """Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (authorised like every route under
     the runtime's API key); adapters loaded that way last as long as the pod."""

@@ -16,17 +16,12 @@ from .settings import flag_name
 ENABLE_LORA = flag_name("enable_lora")  # --enable-lora: serve LoRA adapters
 MAX_LORAS = flag_name("max_loras")  # --max-loras: adapter slots, most distinct adapters in one batch
 MAX_LORA_RANK = flag_name("max_lora_rank")  # --max-lora-rank: adapters of a higher rank are refused
-LORA_MODULES = flag_name("lora_modules")  # --lora-modules name=path, once per adapter
 LORA_MODULES_FILE = flag_name("lora_modules_file")  # --lora-modules-file: the adapters, re-read on change
 ALLOW_RUNTIME_LORA_UPDATING = flag_name("allow_runtime_lora_updating")  # /v1/(un)load_lora_adapter
 
 
-def lora_module(name: str, path: str) -> str:
-    """One ``--lora-modules`` value (the runtime's ``parse_lora_module`` reads it back)."""
-    return f"{name}={path}"
-
-
 def lora_modules_file(adapters: Mapping[str, str]) -> str:
     """A ``--lora-modules-file``'s text from adapter name -> directory: a JSON list of vLLM's JSON form
-    of ``--lora-modules``, one object per adapter (the runtime's ``read_lora_modules`` reads it back)."""
+    of ``--lora-modules``, one object per adapter (the runtime's ``parse_lora_modules_file`` reads it
+    back)."""
     return json.dumps([{"name": name, "path": path} for name, path in adapters.items()], indent=1) + "\n"

@@ -49,6 +49,7 @@ class Resource:
 RESOURCES = {
     ("v1", "ServiceAccount"): Resource("", "v1", "serviceaccounts", True),
     ("v1", "Service"): Resource("", "v1", "services", True),
+    ("v1", "ConfigMap"): Resource("", "v1", "configmaps", True),
     ("v1", "Node"): Resource("", "v1", "nodes", False),
     ("v1", "Namespace"): Resource("", "v1", "namespaces", False),
     ("v1", "Pod"): Resource("", "v1", "pods", True),

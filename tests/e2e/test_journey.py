@@ -5,9 +5,9 @@ charts/keepwarm (the operator runs as the chart's Deployment pod, as its Service
 WeightCache with a model under modelDirectory (and a LoRA adapter of it) and one from the Hub
 (keepwarm_testing.hub on the pod bridge, named as the cache's Hub mirror; the agent DaemonSet pod
 runs `keepwarm cache serve`); an InferenceDeployment of 2 replicas serving the model and that cached
-adapter (pods run `keepwarm serve` as rendered). The official `openai`
-client talks to each pod IP; the agent pod is restarted and then a spec change rolls the pods while
-client threads send requests all along. The steps share state and run in order.
+adapter (pods run `keepwarm serve` as rendered), whose adapter list then changes with no rollout. The
+official `openai` client talks to each pod IP; the agent pod is restarted and then a spec change rolls
+the pods while client threads send requests all along. The steps share state and run in order.
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ WC, IDEP, APPS = "journey", "chat", "journey-apps"
 HUB_MODEL, HUB_REPO = "tiny-hub", "org/tiny-hub"  # a second model, from the (loopback) Hub
 ADAPTER = "terse"  # a LoRA adapter of MODEL the WeightCache keeps and the InferenceDeployment serves
 ADAPTER_DIR = f"/var/lib/models/adapters/{ADAPTER}"  # on the node, under the default modelDirectory
+LATER = "brief"  # a second adapter the WeightCache keeps, added to the pods' list while they serve
+LATER_DIR = f"/var/lib/models/adapters/{LATER}"
 
 
 @pytest.fixture(scope="module")
@@ -98,14 +100,17 @@ def test_weightcache_agent_pod_makes_the_node_ready(
     it through the Hub mirror the WeightCache names (spec.agent.huggingFaceEndpoint)."""
     cp = journey.cp
     cache = host_weightcache(WC, huggingFaceEndpoint=hub.hub.endpoint)
-    cache["spec"]["models"][0]["adapters"] = [{"name": ADAPTER, "source": {"path": ADAPTER_DIR}}]
+    cache["spec"]["models"][0]["adapters"] = [
+        {"name": ADAPTER, "source": {"path": ADAPTER_DIR}},
+        {"name": LATER, "source": {"path": LATER_DIR}},
+    ]
     hub_source = {"huggingFace": {"repo": HUB_REPO, "revision": "main"}}
     cache["spec"]["models"].append({"name": HUB_MODEL, "source": hub_source})
     apply(cp, cache)
 
     def adapter_resident(wcn: dict[str, Any]) -> bool:
         adapters = (wcn.get("status") or {}).get("adapters", [])
-        return any(a["name"] == ADAPTER and a["state"] == "Resident" for a in adapters)
+        return {a["name"] for a in adapters if a["state"] == "Resident"} == {ADAPTER, LATER}
 
     wcn = cp.wait_for(
         lambda: (w := resident_node(cp, WC)) and lists_resident(w, HUB_MODEL) and adapter_resident(w) and w,
@@ -119,7 +124,7 @@ def test_weightcache_agent_pod_makes_the_node_ready(
                 (a["model"], a["name"], a["residentNodes"])
                 for a in get(cp, f"{GROUP_PATH}/weightcaches/{WC}").get("status", {}).get("adapters", [])
             ]
-            == [(MODEL, ADAPTER, 1)]
+            == sorted([(MODEL, ADAPTER, 1), (MODEL, LATER, 1)])  # by model, then name
         ),
         timeout_s=120,
         what="WeightCache status.adapters counting the node",
@@ -138,14 +143,12 @@ def adapter_dir(journey: SimpleNamespace) -> Path:
     (ADAPTER_DIR there), readable by the runtime's uid."""
     from tests.lora_adapters import make_adapter
 
+    base = journey.root / MODEL_DIR.lstrip("/")
     out = make_adapter(
-        journey.root / MODEL_DIR.lstrip("/"),
-        journey.root / ADAPTER_DIR.lstrip("/"),
-        3,
-        r=8,
-        target_modules=["q_proj", "v_proj"],
+        base, journey.root / ADAPTER_DIR.lstrip("/"), 3, r=8, target_modules=["q_proj", "v_proj"]
     )
-    for path in [out, *out.rglob("*")]:
+    later = make_adapter(base, journey.root / LATER_DIR.lstrip("/"), 4, r=4, target_modules=["o_proj"])
+    for path in [out, *out.rglob("*"), later, *later.rglob("*")]:
         os.chmod(path, 0o755 if path.is_dir() else 0o644)
     return out
 
@@ -176,6 +179,43 @@ def test_inference_pods_answer_from_the_node_cache(journey: SimpleNamespace) -> 
         assert adapter_loads == {"cache": 1.0}, adapter_loads  # the adapter too
         env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
         assert env["KEEPWARM_CACHE_MODE"] == "zero_copy"
+
+
+def test_a_new_adapter_list_reaches_the_serving_pods_without_a_rollout(journey: SimpleNamespace) -> None:
+    """spec.lora.adapters gains the WeightCache's second adapter and then loses the first: the same two
+    pods (same uids, no restart, the Deployment's generation unchanged) serve the new list within the
+    kubelet's ConfigMap sync, the added adapter attached from the node cache, the removed one a 404."""
+    cp = journey.cp
+    before = ready_pods(cp, APPS, RUNTIME, 2)
+    generation = get(cp, f"/apis/apps/v1/namespaces/{APPS}/deployments/{IDEP}")["metadata"]["generation"]
+
+    def set_adapters(*names: str) -> None:
+        adapters = [{"name": n, "source": {"cached": n}} for n in names]
+        patch = {"spec": {"lora": {"adapters": adapters}}}
+        cp.kubectl(
+            "patch", "-n", APPS, f"inferencedeployment/{IDEP}", "--type=merge", "-p", json.dumps(patch)
+        )
+
+    def serving(want: set[str]) -> bool:
+        return all({m.id for m in client(p).models.list()} - {MODEL} == want for p in before)
+
+    set_adapters(ADAPTER, LATER)
+    cp.wait_for(lambda: serving({ADAPTER, LATER}), timeout_s=120, what="both pods serving the new adapter")
+    for pod in before:
+        out = client(pod).chat.completions.create(model=LATER, messages=PROMPT, max_tokens=8, temperature=0)
+        assert out.model == LATER and out.choices[0].message.content not in ("", journey.answer)
+        assert metric(pod, "keepwarm_lora_load_seconds_count") == {"cache": 2.0}  # from the node cache
+    set_adapters(LATER)
+    cp.wait_for(lambda: serving({LATER}), timeout_s=120, what="both pods without the removed adapter")
+    for pod in before:
+        with pytest.raises(openai.NotFoundError):
+            client(pod).chat.completions.create(model=ADAPTER, messages=PROMPT, max_tokens=2)
+    after = ready_pods(cp, APPS, RUNTIME, 2)
+    assert {p["metadata"]["uid"] for p in after} == {p["metadata"]["uid"] for p in before}
+    assert all(p["status"]["containerStatuses"][0]["restartCount"] == 0 for p in after)
+    assert (
+        get(cp, f"/apis/apps/v1/namespaces/{APPS}/deployments/{IDEP}")["metadata"]["generation"] == generation
+    )
 
 
 def test_deleted_pod_is_replaced_and_answers_identically(journey: SimpleNamespace) -> None:

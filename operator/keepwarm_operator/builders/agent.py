@@ -38,11 +38,11 @@ from kubernetes.utils.quantity import parse_quantity
 
 from keepwarm_api import GROUP, podenv
 from keepwarm_api.lease import LEASE_GROUP
-from keepwarm_api.paths import HOST_MODELS_MOUNT, KERNELS_MOUNT
+from keepwarm_api.paths import KERNELS_MOUNT
 from keepwarm_api.weightcache import GPUAccessMode, SocketMode, Tier, WeightCacheSpec
 
 from .meta import agent_labels, agent_name, object_meta
-from .volumes import cached_adapter_mount, hf_volume, kernels_volume, model_mount
+from .volumes import cached_adapter_mount, hf_volume, host_models_volume, kernels_volume, model_mount
 
 SOCKET_MOUNT = "/var/run/keepwarm"
 # Builds the CPU attention kernel (keepwarm_runtime.engine.attention.native; --optional: a node that
@@ -190,16 +190,17 @@ def agent_daemonset(
     labels = agent_labels(cache)
     sockets = socket_dir(spec, cache)
     hf, hf_mount = hf_volume(spec.download_directory, read_only=False)
+    host_models, host_models_mount = host_models_volume(spec.model_directory)
     volumes: list[dict[str, Any]] = [
         {"name": "sockets", "hostPath": {"path": sockets, "type": "DirectoryOrCreate"}},
         {"name": "tmp", "emptyDir": {}},
-        {"name": "host-models", "hostPath": {"path": spec.model_directory, "type": "DirectoryOrCreate"}},
+        host_models,
         hf,
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "sockets", "mountPath": sockets},
         {"name": "tmp", "mountPath": "/tmp"},
-        {"name": "host-models", "mountPath": HOST_MODELS_MOUNT, "readOnly": True},
+        host_models_mount,
         hf_mount,
     ]
     env: list[dict[str, Any]] = [

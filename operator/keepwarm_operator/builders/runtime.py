@@ -1,4 +1,5 @@
-"""InferenceDeployment -> Deployment + Service of runtime pods (`keepwarm serve`).
+"""InferenceDeployment -> Deployment + Service of runtime pods (`keepwarm serve`), and the ConfigMap
+listing their LoRA adapters.
 
 Warm-node preference is a preferred node affinity on a node label the operator maintains
 (warm.keepwarm.dev/<cache>.<model>), not a list of node names: the pod template then stays the same
@@ -7,6 +8,10 @@ when nodes warm up or cool down, so cache changes never roll the pods.
 CPU pods of a host-tier cache mount the node's kernel folder read-only and name it in
 KEEPWARM_KERNEL_CACHE: the CPU attention kernel the node's agent built loads in milliseconds instead of
 being compiled by every fresh pod (builders/agent.py).
+
+LoRA adapters are likewise kept out of the pod template: the pods mount a ConfigMap listing them
+(lora_list) and follow it while they run, and cached adapters are read from the node directories the
+pods mount whenever LoRA is on, so a new list changes the ConfigMap only.
 """
 
 from __future__ import annotations
@@ -17,16 +22,17 @@ from typing import Any
 from keepwarm_api import podenv, serveflags
 from keepwarm_api.common import ModelSource
 from keepwarm_api.inferencedeployment import InferenceDeploymentSpec, LoraAdapter, LoraSettings
-from keepwarm_api.paths import KERNELS_MOUNT
+from keepwarm_api.paths import KERNELS_MOUNT, LORA_LIST_FILE, LORA_LIST_MOUNT
 from keepwarm_api.probes import HEALTH_PATH, READY_PATH, ready_long_poll
 from keepwarm_api.shutdown import PRESTOP_SLEEP_S, TERMINATION_GRACE_S
 from keepwarm_api.weightcache import CachedModel, WeightCacheSpec
 
 from .agent import builds_kernels, socket_dir
 from .meta import GPU_RESOURCE, object_meta, runtime_labels, warm_label_key
-from .volumes import ModelMount, hf_volume, kernels_volume, lora_mount, model_mount
+from .volumes import ModelMount, hf_volume, host_models_volume, kernels_volume, lora_mount, model_mount
 
 WARM_AFFINITY_WEIGHT = 100
+LORA_LIST_VOLUME = "keepwarm-lora-list"  # never an adapter's: theirs are "lora-<name>"
 # The startup probe long-polls /ready for this long per attempt (keepwarm_api.probes): it succeeds the
 # moment the weights are in, and the kubelet then probes readiness at once, so a pod is Ready within
 # a round trip of its runtime, not up to a period later.
@@ -72,13 +78,43 @@ def cached_sources(lora: LoraSettings | None, binding: CacheBinding | None) -> d
     return out
 
 
-def lora_mounts(lora: LoraSettings | None, cached: dict[str, ModelSource]) -> dict[str, ModelMount]:
+def lora_mounts(
+    lora: LoraSettings | None, cached: dict[str, ModelSource], binding: CacheBinding | None
+) -> dict[str, ModelMount]:
     """Each served adapter's mount, by name (``cached``: cached_sources); none when LoRA is off."""
-    return {a.name: lora_mount(a, cached.get(a.name)) for a in served_adapters(lora)}
+    model_directory = "" if binding is None else binding.spec.model_directory
+    return {a.name: lora_mount(a, cached.get(a.name), model_directory) for a in served_adapters(lora)}
 
 
-def lora_args(lora: LoraSettings | None, mounts: dict[str, ModelMount]) -> list[str]:
-    """`keepwarm serve`'s LoRA flags; unset bounds keep the runtime's defaults (stated only there)."""
+def lora_list_name(name: str) -> str:
+    """The ConfigMap listing the adapters of InferenceDeployment ``name``'s pods."""
+    return f"{name}-lora"
+
+
+def lora_list(
+    name: str, namespace: str, spec: InferenceDeploymentSpec, binding: CacheBinding | None,
+    owner: dict[str, Any] | None,
+) -> dict[str, Any] | None:  # fmt: skip
+    """The ConfigMap the pods' `--lora-modules-file` is (None when LoRA is off): each adapter's
+    directory inside the pod. The kubelet updates a mounted ConfigMap in place and the runtime follows
+    the file, so a new list reaches running pods without a rollout: the pod template names only the
+    ConfigMap, and the volumes of adapters not on a claim (lora_mount). Raises ValueError as
+    cached_sources does."""
+    if spec.lora is None or not spec.lora.enabled:
+        return None
+    mounts = lora_mounts(spec.lora, cached_sources(spec.lora, binding), binding)
+    text = serveflags.lora_modules_file({adapter: mount.path for adapter, mount in mounts.items()})
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": object_meta(lora_list_name(name), runtime_labels(name), owner, namespace),
+        "data": {LORA_LIST_FILE: text},
+    }
+
+
+def lora_args(lora: LoraSettings | None) -> list[str]:
+    """`keepwarm serve`'s LoRA flags; unset bounds keep the runtime's defaults (stated only there). The
+    adapters themselves are in the mounted list (lora_list), not in the command."""
     if lora is None or not lora.enabled:
         return []
     args = [serveflags.ENABLE_LORA]
@@ -86,17 +122,13 @@ def lora_args(lora: LoraSettings | None, mounts: dict[str, ModelMount]) -> list[
         args += [serveflags.MAX_LORAS, str(lora.max_loras)]
     if lora.max_lora_rank is not None:
         args += [serveflags.MAX_LORA_RANK, str(lora.max_lora_rank)]
-    for name, mount in mounts.items():
-        args += [serveflags.LORA_MODULES, serveflags.lora_module(name, mount.path)]
+    args += [serveflags.LORA_MODULES_FILE, f"{LORA_LIST_MOUNT}/{LORA_LIST_FILE}"]
     if lora.allow_runtime_updating:
         args.append(serveflags.ALLOW_RUNTIME_LORA_UPDATING)
     return args
 
 
-def runtime_command(
-    spec: InferenceDeploymentSpec, model_path: str, model_name: str, dtype: str,
-    adapters: dict[str, ModelMount],
-) -> list[str]:  # fmt: skip
+def runtime_command(spec: InferenceDeploymentSpec, model_path: str, model_name: str, dtype: str) -> list[str]:
     command = ["keepwarm", "serve", model_path, "--host", "0.0.0.0", "--port", str(spec.port)]
     command += ["--supervisor-port", str(supervisor_port(spec))]
     command += ["--served-model-name", model_name]
@@ -108,7 +140,7 @@ def runtime_command(
         command += ["--max-model-len", str(spec.runtime.max_model_len)]
     if spec.runtime.max_num_seqs:
         command += ["--max-num-seqs", str(spec.runtime.max_num_seqs)]
-    command += lora_args(spec.lora, adapters)
+    command += lora_args(spec.lora)
     return [*command, *spec.runtime.extra_args]
 
 
@@ -128,13 +160,16 @@ def runtime_deployment(
     if dtype == "auto" and binding is not None:
         dtype = binding.model.dtype.value
     mm = model_mount(model_name, source)
-    cached = cached_sources(spec.lora, binding)
-    adapters = lora_mounts(spec.lora, cached)
+    adapters = lora_mounts(spec.lora, cached_sources(spec.lora, binding), binding)
     volumes, mounts = [], []
     for m in (mm, *adapters.values()):
         if m.volume:
             volumes.append(m.volume)
             mounts.append(m.mount)
+    lora_on = bool(spec.lora and spec.lora.enabled)
+    if lora_on:
+        volumes.append({"name": LORA_LIST_VOLUME, "configMap": {"name": lora_list_name(name)}})
+        mounts.append({"name": LORA_LIST_VOLUME, "mountPath": LORA_LIST_MOUNT, "readOnly": True})
     env: list[dict[str, Any]] = []
     pod_security: dict[str, Any] = {}
     affinity: dict[str, Any] | None = None
@@ -144,8 +179,14 @@ def runtime_deployment(
             {"name": "keepwarm-sockets", "hostPath": {"path": sockets, "type": "DirectoryOrCreate"}}
         )
         mounts.append({"name": "keepwarm-sockets", "mountPath": sockets})
-        if any(s.hugging_face is not None for s in (source, *cached.values())):  # model or adapter
+        # Cached adapters are read where the agent reads them, whichever the list names (lora_mount):
+        # with LoRA on, both node directories are mounted, so a new list needs no new volume.
+        if lora_on or source.hugging_face is not None:
             volume, mount = hf_volume(binding.spec.download_directory, read_only=True)
+            volumes.append(volume)
+            mounts.append(mount)
+        if lora_on:
+            volume, mount = host_models_volume(binding.spec.model_directory)
             volumes.append(volume)
             mounts.append(mount)
         env.append({"name": podenv.CACHE_SOCKET_DIR, "value": sockets})
@@ -190,7 +231,7 @@ def runtime_deployment(
         "name": "runtime",
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
-        "command": runtime_command(spec, mm.path, model_name, dtype, adapters),
+        "command": runtime_command(spec, mm.path, model_name, dtype),
         "env": env,
         "ports": [
             {"name": "http", "containerPort": spec.port, "protocol": "TCP"},

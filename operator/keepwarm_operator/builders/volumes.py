@@ -11,9 +11,11 @@ from keepwarm_api.common import ModelSource, PVCSource
 from keepwarm_api.inferencedeployment import LoraAdapter
 from keepwarm_api.paths import (
     HF_MOUNT,
+    HOST_MODELS_MOUNT,
     KERNELS_MOUNT,
     LORA_ROOT,
     cached_adapter_dir,
+    host_model_dir,
     kernel_cache_dir,
     lora_dir,
     source_dir,
@@ -43,13 +45,19 @@ def source_mount(volume_name: str, source: ModelSource, path: str) -> ModelMount
     return ModelMount(None, None, path)  # Hugging Face: inside the shared download mount
 
 
-def lora_mount(adapter: LoraAdapter, cached: ModelSource | None = None) -> ModelMount:
-    """Volume and mount for one LoRA adapter (none for a containerPath); read-only, like models.
-    ``cached``: the WeightCache source its source.cached names, mounted as the agent reads it: a
-    path the same host directory, a claim the same claim, a Hub adapter in the download mount."""
+def lora_mount(
+    adapter: LoraAdapter, cached: ModelSource | None = None, model_directory: str = ""
+) -> ModelMount:
+    """Volume and mount for one LoRA adapter; read-only, like models. Only a claim needs a volume of
+    its own: a containerPath is in the image, and ``cached`` (the WeightCache source its
+    source.cached names) is read where the agent reads it: a path under the cache's
+    ``model_directory`` in the host_models_volume, a Hub adapter in the download mount, a claim the
+    same claim. So adding or removing an adapter that is not on a claim changes no pod volume."""
     source, volume_name = adapter.source, f"lora-{adapter.name}"  # fits: LORA_NAME_MAX
     if source.container_path is not None:
         return ModelMount(None, None, source.container_path)
+    if cached is not None and cached.path is not None:
+        return ModelMount(None, None, host_model_dir(cached.path, model_directory))
     if cached is not None:
         return source_mount(volume_name, cached, source_dir(adapter.name, cached, models_root=LORA_ROOT))
     if source.pvc is None:  # the CRD's CEL rules make this unreachable
@@ -72,6 +80,13 @@ def pvc_mount(volume_name: str, pvc: PVCSource, path: str) -> ModelMount:
     if pvc.sub_path:
         mount["subPath"] = pvc.sub_path
     return ModelMount(volume, mount, path)
+
+
+def host_models_volume(model_directory: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A WeightCache's modelDirectory, read-only at HOST_MODELS_MOUNT: agents find every path model
+    there, runtime pods every cached path adapter (paths.host_model_dir), whichever are listed."""
+    volume = {"name": "host-models", "hostPath": {"path": model_directory, "type": "DirectoryOrCreate"}}
+    return volume, {"name": "host-models", "mountPath": HOST_MODELS_MOUNT, "readOnly": True}
 
 
 def hf_volume(host_dir: str, read_only: bool) -> tuple[dict[str, Any], dict[str, Any]]:

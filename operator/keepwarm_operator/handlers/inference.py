@@ -3,7 +3,8 @@
 Reconcile, in order:
   1. resolve the model: the WeightCache's entry (cacheRef + name; the cache must allow the namespace)
      or the inline source
-  2. apply Deployment (replicas copied from spec.replicas, which the scale subresource owns) and Service
+  2. apply the LoRA adapter list (a ConfigMap the pods follow: a new list rolls no pod), the Deployment
+     (replicas copied from spec.replicas, which the scale subresource owns) and the Service
   3. count warm nodes (WeightCacheNodes reporting the model resident) -> CacheWarm
   4. status from the Deployment -> Available, Progressing
 A missing cache or model is a condition with a message, not an error loop; the InferenceDeployment is
@@ -33,7 +34,13 @@ from keepwarm_api.inferencedeployment import (
 from keepwarm_api.weightcache import WeightCacheSpec
 
 from ..builders.meta import IDEP_LABEL, runtime_labels, selector_string
-from ..builders.runtime import CacheBinding, missing_cached_adapters, runtime_deployment, runtime_service
+from ..builders.runtime import (
+    CacheBinding,
+    lora_list,
+    missing_cached_adapters,
+    runtime_deployment,
+    runtime_service,
+)
 from ..kube import ApiError
 from ..metrics import APPLIES, reconciling
 from ..status import inference_status, status_changed
@@ -109,6 +116,24 @@ def _drifted(ctx: Context, key: tuple[str, str], deployment: dict[str, Any] | No
     )
 
 
+def _apply_lora_list(
+    ctx: Context, name: str, namespace: str, spec: InferenceDeploymentSpec, binding: CacheBinding | None,
+    owner: dict[str, Any], gen: int,
+) -> Condition | None:  # fmt: skip
+    """The pods' adapter list (builders.runtime.lora_list), applied when it or the object changed: a
+    new list reaches running pods through their mounted file, so no pod rolls. A failure's condition."""
+    listing = lora_list(name, namespace, spec, binding, owner)
+    if listing is None:
+        return None
+    try:
+        if ctx.kube.apply_if_changed(listing, ctx.applied_children):  # a read when unchanged
+            APPLIES.labels("ConfigMap").inc()
+    except ApiError as exc:
+        message = f"applying the LoRA adapter list (ConfigMap) failed: {exc}"
+        return condition(C.AVAILABLE, False, R.APPLY_FAILED, message, gen)  # reconcile warns with it
+    return None
+
+
 def reconcile(
     body: dict[str, Any], memo: Any, trigger: str, apply: bool | None = True,
     deployment: dict[str, Any] | None = None,
@@ -129,7 +154,9 @@ def reconcile(
             deployment = ctx.kube.get("apps/v1", "Deployment", name, namespace)
         if spec.model.cache_ref and binding is None:
             problem = cache_cond.model_copy(update={"type": C.AVAILABLE})
-        elif apply or (apply is None and _drifted(ctx, (namespace, name), deployment)):
+        elif apply is not False:
+            problem = _apply_lora_list(ctx, name, namespace, spec, binding, body, gen)
+        if problem is None and (apply or (apply is None and _drifted(ctx, (namespace, name), deployment))):
             try:
                 deployment = ctx.kube.apply(runtime_deployment(name, namespace, spec, binding, body))
                 with ctx.lock:  # later events of this generation need no apply (before the Service's

@@ -544,6 +544,41 @@ def test_an_adapter_the_cache_does_not_list_is_a_condition(env):
     env.cp.kubectl("delete", "idep", "no-adapter", "-n", env.ns)
 
 
+def test_a_new_adapter_list_changes_the_configmap_not_the_pods(env):
+    """spec.lora's adapters reach the pods through a ConfigMap they mount (the runtime follows the
+    file): a new list rewrites the ConfigMap and leaves the Deployment's generation as it was (no
+    rollout); a deleted ConfigMap is restored by the resync."""
+    from keepwarm_api.paths import LORA_LIST_FILE
+    from keepwarm_operator.builders.runtime import lora_list_name
+
+    name = "lora-list"
+    cm_path = f"/api/v1/namespaces/{env.ns}/configmaps/{lora_list_name(name)}"
+    dep_path = f"/apis/apps/v1/namespaces/{env.ns}/deployments/{name}"
+
+    def listed() -> dict[str, str] | None:
+        cm = get(env.cp, cm_path)
+        return cm and {e["name"]: e["path"] for e in json.loads(cm["data"][LORA_LIST_FILE])}
+
+    def adapters(*names: str) -> list[dict]:
+        return [{"name": n, "source": {"containerPath": f"/opt/{n}"}} for n in names]
+
+    apply(env, inference(name, env.ns, env.pool, replicas=0, lora={"adapters": adapters("a")}))
+    wait(
+        env.cp,
+        lambda: get(env.cp, dep_path) and listed() == {"a": "/opt/a"},
+        "Deployment and list",
+        op=env.op,
+    )
+    generation = get(env.cp, dep_path)["metadata"]["generation"]
+    apply(env, inference(name, env.ns, env.pool, replicas=0, lora={"adapters": adapters("a", "b")}))
+    wait(env.cp, lambda: listed() == {"a": "/opt/a", "b": "/opt/b"}, "the new list", op=env.op)
+    assert get(env.cp, dep_path)["metadata"]["generation"] == generation
+    env.cp.kubectl("delete", "configmap", lora_list_name(name), "-n", env.ns)
+    wait(env.cp, lambda: listed() == {"a": "/opt/a", "b": "/opt/b"}, "the list restored", op=env.op)
+    assert get(env.cp, dep_path)["metadata"]["generation"] == generation
+    env.cp.kubectl("delete", "idep", name, "-n", env.ns)
+
+
 def test_missing_cache_is_a_condition_not_a_crash(env):
     apply(env, inference("orphan", env.ns, env.pool, model={"cacheRef": "no-such-cache", "name": MODEL}))
     assert "no-such-cache" in refused_with(env, "orphan", "CacheNotFound")

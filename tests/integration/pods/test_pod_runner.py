@@ -106,6 +106,7 @@ PROBE_SCRIPT = textwrap.dedent(
     }
     pathlib.Path("/out/result.json").write_text(json.dumps(out))
     pathlib.Path("/scratch/index.html").write_text("served from the pod")
+    os.symlink("/etc/cm/greeting", "/scratch/greeting")  # the ConfigMap's file as the container sees it
     os.chdir("/scratch")
     http.server.test(HandlerClass=http.server.SimpleHTTPRequestHandler, port=8080, bind="0.0.0.0")
     """
@@ -194,6 +195,17 @@ def test_pod_runs_with_its_volumes_env_identity_and_network(cluster: ControlPlan
     assert httpx.get(f"http://{ip}:8080/index.html", timeout=10).text == "served from the pod"
     status = container_status(live)
     assert status["image"] == "example.com/keepwarm:test" and status["restartCount"] == 0
+    # A changed ConfigMap reaches the running container's mounted file, as a kubelet's sync does.
+    assert httpx.get(f"http://{ip}:8080/greeting", timeout=10).text == "hello"
+    cp.kubectl(
+        "patch", "configmap", "settings", "-n", NS, "--type=merge", "-p", '{"data": {"greeting": "bonjour"}}'
+    )
+    cp.wait_for(
+        lambda: httpx.get(f"http://{ip}:8080/greeting", timeout=10).text == "bonjour",
+        timeout_s=60,
+        what="the updated ConfigMap in the pod",
+    )
+    assert container_status(get_pod(cp, "everything"))["restartCount"] == 0
     delete_and_wait(cp, "everything")
 
 

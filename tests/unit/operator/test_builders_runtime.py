@@ -3,9 +3,10 @@
 import pytest
 
 from keepwarm_api.inferencedeployment import InferenceDeploymentSpec
+from keepwarm_api.paths import LORA_LIST_FILE, LORA_LIST_MOUNT
 from keepwarm_api.weightcache import WeightCacheSpec
 from keepwarm_operator.builders.meta import warm_label_key
-from keepwarm_operator.builders.runtime import CacheBinding, runtime_deployment, runtime_service
+from keepwarm_operator.builders.runtime import CacheBinding, lora_list, runtime_deployment, runtime_service
 
 OWNER = {
     "apiVersion": "keepwarm.dev/v1alpha1",
@@ -188,24 +189,43 @@ def serve_settings(command: list[str]):
     return cli.serve_settings(parser.parse_args(command[1:]))
 
 
-def test_lora_adapters_reach_the_runtime_as_its_own_flags():
+def served_list(spec: InferenceDeploymentSpec, binding: CacheBinding | None) -> dict[str, str]:
+    """Adapter -> directory, as the runtime reads the operator's ConfigMap (its --lora-modules-file)."""
+    from keepwarm_runtime.server.lora_modules import parse_lora_modules_file
+
+    listing = lora_list("chat", "ns", spec, binding, OWNER)
+    assert listing is not None and listing["metadata"]["name"] == "chat-lora"
+    assert listing["metadata"]["ownerReferences"][0]["uid"] == OWNER["metadata"]["uid"]
+    return {m.name: m.path for m in parse_lora_modules_file(listing["data"][LORA_LIST_FILE], "list")}
+
+
+def test_lora_adapters_reach_the_runtime_through_its_mounted_list():
     dep = runtime_deployment("chat", "ns", idep(lora=LORA), BINDING, OWNER)
     pod = dep["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     settings = serve_settings(c["command"])
     assert (settings.enable_lora, settings.max_loras, settings.max_lora_rank) == (True, 2, 16)
-    assert [(m.name, m.path) for m in settings.lora_modules] == [
-        ("sql", "/lora/sql"),
-        ("chat-de", "/opt/adapters/chat-de"),
-    ]
+    assert settings.lora_modules == () and settings.lora_modules_file == f"{LORA_LIST_MOUNT}/{LORA_LIST_FILE}"
+    assert served_list(idep(lora=LORA), BINDING) == {"sql": "/lora/sql", "chat-de": "/opt/adapters/chat-de"}
     assert settings.allow_runtime_lora_updating is False
     assert settings.served_model_name == "llama-8b"
-    # The pvc adapter is mounted read-only where its flag points; the containerPath one needs no volume.
+    listing = next(v for v in pod["volumes"] if v.get("configMap"))
+    assert listing["configMap"] == {"name": "chat-lora"}
+    mount = next(m for m in c["volumeMounts"] if m["name"] == listing["name"])
+    assert mount == {"name": listing["name"], "mountPath": LORA_LIST_MOUNT, "readOnly": True}
+    # The pvc adapter is mounted read-only where its list entry points; the containerPath one needs no volume.
     volume = next(v for v in pod["volumes"] if v["name"] == "lora-sql")
     assert volume["persistentVolumeClaim"] == {"claimName": "adapters", "readOnly": True}
     mount = next(m for m in c["volumeMounts"] if m["name"] == "lora-sql")
     assert mount == {"name": "lora-sql", "mountPath": "/lora/sql", "readOnly": True, "subPath": "sql-r16"}
     assert not any(v["name"].startswith("lora-chat") for v in pod["volumes"])
+
+
+def test_an_adapter_named_list_keeps_its_own_volume():
+    lora = {"adapters": [{"name": "list", "source": {"pvc": {"claimName": "adapters"}}}]}
+    pod = runtime_deployment("chat", "ns", idep(lora=lora), BINDING, OWNER)["spec"]["template"]["spec"]
+    names = [v["name"] for v in pod["volumes"]]
+    assert len(names) == len(set(names)) and "lora-list" in names
 
 
 def test_lora_bounds_left_unset_keep_the_runtimes_defaults_and_updating_is_opt_in():
@@ -215,7 +235,8 @@ def test_lora_bounds_left_unset_keep_the_runtimes_defaults_and_updating_is_opt_i
     ]
     settings = serve_settings(c["command"])
     assert settings.enable_lora is True and settings.allow_runtime_lora_updating is True
-    assert (settings.max_loras, settings.max_lora_rank, settings.lora_modules) == (None, None, ())
+    assert (settings.max_loras, settings.max_lora_rank) == (None, None)
+    assert served_list(idep(lora=lora), BINDING) == {}
 
 
 def test_lora_disabled_or_absent_renders_nothing():
@@ -224,13 +245,8 @@ def test_lora_disabled_or_absent_renders_nothing():
     assert off == plain
     assert "--enable-lora" not in plain["spec"]["template"]["spec"]["containers"][0]["command"]
     assert serve_settings(plain["spec"]["template"]["spec"]["containers"][0]["command"]).enable_lora is None
-
-
-def test_changing_the_adapters_rolls_the_pods():
-    a = runtime_deployment("chat", "ns", idep(lora=LORA), BINDING, OWNER)
-    fewer = {**LORA, "adapters": LORA["adapters"][:1]}
-    b = runtime_deployment("chat", "ns", idep(lora=fewer), BINDING, OWNER)
-    assert a["spec"]["template"] != b["spec"]["template"]
+    assert lora_list("chat", "ns", idep(), BINDING, OWNER) is None
+    assert lora_list("chat", "ns", idep(lora={**LORA, "enabled": False}), BINDING, OWNER) is None
 
 
 CACHE_WITH_ADAPTERS = WeightCacheSpec.model_validate(
@@ -252,9 +268,10 @@ CACHE_WITH_ADAPTERS = WeightCacheSpec.model_validate(
 CACHED_BINDING = CacheBinding("wc1", CACHE_WITH_ADAPTERS, CACHE_WITH_ADAPTERS.models[0])
 
 
-def test_cached_adapters_mount_the_files_the_agent_caches():
-    """source.cached: a path adapter is the same host directory, a claim the same claim, a Hub adapter
-    the snapshot in the node's download directory (mounted although the model is a path)."""
+def test_cached_adapters_are_read_where_the_agent_reads_them():
+    """source.cached: a path adapter in the cache's modelDirectory (mounted once, as in agent pods), a
+    claim the same claim, a Hub adapter the snapshot in the node's download directory (mounted although
+    the model is a path)."""
     lora = {
         "adapters": [
             {"name": n, "source": {"cached": c}} for n, c in (("text-sql", "sql"), ("de", "de"), ("fr", "fr"))
@@ -262,19 +279,46 @@ def test_cached_adapters_mount_the_files_the_agent_caches():
     }
     pod = runtime_deployment("chat", "ns", idep(lora=lora), CACHED_BINDING, OWNER)["spec"]["template"]["spec"]
     (c,) = pod["containers"]
-    paths = {m.name: m.path for m in serve_settings(c["command"]).lora_modules}
-    assert paths == {
-        "text-sql": "/lora/text-sql",
+    assert served_list(idep(lora=lora), CACHED_BINDING) == {
+        "text-sql": "/host-models/adapters/sql",
         "de": "/lora/de",
         "fr": "/var/cache/keepwarm/huggingface/models--org--fr-lora/snapshots/abc123",
     }
     volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes["lora-text-sql"]["hostPath"] == {"path": "/data/adapters/sql", "type": "Directory"}
+    assert volumes["host-models"]["hostPath"] == {"path": "/data", "type": "DirectoryOrCreate"}
     assert volumes["lora-de"]["persistentVolumeClaim"] == {"claimName": "adapters", "readOnly": True}
     assert volumes["hf-cache"]["hostPath"]["path"] == "/var/cache/keepwarm"
+    assert "lora-text-sql" not in volumes and "lora-fr" not in volumes
     mounts = {m["name"]: m for m in c["volumeMounts"]}
-    assert mounts["lora-de"]["subPath"] == "de" and mounts["lora-text-sql"]["readOnly"] is True
+    assert mounts["lora-de"]["subPath"] == "de"
+    assert mounts["host-models"] == {"name": "host-models", "mountPath": "/host-models", "readOnly": True}
     assert mounts["hf-cache"]["readOnly"] is True
+
+
+def test_changing_adapters_not_on_a_claim_rolls_no_pod():
+    """Cached path and Hub adapters and containerPaths need no volume of their own: a new list is a new
+    ConfigMap, the pod template stays (running pods follow the file). A claim is a pod volume, so
+    adding or removing an adapter on a claim rolls the pods."""
+    kinds = {
+        "text-sql": {"cached": "sql"},
+        "fr": {"cached": "fr"},
+        "baked": {"containerPath": "/opt/adapters/baked"},
+        "de": {"pvc": {"claimName": "adapters", "subPath": "de"}},
+    }
+
+    def render(names: list[str]) -> tuple[dict, dict[str, str]]:
+        spec = idep(lora={"adapters": [{"name": n, "source": kinds[n]} for n in names]})
+        return runtime_deployment("chat", "ns", spec, CACHED_BINDING, OWNER)["spec"]["template"], served_list(
+            spec, CACHED_BINDING
+        )
+
+    none, listed_none = render([])
+    some, listed_some = render(["text-sql", "baked"])
+    other, listed_other = render(["fr"])
+    assert none == some == other
+    assert listed_none == {} and set(listed_some) == {"text-sql", "baked"} and set(listed_other) == {"fr"}
+    with_claim, _ = render(["fr", "de"])
+    assert with_claim != other
 
 
 def test_a_cached_adapter_the_cache_does_not_list_is_named():

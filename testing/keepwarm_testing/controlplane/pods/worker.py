@@ -3,6 +3,7 @@
   1. sandbox: a cgroup with the pod's limits, a network namespace with an IP from the node's podCIDR,
      the volumes on disk; failures are reported (reason and message in the container's waiting state)
      and retried every few seconds, as a kubelet does;
+     configMap and secret volumes then follow their objects while the pod runs (volumes.refresh);
   2. init containers one after the other, each to exit 0 (restarted with backoff otherwise);
   3. the containers: started together; startup, readiness and liveness probes set `started` and
      `ready` (readiness is probed at once when the startup probe passes, as the kubelet does); an
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("keepwarm.test.pods")
 TICK_S = 0.1
 SANDBOX_RETRY_S = 2.0
+CONFIG_SYNC_S = 1.0  # how often configMap and secret volumes follow their objects (a kubelet: ~1 min)
 
 
 @dataclass
@@ -85,6 +87,7 @@ class PodWorker:
         self.netns: str | None = None
         self.cgroup = runner.cgroup_for(self.uid)
         self.volumes: dict[str, Path] = {}
+        self.next_config_sync = 0.0  # monotonic time of the next configMap/secret volume refresh
         self.delete_requested = threading.Event()
         self.grace_s = 30.0
         self.message: str | None = None
@@ -159,6 +162,11 @@ class PodWorker:
         self.grace_s = float(self.pod["spec"].get("terminationGracePeriodSeconds", 30))
 
     def _tick(self) -> None:
+        now = time.monotonic()
+        if now >= self.next_config_sync and volumes.refreshable(self.pod):
+            self.next_config_sync = now + CONFIG_SYNC_S
+            for name in volumes.refresh(self.pod, self.dir, self.runner.api):
+                log.info("pod %s/%s: volume %s updated", self.namespace, self.name, name)
         pending_init = next((run for run in self.inits if not run.succeeded), None)
         if pending_init is not None:
             self._drive(pending_init)
