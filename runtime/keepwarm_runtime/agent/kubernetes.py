@@ -49,12 +49,12 @@ from keepwarm_api.settings import present
 from keepwarm_api.weightcache import DEFAULT_HEARTBEAT_S
 from keepwarm_api.weightcachenode import WeightCacheNodeSpec
 from keepwarm_runtime import __version__
-from keepwarm_runtime.cache.settings import MAX_LOADS, STALL_TIMEOUT_S
 
 if TYPE_CHECKING:
     from keepwarm_runtime.cache.settings import CacheServeSettings
 
 from .download import download
+from .settings import MAX_LOADS, STALL_TIMEOUT_S
 from .state import (
     RETRY_BASE_S,
     AgentState,

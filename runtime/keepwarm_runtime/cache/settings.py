@@ -6,7 +6,8 @@ except the node name, which agent pods get as ``NODE_NAME`` from the downward AP
 (``--model``, ``--adapter``, ``--pin``, ``--allow-uid``, ``--allow-gid``, ``--fake-gpu``) take comma-separated
 variables. Fields that DaemonConfig also has carry over to it by name
 (``keepwarm_api.settings.carry_over``); ``--all-gpus`` and ``--fake-gpu`` choose how many daemons run
-(cache/gpus.py).
+(cache/gpus.py). The node agent's flags (``--max-loads``, ``--stall-timeout``) take their defaults from
+the agent's own constants (agent/settings.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import ClassVar
 from keepwarm_api import podenv
 from keepwarm_api.settings import setting
 from keepwarm_api.values import SERVING_DTYPES, DType, Quantization, Tier
+from keepwarm_runtime.agent.settings import MAX_LOADS, STALL_TIMEOUT_S
 from keepwarm_runtime.cache.gpus import fake_gpu_uuid
 from keepwarm_runtime.engine.moe.layouts import LAYOUTS, MODEL
 
@@ -29,8 +31,6 @@ AFTER_HANDOFF_HELP = (
     "once a successor took over: exit, or wait idle for SIGTERM (in a pod, so that the kubelet does "
     "not restart it to take everything back)"
 )
-MAX_LOADS = 4  # node agent: downloads/loads in flight at once
-STALL_TIMEOUT_S = 60.0  # node agent: a Hub download adding no bytes for this long is stopped
 _BYTE_UNITS = {
     "": 1,
     "B": 1,
