@@ -48,6 +48,7 @@ from pathlib import Path
 import httpx
 
 from keepwarm_runtime.agent.kubernetes import NodeAgent
+from keepwarm_runtime.cache.snapshot import DaemonSnapshot, ModelSnapshot
 from keepwarm_testing.controlplane.build import build_control_plane
 from keepwarm_testing.controlplane.cluster import ControlPlane
 from keepwarm_testing.operator import (
@@ -59,6 +60,7 @@ from keepwarm_testing.operator import (
     install_crds,
 )
 from keepwarm_testing.operator import NAMESPACE as OPERATOR_NAMESPACE
+from keepwarm_testing.snapshots import daemon_snapshot, resident
 
 NAMESPACE = "scale"
 
@@ -217,18 +219,18 @@ class FakeDaemon:
     """Stands in for the cache daemon under a bench agent: holds whatever it is asked to, at once."""
 
     def __init__(self) -> None:
-        self.models: dict[str, dict] = {}
+        self.models: dict[str, ModelSnapshot] = {}
 
     def add_model(self, path: str, pin: bool = False, quantization: str | None = None) -> str:
         name = Path(path).name
-        self.models[name] = {"bytes": 1 << 30, "pinned": pin, "key_digest": "bench", "digest": "bench"}
+        self.models[name] = resident(name, 1 << 30, pinned=pin)
         return name
 
     def remove_model(self, name: str) -> None:
         self.models.pop(name, None)
 
-    def snapshot(self) -> dict:
-        return {"tier": "host", "gpu_uuid": None, "models": dict(self.models)}
+    def snapshot(self) -> DaemonSnapshot:
+        return daemon_snapshot(self.models)
 
 
 def agent_specs(cp: ControlPlane, n: int) -> list[tuple[str, str]]:

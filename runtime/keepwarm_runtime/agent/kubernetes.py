@@ -38,6 +38,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,7 @@ from keepwarm_api.settings import present
 from keepwarm_api.weightcache import DEFAULT_HEARTBEAT_S
 from keepwarm_api.weightcachenode import WeightCacheNodeSpec
 from keepwarm_runtime import __version__
+from keepwarm_runtime.cache.snapshot import DaemonSnapshot, ModelSnapshot
 
 if TYPE_CHECKING:
     from keepwarm_runtime.cache.settings import CacheServeSettings
@@ -190,7 +192,7 @@ class NodeAgent:
                 daemon_name = book.daemon_names.pop(name)
             daemon.remove_model(daemon_name)
             log.info("released %s%s (removed from WeightCacheNode %s)", name, _on(key), self.object_name)
-        resident = daemon.snapshot()["models"]
+        resident = daemon.snapshot().models
         for w in wanted:
             if (key, w.name) in self.inflight:
                 continue
@@ -198,7 +200,7 @@ class NodeAgent:
             if daemon_name is None and self._book_handed_over(key, w, resident):
                 continue
             if daemon_name in resident:
-                if w.pin and not resident[daemon_name]["pinned"]:  # no-op reload; marks pinned
+                if w.pin and not resident[daemon_name].pinned:  # no-op reload; marks pinned
                     daemon.add_model(self._path(w), **load_options(w))
                 continue
             if daemon_name is not None:  # was loaded, now gone: evicted under the budget
@@ -216,14 +218,14 @@ class NodeAgent:
             self.inflight[(key, w.name)] = self.pool.submit(self._load, key, w)
             self.wake.set()  # report Loading now
 
-    def _book_handed_over(self, key: str, w: WantedModel, resident: dict[str, Any]) -> bool:
+    def _book_handed_over(self, key: str, w: WantedModel, resident: Mapping[str, ModelSnapshot]) -> bool:
         """A model the daemon already holds from the same directory, though this agent never loaded
         it: the arena its predecessor or the holder handed over at start (cache/adopt.py verified
         it). Booked through the same add_model a load makes, which finds it resident (headers and
         key only, no weights read), so the status goes on saying Resident through an upgrade or a
         restart instead of Loading. Hub sources are not known by directory before their download:
         they take the usual way (reported Loading until that no-op load returns)."""
-        if w.path is None or not any(m.get("path") == os.path.realpath(w.path) for m in resident.values()):
+        if w.path is None or not any(str(m.path) == os.path.realpath(w.path) for m in resident.values()):
             return False
         try:
             daemon_name = self.daemons[key].add_model(self._path(w), **load_options(w))
@@ -323,7 +325,7 @@ class NodeAgent:
             self.wake.set()
             self.changed.set()  # another pass: a load may have evicted another model
 
-    def snapshots(self) -> dict[str, dict[str, Any]]:
+    def snapshots(self) -> dict[str, DaemonSnapshot]:
         """Every daemon's snapshot by its GPU UUID ("" for host.sock)."""
         return {key: daemon.snapshot() for key, daemon in self.daemons.items()}
 

@@ -5,10 +5,10 @@ it). Each model's LoRA adapters are wanted entries of their own (kind adapter, k
 ``<model>/<adapter>``: adapter_key), loaded, retried and released by the same bookkeeping as models, and
 reported apart, under status.adapters. Model and adapter directories follow keepwarm_api.paths, the
 convention the operator mounts sources by; the status is built by
-keepwarm_api.weightcachenode.agent_status from the daemons' snapshots (one per GPU with per-GPU daemons,
-each tracked in its own DaemonBook), and written only when it differs from the stored one
-(status_differs) other than in its heartbeat stamp: liveness is the node's Lease (keepwarm_api.lease),
-so a steady node writes no WeightCacheNode at all.
+keepwarm_api.weightcachenode.agent_status from the daemons' snapshots (cache/snapshot.py, read by
+attribute; one per GPU with per-GPU daemons, each tracked in its own DaemonBook), and written only when
+it differs from the stored one (status_differs) other than in its heartbeat stamp: liveness is the
+node's Lease (keepwarm_api.lease), so a steady node writes no WeightCacheNode at all.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from keepwarm_api.weightcachenode import (
     combine_gpus,
 )
 from keepwarm_runtime.cache.adapters import KIND_ADAPTER, KIND_MODEL
+from keepwarm_runtime.cache.snapshot import DaemonSnapshot
 
 EVICTED_MESSAGE = "evicted under the budget"
 RETRY_BASE_S = 10.0  # first retry of a failed or evicted model after this long, then doubling
@@ -173,19 +174,19 @@ def _retry_note(state: DaemonBook, name: str) -> str:
     return f" (attempt {state.attempts.get(name, 1)}; retrying at {stamp})"
 
 
-def resident_model(w: WantedModel, state: DaemonBook, snapshot: dict[str, Any]) -> ResidentModel:
+def resident_model(w: WantedModel, state: DaemonBook, snapshot: DaemonSnapshot) -> ResidentModel:
     """One model's entry for one daemon, from its snapshot and the agent's bookkeeping of it."""
-    base = ResidentModel(name=w.name, state=ModelState.LOADING, pinned=w.pin, tier=snapshot.get("tier", ""))
-    info = snapshot.get("models", {}).get(state.daemon_names.get(w.name, ""))
+    base = ResidentModel(name=w.name, state=ModelState.LOADING, pinned=w.pin, tier=snapshot.tier)
+    info = snapshot.models.get(state.daemon_names.get(w.name, ""))
     if info is not None:
         return base.model_copy(
             update={
                 "state": ModelState.RESIDENT,
-                "bytes": info["bytes"],
-                "fingerprint": info.get("key_digest", ""),
-                "digest": info.get("digest", ""),
-                "pinned": info.get("pinned", w.pin),
-                "gpu_uuids": info.get("gpu_uuids", []),
+                "bytes": info.nbytes,
+                "fingerprint": info.key_digest,
+                "digest": info.digest,
+                "pinned": info.pinned,
+                "gpu_uuids": list(info.gpu_uuids),
             }
         )
     note = _retry_note(state, w.name)
@@ -230,14 +231,14 @@ def gpu_model(m: ResidentModel) -> GPUModel:
     return GPUModel(name=m.name, state=m.state, bytes=m.bytes, message=m.message)
 
 
-def latest_refusals(snapshots: dict[str, dict[str, Any]]) -> Refusals | None:
+def latest_refusals(snapshots: dict[str, DaemonSnapshot]) -> Refusals | None:
     """The most recent episode of refused clients across the node's daemons (one per GPU or one)."""
-    episodes = [Refusals.from_wire(r) for snap in snapshots.values() if (r := snap.get("refusals"))]
+    episodes = [r for snap in snapshots.values() if (r := snap.refusals) is not None]
     return max(episodes, key=lambda r: r.last_at, default=None)
 
 
 def node_status(
-    state: AgentState, snapshots: dict[str, dict[str, Any]], wanted: list[WantedModel], version: str
+    state: AgentState, snapshots: dict[str, DaemonSnapshot], wanted: list[WantedModel], version: str
 ) -> WeightCacheNodeStatus:
     """The WeightCacheNode status this agent reports now (the one place agent status is built).
 
@@ -254,7 +255,7 @@ def node_status(
     refusals = latest_refusals(snapshots)
     if not gpu_keys:
         models, adapters = split_adapters(wanted, next(iter(per_daemon.values()), []))
-        gpus = [u for snap in snapshots.values() if (u := snap.get("gpu_uuid"))]
+        gpus = [u for snap in snapshots.values() if (u := snap.gpu_uuid)]
         return agent_status(
             models,
             gpus,

@@ -29,7 +29,6 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 from keepwarm_api.sockets import HOST_SOCKET, gpu_socket_name
 from keepwarm_api.values import Tier
@@ -52,6 +51,7 @@ from keepwarm_runtime.cache.loader import ArenaLayout, fill_arena, plan_layout
 from keepwarm_runtime.cache.metrics import ARENA_SOURCES, DaemonMetrics
 from keepwarm_runtime.cache.registry import ModelRegistry, ResidentModel
 from keepwarm_runtime.cache.settings import TIERS
+from keepwarm_runtime.cache.snapshot import DaemonSnapshot, FailedModel
 from keepwarm_runtime.cache.succession import Inheritance
 from keepwarm_runtime.engine.moe.kernel_layout import MODEL, conversion_id
 from keepwarm_runtime.engine.quant.settings import Fp8Settings, fp8_settings
@@ -78,16 +78,6 @@ class DaemonConfig:
     # Test/dev twin of one GPU (`--fake-gpus`): host-memory arenas served on gpu-<UUID>.sock, so a
     # machine without CUDA runs the gpu tier's per-GPU daemons; host tier only (the arenas are host).
     fake_gpu_uuid: str | None = None
-
-
-@dataclass(frozen=True)
-class FailedModel:
-    path: Path  # checkpoint directory
-    reason: str  # names the file and what is wrong with it
-
-    def describe(self) -> dict[str, Any]:
-        """Shape of a Failed model in ``stats`` (under "failed") and ``list``: stable, documented."""
-        return {"state": "Failed", "path": str(self.path), "reason": self.reason}
 
 
 def online_settings(path: Path, quantization: str | None) -> Fp8Settings | None:
@@ -299,9 +289,9 @@ class CacheDaemon:
             self._failed[name] = FailedModel(path, f"{type(exc).__name__}: {reason}"[:MAX_REASON_CHARS])
         self.metrics.failed_models.labels(name).set(1)
 
-    def failed_models(self) -> dict[str, dict[str, Any]]:
+    def failed_models(self) -> dict[str, FailedModel]:
         with self._failed_lock:
-            return {name: f.describe() for name, f in self._failed.items()}
+            return dict(self._failed)
 
     def remove_model(self, name: str) -> bool:
         model = self.registry.remove(name)
@@ -335,22 +325,21 @@ class CacheDaemon:
             with self._failed_lock:
                 self._reloading.discard(model.name)
 
-    def snapshot(self) -> dict[str, Any]:
-        """Daemon state for ``stats`` and the node agent; ``failed`` maps name -> FailedModel.describe()."""
-        return {
-            "version": __version__,
-            "pid": os.getpid(),
-            "tier": self.tier,
-            "socket": str(self.socket_path),
-            "dtype": self.config.dtype,
-            "budget": self.config.budget,
-            "resident_bytes": self.registry.resident_bytes(),
-            "gpu_uuid": self.gpu_uuid,
-            "serves_gpu": self.serves_gpu,
-            "models": {m.name: m.describe() for m in self.registry.models()},
-            "failed": self.failed_models(),
-            "refusals": (refused := self.refusals.latest()) and refused.wire(),
-        }
+    def snapshot(self) -> DaemonSnapshot:
+        """Daemon state for the node agent and succession; its ``wire()`` is the ``stats`` reply."""
+        return DaemonSnapshot(
+            version=__version__,
+            pid=os.getpid(),
+            tier=self.tier,
+            socket=self.socket_path,
+            dtype=self.config.dtype,
+            budget=self.config.budget,
+            gpu_uuid=self.gpu_uuid,
+            serves_gpu=self.serves_gpu,
+            models={m.name: m.snapshot() for m in self.registry.models()},
+            failed=self.failed_models(),
+            refusals=self.refusals.latest(),
+        )
 
     def _new_arena(self, name: str, size: int):
         if self.tier == "gpu":

@@ -125,7 +125,7 @@ class CommandHandlers:
             }
             for m in self.daemon.registry.models()
         ]
-        models += [{"name": name, **f} for name, f in self.daemon.failed_models().items()]
+        models += [{"name": name, **f.wire()} for name, f in self.daemon.failed_models().items()]
         return {"ok": True, "models": models}, []
 
     def cmd_release(self, request: dict[str, Any]) -> Reply:
@@ -142,4 +142,4 @@ class CommandHandlers:
         return {"ok": True, "released": name, "bytes": model.nbytes}, []
 
     def cmd_stats(self, request: dict[str, Any]) -> Reply:
-        return {"ok": True, **self.daemon.snapshot()}, []
+        return {"ok": True, **self.daemon.snapshot().wire()}, []

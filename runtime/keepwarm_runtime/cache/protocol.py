@@ -31,8 +31,13 @@ streams of arena records ``handoff.py`` specifies).
 * ``list`` answers ``models``: one row per model with ``state`` "Resident" (``bytes``, ``pinned``,
   ``tier``, ``key_digest``, ``path``, ``kind`` "model" or "adapter": a LoRA adapter, cache/adapters.py)
   or "Failed" (``path``, ``reason`` naming the file).
-* ``stats`` answers the daemon snapshot: ``models`` (name -> resident model) and ``failed``
-  (name -> ``{"state": "Failed", "path", "reason"}``), the shape the node agent reports.
+* ``stats`` answers the daemon's snapshot (``snapshot.py``: what the node agent reads in-process),
+  in this order: ``version``, ``pid``, ``tier``, ``socket``, ``dtype``, ``budget``, ``resident_bytes``,
+  ``gpu_uuid``, ``serves_gpu``, ``models`` (name -> a resident model or adapter: ``path``, ``bytes``,
+  ``fingerprint``, ``key_digest``, ``digest``, ``pinned``, ``tier``, ``gpu_uuids``, ``num_tensors``,
+  ``load_seconds``, ``hits``, ``page_mode``, ``state`` "Resident", ``kind``), ``failed``
+  (name -> ``{"state": "Failed", "path", "reason"}``) and ``refusals`` (null, or the latest episode of
+  refused peers: keepwarm_api.refusals).
 """
 
 from __future__ import annotations

@@ -12,13 +12,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from keepwarm_runtime.cache.adapters import KIND_MODEL
 from keepwarm_runtime.cache.checkpoint import Shard
 from keepwarm_runtime.cache.fingerprint import WeightCacheKey
 from keepwarm_runtime.cache.loader import ArenaLayout
 from keepwarm_runtime.cache.metrics import DISK
+from keepwarm_runtime.cache.snapshot import ModelSnapshot
 
 
 class BudgetExceeded(Exception):
@@ -56,23 +57,22 @@ class ResidentModel:
     def nbytes(self) -> int:
         return self.arena.size
 
-    def describe(self) -> dict[str, Any]:
-        return {
-            "path": str(self.path),
-            "bytes": self.nbytes,
-            "fingerprint": self.key.to_dict(),
-            "key_digest": self.key.digest,
-            "digest": self.digest,
-            "pinned": self.pinned,
-            "tier": self.tier,
-            "gpu_uuids": [self.gpu_uuid] if self.gpu_uuid else [],
-            "num_tensors": len(self.layout.entries),
-            "load_seconds": round(self.load_seconds, 4),
-            "hits": self.hits,
-            "page_mode": self.arena.page_mode,
-            "state": "Resident",
-            "kind": self.kind,
-        }
+    def snapshot(self) -> ModelSnapshot:
+        """As the daemon's snapshot (and so ``stats``) shows it, now."""
+        return ModelSnapshot(
+            path=self.path,
+            nbytes=self.nbytes,
+            key=self.key,
+            digest=self.digest,
+            pinned=self.pinned,
+            tier=self.tier,
+            gpu_uuids=(self.gpu_uuid,) if self.gpu_uuid else (),
+            num_tensors=len(self.layout.entries),
+            load_seconds=self.load_seconds,
+            hits=self.hits,
+            page_mode=self.arena.page_mode,
+            kind=self.kind,
+        )
 
 
 @dataclass
@@ -179,7 +179,3 @@ class ModelRegistry:
     def models(self) -> list[ResidentModel]:
         with self._lock:
             return list(self._models.values())
-
-    def resident_bytes(self) -> int:
-        with self._lock:
-            return sum(m.nbytes for m in self._models.values())

@@ -132,7 +132,7 @@ def _stream_and_wait(
     head: dict[str, Any] = {
         "format": RECORD_FORMAT,
         "pid": os.getpid(),
-        "version": daemon.snapshot()["version"],
+        "version": daemon.snapshot().version,
         "config": config_summary(daemon),
     }
     items: list[tuple[dict[str, Any], int]] = []

@@ -90,8 +90,8 @@ def test_a_bad_model_never_evicts_a_good_one(checkpoint_writer, tmp_path):
             with pytest.raises(CheckpointError, match=why):
                 daemon.add_model(bad)
             snap = daemon.snapshot()
-            assert set(snap["models"]) == {"good"}, f"{bad.name} evicted the good model"
-            failed = snap["failed"][bad.name]
+            assert set(snap.models) == {"good"}, f"{bad.name} evicted the good model"
+            failed = snap.failed[bad.name].wire()  # as stats and list show it
             assert failed["state"] == "Failed" and str(bad) in failed["reason"] and why in failed["reason"]
         from prometheus_client import generate_latest
 
@@ -101,7 +101,7 @@ def test_a_bad_model_never_evicts_a_good_one(checkpoint_writer, tmp_path):
         shutil.rmtree(bad_shape)  # fixed: a good copy under the same name loads and clears Failed
         checkpoint_writer(bad_shape, seed=2)
         daemon.add_model(bad_shape)  # evicts "good" (LRU) under the budget: a valid eviction
-        assert "bad" not in daemon.snapshot()["failed"]
+        assert "bad" not in daemon.snapshot().failed
         assert (
             'keepwarm_cache_failed_models{model="bad"}'
             not in generate_latest(daemon.metrics.registry).decode()

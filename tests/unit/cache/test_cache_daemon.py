@@ -53,12 +53,12 @@ def test_add_snapshot_remove(models, tmp_path):
     name = d.add_model(models[0])
     assert d.add_model(models[0]) == name  # loading twice is a no-op
     snap = d.snapshot()
-    entry = snap["models"][name]
-    assert entry["bytes"] > 0 and entry["tier"] == "host" and len(entry["digest"]) == 64
-    assert entry["fingerprint"]["dtype"] == "bfloat16"
-    assert snap["resident_bytes"] == entry["bytes"]
+    entry = snap.models[name]
+    assert entry.nbytes > 0 and entry.tier == "host" and len(entry.digest) == 64
+    assert entry.key.dtype == "bfloat16"
+    assert snap.resident_bytes == entry.nbytes
     assert d.remove_model(name) and not d.remove_model(name)
-    assert d.snapshot()["models"] == {}
+    assert d.snapshot().models == {}
     d.close()
 
 
@@ -70,8 +70,8 @@ def test_lru_eviction_keeps_pinned(models, tmp_path):
     d.add_model(models[0])  # pinned by name
     d.add_model(models[1])
     d.add_model(models[2])  # evicts m1, the least recently used unpinned model
-    assert set(d.snapshot()["models"]) == {"m0", "m2"}
-    assert d.snapshot()["models"]["m0"]["pinned"]
+    assert set(d.snapshot().models) == {"m0", "m2"}
+    assert d.snapshot().models["m0"].pinned
     d.close()
 
 
@@ -106,7 +106,7 @@ def test_serve_in_thread_and_attach(models, tmp_path):
         assert 'keepwarm_cache_hits_total{model="m0"} 1.0' in text
         assert 'keepwarm_cache_resident_bytes{model="m0",tier="host"}' in text
         assert "keepwarm_cache_attach_seconds_count 1.0" in text
-        assert res.digest == d.snapshot()["models"]["m0"]["digest"]
+        assert res.digest == d.snapshot().models["m0"].digest
         assert res.tensors.keys() == disk.tensors.keys()
         assert all(torch.equal(res.tensors[k], disk.tensors[k]) for k in disk.tensors)
         d.remove_model("m0")  # the daemon lets go; the client's mapping stays valid
@@ -147,18 +147,18 @@ def test_changed_on_disk_reload_that_fails_drops_the_stale_arena(tmp_path):
     d = _daemon(tmp_path)
     try:
         d.add_model(model)
-        key = d.snapshot()["models"]["m"]["fingerprint"]
+        key = d.snapshot().models["m"].key.to_dict()
         shard = read_checkpoint(model)[0].path
         with open(shard, "r+b") as f:  # now shorter than its header says
             f.truncate(shard.stat().st_size - 1)
         reply, fds = d.handlers.dispatch({"cmd": "get_state", "key": key})
         assert (reply["state"], reply["reason"], fds) == ("mismatch", "changed on disk", [])
         deadline = time.monotonic() + 30
-        while "m" in d.snapshot()["models"]:
+        while "m" in d.snapshot().models:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        failed = d.snapshot()["failed"]["m"]
-        assert "past the end" in failed["reason"] and str(shard) in failed["reason"]
+        failed = d.snapshot().failed["m"]
+        assert "past the end" in failed.reason and str(shard) in failed.reason
         shutil.rmtree(model)
     finally:
         d.close()
@@ -176,7 +176,7 @@ def test_online_quantization_is_refused_by_name_where_it_cannot_apply(models, tm
         with pytest.raises(QuantizationError, match="online quantization 'int4' is not supported"):
             d.add_model(models[1], quantization="int4")
         snap = d.snapshot()
-        assert snap["models"] == {} and set(snap["failed"]) == {"m0", "m1"}
+        assert snap.models == {} and set(snap.failed) == {"m0", "m1"}
     finally:
         d.close()
 

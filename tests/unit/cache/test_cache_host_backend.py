@@ -78,6 +78,6 @@ def test_daemon_never_serves_an_unsealed_arena(tmp_path, monkeypatch):
     with pytest.raises(ArenaSealError):
         daemon.add_model(tmp_path / "m")
     snap = daemon.snapshot()
-    assert snap["models"] == {} and "cannot seal" in snap["failed"]["m"]["reason"]
+    assert snap.models == {} and "cannot seal" in snap.failed["m"].reason
     assert "keepwarm_cache_seal_failures_total 1.0" in generate_latest(daemon.metrics.registry).decode()
     daemon.close()

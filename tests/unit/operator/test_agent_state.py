@@ -1,6 +1,7 @@
 """Node agent: desired models from its WeightCacheNode spec, load/evict in a real host-tier CacheDaemon,
 status body."""
 
+import dataclasses
 import datetime as dt
 import shutil
 import threading
@@ -30,6 +31,7 @@ from keepwarm_runtime.agent.state import (
     wanted_models,
 )
 from keepwarm_runtime.cache.security import RefusalLog
+from keepwarm_testing.snapshots import daemon_snapshot, resident
 
 SPEC = {"weightCache": "wc", "nodeName": "node-1", "heartbeatSeconds": 5, "modelDirectory": "/m"}
 
@@ -85,11 +87,7 @@ def test_status_phases():
         spec([{"name": "a", "source": {"path": "/m/a"}}, {"name": "b", "source": {"path": "/m/b"}}])
     )
     state = AgentState(books={"": DaemonBook(daemon_names={"a": "a"})})
-    snap = {
-        "tier": "host",
-        "gpu_uuid": None,
-        "models": {"a": {"bytes": 10, "key_digest": "k", "digest": "d", "pinned": False, "gpu_uuids": []}},
-    }
+    snap = daemon_snapshot({"a": resident("a", 10)})
     status = node_status(state, {"": snap}, wanted, "0.1.0").wire()
     assert status["phase"] == "Loading" and status["totalBytes"] == 10
     assert [(m["name"], m["state"]) for m in status["models"]] == [("a", "Resident"), ("b", "Loading")]
@@ -121,7 +119,7 @@ def test_agent_loads_evicts_and_reports_failures(model_root, tmp_path):
         ]
         passed(agent_, cache(models))
         snap = daemon.snapshot()
-        assert set(snap["models"]) == {"llama-a"} and snap["models"]["llama-a"]["pinned"]
+        assert set(snap.models) == {"llama-a"} and snap.models["llama-a"].pinned
         status = node_status(agent_.state, agent_.snapshots(), agent_.wanted, "v").wire()
         assert status["phase"] == "Degraded"
         assert {m["name"]: m["state"] for m in status["models"]} == {
@@ -130,9 +128,9 @@ def test_agent_loads_evicts_and_reports_failures(model_root, tmp_path):
         }
         assert status["models"][0]["bytes"] > 0 and status["models"][0]["fingerprint"]
         passed(agent_, cache(models))  # level-based: a second pass changes nothing, retries no failure
-        assert set(daemon.snapshot()["models"]) == {"llama-a"} and "broken" in agent_.state.books[""].failed
+        assert set(daemon.snapshot().models) == {"llama-a"} and "broken" in agent_.state.books[""].failed
         passed(agent_, cache([{"name": "llama-b", "source": {"path": "/m/llama-b"}}], generation=2))
-        assert set(daemon.snapshot()["models"]) == {"llama-b"}
+        assert set(daemon.snapshot().models) == {"llama-b"}
         status = node_status(agent_.state, agent_.snapshots(), agent_.wanted, "v").wire()
         assert status["phase"] == "Ready" and [m["name"] for m in status["models"]] == ["llama-b"]
     finally:
@@ -156,7 +154,7 @@ def test_a_model_the_daemon_already_holds_is_resident_from_the_first_pass(model_
         assert [(m["name"], m["state"], m["pinned"]) for m in status["models"]] == [
             ("llama-a", "Resident", True)
         ]
-        assert daemon.snapshot()["models"]["llama-a"]["pinned"]  # the spec's pin reached the daemon
+        assert daemon.snapshot().models["llama-a"].pinned  # the spec's pin reached the daemon
     finally:
         daemon.close()
 
@@ -164,7 +162,7 @@ def test_a_model_the_daemon_already_holds_is_resident_from_the_first_pass(model_
 def test_stale_condition_keeps_its_transition_time_across_heartbeats():
     wanted = wanted_models(spec([{"name": "a", "source": {"path": "/m/a"}}]))
     state = AgentState(reporting_since=dt.datetime(2026, 1, 1, tzinfo=dt.UTC))
-    snap = {"tier": "host", "gpu_uuid": None, "models": {}}
+    snap = daemon_snapshot()
     first = node_status(state, {"": snap}, wanted, "v").wire()
     second = node_status(state, {"": snap}, wanted, "v").wire()
     assert first["conditions"] == second["conditions"]
@@ -176,12 +174,12 @@ def test_a_steady_node_needs_no_status_write_and_transitions_only_after_stale():
     wanted = wanted_models(spec([{"name": "a", "source": {"path": "/m/a"}}]))
     start = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
     state = AgentState(reporting_since=start)
-    snap = {"": {"tier": "host", "gpu_uuid": None, "models": {}}}
+    snap = {"": daemon_snapshot()}
     stored = node_status(state, snap, wanted, "v").wire()
     stored["heartbeat"] = "2025-12-31T23:00:00Z"  # written an hour ago: only the stamp differs
     assert not status_differs(stored, node_status(state, snap, wanted, "v"))
     assert status_differs(None, node_status(state, snap, wanted, "v"))
-    loaded = {"": {"tier": "host", "models": {"a": {"bytes": 8, "pinned": False}}}}
+    loaded = {"": daemon_snapshot({"a": resident("a", 8)})}
     state.books[""] = DaemonBook(daemon_names={"a": "a"})
     assert status_differs(stored, node_status(state, loaded, wanted, "v"))  # a real change
 
@@ -217,7 +215,7 @@ def test_refused_clients_show_on_the_node_while_recent():
     )
     assert PEERS_REFUSED not in conditions(quiet)  # quiet for the window: the condition goes
 
-    # From the daemons' snapshots as the agent reads them (stats JSON): the latest episode of any GPU's.
+    # From the daemons' snapshots as the agent reads them: the latest episode of any GPU's.
     wanted = wanted_models(spec([]))
     state = AgentState(reporting_since=start)
     older = RefusalLog()
@@ -225,19 +223,19 @@ def test_refused_clients_show_on_the_node_while_recent():
     newer = RefusalLog()
     newer.record("uid 8 with gids [8] is not allowed")
     snaps = {
-        "GPU-a": {"gpu_uuid": "GPU-a", "models": {}, "refusals": older.latest().wire()},
-        "GPU-b": {"gpu_uuid": "GPU-b", "models": {}, "refusals": newer.latest().wire()},
+        "GPU-a": daemon_snapshot(gpu_uuid="GPU-a", refusals=older.latest()),
+        "GPU-b": daemon_snapshot(gpu_uuid="GPU-b", refusals=newer.latest()),
     }
     status = node_status(state, snaps, wanted, "v").wire()
     (cond,) = [c for c in status["conditions"] if c["type"] == PEERS_REFUSED]
     assert cond["message"].startswith("uid 8 ")
-    quiet_snaps = {key: {**snap, "refusals": None} for key, snap in snaps.items()}
+    quiet_snaps = {key: dataclasses.replace(snap, refusals=None) for key, snap in snaps.items()}
     assert [c["type"] for c in node_status(state, quiet_snaps, wanted, "v").wire()["conditions"]] == ["Stale"]
 
 
 def test_a_start_failure_keeps_the_nodes_other_conditions_and_its_own_transition_time():
     start = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
-    stored = node_status(AgentState(reporting_since=start), {"": {"models": {}}}, [], "v").wire()
+    stored = node_status(AgentState(reporting_since=start), {"": daemon_snapshot()}, [], "v").wire()
     first = start_failure_status(stored, "CacheSecurityError: socket directory /s is owned by uid 7", start)
     assert first["phase"] == "Degraded" and first["message"].endswith("owned by uid 7")
     assert [c["type"] for c in first["conditions"]] == [STALE, DAEMON_STARTED]
@@ -276,9 +274,9 @@ def test_quantization_reaches_the_daemon_which_quantizes_at_load(model_root, tmp
             {"name": "llama-b", "source": {"path": "/m/llama-b"}},
         ]
         passed(agent_, cache(models))
-        resident = daemon.snapshot()["models"]
-        assert resident["llama-a"]["fingerprint"]["quantization"].startswith("online:fp8:block=128x128")
-        assert resident["llama-b"]["fingerprint"]["quantization"] == "none"
+        held = daemon.snapshot().models
+        assert held["llama-a"].key.quantization.startswith("online:fp8:block=128x128")
+        assert held["llama-b"].key.quantization == "none"
         a = daemon.registry.get("llama-a")
         assert a.quantization == "fp8" and a.layout.quantized
         assert {e.dtype for e in a.layout.entries if e.name in a.layout.quantized} == {torch.float8_e4m3fn}

@@ -14,6 +14,8 @@ from keepwarm_api.weightcachenode import WeightCacheNodeSpec, node_spec
 from keepwarm_operator.builders.agent import agent_daemonset, token_secrets
 from keepwarm_runtime.agent.kubernetes import NodeAgent
 from keepwarm_runtime.agent.state import AgentState, DaemonBook, load_options, node_status, wanted_models
+from keepwarm_runtime.cache.snapshot import DaemonSnapshot
+from keepwarm_testing.snapshots import daemon_snapshot, model_key, resident
 from tests.unit.cache.test_cache_adapters import write_adapter
 
 SPEC = {"weightCache": "wc", "nodeName": "node-1", "heartbeatSeconds": 5, "modelDirectory": "/m"}
@@ -127,12 +129,8 @@ def test_wanted_adapters_follow_their_model_with_their_own_directories_and_kind(
     assert load_options(wanted[0]) == {"pin": True, "quantization": "fp8"}
 
 
-def _snap(**models):
-    return {
-        "tier": "host",
-        "gpu_uuid": None,
-        "models": {n: {"bytes": b, "key_digest": f"k-{n}"} for n, b in models.items()},
-    }
+def _snap(gpu_uuid: str | None = None, **models: int) -> DaemonSnapshot:
+    return daemon_snapshot({n: resident(n, b) for n, b in models.items()}, gpu_uuid=gpu_uuid)
 
 
 def test_status_reports_adapters_apart_from_models():
@@ -160,7 +158,7 @@ def test_status_reports_adapters_apart_from_models():
         ("base", "bad", "Loading", 0),
     ]
     assert status["phase"] == "Loading" and status["totalBytes"] == 107
-    assert status["adapters"][0]["fingerprint"] == "k-sql"
+    assert status["adapters"][0]["fingerprint"] == model_key("sql").digest
     book.failed["base/bad"] = "CheckpointError: /m/bad: no adapter_config.json"
     status = node_status(state, {"": _snap(base=100, sql=7)}, wanted, "v").wire()
     bad = status["adapters"][1]
@@ -177,8 +175,8 @@ def test_per_gpu_status_lists_models_per_gpu_and_combines_adapters():
     model_only = DaemonBook(daemon_names={"base": "base"}, loading={"base/sql"})
     state = AgentState(books={"GPU-a": both, "GPU-b": model_only})
     snaps = {
-        "GPU-a": {**_snap(base=100, sql=7), "gpu_uuid": "GPU-a"},
-        "GPU-b": {**_snap(base=100), "gpu_uuid": "GPU-b"},
+        "GPU-a": _snap("GPU-a", base=100, sql=7),
+        "GPU-b": _snap("GPU-b", base=100),
     }
     status = node_status(state, snaps, wanted, "v").wire()
     assert [[m["name"] for m in g["models"]] for g in status["gpus"]] == [["base"], ["base"]]
@@ -221,8 +219,8 @@ def test_agent_loads_adapters_as_adapters_fails_a_corrupt_one_alone_and_releases
     try:
         agent.reconcile(obj([sql, de, broken], 1))
         agent.settle()
-        held = daemon.snapshot()["models"]
-        assert {n: m["kind"] for n, m in held.items()} == {"base": "model", "sql": "adapter", "de": "adapter"}
+        held = daemon.snapshot().models
+        assert {n: m.kind for n, m in held.items()} == {"base": "model", "sql": "adapter", "de": "adapter"}
         now = status()
         assert [(m["name"], m["state"]) for m in now["models"]] == [("base", "Resident")]
         states = {a["name"]: a["state"] for a in now["adapters"]}
@@ -231,7 +229,7 @@ def test_agent_loads_adapters_as_adapters_fails_a_corrupt_one_alone_and_releases
         assert "broken" in failed["message"] and failed["retryAt"] and now["phase"] == "Degraded"
         agent.reconcile(obj([de], 2))  # sql and broken removed from the spec
         agent.settle()
-        assert set(daemon.snapshot()["models"]) == {"base", "de"}
+        assert set(daemon.snapshot().models) == {"base", "de"}
         now = status()
         assert [(a["name"], a["state"]) for a in now["adapters"]] == [("de", "Resident")]
         assert now["phase"] == "Ready"

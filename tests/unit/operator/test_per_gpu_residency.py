@@ -113,7 +113,7 @@ def test_agent_keeps_every_model_on_every_gpu_and_reports_each(fake_gpu_daemons,
     assert llama.state == R and llama.gpu_uuids == GPUS and status.phase.value == "Ready"
     assert status.resident() == {"llama"} and llama.bytes == 4 * status.gpus[0].models[0].bytes
     # GPU-f3's daemon drops it (as under its budget): reported there, and the node is no longer warm.
-    fake_gpu_daemons[3].remove_model(next(iter(fake_gpu_daemons[3].snapshot()["models"])))
+    fake_gpu_daemons[3].remove_model(next(iter(fake_gpu_daemons[3].snapshot().models)))
     (root / "llama").rename(root / "gone")  # its reload fails, so it stays missing there
     agent.reconcile(obj)
     status = node_status(agent.state, agent.snapshots(), agent.wanted, "v")
