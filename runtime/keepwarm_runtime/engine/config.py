@@ -1,16 +1,22 @@
-"""EngineConfig: everything the engine needs to know before it loads a model."""
+"""EngineConfig: everything the engine needs to know before it loads a model.
+
+No torch here (``torch_dtype`` imports it when asked): `keepwarm serve` can build its EngineConfig
+before it starts the background attach (engine/prefetch.py), and that thread, not the main line, is
+the first to pay for importing torch.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from keepwarm_api.values import SERVING_DTYPES, CacheMode, Quantization
-from keepwarm_runtime.engine.moe import kernel_layout
+from keepwarm_runtime.engine.moe import layouts
 from keepwarm_runtime.engine.moe import oracle as moe_oracle
 
-DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in SERVING_DTYPES}
+if TYPE_CHECKING:
+    import torch
+
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flashinfer")
 MOE_BACKENDS = ("auto", *moe_oracle.BACKENDS)
 QUANTIZATIONS = (None, Quantization.FP8.value)  # online quantization of a bf16/fp32 checkpoint
@@ -31,7 +37,7 @@ class EngineConfig:
     )
     moe_backend: str = "auto"  # experts backend; auto: first eligible (engine.moe.oracle.AUTO_ORDER)
     quantization: str | None = None  # "fp8": quantize linear and expert weights online, 128x128 blocks
-    expert_layout: str = kernel_layout.MODEL  # or flashinfer_cutlass: experts as it takes them
+    expert_layout: str = layouts.MODEL  # or flashinfer_cutlass: experts as it takes them
     cache_socket_dir: str | None = None  # node weight cache socket dir; None: read the checkpoint from disk
     cache_mode: str = CacheMode.ZERO_COPY.value  # a CacheMode (see keepwarm_runtime.cache.client.attach)
     cache_fallback: bool = True  # fall back to disk when the cache cannot serve the model
@@ -45,8 +51,8 @@ class EngineConfig:
     max_lora_rank: int = 64  # adapters of a higher rank are refused at load
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+        if self.dtype not in SERVING_DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not supported; use one of {', '.join(SERVING_DTYPES)}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend {self.attention_backend!r} is unknown; "
@@ -56,7 +62,7 @@ class EngineConfig:
             raise ValueError(
                 f"moe_backend {self.moe_backend!r} is unknown; use one of {', '.join(MOE_BACKENDS)}"
             )
-        kernel_layout.check_layout(self.expert_layout)
+        layouts.check_layout(self.expert_layout)
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization {self.quantization!r} is not supported; use fp8 or leave it unset"
@@ -76,4 +82,6 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
-from keepwarm_runtime.engine.config import DTYPES
+from keepwarm_api.values import SERVING_DTYPES
 from keepwarm_runtime.modelgen.architectures import ARCHITECTURES, hidden_for
 from keepwarm_runtime.modelgen.tokenizer import END_OF_TURN, build_tokenizer
 
@@ -63,8 +63,8 @@ def make_model(
     The weights are random (seeded, so the same arguments give the same bytes), stored in
     ``dtype`` across ``num_shards`` safetensors files with an index.
     """
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    if dtype not in SERVING_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(SERVING_DTYPES)}")
     if isinstance(params, str):
         params = parse_param_count(params)
     out = Path(out)
@@ -77,7 +77,7 @@ def make_model(
     config.pad_token_id = tokenizer.pad_token_id
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=[tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(END_OF_TURN)],

@@ -19,7 +19,6 @@ def make_qwen2_audio(path: Path, seed: int = 0, dtype: str = "float32") -> Path:
         WhisperFeatureExtractor,
     )
 
-    from keepwarm_runtime.engine.config import DTYPES
     from keepwarm_runtime.modelgen.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(1024)
@@ -56,7 +55,7 @@ def make_qwen2_audio(path: Path, seed: int = 0, dtype: str = "float32") -> Path:
     model = Qwen2AudioForConditionalGeneration(config).eval()
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.to(DTYPES[dtype]).save_pretrained(path)
+    model.to(getattr(torch, dtype)).save_pretrained(path)
     processor = Qwen2AudioProcessor(
         feature_extractor=WhisperFeatureExtractor(feature_size=80), tokenizer=tokenizer, chat_template=None
     )

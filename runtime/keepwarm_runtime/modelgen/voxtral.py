@@ -20,8 +20,6 @@ def save_voxtral(
     import torch
     from transformers import VoxtralConfig, VoxtralForConditionalGeneration, WhisperFeatureExtractor
 
-    from keepwarm_runtime.engine.config import DTYPES
-
     config = VoxtralConfig(
         audio_config={
             "model_type": "voxtral_encoder",
@@ -51,7 +49,7 @@ def save_voxtral(
     model = VoxtralForConditionalGeneration(config).eval()
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = pad
-    model.to(DTYPES[dtype]).save_pretrained(path)
+    model.to(getattr(torch, dtype)).save_pretrained(path)
     WhisperFeatureExtractor(feature_size=MEL_BINS).save_pretrained(path)
 
 

@@ -31,7 +31,6 @@ def make_whisper(path: Path, *, max_length: int = 40, seed: int = 0, dtype: str 
         WhisperForConditionalGeneration,
     )
 
-    from keepwarm_runtime.engine.config import DTYPES
     from keepwarm_runtime.modelgen.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(1024)
@@ -71,7 +70,7 @@ def make_whisper(path: Path, *, max_length: int = 40, seed: int = 0, dtype: str 
         no_timestamps_token_id=ids["<|notimestamps|>"],
         is_multilingual=True,
     )
-    model.to(DTYPES[dtype]).save_pretrained(path)
+    model.to(getattr(torch, dtype)).save_pretrained(path)
     tokenizer.save_pretrained(path)
     WhisperFeatureExtractor(feature_size=80, sampling_rate=16000).save_pretrained(path)
     return path

@@ -27,21 +27,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from keepwarm_runtime.engine.moe.layouts import FLASHINFER_CUTLASS, LAYOUT_IDS, LAYOUTS, MODEL
+from keepwarm_runtime.engine.moe.layouts import (
+    FLASHINFER_CUTLASS,
+    LAYOUT_IDS,
+    LAYOUTS,
+    MODEL,
+    ExpertLayoutError,
+    check_layout,
+)
 from keepwarm_runtime.engine.moe.serving_layout import CONVERSION_ID
 
-__all__ = ["FLASHINFER_CUTLASS", "LAYOUTS", "MODEL"]
+__all__ = ["FLASHINFER_CUTLASS", "LAYOUTS", "MODEL", "ExpertLayoutError", "check_layout"]
 UP_FIRST_ATTR = "_keepwarm_gate_up_up_first"  # set on an experts module whose gate_up holds [up; gate]
-
-
-class ExpertLayoutError(ValueError):
-    """An expert layout that is unknown, or that a tensor cannot be converted to; says which and why."""
-
-
-def check_layout(layout: str) -> str:
-    if layout not in LAYOUT_IDS:
-        raise ExpertLayoutError(f"expert layout {layout!r} is unknown; use one of {', '.join(LAYOUTS)}")
-    return layout
 
 
 def conversion_id(layout: str) -> str:

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from keepwarm_runtime.engine.moe.kernel_layout import LAYOUTS, MODEL
+from keepwarm_runtime.engine.moe.layouts import LAYOUTS, MODEL
 
 WEIGHT_FORMATS = ("fp32", "fp16", "bf16", "fp8_per_tensor", "fp8_block128", "mxfp8")
 ACTIVATIONS = ("swiglu", "geglu")  # gated SiLU (incl. gpt-oss' clamped form) | gated GELU
