@@ -91,7 +91,10 @@ class _Cohort:
 
 
 class WhisperEngine:
-    """Loads a Whisper checkpoint; ``add_request``/``step``/``abort_request`` like LLMEngine."""
+    """Loads a Whisper checkpoint; ``add_request``/``step``/``abort_request`` like LLMEngine.
+
+    Its keyword arguments are named as EngineConfig's fields: `keepwarm serve` passes the engine
+    settings its user gave by those names, and refuses the others (server/serving_audio.py)."""
 
     supports_transcription = True
 

@@ -1,14 +1,17 @@
 """EngineConfig: everything the engine needs to know before it loads a model.
 
-No torch here (``torch_dtype`` imports it when asked): `keepwarm serve` can build its EngineConfig
-before it starts the background attach (engine/prefetch.py), and that thread, not the main line, is
-the first to pay for importing torch.
+Each field is declared once, here: its name, type, default and (``count``) lower bound. `keepwarm serve`
+builds one EngineConfig (``from_settings``, server/cli.py) from the settings its user gave, and hands
+that object to the background attach (engine/prefetch.py), the engine and the speech engine; ``given``
+says which fields came from the user, so an engine with defaults of its own (Whisper's) keeps them.
+No torch here (``torch_dtype`` imports it when asked): the server builds this config before the
+background attach starts, and that thread, not the main line, is the first to pay for importing torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 from keepwarm_api.values import SERVING_DTYPES, CacheMode, Quantization
 from keepwarm_runtime.engine.moe import layouts
@@ -20,6 +23,12 @@ if TYPE_CHECKING:
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flashinfer")
 MOE_BACKENDS = ("auto", *moe_oracle.BACKENDS)
 QUANTIZATIONS = (None, Quantization.FP8.value)  # online quantization of a bf16/fp32 checkpoint
+_AT_LEAST = "keepwarm.at_least"  # field metadata: the smallest value a count may take (None passes)
+
+
+def count(default: int | None) -> Any:
+    """A field that counts something: at least 1 (or None where its type allows)."""
+    return field(default=default, metadata={_AT_LEAST: 1})
 
 
 @dataclass
@@ -27,10 +36,10 @@ class EngineConfig:
     model_dir: str
     dtype: str = "float32"  # weights and activations: float32 | bfloat16 | float16
     device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
-    max_num_seqs: int = 64  # most sequences in one batch
-    max_num_batched_tokens: int = 4096  # most tokens (prefill + decode) in one forward pass
-    block_size: int = 16  # tokens per KV-cache block
-    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gib (CPU) or free GPU memory
+    max_num_seqs: int = count(64)  # most sequences in one batch
+    max_num_batched_tokens: int = count(4096)  # most tokens (prefill + decode) in one forward pass
+    block_size: int = count(16)  # tokens per KV-cache block
+    num_kv_blocks: int | None = count(None)  # None: sized from kv_cache_memory_gib (CPU) or free GPU memory
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped by the KV cache
     attention_backend: str = (
         "auto"  # auto (flashinfer on CUDA when installed; cpu on CPU when its kernel builds; else torch)
@@ -45,10 +54,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # share KV blocks between requests with a common prompt prefix
     kv_cache_memory_gib: float = 1.0  # CPU: KV-cache budget when num_kv_blocks is None
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of total memory weights + KV cache may use
-    max_prompt_logprobs_len: int = 32768  # longest prompt whose prompt logprobs a request may ask for
+    max_prompt_logprobs_len: int = count(32768)  # longest prompt whose prompt logprobs a request may ask for
     enable_lora: bool = False  # serve PEFT LoRA adapters per request (engine/lora)
-    max_loras: int = 4  # adapter slots on the device: most distinct adapters in one batch
-    max_lora_rank: int = 64  # adapters of a higher rank are refused at load
+    max_loras: int = count(4)  # adapter slots on the device: most distinct adapters in one batch
+    max_lora_rank: int = count(64)  # adapters of a higher rank are refused at load
+    # the fields the user set (`keepwarm serve`'s flags and KEEPWARM_* variables), in the order given;
+    # the others hold the defaults above
+    given: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.dtype not in SERVING_DTYPES:
@@ -67,18 +79,22 @@ class EngineConfig:
             raise ValueError(
                 f"quantization {self.quantization!r} is not supported; use fp8 or leave it unset"
             )
-        for name in (
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "block_size",
-            "max_prompt_logprobs_len",
-            "max_loras",
-            "max_lora_rank",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
+        for f in fields(self):
+            least, value = f.metadata.get(_AT_LEAST), getattr(self, f.name)
+            if least is not None and value is not None and value < least:
+                raise ValueError(f"{f.name} must be at least {least}, got {value}")
+        unknown = set(self.given) - {f.name for f in fields(self)}
+        if unknown:
+            raise ValueError(f"given names no EngineConfig field: {', '.join(sorted(unknown))}")
+
+    @classmethod
+    def from_settings(cls, model_dir: str, **settings: Any) -> EngineConfig:
+        """The config of these settings, each named in ``given`` (what `keepwarm serve` builds)."""
+        return cls(model_dir, **settings, given=tuple(settings))
+
+    def given_values(self) -> dict[str, Any]:
+        """The fields the user set, with their values."""
+        return {name: getattr(self, name) for name in self.given}
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -3,9 +3,10 @@
 `keepwarm serve` spends seconds importing transformers' model classes (and uvicorn, fastapi) before
 the engine can build its model; the weights need none of that, only torch and the checkpoint's
 safetensors headers. ``WeightPrefetch.start`` runs ``attach()`` (the node cache, or the disk) in a
-daemon thread from the first moment the server knows its settings; the engine's loader then takes
-that result instead of attaching again (``take``), provided it asks for exactly the same attach
-(``attach_arguments`` is the one definition of that request for both).
+daemon thread from the first moment the server knows its settings: the one EngineConfig it builds,
+and hands to the engine too. The engine's loader then takes that result instead of attaching again
+(``take``), provided it asks for exactly the same attach (``attach_arguments`` is the one definition
+of that request for both).
 
 Only plain attaches of causal LMs are prefetched: with ``--quantization fp8`` or a kernel
 ``--expert-layout`` what the cache is asked for depends on the built model, so the loader attaches
@@ -47,31 +48,23 @@ def attach_arguments(config: EngineConfig) -> dict[str, Any]:
 class WeightPrefetch:
     """One ``attach()`` running in a daemon thread; ``take(config)`` hands its result to the loader."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config  # what it attaches for: the server's one EngineConfig
         self._future: Future[AttachResult | None] = Future()
         self._arguments: dict[str, Any] | None = None  # what was attached; None: nothing (yet)
 
     @classmethod
-    def start(cls, model_dir: str, engine_settings: dict[str, Any], kind: ModelKind) -> WeightPrefetch:
-        """Begin attaching for ``EngineConfig(model_dir, **engine_settings)`` of a ``kind`` model.
-        Settings the engine will refuse end the thread quietly: the engine raises its own error when
-        it builds that config, and ``take`` then has nothing to give."""
-        prefetch = cls()
-        thread = threading.Thread(
-            target=prefetch._run,
-            args=(model_dir, engine_settings, kind),
-            name="keepwarm-weights",
-            daemon=True,
-        )
-        thread.start()
+    def start(cls, config: EngineConfig, kind: ModelKind) -> WeightPrefetch:
+        """Begin attaching for ``config``, the engine config of a ``kind`` model."""
+        prefetch = cls(config)
+        threading.Thread(target=prefetch._run, args=(kind,), name="keepwarm-weights", daemon=True).start()
         return prefetch
 
-    def _run(self, model_dir: str, engine_settings: dict[str, Any], kind: ModelKind) -> None:
+    def _run(self, kind: ModelKind) -> None:
         try:
             from keepwarm_runtime.cache.client import attach
-            from keepwarm_runtime.engine.config import EngineConfig
 
-            config = EngineConfig(model_dir, **engine_settings)
+            config = self.config
             # Online FP8 and kernel expert layouts key the arena by what the built model holds: the
             # loader attaches those itself, once it has the model.
             converted = config.quantization is not None or config.expert_layout != MODEL

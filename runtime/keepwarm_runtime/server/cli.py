@@ -3,8 +3,9 @@
 Flags, KEEPWARM_* variables and --help come from one declaration, ``server/settings.py``
 (``--max-num-seqs`` <- ``KEEPWARM_MAX_NUM_SEQS``; MODEL_DIR <- ``KEEPWARM_MODEL_DIR``); a flag on the
 command line wins, an empty variable means the default. This is how the operator configures pods.
-The parsed arguments become one ServeSettings here, at the entry point; everything below takes that.
-Imports stay lazy: `keepwarm --help` must not pay for torch.
+The parsed arguments become one ServeSettings here, at the entry point, and its engine settings one
+EngineConfig (``engine_config``) that the background attach, the engine and the speech engine all
+take; everything below takes those two. Imports stay lazy: `keepwarm --help` must not pay for torch.
 """
 
 from __future__ import annotations
@@ -18,12 +19,17 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from keepwarm_api.settings import SettingError, add_command, env_names, group, resolve
 from keepwarm_api.shutdown import DRAIN_S
 from keepwarm_runtime.engine.auto_dtype import AUTO_DTYPE, auto_dtype
+from keepwarm_runtime.engine.config import EngineConfig
+from keepwarm_runtime.model_kind import ModelKind, detect_kind
 from keepwarm_runtime.server.settings import ENGINE, ServeSettings
+
+if TYPE_CHECKING:
+    from keepwarm_runtime.engine.prefetch import WeightPrefetch
 
 logger = logging.getLogger(__name__)
 
@@ -53,17 +59,31 @@ def serve_settings(args: argparse.Namespace, environ: Mapping[str, str] = os.env
         raise SystemExit(f"keepwarm serve: {exc}") from None
 
 
-def engine_settings(settings: ServeSettings) -> dict[str, Any]:
-    """EngineConfig keyword arguments: the engine group's set fields (unset ones keep its defaults).
+def engine_config(settings: ServeSettings) -> EngineConfig:
+    """The one EngineConfig of this process: the engine group's set fields, named in its ``given``
+    (unset ones keep EngineConfig's defaults), for the absolute MODEL_DIR.
 
-    ``--dtype auto`` becomes a dtype here (engine/auto_dtype.py), so everything that takes these
-    settings (the engine, the speech engine, the weight loader) sees a real one; the choice is logged.
+    ``--dtype auto`` becomes a dtype here (engine/auto_dtype.py), so everything that takes this config
+    (the background attach, the engine, the speech engine) sees a real one; the choice is logged.
+    --lora-modules, --lora-modules-file or --allow-runtime-lora-updating turn LoRA on unless
+    --enable-lora says otherwise. A value EngineConfig refuses is a ValueError naming the field.
     """
+    if settings.model_dir is None:
+        raise ValueError("MODEL_DIR is required")
     engine = group(settings, ENGINE)
-    if engine.get("dtype") == AUTO_DTYPE and settings.model_dir is not None:
+    if engine.get("dtype") == AUTO_DTYPE:
         engine["dtype"], why = auto_dtype(settings.model_dir, engine.get("device"))
         logger.info("--dtype auto: %s (%s)", engine["dtype"], why)
-    return engine
+    if settings.lora_modules or settings.lora_modules_file or settings.allow_runtime_lora_updating:
+        engine.setdefault("enable_lora", True)
+    return EngineConfig.from_settings(os.path.abspath(settings.model_dir), **engine)
+
+
+def server_start(config: ServeSettings, thread_choice: Any, openmp_prepared: bool) -> ServerStart:
+    """What serving needs, decided once: the EngineConfig (``engine_config``; its ValueError passes
+    through) and what kind of model its directory holds."""
+    engine = engine_config(config)
+    return ServerStart(config, engine, detect_kind(engine.model_dir), thread_choice, openmp_prepared)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -108,20 +128,15 @@ def serve(config: ServeSettings) -> int:
         except (OSError, UnicodeDecodeError, ValueError) as exc:
             print(f"keepwarm serve: --lora-modules-file: {exc}", file=sys.stderr)
             return 2
-    settings = engine_settings(config)
-    if config.lora_modules or config.lora_modules_file or config.allow_runtime_lora_updating:
-        settings.setdefault("enable_lora", True)
-    model_dir = os.path.abspath(config.model_dir)
-    from keepwarm_runtime.model_kind import detect_kind
-
-    server = ServerStart(config, settings, model_dir, detect_kind(model_dir), thread_choice, openmp_prepared)
+    try:
+        server = server_start(config, thread_choice, openmp_prepared)
+    except ValueError as exc:
+        print(f"keepwarm serve: {exc}", file=sys.stderr)
+        return 2
     if config.supervise:
         return supervise(server)
-    from keepwarm_runtime.engine.prefetch import WeightPrefetch
-
     # The weights need only torch: attach them while the server and transformers import.
-    prefetch = WeightPrefetch.start(model_dir, settings, server.kind)
-    return server.run(started_at, prefetch)
+    return server.run(started_at, server.prefetch())
 
 
 def supervise(server: ServerStart) -> int:
@@ -147,10 +162,8 @@ def supervise(server: ServerStart) -> int:
         return 2
 
     def worker() -> int:
-        from keepwarm_runtime.engine.prefetch import WeightPrefetch
-
         started_at = time.time()  # the fork: this worker's start
-        prefetch = WeightPrefetch.start(server.model_dir, server.settings, server.kind)
+        prefetch = server.prefetch()  # the EngineConfig the parent built, inherited by the fork
         # A restarted worker loads before it accepts: requests wait in the backlog, never see a 503.
         return server.run(started_at, prefetch, listener, load_first=sum(RESTARTS.by_cause.values()) > 0)
 
@@ -181,15 +194,52 @@ def supervise(server: ServerStart) -> int:
 
 @dataclass
 class ServerStart:
-    """What serving needs once the settings are resolved; ``run`` serves in this process."""
+    """What serving needs once the settings are resolved (``server_start``); ``run`` serves in this
+    process, and a supervised worker inherits it by the fork."""
 
     config: ServeSettings
-    settings: dict[str, Any]  # EngineConfig keyword arguments
-    model_dir: str  # absolute
-    kind: Any  # model_kind.ModelKind: what model_dir holds, decided once (detect_kind)
+    engine_config: EngineConfig  # built once (engine_config): the prefetch, the engine, the speech engine
+    kind: ModelKind  # what model_dir holds, decided once (model_kind.detect_kind)
     thread_choice: Any  # engine.threads.ThreadChoice
     openmp_prepared: bool
     audio: Any = None  # AudioServerSettings once checked
+
+    @property
+    def model_dir(self) -> str:
+        """The checkpoint directory, absolute."""
+        return self.engine_config.model_dir
+
+    def prefetch(self) -> WeightPrefetch:
+        """Begin attaching this config's weights in the background (engine/prefetch.py)."""
+        from keepwarm_runtime.engine.prefetch import WeightPrefetch
+
+        return WeightPrefetch.start(self.engine_config, self.kind)
+
+    def make_engine(self, started_at: float, prefetch: WeightPrefetch, load_first: bool = False) -> Any:
+        """The engine of this config: Whisper's for a speech model, else an LLMEngine that takes the
+        weights ``prefetch`` attached, with the --lora-modules adapters added and (unless
+        ``load_first``) warmed up."""
+        # transformers resolves its names lazily: import what the engine uses now (the attention
+        # registry and weight conversions pull torch._dynamo, torch.distributed.tensor and sympy, ~4 s
+        # on a small CPU), so those seconds are charged to the imports phase, not to config.
+        import transformers.core_model_loading  # noqa: F401
+        from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+        from keepwarm_runtime.engine.llm_engine import LLMEngine
+        from keepwarm_runtime.engine.startup import StartupProfile
+        from keepwarm_runtime.server.serving_audio import make_speech_engine
+
+        speech = make_speech_engine(self.engine_config, self.kind)
+        if speech is not None:
+            return speech
+        profile = StartupProfile.since_process_start(started_at)
+        profile.mark("imports")
+        engine = LLMEngine(self.engine_config, profile, prefetch)
+        for adapter in self.config.lora_modules:  # a bad adapter fails the start, naming it
+            engine.add_lora(adapter.name, adapter.path)
+        if not load_first:  # a restarted worker's first queued request is its warm-up
+            engine.warm_up()
+        return engine
 
     def check(self) -> int | None:
         """Validate the media and audio settings (2 and a message when they are wrong), else None."""
@@ -213,7 +263,7 @@ class ServerStart:
     def run(
         self,
         started_at: float,
-        prefetch: Any,
+        prefetch: WeightPrefetch,
         listener: socket.socket | None = None,
         load_first: bool = False,
     ) -> int:
@@ -227,34 +277,13 @@ class ServerStart:
         from keepwarm_runtime.engine import threads as cpu_threads
         from keepwarm_runtime.server.app import create_app
         from keepwarm_runtime.server.serving import ServingOptions
-        from keepwarm_runtime.server.serving_audio import make_speech_engine
 
         if self.audio is None and self.check() is not None:
             return 2
-        config, settings, model_dir = self.config, self.settings, self.model_dir
+        config, model_dir = self.config, self.model_dir
 
         def make_engine() -> Any:
-            # transformers resolves its names lazily: import what the engine uses now (the attention
-            # registry and weight conversions pull torch._dynamo, torch.distributed.tensor and sympy, ~4 s
-            # on a small CPU), so those seconds are charged to the imports phase, not to config.
-            import transformers.core_model_loading  # noqa: F401
-            from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
-
-            from keepwarm_runtime.engine.config import EngineConfig
-            from keepwarm_runtime.engine.llm_engine import LLMEngine
-            from keepwarm_runtime.engine.startup import StartupProfile
-
-            speech = make_speech_engine(model_dir, self.kind, settings)
-            if speech is not None:
-                return speech
-            profile = StartupProfile.since_process_start(started_at)
-            profile.mark("imports")
-            engine = LLMEngine(EngineConfig(model_dir, **settings), profile, prefetch)
-            for adapter in config.lora_modules:  # a bad adapter fails the start, naming it
-                engine.add_lora(adapter.name, adapter.path)
-            if not load_first:  # a restarted worker's first queued request is its warm-up
-                engine.warm_up()
-            return engine
+            return self.make_engine(started_at, prefetch, load_first)
 
         options = ServingOptions(
             trust_request_chat_template=config.trust_request_chat_template,
@@ -310,7 +339,7 @@ class ServerStart:
             model_dir,
             config.host,
             config.port,
-            settings,
+            self.engine_config.given_values(),
             "required" if options.api_key else "off",
         )
         server.run(sockets=None if listener is None else [listener])

@@ -8,17 +8,19 @@ request. Every form field OpenAI defines is honoured or refused by name; unknown
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
+from keepwarm_api.settings import flag_name
 from keepwarm_runtime.audio import AudioError, load_audio
 from keepwarm_runtime.audio.metrics import AudioMetrics
 from keepwarm_runtime.audio.transcript_formats import (
@@ -38,6 +40,9 @@ from keepwarm_runtime.server.metrics import RequestTimer
 from keepwarm_runtime.server.responses import random_id
 from keepwarm_runtime.server.serving import ServingContext, race_disconnect
 from keepwarm_runtime.server.sse import sse_event
+
+if TYPE_CHECKING:
+    from keepwarm_runtime.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 TRANSCRIPTIONS, TRANSLATIONS = "/v1/audio/transcriptions", "/v1/audio/translations"
@@ -96,20 +101,24 @@ def audio_settings(
     return AudioServerSettings(backend=name, max_upload_bytes=max_upload_bytes, media=media)
 
 
-def make_speech_engine(model_dir: str, kind: ModelKind, settings: dict[str, Any]) -> Any:
-    """A WhisperEngine for a speech model (with the engine flags that apply to it), else None."""
+def make_speech_engine(config: EngineConfig, kind: ModelKind) -> Any:
+    """A WhisperEngine of ``config`` for a speech model, else None.
+
+    WhisperEngine's keyword arguments are named as EngineConfig's fields, so its signature says what it
+    takes: the settings the user gave (``config.given``) are passed to it, one it has no argument for
+    is refused by its flag, and the ones not given keep WhisperEngine's own defaults."""
     if kind is not ModelKind.SPEECH:
         return None
     from keepwarm_runtime.audio.whisper_engine import WhisperEngine
 
-    honoured = ("device", "dtype", "max_num_seqs", "cache_socket_dir", "cache_mode", "cache_fallback")
-    refused = sorted(k for k, v in settings.items() if k not in honoured and v is not None)
+    given = config.given_values()
+    takes = {p.name for p in inspect.signature(WhisperEngine).parameters.values() if p.kind is p.KEYWORD_ONLY}
+    refused = sorted(name for name in given if name not in takes)
     if refused:
         raise ValueError(
-            f"not supported for Whisper models: {', '.join('--' + k.replace('_', '-') for k in refused)}"
+            f"not supported for Whisper models: {', '.join(flag_name(name) for name in refused)}"
         )
-    kwargs = {k: settings[k] for k in honoured if settings.get(k) is not None}
-    return WhisperEngine(model_dir, **kwargs)
+    return WhisperEngine(config.model_dir, **given)
 
 
 def register_audio_routes(app: FastAPI, ctx: ServingContext, settings: AudioServerSettings) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from keepwarm_runtime.engine.config import EngineConfig
 from keepwarm_runtime.model_kind import ModelKind
 from keepwarm_runtime.server import cli
 from keepwarm_runtime.server.serving_audio import audio_settings, make_speech_engine
@@ -52,10 +53,23 @@ def test_unknown_backend_fails_at_start_up(tmp_path: Path) -> None:
 
 
 def test_whisper_refuses_engine_flags_it_cannot_honour(tmp_path: Path) -> None:
-    settings = {"max_model_len": 10, "num_kv_blocks": 4, "dtype": "float32"}
+    config = EngineConfig.from_settings(str(tmp_path), max_model_len=10, num_kv_blocks=4, dtype="float32")
     with pytest.raises(ValueError, match="--max-model-len, --num-kv-blocks"):
-        make_speech_engine(str(tmp_path), ModelKind.SPEECH, settings)
-    assert make_speech_engine(str(tmp_path), ModelKind.TEXT, settings) is None  # LLMEngine's model
+        make_speech_engine(config, ModelKind.SPEECH)
+    assert make_speech_engine(config, ModelKind.TEXT) is None  # LLMEngine's model
+
+
+def test_whisper_takes_the_given_engine_settings_and_keeps_its_own_defaults(tmp_path: Path) -> None:
+    from keepwarm_runtime.modelgen.whisper import make_whisper
+
+    model_dir = str(make_whisper(tmp_path / "tiny-whisper"))
+    given = make_speech_engine(EngineConfig.from_settings(model_dir, max_num_seqs=3), ModelKind.SPEECH)
+    assert given.max_num_seqs == 3
+    unset = EngineConfig.from_settings(model_dir, dtype="bfloat16")
+    assert unset.max_num_seqs == 64  # EngineConfig's default, for LLMEngine ...
+    engine = make_speech_engine(unset, ModelKind.SPEECH)
+    assert engine.max_num_seqs == 32  # ... and Whisper's own, not given
+    assert next(engine.model.parameters()).dtype == unset.torch_dtype
 
 
 def test_missing_form_parser_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -66,16 +66,17 @@ def test_auto_dtype_reads_the_checkpoint(tmp_path: Path):
 def test_serve_settings_resolve_auto_before_anything_takes_them(tmp_path: Path, monkeypatch):
     import argparse
 
-    from keepwarm_runtime.server.cli import add_serve_parser, engine_settings, serve_settings
+    from keepwarm_runtime.engine.config import EngineConfig
+    from keepwarm_runtime.server.cli import add_serve_parser, engine_config, serve_settings
 
     monkeypatch.delenv("KEEPWARM_DTYPE", raising=False)
     (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float16"}))
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers())
 
-    def settings(*argv: str) -> dict:
-        return engine_settings(serve_settings(parser.parse_args(["serve", str(tmp_path), *argv])))
+    def config(*argv: str) -> EngineConfig:
+        return engine_config(serve_settings(parser.parse_args(["serve", str(tmp_path), *argv])))
 
-    assert settings("--dtype", "auto", "--device", "cuda")["dtype"] == "float16"
-    assert settings("--dtype", "float32")["dtype"] == "float32"  # anything else passes through
-    assert "dtype" not in settings()  # unset: the engine's default
+    assert config("--dtype", "auto", "--device", "cuda").dtype == "float16"
+    assert config("--dtype", "float32").dtype == "float32"  # anything else passes through
+    assert "dtype" not in config().given  # unset: the engine's default

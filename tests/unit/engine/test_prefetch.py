@@ -18,9 +18,10 @@ from keepwarm_runtime.model_kind import ModelKind
 
 
 def test_the_loader_uses_the_prefetched_weights_and_says_so(tiny_llama: Path):
-    prefetch = WeightPrefetch.start(str(tiny_llama), {"dtype": "float32"}, ModelKind.TEXT)
+    config = EngineConfig(str(tiny_llama), dtype="float32")
+    prefetch = WeightPrefetch.start(config, ModelKind.TEXT)
     profile = StartupProfile()
-    model, info = load_model(EngineConfig(str(tiny_llama), dtype="float32"), profile, prefetch)
+    model, info = load_model(config, profile, prefetch)
 
     assert profile.weights_prefetched and info.source == "disk"
     assert profile.weights_attach_s == info.seconds > 0
@@ -30,7 +31,7 @@ def test_the_loader_uses_the_prefetched_weights_and_says_so(tiny_llama: Path):
 
 
 def test_a_prefetch_for_other_settings_is_not_used(tiny_llama: Path, caplog):
-    prefetch = WeightPrefetch.start(str(tiny_llama), {"dtype": "float32"}, ModelKind.TEXT)
+    prefetch = WeightPrefetch.start(EngineConfig(str(tiny_llama), dtype="float32"), ModelKind.TEXT)
     profile = StartupProfile()
     with caplog.at_level(logging.WARNING, "keepwarm_runtime.engine.prefetch"):
         model, _ = load_model(EngineConfig(str(tiny_llama), dtype="bfloat16"), profile, prefetch)
@@ -42,25 +43,19 @@ def test_a_prefetch_for_other_settings_is_not_used(tiny_llama: Path, caplog):
 
 
 def test_a_failed_attach_is_raised_where_the_loader_takes_it(tiny_llama: Path, tmp_path: Path):
-    settings = {"cache_socket_dir": str(tmp_path / "no-daemon"), "cache_fallback": False}
-    prefetch = WeightPrefetch.start(str(tiny_llama), settings, ModelKind.TEXT)
+    config = EngineConfig(str(tiny_llama), cache_socket_dir=str(tmp_path / "no-daemon"), cache_fallback=False)
+    prefetch = WeightPrefetch.start(config, ModelKind.TEXT)
     with pytest.raises(CacheAttachError):
-        prefetch.take(EngineConfig(str(tiny_llama), **settings))
+        prefetch.take(config)
 
 
-@pytest.mark.parametrize(
-    "settings",
-    [
-        {"dtype": "float8"},  # refused by EngineConfig: the engine raises its own error for it
-        {"quantization": "fp8"},  # the cache key depends on the checkpoint's config: the loader attaches
-    ],
-)
-def test_nothing_is_prefetched_for_settings_the_loader_must_handle(tiny_llama: Path, settings):
-    prefetch = WeightPrefetch.start(str(tiny_llama), settings, ModelKind.TEXT)
+def test_nothing_is_prefetched_for_settings_the_loader_must_handle(tiny_llama: Path):
+    """Online FP8: the cache key depends on the checkpoint's config, so the loader attaches itself."""
+    prefetch = WeightPrefetch.start(EngineConfig(str(tiny_llama), quantization="fp8"), ModelKind.TEXT)
     assert prefetch.take(EngineConfig(str(tiny_llama))) is None
 
 
 def test_nothing_is_prefetched_for_a_speech_model(tiny_llama: Path):
     """Whisper's own engine loads its weights: an attach here would be a second copy nobody takes."""
-    prefetch = WeightPrefetch.start(str(tiny_llama), {"dtype": "float32"}, ModelKind.SPEECH)
+    prefetch = WeightPrefetch.start(EngineConfig(str(tiny_llama), dtype="float32"), ModelKind.SPEECH)
     assert prefetch.take(EngineConfig(str(tiny_llama), dtype="float32")) is None

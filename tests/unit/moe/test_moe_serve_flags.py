@@ -7,26 +7,25 @@ import argparse
 import pytest
 
 from keepwarm_runtime.engine.config import EngineConfig
-from keepwarm_runtime.server.cli import add_serve_parser, engine_settings, serve_settings
+from keepwarm_runtime.server.cli import add_serve_parser, engine_config, serve_settings
 
 
-def _settings(argv: list[str]) -> dict:
+def _config(argv: list[str]) -> EngineConfig:
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers())
-    return engine_settings(serve_settings(parser.parse_args(["serve", "/m", *argv])))
+    return engine_config(serve_settings(parser.parse_args(["serve", "/m", *argv])))
 
 
 def test_flags_reach_engine_config() -> None:
-    settings = _settings(["--moe-backend", "torch", "--quantization", "fp8"])
-    config = EngineConfig(model_dir="/m", **{k: v for k, v in settings.items() if v is not None})
+    config = _config(["--moe-backend", "torch", "--quantization", "fp8"])
     assert (config.moe_backend, config.quantization) == ("torch", "fp8")
 
 
 def test_environment_variables(monkeypatch) -> None:
     monkeypatch.setenv("KEEPWARM_MOE_BACKEND", "flashinfer_cutlass")
     monkeypatch.setenv("KEEPWARM_QUANTIZATION", "fp8")
-    settings = _settings([])
-    assert settings["moe_backend"] == "flashinfer_cutlass" and settings["quantization"] == "fp8"
+    config = _config([])
+    assert config.moe_backend == "flashinfer_cutlass" and config.quantization == "fp8"
 
 
 @pytest.mark.parametrize(("field", "value"), [("moe_backend", "triton"), ("quantization", "awq")])

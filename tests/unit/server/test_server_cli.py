@@ -1,8 +1,11 @@
-"""`keepwarm serve` flags: every flag from KEEPWARM_* too, flags win; one ServeSettings results."""
+"""`keepwarm serve` flags: every flag from KEEPWARM_* too, flags win; one ServeSettings results, and
+one EngineConfig from it that the background attach and the engine both take."""
 
 from __future__ import annotations
 
 import argparse
+import time
+from pathlib import Path
 
 import pytest
 
@@ -30,11 +33,13 @@ def test_defaults(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     args = parse(["/models/m"])
     assert (args.model_dir, args.host, args.port) == ("/models/m", "0.0.0.0", 8000)
-    assert cli.engine_settings(args) == {  # unset ones (cache_socket_dir) keep EngineConfig's default
+    config = cli.engine_config(args)
+    assert config.given_values() == {  # unset ones (cache_socket_dir) keep EngineConfig's default
         "cache_mode": "zero_copy",
         "cache_fallback": True,
     }
-    assert args.cache_socket_dir is None
+    assert args.cache_socket_dir is None and config.cache_socket_dir is None
+    assert (config.model_dir, config.max_num_seqs) == ("/models/m", 64)
 
 
 def test_env_supplies_every_flag_and_flags_win(monkeypatch):
@@ -48,7 +53,7 @@ def test_env_supplies_every_flag_and_flags_win(monkeypatch):
     monkeypatch.setenv("KEEPWARM_SERVED_MODEL_NAME", "envname")
     args = parse([])
     assert (args.model_dir, args.port, args.served_model_name) == ("/models/from-env", 9001, "envname")
-    assert cli.engine_settings(args) == {
+    assert cli.engine_config(args).given_values() == {
         "cache_socket_dir": "/var/run/keepwarm/wc",
         "cache_mode": "copy",
         "cache_fallback": False,
@@ -58,9 +63,9 @@ def test_env_supplies_every_flag_and_flags_win(monkeypatch):
     args = parse(
         ["/models/flag", "--port", "9002", "--max-num-seqs", "3", "--cache-fallback", "--dtype", "float32"]
     )
-    settings = cli.engine_settings(args)
+    config = cli.engine_config(args)
     assert (args.model_dir, args.port) == ("/models/flag", 9002)
-    assert (settings["max_num_seqs"], settings["cache_fallback"], settings["dtype"]) == (3, True, "float32")
+    assert (config.max_num_seqs, config.cache_fallback, config.dtype) == (3, True, "float32")
 
 
 def test_bad_env_value_names_the_variable(monkeypatch):
@@ -80,7 +85,7 @@ def test_empty_variables_mean_the_default(monkeypatch):
         monkeypatch.setenv(name, "  ")
     settings = parse(["/m"])
     assert (settings.port, settings.cache_fallback, settings.api_key) == (8000, True, None)
-    assert "max_num_seqs" not in cli.engine_settings(settings)
+    assert "max_num_seqs" not in cli.engine_config(settings).given
 
 
 def test_bad_flag_value_is_refused_by_argparse(capsys):
@@ -104,6 +109,43 @@ def test_engine_settings_are_engine_config_fields():
     for spec in engine:
         accepted = set(typing.get_args(hints[spec.name])) or {hints[spec.name]}
         assert spec.kind in accepted, (spec.name, hints[spec.name])
+
+
+def test_lora_flags_turn_lora_on_unless_it_is_turned_off():
+    assert "enable_lora" not in cli.engine_config(parse(["/m"])).given
+    assert cli.engine_config(parse(["/m", "--allow-runtime-lora-updating"])).enable_lora is True
+    assert cli.engine_config(parse(["/m", "--lora-modules-file", "/adapters.json"])).enable_lora is True
+    assert cli.engine_config(parse(["/m", "--lora-modules", "a=/a", "--no-enable-lora"])).enable_lora is False
+
+
+def test_a_value_the_engine_refuses_is_refused_before_serving(monkeypatch):
+    monkeypatch.delenv("KEEPWARM_MAX_NUM_SEQS", raising=False)
+    with pytest.raises(ValueError, match="max_num_seqs must be at least 1, got 0"):
+        cli.engine_config(parse(["/m", "--max-num-seqs", "0"]))
+
+
+def test_one_engine_config_reaches_the_prefetch_and_the_engine(tiny_llama: Path, monkeypatch):
+    """serve() builds the EngineConfig once (server_start); the background attach and the engine take
+    that one object, so the weights attached in the background are the engine's own."""
+    from keepwarm_runtime.engine.threads import choose_threads
+
+    for name in cli.serve_env_vars():
+        monkeypatch.delenv(name, raising=False)
+    argv = [str(tiny_llama), "--dtype", "float32", "--attention-backend", "torch", "--num-kv-blocks", "8"]
+    server = cli.server_start(parse(argv), choose_threads(1), openmp_prepared=False)
+    prefetch = server.prefetch()
+    engine = server.make_engine(time.time(), prefetch, load_first=True)
+
+    assert prefetch.config is server.engine_config and engine.config is server.engine_config
+    assert engine.startup.weights_prefetched  # taken from the background attach, not attached again
+    assert engine.config.given_values() == {
+        "cache_mode": "zero_copy",
+        "cache_fallback": True,
+        "dtype": "float32",
+        "num_kv_blocks": 8,
+        "attention_backend": "torch",
+    }
+    assert next(engine.model.parameters()).dtype == engine.config.torch_dtype
 
 
 def test_threads_flag_and_env(monkeypatch, tmp_path, capsys):
