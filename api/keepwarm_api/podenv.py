@@ -1,8 +1,9 @@
 """Environment variables the operator sets on pods and keepwarm processes read: one home for both.
 
 Names follow the settings layer's one rule (``settings.env_name``): runtime pods get the variables of
-`keepwarm serve`'s cache settings, which ``attach()`` reads too. Agent pods get no per-model
-variables: models and token Secret references reach the agent through its WeightCacheNode spec.
+`keepwarm serve`'s cache settings (``keepwarm_runtime.cache.env`` reads the same ones for a program
+without settings of its own). Agent pods get no per-model variables: models and token Secret
+references reach the agent through its WeightCacheNode spec.
 The operator's builders and the runtime import these; neither spells them.
 """
 

@@ -5,6 +5,10 @@ each LoRA adapter it registers). On a hit it gets
 zero-copy views of the daemon's arena (read-only memory: never write into them); on any miss or
 error it falls back to a plain safetensors load when ``fallback`` is true, logging each distinct
 reason once and counting every fallback in ``keepwarm_cache_client_misses_total``.
+
+Nothing here reads the environment: the caller passes the socket directory, mode and fallback its
+settings resolved (`keepwarm serve`: EngineConfig's cache fields). A process without settings of its
+own reads the KEEPWARM_CACHE_* variables with ``cache.env.cache_client_settings()``.
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ from keepwarm_runtime import __version__
 from keepwarm_runtime.cache import protocol, security
 from keepwarm_runtime.cache.adapters import adapter_key, read_adapter
 from keepwarm_runtime.cache.checkpoint import parse_dtype, read_checkpoint
-from keepwarm_runtime.cache.env import FALLBACK_ENV, MODE_ENV, SOCKET_DIR_ENV, env_flag, env_text
 from keepwarm_runtime.cache.fingerprint import WeightCacheKey, compute_key
 from keepwarm_runtime.cache.loader import TensorEntry, load_from_disk
 from keepwarm_runtime.cache.metrics import client_metrics
@@ -37,7 +40,6 @@ from keepwarm_runtime.engine.quant.settings import Fp8Settings
 from keepwarm_runtime.log_once import warning_once
 
 log = logging.getLogger(__name__)
-_FROM_ENV: Any = object()  # default of socket_dir/mode/fallback: read KEEPWARM_CACHE_* variables
 _RETRY_ERRNOS = {errno.EAGAIN, errno.ECONNREFUSED}
 PAGE_MODES = frozenset({"4k", "thp", "hugetlb", "vmm"})  # what a daemon's arenas may report
 
@@ -66,12 +68,12 @@ class CacheAttachError(Exception):
 
 def attach(
     model_dir: str | Path,
-    socket_dir: str | Path | None = _FROM_ENV,
+    socket_dir: str | Path | None,
     *,
     dtype: torch.dtype | str = torch.bfloat16,
     device: str | torch.device = "cpu",
-    mode: str = _FROM_ENV,
-    fallback: bool = _FROM_ENV,
+    mode: str = CacheMode.ZERO_COPY.value,
+    fallback: bool = True,
     timeout_s: float = 5.0,
     tp_rank: int = 0,
     tp_size: int = 1,
@@ -87,19 +89,11 @@ def attach(
     MoE kernel's layout; a daemon holding another layout is a miss ("mismatch: conversion"), and the
     disk path returns the model layout, which the engine converts itself.
 
-    ``socket_dir=None`` loads from disk; left out, it comes from KEEPWARM_CACHE_SOCKET_DIR (as do
-    ``mode`` from KEEPWARM_CACHE_MODE, default "zero_copy", and ``fallback`` from
-    KEEPWARM_CACHE_FALLBACK, default true; an empty variable means its default, see ``env.py``).
-    ``mode="copy"`` copies out of the arena into private memory. Raises CacheAttachError when the
-    cache fails and fallback is off.
+    ``socket_dir=None`` loads from disk. ``mode="copy"`` copies out of the arena into private memory.
+    Raises CacheAttachError when the cache fails and ``fallback`` is off. The environment is not read
+    here (``cache.env.cache_client_settings()`` reads it for callers without settings).
     """
     started = time.perf_counter()
-    if socket_dir is _FROM_ENV:
-        socket_dir = env_text(SOCKET_DIR_ENV, None)
-    if mode is _FROM_ENV:
-        mode = env_text(MODE_ENV, CacheMode.ZERO_COPY.value)
-    if fallback is _FROM_ENV:
-        fallback = env_flag(FALLBACK_ENV, True)
     if mode not in tuple(CacheMode):
         raise ValueError(f"unknown cache mode {mode!r}; use {' or '.join(CacheMode)}")
     dtype, device = parse_dtype(dtype), torch.device(device)

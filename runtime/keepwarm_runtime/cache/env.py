@@ -1,22 +1,48 @@
-"""The node cache client's KEEPWARM_CACHE_* variables, read by the settings layer's one rule.
+"""The node cache client's KEEPWARM_CACHE_* variables, for a process without settings of its own.
+
+``attach()`` reads no environment: `keepwarm serve` declares these variables as its cache settings
+(server/settings.py, resolved once into its EngineConfig) and passes their values, and the operator sets
+them on pods (``keepwarm_api.podenv``). A library user of ``attach()`` that wants the same behaviour
+reads them here, in one place: ``cache_client_settings()``.
 
 Unset and empty (or blank) mean the same: the default (``keepwarm_api.settings.present``).
 ``1/true/yes/on`` and ``0/false/no/off`` (any case) are the only boolean values; anything else is
-refused by name rather than guessed. ``attach()`` reads these names; ``keepwarm serve`` declares the
-same ones as its cache settings, and the operator sets them on pods (``keepwarm_api.podenv``).
+refused by name rather than guessed.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from keepwarm_api import podenv
 from keepwarm_api.settings import env_value, parse_bool, present
+from keepwarm_api.values import CacheMode
 
 FALLBACK_ENV = podenv.CACHE_FALLBACK
 SOCKET_DIR_ENV = podenv.CACHE_SOCKET_DIR
 MODE_ENV = podenv.CACHE_MODE
+
+
+@dataclass(frozen=True)
+class CacheClientSettings:
+    """``attach()``'s cache arguments, by their names there."""
+
+    socket_dir: str | None = None  # the node cache's socket directory; None: load from disk
+    mode: str = CacheMode.ZERO_COPY.value  # a CacheMode: zero-copy views of the arena, or a private copy
+    fallback: bool = True  # load from disk when the cache cannot serve the model
+
+
+def cache_client_settings(environ: Mapping[str, str] = os.environ) -> CacheClientSettings:
+    """KEEPWARM_CACHE_SOCKET_DIR, KEEPWARM_CACHE_MODE and KEEPWARM_CACHE_FALLBACK, each unset or empty
+    meaning its default; a boolean that does not parse raises ValueError naming the variable."""
+    default = CacheClientSettings()
+    return CacheClientSettings(
+        socket_dir=env_text(SOCKET_DIR_ENV, default.socket_dir, environ),
+        mode=env_text(MODE_ENV, None, environ) or default.mode,
+        fallback=env_flag(FALLBACK_ENV, default.fallback, environ),
+    )
 
 
 def env_flag(name: str, default: bool, environ: Mapping[str, str] = os.environ) -> bool:

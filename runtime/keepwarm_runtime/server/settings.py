@@ -38,7 +38,8 @@ class ServeSettings:
     host: str = setting("0.0.0.0", "bind address")
     port: int = setting(8000, "port")
     served_model_name: str | None = setting(None, "name clients use in `model`", unset="the directory name")
-    # the node weight cache (the same variables attach() reads; the operator sets them on pods)
+    # the node weight cache (the operator sets these variables on pods; cache/env.py reads the same ones
+    # for library users of attach())
     cache_socket_dir: str | None = setting(
         None, "node weight cache socket directory; unset: load weights from disk", group=ENGINE
     )

@@ -13,7 +13,7 @@ import torch
 
 from keepwarm_runtime.cache import protocol
 from keepwarm_runtime.cache.client import CacheAttachError, attach
-from keepwarm_runtime.cache.env import env_flag, env_text
+from keepwarm_runtime.cache.env import CacheClientSettings, cache_client_settings, env_flag, env_text
 
 
 @pytest.fixture
@@ -111,14 +111,34 @@ def test_env_rule_empty_means_default():
     assert env_text("X", "zero_copy", {"X": ""}) == "zero_copy"
 
 
-def test_attach_reads_an_empty_fallback_as_the_default(tmp_path, model, monkeypatch):
-    monkeypatch.setenv("KEEPWARM_CACHE_SOCKET_DIR", str(tmp_path / "no-daemon"))
-    monkeypatch.setenv("KEEPWARM_CACHE_FALLBACK", "")
-    monkeypatch.setenv("KEEPWARM_CACHE_MODE", "")
-    assert attach(model, dtype=torch.float32).source == "disk"  # fallback on: the default
-    monkeypatch.setenv("KEEPWARM_CACHE_FALLBACK", "false")
+def test_cache_client_settings_read_the_variables_by_the_one_rule(tmp_path, model):
+    """The KEEPWARM_CACHE_* variables, for a caller without settings; attach() takes what they say."""
+    env = {
+        "KEEPWARM_CACHE_SOCKET_DIR": str(tmp_path / "no-daemon"),
+        "KEEPWARM_CACHE_FALLBACK": "",
+        "KEEPWARM_CACHE_MODE": "",
+    }
+    assert cache_client_settings({}) == CacheClientSettings() == CacheClientSettings(None, "zero_copy", True)
+    settings = cache_client_settings(env)
+    assert settings == CacheClientSettings(str(tmp_path / "no-daemon"), "zero_copy", True)  # empty: default
+    res = attach(
+        model, settings.socket_dir, dtype=torch.float32, mode=settings.mode, fallback=settings.fallback
+    )
+    assert res.source == "disk"  # fallback on: the default
+    settings = cache_client_settings(
+        env | {"KEEPWARM_CACHE_FALLBACK": "false", "KEEPWARM_CACHE_MODE": "copy"}
+    )
+    assert (settings.mode, settings.fallback) == ("copy", False)
     with pytest.raises(CacheAttachError):
-        attach(model, dtype=torch.float32)
-    monkeypatch.setenv("KEEPWARM_CACHE_FALLBACK", "perhaps")
+        attach(model, settings.socket_dir, dtype=torch.float32, fallback=settings.fallback)
     with pytest.raises(ValueError, match="KEEPWARM_CACHE_FALLBACK"):
-        attach(model, dtype=torch.float32)
+        cache_client_settings(env | {"KEEPWARM_CACHE_FALLBACK": "perhaps"})
+
+
+def test_attach_reads_no_environment(tmp_path, model, monkeypatch):
+    """Only its arguments count: variables that would send it to a missing daemon, without fallback,
+    change nothing."""
+    monkeypatch.setenv("KEEPWARM_CACHE_SOCKET_DIR", str(tmp_path / "no-daemon"))
+    monkeypatch.setenv("KEEPWARM_CACHE_FALLBACK", "false")
+    monkeypatch.setenv("KEEPWARM_CACHE_MODE", "bogus")
+    assert attach(model, None, dtype=torch.float32).source == "disk"
