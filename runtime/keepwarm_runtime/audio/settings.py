@@ -3,6 +3,10 @@
 ``auto`` tries the backends in ``AUTO_ORDER``: torchcodec decodes and resamples in one call that
 releases the GIL, soundfile (libsndfile) reads the common lossless and Ogg/MP3 formats, PyAV decodes
 anything FFmpeg knows, frame by frame.
+
+`keepwarm serve` resolves ``KEEPWARM_AUDIO_BACKEND`` with its other settings (server/settings.py) and
+passes the name on; ``resolve_backend(None)`` reads the variable here, in one place, by the settings
+layer's one rule, for a caller of ``load_audio`` that names no backend (a library user).
 """
 
 from __future__ import annotations

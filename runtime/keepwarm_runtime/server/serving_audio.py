@@ -81,10 +81,13 @@ def audio_settings(
     backend: str | None, max_upload_bytes: int, kind: ModelKind, media: MediaPolicy | None = None
 ) -> AudioServerSettings:
     """Start-up checks: an unknown backend name is a ValueError listing the valid ones; for a speech
-    model, a backend that cannot load is a RuntimeError. Logs the choice once."""
-    from keepwarm_runtime.audio import check_backend, resolve_backend
+    model, a backend that cannot load is a RuntimeError. Logs the choice once. ``backend`` is
+    --audio-backend as the settings resolved it (KEEPWARM_AUDIO_BACKEND included; None: auto): the
+    environment is not read again here."""
+    from keepwarm_runtime.audio import AUTO, check_backend
+    from keepwarm_runtime.audio.settings import validate_backend
 
-    name = resolve_backend(backend)
+    name = validate_backend(backend or AUTO)
     if max_upload_bytes <= 0:
         raise ValueError(f"--max-audio-upload-bytes must be positive (got {max_upload_bytes})")
     if kind is ModelKind.SPEECH:

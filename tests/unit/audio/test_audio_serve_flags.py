@@ -41,6 +41,12 @@ def test_settings_for_a_text_model_skip_the_backend_check(tmp_path: Path) -> Non
         audio_settings("auto", 0, ModelKind.TEXT)
 
 
+def test_the_backend_is_read_once_with_the_other_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KEEPWARM_AUDIO_BACKEND", "pyav")
+    assert audio_settings(parse(["/m"]).audio_backend, 10, ModelKind.TEXT).backend == "pyav"
+    assert audio_settings(None, 10, ModelKind.TEXT).backend == "auto"  # the variable is not read again
+
+
 def test_unknown_backend_fails_at_start_up(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "keepwarm_runtime.cli", "serve", str(tmp_path), "--audio-backend", "ffmpeg"],
