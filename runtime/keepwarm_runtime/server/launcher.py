@@ -6,6 +6,7 @@ its stdout and stderr go to a log file the caller can read (e.g. to count warnin
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -16,11 +17,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from keepwarm_api.settings import FALSE_WORDS
-from keepwarm_runtime.server.cli import serve_env_vars
+from keepwarm_api.settings import SettingError, resolve
+from keepwarm_runtime.server.cli import add_serve_parser, serve_env_vars
+from keepwarm_runtime.server.settings import ServeSettings
 
 
 class ServerStartError(RuntimeError):
@@ -125,17 +128,12 @@ def start_server(
     env: dict[str, str] | None = None,
 ) -> ServerProcess:
     """Spawn `keepwarm serve MODEL_DIR --host 127.0.0.1 --port PORT ARGS` (does not wait); the
-    supervising parent's /health gets a free port of its own unless ARGS name one."""
+    supervising parent's /health gets a free port of its own unless ARGS or ENV name one."""
     port = port or free_port()
-    supervised = (
-        "--no-supervise" not in args and (env or {}).get("KEEPWARM_SUPERVISE", "").lower() not in FALSE_WORDS
-    )
-    parent_port = None
-    if supervised and "--supervisor-port" not in args:
+    supervised, parent_port = child_supervision(model_dir, args, env or {})
+    if supervised and parent_port is None:
         parent_port = free_port()
         args = [*args, "--supervisor-port", str(parent_port)]
-    elif supervised:
-        parent_port = int(list(args)[list(args).index("--supervisor-port") + 1])
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     command = [
@@ -160,6 +158,21 @@ def start_server(
         )
     parent_url = None if parent_port is None else f"http://127.0.0.1:{parent_port}"
     return ServerProcess(proc, f"http://127.0.0.1:{port}", log_path, parent_url=parent_url)
+
+
+def child_supervision(
+    model_dir: str | Path, args: Sequence[str], env: dict[str, str]
+) -> tuple[bool, int | None]:
+    """Whether the child will run a supervising parent, and the port of that parent's /health if ARGS
+    or ENV name one: the child's own settings, resolved by the settings layer from what it will get
+    (no serve variable of this process reaches it). Settings it will refuse: (False, None)."""
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    try:
+        settings = resolve(ServeSettings, parser.parse_args(["serve", str(model_dir), *args]), env)
+    except (SettingError, SystemExit):  # the child says why, and exits 2
+        return False, None
+    return settings.supervise, settings.supervisor_port if settings.supervise else None
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
