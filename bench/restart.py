@@ -11,6 +11,11 @@ first logits, in a fresh process whose imports are done before the clock starts:
 * ``warm_attach_s``: the same engine, attaching through a running daemon that holds the weights in the
   serving dtype (host tier: a memfd arena, mapped read-only and prefaulted with MAP_POPULATE).
 
+Like for like with from_pretrained (which builds no tokenizer or KV cache): ``disk_model_load_s`` and
+``warm_model_load_s`` are an engine path's config, model_meta and weights phases (engine/startup.py;
+every phase is in ``breakdown_s``), ``hf_load_s`` from_pretrained's call; ``disk_over_hf_load`` is
+their ratio and ``warm_model_load_over_attach_s`` what the warm path spends beyond the attach itself.
+
 ``forward_floor_s`` is a second forward pass (an engine step for the engine paths) in the same
 process, weights mapped and cached: no load path can restart faster, so ``ratio_ceiling`` = hf /
 floor bounds ``ratio`` on this machine. Each path's greedy first token must agree with the others'
@@ -163,7 +168,7 @@ def run_child(
         _first_token(_engine(warmup_dir, dtype_name, device, None), prompt, "warmup")
     sync()
     started = time.perf_counter()
-    source, reason, attach_s = "hf", None, None
+    source, reason, attach_s, phases = "hf", None, None, {}
     if mode == "hf":
         kwargs = {"device_map": device} if device != "cpu" else {}
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kwargs)
@@ -174,6 +179,7 @@ def run_child(
     else:
         engine = _engine(model_dir, dtype_name, device, socket_dir if mode == "warm" else None)
         source, reason, attach_s = engine.load_info.source, engine.load_info.reason, engine.load_info.seconds
+        phases = dict(engine.startup.seconds)
         steps = iter(range(1 << 30))
 
         def first() -> int:
@@ -197,6 +203,7 @@ def run_child(
         "forward_s": done - loaded,
         "steady_forward_s": steady,
         "token0": token,
+        "phases": phases,
     }
 
 
@@ -339,6 +346,14 @@ def _serve_best(
     return best | {"ready_s_runs": [r["ready_s"] for r in runs]}
 
 
+MODEL_LOAD_PHASES = ("config", "model_meta", "weights")  # engine/startup.py: what from_pretrained also does
+
+
+def model_load_s(phases: dict[str, float]) -> float:
+    """An engine path's config, model and weights phases: the part from_pretrained is compared with."""
+    return sum(phases.get(p, 0.0) for p in MODEL_LOAD_PHASES)
+
+
 def run(settings: RestartSettings) -> dict:
     from keepwarm_runtime.cache.checkpoint import read_checkpoint
 
@@ -407,8 +422,16 @@ def run(settings: RestartSettings) -> dict:
         "breakdown_s": {
             m: {"load": round(r["load_s"], 4), "forward": round(r["forward_s"], 4)}
             | ({"attach": round(r["attach_s"], 4)} if r["attach_s"] is not None else {})
+            | ({"phases": {k: round(v, 4) for k, v in r["phases"].items()}} if r["phases"] else {})
             for m, r in (("hf", hf), ("disk", disk), ("warm", warm))
         },
+        # Like for like: what from_pretrained does (config, the model, its weights) against the
+        # engine's same phases; the tokenizer and the KV cache it also builds are in the phases above.
+        "hf_load_s": round(hf["load_s"], 4),
+        "disk_model_load_s": round(disk_load := model_load_s(disk["phases"]), 4),
+        "disk_over_hf_load": round(disk_load / hf["load_s"], 2),
+        "warm_model_load_s": round(warm_load := model_load_s(warm["phases"]), 4),
+        "warm_model_load_over_attach_s": round(warm_load - warm["attach_s"], 4),
         "process_cold_s": round(disk["process_s"], 3),
         "process_hf_s": round(hf["process_s"], 3),
         "process_warm_s": round(warm["process_s"], 3),
