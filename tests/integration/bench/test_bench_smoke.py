@@ -45,6 +45,16 @@ def test_restart_benchmark_reports_every_path_and_the_warm_one_attaches(tmp_path
     assert result["engine_paths"].startswith("LLMEngine")  # the engine's own loader is what is timed
     for path in ("disk", "warm"):
         assert 0 < result["breakdown_s"][path]["attach"] <= result["breakdown_s"][path]["load"], path
+        phases = result["breakdown_s"][path]["phases"]
+        assert {"config", "model_meta", "weights", "tokenizer", "kv_alloc"} <= set(phases), path
+        assert result[f"{path}_model_load_s"] == pytest.approx(
+            phases["config"] + phases["model_meta"] + phases["weights"], abs=2e-4
+        )
+    assert result["disk_over_hf_load"] == pytest.approx(
+        result["disk_model_load_s"] / result["hf_load_s"], abs=0.01
+    )
+    warm_beyond = result["warm_model_load_s"] - result["breakdown_s"]["warm"]["attach"]
+    assert result["warm_model_load_over_attach_s"] == pytest.approx(warm_beyond, abs=2e-4)
     assert result["process_warm_s"] > result["warm_attach_s"]  # whole process includes imports
     # Whole `keepwarm serve` starts: each its own source, phases adding up to the server's ready time.
     assert set(result["serve"]) == {"disk_warm", "cache"}  # disk_cold needs --drop-caches
