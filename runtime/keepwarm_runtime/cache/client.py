@@ -33,7 +33,7 @@ from keepwarm_runtime.cache import protocol, security
 from keepwarm_runtime.cache.adapters import adapter_key, read_adapter
 from keepwarm_runtime.cache.checkpoint import parse_dtype, read_checkpoint
 from keepwarm_runtime.cache.fingerprint import WeightCacheKey, compute_key
-from keepwarm_runtime.cache.loader import TensorEntry, load_from_disk
+from keepwarm_runtime.cache.loader import TensorEntry, load_from_disk, load_serving_layout
 from keepwarm_runtime.cache.metrics import client_metrics
 from keepwarm_runtime.engine.moe.kernel_layout import MODEL, conversion_id
 from keepwarm_runtime.engine.quant.settings import Fp8Settings
@@ -82,12 +82,12 @@ def attach(
 ) -> AttachResult:
     """Named tensors of ``model_dir`` in ``dtype`` on ``device``: from the cache or from disk.
 
-    ``online`` (FP8 settings of ``--quantization fp8``) asks the cache for the arena its daemon
-    quantized at load: e4m3 weights plus ``_scale_inv`` block scales. The disk path ignores it and
-    returns float tensors, which the engine then quantizes itself. ``expert_layout`` (a name of
-    ``engine.moe.kernel_layout.LAYOUTS``; unknown names raise) asks for experts converted to that
-    MoE kernel's layout; a daemon holding another layout is a miss ("mismatch: conversion"), and the
-    disk path returns the model layout, which the engine converts itself.
+    Either way the tensors are in the serving layout (cache/loader.py ``plan_layout``: experts merged,
+    the arena's names): the disk path fills a private arena from the daemon's own plan. ``online``
+    (FP8 settings of ``--quantization fp8``) asks for e4m3 weights plus ``_scale_inv`` block scales,
+    quantized at load; ``expert_layout`` (a name of ``engine.moe.kernel_layout.LAYOUTS``; unknown
+    names raise) for experts converted to that MoE kernel's layout; a daemon holding another
+    conversion is a miss ("mismatch: conversion"), and the disk path converts as the daemon would.
 
     ``socket_dir=None`` loads from disk. ``mode="copy"`` copies out of the arena into private memory.
     Raises CacheAttachError when the cache fails and ``fallback`` is off. The environment is not read
@@ -121,7 +121,7 @@ def attach(
             reason = exc.reason
             metrics.misses.labels(reason.split(":")[0]).inc()
             warning_once(log, reason, "weight cache miss for %s (%s); loading from disk", model_dir, exc)
-    tensors = load_from_disk(shards, dtype, device)
+    tensors = load_serving_layout(shards, dtype, device, online, expert_layout)
     seconds = time.perf_counter() - started
     metrics.attach_seconds.labels("disk").observe(seconds)
     return AttachResult(tensors, {}, "disk", reason, seconds)

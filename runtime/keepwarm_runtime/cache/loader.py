@@ -1,31 +1,34 @@
-"""Filling an arena from a checkpoint (daemon) and the plain disk load (client fallback).
+"""Filling an arena from a checkpoint: the daemon's shared one, and a client's private one on a miss.
 
 The daemon reads each tensor's bytes once, hashes them into the content digest as they pass, and
 writes them into the arena already converted to the serving dtype and laid out as the engine serves
 them (expert merges; see keepwarm_runtime.engine.moe.serving_layout), so clients never convert. The
 read path is three small steps per tensor (``read_tensor_bytes`` -> digest -> ``write_serving_tensor``)
-so that a conversion step has one place to go.
+so that a conversion step has one place to go. A client that cannot attach fills a private arena from
+the same plan (``load_serving_layout``: no digest, tensors written in parallel from a mapping of the
+file), so the engine gets the same tensors either way.
 
 Online FP8 quantization (``keepwarm cache serve --quantization fp8``) is one more such step: the
 tensors ``engine.quant.fp8_modules.online_targets`` names are staged in the serving dtype (a merged
 expert stack until its last expert arrives), then quantized in 128x128 blocks with the engine's own
-``quantize_blocks`` into an e4m3 entry plus a float32 ``<name>_scale_inv`` entry. The engine's disk
-path quantizes the same serving-dtype tensors with the same function, so both give the same bits.
+``quantize_blocks`` into an e4m3 entry plus a float32 ``<name>_scale_inv`` entry (in a private arena
+too, so a miss gives the same bits).
 
 A kernel's expert layout (``keepwarm cache serve --expert-layout flashinfer_cutlass``,
 ``engine.moe.kernel_layout``) is the last step: the tensors ``kernel_layout.layout_targets`` names
 (and a checkpoint's FP8 scales beside them) get their [gate; up] halves swapped in the arena once
 every expert is written; a tensor quantized online is swapped in its float staging, before
-quantization, as the engine's disk path does.
+quantization.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol, TypeVar
 
 import torch
 
@@ -43,6 +46,7 @@ from keepwarm_runtime.engine.quant.fp8 import E4M3, quantize_blocks
 from keepwarm_runtime.engine.quant.settings import SCALE_SUFFIX, Fp8Settings, QuantizationError
 
 ALIGN = 256  # bytes; satisfies every dtype and CUDA's preferred alignment
+T, R = TypeVar("T"), TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -278,7 +282,7 @@ class _Staging:
         self,
         entry: TensorEntry,
         rec: TensorRecord,
-        raw: bytearray,
+        raw: bytearray | torch.Tensor,
         placement: serving_layout.Placement | None,
     ) -> None:
         q = self.layout.quantized[entry.name]
@@ -333,7 +337,7 @@ def write_serving_tensor(
     arena: WritableArena,
     entry: TensorEntry,
     rec: TensorRecord,
-    raw: bytearray,
+    raw: bytearray | torch.Tensor,
     placement: serving_layout.Placement | None = None,
 ) -> None:
     """Convert one stored tensor into its serving layout in the arena: the serving dtype, and for an
@@ -343,7 +347,8 @@ def write_serving_tensor(
     """
     if rec.nbytes == 0:
         return
-    src = torch.frombuffer(raw, dtype=torch.uint8).view(rec.dtype).view(rec.shape)
+    src = raw if isinstance(raw, torch.Tensor) else torch.frombuffer(raw, dtype=torch.uint8).view(rec.dtype)
+    src = src.view(rec.shape)
     dest = arena.tensor(entry.offset, entry.dtype, entry.shape)
     if placement is not None:  # one expert's slice of a merged tensor
         dest = dest[placement.expert, placement.rows[0] : placement.rows[1]]
@@ -351,49 +356,125 @@ def write_serving_tensor(
 
 
 # The disk path's time goes to faulting in the fresh pages of each converted tensor, not to the
-# conversion (2 GiB bf16 -> fp32 on a 2-core VM: 4.9 s in one thread, 1.7 s in two): it converts
+# conversion (2 GiB bf16 -> fp32 on a 2-core VM: 3.2-4.9 s in one thread, 1.9 s in two): it writes
 # tensors in parallel, one thread per usable core up to this many, once there is this much to read.
 DISK_WORKERS_MAX = 8
 DISK_PARALLEL_BYTES = 64 << 20
 
 
-def load_from_disk(shards: list[Shard], dtype: torch.dtype, device: str | torch.device = "cpu"):
-    """Plain load, floats converted to ``dtype``: what a client does without the cache.
+class PrivateArena:
+    """An arena in this process's own memory, on ``device``: the disk path's. Its pages are backed
+    when first written, so a region nothing is written to (a tensor served from the file mapping)
+    costs address space only."""
 
-    Each shard is mapped once (copy-on-write, so nothing written to a tensor reaches the file) and
-    every tensor converted straight from the mapping into its own memory on ``device``, one pass,
-    tensors in parallel threads (torch's copies release the GIL). A tensor already in its serving
-    dtype on the CPU stays a view of the mapping, pages read when first touched, as a plain
-    safetensors load leaves it. A shard whose identity changed since its header was read (replaced
-    or rewritten) is refused by name (CheckpointError)."""
-    import mmap
-    from concurrent.futures import ThreadPoolExecutor
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.buffer = torch.empty(max(size, 1), dtype=torch.uint8, device=device)
 
+    def tensor(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        nbytes = dtype.itemsize
+        for dim in shape:
+            nbytes *= dim
+        return self.buffer[offset : offset + nbytes].view(dtype).view(shape)
+
+
+def load_serving_layout(
+    shards: list[Shard],
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    quantization: Fp8Settings | None = None,
+    expert_layout: str = kernel_layout.MODEL,
+) -> dict[str, torch.Tensor]:
+    """The disk path of a model: the daemon's own plan (``plan_layout``: serving dtype, expert merges,
+    online FP8, the kernel's expert layout) filled into a PrivateArena, so a client gets from disk the
+    very tensors, names and bits a cache hit gives, and never asks where they came from.
+
+    Each shard is mapped once (copy-on-write: nothing written to a tensor reaches the file) and each
+    tensor written straight from the mapping, in parallel threads (torch's copies release the GIL);
+    tensors quantized online are staged and quantized as the daemon does, after. A tensor the plan
+    leaves as stored (same dtype, not merged, quantized or swapped) on the CPU is served from the
+    mapping itself, its pages read when first touched, as a plain safetensors load leaves it. A shard
+    whose identity changed since its header was read is refused by name (CheckpointError)."""
     device = torch.device(device)
-    jobs: list[tuple[TensorRecord, torch.Tensor]] = []
+    layout = plan_layout(shards, dtype, quantization, expert_layout)
+    arena = PrivateArena(layout.size, device)
+    by_name = {e.name: e for e in layout.entries}
+    views: dict[str, torch.Tensor] = {}
+    writes: list[tuple[TensorEntry, TensorRecord, torch.Tensor, serving_layout.Placement | None]] = []
+    staged: list[tuple[TensorEntry, TensorRecord, torch.Tensor, serving_layout.Placement | None]] = []
+    for shard, stored in _mapped(shards):
+        for rec in shard.tensors:
+            placement = layout.placements.get(rec.name)
+            entry = by_name[placement.target if placement else rec.name]
+            src = _stored_view(stored, rec)
+            if entry.name in layout.quantized:
+                staged.append((entry, rec, src, placement))
+            elif (
+                device.type == "cpu"
+                and placement is None
+                and entry.dtype == rec.dtype
+                and entry.name not in layout.up_first
+            ):
+                views[entry.name] = src
+            else:
+                writes.append((entry, rec, src, placement))
+    _parallel(lambda w: write_serving_tensor(arena, *w), writes, sum(w[1].nbytes for w in writes))
+    staging = _Staging(arena, layout, by_name)
+    for entry, rec, src, placement in staged:
+        staging.write(entry, rec, src, placement)
+    staging.check_done()
+    for entry in layout.entries:
+        if entry.name in layout.up_first and entry.name not in layout.quantized:  # quantized: swapped staged
+            kernel_layout.swap_halves_(arena.tensor(entry.offset, entry.dtype, entry.shape))
+    _check_unchanged(shards)
+    return {
+        e.name: views[e.name] if e.name in views else arena.tensor(e.offset, e.dtype, e.shape)
+        for e in layout.entries
+    }
+
+
+def load_from_disk(shards: list[Shard], dtype: torch.dtype, device: str | torch.device = "cpu"):
+    """Every tensor as stored, floats converted to ``dtype`` (a LoRA adapter's disk path, whose arena
+    is plain_layout): mapped and converted as ``load_serving_layout`` does."""
+    device = torch.device(device)
+    jobs = [(rec, _stored_view(stored, rec)) for shard, stored in _mapped(shards) for rec in shard.tensors]
+
+    def convert(job: tuple[TensorRecord, torch.Tensor]) -> tuple[str, torch.Tensor]:
+        rec, src = job
+        return rec.name, src.to(device=device, dtype=tensor_serving_dtype(rec.name, rec.dtype, dtype))
+
+    tensors = dict(_parallel(convert, jobs, sum(rec.nbytes for rec, _ in jobs)))
+    _check_unchanged(shards)
+    return tensors
+
+
+def _mapped(shards: list[Shard]) -> list[tuple[Shard, torch.Tensor | None]]:
+    """Each shard with its bytes mapped copy-on-write (None for an empty file), checked unchanged."""
+    import mmap
+
+    out = []
     for shard in shards:
         with open(shard.path, "rb") as f:
             _check_identity(shard, f.fileno())
             mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if shard.size else None
-        stored = torch.frombuffer(mapping, dtype=torch.uint8) if mapping is not None else None
-        jobs += [(rec, _stored_view(stored, rec)) for rec in shard.tensors]
+        out.append((shard, torch.frombuffer(mapping, dtype=torch.uint8) if mapping is not None else None))
+    return out
 
-    def convert(job: tuple[TensorRecord, torch.Tensor]) -> tuple[str, torch.Tensor]:
-        rec, src = job
-        serving = tensor_serving_dtype(rec.name, rec.dtype, dtype)
-        return rec.name, src.to(device=device, dtype=serving)
 
-    total = sum(rec.nbytes for rec, _ in jobs)
-    workers = min(DISK_WORKERS_MAX, len(os.sched_getaffinity(0))) if total >= DISK_PARALLEL_BYTES else 1
-    if workers > 1:
-        with ThreadPoolExecutor(workers, thread_name_prefix="keepwarm-disk") as pool:
-            tensors = dict(pool.map(convert, jobs))
-    else:
-        tensors = dict(map(convert, jobs))
+def _check_unchanged(shards: list[Shard]) -> None:
     for shard in shards:
         with open(shard.path, "rb") as f:
             _check_identity(shard, f.fileno())
-    return tensors
+
+
+def _parallel(fn: Callable[[T], R], jobs: list[T], nbytes: int) -> list[R]:
+    """``fn`` over ``jobs`` in order, in threads when ``nbytes`` are enough to read (DISK_PARALLEL_BYTES)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    workers = min(DISK_WORKERS_MAX, len(os.sched_getaffinity(0))) if nbytes >= DISK_PARALLEL_BYTES else 1
+    if workers == 1:
+        return [fn(job) for job in jobs]
+    with ThreadPoolExecutor(workers, thread_name_prefix="keepwarm-disk") as pool:
+        return list(pool.map(fn, jobs))
 
 
 def _stored_view(stored: torch.Tensor | None, rec: TensorRecord) -> torch.Tensor:

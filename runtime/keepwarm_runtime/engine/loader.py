@@ -1,16 +1,17 @@
 """Build a transformers causal LM on the meta device and fill it from attached tensors, without a copy.
 
-Parameters become the attached tensors themselves (zero-copy views into the cache daemon's arena, or
-the tensors read from disk). Tied parameters share one tensor. Non-persistent buffers (rotary
-inv_freq, Gemma's embed_scale) are materialised on the target device and recomputed by transformers'
-own initialisation, which skips every loaded tensor. Checkpoint names that transformers 5 renames
-while loading are handled: regex renamings map names (no copy); the MoE expert merge
-(per-expert gate/up/down -> fused 3-D tensors, FP8 block scales alike) stacks experts, a copy on the
-disk path only (the node cache stores experts merged). Any other conversion is refused with the names
-involved. FP8 checkpoints and `--quantization fp8` go through engine.quant; fused experts run on the
-MoE backend engine.moe chooses per module. `expert_layout="flashinfer_cutlass"` asks the cache for
-experts already converted to that kernel's layout (engine.moe.kernel_layout); the disk path converts
-them itself, a copy counted like its merges.
+Parameters become the attached tensors themselves: views of the cache daemon's arena, or of the
+private arena the disk path fills from the same plan (cache/loader.py), so they arrive in the serving
+layout either way (experts merged, online FP8 quantized, the kernel's expert layout applied) and the
+loader never asks where they came from. Tied parameters share one tensor. Non-persistent buffers
+(rotary inv_freq, Gemma's embed_scale) are materialised on the target device and recomputed by
+transformers' own initialisation, which skips every loaded tensor. Checkpoint names that
+transformers 5 renames while loading are handled: regex renamings map names (no copy); an expert
+merge the plan could not make (per-expert gate/up/down -> fused 3-D tensors, FP8 block scales alike)
+stacks experts here, a copy. Any other conversion is refused with the names involved. FP8
+checkpoints and `--quantization fp8` go through engine.quant; fused experts run on the MoE backend
+engine.moe chooses per module; `expert_layout="flashinfer_cutlass"` marks the experts whose halves
+the attach swapped (engine.moe.kernel_layout).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from keepwarm_runtime.engine.moe.experts import ExpertsChoice, prepare_experts, 
 from keepwarm_runtime.engine.multimodal import model_class as multimodal_model_class
 from keepwarm_runtime.engine.prefetch import WeightPrefetch, attach_arguments
 from keepwarm_runtime.engine.quant.fp8 import E4M3
-from keepwarm_runtime.engine.quant.fp8_modules import prepare_checkpoint_fp8, quantize_online
+from keepwarm_runtime.engine.quant.fp8_modules import prepare_checkpoint_fp8
 from keepwarm_runtime.engine.quant.settings import SCALE_SUFFIX, Fp8Settings, QuantizationError, fp8_settings
 from keepwarm_runtime.engine.startup import StartupProfile
 
@@ -88,16 +89,13 @@ def load_model(
     if res is None:
         layout = kernel_layout.effective_layout(model, config.expert_layout)
         res = attach(**attach_arguments(config), online=online, expert_layout=layout)
-    # A cache hit for online FP8 is an arena the daemon already quantized (the key says so).
-    quantized_by_cache = online is not None and res.source == "cache"
-    if quantization is not None and (quantization.source == "checkpoint" or quantized_by_cache):
+    # The attach quantized online FP8 and converted the expert layout (from the cache or from disk,
+    # the same plan: cache/loader.py), so the model only declares what its tensors now are.
+    if quantization is not None:
         _prepare_fp8(model, quantization, res)
     copied = fill_parameters(model, res.tensors, res.aliases)
     materialize_buffers(model, torch.device(config.device))
-    # Before online quantization: the layout swaps float halves, as the daemon swaps its staging.
-    copied += apply_expert_layout(model, config.expert_layout, converted=res.source == "cache")
-    if online is not None and not quantized_by_cache:
-        copied += quantize_online(model, online)
+    mark_expert_layout(model, config.expert_layout)
     _check_fp8_scales(model)
     moe = _prepare_moe(model, config)
     copied += sum(choice.copied for choice in moe)
@@ -106,23 +104,12 @@ def load_model(
     return model, LoadInfo(res.source, res.seconds, res.reason, copied, moe)
 
 
-def apply_expert_layout(model: nn.Module, layout: str, converted: bool) -> int:
-    """Mark the experts `layout` converts; unless the cache already `converted` them (a hit's key names
-    the layout), convert them here. Returns how many tensors were copied."""
-    copies = 0
+def mark_expert_layout(model: nn.Module, layout: str) -> None:
+    """Mark the experts whose tensors `layout` converted (the attach did, from cache or disk), so
+    their MoE backend reads [up; gate] halves."""
     for full in kernel_layout.layout_targets(model, layout):
-        module_name, _, attr = full.rpartition(".")
-        module = model.get_submodule(module_name)
-        setattr(module, kernel_layout.UP_FIRST_ATTR, True)
-        for name in (attr, attr + SCALE_SUFFIX):
-            param = getattr(module, name, None)
-            if param is None or converted:
-                continue
-            module._parameters[name] = nn.Parameter(
-                kernel_layout.up_first(param.detach()), requires_grad=False
-            )
-            copies += 1
-    return copies
+        module_name = full.rpartition(".")[0]
+        setattr(model.get_submodule(module_name), kernel_layout.UP_FIRST_ATTR, True)
 
 
 def _prepare_moe(model: nn.Module, config: EngineConfig) -> list[ExpertsChoice]:
@@ -153,7 +140,7 @@ def _quantization(hf_config, config: EngineConfig) -> Fp8Settings | None:
 
 
 def _prepare_fp8(model: nn.Module, quantization: Fp8Settings, res) -> None:
-    """FP8 weights (a checkpoint's, or the cache's online quantization): e4m3 + block-scale placeholders
+    """FP8 weights (a checkpoint's, or the attach's online quantization): e4m3 + block-scale placeholders
     wherever the attached tensors carry scales, asked by model name through transformers' renamings
     (Mixtral's `block_sparse_moe.experts.*` are the model's `mlp.experts.*`)."""
     lookup = _Lookup(res.tensors, res.aliases, _conversions(model))

@@ -7,15 +7,15 @@ fc2 (`down_proj` `[E, H, I]`) and its scales are taken as the model holds them. 
 `flashinfer_cutlass` layout is one conversion, `up_first`, of every concatenated, untransposed
 experts module's `gate_up_proj` (its FP8 `gate_up_proj_scale_inv` and its bias alike).
 
-The conversion is applied once: by the weight-cache daemon at load, into the arena (its id is part
-of the cache key's `conversion` field, so a client asking for another layout is a miss, never a
-silent mix), or by the engine's disk path after its own merges. The experts then hold [up; gate]
+The conversion is applied once, into the arena at load (cache/loader.py): the weight-cache daemon's
+(its id is part of the cache key's `conversion` field, so a client asking for another layout is a
+miss, never a silent mix) or the disk path's private one, from the same plan. The experts then hold [up; gate]
 tensors: the CUTLASS runner uses them as they are (no per-process copy), the torch reference reads
 them back in gate-first order (engine.moe.reference), and transformers' own expert code, which
 assumes gate first, is never run on them.
 
 Order with FP8: the swap applies to the float tensor before online quantization (the daemon swaps
-its staging, the disk path swaps before `quantize_online`), and to a checkpoint's e4m3 weight and
+its staging before quantizing it), and to a checkpoint's e4m3 weight and
 its per-half scale grids as stored. Those agree whenever the kernel can run at all (I % 128 == 0).
 
 gpt-oss style experts (stored transposed `[E, H, 2I]`, gate and up interleaved) are left in the

@@ -4,10 +4,10 @@ A quantized nn.Linear becomes `Fp8Linear` (same module, class swapped, a `weight
 added): its torch reference forward dequantizes the blocks into the activation dtype and runs one
 matmul, which is what transformers' own dequantizing FP8 path computes. Fused experts gain
 `gate_up_proj_scale_inv` / `down_proj_scale_inv` beside their weights; the MoE backends read them
-(engine.moe.reference). Two entry points: `prepare_checkpoint_fp8` before the weights are filled
-(placeholders on meta the loader then points at checkpoint tensors, or at tensors the weight cache
-quantized online) and `quantize_online` after (the disk path). `online_targets` names what online
-quantization converts; the cache daemon quantizes exactly those tensors into its arena.
+(engine.moe.reference). The entry point is `prepare_checkpoint_fp8`, before the weights are filled
+(placeholders on meta the loader then points at checkpoint tensors, or at tensors quantized online
+into an arena). `online_targets` names what online quantization converts; the arena's fill
+(cache/loader.py, the daemon's and the disk path's alike) quantizes exactly those tensors.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch.nn import functional as F
 
 from keepwarm_runtime.engine.moe.experts import HALVES_APART_ATTR, is_experts_module
 from keepwarm_runtime.engine.quant import fp8_gemm
-from keepwarm_runtime.engine.quant.fp8 import dequantize_blocks, quantize_blocks
+from keepwarm_runtime.engine.quant.fp8 import dequantize_blocks
 from keepwarm_runtime.engine.quant.settings import SCALE_SUFFIX, Fp8Settings, QuantizationError
 from keepwarm_runtime.log_once import log_once
 
@@ -71,9 +71,9 @@ def prepare_checkpoint_fp8(model: nn.Module, settings: Fp8Settings, has_tensor: 
     """Before filling: make every module whose tensors carry block scales hold e4m3 + scales.
     Returns how many modules were converted. `has_tensor` asks the attached tensors by model name.
 
-    `settings.source == "online"` is a float checkpoint the weight cache quantized at load
+    `settings.source == "online"` is a float checkpoint quantized into its arena at load
     (`online_targets`, `quantize_blocks`): each fused expert stack is one quantized tensor with one
-    scale grid over its stored shape, as `quantize_online` makes on the disk path. A checkpoint's
+    scale grid over its stored shape. A checkpoint's
     experts are quantized per expert and projection, so gate and up carry a grid each."""
     converted = 0
     online = settings.source == "online"
@@ -112,7 +112,7 @@ def prepare_checkpoint_fp8(model: nn.Module, settings: Fp8Settings, has_tensor: 
 def online_targets(model: nn.Module, settings: Fp8Settings) -> list[str]:
     """Names of the parameters online quantization converts: the weight of every nn.Linear (but the
     excluded, e.g. lm_head, and those already FP8) and every fused expert stack. Defined once here for
-    both places that quantize: `quantize_online` (disk path) and the weight cache daemon (arena)."""
+    the arena's fill (cache/loader.py), which quantizes them for the daemon and the disk path."""
     names = []
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
@@ -121,21 +121,3 @@ def online_targets(model: nn.Module, settings: Fp8Settings) -> list[str]:
         elif is_experts_module(module) and hasattr(module, "gate_up_proj"):
             names += [prefix + "gate_up_proj", prefix + "down_proj"]
     return names
-
-
-def quantize_online(model: nn.Module, settings: Fp8Settings) -> int:
-    """After filling a float model: quantize every tensor `online_targets` names in 128x128 blocks.
-    Returns how many tensors were quantized (each one a new tensor)."""
-    targets = online_targets(model, settings)
-    for full in targets:
-        module_name, _, attr = full.rpartition(".")
-        module = model.get_submodule(module_name)
-        q, scale = quantize_blocks(getattr(module, attr).detach(), settings.block)
-        if isinstance(module, nn.Linear):
-            _as_fp8_linear(module, settings.block)
-            module.weight = nn.Parameter(q, requires_grad=False)
-            module.weight_scale_inv = nn.Parameter(scale, requires_grad=False)
-        else:
-            setattr(module, attr, nn.Parameter(q, requires_grad=False))
-            module.register_parameter(attr + SCALE_SUFFIX, nn.Parameter(scale, requires_grad=False))
-    return len(targets)
