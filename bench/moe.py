@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     from keepwarm_runtime.engine.moe.experts import layer_facts
     from keepwarm_runtime.engine.moe.oracle import ELIGIBILITY
     from keepwarm_runtime.engine.moe.reference import ExpertWeights, reference_moe
-    from keepwarm_runtime.engine.quant.fp8 import quantize_blocks
+    from keepwarm_runtime.weights.fp8 import quantize_blocks
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)

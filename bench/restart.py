@@ -355,7 +355,7 @@ def model_load_s(phases: dict[str, float]) -> float:
 
 
 def run(settings: RestartSettings) -> dict:
-    from keepwarm_runtime.cache.checkpoint import read_checkpoint
+    from keepwarm_runtime.weights.checkpoint import read_checkpoint
 
     root = Path(settings.dir) if settings.dir else Path.home() / ".cache" / "keepwarm" / "bench"
     model = checkpoint_for(settings.size_gib, root)

@@ -78,7 +78,7 @@ FLASHINFER_MOE_OPT_IN = "KEEPWARM_GPU_FLASHINFER_MOE"
 MOE_MODULES = [
     "keepwarm_runtime.engine.moe.experts",
     "keepwarm_runtime.engine.moe.flashinfer_backend",
-    "keepwarm_runtime.engine.moe.kernel_layout",
+    "keepwarm_runtime.weights.kernel_layout",
 ]
 
 

@@ -55,3 +55,11 @@ def test_nothing_below_the_server_imports_the_server() -> None:
 def test_the_engine_imports_nothing_from_audio() -> None:
     """Audio sits above the engine (its Whisper engine uses the engine's loader), never below it."""
     assert offenders("engine", "keepwarm_runtime.audio") == []
+
+
+def test_the_cache_and_the_engine_take_the_serving_layout_from_weights_not_each_other() -> None:
+    """keepwarm_runtime.weights is the one home of checkpoint reading and the serving layout: the cache
+    imports nothing from the engine, and weights imports neither (issue 25)."""
+    assert offenders("cache", "keepwarm_runtime.engine") == []
+    assert offenders("weights", "keepwarm_runtime.engine") == []
+    assert offenders("weights", "keepwarm_runtime.cache") == []

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from keepwarm_runtime.cache.checkpoint import CheckpointError, Shard, read_shard
 from keepwarm_runtime.cache.fingerprint import WeightCacheKey, compute_key
-from keepwarm_runtime.cache.loader import ArenaLayout, plain_layout
+from keepwarm_runtime.weights.arena import ArenaLayout, plain_layout
+from keepwarm_runtime.weights.checkpoint import CheckpointError, Shard, read_shard
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -39,13 +39,13 @@ from keepwarm_runtime.cache.adapters import (
     read_adapter,
 )
 from keepwarm_runtime.cache.backends.host import AdoptedArena, ArenaSealError, verify_sealed
-from keepwarm_runtime.cache.checkpoint import CheckpointError, read_checkpoint
 from keepwarm_runtime.cache.fingerprint import WeightCacheKey, compute_key
 from keepwarm_runtime.cache.handoff import ArenaRecord, HandoffRefused, Stream, shard_identities
-from keepwarm_runtime.cache.loader import ArenaLayout, TensorEntry, plan_layout
 from keepwarm_runtime.cache.metrics import DROP_REASONS
 from keepwarm_runtime.cache.registry import BudgetExceeded, ResidentModel
-from keepwarm_runtime.engine.moe.kernel_layout import MODEL, conversion_id
+from keepwarm_runtime.weights.arena import ArenaLayout, TensorEntry, plan_layout
+from keepwarm_runtime.weights.checkpoint import CheckpointError, read_checkpoint
+from keepwarm_runtime.weights.kernel_layout import MODEL, conversion_id
 
 if TYPE_CHECKING:
     from keepwarm_runtime.cache.daemon import CacheDaemon

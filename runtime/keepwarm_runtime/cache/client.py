@@ -31,13 +31,13 @@ from keepwarm_api.values import CacheMode, Tier
 from keepwarm_runtime import __version__
 from keepwarm_runtime.cache import protocol, security
 from keepwarm_runtime.cache.adapters import adapter_key, read_adapter
-from keepwarm_runtime.cache.checkpoint import parse_dtype, read_checkpoint
 from keepwarm_runtime.cache.fingerprint import WeightCacheKey, compute_key
-from keepwarm_runtime.cache.loader import TensorEntry, load_from_disk, load_serving_layout
 from keepwarm_runtime.cache.metrics import client_metrics
-from keepwarm_runtime.engine.moe.kernel_layout import MODEL, conversion_id
-from keepwarm_runtime.engine.quant.settings import Fp8Settings
 from keepwarm_runtime.log_once import warning_once
+from keepwarm_runtime.weights.arena import TensorEntry, load_from_disk, load_serving_layout
+from keepwarm_runtime.weights.checkpoint import parse_dtype, read_checkpoint
+from keepwarm_runtime.weights.kernel_layout import MODEL, conversion_id
+from keepwarm_runtime.weights.quantization import Fp8Settings
 
 log = logging.getLogger(__name__)
 _RETRY_ERRNOS = {errno.EAGAIN, errno.ECONNREFUSED}
@@ -82,10 +82,10 @@ def attach(
 ) -> AttachResult:
     """Named tensors of ``model_dir`` in ``dtype`` on ``device``: from the cache or from disk.
 
-    Either way the tensors are in the serving layout (cache/loader.py ``plan_layout``: experts merged,
+    Either way the tensors are in the serving layout (weights/arena.py ``plan_layout``: experts merged,
     the arena's names): the disk path fills a private arena from the daemon's own plan. ``online``
     (FP8 settings of ``--quantization fp8``) asks for e4m3 weights plus ``_scale_inv`` block scales,
-    quantized at load; ``expert_layout`` (a name of ``engine.moe.kernel_layout.LAYOUTS``; unknown
+    quantized at load; ``expert_layout`` (a name of ``weights.kernel_layout.LAYOUTS``; unknown
     names raise) for experts converted to that MoE kernel's layout; a daemon holding another
     conversion is a miss ("mismatch: conversion"), and the disk path converts as the daemon would.
 

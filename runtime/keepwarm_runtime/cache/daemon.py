@@ -42,19 +42,19 @@ from keepwarm_runtime.cache.adapters import (
     adapter_layout,
     read_adapter,
 )
-from keepwarm_runtime.cache.checkpoint import Shard, parse_dtype, read_checkpoint
 from keepwarm_runtime.cache.connections import SocketServer
 from keepwarm_runtime.cache.fingerprint import WeightCacheKey, compute_key, read_config
 from keepwarm_runtime.cache.handlers import CommandHandlers
 from keepwarm_runtime.cache.limits import ServerLimits, raise_nofile_limit
-from keepwarm_runtime.cache.loader import ArenaLayout, fill_arena, plan_layout
 from keepwarm_runtime.cache.metrics import ARENA_SOURCES, DaemonMetrics
 from keepwarm_runtime.cache.registry import ModelRegistry, ResidentModel
 from keepwarm_runtime.cache.settings import TIERS
 from keepwarm_runtime.cache.snapshot import DaemonSnapshot, FailedModel
 from keepwarm_runtime.cache.succession import Inheritance
-from keepwarm_runtime.engine.moe.kernel_layout import MODEL, conversion_id
-from keepwarm_runtime.engine.quant.settings import Fp8Settings, fp8_settings
+from keepwarm_runtime.weights.arena import ArenaLayout, fill_arena, plan_layout
+from keepwarm_runtime.weights.checkpoint import Shard, parse_dtype, read_checkpoint
+from keepwarm_runtime.weights.kernel_layout import MODEL, conversion_id
+from keepwarm_runtime.weights.quantization import Fp8Settings, fp8_settings
 
 log = logging.getLogger(__name__)
 MAX_REASON_CHARS = 1000  # a Failed model's reason, as reported in stats, list and the node status
@@ -82,7 +82,7 @@ class DaemonConfig:
 
 def online_settings(path: Path, quantization: str | None) -> Fp8Settings | None:
     """The online FP8 settings for ``path`` asked with ``quantization``, exactly as the engine reads
-    them (engine.quant.settings.fp8_settings): None without one; an FP8 checkpoint asked to be
+    them (weights.quantization.fp8_settings): None without one; an FP8 checkpoint asked to be
     quantized again, or any method but fp8, is refused by name (QuantizationError)."""
     if quantization in (None, "none"):
         return None

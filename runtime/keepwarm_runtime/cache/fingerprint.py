@@ -11,8 +11,8 @@ shard, never the weight bytes, so a restart costs O(shards) system calls):
 The daemon separately records a content digest while it reads the bytes (``loader.fill_arena``) and
 re-checks file identities before each hit, so a shard changed on disk after load is a miss.
 ``conversion`` names the serving layout the daemon wrote into the arena (expert merges, FP8 scales
-kept in float32: ``engine.moe.serving_layout.CONVERSION_ID``), plus the MoE kernel's expert layout
-when one was asked for (``engine.moe.kernel_layout.conversion_id``); a new layout version is a miss.
+kept in float32: ``weights.serving_layout.CONVERSION_ID``), plus the MoE kernel's expert layout
+when one was asked for (``weights.kernel_layout.conversion_id``); a new layout version is a miss.
 ``quantization`` is the checkpoint's own ``quantization_config`` (hashed), or for online FP8
 (``--quantization fp8``) the settings and quantizer version (``Fp8Settings.key_text``): a client that
 asks for online FP8 never attaches float weights, nor a float client FP8 ones.
@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from keepwarm_runtime import __version__
-from keepwarm_runtime.cache.checkpoint import Shard, dtype_name, read_checkpoint
-from keepwarm_runtime.engine.moe.serving_layout import CONVERSION_ID
-from keepwarm_runtime.engine.quant.settings import Fp8Settings
+from keepwarm_runtime.weights.checkpoint import Shard, dtype_name, read_checkpoint
+from keepwarm_runtime.weights.quantization import Fp8Settings
+from keepwarm_runtime.weights.serving_layout import CONVERSION_ID
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class WeightCacheKey:
     architecture: str  # config.json architectures[0] (or model_type)
     dtype: str  # serving dtype of floating tensors, e.g. "float32"
     quantization: str  # sha256 of config.json quantization_config, online settings, or "none"
-    conversion: str  # the arena's serving layout (+ expert layout): engine.moe.kernel_layout.conversion_id
+    conversion: str  # the arena's serving layout (+ expert layout): weights.kernel_layout.conversion_id
     revision: str  # hub commit (HF cache snapshot dir / _commit_hash) or "local"
     tp_rank: int  # tensor-parallel rank this entry serves
     tp_size: int  # tensor-parallel world size

@@ -13,9 +13,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from keepwarm_runtime import __version__
-from keepwarm_runtime.cache.checkpoint import changed_shards
 from keepwarm_runtime.cache.fingerprint import WeightCacheKey
 from keepwarm_runtime.cache.protocol import PROTOCOL_VERSION, ProtocolError, error_reply
+from keepwarm_runtime.weights.checkpoint import changed_shards
 
 if TYPE_CHECKING:
     from keepwarm_runtime.cache.daemon import CacheDaemon

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Protocol
 
 from keepwarm_runtime.cache.adapters import KIND_MODEL
-from keepwarm_runtime.cache.checkpoint import Shard
 from keepwarm_runtime.cache.fingerprint import WeightCacheKey
-from keepwarm_runtime.cache.loader import ArenaLayout
 from keepwarm_runtime.cache.metrics import DISK
 from keepwarm_runtime.cache.snapshot import ModelSnapshot
+from keepwarm_runtime.weights.arena import ArenaLayout
+from keepwarm_runtime.weights.checkpoint import Shard
 
 
 class BudgetExceeded(Exception):

@@ -22,7 +22,7 @@ from keepwarm_api.settings import setting
 from keepwarm_api.values import SERVING_DTYPES, DType, Quantization, Tier
 from keepwarm_runtime.agent.settings import MAX_LOADS, STALL_TIMEOUT_S
 from keepwarm_runtime.cache.gpus import fake_gpu_uuid
-from keepwarm_runtime.engine.moe.layouts import LAYOUTS, MODEL
+from keepwarm_runtime.weights.layouts import LAYOUTS, MODEL
 
 TIERS = ("auto", *(t.value for t in Tier))  # auto: gpu when CUDA is present
 QUANTIZATIONS = tuple(q.value for q in Quantization)

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from keepwarm_api.values import SERVING_DTYPES, CacheMode, Quantization
-from keepwarm_runtime.engine.moe import layouts
 from keepwarm_runtime.engine.moe import oracle as moe_oracle
+from keepwarm_runtime.weights import layouts
 
 if TYPE_CHECKING:
     import torch

@@ -1,7 +1,7 @@
 """Build a transformers causal LM on the meta device and fill it from attached tensors, without a copy.
 
 Parameters become the attached tensors themselves: views of the cache daemon's arena, or of the
-private arena the disk path fills from the same plan (cache/loader.py), so they arrive in the serving
+private arena the disk path fills from the same plan (weights/arena.py), so they arrive in the serving
 layout either way (experts merged, online FP8 quantized, the kernel's expert layout applied) and the
 loader never asks where they came from. Tied parameters share one tensor. Non-persistent buffers
 (rotary inv_freq, Gemma's embed_scale) are materialised on the target device and recomputed by
@@ -11,7 +11,7 @@ merge the plan could not make (per-expert gate/up/down -> fused 3-D tensors, FP8
 stacks experts here, a copy. Any other conversion is refused with the names involved. FP8
 checkpoints and `--quantization fp8` go through engine.quant; fused experts run on the MoE backend
 engine.moe chooses per module; `expert_layout="flashinfer_cutlass"` marks the experts whose halves
-the attach swapped (engine.moe.kernel_layout).
+the attach swapped (weights.kernel_layout).
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ from keepwarm_runtime.cache.client import attach
 from keepwarm_runtime.engine.attention.dispatch import register_keepwarm_attention
 from keepwarm_runtime.engine.attention.fuser import IMPLEMENTATION
 from keepwarm_runtime.engine.config import EngineConfig
-from keepwarm_runtime.engine.moe import kernel_layout, serving_layout
 from keepwarm_runtime.engine.moe.experts import ExpertsChoice, prepare_experts, use_keepwarm_experts
 from keepwarm_runtime.engine.multimodal import model_class as multimodal_model_class
 from keepwarm_runtime.engine.prefetch import WeightPrefetch, attach_arguments
-from keepwarm_runtime.engine.quant.fp8 import E4M3
 from keepwarm_runtime.engine.quant.fp8_modules import prepare_checkpoint_fp8
-from keepwarm_runtime.engine.quant.settings import SCALE_SUFFIX, Fp8Settings, QuantizationError, fp8_settings
 from keepwarm_runtime.engine.startup import StartupProfile
+from keepwarm_runtime.weights import kernel_layout, serving_layout
+from keepwarm_runtime.weights.fp8 import E4M3
+from keepwarm_runtime.weights.quantization import SCALE_SUFFIX, Fp8Settings, QuantizationError, fp8_settings
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def load_model(
         layout = kernel_layout.effective_layout(model, config.expert_layout)
         res = attach(**attach_arguments(config), online=online, expert_layout=layout)
     # The attach quantized online FP8 and converted the expert layout (from the cache or from disk,
-    # the same plan: cache/loader.py), so the model only declares what its tensors now are.
+    # the same plan: weights/arena.py), so the model only declares what its tensors now are.
     if quantization is not None:
         _prepare_fp8(model, quantization, res)
     copied = fill_parameters(model, res.tensors, res.aliases)

@@ -23,8 +23,8 @@ import threading
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from keepwarm_runtime.engine.moe.layouts import MODEL
 from keepwarm_runtime.model_kind import ModelKind
+from keepwarm_runtime.weights.layouts import MODEL
 
 if TYPE_CHECKING:
     from keepwarm_runtime.cache.client import AttachResult

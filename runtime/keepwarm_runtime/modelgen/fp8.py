@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from keepwarm_runtime.engine.quant.fp8 import BLOCK, quantize_blocks
-from keepwarm_runtime.engine.quant.settings import DEFAULT_NOT_CONVERTED, SCALE_SUFFIX, Fp8Settings
+from keepwarm_runtime.weights.fp8 import BLOCK, quantize_blocks
+from keepwarm_runtime.weights.quantization import DEFAULT_NOT_CONVERTED, SCALE_SUFFIX, Fp8Settings
 
 _PER_EXPERT = re.compile(r"^(?P<experts>.*\.experts)\.\d+\.(gate|up|down)_proj\.weight$")
 
@@ -25,8 +25,8 @@ def quantizable_names(config_dir: Path, not_converted: tuple[str, ...]) -> tuple
     """(nn.Linear module names to quantize, fused experts module names) of the model in `config_dir`:
     what the engine's online quantization converts (`fp8_modules.online_targets`), so an FP8
     checkpoint written here and a float one quantized at load hold the same tensors."""
-    from keepwarm_runtime.engine.moe.serving_layout import meta_model
-    from keepwarm_runtime.engine.quant.fp8_modules import online_targets
+    from keepwarm_runtime.weights.quantization import online_targets
+    from keepwarm_runtime.weights.serving_layout import meta_model
 
     model = meta_model(config_dir)
     if model is None:

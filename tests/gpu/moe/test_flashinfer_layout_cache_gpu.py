@@ -18,8 +18,8 @@ import os
 import pytest
 import torch
 
-from keepwarm_runtime.engine.moe.kernel_layout import up_first
 from keepwarm_runtime.engine.moe.reference import ExpertWeights
+from keepwarm_runtime.weights.kernel_layout import up_first
 from scripts.gpucheck.plan import FLASHINFER_MOE_OPT_IN
 from tests.gpu.moe.arena import gpu_moe_daemon
 
@@ -78,7 +78,7 @@ def test_flashinfer_cutlass_gives_the_same_bits_for_converted_and_repacked_exper
     _require_kernel()
     from keepwarm_runtime.engine.moe import flashinfer_backend
     from keepwarm_runtime.engine.moe.activation import GatedActivation
-    from keepwarm_runtime.engine.quant.fp8 import quantize_blocks
+    from keepwarm_runtime.weights.fp8 import quantize_blocks
 
     g = torch.Generator().manual_seed(0)
     e, h, inter, t, k = 8, 256, 256, 64, 2

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from keepwarm_runtime.engine.quant import fp8_gemm
-from keepwarm_runtime.engine.quant.fp8 import quantize_blocks
+from keepwarm_runtime.weights.fp8 import quantize_blocks
 
 pytestmark = pytest.mark.gpu
 

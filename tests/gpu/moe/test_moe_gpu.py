@@ -18,7 +18,7 @@ from keepwarm_runtime.engine.moe.activation import GatedActivation
 from keepwarm_runtime.engine.moe.experts import layer_facts
 from keepwarm_runtime.engine.moe.oracle import ELIGIBILITY
 from keepwarm_runtime.engine.moe.reference import ExpertWeights, reference_moe
-from keepwarm_runtime.engine.quant.fp8 import quantize_blocks
+from keepwarm_runtime.weights.fp8 import quantize_blocks
 from scripts.gpucheck.plan import FLASHINFER_MOE_OPT_IN
 
 pytestmark = pytest.mark.gpu

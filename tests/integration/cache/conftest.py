@@ -53,8 +53,8 @@ class WarmCache:
     (a WARNING and a Failed entry; nothing is evicted at start)."""
 
     def __init__(self, root: Path, tiny: Path) -> None:
-        from keepwarm_runtime.cache.checkpoint import read_checkpoint
-        from keepwarm_runtime.cache.loader import plan_layout
+        from keepwarm_runtime.weights.arena import plan_layout
+        from keepwarm_runtime.weights.checkpoint import read_checkpoint
 
         self.root = root
         self.socket_dir = root / "wc"

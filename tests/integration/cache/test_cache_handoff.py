@@ -325,8 +325,8 @@ def test_predecessor_killed_before_the_commit(daemon_factory, checkpoint_writer,
 
 
 def test_a_successor_of_another_configuration_takes_what_fits(daemon_factory, checkpoint_writer, tmp_path):
-    from keepwarm_runtime.cache.checkpoint import read_checkpoint
-    from keepwarm_runtime.cache.loader import plan_layout
+    from keepwarm_runtime.weights.arena import plan_layout
+    from keepwarm_runtime.weights.checkpoint import read_checkpoint
 
     a = checkpoint_writer(tmp_path / "models" / "a", seed=1, rows=512)
     b = checkpoint_writer(tmp_path / "models" / "b", seed=2, rows=512)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from keepwarm_runtime.cache.checkpoint import read_checkpoint
 from keepwarm_runtime.cache.client import attach
+from keepwarm_runtime.weights.checkpoint import read_checkpoint
 
 pytestmark = pytest.mark.integration
 

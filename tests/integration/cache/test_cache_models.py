@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from keepwarm_runtime.cache.checkpoint import read_checkpoint
 from keepwarm_runtime.cache.client import attach
+from keepwarm_runtime.weights.checkpoint import read_checkpoint
 
 pytestmark = pytest.mark.integration
 
@@ -72,8 +72,8 @@ def test_second_daemon_takes_over_before_loading(checkpoint_writer, daemon_facto
 
 def test_a_bad_model_never_evicts_a_good_one(checkpoint_writer, tmp_path):
     """The node agent's path (add_model under --budget): a bad model fails before any eviction."""
-    from keepwarm_runtime.cache.checkpoint import CheckpointError
     from keepwarm_runtime.cache.daemon import CacheDaemon, DaemonConfig
+    from keepwarm_runtime.weights.checkpoint import CheckpointError
 
     good = checkpoint_writer(tmp_path / "models" / "good", seed=1)
     bad_shape = checkpoint_writer(tmp_path / "models" / "bad", seed=2)

@@ -20,8 +20,8 @@ import torch
 
 from keepwarm_runtime import LLM, SamplingParams
 from keepwarm_runtime.engine.loader import ModelLoadError
-from keepwarm_runtime.engine.quant.fp8 import E4M3
 from keepwarm_runtime.engine.quant.fp8_modules import Fp8Linear
+from keepwarm_runtime.weights.fp8 import E4M3
 from tests.integration.engine.reference import transformers_greedy
 from tests.integration.engine.shapes import DEEPSEEK_WHOLE_BLOCKS, WHOLE_BLOCKS
 

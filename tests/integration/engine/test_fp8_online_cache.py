@@ -19,8 +19,8 @@ import torch
 from keepwarm_runtime import LLM, SamplingParams
 from keepwarm_runtime.cache.client import CacheAttachError, attach, connect, request
 from keepwarm_runtime.cache.launcher import DaemonProcess
-from keepwarm_runtime.engine.quant.fp8 import E4M3
 from keepwarm_runtime.engine.quant.fp8_modules import Fp8Linear
+from keepwarm_runtime.weights.fp8 import E4M3
 from tests.integration.engine.shapes import WHOLE_BLOCKS
 from tests.integration.engine.strict import bits, differing_bytes, load_strict
 
@@ -172,7 +172,7 @@ def test_online_fp8_arena_is_about_half_the_bf16_one_and_equals_the_fp8_checkpoi
 
 
 def _online():
-    from keepwarm_runtime.engine.quant.settings import fp8_settings
+    from keepwarm_runtime.weights.quantization import fp8_settings
 
     return fp8_settings(None, "fp8")
 

@@ -22,8 +22,8 @@ from keepwarm_runtime import LLM, SamplingParams
 from keepwarm_runtime.cache.client import CacheAttachError, attach
 from keepwarm_runtime.engine.moe import flashinfer_backend
 from keepwarm_runtime.engine.moe.activation import GatedActivation
-from keepwarm_runtime.engine.moe.kernel_layout import ExpertLayoutError
 from keepwarm_runtime.engine.moe.reference import ExpertWeights
+from keepwarm_runtime.weights.kernel_layout import ExpertLayoutError
 from tests.integration.engine.shapes import WHOLE_BLOCKS
 from tests.integration.engine.strict import bits, differing_bytes, load_strict
 
@@ -193,7 +193,7 @@ def test_the_converted_model_generates_what_the_model_layout_does(models, tmp_pa
 def test_models_the_layout_does_not_touch_are_keyed_in_the_model_layout(models, make_tiny, tmp_path) -> None:
     """gpt-oss (transposed, interleaved experts: the CUTLASS runner repacks those, a counted copy on a
     GPU) and dense models are not converted, so a client in either layout attaches them zero-copy."""
-    from keepwarm_runtime.engine.moe.serving_layout import CONVERSION_ID
+    from keepwarm_runtime.weights.serving_layout import CONVERSION_ID
 
     with _Daemon(tmp_path / "sock", "bfloat16", CUTLASS) as cache:
         for model_dir in (models["gpt_oss"], make_tiny("llama")):

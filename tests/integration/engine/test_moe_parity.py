@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from keepwarm_runtime import LLM, SamplingParams
-from keepwarm_runtime.engine.moe.experts import IMPLEMENTATION, RUNNER_ATTR, is_experts_module
+from keepwarm_runtime.engine.moe.experts import IMPLEMENTATION, RUNNER_ATTR
+from keepwarm_runtime.weights.serving_layout import is_experts_module
 from tests.integration.engine.reference import transformers_greedy
 
 pytestmark = pytest.mark.integration

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from keepwarm_runtime.cache.checkpoint import read_checkpoint
 from keepwarm_runtime.cache.launcher import DaemonProcess
-from keepwarm_runtime.cache.loader import plan_layout
 from keepwarm_runtime.server.launcher import free_port, start_server
+from keepwarm_runtime.weights.arena import plan_layout
+from keepwarm_runtime.weights.checkpoint import read_checkpoint
 from keepwarm_testing.operator import (
     NAMESPACE,
     OperatorProcess,

@@ -18,9 +18,9 @@ from keepwarm_runtime.cache.adapters import (
     is_adapter_key,
     read_adapter,
 )
-from keepwarm_runtime.cache.checkpoint import CheckpointError
 from keepwarm_runtime.cache.fingerprint import compute_key
-from keepwarm_runtime.cache.loader import ALIGN
+from keepwarm_runtime.weights.arena import ALIGN
+from keepwarm_runtime.weights.checkpoint import CheckpointError
 
 A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
 B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"

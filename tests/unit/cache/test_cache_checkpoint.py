@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from keepwarm_runtime.cache.checkpoint import CheckpointError, changed_shards, read_checkpoint, read_shard
+from keepwarm_runtime.weights.checkpoint import CheckpointError, changed_shards, read_checkpoint, read_shard
 
 
 def _shard(path: Path, table: object, data: bytes = b"", raw_header: bytes | None = None) -> Path:

@@ -141,7 +141,7 @@ def test_changed_on_disk_reload_that_fails_drops_the_stale_arena(tmp_path):
     import shutil
     import time
 
-    from keepwarm_runtime.cache.checkpoint import read_checkpoint
+    from keepwarm_runtime.weights.checkpoint import read_checkpoint
 
     model = write_checkpoint(tmp_path / "models" / "m", seed=5)
     d = _daemon(tmp_path)
@@ -167,7 +167,7 @@ def test_changed_on_disk_reload_that_fails_drops_the_stale_arena(tmp_path):
 def test_online_quantization_is_refused_by_name_where_it_cannot_apply(models, tmp_path):
     """A model transformers cannot build (so no one can tell its linear weights) and a method other than
     fp8 are Failed with the reason; nothing is loaded unquantized under either name."""
-    from keepwarm_runtime.engine.quant.settings import QuantizationError
+    from keepwarm_runtime.weights.quantization import QuantizationError
 
     d = _daemon(tmp_path)
     try:
@@ -186,7 +186,7 @@ def test_a_quantized_model_changed_on_disk_reloads_quantized(tiny_llama, tmp_pat
     import shutil
     import time
 
-    from keepwarm_runtime.cache.checkpoint import read_checkpoint
+    from keepwarm_runtime.weights.checkpoint import read_checkpoint
 
     model = shutil.copytree(tiny_llama, tmp_path / "models" / "llama")
     d = _daemon(tmp_path)

@@ -1,4 +1,4 @@
-"""The disk path (cache/loader.py load_from_disk): the same tensors whether converted in parallel or
+"""The disk path (weights/arena.py load_from_disk): the same tensors whether converted in parallel or
 one by one, equal to safetensors' own load, and a shard changed after its header was read refused."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from keepwarm_runtime.cache import loader
-from keepwarm_runtime.cache.checkpoint import CheckpointError, read_checkpoint
+from keepwarm_runtime.weights import arena as loader
+from keepwarm_runtime.weights.checkpoint import CheckpointError, read_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from keepwarm_runtime.cache.checkpoint import read_checkpoint
 from keepwarm_runtime.cache.fingerprint import WeightCacheKey, compute_key
+from keepwarm_runtime.weights.checkpoint import read_checkpoint
 
 
 def test_a_copy_has_equal_headers_but_other_files(tiny_llama: Path, tmp_path: Path):
@@ -89,7 +89,7 @@ def test_quantization_and_revision(tiny_llama: Path, tmp_path: Path):
 
 
 def test_online_quantization_is_its_own_key(tiny_llama: Path):
-    from keepwarm_runtime.engine.quant.settings import Fp8Settings, fp8_settings
+    from keepwarm_runtime.weights.quantization import Fp8Settings, fp8_settings
 
     online = fp8_settings(None, "fp8")
     plain, quantized = compute_key(tiny_llama, "bfloat16"), compute_key(tiny_llama, "bfloat16", online=online)

@@ -7,8 +7,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from keepwarm_runtime.engine.quant import fp8_gemm
-from keepwarm_runtime.engine.quant.fp8 import dequantize_blocks, quantize_blocks
 from keepwarm_runtime.engine.quant.fp8_modules import Fp8Linear
+from keepwarm_runtime.weights.fp8 import dequantize_blocks, quantize_blocks
 
 
 def test_activation_scales_are_per_token_per_128_columns() -> None:

@@ -6,7 +6,7 @@ import pytest
 from torch import nn
 
 from keepwarm_runtime.engine.loader import ModelLoadError, _check_fp8_scales
-from keepwarm_runtime.engine.quant.fp8 import E4M3, quantize_blocks
+from keepwarm_runtime.weights.fp8 import E4M3, quantize_blocks
 
 
 def _e4m3_linear(with_scale: bool) -> nn.Linear:

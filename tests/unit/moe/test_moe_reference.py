@@ -10,7 +10,7 @@ from torch.nn import functional as F
 
 from keepwarm_runtime.engine.moe.activation import GatedActivation, apply_gated
 from keepwarm_runtime.engine.moe.reference import ExpertWeights, reference_moe
-from keepwarm_runtime.engine.quant.fp8 import E4M3, dequantize_blocks, dequantize_gate_up, quantize_blocks
+from keepwarm_runtime.weights.fp8 import E4M3, dequantize_blocks, dequantize_gate_up, quantize_blocks
 
 
 def test_quantize_matches_transformers_fp8_quantize_bit_for_bit() -> None:

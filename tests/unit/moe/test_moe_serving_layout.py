@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from keepwarm_runtime.engine.moe.serving_layout import MergeRule, Placement, plan, tensor_dtype, with_scales
+from keepwarm_runtime.weights.serving_layout import MergeRule, Placement, plan, tensor_dtype, with_scales
 
 RULES = with_scales(
     [

@@ -131,8 +131,8 @@ def read_tensors(
     the host."""
     from safetensors import SafetensorError
 
-    from keepwarm_runtime.cache.checkpoint import CheckpointError
     from keepwarm_runtime.cache.client import CacheAttachError, attach_adapter
+    from keepwarm_runtime.weights.checkpoint import CheckpointError
 
     path = directory / WEIGHTS_FILE
     if not path.is_file():

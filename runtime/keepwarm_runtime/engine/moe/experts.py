@@ -20,11 +20,12 @@ import torch
 from torch import nn
 
 from keepwarm_runtime.engine.moe.activation import GatedActivation, apply_gated
-from keepwarm_runtime.engine.moe.kernel_layout import FLASHINFER_CUTLASS, MODEL, UP_FIRST_ATTR
 from keepwarm_runtime.engine.moe.oracle import MoEBackendError, MoELayerFacts, choose_backend
 from keepwarm_runtime.engine.moe.reference import ExpertWeights, reference_moe
-from keepwarm_runtime.engine.quant.fp8 import E4M3
-from keepwarm_runtime.engine.quant.settings import SCALE_SUFFIX  # FP8 block scales: gate_up_proj_scale_inv
+from keepwarm_runtime.weights.fp8 import E4M3
+from keepwarm_runtime.weights.kernel_layout import FLASHINFER_CUTLASS, MODEL, UP_FIRST_ATTR
+from keepwarm_runtime.weights.quantization import SCALE_SUFFIX  # FP8 block scales: gate_up_proj_scale_inv
+from keepwarm_runtime.weights.serving_layout import is_experts_module
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +45,6 @@ class ExpertsChoice:
     backend: str  # torch | flashinfer_cutlass | flashinfer_trtllm | transformers
     reason: str
     copied: int = 0  # tensors the backend copied into its own layout (0 when the experts hold it)
-
-
-def is_experts_module(module: nn.Module) -> bool:
-    """A module transformers' `@use_experts_implementation` prepared (it sets `has_gate`)."""
-    return hasattr(module, "has_gate") and hasattr(module, "down_proj")
 
 
 def expert_weights(module: nn.Module) -> ExpertWeights:

@@ -6,7 +6,7 @@ float32), fc1 weights `[E, 2I, H]` with the up half first ([up; gate], TRT-LLM's
 `swiglu_limit` float32 tensors. FP8 128x128 block scales go in `quant_scales` as
 `[fc1_scales [E, 2I/128, H/128] in the same [up; gate] order, fc2_scales [E, H/128, I/128]]` with
 `use_deepseek_fp8_block_scale=True` (Hopper only; bf16 activations, quantized inside the kernel).
-Experts already in the `flashinfer_cutlass` layout (engine.moe.kernel_layout: converted once by the
+Experts already in the `flashinfer_cutlass` layout (weights.kernel_layout: converted once by the
 weight cache daemon into its arena, or by the engine's disk path) go to the kernel as they are, with
 no copy. Experts in the model layout are repacked once, when the runner is made: a second copy of
 them on the GPU (the model's own stay, for the reference the runner is checked against), counted by
@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 
 from keepwarm_runtime.engine.moe.activation import GatedActivation
-from keepwarm_runtime.engine.moe.kernel_layout import up_first
 from keepwarm_runtime.engine.moe.reference import ExpertWeights
+from keepwarm_runtime.weights.kernel_layout import up_first
 
 EXTRA_HINT = "install keepwarm-runtime[gpu] (flashinfer-python)"
 TRTLLM_NOT_WIRED = (

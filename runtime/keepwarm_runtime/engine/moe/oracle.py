@@ -15,7 +15,7 @@ exactly, and if not, why. Facts about the FlashInfer kernels (flashinfer.fused_m
 - `trtllm_fp8_per_tensor_scale_moe` takes no SwiGLU parameters at all, so per-tensor FP8 with a clamp
   has no correct FlashInfer kernel: refused.
 
-Expert layout (engine.moe.kernel_layout): the torch reference reads both; CUTLASS takes its own
+Expert layout (weights.kernel_layout): the torch reference reads both; CUTLASS takes its own
 `flashinfer_cutlass` layout as it is and repacks the model layout with a copy; the TRT-LLM kernels
 want a layout of their own (none converted yet), so experts converted for CUTLASS are refused there.
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from keepwarm_runtime.engine.moe.layouts import LAYOUTS, MODEL
+from keepwarm_runtime.weights.layouts import LAYOUTS, MODEL
 
 WEIGHT_FORMATS = ("fp32", "fp16", "bf16", "fp8_per_tensor", "fp8_block128", "mxfp8")
 ACTIVATIONS = ("swiglu", "geglu")  # gated SiLU (incl. gpt-oss' clamped form) | gated GELU
@@ -58,7 +58,7 @@ class MoELayerFacts:
     hidden_size: int
     intermediate_size: int
     capability: tuple[int, int] | None  # CUDA compute capability; None on CPU
-    layout: str = MODEL  # expert layout the weights hold (engine.moe.kernel_layout.LAYOUTS)
+    layout: str = MODEL  # expert layout the weights hold (weights.kernel_layout.LAYOUTS)
     interleaved: bool = False  # gate/up columns alternate (gpt-oss) instead of [gate; up] halves
 
     @property

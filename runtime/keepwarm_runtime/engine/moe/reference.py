@@ -4,7 +4,7 @@ Runs on CPU and GPU, for every weight format keepwarm loads; it is the backend `
 and the one the FlashInfer kernels are checked against. Weights are read in the layout the model
 holds them (no copy): `[E, 2I, H]` / `[E, H, I]` (out x in), or transposed `[E, H, 2I]` / `[E, I, H]`
 (gpt-oss); FP8 weights carry float32 block scales over their (out, in) axes. Experts in the
-`flashinfer_cutlass` layout (engine.moe.kernel_layout: gate_up rows, scales and bias with the up half
+`flashinfer_cutlass` layout (weights.kernel_layout: gate_up rows, scales and bias with the up half
 first) are read back in gate-first order, one expert at a time.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from keepwarm_runtime.engine.moe.activation import GatedActivation, apply_gated
-from keepwarm_runtime.engine.quant.fp8 import BLOCK, E4M3, dequantize_blocks, dequantize_gate_up
+from keepwarm_runtime.weights.fp8 import BLOCK, E4M3, dequantize_blocks, dequantize_gate_up
 
 
 @dataclass

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from keepwarm_runtime.engine.quant.fp8 import BLOCK, E4M3, dequantize_blocks, quantize_blocks
+from keepwarm_runtime.weights.fp8 import BLOCK, E4M3, dequantize_blocks, quantize_blocks
 
 MIN_CAPABILITY = (9, 0)  # block-scaled FP8 GEMM in cuBLAS: Hopper and newer
 

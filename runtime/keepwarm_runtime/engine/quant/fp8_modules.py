@@ -7,7 +7,7 @@ matmul, which is what transformers' own dequantizing FP8 path computes. Fused ex
 (engine.moe.reference). The entry point is `prepare_checkpoint_fp8`, before the weights are filled
 (placeholders on meta the loader then points at checkpoint tensors, or at tensors quantized online
 into an arena). `online_targets` names what online quantization converts; the arena's fill
-(cache/loader.py, the daemon's and the disk path's alike) quantizes exactly those tensors.
+(weights/arena.py, the daemon's and the disk path's alike) quantizes exactly those tensors.
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from keepwarm_runtime.engine.moe.experts import HALVES_APART_ATTR, is_experts_module
+from keepwarm_runtime.engine.moe.experts import HALVES_APART_ATTR
 from keepwarm_runtime.engine.quant import fp8_gemm
-from keepwarm_runtime.engine.quant.fp8 import dequantize_blocks
-from keepwarm_runtime.engine.quant.settings import SCALE_SUFFIX, Fp8Settings, QuantizationError
 from keepwarm_runtime.log_once import log_once
+from keepwarm_runtime.weights.fp8 import dequantize_blocks
+from keepwarm_runtime.weights.quantization import SCALE_SUFFIX, Fp8Settings, QuantizationError
+from keepwarm_runtime.weights.serving_layout import is_experts_module
 
 log = logging.getLogger(__name__)
 
@@ -107,17 +108,3 @@ def prepare_checkpoint_fp8(model: nn.Module, settings: Fp8Settings, has_tensor: 
             )
             converted += 1
     return converted
-
-
-def online_targets(model: nn.Module, settings: Fp8Settings) -> list[str]:
-    """Names of the parameters online quantization converts: the weight of every nn.Linear (but the
-    excluded, e.g. lm_head, and those already FP8) and every fused expert stack. Defined once here for
-    the arena's fill (cache/loader.py), which quantizes them for the daemon and the disk path."""
-    names = []
-    for name, module in model.named_modules():
-        prefix = f"{name}." if name else ""
-        if isinstance(module, nn.Linear) and not isinstance(module, Fp8Linear) and settings.converts(name):
-            names.append(prefix + "weight")
-        elif is_experts_module(module) and hasattr(module, "gate_up_proj"):
-            names += [prefix + "gate_up_proj", prefix + "down_proj"]
-    return names

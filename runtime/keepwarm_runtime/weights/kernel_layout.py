@@ -7,7 +7,7 @@ fc2 (`down_proj` `[E, H, I]`) and its scales are taken as the model holds them. 
 `flashinfer_cutlass` layout is one conversion, `up_first`, of every concatenated, untransposed
 experts module's `gate_up_proj` (its FP8 `gate_up_proj_scale_inv` and its bias alike).
 
-The conversion is applied once, into the arena at load (cache/loader.py): the weight-cache daemon's
+The conversion is applied once, into the arena at load (weights/arena.py): the weight-cache daemon's
 (its id is part of the cache key's `conversion` field, so a client asking for another layout is a
 miss, never a silent mix) or the disk path's private one, from the same plan. The experts then hold [up; gate]
 tensors: the CUTLASS runner uses them as they are (no per-process copy), the torch reference reads
@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from keepwarm_runtime.engine.moe.layouts import (
+from keepwarm_runtime.weights.layouts import (
     FLASHINFER_CUTLASS,
     LAYOUT_IDS,
     LAYOUTS,
@@ -35,7 +35,7 @@ from keepwarm_runtime.engine.moe.layouts import (
     ExpertLayoutError,
     check_layout,
 )
-from keepwarm_runtime.engine.moe.serving_layout import CONVERSION_ID
+from keepwarm_runtime.weights.serving_layout import CONVERSION_ID, is_experts_module
 
 __all__ = ["FLASHINFER_CUTLASS", "LAYOUTS", "MODEL", "ExpertLayoutError", "check_layout"]
 UP_FIRST_ATTR = "_keepwarm_gate_up_up_first"  # set on an experts module whose gate_up holds [up; gate]
@@ -71,8 +71,6 @@ def swap_halves_(gate_up: torch.Tensor) -> None:
 def converts(module: nn.Module) -> bool:
     """Whether `flashinfer_cutlass` converts this module: fused experts `[E, 2I, H]` with [gate; up]
     halves (not gpt-oss' transposed, interleaved ones)."""
-    from keepwarm_runtime.engine.moe.experts import is_experts_module
-
     return (
         is_experts_module(module)
         and hasattr(module, "gate_up_proj")

@@ -2,7 +2,7 @@
 
 The daemon reads each tensor's bytes once, hashes them into the content digest as they pass, and
 writes them into the arena already converted to the serving dtype and laid out as the engine serves
-them (expert merges; see keepwarm_runtime.engine.moe.serving_layout), so clients never convert. The
+them (expert merges; see keepwarm_runtime.weights.serving_layout), so clients never convert. The
 read path is three small steps per tensor (``read_tensor_bytes`` -> digest -> ``write_serving_tensor``)
 so that a conversion step has one place to go. A client that cannot attach fills a private arena from
 the same plan (``load_serving_layout``: no digest, tensors written in parallel from a mapping of the
@@ -15,7 +15,7 @@ expert stack until its last expert arrives), then quantized in 128x128 blocks wi
 too, so a miss gives the same bits).
 
 A kernel's expert layout (``keepwarm cache serve --expert-layout flashinfer_cutlass``,
-``engine.moe.kernel_layout``) is the last step: the tensors ``kernel_layout.layout_targets`` names
+``weights.kernel_layout``) is the last step: the tensors ``kernel_layout.layout_targets`` names
 (and a checkpoint's FP8 scales beside them) get their [gate; up] halves swapped in the arena once
 every expert is written; a tensor quantized online is swapped in its float staging, before
 quantization.
@@ -32,7 +32,8 @@ from typing import Any, BinaryIO, Protocol, TypeVar
 
 import torch
 
-from keepwarm_runtime.cache.checkpoint import (
+from keepwarm_runtime.weights import kernel_layout, serving_layout
+from keepwarm_runtime.weights.checkpoint import (
     CONVERTIBLE,
     CheckpointError,
     FileIdentity,
@@ -41,9 +42,8 @@ from keepwarm_runtime.cache.checkpoint import (
     dtype_name,
     parse_dtype,
 )
-from keepwarm_runtime.engine.moe import kernel_layout, serving_layout
-from keepwarm_runtime.engine.quant.fp8 import E4M3, quantize_blocks
-from keepwarm_runtime.engine.quant.settings import SCALE_SUFFIX, Fp8Settings, QuantizationError
+from keepwarm_runtime.weights.fp8 import E4M3, quantize_blocks
+from keepwarm_runtime.weights.quantization import SCALE_SUFFIX, Fp8Settings, QuantizationError
 
 ALIGN = 256  # bytes; satisfies every dtype and CUDA's preferred alignment
 T, R = TypeVar("T"), TypeVar("R")
@@ -177,7 +177,7 @@ def _online_quantized(
     """The arena tensors online quantization converts: those whose model name is one of the engine's
     `online_targets`. Every target must be an arena tensor, or the load is refused by name (an engine
     attaching this arena would otherwise find a float weight where it expects e4m3)."""
-    from keepwarm_runtime.engine.quant.fp8_modules import online_targets
+    from keepwarm_runtime.weights.quantization import online_targets
 
     if model is None:
         raise QuantizationError(

@@ -13,7 +13,7 @@ A plan says, for each checkpoint tensor, where its bytes land: a target tensor a
 it. The disk path gives the same numbers: the engine's loader merges per-expert tensors the same
 way (engine/loader.py), so the cache and the disk path are bit-identical. `CONVERSION_ID` is part of
 the weight cache key: a change to this layout must change it. A MoE kernel's own expert layout
-(engine.moe.kernel_layout) is one more conversion on top, asked for by name and keyed with it.
+(weights.kernel_layout) is one more conversion on top, asked for by name and keyed with it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from keepwarm_runtime.engine.quant.settings import SCALE_SUFFIX
+from keepwarm_runtime.weights.quantization import SCALE_SUFFIX
 
 CONVERSION_ID = "serving-layout-v1"  # bump when the arena layout below changes
 KEEP_FLOAT32_SUFFIXES = (SCALE_SUFFIX,)  # FP8 block scales: never rounded to the serving dtype
@@ -195,3 +195,9 @@ def model_name(checkpoint_name: str, pairs: list[tuple[str, str]]) -> str:
     for pattern, repl in pairs:
         checkpoint_name = re.sub(pattern, repl, checkpoint_name)
     return checkpoint_name
+
+
+def is_experts_module(module) -> bool:
+    """A module transformers' `@use_experts_implementation` prepared (it sets `has_gate`): fused experts,
+    whatever their layout (engine.moe serves them; the plans here convert them)."""
+    return hasattr(module, "has_gate") and hasattr(module, "down_proj")

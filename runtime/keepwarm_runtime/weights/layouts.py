@@ -1,4 +1,4 @@
-"""Names of the expert layouts (engine.moe.kernel_layout) and their check, torch-free so settings can
+"""Names of the expert layouts (weights.kernel_layout) and their check, torch-free so settings can
 list them and EngineConfig can check one without importing torch."""
 
 MODEL = "model"  # transformers' own fused experts

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from keepwarm_runtime.engine.quant.fp8 import BLOCK
+from keepwarm_runtime.weights.fp8 import BLOCK
 
 SCALE_SUFFIX = (
     "_scale_inv"  # `x.weight` -> `x.weight_scale_inv`; a fused `experts.gate_up_proj` -> `..._scale_inv`
@@ -76,3 +76,23 @@ def fp8_settings(quantization_config, online: str | None) -> Fp8Settings | None:
         )
     skipped = tuple(_get(quantization_config, "modules_to_not_convert", None) or DEFAULT_NOT_CONVERTED)
     return Fp8Settings("checkpoint", BLOCK, skipped)
+
+
+def online_targets(model, settings: Fp8Settings) -> list[str]:
+    """Names of the parameters online quantization converts: the weight of every nn.Linear (but the
+    excluded, e.g. lm_head, and those already FP8: engine.quant.fp8_modules' Fp8Linear registers
+    their block scales) and every fused expert stack. Defined once here for the arena's fill
+    (weights/arena.py), which quantizes them for the daemon and the disk path alike."""
+    from torch import nn
+
+    from keepwarm_runtime.weights.serving_layout import is_experts_module
+
+    names = []
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        fp8 = f"weight{SCALE_SUFFIX}" in module._parameters
+        if isinstance(module, nn.Linear) and not fp8 and settings.converts(name):
+            names.append(prefix + "weight")
+        elif is_experts_module(module) and hasattr(module, "gate_up_proj"):
+            names += [prefix + "gate_up_proj", prefix + "down_proj"]
+    return names
