@@ -6,7 +6,6 @@ raw REST layer instead of its generated model classes.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -161,23 +160,6 @@ class Kube:
         path = res.path(meta.get("namespace"), meta["name"], "status" if status else None)
         query = [("fieldManager", manager or self.field_manager), ("force", "true")]
         return self.request("PATCH", path, query, obj, "application/apply-patch+yaml")
-
-    def apply_if_changed(self, obj: dict[str, Any], applied: dict[tuple[str, ...], tuple[str, str]]) -> bool:
-        """Server-side apply, skipped when neither side changed since our last apply of it: the
-        manifest is the one applied then and the object still has the resourceVersion that apply
-        returned (a read instead of a write that would change nothing). `applied` is the caller's
-        memory of those (resourceVersion, manifest digest) pairs. True when it applied."""
-        meta = obj["metadata"]
-        key = (obj["apiVersion"], obj["kind"], meta.get("namespace") or "", meta["name"])
-        digest = hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
-        known = applied.get(key)
-        if known is not None and known[1] == digest:
-            current = self.get(obj["apiVersion"], obj["kind"], meta["name"], meta.get("namespace"))
-            if current is not None and current["metadata"].get("resourceVersion") == known[0]:
-                return False
-        result = self.apply(obj)
-        applied[key] = (result["metadata"].get("resourceVersion", ""), digest)
-        return True
 
     def get(
         self, api_version: str, kind: str, name: str, namespace: str | None = None

@@ -22,6 +22,16 @@ from keepwarm_api.weightcachenode import STALE_HEARTBEATS, ModelState, NodePhase
 from .builders.meta import GPU_RESOURCE, warm_label_key
 
 
+def now() -> dt.datetime:
+    """The time conditions and staleness are stamped with (UTC, whole seconds)."""
+    return dt.datetime.now(dt.UTC).replace(microsecond=0)
+
+
+def resident_models(wcn: Mapping[str, Any]) -> frozenset[str]:
+    """The models a WeightCacheNode reports resident (its status, as the agent wrote it)."""
+    return frozenset(WeightCacheNodeStatus.model_validate(wcn.get("status") or {}).resident())
+
+
 def node_belongs(labels: dict[str, str] | None, selector: dict[str, str]) -> bool:
     """Whether a node (its labels; None when it is gone) is one the cache's agents run on."""
     return labels is not None and all(labels.get(k) == v for k, v in selector.items())

@@ -1,7 +1,9 @@
 """kopf handlers. Importing this package registers them; `keepwarm-operator run` does that.
 
 Handlers are level-based: every trigger (create, update, resume, timer, child event) runs the same
-reconcile, which recomputes desired state, server-side applies it and rewrites status.
+reconcile, which recomputes desired state, server-side applies what changed (applied.py) and rewrites
+status. The modules do not import each other: each handles the kopf events it needs (inference.py
+those of WeightCaches and WeightCacheNodes too) and shares only setup's Context.
 """
 
 from ..settings import OperatorSettings

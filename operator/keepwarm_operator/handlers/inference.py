@@ -8,11 +8,12 @@ Reconcile, in order:
   3. count warm nodes (WeightCacheNodes reporting the model resident) -> CacheWarm
   4. status from the Deployment -> Available, Progressing
 A missing cache or model is a condition with a message, not an error loop; the InferenceDeployment is
-reconciled again when its cache changes (WeightCache handlers) or its model's residency does (nodes),
-and every resync period (a timer): a deleted or edited Service or Deployment is re-applied and a status
-another client overwrote is restored; children unchanged since our apply are only read, so a quiet
-cluster costs no writes. kopf guards the timer with its finalizer, so deleting an InferenceDeployment
-waits for a running operator (as for WeightCaches).
+reconciled again when its cache's spec changes or its model's residency does (this module's own
+handlers of WeightCache and WeightCacheNode events), and every resync period (a timer): a deleted or
+edited Service or Deployment is re-applied and a status another client overwrote is restored;
+children unchanged since our apply (applied.py) are only read, so a quiet cluster costs no writes.
+kopf guards the timer with its finalizer, so deleting an InferenceDeployment waits for a running
+operator (as for WeightCaches).
 """
 
 from __future__ import annotations
@@ -31,8 +32,11 @@ from keepwarm_api.inferencedeployment import (
     IDepReason,
     InferenceDeploymentSpec,
 )
+from keepwarm_api.weightcache import PLURAL as CACHE_PLURAL
 from keepwarm_api.weightcache import WeightCacheSpec
+from keepwarm_api.weightcachenode import PLURAL as NODE_PLURAL
 
+from ..applied import UNREAD, ApplyMode, Unread, apply_if_changed, key_of
 from ..builders.meta import IDEP_LABEL, runtime_labels, selector_string
 from ..builders.runtime import (
     CacheBinding,
@@ -43,9 +47,8 @@ from ..builders.runtime import (
 )
 from ..kube import ApiError
 from ..metrics import APPLIES, reconciling
-from ..status import inference_status, status_changed
+from ..status import inference_status, now, resident_models, status_changed
 from .setup import Context, context
-from .weightcache import _now
 
 GROUP, VERSION = API_VERSION.split("/")
 C, R = IDepConditionType, IDepReason
@@ -101,21 +104,6 @@ def _resolve(
     return binding, cond, warm
 
 
-def _drifted(ctx: Context, key: tuple[str, str], deployment: dict[str, Any] | None) -> bool:
-    """Whether a child changed since our last apply: the Deployment's generation or the Service's
-    resourceVersion is not the one that apply returned (also when we never applied: a restart)."""
-    namespace, name = key
-    service = ctx.kube.get("v1", "Service", name, namespace)
-    with ctx.lock:
-        applied, service_rv = ctx.applied.get(key), ctx.applied_services.get(key)
-    return (
-        deployment is None
-        or service is None
-        or deployment["metadata"].get("generation", 0) != applied
-        or service["metadata"].get("resourceVersion") != service_rv
-    )
-
-
 def _apply_lora_list(
     ctx: Context, name: str, namespace: str, spec: InferenceDeploymentSpec, binding: CacheBinding | None,
     owner: dict[str, Any], gen: int,
@@ -126,7 +114,7 @@ def _apply_lora_list(
     if listing is None:
         return None
     try:
-        if ctx.kube.apply_if_changed(listing, ctx.applied_children):  # a read when unchanged
+        if apply_if_changed(ctx.kube, ctx.applied, listing)[1]:  # a read when unchanged
             APPLIES.labels("ConfigMap").inc()
     except ApiError as exc:
         message = f"applying the LoRA adapter list (ConfigMap) failed: {exc}"
@@ -134,13 +122,37 @@ def _apply_lora_list(
     return None
 
 
+def _apply_children(
+    ctx: Context, name: str, namespace: str, spec: InferenceDeploymentSpec, binding: CacheBinding | None,
+    owner: dict[str, Any], gen: int, deployment: dict[str, Any] | Unread | None,
+) -> tuple[dict[str, Any] | None, Condition | None]:  # fmt: skip
+    """Step 2's Deployment and Service, each only if it or its manifest changed since our apply;
+    `deployment` as the caller holds it (UNREAD: read when needed). Returns the Deployment as the
+    server has it and a failure's condition. The Deployment goes first: its record in ctx.applied
+    lets the event of our own apply (it arrives during the Service's round trip) pass unapplied."""
+    try:
+        manifest = runtime_deployment(name, namespace, spec, binding, owner)
+        deployment, wrote = apply_if_changed(ctx.kube, ctx.applied, manifest, deployment)
+        if wrote:
+            APPLIES.labels("Deployment").inc()
+        if apply_if_changed(ctx.kube, ctx.applied, runtime_service(name, namespace, spec, owner))[1]:
+            APPLIES.labels("Service").inc()
+    except ApiError as exc:
+        message = f"applying the Deployment/Service failed: {exc}"
+        kopf.warn(owner, reason=R.APPLY_FAILED.value, message=message)
+        held = deployment if isinstance(deployment, dict) else None
+        return held, condition(C.AVAILABLE, False, R.APPLY_FAILED, message, gen)
+    return deployment, None
+
+
 def reconcile(
-    body: dict[str, Any], memo: Any, trigger: str, apply: bool | None = True,
+    body: dict[str, Any], memo: Any, trigger: str, mode: ApplyMode = ApplyMode.APPLY,
     deployment: dict[str, Any] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Run steps 1-4; returns the new status (the caller writes it). apply=False only refreshes status;
-    apply=None (the resync) re-applies only children that drifted, so a quiet cluster costs reads.
-    `deployment`: the Deployment as a watch event just showed it (read from the API when None)."""
+    """Run steps 1-4; returns the new status (the caller writes it). APPLY and RESYNC apply the
+    children that changed (RESYNC with the Deployment as read or as an event showed it), so a quiet
+    cluster costs reads; STATUS_ONLY applies nothing. `deployment`: the Deployment as a watch event
+    just showed it (read from the API when None; APPLY reads it only to compare)."""
     ctx = context(memo)
     meta = body["metadata"]
     name, namespace, gen = meta["name"], meta["namespace"], meta.get("generation", 0)
@@ -148,50 +160,38 @@ def reconcile(
         spec = InferenceDeploymentSpec.model_validate(body.get("spec") or {})
         binding, cache_cond, warm = _resolve(ctx, spec, gen, namespace)
         problem = None
-        if apply is True:
+        if mode is ApplyMode.APPLY:
             deployment = None
         elif deployment is None:
             deployment = ctx.kube.get("apps/v1", "Deployment", name, namespace)
         if spec.model.cache_ref and binding is None:
             problem = cache_cond.model_copy(update={"type": C.AVAILABLE})
-        elif apply is not False:
+        elif mode is not ApplyMode.STATUS_ONLY:
             problem = _apply_lora_list(ctx, name, namespace, spec, binding, body, gen)
-        if problem is None and (apply or (apply is None and _drifted(ctx, (namespace, name), deployment))):
-            try:
-                deployment = ctx.kube.apply(runtime_deployment(name, namespace, spec, binding, body))
-                with ctx.lock:  # later events of this generation need no apply (before the Service's
-                    # round trip: the Deployment's event arrives during it)
-                    ctx.applied[(namespace, name)] = deployment["metadata"].get("generation", 0)
-                    ctx.applied_deployments[(namespace, name)] = deployment["metadata"].get("resourceVersion")
-                service = ctx.kube.apply(runtime_service(name, namespace, spec, body))
-                with ctx.lock:
-                    ctx.applied_services[(namespace, name)] = service["metadata"].get("resourceVersion")
-                APPLIES.labels("Deployment").inc()
-                APPLIES.labels("Service").inc()
-            except ApiError as exc:
-                message = f"applying the Deployment/Service failed: {exc}"
-                problem = condition(C.AVAILABLE, False, R.APPLY_FAILED, message, gen)
-                kopf.warn(body, reason=R.APPLY_FAILED.value, message=message)
-        if problem is not None and apply is not False:
+        if problem is None and mode is not ApplyMode.STATUS_ONLY:
+            current = UNREAD if mode is ApplyMode.APPLY else deployment
+            deployment, failed = _apply_children(ctx, name, namespace, spec, binding, body, gen, current)
+            problem = failed
+        elif problem is not None and mode is not ApplyMode.STATUS_ONLY:
             kopf.warn(body, reason=problem.reason, message=problem.message)
         selector = selector_string(runtime_labels(name))
         status = inference_status(gen, selector, deployment, spec.replicas, cache_cond, warm, problem)
         wire = status.wire()
         wire["conditions"] = merge_conditions(
-            (body.get("status") or {}).get("conditions"), status.conditions, _now()
+            (body.get("status") or {}).get("conditions"), status.conditions, now()
         )
         return wire
 
 
 def _write_status(
-    memo: Any, body: dict[str, Any], trigger: str, apply: bool, deployment: dict[str, Any] | None = None
+    memo: Any, body: dict[str, Any], trigger: str, mode: ApplyMode, deployment: dict[str, Any] | None = None
 ) -> None:
     """Status written outside kopf's handlers, guarded by the resourceVersion it was computed from.
     kopf patches the same object (its annotations and finalizer), so a 409 is common: the retry
     re-reads only the InferenceDeployment when the caller passed the Deployment it saw."""
 
     def compute(current: dict[str, Any]) -> dict[str, Any] | None:
-        status = reconcile(current, memo, trigger, apply=apply, deployment=deployment)
+        status = reconcile(current, memo, trigger, mode, deployment)
         return status if status_changed(current.get("status"), status) else None
 
     meta = body["metadata"]
@@ -210,17 +210,17 @@ def _cache_view_current(ctx: Context, body: dict[str, Any]) -> bool:
     return status.get("warmNodes", 0) == warm and all(stored.get(k) == v for k, v in cond.wire().items())
 
 
-def refresh_for_cache(memo: Any, cache: str, apply: bool = True) -> None:
-    """Reconcile the InferenceDeployments served from `cache` (its spec, apply=True, or residency,
-    apply=False, changed): found in kopf's index of them by cache (no listing); each status write is
+def refresh_for_cache(memo: Any, cache: str, mode: ApplyMode) -> None:
+    """Reconcile the InferenceDeployments served from `cache` (its spec, APPLY, or residency,
+    STATUS_ONLY, changed): found in kopf's index of them by cache (no listing); each status write is
     guarded by the resourceVersion of the copy in the index, and re-read if that was stale."""
     ctx = context(memo)
     for body in list(ctx.deployments_by_cache.get(cache, ())):
         if ctx.namespaces and body["metadata"]["namespace"] not in ctx.namespaces:
             continue  # another operator (or none) serves that namespace
-        if not apply and _cache_view_current(ctx, body):
+        if mode is ApplyMode.STATUS_ONLY and _cache_view_current(ctx, body):
             continue
-        _write_status(memo, body, "cache", apply)
+        _write_status(memo, body, "cache", mode)
 
 
 INDEXED_META = ("name", "namespace", "uid", "generation", "resourceVersion", "deletionTimestamp")
@@ -255,6 +255,36 @@ async def by_name(
     return {(namespace, name): index_body(body)}
 
 
+@kopf.on.event(GROUP, VERSION, CACHE_PLURAL)
+def cache_changed(body: kopf.Body, type: str | None, memo: Any, name: str, **_: Any) -> None:
+    """A WeightCache seen first (created, or at start) or with a new spec: its InferenceDeployments
+    apply what it says now (its models or sockets may have changed). `memo` is kopf's per-object
+    memo of the WeightCache: the generation last acted on (its status writes move none)."""
+    generation = body["metadata"].get("generation")
+    if type == "DELETED" or body["metadata"].get("deletionTimestamp"):
+        return
+    if memo.get("generation.inference") == generation:
+        return
+    memo["generation.inference"] = generation
+    refresh_for_cache(memo, name, ApplyMode.APPLY)
+
+
+@kopf.on.event(GROUP, VERSION, NODE_PLURAL)
+async def residency_changed(body: kopf.Body, type: str | None, memo: Any, **_: Any) -> None:
+    """A node's resident models changed (not every heartbeat): CacheWarm and warmNodes of the
+    cache's InferenceDeployments, on the coalescer's pool (one refresh per burst). `memo` is kopf's
+    per-object memo of the WeightCacheNode: its residency as last acted on."""
+    cache = (body.get("spec") or {}).get("weightCache")
+    resident = frozenset() if type == "DELETED" else resident_models(body)
+    if not cache or memo.get("resident.inference", frozenset()) == resident:  # a new, empty node: none
+        return
+    memo["resident.inference"] = resident
+    # also after the initial listing: resumed deployments may have counted early
+    context(memo).coalesce(
+        f"inference/{cache}", lambda: refresh_for_cache(memo, cache, ApplyMode.STATUS_ONLY)
+    )
+
+
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -268,7 +298,7 @@ def resync(body: kopf.Body, patch: kopf.Patch, memo: Any, **_: Any) -> None:
     """Level-based: re-apply the children that drifted (reads only when none did), restore status."""
     if body["metadata"].get("deletionTimestamp"):
         return
-    status = reconcile(dict(body), memo, "timer", apply=None)
+    status = reconcile(dict(body), memo, "timer", ApplyMode.RESYNC)
     if status_changed(body.get("status"), status):
         patch.status.update(status)
 
@@ -291,20 +321,22 @@ async def deployment_changed(body: kopf.Body, type: str | None, memo: Any, **_: 
         return
     ctx = context(memo)
     key = (meta["namespace"], owner["name"])
-    with ctx.lock:
-        applied = ctx.applied.get(key)  # None: not applied by this process yet (its handler is
-        # mid-apply, or it has just started and its resume handler will apply): no re-apply here
-        drifted = type == "DELETED" or applied not in (None, meta.get("generation"))
-        ours = ctx.applied_deployments.get(key) == meta.get("resourceVersion")
+    # None: not applied by this process yet (its handler is mid-apply, or it has just started and
+    # its resume handler will apply): no re-apply here
+    known = ctx.applied.get(key_of(dict(body)))
+    drifted = type == "DELETED" or (known is not None and known.drifted("Deployment", dict(body)))
+    ours = known is not None and known.resource_version == meta.get("resourceVersion")
     if ours and not drifted:  # what our apply returned: the status written with it already shows it
         return
-    deployment = None if drifted else dict(body)  # the event's copy: no GET per event
+    # The event's copy: no GET per event (a deleted one is read back: absent, so it is applied).
+    deployment = None if type == "DELETED" else dict(body)
+    mode = ApplyMode.RESYNC if drifted else ApplyMode.STATUS_ONLY
 
     def refresh() -> None:
         namespace, name = key
         idep = ctx.inference_deployment(namespace, name) or ctx.kube.get(API_VERSION, KIND, name, namespace)
         if idep is not None:
-            _write_status(memo, idep, "deployment", apply=drifted, deployment=deployment)
+            _write_status(memo, idep, "deployment", mode, deployment)
 
     if drifted:  # someone changed or deleted our Deployment: re-apply now
         ctx.coalesce(f"drift/{key[0]}/{key[1]}", refresh, delay_s=0.0)

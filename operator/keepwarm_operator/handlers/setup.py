@@ -17,6 +17,7 @@ from kubernetes import client
 
 from keepwarm_api import GROUP
 
+from ..applied import AppliedStore
 from ..builders.meta import IDEP_LABEL
 from ..kube import Kube, client_configuration, connection_info
 from ..settings import OperatorSettings
@@ -104,12 +105,7 @@ class Context:
     namespaces: frozenset[str] = frozenset()  # InferenceDeployments served only here (empty: all)
     resync_seconds: float = 30.0  # resync period (also the retry delay after a failed apply)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    applied: dict[tuple[str, str], int] = field(default_factory=dict)  # (ns, name) -> Deployment generation
-    applied_services: dict[tuple[str, str], str] = field(default_factory=dict)  # -> Service resourceVersion
-    # (ns, name) -> the Deployment's resourceVersion our last apply returned (its event needs nothing)
-    applied_deployments: dict[tuple[str, str], str] = field(default_factory=dict)
-    # agent children: (apiVersion, kind, ns, name) -> (resourceVersion, digest); Kube.apply_if_changed
-    applied_children: dict[tuple[str, ...], tuple[str, str]] = field(default_factory=dict)
+    applied: AppliedStore = field(default_factory=AppliedStore)  # what we applied (applied.py)
     node_locks: dict[str, threading.Lock] = field(default_factory=dict)  # cache -> see node_lock
     coalescer: Coalescer = field(default_factory=Coalescer)  # refreshes after bursts of events
 

@@ -9,6 +9,8 @@ Reconcile, in order:
   4. delete WeightCacheNodes whose Node is gone or no longer selected; mark Stale those whose agent's
      Lease (keepwarm_api.lease, renewed every heartbeat) stopped being renewed
   5. aggregate the WeightCacheNodes into status
+Status is aggregated again whenever a WeightCacheNode's resident models change (this module's handler
+of their events), and every resync period.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ from keepwarm_api.weightcachenode import (
     object_name,
 )
 from keepwarm_api.weightcachenode import KIND as NODE_KIND
+from keepwarm_api.weightcachenode import PLURAL as NODE_PLURAL
 
+from ..applied import AppliedStore, ApplyMode, apply_if_changed
 from ..builders.agent import agent_children
 from ..builders.meta import CACHE_LABEL, agent_labels, agent_name, object_meta, selector_string
 from ..kube import ApiError, Kube
@@ -51,16 +55,14 @@ from ..status import (
     last_heard,
     node_belongs,
     node_gpus,
+    now,
+    resident_models,
     status_changed,
     weightcache_status,
 )
 from .setup import context
 
 GROUP, VERSION = API_VERSION.split("/")
-
-
-def _now() -> dt.datetime:
-    return dt.datetime.now(dt.UTC).replace(microsecond=0)
 
 
 def _parse_time(value: str) -> dt.datetime:
@@ -76,7 +78,7 @@ def _spec_of(obj: dict[str, Any]) -> WeightCacheNodeSpec | None:
 
 
 def _sync_nodes(
-    kube: Kube, body: dict[str, Any], spec: WeightCacheSpec, agent_ns: str
+    kube: Kube, applied: AppliedStore, body: dict[str, Any], spec: WeightCacheSpec, agent_ns: str
 ) -> tuple[list[WeightCacheNodeStatus], list[str] | None]:
     """Steps 3-4: WeightCacheNodes follow the agent pods; returns the live ones' statuses and, on
     tier gpu, the nodes whose agent sees another GPU count than the Node offers (gpu_mismatches)."""
@@ -101,8 +103,6 @@ def _sync_nodes(
     for node in sorted(n for n in agent_nodes if node_belongs(node_labels.get(n), spec.node_selector)):
         name = object_name(cache, node)
         desired = node_spec(cache, node, spec)
-        if name in existing and _spec_of(existing[name]) == desired:
-            continue
         wcn = {
             "apiVersion": API_VERSION,
             "kind": NODE_KIND,
@@ -110,7 +110,12 @@ def _sync_nodes(
             "spec": desired.wire(),
         }
         new_node = name not in existing
-        existing[name] = kube.apply(wcn)
+        obj, wrote = apply_if_changed(  # the listing holds it: no read; a restart adopts a match
+            kube, applied, wcn, existing.get(name), matches=lambda o, d=desired: _spec_of(o) == d
+        )
+        if not wrote:
+            continue
+        existing[name] = obj or wcn
         APPLIES.labels(NODE_KIND).inc()
         if new_node:
             kopf.event(
@@ -119,7 +124,7 @@ def _sync_nodes(
                 reason="NodeAdded",
                 message=f"agent scheduled on {node}; created WeightCacheNode {name}",
             )
-    now, reports = _now(), []  # (node, its WeightCacheNode's status) of the live ones
+    at, reports = now(), []  # (node, its WeightCacheNode's status) of the live ones
     for name, obj in existing.items():
         node = obj["spec"]["nodeName"]
         if not node_belongs(node_labels.get(node), spec.node_selector):
@@ -135,12 +140,12 @@ def _sync_nodes(
         status = WeightCacheNodeStatus.model_validate(obj.get("status") or {})
         created = _parse_time(obj["metadata"]["creationTimestamp"])
         last = last_heard(status, renewed.get(name), created)
-        if status.phase != NodePhase.STALE and is_stale(last, spec.heartbeat_seconds, now):
+        if status.phase != NodePhase.STALE and is_stale(last, spec.heartbeat_seconds, at):
             since = "creation" if last == created else last.isoformat().replace("+00:00", "Z")
             message = f"no heartbeat since {since} (agents report every {spec.heartbeat_seconds}s)"
             stale = condition(STALE, True, HEARTBEAT_MISSED, message, None)
             # The agent's own conditions stay (why its daemon did not start, refused clients).
-            conditions = upsert_conditions((obj.get("status") or {}).get("conditions"), [stale], now)
+            conditions = upsert_conditions((obj.get("status") or {}).get("conditions"), [stale], at)
             patch = {
                 # Precondition: an agent that reported since we read the object wins (409, no write).
                 "metadata": {"resourceVersion": obj["metadata"]["resourceVersion"]},
@@ -168,8 +173,11 @@ class ApplyFailed(Exception):
         self.status = status
 
 
-def reconcile(body: dict[str, Any], memo: Any, trigger: str, apply: bool = True) -> dict[str, Any]:
-    """Steps 1-5; returns the new status. apply=False skips step 2 (status refresh from an event)."""
+def reconcile(
+    body: dict[str, Any], memo: Any, trigger: str, mode: ApplyMode = ApplyMode.APPLY
+) -> dict[str, Any]:
+    """Steps 1-5; returns the new status. STATUS_ONLY skips step 2 (status refresh from an event);
+    APPLY and RESYNC apply the agent's objects that changed on either side since our last apply."""
     ctx = context(memo)
     name, generation = body["metadata"]["name"], body["metadata"].get("generation", 0)
     old_conditions = (body.get("status") or {}).get("conditions")
@@ -181,12 +189,12 @@ def reconcile(body: dict[str, Any], memo: Any, trigger: str, apply: bool = True)
             bad = condition(WeightCacheConditionType.READY, False, reason, str(exc), generation)
             return {
                 "observedGeneration": generation,
-                "conditions": merge_conditions(old_conditions, [bad], _now()),
+                "conditions": merge_conditions(old_conditions, [bad], now()),
             }
-        if apply:  # 2
+        if mode is not ApplyMode.STATUS_ONLY:  # 2
             try:
                 for child in agent_children(name, spec, ctx.agent_namespace, body):
-                    if ctx.kube.apply_if_changed(child, ctx.applied_children):  # a read when unchanged
+                    if apply_if_changed(ctx.kube, ctx.applied, child)[1]:  # a read when unchanged
                         APPLIES.labels(child["kind"]).inc()
             except ApiError as exc:
                 reason = WeightCacheReason.APPLY_FAILED
@@ -196,24 +204,24 @@ def reconcile(body: dict[str, Any], memo: Any, trigger: str, apply: bool = True)
                 degraded = condition(WeightCacheConditionType.DEGRADED, True, reason, message, generation)
                 kopf.warn(body, reason=reason.value, message=message)
                 raise ApplyFailed(
-                    message, {"conditions": merge_conditions(old_conditions, [degraded], _now())}
+                    message, {"conditions": merge_conditions(old_conditions, [degraded], now())}
                 ) from exc
         ds = ctx.kube.get("apps/v1", "DaemonSet", agent_name(name), ctx.agent_namespace) or {}
         desired = (ds.get("status") or {}).get("desiredNumberScheduled", 0)
         with ctx.node_lock(name):
-            nodes, gpu_mismatch = _sync_nodes(ctx.kube, body, spec, ctx.agent_namespace)  # 3, 4
+            nodes, gpu_mismatch = _sync_nodes(ctx.kube, ctx.applied, body, spec, ctx.agent_namespace)  # 3, 4
         status = weightcache_status(spec, generation, desired, nodes, gpu_mismatch)  # 5
         wire = status.wire()
-        wire["conditions"] = merge_conditions(old_conditions, status.conditions, _now())
+        wire["conditions"] = merge_conditions(old_conditions, status.conditions, now())
         was_ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in old_conditions or [])
         if status.conditions[0].status.value == "True" and not was_ready:
             kopf.event(body, type="Normal", reason="Ready", message=status.conditions[0].message)
         return wire
 
 
-def _run(body: kopf.Body, patch: kopf.Patch, memo: Any, trigger: str) -> None:
+def _run(body: kopf.Body, patch: kopf.Patch, memo: Any, trigger: str, mode: ApplyMode) -> None:
     try:
-        status = reconcile(dict(body), memo, trigger)
+        status = reconcile(dict(body), memo, trigger, mode)
         if status_changed(body.get("status"), status):
             patch.status.update(status)
     except ApplyFailed as exc:
@@ -225,10 +233,23 @@ def refresh_status(memo: Any, cache: str) -> None:
     """Re-aggregate one WeightCache's status now (a node's residency changed)."""
 
     def compute(body: dict[str, Any]) -> dict[str, Any] | None:
-        status = reconcile(body, memo, "node", apply=False)
+        status = reconcile(body, memo, "node", ApplyMode.STATUS_ONLY)
         return status if status_changed(body.get("status"), status) else None
 
     context(memo).kube.write_status(API_VERSION, KIND, cache, None, compute)
+
+
+@kopf.on.event(GROUP, VERSION, NODE_PLURAL)
+async def node_residency_changed(body: kopf.Body, type: str | None, memo: Any, **_: Any) -> None:
+    """A node's resident models changed (not every heartbeat): re-aggregate its cache's status, on
+    the coalescer's pool (one refresh per burst). `memo` is kopf's per-object memo of the node."""
+    cache = (body.get("spec") or {}).get("weightCache")
+    resident = frozenset() if type == "DELETED" else resident_models(body)
+    if not cache or memo.get("resident.weightcache", frozenset()) == resident:  # a new, empty node: none
+        return
+    memo["resident.weightcache"] = resident
+    ctx = context(memo)
+    ctx.coalesce(f"weightcache/{cache}", lambda: refresh_status(memo, cache))
 
 
 @kopf.index(GROUP, VERSION, PLURAL)
@@ -242,15 +263,12 @@ async def caches(body: kopf.Body, name: str, **_: Any) -> dict[str, dict[str, An
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
 @kopf.on.resume(GROUP, VERSION, PLURAL)
-def on_change(body: kopf.Body, patch: kopf.Patch, memo: Any, reason: str, name: str, **_: Any) -> None:
-    _run(body, patch, memo, str(reason))
-    from .inference import refresh_for_cache  # the cache's models or sockets may have changed
-
-    refresh_for_cache(memo, name)
+def on_change(body: kopf.Body, patch: kopf.Patch, memo: Any, reason: str, **_: Any) -> None:
+    _run(body, patch, memo, str(reason), ApplyMode.APPLY)
 
 
 def resync(body: kopf.Body, patch: kopf.Patch, memo: Any, **_: Any) -> None:
-    _run(body, patch, memo, "timer")
+    _run(body, patch, memo, "timer", ApplyMode.RESYNC)
 
 
 def register_resync(interval: float) -> None:
