@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kubernetes import client, config
+from kubernetes import client
 
 FIELD_MANAGER = "keepwarm-operator"
 STATUS_WRITE_TRIES = 3  # write_status: reads and recomputes after a conflict
@@ -80,19 +80,6 @@ def resource(api_version: str, kind: str) -> Resource:
         return RESOURCES[(api_version, kind)]
     except KeyError:
         raise ValueError(f"keepwarm's client does not know {kind} ({api_version})") from None
-
-
-def client_configuration(kubeconfig: str | None = None) -> client.Configuration:
-    """The given kubeconfig; without one, in-cluster config in a pod, else $KUBECONFIG/~/.kube/config."""
-    cfg = client.Configuration()
-    if kubeconfig is None:
-        try:
-            config.load_incluster_config(client_configuration=cfg)
-            return cfg
-        except config.ConfigException:
-            pass
-    config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
-    return cfg
 
 
 def connection_info(cfg: client.Configuration, settings: Any) -> Any:

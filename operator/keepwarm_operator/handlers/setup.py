@@ -16,10 +16,11 @@ import kopf
 from kubernetes import client
 
 from keepwarm_api import GROUP
+from keepwarm_api.kubeconfig import client_configuration
 
 from ..applied import AppliedStore
 from ..builders.meta import IDEP_LABEL
-from ..kube import Kube, client_configuration, connection_info
+from ..kube import Kube, connection_info
 from ..settings import OperatorSettings
 
 POOL_PER_WORKER = 4  # API connections kept per handler worker (see configure)

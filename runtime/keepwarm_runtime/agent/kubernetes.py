@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 from keepwarm_api import GROUP, VERSION, podenv
 from keepwarm_api import lease as node_lease
 from keepwarm_api import weightcachenode as wcn
+from keepwarm_api.kubeconfig import client_configuration
 from keepwarm_api.paths import HF_MOUNT, HOST_MODELS_MOUNT, MODELS_ROOT, hf_cache_dir
 from keepwarm_api.settings import present
 from keepwarm_api.weightcache import DEFAULT_HEARTBEAT_S
@@ -87,16 +88,12 @@ class TokenSecretError(RuntimeError):
 def _clients() -> tuple[Any, Any]:
     """(CustomObjectsApi, CoreV1Api) with the pod's token, or KUBECONFIG outside a cluster."""
     try:
-        from kubernetes import client, config
+        from kubernetes import client
     except ImportError as exc:
         raise AgentDependencyError(
             "the node agent needs the kubernetes client: pip install 'keepwarm-runtime[kubernetes]'"
         ) from exc
-    try:
-        config.load_incluster_config()
-        api_client = client.ApiClient()
-    except config.ConfigException:
-        api_client = config.new_client_from_config(config_file=os.environ.get("KUBECONFIG"))
+    api_client = client.ApiClient(client_configuration())  # the operator's loader (keepwarm_api)
     return client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
 
 

@@ -58,7 +58,8 @@ def test_resync_timer_period_comes_from_settings():
 def test_kopf_logs_in_with_the_kubeconfig_from_settings(tmp_path):
     import kopf
 
-    from keepwarm_operator.kube import client_configuration, connection_info
+    from keepwarm_api.kubeconfig import client_configuration
+    from keepwarm_operator.kube import connection_info
 
     kubeconfig = tmp_path / "kc.yaml"
     kubeconfig.write_text(
