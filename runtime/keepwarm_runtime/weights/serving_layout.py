@@ -1,7 +1,8 @@
 """The serving layout: the tensors the engine uses, planned from a checkpoint's tensor list (pure).
 
-The weight-cache daemon writes the arena in this layout, once, so clients attach what the engine
-serves with no per-process copy. Today that is two conversions:
+An arena is written in this layout once (the weight-cache daemon's, or a client's private one on a
+miss: weights/arena.py), so the engine gets what it serves with no per-process copy either way.
+Today that is two conversions:
 
 - expert merges, exactly as transformers' own conversion mapping for the architecture defines them:
   per-expert `mlp.experts.<i>.gate_proj.weight` + `up_proj` stacked over experts and concatenated
