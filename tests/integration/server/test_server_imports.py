@@ -29,7 +29,11 @@ OPTIONAL = (
     "peft",  # LoRA adapters are read by keepwarm itself
     "kubernetes",  # the node agent's, never the server's
     "kopf",
-    "keepwarm_runtime.agent",
+    # The node agent's loop, state and downloads (agent/settings.py is two constants with no imports,
+    # the defaults of `keepwarm cache serve`'s agent flags, which `keepwarm --help` lists).
+    "keepwarm_runtime.agent.kubernetes",
+    "keepwarm_runtime.agent.state",
+    "keepwarm_runtime.agent.download",
 )
 NEEDED = (
     "torch",
