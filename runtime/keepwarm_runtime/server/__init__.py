@@ -1,1 +1,16 @@
-"""OpenAI-compatible HTTP server over the engine: `keepwarm serve` (cli.py), routes (app.py)."""
+"""OpenAI-compatible HTTP server over the engine: `keepwarm serve` (cli.py), the app (app.py).
+
+Layout (vLLM's serving shape: one folder per route group over a shared base), being moved into place:
+- ``app.py``: builds the FastAPI app; registers every route from one list of route groups.
+- ``engine_client.py`` (what the server needs from an engine, capabilities stated), ``async_engine.py``.
+- ``base/``: what every route shares: ``routes.py`` (the ``Route`` declaration), ``serving.py``
+  (``ServingContext``), ``protocol.py`` (request models), ``response_models.py``, ``errors.py``,
+  ``sse.py``, ``guards.py``, ``linger.py``, ``metrics.py``, ``limits.py``, ``request_body.py``,
+  ``openapi.py``, ``deltas.py``, ``logprobs.py``, ``media_fetch.py``.
+- ``probes/``: /health, /ping, /ready, /version, /metrics, /debug/stats.
+- ``openai/<group>/``: ``models``, ``chat`` (with tools, tool parsers, audio parts), ``completions``,
+  ``responses`` (its own protocol), ``tokenize``, ``audio``, ``lora``, ``sleep``; each holds its
+  ``serving.py`` (handlers, and the group's ``ROUTES``) and a ``protocol.py`` where it has models.
+- Process level, unchanged: ``cli.py``, ``settings.py``, ``launcher.py``, ``supervisor.py``,
+  ``worker_probe.py``, ``preload.py``.
+"""
