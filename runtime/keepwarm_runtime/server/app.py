@@ -1,9 +1,9 @@
-"""The FastAPI app: OpenAI routes, tokenizer routes, probes, metrics; errors as OpenAI bodies.
+"""The FastAPI app: every route group's ``ROUTES`` registered from one list, guards, metrics; errors as
+OpenAI bodies.
 
 The engine loads in its own thread once the app starts, so the port answers /health (alive) at once
-while /ready and the inference routes answer 503 until the weights are in (`/ready?wait=S` holds its
-answer up to S seconds for them: see keepwarm_api.probes). /health also answers 503 once the engine
-has failed in a way no single request can be blamed for, so the pod gets restarted.
+while /ready and the inference routes answer 503 until the weights are in (server/probes/router.py).
+``ROUTES`` (every path, the metrics' ``endpoint`` label) derives from ``ROUTE_GROUPS``.
 
 Request bodies are parsed here (``request_body``) rather than by FastAPI, so size, depth and Unicode
 checks come first; the pydantic request models are still published in /openapi.json.
@@ -21,70 +21,51 @@ from typing import Any, TypeVar
 
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
-from keepwarm_api.probes import READY_PATH, READY_WAIT_MAX_S
 from keepwarm_runtime import __version__
+from keepwarm_runtime.audio.metrics import AudioMetrics
 from keepwarm_runtime.engine.outputs import EngineStats
 from keepwarm_runtime.server.async_engine import AsyncEngine
+from keepwarm_runtime.server.base.routes import Route
 from keepwarm_runtime.server.engine_client import EngineClient
-from keepwarm_runtime.server.errors import BadRequest, NotReady, from_validation_error, install_error_handlers
+from keepwarm_runtime.server.errors import BadRequest, from_validation_error, install_error_handlers
 from keepwarm_runtime.server.guards import ApiKey, BodyLimit
 from keepwarm_runtime.server.linger import LingeringClose
-from keepwarm_runtime.server.lora import (
-    LOAD_ROUTE,
-    UNLOAD_ROUTE,
-    LoadLoraAdapterRequest,
-    UnloadLoraAdapterRequest,
-    load_lora_adapter,
-    unload_lora_adapter,
-)
+from keepwarm_runtime.server.lora import ROUTES as LORA_ROUTES
 from keepwarm_runtime.server.metrics import ServerMetrics, process_start_time
+from keepwarm_runtime.server.openai.models.router import ROUTES as MODELS_ROUTES
 from keepwarm_runtime.server.openapi import body_schema, install_openapi
-from keepwarm_runtime.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    OpenAIRequest,
-    TokenizeRequest,
-)
-from keepwarm_runtime.server.protocol_responses import ResponsesRequest
+from keepwarm_runtime.server.probes.router import ROUTES as PROBES_ROUTES
 from keepwarm_runtime.server.request_body import parse_json_object
-from keepwarm_runtime.server.responses import ModelCard, ModelList
 from keepwarm_runtime.server.serving import ServingContext, ServingOptions
 from keepwarm_runtime.server.serving_audio import ROUTES as AUDIO_ROUTES
-from keepwarm_runtime.server.serving_audio import AudioServerSettings, register_audio_routes
-from keepwarm_runtime.server.serving_chat import create_chat_completion
-from keepwarm_runtime.server.serving_completion import create_completion
-from keepwarm_runtime.server.serving_responses import create_response
-from keepwarm_runtime.server.serving_tokens import detokenize, tokenize
+from keepwarm_runtime.server.serving_audio import AudioServerSettings
+from keepwarm_runtime.server.serving_chat import ROUTES as CHAT_ROUTES
+from keepwarm_runtime.server.serving_completion import ROUTES as COMPLETIONS_ROUTES
+from keepwarm_runtime.server.serving_responses import ROUTES as RESPONSES_ROUTES
+from keepwarm_runtime.server.serving_tokens import ROUTES as TOKENIZE_ROUTES
 from keepwarm_runtime.server.sleep_mode import ROUTES as SLEEP_ROUTES
-from keepwarm_runtime.server.sleep_mode import SleepMode, register_sleep_routes
+from keepwarm_runtime.server.sleep_mode import SleepMode
 from keepwarm_runtime.server.supervisor import notify_serving
 
 logger = logging.getLogger(__name__)
-R = TypeVar("R", bound=OpenAIRequest)
-ROUTES = (
-    "/v1/models",
-    "/v1/completions",
-    "/v1/chat/completions",
-    "/v1/responses",
-    "/tokenize",
-    "/detokenize",
-    "/health",
-    "/ready",
-    "/ping",
-    "/metrics",
-    "/version",
-    "/debug/stats",
-    LOAD_ROUTE,
-    UNLOAD_ROUTE,
-    *AUDIO_ROUTES,
-    *SLEEP_ROUTES,
+R = TypeVar("R", bound=BaseModel)
+ROUTE_GROUPS: tuple[tuple[Route, ...], ...] = (  # registration order: also /openapi.json's order
+    PROBES_ROUTES,
+    MODELS_ROUTES,
+    SLEEP_ROUTES,
+    CHAT_ROUTES,
+    COMPLETIONS_ROUTES,
+    RESPONSES_ROUTES,
+    TOKENIZE_ROUTES,
+    LORA_ROUTES,
+    AUDIO_ROUTES,
 )
-NOT_INFERENCE = ("/v1/models", LOAD_ROUTE, UNLOAD_ROUTE)
-READY_POLL_S = 0.01  # how often a long-polling /ready looks at the engine (a probe sees ready this late)
+ALL_ROUTES = tuple(route for group in ROUTE_GROUPS for route in group)
+ROUTES = tuple(route.path for route in ALL_ROUTES)  # every path the server may serve (docs name each)
+INFERENCE_ROUTES = frozenset(route.path for route in ALL_ROUTES if route.inference)
+OWN_BODY_LIMIT = frozenset(route.path for route in ALL_ROUTES if route.own_body_limit)
 
 
 def create_app(
@@ -172,102 +153,47 @@ def create_app(
     app.state.ctx = ctx
     install_error_handlers(app)
     app.add_middleware(_RequestMetrics, metrics=metrics)
-    app.add_middleware(BodyLimit, max_bytes=options.max_request_body_bytes, exempt=frozenset(AUDIO_ROUTES))
+    app.add_middleware(BodyLimit, max_bytes=options.max_request_body_bytes, exempt=OWN_BODY_LIMIT)
     if options.api_key:
         app.add_middleware(ApiKey, key=options.api_key)
     app.add_middleware(LingeringClose)  # outermost: every early refusal lets the client finish sending
-    sleeper = SleepMode(async_engine, metrics, wake_on_request) if sleep_mode else None
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        status = 503 if async_engine.state == "failed" else 200
-        return JSONResponse(
-            {
-                "status": "ok" if status == 200 else "failed",
-                "engine": async_engine.state,
-                "error": async_engine.error,
-            },
-            status_code=status,
-        )
-
-    @app.get("/ping")
-    async def ping() -> JSONResponse:
-        """Liveness alias of /health (SageMaker and some load balancers probe /ping)."""
-        return await health()
-
-    def adapters_synced() -> bool:
-        return ctx.lora_file is None or ctx.lora_file.synced.is_set()
-
-    @app.get(READY_PATH)
-    async def ready(wait: float = 0.0) -> JSONResponse:
-        """?wait=S long-polls: answers the moment the engine leaves loading, or after S s (capped)."""
-        deadline = time.monotonic() + min(max(wait, 0.0), READY_WAIT_MAX_S)
-        while not (async_engine.ready_event.is_set() and adapters_synced()) and time.monotonic() < deadline:
-            await asyncio.sleep(READY_POLL_S)
-        ctx.engine  # noqa: B018 - raises NotReady (503) while loading
-        if not adapters_synced():
-            raise NotReady("loading the --lora-modules-file adapters; retry shortly", code="model_not_ready")
-        if sleeper is not None:
-            sleeper.check_admitting()  # 503 while draining to sleep
-        return JSONResponse({"status": "ready", "model": name})
-
-    @app.get("/version")
-    async def version() -> JSONResponse:
-        return JSONResponse({"version": __version__, "model": name})
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    @app.get("/debug/stats")
-    async def debug_stats() -> JSONResponse:
-        stats = ctx.engine.stats()
-        fields = ("num_running", "num_waiting", "kv_cache_usage", "num_preemptions")
-        return JSONResponse({f: getattr(stats, f) for f in fields})
-
-    def card() -> ModelCard:
-        engine = async_engine.engine
-        max_len = engine.max_model_len if async_engine.ready and engine is not None else None
-        return ModelCard(id=name, root=str(model_dir), max_model_len=max_len)
-
-    def lora_card(adapter: str) -> ModelCard:
-        return ModelCard(id=adapter, root=ctx.loras[adapter].path, parent=name)
-
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        return JSONResponse(ModelList(data=[card(), *map(lora_card, list(ctx.loras))]).model_dump())
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str) -> JSONResponse:
-        ctx.check_model(model_id)
-        return JSONResponse((lora_card(model_id) if ctx.lora_name(model_id) else card()).model_dump())
-
-    if sleeper is not None:
-        register_sleep_routes(app, sleeper)
-
-    def post(
-        path: str, model: type[R], handler: Callable[[ServingContext, R, Request], Awaitable[Any]]
-    ) -> None:
-        async def route(raw: Request) -> Any:
-            if sleeper is None:
-                return await handler(ctx, await _parse(ctx, raw, model), raw)
-            async with sleeper.admit():
-                return await handler(ctx, await _parse(ctx, raw, model), raw)
-
-        app.post(path, openapi_extra=body_schema(model), name=handler.__name__)(route)
-
-    post("/v1/chat/completions", ChatCompletionRequest, create_chat_completion)
-    post("/v1/completions", CompletionRequest, create_completion)
-    post("/v1/responses", ResponsesRequest, create_response)
-    post("/tokenize", TokenizeRequest, tokenize)
-    post("/detokenize", DetokenizeRequest, detokenize)
-    if options.allow_runtime_lora_updating:
-        post(LOAD_ROUTE, LoadLoraAdapterRequest, load_lora_adapter)
-        post(UNLOAD_ROUTE, UnloadLoraAdapterRequest, unload_lora_adapter)
-    register_audio_routes(app, ctx, audio or AudioServerSettings())
-    bodies = [ChatCompletionRequest, CompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest]
-    install_openapi(app, bodies)
+    app.state.sleep_mode = SleepMode(async_engine, metrics, wake_on_request) if sleep_mode else None
+    enabled = {"sleep_mode": sleep_mode, "runtime_lora_updating": options.allow_runtime_lora_updating}
+    routes = [route for route in ALL_ROUTES if route.requires is None or enabled[route.requires]]
+    for route in routes:
+        if route.body is None:
+            app.add_api_route(route.path, route.handler, methods=[route.method])
+        else:
+            endpoint = _body_endpoint(ctx, app.state.sleep_mode, route.handler, route.body)
+            app.add_api_route(
+                route.path,
+                endpoint,
+                methods=[route.method],
+                name=route.handler.__name__,
+                openapi_extra=body_schema(route.body),
+            )
+    app.state.audio_settings = audio or AudioServerSettings()
+    app.state.audio_metrics = AudioMetrics(metrics.registry)  # chat audio parts use them too
+    # The runtime LoRA routes' bodies are not published (their $ref stays unresolved, as before).
+    install_openapi(app, [r.body for r in routes if r.body is not None and r.requires is None])
     return app
+
+
+def _body_endpoint(
+    ctx: ServingContext,
+    sleeper: SleepMode | None,
+    handler: Callable[[ServingContext, R, Request], Awaitable[Any]],
+    model: type[R],
+) -> Callable[[Request], Awaitable[Any]]:
+    """The FastAPI endpoint of a route with a JSON body: parse it, admit it past sleep mode, handle it."""
+
+    async def endpoint(raw: Request) -> Any:
+        if sleeper is None:
+            return await handler(ctx, await _parse(ctx, raw, model), raw)
+        async with sleeper.admit():
+            return await handler(ctx, await _parse(ctx, raw, model), raw)
+
+    return endpoint
 
 
 async def _parse(ctx: ServingContext, raw: Request, model: type[R]) -> R:
@@ -300,7 +226,7 @@ class _RequestMetrics:
             await self.app(scope, receive, send)
             return
         endpoint = scope["path"] if scope["path"] in ROUTES else "other"
-        inference = endpoint.startswith("/v1/") and endpoint not in NOT_INFERENCE
+        inference = endpoint in INFERENCE_ROUTES
         status = 500
 
         async def send_status(message: dict) -> None:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
 
+from keepwarm_runtime.server.base.routes import Route
 from keepwarm_runtime.server.lora_modules import LoraModule
 
 if TYPE_CHECKING:
@@ -93,3 +94,10 @@ async def unload_lora_adapter(ctx: ServingContext, req: UnloadLoraAdapterRequest
         except LoraInUse as exc:
             raise Conflict(str(exc), param="lora_name", code="lora_adapter_in_use") from exc
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+
+_RUNTIME = "runtime_lora_updating"  # --allow-runtime-lora-updating
+ROUTES = (
+    Route(LOAD_ROUTE, "POST", load_lora_adapter, body=LoadLoraAdapterRequest, requires=_RUNTIME),
+    Route(UNLOAD_ROUTE, "POST", unload_lora_adapter, body=UnloadLoraAdapterRequest, requires=_RUNTIME),
+)

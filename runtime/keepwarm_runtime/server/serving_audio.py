@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
@@ -33,6 +33,7 @@ from keepwarm_runtime.audio.transcript_formats import (
     as_vtt,
 )
 from keepwarm_runtime.model_kind import ModelKind
+from keepwarm_runtime.server.base.routes import Route
 from keepwarm_runtime.server.errors import APIError, BadRequest, PayloadTooLarge
 from keepwarm_runtime.server.limits import DEFAULT_MAX_MEDIA_BYTES
 from keepwarm_runtime.server.media_fetch import MediaPolicy
@@ -46,7 +47,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 TRANSCRIPTIONS, TRANSLATIONS = "/v1/audio/transcriptions", "/v1/audio/translations"
-ROUTES = (TRANSCRIPTIONS, TRANSLATIONS)
 DEFAULT_MAX_UPLOAD_BYTES = DEFAULT_MAX_MEDIA_BYTES  # OpenAI's limit
 _COMMON_FIELDS = {"file", "model", "prompt", "response_format", "temperature"}
 _FIELDS = {
@@ -124,17 +124,14 @@ def make_speech_engine(config: EngineConfig, kind: ModelKind) -> Any:
     return WhisperEngine(config.model_dir, **given)
 
 
-def register_audio_routes(app: FastAPI, ctx: ServingContext, settings: AudioServerSettings) -> None:
-    metrics = AudioMetrics(ctx.metrics.registry)
-    app.state.audio_settings, app.state.audio_metrics = settings, metrics  # chat audio parts use them too
+async def transcriptions(raw: Request) -> Any:
+    state = raw.app.state
+    return await _serve(state.ctx, state.audio_settings, state.audio_metrics, raw, "transcribe")
 
-    @app.post(TRANSCRIPTIONS)
-    async def transcriptions(raw: Request) -> Any:
-        return await _serve(ctx, settings, metrics, raw, "transcribe")
 
-    @app.post(TRANSLATIONS)
-    async def translations(raw: Request) -> Any:
-        return await _serve(ctx, settings, metrics, raw, "translate")
+async def translations(raw: Request) -> Any:
+    state = raw.app.state
+    return await _serve(state.ctx, state.audio_settings, state.audio_metrics, raw, "translate")
 
 
 async def _serve(
@@ -338,3 +335,9 @@ def _temperature(form: Any) -> float:
     if not 0.0 <= value <= 1.0:
         raise BadRequest("temperature must be between 0 and 1", param="temperature", code="invalid_value")
     return value
+
+
+ROUTES = (
+    Route(TRANSCRIPTIONS, "POST", transcriptions, inference=True, own_body_limit=True),
+    Route(TRANSLATIONS, "POST", translations, inference=True, own_body_limit=True),
+)

@@ -17,6 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from keepwarm_runtime.engine.outputs import CompletionOutput, RequestOutput
+from keepwarm_runtime.server.base.routes import Route
 from keepwarm_runtime.server.chat_audio import audio_chat_prompt, has_audio_parts
 from keepwarm_runtime.server.deltas import DeltaTracker
 from keepwarm_runtime.server.errors import APIError, BadRequest
@@ -353,3 +354,8 @@ def _final_delta(plan: ToolPlan, o: CompletionOutput, unsent: str) -> tuple[Delt
         for i, call in enumerate(_tool_calls(parsed))
     ]
     return DeltaMessage(content=rest or None, tool_calls=calls), finish_reason(plan, parsed, o.finish_reason)
+
+
+ROUTES = (
+    Route("/v1/chat/completions", "POST", create_chat_completion, body=ChatCompletionRequest, inference=True),
+)

@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from keepwarm_runtime.engine.outputs import RequestOutput
+from keepwarm_runtime.server.base.routes import Route
 from keepwarm_runtime.server.deltas import DeltaTracker
 from keepwarm_runtime.server.errors import APIError, BadRequest
 from keepwarm_runtime.server.logprobs import completion_logprobs, echo_logprobs, joined, prompt_logprobs
@@ -233,3 +234,6 @@ async def _stream(
     finally:
         await merged.aclose()
     yield sse_done()
+
+
+ROUTES = (Route("/v1/completions", "POST", create_completion, body=CompletionRequest, inference=True),)

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from keepwarm_runtime.engine.outputs import CompletionOutput, RequestOutput
+from keepwarm_runtime.server.base.routes import Route
 from keepwarm_runtime.server.deltas import DeltaTracker
 from keepwarm_runtime.server.errors import APIError, BadRequest, from_validation_error
 from keepwarm_runtime.server.metrics import RequestTimer
@@ -318,3 +319,6 @@ def _function_call(event: _Events, item: OutputFunctionCall, index: int) -> Iter
         arguments=args,
     )
     yield event("response.output_item.done", output_index=index, item=item.model_dump())
+
+
+ROUTES = (Route("/v1/responses", "POST", create_response, body=ResponsesRequest, inference=True),)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from keepwarm_runtime.server.base.routes import Route
 from keepwarm_runtime.server.errors import BadRequest
 from keepwarm_runtime.server.protocol import DetokenizeRequest, TokenizeRequest
 from keepwarm_runtime.server.responses import DetokenizeResponse, TokenizeResponse
@@ -50,3 +51,9 @@ async def detokenize(ctx: ServingContext, req: DetokenizeRequest, _: Request) ->
         raise BadRequest(f"token ids must be in [0, {engine.vocab_size})", param="tokens")
     text = await ctx.preprocess(engine.tokenizer.decode, req.tokens)
     return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
+
+
+ROUTES = (
+    Route("/tokenize", "POST", tokenize, body=TokenizeRequest),
+    Route("/detokenize", "POST", detokenize, body=DetokenizeRequest),
+)

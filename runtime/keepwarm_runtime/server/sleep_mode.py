@@ -23,16 +23,16 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from keepwarm_api.settings import FALSE_WORDS, TRUE_WORDS
 from keepwarm_runtime.server.async_engine import AsyncEngine
+from keepwarm_runtime.server.base.routes import Route
 from keepwarm_runtime.server.errors import BadRequest, Conflict, NotReady
 from keepwarm_runtime.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
-ROUTES = ("/sleep", "/wake_up", "/is_sleeping")
 DRAIN_POLL_S = 0.01  # how often a drained sleep looks for running requests
 T = TypeVar("T")
 
@@ -148,23 +148,32 @@ class SleepMode:
         return await asyncio.wrap_future(self.async_engine.call(fn))
 
 
-def register_sleep_routes(app: FastAPI, mode: SleepMode) -> None:
-    @app.post("/sleep")
-    async def sleep(request: Request) -> Response:
-        raw = request.query_params.get("level", "1")
-        if raw not in ("1", "2"):
-            raise BadRequest(f"level must be 1 or 2, got {raw!r}", param="level")
-        drain = request.query_params.get("drain", "false").lower()
-        if drain not in TRUE_WORDS | FALSE_WORDS:
-            raise BadRequest(f"drain must be true or false, got {drain!r}", param="drain")
-        await mode.sleep(int(raw), drain=drain in TRUE_WORDS)
-        return Response(status_code=200)
+async def sleep(request: Request) -> Response:
+    raw = request.query_params.get("level", "1")
+    if raw not in ("1", "2"):
+        raise BadRequest(f"level must be 1 or 2, got {raw!r}", param="level")
+    drain = request.query_params.get("drain", "false").lower()
+    if drain not in TRUE_WORDS | FALSE_WORDS:
+        raise BadRequest(f"drain must be true or false, got {drain!r}", param="drain")
+    await _mode(request).sleep(int(raw), drain=drain in TRUE_WORDS)
+    return Response(status_code=200)
 
-    @app.post("/wake_up")
-    async def wake_up() -> Response:
-        await mode.wake()
-        return Response(status_code=200)
 
-    @app.get("/is_sleeping")
-    async def is_sleeping() -> JSONResponse:
-        return JSONResponse({"is_sleeping": bool(mode.level)})
+async def wake_up(request: Request) -> Response:
+    await _mode(request).wake()
+    return Response(status_code=200)
+
+
+async def is_sleeping(request: Request) -> JSONResponse:
+    return JSONResponse({"is_sleeping": bool(_mode(request).level)})
+
+
+def _mode(request: Request) -> SleepMode:
+    return request.app.state.sleep_mode
+
+
+ROUTES = (
+    Route("/sleep", "POST", sleep, requires="sleep_mode"),
+    Route("/wake_up", "POST", wake_up, requires="sleep_mode"),
+    Route("/is_sleeping", "GET", is_sleeping, requires="sleep_mode"),
+)

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible route groups (and vLLM's extras), one folder each."""

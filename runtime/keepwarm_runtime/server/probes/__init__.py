@@ -1,0 +1,1 @@
+"""Probes and scrapes: /health, /ping, /ready, /version, /metrics, /debug/stats."""
