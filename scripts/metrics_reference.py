@@ -27,7 +27,7 @@ def _wrappers(*objects: object) -> list[MetricWrapperBase]:
 
 def _server() -> list[MetricWrapperBase]:
     from keepwarm_runtime.cache.metrics import client_metrics
-    from keepwarm_runtime.server.metrics import ServerMetrics
+    from keepwarm_runtime.server.base.metrics import ServerMetrics
 
     return _wrappers(ServerMetrics("model"), client_metrics())
 

@@ -53,15 +53,16 @@ CACHE_MODULES = [
     "keepwarm_runtime.cache.cli",
     "keepwarm_runtime.cli",
 ]
-# What a `keepwarm serve` process imports: server/cli.py's check() (media_fetch, serving_audio), then
-# run() (uvicorn, the app and its error handlers); the carried web stack (manifest.CARRIED) serves them.
+# What a `keepwarm serve` process imports: server/cli.py's check() (base/media_fetch,
+# openai/audio/serving), then run() (uvicorn, the app and its error
+# handlers); the carried web stack (manifest.CARRIED) serves them.
 SERVER_MODULES = [
     "keepwarm_runtime.server.cli",
-    "keepwarm_runtime.server.media_fetch",
-    "keepwarm_runtime.server.serving_audio",
-    "keepwarm_runtime.server.errors",
+    "keepwarm_runtime.server.base.media_fetch",
+    "keepwarm_runtime.server.openai.audio.serving",
+    "keepwarm_runtime.server.base.errors",
     "keepwarm_runtime.server.app",
-    "keepwarm_runtime.server.serving",
+    "keepwarm_runtime.server.base.serving",
     "uvicorn",
 ]
 RESTART_HELP = [PY, "-m", "keepwarm_runtime.cli", "bench", "restart", "--help"]

@@ -163,7 +163,7 @@ def test_blocked_package_fails_to_import_in_every_child_process(tmp_path):
     code = (
         "import subprocess, sys\n"
         "try:\n    import pydantic\nexcept ModuleNotFoundError as e:\n    print('parent:', e)\n"
-        "subprocess.run([sys.executable, '-c', 'import keepwarm_runtime.server.protocol'])\n"
+        "subprocess.run([sys.executable, '-c', 'import keepwarm_runtime.server.base.protocol'])\n"
         "import json, keepwarm_runtime.cache.protocol\nprint('allowed ok')\n"
     )
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -228,7 +228,9 @@ def test_serve_restart_step_starts_servers_and_imports_the_web_stack():
     serve = steps["restart-1gib-bf16-serve"]
     assert "--no-serve" not in serve.argv and not serve.core
     assert set(plan.SERVER_MODULES) <= set(serve.imports)
-    assert {"keepwarm_runtime.server.app", "keepwarm_runtime.server.errors", "uvicorn"} <= set(serve.imports)
+    assert {"keepwarm_runtime.server.app", "keepwarm_runtime.server.base.errors", "uvicorn"} <= set(
+        serve.imports
+    )
     assert all(
         "--no-serve" in s.argv for n, s in steps.items() if n.startswith("restart-") and s is not serve
     )

@@ -94,7 +94,7 @@ class WhisperEngine:
     """Loads a Whisper checkpoint; ``add_request``/``step``/``abort_request`` like LLMEngine.
 
     Its keyword arguments are named as EngineConfig's fields: `keepwarm serve` passes the engine
-    settings its user gave by those names, and refuses the others (server/serving_audio.py)."""
+    settings its user gave by those names, and refuses the others (server/openai/audio/serving.py)."""
 
     supports_transcription = True
 

@@ -3,7 +3,7 @@
 The server creates one ``StartupProfile`` whose origin is the process start, so the phases sum to the
 time from process start to ready; the engine and loader mark the phase boundaries as they pass them
 (``mark`` is cheap and needs no server). ``keepwarm serve`` logs the result once and exports it as
-``keepwarm_startup_phase_seconds{phase}`` (server/metrics.py).
+``keepwarm_startup_phase_seconds{phase}`` (server/base/metrics.py).
 
 Work in background threads is not a phase of its own: the server attaches the weights in a thread
 that starts before its imports (engine/prefetch.py), so the attach overlaps ``imports``,

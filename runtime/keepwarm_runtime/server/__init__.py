@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP server over the engine: `keepwarm serve` (cli.py), the app (app.py).
 
-Layout (vLLM's serving shape: one folder per route group over a shared base), being moved into place:
+Layout (vLLM's serving shape: one folder per route group over a shared base):
 - ``app.py``: builds the FastAPI app; registers every route from one list of route groups.
 - ``engine_client.py`` (what the server needs from an engine, capabilities stated), ``async_engine.py``.
 - ``base/``: what every route shares: ``routes.py`` (the ``Route`` declaration), ``serving.py``

@@ -27,26 +27,26 @@ from keepwarm_runtime import __version__
 from keepwarm_runtime.audio.metrics import AudioMetrics
 from keepwarm_runtime.engine.outputs import EngineStats
 from keepwarm_runtime.server.async_engine import AsyncEngine
+from keepwarm_runtime.server.base.errors import BadRequest, from_validation_error, install_error_handlers
+from keepwarm_runtime.server.base.guards import ApiKey, BodyLimit
+from keepwarm_runtime.server.base.linger import LingeringClose
+from keepwarm_runtime.server.base.metrics import ServerMetrics, process_start_time
+from keepwarm_runtime.server.base.openapi import body_schema, install_openapi
+from keepwarm_runtime.server.base.request_body import parse_json_object
 from keepwarm_runtime.server.base.routes import Route
+from keepwarm_runtime.server.base.serving import ServingContext, ServingOptions
 from keepwarm_runtime.server.engine_client import EngineClient
-from keepwarm_runtime.server.errors import BadRequest, from_validation_error, install_error_handlers
-from keepwarm_runtime.server.guards import ApiKey, BodyLimit
-from keepwarm_runtime.server.linger import LingeringClose
-from keepwarm_runtime.server.lora import ROUTES as LORA_ROUTES
-from keepwarm_runtime.server.metrics import ServerMetrics, process_start_time
+from keepwarm_runtime.server.openai.audio.serving import ROUTES as AUDIO_ROUTES
+from keepwarm_runtime.server.openai.audio.serving import AudioServerSettings
+from keepwarm_runtime.server.openai.chat.serving import ROUTES as CHAT_ROUTES
+from keepwarm_runtime.server.openai.completions.serving import ROUTES as COMPLETIONS_ROUTES
+from keepwarm_runtime.server.openai.lora.serving import ROUTES as LORA_ROUTES
 from keepwarm_runtime.server.openai.models.router import ROUTES as MODELS_ROUTES
-from keepwarm_runtime.server.openapi import body_schema, install_openapi
+from keepwarm_runtime.server.openai.responses.serving import ROUTES as RESPONSES_ROUTES
+from keepwarm_runtime.server.openai.sleep.serving import ROUTES as SLEEP_ROUTES
+from keepwarm_runtime.server.openai.sleep.serving import SleepMode
+from keepwarm_runtime.server.openai.tokenize.serving import ROUTES as TOKENIZE_ROUTES
 from keepwarm_runtime.server.probes.router import ROUTES as PROBES_ROUTES
-from keepwarm_runtime.server.request_body import parse_json_object
-from keepwarm_runtime.server.serving import ServingContext, ServingOptions
-from keepwarm_runtime.server.serving_audio import ROUTES as AUDIO_ROUTES
-from keepwarm_runtime.server.serving_audio import AudioServerSettings
-from keepwarm_runtime.server.serving_chat import ROUTES as CHAT_ROUTES
-from keepwarm_runtime.server.serving_completion import ROUTES as COMPLETIONS_ROUTES
-from keepwarm_runtime.server.serving_responses import ROUTES as RESPONSES_ROUTES
-from keepwarm_runtime.server.serving_tokens import ROUTES as TOKENIZE_ROUTES
-from keepwarm_runtime.server.sleep_mode import ROUTES as SLEEP_ROUTES
-from keepwarm_runtime.server.sleep_mode import SleepMode
 from keepwarm_runtime.server.supervisor import notify_serving
 
 logger = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ def create_app(
     ``load_before_serving``: startup waits until the engine is loaded (or failed), so uvicorn accepts
     no connection before; a restarted worker (server/supervisor.py) leaves them in the listen backlog
     meanwhile instead of answering 503. ``sleep_mode``: the /sleep, /wake_up and /is_sleeping routes
-    (server/sleep_mode.py); ``wake_on_request``: a request to a sleeping engine wakes it."""
+    (server/openai/sleep/serving.py); ``wake_on_request``: a request to a sleeping engine wakes it."""
     model_dir = Path(model_dir)
     options = options or ServingOptions()
     name = served_model_name or model_dir.name
@@ -130,7 +130,7 @@ def create_app(
         loras={m.name: m for m in options.lora_modules},
     )
     if options.lora_modules_file is not None:
-        from keepwarm_runtime.server.lora_file import LoraFileSync
+        from keepwarm_runtime.server.openai.lora.file_sync import LoraFileSync
 
         ctx.lora_file = LoraFileSync(Path(options.lora_modules_file))
 

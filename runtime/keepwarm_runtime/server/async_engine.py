@@ -97,8 +97,9 @@ class AsyncEngine:
         return len(self._streams)
 
     def call(self, fn: Callable[[AsyncEngine], Any]) -> concurrent.futures.Future:
-        """Run ``fn(self)`` in the engine thread between steps (sleep and wake: server/sleep_mode.py);
-        the future holds its result or exception. Commands queued before it run first."""
+        """Run ``fn(self)`` in the engine thread between steps (sleep and wake:
+        server/openai/sleep/serving.py); the future holds its result or exception.
+        Commands queued before it run first."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         if (refused := self._not_loaded()) is not None:
             future.set_exception(refused)

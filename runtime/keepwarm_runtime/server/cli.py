@@ -113,7 +113,7 @@ def serve(config: ServeSettings) -> int:
         # numpy's OpenBLAS starts its thread pool when torch loads it; the serving path does no numpy
         # BLAS, and the parent must fork with one thread only.
         os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    from keepwarm_runtime.server.metrics import process_start_time
+    from keepwarm_runtime.server.base.metrics import process_start_time
 
     started_at = process_start_time()
     assert config.model_dir is not None  # required: resolve() refuses settings without it
@@ -121,7 +121,7 @@ def serve(config: ServeSettings) -> int:
         print(f"keepwarm serve: {config.model_dir} is not a directory", file=sys.stderr)
         return 2
     if config.lora_modules_file is not None:
-        from keepwarm_runtime.server.lora_modules import parse_lora_modules_file
+        from keepwarm_runtime.server.openai.lora.modules import parse_lora_modules_file
 
         try:  # refused at start; a later bad content only leaves the served adapters as they are
             parse_lora_modules_file(Path(config.lora_modules_file).read_text(), config.lora_modules_file)
@@ -227,7 +227,7 @@ class ServerStart:
 
         from keepwarm_runtime.engine.llm_engine import LLMEngine
         from keepwarm_runtime.engine.startup import StartupProfile
-        from keepwarm_runtime.server.serving_audio import make_speech_engine
+        from keepwarm_runtime.server.openai.audio.serving import make_speech_engine
 
         speech = make_speech_engine(self.engine_config, self.kind)
         if speech is not None:
@@ -243,8 +243,8 @@ class ServerStart:
 
     def check(self) -> int | None:
         """Validate the media and audio settings (2 and a message when they are wrong), else None."""
-        from keepwarm_runtime.server.media_fetch import media_policy
-        from keepwarm_runtime.server.serving_audio import audio_settings
+        from keepwarm_runtime.server.base.media_fetch import media_policy
+        from keepwarm_runtime.server.openai.audio.serving import audio_settings
 
         config = self.config
         try:
@@ -276,7 +276,7 @@ class ServerStart:
 
         from keepwarm_runtime.engine import threads as cpu_threads
         from keepwarm_runtime.server.app import create_app
-        from keepwarm_runtime.server.serving import ServingOptions
+        from keepwarm_runtime.server.base.serving import ServingOptions
 
         if self.audio is None and self.check() is not None:
             return 2

@@ -15,14 +15,14 @@ from typing import Any
 
 from keepwarm_api.settings import setting
 from keepwarm_api.values import CacheMode
-from keepwarm_runtime.server.limits import (
+from keepwarm_runtime.server.base.limits import (
     DEFAULT_FETCH_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_MEDIA_BYTES,
     DEFAULT_PREPROCESS_TIMEOUT_S,
 )
-from keepwarm_runtime.server.lora_modules import LoraModule, parse_lora_module
-from keepwarm_runtime.server.tool_parsers import TOOL_PARSERS
+from keepwarm_runtime.server.openai.chat.tool_parsers import TOOL_PARSERS
+from keepwarm_runtime.server.openai.lora.modules import LoraModule, parse_lora_module
 
 ENGINE = "engine"  # the group of settings passed to EngineConfig
 
@@ -80,7 +80,7 @@ class ServeSettings:
     max_prompt_logprobs_len: int | None = engine(
         None, "longest prompt whose prompt logprobs (or echo with logprobs) a request may ask for"
     )
-    # LoRA adapters (server/lora.py, engine/lora)
+    # LoRA adapters (server/openai/lora/serving.py, engine/lora)
     enable_lora: bool | None = engine(
         None,
         "serve LoRA adapters (on by itself with --lora-modules, --lora-modules-file or "
@@ -146,7 +146,7 @@ class ServeSettings:
         "intra-op CPU threads (see engine/threads.py)",
         unset="the CPUs this process may use: affinity mask and cgroup CPU quota",
     )
-    # sleep mode (server/sleep_mode.py)
+    # sleep mode (server/openai/sleep/serving.py)
     enable_sleep_mode: bool = setting(
         False, "serve POST /sleep?level=1|2, POST /wake_up and GET /is_sleeping (vLLM's sleep mode)"
     )

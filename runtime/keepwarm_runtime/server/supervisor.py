@@ -76,7 +76,7 @@ class RestartCounts:
     by_cause: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RESTART_CAUSES, 0))
 
 
-RESTARTS = RestartCounts()  # the parent's counts; what a worker reads at start (server/metrics.py)
+RESTARTS = RestartCounts()  # the parent's counts; what a worker reads at start (server/base/metrics.py)
 _serving_fd: int | None = None  # in a worker: the pipe on which it tells the parent it serves
 
 

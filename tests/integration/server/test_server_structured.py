@@ -24,7 +24,7 @@ SCHEMA = {
     "additionalProperties": False,
 }
 MESSAGES = [{"role": "user", "content": "Describe a city as JSON."}]
-WARNING = re.compile(r" WARNING keepwarm_runtime\.server\.protocol: (.*)")
+WARNING = re.compile(r" WARNING keepwarm_runtime\.server\.base\.protocol: (.*)")
 
 
 @pytest.fixture(scope="module")

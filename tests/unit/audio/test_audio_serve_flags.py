@@ -12,7 +12,7 @@ import pytest
 from keepwarm_runtime.engine.config import EngineConfig
 from keepwarm_runtime.model_kind import ModelKind
 from keepwarm_runtime.server import cli
-from keepwarm_runtime.server.serving_audio import audio_settings, make_speech_engine
+from keepwarm_runtime.server.openai.audio.serving import audio_settings, make_speech_engine
 from keepwarm_runtime.server.settings import ServeSettings
 
 
@@ -81,7 +81,7 @@ def test_whisper_takes_the_given_engine_settings_and_keeps_its_own_defaults(tmp_
 def test_missing_form_parser_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     from starlette import formparsers
 
-    from keepwarm_runtime.server.serving_audio import require_multipart
+    from keepwarm_runtime.server.openai.audio.serving import require_multipart
 
     require_multipart()
     monkeypatch.setattr(formparsers, "multipart", None)
@@ -92,7 +92,7 @@ def test_missing_form_parser_names_the_extra(monkeypatch: pytest.MonkeyPatch) ->
 def test_media_allow_lists_are_off_by_default_and_read_the_env(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from keepwarm_runtime.server.media_fetch import media_policy
+    from keepwarm_runtime.server.base.media_fetch import media_policy
 
     args = parse(["/m"])
     assert (args.allowed_media_domains, args.allowed_local_media_path) == (None, None)

@@ -9,7 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from keepwarm_runtime.server.chat_audio import (
+from keepwarm_runtime.server.base.errors import BadRequest
+from keepwarm_runtime.server.base.protocol import ChatMessage
+from keepwarm_runtime.server.openai.chat.audio import (
     AudioRef,
     _expand,
     audio_chat_prompt,
@@ -17,8 +19,6 @@ from keepwarm_runtime.server.chat_audio import (
     resolve_audio,
     split_audio,
 )
-from keepwarm_runtime.server.errors import BadRequest
-from keepwarm_runtime.server.protocol import ChatMessage
 
 
 def _msg(role: str, content: object) -> ChatMessage:

@@ -1,4 +1,4 @@
-"""audio_url allow-lists (server/media_fetch.py) against a real HTTP server on loopback and real files:
+"""audio_url allow-lists (server/base/media_fetch.py) against a real HTTP server on loopback and real files:
 what is fetched, and every way an attacker could try to get more."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from keepwarm_runtime.server.errors import APIError
-from keepwarm_runtime.server.media_fetch import MediaPolicy, fetch_media, media_policy, parse_domains
+from keepwarm_runtime.server.base.errors import APIError
+from keepwarm_runtime.server.base.media_fetch import MediaPolicy, fetch_media, media_policy, parse_domains
 from tests.integration.audio.media_server import MediaServer
 
 PAYLOAD = b"RIFF" + bytes(range(256)) * 8

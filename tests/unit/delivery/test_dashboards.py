@@ -40,7 +40,7 @@ def exported() -> dict[str, set[str]]:
     """Every metric family the code registers (server incl. cache client, daemon, operator)."""
     import keepwarm_operator.metrics  # noqa: F401 (registers the operator's metrics)
     from keepwarm_runtime.cache.metrics import DaemonMetrics
-    from keepwarm_runtime.server.metrics import ServerMetrics
+    from keepwarm_runtime.server.base.metrics import ServerMetrics
 
     registries: list[CollectorRegistry] = [ServerMetrics("m").registry, DaemonMetrics().registry, REGISTRY]
     return {f.name: sample_names(f.name, f.type) for r in registries for f in r.collect()}
@@ -111,7 +111,7 @@ def test_the_coverage_check_sees_a_new_metric():
 
 def test_cache_client_metrics_are_on_the_servers_metrics():
     from keepwarm_runtime.cache.metrics import client_metrics
-    from keepwarm_runtime.server.metrics import ServerMetrics
+    from keepwarm_runtime.server.base.metrics import ServerMetrics
 
     client_metrics().misses.labels(reason="absent").inc()
     text = ServerMetrics("m").render().decode()

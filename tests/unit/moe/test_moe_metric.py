@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from keepwarm_runtime.server.metrics import ServerMetrics
+from keepwarm_runtime.server.base.metrics import ServerMetrics
 
 
 def test_moe_layers_by_backend() -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from keepwarm_runtime.server.errors import BadRequest
-from keepwarm_runtime.server.request_body import MAX_JSON_DEPTH, parse_json_object
+from keepwarm_runtime.server.base.errors import BadRequest
+from keepwarm_runtime.server.base.request_body import MAX_JSON_DEPTH, parse_json_object
 
 
 def test_a_plain_object_passes():

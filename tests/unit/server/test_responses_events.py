@@ -11,10 +11,10 @@ import pydantic
 from openai.types.responses import ResponseStreamEvent
 
 from keepwarm_runtime.engine.outputs import CompletionOutput, RequestOutput
-from keepwarm_runtime.server.errors import APIError
-from keepwarm_runtime.server.protocol_responses import ResponseObject
-from keepwarm_runtime.server.serving_responses import _stream
-from keepwarm_runtime.server.tools import ToolPlan
+from keepwarm_runtime.server.base.errors import APIError
+from keepwarm_runtime.server.openai.chat.tools import ToolPlan
+from keepwarm_runtime.server.openai.responses.protocol import ResponseObject
+from keepwarm_runtime.server.openai.responses.serving import _stream
 
 EVENTS = pydantic.TypeAdapter(ResponseStreamEvent)
 

@@ -8,13 +8,13 @@ import pytest
 from pydantic import ValidationError
 
 from keepwarm_runtime.log_once import clear_once_cache
-from keepwarm_runtime.server.protocol import (
+from keepwarm_runtime.server.base.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     StructuredOutputsOptions,
 )
 
-LOGGER = "keepwarm_runtime.server.protocol"
+LOGGER = "keepwarm_runtime.server.base.protocol"
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from keepwarm_runtime.server.async_engine import AsyncEngine
-from keepwarm_runtime.server.errors import BadRequest
-from keepwarm_runtime.server.metrics import ServerMetrics
-from keepwarm_runtime.server.serving import ServingContext, ServingOptions, truncate_prompt
+from keepwarm_runtime.server.base.errors import BadRequest
+from keepwarm_runtime.server.base.metrics import ServerMetrics
+from keepwarm_runtime.server.base.serving import ServingContext, ServingOptions, truncate_prompt
 
 
 def _context(timeout: float) -> ServingContext:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from keepwarm_runtime.server.tool_parsers import HermesParser, Llama3JsonParser, MistralParser
+from keepwarm_runtime.server.openai.chat.tool_parsers import HermesParser, Llama3JsonParser, MistralParser
 
 
 def _calls(parsed) -> list[tuple[str, dict]]:

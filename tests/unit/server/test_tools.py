@@ -7,9 +7,9 @@ import json
 import jsonschema
 import pytest
 
-from keepwarm_runtime.server.errors import BadRequest
-from keepwarm_runtime.server.protocol import ChatCompletionRequest
-from keepwarm_runtime.server.tools import finish_reason, parse_output, plan_tools
+from keepwarm_runtime.server.base.errors import BadRequest
+from keepwarm_runtime.server.base.protocol import ChatCompletionRequest
+from keepwarm_runtime.server.openai.chat.tools import finish_reason, parse_output, plan_tools
 
 ADD = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 TOOLS = [

@@ -16,9 +16,9 @@ from fastapi.responses import JSONResponse, Response
 
 from keepwarm_api.probes import READY_PATH, READY_WAIT_MAX_S
 from keepwarm_runtime import __version__
+from keepwarm_runtime.server.base.errors import NotReady
 from keepwarm_runtime.server.base.routes import Route
-from keepwarm_runtime.server.errors import NotReady
-from keepwarm_runtime.server.serving import ServingContext
+from keepwarm_runtime.server.base.serving import ServingContext
 
 READY_POLL_S = 0.01  # how often a long-polling /ready looks at the engine (a probe sees ready this late)
 

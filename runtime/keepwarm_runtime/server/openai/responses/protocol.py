@@ -1,7 +1,7 @@
 """The OpenAI Responses API shapes (/v1/responses): the request, its input items, the response.
 
 Only what this server honours is modelled; fields it cannot honour (stored responses, background
-runs, reasoning options, ``include``) are refused by name in ``serving_responses``.
+runs, reasoning options, ``include``) are refused by name in ``serving.py``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from keepwarm_runtime.engine.sampling_params import SEED_RANGE
-from keepwarm_runtime.server.protocol import INT32, OpenAIBaseModel, OpenAIRequest
-from keepwarm_runtime.server.responses import random_id
+from keepwarm_runtime.server.base.protocol import INT32, OpenAIBaseModel, OpenAIRequest
+from keepwarm_runtime.server.base.response_models import random_id
 
 
 class InputMessage(OpenAIBaseModel):
@@ -94,7 +94,7 @@ class ResponsesRequest(OpenAIRequest):
     text: TextOptions | None = None
     metadata: dict[str, str] | None = Field(default=None, max_length=16)  # echoed back
     user: str | None = Field(default=None, max_length=256)
-    # Refused unless at their no-op values (see serving_responses):
+    # Refused unless at their no-op values (see serving.py):
     store: bool | None = None
     previous_response_id: str | None = None
     background: bool | None = None

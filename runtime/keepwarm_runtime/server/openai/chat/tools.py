@@ -17,9 +17,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from keepwarm_runtime.server.errors import BadRequest
-from keepwarm_runtime.server.protocol import ChatCompletionRequest, ChatTool
-from keepwarm_runtime.server.tool_parsers import TOOL_PARSERS, ParsedOutput, ParsedToolCall, ToolParser
+from keepwarm_runtime.server.base.errors import BadRequest
+from keepwarm_runtime.server.base.protocol import ChatCompletionRequest, ChatTool
+from keepwarm_runtime.server.openai.chat.tool_parsers import (
+    TOOL_PARSERS,
+    ParsedOutput,
+    ParsedToolCall,
+    ToolParser,
+)
 
 
 @dataclass(frozen=True)

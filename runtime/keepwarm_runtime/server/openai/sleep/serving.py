@@ -28,9 +28,9 @@ from fastapi.responses import JSONResponse, Response
 
 from keepwarm_api.settings import FALSE_WORDS, TRUE_WORDS
 from keepwarm_runtime.server.async_engine import AsyncEngine
+from keepwarm_runtime.server.base.errors import BadRequest, Conflict, NotReady
+from keepwarm_runtime.server.base.metrics import ServerMetrics
 from keepwarm_runtime.server.base.routes import Route
-from keepwarm_runtime.server.errors import BadRequest, Conflict, NotReady
-from keepwarm_runtime.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 DRAIN_POLL_S = 0.01  # how often a drained sleep looks for running requests

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import httpx
 
-from keepwarm_runtime.server.errors import BadRequest, PayloadTooLarge
-from keepwarm_runtime.server.limits import DEFAULT_FETCH_TIMEOUT_S, DEFAULT_MAX_MEDIA_BYTES
+from keepwarm_runtime.server.base.errors import BadRequest, PayloadTooLarge
+from keepwarm_runtime.server.base.limits import DEFAULT_FETCH_TIMEOUT_S, DEFAULT_MAX_MEDIA_BYTES
 
 MAX_REDIRECTS = 3
 REMOTE_SCHEMES = ("http", "https")

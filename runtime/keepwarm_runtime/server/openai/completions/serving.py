@@ -16,13 +16,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from keepwarm_runtime.engine.outputs import RequestOutput
-from keepwarm_runtime.server.base.routes import Route
-from keepwarm_runtime.server.deltas import DeltaTracker
-from keepwarm_runtime.server.errors import APIError, BadRequest
-from keepwarm_runtime.server.logprobs import completion_logprobs, echo_logprobs, joined, prompt_logprobs
-from keepwarm_runtime.server.metrics import RequestTimer
-from keepwarm_runtime.server.protocol import CompletionRequest
-from keepwarm_runtime.server.responses import (
+from keepwarm_runtime.server.base.deltas import DeltaTracker
+from keepwarm_runtime.server.base.errors import APIError, BadRequest
+from keepwarm_runtime.server.base.logprobs import completion_logprobs, echo_logprobs, joined, prompt_logprobs
+from keepwarm_runtime.server.base.metrics import RequestTimer
+from keepwarm_runtime.server.base.protocol import CompletionRequest
+from keepwarm_runtime.server.base.response_models import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
@@ -30,8 +29,9 @@ from keepwarm_runtime.server.responses import (
     UsageInfo,
     random_id,
 )
-from keepwarm_runtime.server.serving import ServingContext, race_disconnect, truncate_prompt
-from keepwarm_runtime.server.sse import sse_done, sse_event
+from keepwarm_runtime.server.base.routes import Route
+from keepwarm_runtime.server.base.serving import ServingContext, race_disconnect, truncate_prompt
+from keepwarm_runtime.server.base.sse import sse_done, sse_event
 
 MAX_PROMPTS = 64  # prompts per request
 

@@ -33,14 +33,14 @@ from keepwarm_runtime.audio.transcript_formats import (
     as_vtt,
 )
 from keepwarm_runtime.model_kind import ModelKind
+from keepwarm_runtime.server.base.errors import APIError, BadRequest, PayloadTooLarge
+from keepwarm_runtime.server.base.limits import DEFAULT_MAX_MEDIA_BYTES
+from keepwarm_runtime.server.base.media_fetch import MediaPolicy
+from keepwarm_runtime.server.base.metrics import RequestTimer
+from keepwarm_runtime.server.base.response_models import random_id
 from keepwarm_runtime.server.base.routes import Route
-from keepwarm_runtime.server.errors import APIError, BadRequest, PayloadTooLarge
-from keepwarm_runtime.server.limits import DEFAULT_MAX_MEDIA_BYTES
-from keepwarm_runtime.server.media_fetch import MediaPolicy
-from keepwarm_runtime.server.metrics import RequestTimer
-from keepwarm_runtime.server.responses import random_id
-from keepwarm_runtime.server.serving import ServingContext, race_disconnect
-from keepwarm_runtime.server.sse import sse_event
+from keepwarm_runtime.server.base.serving import ServingContext, race_disconnect
+from keepwarm_runtime.server.base.sse import sse_event
 
 if TYPE_CHECKING:
     from keepwarm_runtime.engine.config import EngineConfig

@@ -194,7 +194,7 @@ class ServerMetrics:
         self.lora_load.labels(source=source).observe(seconds)
 
     def record_lora_refused(self, adapters: tuple[str, ...]) -> None:
-        """The --lora-modules-file entries refused now (server/lora_file.py); none: no series."""
+        """The --lora-modules-file entries refused now (server/openai/lora/file_sync.py); none: no series."""
         self.lora_refused.clear()
         for adapter in adapters:
             self.lora_refused.labels(adapter=adapter).set(1)

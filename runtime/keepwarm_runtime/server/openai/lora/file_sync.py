@@ -4,7 +4,7 @@ The operator writes an InferenceDeployment's adapters into a ConfigMap its pods 
 (keepwarm_api.paths.LORA_LIST_MOUNT); when the list changes the kubelet swaps the file in place (an
 atomic symlink swap, within its sync period), and this loop, reading the file every POLL_S, makes the
 served set match it, with no restart:
-- an added adapter loads as through POST /v1/load_lora_adapter (server/lora.py);
+- an added adapter loads as through POST /v1/load_lora_adapter (server/openai/lora/serving.py);
 - a removed one leaves ``model`` at once (new requests get 404) and is unloaded once no unfinished
   request uses it, so weights in use are never freed; a changed path is a removal, then an addition;
 - an entry that cannot be served (a bad adapter, a name --lora-modules, the runtime routes or the base
@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from keepwarm_runtime.server.lora import load_adapter, unload_adapter
-from keepwarm_runtime.server.lora_modules import LoraModule, parse_lora_modules_file
+from keepwarm_runtime.server.openai.lora.modules import LoraModule, parse_lora_modules_file
+from keepwarm_runtime.server.openai.lora.serving import load_adapter, unload_adapter
 
 if TYPE_CHECKING:
-    from keepwarm_runtime.server.serving import ServingContext
+    from keepwarm_runtime.server.base.serving import ServingContext
 
 log = logging.getLogger(__name__)
 POLL_S = 1.0  # how often the file is read: a kubelet updates it within a minute, this adds a second

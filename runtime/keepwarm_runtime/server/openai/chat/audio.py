@@ -4,8 +4,8 @@ Each audio part becomes the model's audio marker in the message text (Qwen2-Audi
 ``<|audio_bos|><|AUDIO|><|audio_eos|>``; Voxtral: ``[BEGIN_AUDIO][AUDIO]``); after the chat template
 renders, each placeholder token is expanded to as many copies as the audio has embeddings, and the
 embeddings travel with the request (engine/multimodal.py). Voxtral checkpoints that ship tekken.json
-render through mistral-common instead (chat_audio_mistral.py). ``audio_url`` takes ``data:`` URLs; http(s)
-and ``file:`` URLs only where the server's allow-lists name them (server/media_fetch.py), and by default
+render through mistral-common instead (audio_mistral.py). ``audio_url`` takes ``data:`` URLs; http(s)
+and ``file:`` URLs only where the server's allow-lists name them (server/base/media_fetch.py), and by default
 this server never fetches media.
 """
 
@@ -23,10 +23,10 @@ import torch
 
 from keepwarm_runtime.audio import AudioError, load_audio
 from keepwarm_runtime.engine.chat import is_mistral_common
-from keepwarm_runtime.server.chat_audio_mistral import mistral_audio_prompt
-from keepwarm_runtime.server.errors import BadRequest
-from keepwarm_runtime.server.media_fetch import MediaPolicy, fetch_media
-from keepwarm_runtime.server.protocol import ChatMessage, TextContentPart
+from keepwarm_runtime.server.base.errors import BadRequest
+from keepwarm_runtime.server.base.media_fetch import MediaPolicy, fetch_media
+from keepwarm_runtime.server.base.protocol import ChatMessage, TextContentPart
+from keepwarm_runtime.server.openai.chat.audio_mistral import mistral_audio_prompt
 
 AUDIO_PART_TYPES = ("input_audio", "audio_url")
 AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")  # input_audio.format values accepted

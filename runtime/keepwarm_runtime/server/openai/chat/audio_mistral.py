@@ -3,7 +3,7 @@
 Real Voxtral checkpoints have no Jinja chat template: their tokenizer is mistral-common's tekken
 (transformers' ``MistralCommonBackend``), which renders the conversation itself and expands each audio
 into ``[BEGIN_AUDIO]`` plus one ``[AUDIO]`` per 80 ms of audio padded to whole 30 s chunks. The
-marker-in-text route of chat_audio.py cannot work there (tekken encodes special-token strings found in
+marker-in-text route of audio.py cannot work there (tekken encodes special-token strings found in
 text as plain bytes), so the conversation goes to transformers' ``VoxtralProcessor``, the model's own
 processor, which returns the prompt ids and the chunked features together. The audio it sees is what
 keepwarm decoded (its backends and guards), re-encoded as float WAV, which mistral-common reads back
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from keepwarm_runtime.server.errors import BadRequest
+from keepwarm_runtime.server.base.errors import BadRequest
 
 
 def _float_wav(samples: np.ndarray, sample_rate: int) -> str:

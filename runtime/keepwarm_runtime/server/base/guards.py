@@ -12,8 +12,8 @@ import hmac
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from keepwarm_runtime.server.errors import APIError, PayloadTooLarge, Unauthorized
-from keepwarm_runtime.server.limits import DEFAULT_MAX_BODY_BYTES
+from keepwarm_runtime.server.base.errors import APIError, PayloadTooLarge, Unauthorized
+from keepwarm_runtime.server.base.limits import DEFAULT_MAX_BODY_BYTES
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -20,19 +20,25 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import Request
 
 from keepwarm_runtime.server.async_engine import AsyncEngine, EngineRequestError
+from keepwarm_runtime.server.base.errors import (
+    APIError,
+    BadRequest,
+    ClientClosedRequest,
+    ModelNotFound,
+    NotReady,
+)
+from keepwarm_runtime.server.base.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_PREPROCESS_TIMEOUT_S
+from keepwarm_runtime.server.base.metrics import RequestTimer, ServerMetrics
+from keepwarm_runtime.server.base.protocol import SamplingRequest
 from keepwarm_runtime.server.engine_client import EngineClient
-from keepwarm_runtime.server.errors import APIError, BadRequest, ClientClosedRequest, ModelNotFound, NotReady
-from keepwarm_runtime.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_PREPROCESS_TIMEOUT_S
-from keepwarm_runtime.server.lora_modules import LoraModule
-from keepwarm_runtime.server.metrics import RequestTimer, ServerMetrics
-from keepwarm_runtime.server.protocol import SamplingRequest
+from keepwarm_runtime.server.openai.lora.modules import LoraModule
 
 if TYPE_CHECKING:
     from keepwarm_runtime.engine.multimodal import MultimodalInput
     from keepwarm_runtime.engine.outputs import RequestOutput
     from keepwarm_runtime.engine.sampling_params import SamplingParams
     from keepwarm_runtime.engine.structured import StructuredOutputCompiler, StructuredOutputsParams
-    from keepwarm_runtime.server.lora_file import LoraFileSync
+    from keepwarm_runtime.server.openai.lora.file_sync import LoraFileSync
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -68,8 +74,8 @@ class ServingOptions:
     preprocess_workers: int = 2  # threads for tokenizing/rendering
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     api_key: str | None = None  # Bearer key every route but probes and metrics needs
-    lora_modules: tuple[LoraModule, ...] = ()  # adapters loaded at start (server/lora.py)
-    lora_modules_file: str | None = None  # adapters kept in step with this file (server/lora_file.py)
+    lora_modules: tuple[LoraModule, ...] = ()  # adapters loaded at start (openai/lora/serving.py)
+    lora_modules_file: str | None = None  # adapters kept in step with this file (openai/lora/file_sync.py)
     allow_runtime_lora_updating: bool = False  # the load/unload adapter routes exist
 
 

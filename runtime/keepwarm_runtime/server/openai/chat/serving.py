@@ -17,14 +17,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from keepwarm_runtime.engine.outputs import CompletionOutput, RequestOutput
-from keepwarm_runtime.server.base.routes import Route
-from keepwarm_runtime.server.chat_audio import audio_chat_prompt, has_audio_parts
-from keepwarm_runtime.server.deltas import DeltaTracker
-from keepwarm_runtime.server.errors import APIError, BadRequest
-from keepwarm_runtime.server.logprobs import chat_logprobs, prompt_logprobs
-from keepwarm_runtime.server.metrics import RequestTimer
-from keepwarm_runtime.server.protocol import ChatCompletionRequest
-from keepwarm_runtime.server.responses import (
+from keepwarm_runtime.server.base.deltas import DeltaTracker
+from keepwarm_runtime.server.base.errors import APIError, BadRequest
+from keepwarm_runtime.server.base.logprobs import chat_logprobs, prompt_logprobs
+from keepwarm_runtime.server.base.metrics import RequestTimer
+from keepwarm_runtime.server.base.protocol import ChatCompletionRequest
+from keepwarm_runtime.server.base.response_models import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
@@ -37,15 +35,17 @@ from keepwarm_runtime.server.responses import (
     UsageInfo,
     random_id,
 )
-from keepwarm_runtime.server.serving import (
+from keepwarm_runtime.server.base.routes import Route
+from keepwarm_runtime.server.base.serving import (
     ServingContext,
     race_disconnect,
     structured_params,
     truncate_prompt,
 )
-from keepwarm_runtime.server.sse import sse_done, sse_event
-from keepwarm_runtime.server.tool_parsers import ParsedOutput
-from keepwarm_runtime.server.tools import (
+from keepwarm_runtime.server.base.sse import sse_done, sse_event
+from keepwarm_runtime.server.openai.chat.audio import audio_chat_prompt, has_audio_parts
+from keepwarm_runtime.server.openai.chat.tool_parsers import ParsedOutput
+from keepwarm_runtime.server.openai.chat.tools import (
     ToolPlan,
     call_id,
     finish_reason,
@@ -95,7 +95,7 @@ class PreparedChat:
 async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> PreparedChat:
     """Render, tokenize and turn ``req`` into SamplingParams; every refusal is a 400 naming its field.
 
-    Audio content parts (server/chat_audio.py) are decoded and encoded into embeddings that replace
+    Audio content parts (server/openai/chat/audio.py) are decoded and encoded into embeddings that replace
     the prompt's placeholder tokens."""
     ctx.check_model(req.model)
     engine = ctx.engine

@@ -11,7 +11,7 @@ import json
 import re
 from typing import Any
 
-from keepwarm_runtime.server.errors import BadRequest
+from keepwarm_runtime.server.base.errors import BadRequest
 
 MAX_JSON_DEPTH = 64  # nested arrays/objects; JSON schemas and tool definitions stay far below
 _SURROGATE = re.compile("[\ud800-\udfff]")

@@ -5,7 +5,7 @@ fields the model does not know: the removed legacy ``guided_*`` fields get one W
 set for the process lifetime (naming them and pointing to ``structured_outputs``/``response_format``;
 the request is still served, without the constraint), anything else goes to DEBUG. Unknown fields are
 allowed rather than rejected because OpenAI clients grow fields faster than servers do.
-Response models live in ``responses.py``.
+Response models live in ``response_models.py``.
 """
 
 from __future__ import annotations

@@ -9,11 +9,11 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from keepwarm_runtime.server.base.errors import BadRequest
+from keepwarm_runtime.server.base.protocol import DetokenizeRequest, TokenizeRequest
+from keepwarm_runtime.server.base.response_models import DetokenizeResponse, TokenizeResponse
 from keepwarm_runtime.server.base.routes import Route
-from keepwarm_runtime.server.errors import BadRequest
-from keepwarm_runtime.server.protocol import DetokenizeRequest, TokenizeRequest
-from keepwarm_runtime.server.responses import DetokenizeResponse, TokenizeResponse
-from keepwarm_runtime.server.serving import ServingContext
+from keepwarm_runtime.server.base.serving import ServingContext
 
 
 async def tokenize(ctx: ServingContext, req: TokenizeRequest, _: Request) -> JSONResponse:

@@ -8,7 +8,7 @@ refusals into HTTP errors: a bad adapter 400, an unknown one 404, one still in u
 reads and checks the adapter in a worker thread while the engine keeps stepping (through the node
 cache when the server has a cache socket), then registers it in the engine thread between two steps,
 and observes ``keepwarm_lora_load_seconds{source}``. ``load_adapter`` and ``unload_adapter`` are the
-one way adapters come and go: the routes here and `--lora-modules-file` (server/lora_file.py) both
+one way adapters come and go: the routes here and `--lora-modules-file` (server/openai/lora/file_sync.py) both
 use them, under ``ServingContext.lora_lock``.
 """
 
@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict
 
 from keepwarm_runtime.server.base.routes import Route
-from keepwarm_runtime.server.lora_modules import LoraModule
+from keepwarm_runtime.server.openai.lora.modules import LoraModule
 
 if TYPE_CHECKING:
     from fastapi import Request
 
-    from keepwarm_runtime.server.serving import ServingContext
+    from keepwarm_runtime.server.base.serving import ServingContext
 
 LOAD_ROUTE = "/v1/load_lora_adapter"
 UNLOAD_ROUTE = "/v1/unload_lora_adapter"
@@ -67,7 +67,7 @@ async def load_lora_adapter(ctx: ServingContext, req: LoadLoraAdapterRequest, ra
     from fastapi.responses import PlainTextResponse
 
     from keepwarm_runtime.engine.lora import LoraLoadError
-    from keepwarm_runtime.server.errors import BadRequest
+    from keepwarm_runtime.server.base.errors import BadRequest
 
     async with ctx.lora_lock:
         if req.lora_name in ctx.loras or req.lora_name == ctx.served_model_name:
@@ -84,7 +84,7 @@ async def unload_lora_adapter(ctx: ServingContext, req: UnloadLoraAdapterRequest
     from fastapi.responses import PlainTextResponse
 
     from keepwarm_runtime.engine.lora import LoraInUse
-    from keepwarm_runtime.server.errors import Conflict, NotFound
+    from keepwarm_runtime.server.base.errors import Conflict, NotFound
 
     async with ctx.lora_lock:
         if req.lora_name not in ctx.loras:

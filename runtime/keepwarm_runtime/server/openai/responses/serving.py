@@ -22,12 +22,17 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from keepwarm_runtime.engine.outputs import CompletionOutput, RequestOutput
+from keepwarm_runtime.server.base.deltas import DeltaTracker
+from keepwarm_runtime.server.base.errors import APIError, BadRequest, from_validation_error
+from keepwarm_runtime.server.base.metrics import RequestTimer
+from keepwarm_runtime.server.base.protocol import ChatCompletionRequest
+from keepwarm_runtime.server.base.response_models import random_id
 from keepwarm_runtime.server.base.routes import Route
-from keepwarm_runtime.server.deltas import DeltaTracker
-from keepwarm_runtime.server.errors import APIError, BadRequest, from_validation_error
-from keepwarm_runtime.server.metrics import RequestTimer
-from keepwarm_runtime.server.protocol import ChatCompletionRequest
-from keepwarm_runtime.server.protocol_responses import (
+from keepwarm_runtime.server.base.serving import ServingContext, race_disconnect
+from keepwarm_runtime.server.base.sse import sse_event
+from keepwarm_runtime.server.openai.chat.serving import held_back, last_output, prepare_chat
+from keepwarm_runtime.server.openai.chat.tools import ToolPlan, call_id, parse_output
+from keepwarm_runtime.server.openai.responses.protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
     OutputFunctionCall,
@@ -37,11 +42,6 @@ from keepwarm_runtime.server.protocol_responses import (
     ResponsesRequest,
     ResponseUsage,
 )
-from keepwarm_runtime.server.responses import random_id
-from keepwarm_runtime.server.serving import ServingContext, race_disconnect
-from keepwarm_runtime.server.serving_chat import held_back, last_output, prepare_chat
-from keepwarm_runtime.server.sse import sse_event
-from keepwarm_runtime.server.tools import ToolPlan, call_id, parse_output
 
 
 def refuse_unsupported(req: ResponsesRequest) -> None:

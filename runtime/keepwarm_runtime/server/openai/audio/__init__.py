@@ -1,0 +1,1 @@
+"""POST /v1/audio/transcriptions and /v1/audio/translations."""

@@ -1,0 +1,1 @@
+"""POST /v1/responses: the Responses API, its protocol and serving."""

@@ -1,0 +1,1 @@
+"""vLLM's sleep mode routes: /sleep, /wake_up, /is_sleeping."""
