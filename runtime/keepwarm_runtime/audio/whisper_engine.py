@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from keepwarm_api.values import CacheMode
+from keepwarm_runtime.engine.capabilities import EngineCapabilities
 from keepwarm_runtime.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 
 if TYPE_CHECKING:
@@ -96,7 +97,8 @@ class WhisperEngine:
     Its keyword arguments are named as EngineConfig's fields: `keepwarm serve` passes the engine
     settings its user gave by those names, and refuses the others (server/openai/audio/serving.py)."""
 
-    supports_transcription = True
+    capabilities = EngineCapabilities(transcription=True)
+    max_prompt_logprobs_len = 0  # it scores no prompts
 
     def __init__(
         self,

@@ -22,6 +22,7 @@ import torch
 from keepwarm_runtime.engine.attention.fuser import fuse_attention
 from keepwarm_runtime.engine.attention.select import select_backend
 from keepwarm_runtime.engine.block_manager import BlockManager
+from keepwarm_runtime.engine.capabilities import EngineCapabilities
 from keepwarm_runtime.engine.config import EngineConfig
 from keepwarm_runtime.engine.cpu_linear import use_weight_major_linear
 from keepwarm_runtime.engine.detokenizer import IncrementalDetokenizer, find_stop
@@ -111,6 +112,9 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.lora
         )
         self.runner = ModelRunner(self.model, config.block_size, self.device, self.lora)
+        self.capabilities = EngineCapabilities(
+            lora=self.lora, startup=profile, moe_backends=self.moe_backends
+        )
         self.sampler = Sampler(self.eos_token_ids, config.seed, self.device)
         self.requests: dict[str, _Request] = {}
         self._token_text: dict[int, str] = {}  # decoded single tokens, for logprob alternatives

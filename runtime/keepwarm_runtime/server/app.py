@@ -95,11 +95,12 @@ def create_app(
     def on_ready(engine: EngineClient) -> None:
         info = engine.load_info
         metrics.record_load(info.source, info.seconds, started_at)
-        metrics.record_moe(getattr(engine, "moe_backends", {}))
-        lora = getattr(engine, "lora", None)  # the adapters of --lora-modules, registered at start
+        capabilities = engine.capabilities
+        metrics.record_moe(capabilities.moe_backends)
+        lora = capabilities.lora  # the adapters of --lora-modules, registered at start
         for adapter in lora.adapters.values() if lora is not None else ():
             metrics.record_lora_load(adapter.source, adapter.seconds)
-        startup = getattr(engine, "startup", None)  # engine/startup.py; speech engines keep none
+        startup = capabilities.startup  # speech engines keep none
         if startup is not None:
             startup.mark("ready")
             metrics.record_startup(startup.seconds)

@@ -1,8 +1,9 @@
 """What the server needs from an engine: the ``EngineClient`` protocol, the one type at that boundary.
 
-``LLMEngine`` satisfies it; tests may pass any object that does. The server asks the engine about the
-model (vocabulary width, EOS ids, token texts) instead of re-reading checkpoint files, so the two can
-never disagree.
+``LLMEngine`` and ``WhisperEngine`` satisfy it; tests may pass any object that does. The server asks
+the engine about the model (vocabulary width, EOS ids, token texts) instead of re-reading checkpoint
+files, so the two can never disagree, and reads what else it offers (LoRA, start-up profile, MoE
+backends, transcription) from its ``capabilities`` (engine/capabilities.py), never by probing.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from keepwarm_runtime.engine.capabilities import EngineCapabilities
     from keepwarm_runtime.engine.loader import LoadInfo
     from keepwarm_runtime.engine.multimodal import MultimodalInput
     from keepwarm_runtime.engine.outputs import EngineStats, RequestOutput
@@ -21,8 +23,9 @@ class EngineClient(Protocol):
     max_model_len: int  # prompt + output tokens per sequence
     vocab_size: int  # the logits width (may exceed len(tokenizer): padded lm_head)
     eos_token_ids: set[int]  # ids that end a sequence
-    max_prompt_logprobs_len: int  # longest prompt it scores (prompt logprobs); absent or 0: none
+    max_prompt_logprobs_len: int  # longest prompt it scores (prompt logprobs); 0: none
     load_info: LoadInfo  # where the weights came from and how long it took
+    capabilities: EngineCapabilities  # what it offers beyond generating tokens
 
     def token_text(self, token_id: int) -> str:
         """One token's text as a client reads it."""

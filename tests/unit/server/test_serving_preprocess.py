@@ -70,7 +70,7 @@ def test_prompt_logprobs_are_refused_by_name_where_the_engine_cannot_or_the_prom
     with pytest.raises(BadRequest) as too_long:
         ctx.check_prompt_logprobs(9, "logprobs")
     assert too_long.value.param == "logprobs" and "at most 8" in too_long.value.message
-    ctx.async_engine.engine = SimpleNamespace()  # an engine that scores no prompts (e.g. speech)
+    ctx.async_engine.engine = SimpleNamespace(max_prompt_logprobs_len=0)  # scores no prompts (e.g. speech)
     with pytest.raises(BadRequest) as cannot:
         ctx.check_prompt_logprobs(2, "prompt_logprobs")
     assert cannot.value.param == "prompt_logprobs" and "does not compute" in cannot.value.message

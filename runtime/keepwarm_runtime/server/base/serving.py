@@ -160,9 +160,9 @@ class ServingContext:
         return max_tokens if max_tokens is not None else limit - prompt_len
 
     def check_prompt_logprobs(self, prompt_len: int, param: str) -> None:
-        """400 naming ``param`` when the engine scores no prompts (a speech engine has no such limit),
-        or a prompt longer than it scores (--max-prompt-logprobs-len)."""
-        limit = getattr(self.engine, "max_prompt_logprobs_len", 0)
+        """400 naming ``param`` when the engine scores no prompts (a speech engine's limit is 0), or a
+        prompt longer than it scores (--max-prompt-logprobs-len)."""
+        limit = self.engine.max_prompt_logprobs_len
         if not limit:
             raise BadRequest(f"{param}: this model's engine does not compute prompt logprobs", param=param)
         if prompt_len > limit:

@@ -139,7 +139,7 @@ async def _serve(
 ) -> Any:
     arrival = time.perf_counter()
     engine = ctx.engine
-    if not getattr(engine, "supports_transcription", False):
+    if not engine.capabilities.transcription:
         raise BadRequest(
             f"the model `{ctx.served_model_name}` does not transcribe audio",
             param="model",

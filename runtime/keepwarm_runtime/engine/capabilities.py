@@ -1,0 +1,24 @@
+"""``EngineCapabilities``: what an engine offers beyond generating tokens, stated by the engine itself.
+
+The server reads this (server/engine_client.py) instead of probing an engine's attributes, so an
+engine that lacks a feature says so by its defaults: no LoRA, no start-up profile, no MoE layers,
+no transcription.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from keepwarm_runtime.engine.lora import LoraSlots
+    from keepwarm_runtime.engine.startup import StartupProfile
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    transcription: bool = False  # speech to text: /v1/audio/transcriptions and /translations (Whisper)
+    lora: LoraSlots | None = None  # its LoRA adapters (--enable-lora), those of --lora-modules at start
+    startup: StartupProfile | None = None  # its start-up phases (engine/startup.py), marked while loading
+    moe_backends: Mapping[str, str] = field(default_factory=dict)  # experts module -> MoE backend
