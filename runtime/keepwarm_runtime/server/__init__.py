@@ -7,10 +7,11 @@ Layout (vLLM's serving shape: one folder per route group over a shared base):
   (``ServingContext``), ``protocol.py`` (request models), ``response_models.py``, ``errors.py``,
   ``sse.py``, ``guards.py``, ``linger.py``, ``metrics.py``, ``limits.py``, ``request_body.py``,
   ``openapi.py``, ``deltas.py``, ``logprobs.py``, ``media_fetch.py``.
-- ``probes/``: /health, /ping, /ready, /version, /metrics, /debug/stats.
-- ``openai/<group>/``: ``models``, ``chat`` (with tools, tool parsers, audio parts), ``completions``,
-  ``responses`` (its own protocol), ``tokenize``, ``audio``, ``lora``, ``sleep``; each holds its
-  ``serving.py`` (handlers, and the group's ``ROUTES``) and a ``protocol.py`` where it has models.
+- ``probes/router.py``: /health, /ping, /ready, /version, /metrics, /debug/stats.
+- ``openai/<group>/``: ``models`` (``router.py``), ``chat`` (with tools, tool parsers, audio parts),
+  ``completions``, ``responses`` (with its ``protocol.py``), ``tokenize``, ``audio``, ``lora`` (with
+  the ``--lora-modules`` values and the ``--lora-modules-file`` sync), ``sleep``; each group's
+  ``serving.py`` (or ``router.py``) holds its handlers and declares its ``ROUTES``.
 - Process level, unchanged: ``cli.py``, ``settings.py``, ``launcher.py``, ``supervisor.py``,
   ``worker_probe.py``, ``preload.py``.
 """
