@@ -45,9 +45,10 @@ def _load_model(
 
     from keepwarm_runtime.cache.client import attach
     from keepwarm_runtime.engine.loader import LoadInfo, fill_parameters, materialize_buffers
+    from keepwarm_runtime.weights import serving_layout
 
     config = AutoConfig.from_pretrained(model_dir)
-    with torch.device("meta"):
+    with serving_layout.BUILD_LOCK, torch.device("meta"):  # the default dtype is per process
         model = WhisperForConditionalGeneration._from_config(config, dtype=dtype)
     model.eval()
     res = attach(model_dir, socket_dir, dtype=dtype, device=device, mode=mode, fallback=fallback)

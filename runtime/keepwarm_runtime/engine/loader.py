@@ -67,7 +67,7 @@ def load_model(
     register_keepwarm_attention()
     profile.mark("config")
     try:
-        with torch.device("meta"):
+        with serving_layout.BUILD_LOCK, torch.device("meta"):  # the default dtype is per process
             attn, cls = attention_implementations(hf_config), multimodal_model_class(hf_config)
             if cls is not None:  # audio-language models: not registered with AutoModelForCausalLM
                 model = cls._from_config(hf_config, dtype=config.torch_dtype, attn_implementation=attn)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,6 +126,13 @@ def plan(records: Iterable[tuple[str, tuple[int, ...], torch.dtype]], rules: lis
     return ServingPlan(tuple(t for _, t in sorted(targets, key=lambda x: x[0])), placements)
 
 
+# torch's default dtype is one per process, and transformers' from_config sets it to the model's for
+# the build and puts back what it found after. Two builds in two threads (a disk attach's plan in the
+# background and the engine's own model, or an in-process daemon's) would interleave and leave one
+# build's dtype behind for every later torch.zeros. Every model build in keepwarm holds this lock.
+BUILD_LOCK = threading.RLock()
+
+
 def meta_model(model_dir: str | Path):
     """The model of `model_dir` built on the meta device (no weights read), or None when there is no
     config.json or transformers cannot build it."""
@@ -136,7 +144,7 @@ def meta_model(model_dir: str | Path):
 
         json.loads(config_path.read_text())  # a broken config is "no model", not a daemon crash
         config = AutoConfig.from_pretrained(model_dir)
-        with torch.device("meta"):
+        with BUILD_LOCK, torch.device("meta"):
             return AutoModelForCausalLM.from_config(config)
     except Exception:  # an architecture transformers cannot build: serve the checkpoint as stored
         return None

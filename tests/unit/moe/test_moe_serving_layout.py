@@ -75,3 +75,33 @@ def test_irregular_groups_stay_as_stored() -> None:
     assert not any(t.name.startswith("model.layers.0.") for t in p.targets)
     assert not any("gate_up" in t.name and t.name.startswith("model.layers.1.") for t in p.targets)
     assert not p.merged("model.layers.0.mlp.experts.0.gate_proj.weight")
+
+
+def test_concurrent_model_builds_leave_the_default_dtype_alone(tmp_path) -> None:
+    """from_config sets torch's process-wide default dtype to the model's for the build; a disk attach
+    plans (meta_model) in the background while the engine builds its own model. Interleaved, the two
+    builds would leave bfloat16 behind for every later torch.zeros; BUILD_LOCK keeps them apart."""
+    import threading
+
+    import torch
+
+    from keepwarm_runtime.modelgen import make_model
+    from keepwarm_runtime.weights.serving_layout import BUILD_LOCK, meta_model
+
+    model_dir = make_model(tmp_path / "m", arch="llama", params="400K", dtype="bfloat16")
+    before = torch.get_default_dtype()
+
+    def engine_builds() -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(model_dir)
+        for _ in range(15):
+            with BUILD_LOCK, torch.device("meta"):
+                AutoModelForCausalLM.from_config(config, dtype=torch.float16)
+
+    thread = threading.Thread(target=engine_builds)
+    thread.start()
+    for _ in range(15):
+        assert meta_model(model_dir) is not None
+    thread.join()
+    assert torch.get_default_dtype() == before
