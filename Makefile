@@ -14,10 +14,13 @@ ACTIONLINT_VERSION := 1.7.12
 ACTIONLINT := $(TOOLS)/actionlint-$(ACTIONLINT_VERSION)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-$(STAMP): api/pyproject.toml runtime/pyproject.toml operator/pyproject.toml testing/pyproject.toml requirements-dev.txt
+$(STAMP): api/pyproject.toml runtime/pyproject.toml operator/pyproject.toml testing/pyproject.toml requirements-dev.txt \
+		scripts/gpucheck/manifest.py
 	@command -v uv >/dev/null || $(PYTHON) -m pip install -q uv
 	@test -x $(BIN)/python || uv venv -q -p $(PYTHON) $(VENV)
-	VIRTUAL_ENV=$(VENV) uv pip install -q -e api -e 'runtime[structured,kubernetes,audio-cpu]' -e operator -e testing -r requirements-dev.txt
+	@# The GPU run's carried versions (scripts/gpucheck/manifest.py) constrain the venv: one web stack.
+	$(PYTHON) scripts/gpucheck/manifest.py > $(VENV)/constraints.txt
+	VIRTUAL_ENV=$(VENV) uv pip install -q -c $(VENV)/constraints.txt -e api -e 'runtime[structured,kubernetes,audio-cpu]' -e operator -e testing -r requirements-dev.txt
 	@# Bytecode ahead of time: with PYTHONDONTWRITEBYTECODE set, every fresh process would otherwise
 	@# recompile torch and transformers (seconds per process: tests, the demo and restarts all pay it).
 	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null || true

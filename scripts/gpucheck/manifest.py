@@ -1,5 +1,9 @@
 """What the GPU run carries, and what the GPU machine already has: the facts gpu-prepare and gpu-check share.
 
+The carried versions are also the development venv's: `python3 scripts/gpucheck/manifest.py` prints
+them as pip constraints and the Makefile installs the venv under them, so the web stack the GPU run
+serves with is the one the CPU suite tested, not whatever the registry holds that day.
+
 The GPU machine (one H200) has Python 3.12, torch and transformers but no flashinfer, and it reaches no
 network. A run there sends the working tree plus at most 8 carried ignored paths, 64 MiB in all, so the
 missing packages travel as one solid xz archive of their installed tree (flashinfer's 101 MB wheel is
@@ -136,3 +140,13 @@ def carried_names() -> set[str]:
 def shadowing_names() -> set[str]:
     """Carried distributions that the image also has (Pin.shadows_image): the archive's copy wins."""
     return {normalize(pin.name) for pin in CARRIED if pin.shadows_image}
+
+
+def constraints() -> str:
+    """The carried pins as a pip constraints file (the venv installs under it)."""
+    lines = [f"{pin.name}=={pin.version}  # carried to the GPU run: {pin.why}" for pin in CARRIED]
+    return "\n".join(["# written by scripts/gpucheck/manifest.py; do not edit", *lines]) + "\n"
+
+
+if __name__ == "__main__":
+    print(constraints(), end="")
