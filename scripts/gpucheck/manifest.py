@@ -57,7 +57,7 @@ CARRIED: list[Pin] = [
     Pin("fastapi", "0.165.0", ("fastapi",), "server/app.py and server/base/errors.py build the app on it"),
     Pin("starlette", "1.10.0", ("starlette",), "fastapi's ASGI core; server/base/errors.py imports it too"),
     Pin("uvicorn", "0.55.0", ("uvicorn",), "server/cli.py serves the app with uvicorn"),
-    Pin("pydantic", "2.14.4", ("pydantic",), "the request and response models (server/base/protocol.py)"),
+    Pin("pydantic", "2.14.4", ("pydantic",), "the request and response models (server/**/protocol.py)"),
     Pin("pydantic-core", "2.50.5", ("pydantic_core",), "pydantic 2.14.4 requires exactly this build"),
     Pin("annotated-types", "0.8.0", ("annotated_types",), "pydantic requires it"),
     Pin("typing-inspection", "0.4.5", ("typing_inspection",), "pydantic and fastapi require it"),

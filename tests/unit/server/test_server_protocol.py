@@ -8,11 +8,9 @@ import pytest
 from pydantic import ValidationError
 
 from keepwarm_runtime.log_once import clear_once_cache
-from keepwarm_runtime.server.base.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    StructuredOutputsOptions,
-)
+from keepwarm_runtime.server.base.protocol import StructuredOutputsOptions
+from keepwarm_runtime.server.openai.chat.protocol import ChatCompletionRequest
+from keepwarm_runtime.server.openai.completions.protocol import CompletionRequest
 
 LOGGER = "keepwarm_runtime.server.base.protocol"
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}

@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 
 from keepwarm_runtime.server.base.errors import BadRequest
-from keepwarm_runtime.server.base.protocol import ChatCompletionRequest
+from keepwarm_runtime.server.openai.chat.protocol import ChatCompletionRequest
 from keepwarm_runtime.server.openai.chat.tools import finish_reason, parse_output, plan_tools
 
 ADD = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from keepwarm_runtime.server.base.response_models import ErrorInfo, ErrorResponse
+from keepwarm_runtime.server.base.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 

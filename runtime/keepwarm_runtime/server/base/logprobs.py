@@ -9,7 +9,7 @@ and ``token_id:<id>`` names when a request sets ``return_tokens_as_token_ids``.
 from __future__ import annotations
 
 from keepwarm_runtime.engine.outputs import Logprob
-from keepwarm_runtime.server.base.response_models import (
+from keepwarm_runtime.server.base.protocol import (
     ChatLogprobs,
     CompletionLogprobs,
     PromptLogprob,

@@ -1,16 +1,20 @@
-"""OpenAI request models (pydantic) and the one validator that reports unknown request fields.
+"""The OpenAI shapes route groups share, and the one validator that reports unknown request fields.
 
 Every request model derives from ``OpenAIRequest``. Its validator is the single place that looks at
 fields the model does not know: the removed legacy ``guided_*`` fields get one WARNING per distinct
 set for the process lifetime (naming them and pointing to ``structured_outputs``/``response_format``;
 the request is still served, without the constraint), anything else goes to DEBUG. Unknown fields are
 allowed rather than rejected because OpenAI clients grow fields faster than servers do.
-Response models live in ``response_models.py``.
+
+Shared here: ``SamplingRequest`` (the fields of chat and completions), ``ChatMessage`` (chat and
+/tokenize), ids, usage, the error body, and the logprob shapes ``logprobs.py`` builds. A route group's
+own request and response models live in its ``protocol.py`` (server/openai/<group>/protocol.py).
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -219,76 +223,60 @@ class ChatMessage(OpenAIBaseModel):
         return "".join(pieces)
 
 
-class FunctionDefinition(OpenAIBaseModel):
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema for the arguments object
-    strict: bool | None = None
+# --- responses: ids, usage, errors, logprobs -------------------------------------------------------
 
 
-class ChatTool(OpenAIBaseModel):
-    type: Literal["function"] = "function"
-    function: FunctionDefinition
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
 
 
-class NamedFunction(OpenAIBaseModel):
-    name: str
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
 
 
-class NamedToolChoice(OpenAIBaseModel):
-    type: Literal["function"] = "function"
-    function: NamedFunction
+class ErrorInfo(BaseModel):
+    message: str  # what went wrong and what to change
+    type: str  # "invalid_request_error", "service_unavailable_error", "server_error"
+    param: str | None = None  # the offending request field, when one is
+    code: str | None = None  # machine-readable: "model_not_found", "context_length_exceeded", ...
 
 
-class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False  # return the sampled tokens' logprobs
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives (needs logprobs)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32)  # OpenAI's newer max_tokens
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False  # extend the last (assistant) message instead of a new turn
-    chat_template: str | None = None  # needs --trust-request-chat-template
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[ChatTool] | None = Field(default=None, max_length=128)
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
-    parallel_tool_calls: bool = True  # False: at most one call per answer
-
-    def token_limit(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
 
 
-class CompletionRequest(SamplingRequest):
-    # A string, a list of strings (one choice set each), token ids, or a list of token-id lists.
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=None, ge=0, le=INT32)  # 0 with echo: score the prompt only
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # top alternatives per token
-    echo: bool = False  # prepend the prompt to the text (and, with logprobs, its tokens' logprobs)
-    suffix: str | None = None  # not supported (400)
+class PromptLogprob(BaseModel):
+    """One token of ``prompt_logprobs`` (vLLM's shape): keyed by the token id, as a string, in JSON."""
 
-    def token_limit(self) -> int | None:
-        # The legacy completions API defaults to 16 tokens.
-        return 16 if self.max_tokens is None else self.max_tokens
-
-    def prompts(self) -> list[str | list[int]]:
-        """The prompt as a list of prompts (text or token ids)."""
-        prompt = self.prompt
-        if isinstance(prompt, str):
-            return [prompt]
-        if prompt and all(isinstance(p, int) for p in prompt):
-            return [list(prompt)]
-        return list(prompt)
+    logprob: float
+    rank: int  # 1 = the model's most likely token at that position
+    decoded_token: str | None = None
 
 
-class TokenizeRequest(OpenAIRequest):
-    """POST /tokenize: a text ``prompt``, or chat ``messages`` rendered with the template."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True  # prompt only: add BOS like /v1/completions does
-    add_generation_prompt: bool = True  # messages only
+PromptLogprobs = list[dict[str, PromptLogprob] | None]  # one per prompt token; the first is None
 
 
-class DetokenizeRequest(OpenAIRequest):
-    model: str | None = None
-    tokens: list[int] = Field(max_length=MAX_TOKEN_LIST)
+class CompletionLogprobs(BaseModel):
+    """Legacy completions logprobs: parallel lists, one entry per token (with ``echo``, the prompt's first:
+    its first token has no logprob and no alternatives)."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None

@@ -37,7 +37,7 @@ from keepwarm_runtime.server.base.errors import APIError, BadRequest, PayloadToo
 from keepwarm_runtime.server.base.limits import DEFAULT_MAX_MEDIA_BYTES
 from keepwarm_runtime.server.base.media_fetch import MediaPolicy
 from keepwarm_runtime.server.base.metrics import RequestTimer
-from keepwarm_runtime.server.base.response_models import random_id
+from keepwarm_runtime.server.base.protocol import random_id
 from keepwarm_runtime.server.base.routes import Route
 from keepwarm_runtime.server.base.serving import ServingContext, race_disconnect
 from keepwarm_runtime.server.base.sse import sse_event

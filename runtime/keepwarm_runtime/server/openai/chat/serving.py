@@ -21,20 +21,7 @@ from keepwarm_runtime.server.base.deltas import DeltaTracker
 from keepwarm_runtime.server.base.errors import APIError, BadRequest
 from keepwarm_runtime.server.base.logprobs import chat_logprobs, prompt_logprobs
 from keepwarm_runtime.server.base.metrics import RequestTimer
-from keepwarm_runtime.server.base.protocol import ChatCompletionRequest
-from keepwarm_runtime.server.base.response_models import (
-    ChatChoice,
-    ChatCompletionChunk,
-    ChatCompletionResponse,
-    ChatResponseMessage,
-    ChatStreamChoice,
-    DeltaMessage,
-    FunctionCallOut,
-    ToolCallDelta,
-    ToolCallOut,
-    UsageInfo,
-    random_id,
-)
+from keepwarm_runtime.server.base.protocol import UsageInfo, random_id
 from keepwarm_runtime.server.base.routes import Route
 from keepwarm_runtime.server.base.serving import (
     ServingContext,
@@ -44,6 +31,18 @@ from keepwarm_runtime.server.base.serving import (
 )
 from keepwarm_runtime.server.base.sse import sse_done, sse_event
 from keepwarm_runtime.server.openai.chat.audio import audio_chat_prompt, has_audio_parts
+from keepwarm_runtime.server.openai.chat.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    FunctionCallOut,
+    ToolCallDelta,
+    ToolCallOut,
+)
 from keepwarm_runtime.server.openai.chat.tool_parsers import ParsedOutput
 from keepwarm_runtime.server.openai.chat.tools import (
     ToolPlan,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from keepwarm_runtime.server.base.errors import BadRequest
-from keepwarm_runtime.server.base.protocol import ChatCompletionRequest, ChatTool
+from keepwarm_runtime.server.openai.chat.protocol import ChatCompletionRequest, ChatTool
 from keepwarm_runtime.server.openai.chat.tool_parsers import (
     TOOL_PARSERS,
     ParsedOutput,

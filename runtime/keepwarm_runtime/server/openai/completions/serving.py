@@ -20,18 +20,15 @@ from keepwarm_runtime.server.base.deltas import DeltaTracker
 from keepwarm_runtime.server.base.errors import APIError, BadRequest
 from keepwarm_runtime.server.base.logprobs import completion_logprobs, echo_logprobs, joined, prompt_logprobs
 from keepwarm_runtime.server.base.metrics import RequestTimer
-from keepwarm_runtime.server.base.protocol import CompletionRequest
-from keepwarm_runtime.server.base.response_models import (
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionResponse,
-    PromptLogprobs,
-    UsageInfo,
-    random_id,
-)
+from keepwarm_runtime.server.base.protocol import CompletionLogprobs, PromptLogprobs, UsageInfo, random_id
 from keepwarm_runtime.server.base.routes import Route
 from keepwarm_runtime.server.base.serving import ServingContext, race_disconnect, truncate_prompt
 from keepwarm_runtime.server.base.sse import sse_done, sse_event
+from keepwarm_runtime.server.openai.completions.protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+)
 
 MAX_PROMPTS = 64  # prompts per request
 

@@ -18,10 +18,9 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict
-
 from keepwarm_runtime.server.base.routes import Route
 from keepwarm_runtime.server.openai.lora.modules import LoraModule
+from keepwarm_runtime.server.openai.lora.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -30,18 +29,6 @@ if TYPE_CHECKING:
 
 LOAD_ROUTE = "/v1/load_lora_adapter"
 UNLOAD_ROUTE = "/v1/unload_lora_adapter"
-
-
-class LoadLoraAdapterRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    lora_name: str
-    lora_path: str
-
-
-class UnloadLoraAdapterRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    lora_name: str
-    lora_int_id: int | None = None  # vLLM's; adapters are keyed by name here
 
 
 async def load_adapter(ctx: ServingContext, module: LoraModule) -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from keepwarm_runtime.server.base.response_models import ModelCard, ModelList
 from keepwarm_runtime.server.base.routes import Route
 from keepwarm_runtime.server.base.serving import ServingContext
+from keepwarm_runtime.server.openai.models.protocol import ModelCard, ModelList
 
 
 def _card(ctx: ServingContext) -> ModelCard:

@@ -12,8 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from keepwarm_runtime.engine.sampling_params import SEED_RANGE
-from keepwarm_runtime.server.base.protocol import INT32, OpenAIBaseModel, OpenAIRequest
-from keepwarm_runtime.server.base.response_models import random_id
+from keepwarm_runtime.server.base.protocol import INT32, OpenAIBaseModel, OpenAIRequest, random_id
 
 
 class InputMessage(OpenAIBaseModel):

@@ -25,11 +25,11 @@ from keepwarm_runtime.engine.outputs import CompletionOutput, RequestOutput
 from keepwarm_runtime.server.base.deltas import DeltaTracker
 from keepwarm_runtime.server.base.errors import APIError, BadRequest, from_validation_error
 from keepwarm_runtime.server.base.metrics import RequestTimer
-from keepwarm_runtime.server.base.protocol import ChatCompletionRequest
-from keepwarm_runtime.server.base.response_models import random_id
+from keepwarm_runtime.server.base.protocol import random_id
 from keepwarm_runtime.server.base.routes import Route
 from keepwarm_runtime.server.base.serving import ServingContext, race_disconnect
 from keepwarm_runtime.server.base.sse import sse_event
+from keepwarm_runtime.server.openai.chat.protocol import ChatCompletionRequest
 from keepwarm_runtime.server.openai.chat.serving import held_back, last_output, prepare_chat
 from keepwarm_runtime.server.openai.chat.tools import ToolPlan, call_id, parse_output
 from keepwarm_runtime.server.openai.responses.protocol import (

@@ -10,10 +10,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from keepwarm_runtime.server.base.errors import BadRequest
-from keepwarm_runtime.server.base.protocol import DetokenizeRequest, TokenizeRequest
-from keepwarm_runtime.server.base.response_models import DetokenizeResponse, TokenizeResponse
 from keepwarm_runtime.server.base.routes import Route
 from keepwarm_runtime.server.base.serving import ServingContext
+from keepwarm_runtime.server.openai.tokenize.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 
 
 async def tokenize(ctx: ServingContext, req: TokenizeRequest, _: Request) -> JSONResponse:
