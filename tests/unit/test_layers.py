@@ -63,3 +63,10 @@ def test_the_cache_and_the_engine_take_the_serving_layout_from_weights_not_each_
     assert offenders("cache", "keepwarm_runtime.engine") == []
     assert offenders("weights", "keepwarm_runtime.engine") == []
     assert offenders("weights", "keepwarm_runtime.cache") == []
+
+
+def test_the_server_base_imports_no_route_group() -> None:
+    """server/base is what the route groups share (vLLM's serving base): it never reaches up into one,
+    so a group can be read, moved or dropped on its own."""
+    assert offenders("server/base", "keepwarm_runtime.server.openai") == []
+    assert offenders("server/base", "keepwarm_runtime.server.probes") == []

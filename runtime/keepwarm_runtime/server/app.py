@@ -130,19 +130,21 @@ def create_app(
         options=options,
         loras={m.name: m for m in options.lora_modules},
     )
+    lora_file = None
     if options.lora_modules_file is not None:
         from keepwarm_runtime.server.openai.lora.file_sync import LoraFileSync
 
-        ctx.lora_file = LoraFileSync(Path(options.lora_modules_file))
+        lora_file = LoraFileSync(Path(options.lora_modules_file))
+        ctx.lora_synced = lora_file.synced
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
-        lora_sync = None if ctx.lora_file is None else asyncio.create_task(ctx.lora_file.run(ctx))
+        lora_sync = None if lora_file is None else asyncio.create_task(lora_file.run(ctx))
         if load_before_serving:
             await asyncio.get_running_loop().run_in_executor(None, async_engine.ready_event.wait)
-            if ctx.lora_file is not None and async_engine.state != "failed":
-                await ctx.lora_file.synced.wait()  # its first request may name any listed adapter
+            if lora_file is not None and async_engine.state != "failed":
+                await lora_file.synced.wait()  # its first request may name any listed adapter
         notify_serving()  # a supervised worker's parent judges its /health from now on
         yield
         if lora_sync is not None:

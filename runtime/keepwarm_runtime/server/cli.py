@@ -121,7 +121,7 @@ def serve(config: ServeSettings) -> int:
         print(f"keepwarm serve: {config.model_dir} is not a directory", file=sys.stderr)
         return 2
     if config.lora_modules_file is not None:
-        from keepwarm_runtime.server.openai.lora.modules import parse_lora_modules_file
+        from keepwarm_runtime.server.base.lora_modules import parse_lora_modules_file
 
         try:  # refused at start; a later bad content only leaves the served adapters as they are
             parse_lora_modules_file(Path(config.lora_modules_file).read_text(), config.lora_modules_file)

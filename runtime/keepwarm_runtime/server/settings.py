@@ -21,8 +21,8 @@ from keepwarm_runtime.server.base.limits import (
     DEFAULT_MAX_MEDIA_BYTES,
     DEFAULT_PREPROCESS_TIMEOUT_S,
 )
+from keepwarm_runtime.server.base.lora_modules import LoraModule, parse_lora_module
 from keepwarm_runtime.server.openai.chat.tool_parsers import TOOL_PARSERS
-from keepwarm_runtime.server.openai.lora.modules import LoraModule, parse_lora_module
 
 ENGINE = "engine"  # the group of settings passed to EngineConfig
 

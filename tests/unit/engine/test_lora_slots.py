@@ -13,7 +13,7 @@ from torch import nn
 
 from keepwarm_runtime.engine.lora import LoraLoadError, LoraSlots
 from keepwarm_runtime.engine.lora.slots import use_step
-from keepwarm_runtime.server.openai.lora.modules import LoraModule, parse_lora_module
+from keepwarm_runtime.server.base.lora_modules import LoraModule, parse_lora_module
 
 IN, OUT = 6, 5
 

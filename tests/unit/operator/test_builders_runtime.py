@@ -191,7 +191,7 @@ def serve_settings(command: list[str]):
 
 def served_list(spec: InferenceDeploymentSpec, binding: CacheBinding | None) -> dict[str, str]:
     """Adapter -> directory, as the runtime reads the operator's ConfigMap (its --lora-modules-file)."""
-    from keepwarm_runtime.server.openai.lora.modules import parse_lora_modules_file
+    from keepwarm_runtime.server.base.lora_modules import parse_lora_modules_file
 
     listing = lora_list("chat", "ns", spec, binding, OWNER)
     assert listing is not None and listing["metadata"]["name"] == "chat-lora"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from keepwarm_api.serveflags import lora_modules_file
-from keepwarm_runtime.server.openai.lora.modules import LoraModule, parse_lora_modules_file
+from keepwarm_runtime.server.base.lora_modules import LoraModule, parse_lora_modules_file
 
 
 def test_what_the_operator_writes_the_runtime_reads_back_in_order():

@@ -28,17 +28,16 @@ from keepwarm_runtime.server.base.errors import (
     NotReady,
 )
 from keepwarm_runtime.server.base.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_PREPROCESS_TIMEOUT_S
+from keepwarm_runtime.server.base.lora_modules import LoraModule
 from keepwarm_runtime.server.base.metrics import RequestTimer, ServerMetrics
 from keepwarm_runtime.server.base.protocol import SamplingRequest
 from keepwarm_runtime.server.engine_client import EngineClient
-from keepwarm_runtime.server.openai.lora.modules import LoraModule
 
 if TYPE_CHECKING:
     from keepwarm_runtime.engine.multimodal import MultimodalInput
     from keepwarm_runtime.engine.outputs import RequestOutput
     from keepwarm_runtime.engine.sampling_params import SamplingParams
     from keepwarm_runtime.engine.structured import StructuredOutputCompiler, StructuredOutputsParams
-    from keepwarm_runtime.server.openai.lora.file_sync import LoraFileSync
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -88,7 +87,7 @@ class ServingContext:
     options: ServingOptions = field(default_factory=ServingOptions)
     loras: dict[str, LoraModule] = field(default_factory=dict)  # adapters clients may name in `model`
     lora_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # held while adapters come or go
-    lora_file: LoraFileSync | None = None  # --lora-modules-file's sync, when given
+    lora_synced: asyncio.Event | None = None  # set once --lora-modules-file's first pass is done, when given
     _compiler: StructuredOutputCompiler | None = None  # built on first use
     _pool: ThreadPoolExecutor | None = None
 

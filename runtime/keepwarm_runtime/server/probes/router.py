@@ -46,7 +46,7 @@ async def ready(request: Request, wait: float = 0.0) -> JSONResponse:
     ctx = _ctx(request)
 
     def adapters_synced() -> bool:
-        return ctx.lora_file is None or ctx.lora_file.synced.is_set()
+        return ctx.lora_synced is None or ctx.lora_synced.is_set()
 
     deadline = time.monotonic() + min(max(wait, 0.0), READY_WAIT_MAX_S)
     while not (ctx.async_engine.ready_event.is_set() and adapters_synced()) and time.monotonic() < deadline:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from keepwarm_runtime.server.openai.lora.modules import LoraModule, parse_lora_modules_file
+from keepwarm_runtime.server.base.lora_modules import LoraModule, parse_lora_modules_file
 from keepwarm_runtime.server.openai.lora.serving import load_adapter, unload_adapter
 
 if TYPE_CHECKING:

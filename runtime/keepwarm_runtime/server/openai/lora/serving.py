@@ -18,8 +18,8 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any
 
+from keepwarm_runtime.server.base.lora_modules import LoraModule
 from keepwarm_runtime.server.base.routes import Route
-from keepwarm_runtime.server.openai.lora.modules import LoraModule
 from keepwarm_runtime.server.openai.lora.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 
 if TYPE_CHECKING:
