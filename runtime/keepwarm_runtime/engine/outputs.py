@@ -39,6 +39,12 @@ class RequestOutput:
     error: str | None = None  # set when this request alone failed (its sequences were aborted)
 
 
+def internal_error(exc: BaseException) -> str:
+    """A fault the client did not cause, as it reads it: the server's crash handler and a request's
+    failed audio encoding (engine/multimodal.py) say it in the same words."""
+    return f"internal error: {type(exc).__name__}: {exc}"
+
+
 @dataclass
 class EngineStats:
     num_running: int  # sequences in the running batch

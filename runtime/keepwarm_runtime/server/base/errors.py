@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from keepwarm_runtime.engine.outputs import internal_error
 from keepwarm_runtime.server.base.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error serving %s %s", request.method, request.url.path)
-        return APIError(f"internal error: {type(exc).__name__}: {exc}").response()
+        return APIError(internal_error(exc)).response()
 
 
 def exc_response(err: APIError, headers: dict[str, str] | None) -> JSONResponse:
