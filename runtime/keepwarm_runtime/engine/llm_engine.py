@@ -5,7 +5,9 @@ reaches the scheduler. A fault while sampling or post-processing one request (a 
 raises, a detokenizer error, scoring its prompt) finishes that request alone, with
 ``RequestOutput.error`` set; the other sequences of the step carry on. Prompt logprobs, when asked,
 are stored as each prefill chunk computes them (engine/prompt_logprobs.py); a request with
-``max_tokens`` 0 finishes once its prompt is in, sampling nothing.
+``max_tokens`` 0 finishes once its prompt is in, sampling nothing. A request with audio
+(``AudioFeatures``) has its audio encoded at the start of the next step, before it can be scheduled;
+an encoder fault fails that request alone, as ``internal_error`` words it.
 
 With ``enable_lora`` a request may name a registered PEFT adapter (``add_lora``); requests for
 different adapters and the base share batches (engine/lora). Adapters come through the node cache
@@ -32,8 +34,8 @@ from keepwarm_runtime.engine.loader import LoadInfo, load_model
 from keepwarm_runtime.engine.lora import LoraInUse, LoraSlots
 from keepwarm_runtime.engine.lora.adapter import AdapterCache, LoraWeights
 from keepwarm_runtime.engine.model_runner import ModelRunner, StepLogits
-from keepwarm_runtime.engine.multimodal import MultimodalInput
-from keepwarm_runtime.engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from keepwarm_runtime.engine.multimodal import AudioFeatures, audio_spec, encode, placeholder_mismatch
+from keepwarm_runtime.engine.outputs import CompletionOutput, EngineStats, RequestOutput, internal_error
 from keepwarm_runtime.engine.prefetch import WeightPrefetch
 from keepwarm_runtime.engine.prompt_logprobs import PromptChunk, store
 from keepwarm_runtime.engine.sampler import SampledToken, Sampler
@@ -52,6 +54,7 @@ class _Request:
     prompt_token_ids: list[int]
     seqs: list[Sequence]
     detokenizers: list[IncrementalDetokenizer] = field(default_factory=list)
+    audio: AudioFeatures | None = None  # until the step encodes it (engine/multimodal.py)
 
 
 class LLMEngine:
@@ -113,10 +116,14 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, config.block_size, self.device, self.lora)
         self.capabilities = EngineCapabilities(
-            lora=self.lora, startup=profile, moe_backends=self.moe_backends
+            audio=audio_spec(self.model.config),
+            lora=self.lora,
+            startup=profile,
+            moe_backends=self.moe_backends,
         )
         self.sampler = Sampler(self.eos_token_ids, config.seed, self.device)
         self.requests: dict[str, _Request] = {}
+        self._unencoded: list[_Request] = []  # arrived with audio; step() encodes it first
         self._token_text: dict[int, str] = {}  # decoded single tokens, for logprob alternatives
         profile.mark("kv_alloc")
         log.info(
@@ -157,7 +164,7 @@ class LLMEngine:
         params: SamplingParams,
         prompt: str | None = None,
         priority: int = 0,
-        multimodal: MultimodalInput | None = None,  # embeddings for placeholder tokens (engine/multimodal.py)
+        audio: AudioFeatures | None = None,  # for the placeholders; step() encodes it (engine/multimodal.py)
         lora_name: str | None = None,  # a registered adapter (add_lora); None: the base model
     ) -> None:
         """Queue a request (lower ``priority`` first); ValueError, and nothing queued, if it is invalid."""
@@ -181,16 +188,19 @@ class LLMEngine:
                 f"prompt_logprobs: the prompt has {len(ids)} tokens; this engine scores prompts of at most "
                 f"{self.max_prompt_logprobs_len} (max_prompt_logprobs_len)"
             )
-        seqs = [self._new_sequence(request_id, i, ids, params, priority, multimodal) for i in range(params.n)]
+        self._check_audio(ids, audio)
+        seqs = [self._new_sequence(request_id, i, ids, params, priority) for i in range(params.n)]
         for seq in seqs:
             seq.lora_name, seq.lora_id = lora_name, self.lora.ids[lora_name] if lora_name is not None else 0
-        request = _Request(request_id, prompt, ids, seqs)
+        request = _Request(request_id, prompt, ids, seqs, audio=audio)
         request.detokenizers = [
             IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) for _ in seqs
         ]
         for seq in seqs:  # nothing below can fail: the request is complete
             self.scheduler.add(seq)
         self.requests[request_id] = request
+        if audio is not None:
+            self._unencoded.append(request)
 
     def _new_sequence(
         self,
@@ -199,15 +209,46 @@ class LLMEngine:
         ids: list[int],
         params: SamplingParams,
         priority: int,
-        multimodal: MultimodalInput | None,
     ) -> Sequence:
-        seq = Sequence(request_id, index, ids, params, priority=priority, multimodal=multimodal)
+        seq = Sequence(request_id, index, ids, params, priority=priority)
         if params.constraint_factory is not None:
             seq.constraint = params.constraint_factory()
         seed = params.sequence_seed(index)
         if seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(seed)
         return seq
+
+    def _check_audio(self, ids: list[int], audio: AudioFeatures | None) -> None:
+        """ValueError unless the prompt's placeholders are as many as the audio's embeddings will be."""
+        if audio is None:
+            return
+        spec = self.capabilities.audio
+        if spec is None:
+            raise ValueError("this model does not take audio input")
+        count = sum(spec.count(clip) for clip in audio.clips)
+        if (why := placeholder_mismatch(ids, spec.placeholder_id, count)) is not None:
+            raise ValueError(why)
+
+    def _encode_audio(self) -> dict[str, str]:
+        """Run the audio encoder for the requests that arrived with audio since the last step, in
+        arrival order, before any of their sequences is scheduled; a request whose encoding raises
+        fails alone (id -> why). Each clip goes through the encoder alone, in the shapes the model's
+        own forward() gives it, so the embeddings are the reference's bit for bit."""
+        pending, self._unencoded = self._unencoded, []
+        failed: dict[str, str] = {}
+        for request in pending:
+            audio, request.audio = request.audio, None
+            if audio is None or self.requests.get(request.request_id) is not request:
+                continue  # aborted meanwhile
+            try:
+                encoded = encode(self.model, request.prompt_token_ids, audio)
+            except Exception as exc:
+                log.exception("encoding the audio of request %s failed; failing it alone", request.request_id)
+                failed[request.request_id] = internal_error(exc)
+                continue
+            for seq in request.seqs:
+                seq.multimodal = encoded
+        return failed
 
     def add_lora(self, name: str, path: str) -> LoraWeights:
         """Register a PEFT adapter; LoraLoadError names what is wrong and changes nothing."""
@@ -267,16 +308,18 @@ class LLMEngine:
         return stats
 
     def step(self) -> list[RequestOutput]:
+        unencoded = [self._report(rid, why) for rid, why in self._encode_audio().items()]
         batch = self.scheduler.schedule()
         if batch.is_empty():
-            return []
+            return unencoded
         step = self.runner.run(batch)
         self.scheduler.update_after_step(batch)
         failed = self._score_prompts(step.prompt_chunks, step.prompt_logits)
         seqs, logits, scored_only = self._to_sample(step, failed)
         outputs = self._postprocess(seqs, self.sampler(seqs, logits) if seqs else [])
         unsampled = (scored_only | set(failed)) - {o.request_id for o in outputs}
-        return outputs + [self._report(rid, failed.get(rid)) for rid in unsampled if rid in self.requests]
+        reported = [self._report(rid, failed.get(rid)) for rid in unsampled if rid in self.requests]
+        return unencoded + outputs + reported
 
     def _to_sample(
         self, step: StepLogits, failed: dict[str, str]

@@ -1,10 +1,13 @@
 """Audio-language models in the paged engine: embeddings that replace a prompt's placeholder tokens.
 
-The model's own feature extractor and audio encoder (Qwen2-Audio and Voxtral: ``audio_tower`` +
-``multi_modal_projector``) turn audio into one embedding per placeholder token; the prompt arrives
-with its placeholders already expanded (as the model's processor does). From then on the request is
-text to the scheduler: the runner embeds the step's tokens, overwrites the placeholder rows that fall
-in the scheduled range (so chunked prefill works) and runs the decoder with keepwarm attention. The
+A request carries its audio as ``AudioFeatures``: what the model's own feature extractor made of it
+(CPU work the server does in its worker threads), never embeddings. The prompt arrives with its
+placeholders already expanded (as the model's processor does), as many as ``AudioSpec.count`` says
+the features give. The engine runs the audio encoder (Qwen2-Audio and Voxtral: ``audio_tower`` +
+``multi_modal_projector``) in its own thread, at the start of the step after the request arrives
+(``encode``), so nothing outside the engine ever touches its model. From then on the request is text
+to the scheduler: the runner embeds the step's tokens, overwrites the placeholder rows that fall in
+the scheduled range (so chunked prefill works) and runs the decoder with keepwarm attention. The
 audio's digest salts the prefix-cache hash chain, so the same text with other audio never shares KV.
 """
 
@@ -19,9 +22,51 @@ from torch import nn
 
 from keepwarm_runtime.model_kind import AUDIO_LANGUAGE_MODELS
 
+NEEDS_MASK = "qwen2_audio needs the feature extractor's attention mask"
+
+
+@dataclass(frozen=True)
+class AudioClip:
+    """One feature-extractor output: ``input_features`` [rows, mels, frames] (rows: audios, or a
+    Voxtral audio's 30 s chunks) and, for Qwen2-Audio, its ``attention_mask`` [rows, frames]."""
+
+    input_features: torch.Tensor
+    attention_mask: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class AudioFeatures:
+    """A request's audio as it crosses from the server to the engine: the clips in prompt order, each
+    encoded on its own (the shapes the model's forward() sees), and their digest."""
+
+    clips: tuple[AudioClip, ...]
+    digest: int  # of the features; salts the prefix-cache keys
+
+
+@dataclass(frozen=True)
+class AudioSpec:
+    """What a server needs to build a request with audio for this model (EngineCapabilities.audio)."""
+
+    model_type: str  # qwen2_audio | voxtral: picks the chat's audio marker
+    placeholder_id: int  # the audio token the prompt holds once per embedding
+    frames_per_embedding: int  # Voxtral: encoder frames the projector joins into one embedding
+
+    def count(self, clip: AudioClip) -> int:
+        """How many embeddings the encoder makes of ``clip``: the placeholders its prompt needs."""
+        if self.model_type == "qwen2_audio":
+            if clip.attention_mask is None:
+                raise ValueError(NEEDS_MASK)
+            lengths = clip.attention_mask.sum(-1)  # valid frames; the encoder's two strided steps:
+            return int(((((lengths - 1) // 2 + 1) - 2) // 2 + 1).sum())
+        rows, frames = clip.input_features.shape[0], clip.input_features.shape[-1]
+        # Voxtral: the second convolution halves each row's frames, the projector joins groups of them.
+        return rows * ((frames - 1) // 2 + 1) // self.frames_per_embedding
+
 
 @dataclass(frozen=True)
 class MultimodalInput:
+    """Engine-internal: a request's encoded audio, placed by the runner at each step."""
+
     embeds: torch.Tensor  # [n, hidden] in prompt order, one per placeholder token
     positions: torch.Tensor  # [n] long: prompt positions of the placeholder tokens, ascending
     digest: int  # of the media; salts the prefix-cache keys
@@ -35,6 +80,22 @@ def model_class(hf_config: Any) -> type | None:
     import transformers
 
     return getattr(transformers, name)
+
+
+def audio_spec(hf_config: Any) -> AudioSpec | None:
+    """The AudioSpec of an audio-language checkpoint's config, or None for a model without audio input."""
+    kind = getattr(hf_config, "model_type", None)
+    if kind not in AUDIO_LANGUAGE_MODELS:
+        return None
+    audio = hf_config.audio_config
+    per = audio.intermediate_size // audio.hidden_size if kind == "voxtral" else 1
+    return AudioSpec(kind, hf_config.audio_token_id, per)
+
+
+def audio_features(clips: list[AudioClip]) -> AudioFeatures:
+    """The request's AudioFeatures: ``clips`` in prompt order, digested (CPU work, off the engine)."""
+    tensors = [t for c in clips for t in (c.input_features, c.attention_mask) if t is not None]
+    return AudioFeatures(tuple(clips), media_digest(*tensors))
 
 
 def media_digest(*tensors: torch.Tensor) -> int:
@@ -55,7 +116,7 @@ def audio_embeddings(
     kind = model.config.model_type
     if kind == "qwen2_audio":
         if feature_attention_mask is None:
-            raise ValueError("qwen2_audio needs the feature extractor's attention mask")
+            raise ValueError(NEEDS_MASK)
         return _qwen2_audio_embeds(model, input_features, feature_attention_mask)
     if kind == "voxtral":
         tower = model.model.audio_tower
@@ -64,29 +125,23 @@ def audio_embeddings(
     raise ValueError(f"{kind} models take no audio input")
 
 
-def multimodal_input(
-    prompt_ids: list[int], embeds: torch.Tensor, placeholder_id: int, digest: int
-) -> MultimodalInput:
-    """Pair ``embeds`` with the prompt's ``placeholder_id`` tokens; ValueError when the counts differ."""
-    positions = (torch.tensor(prompt_ids) == placeholder_id).nonzero().flatten()
-    if positions.numel() != embeds.shape[0]:
-        raise ValueError(
-            f"{positions.numel()} audio placeholders in the prompt, {embeds.shape[0]} audio embeddings"
-        )
-    return MultimodalInput(embeds, positions, digest)
+def placeholder_mismatch(prompt_ids: list[int], placeholder_id: int, count: int) -> str | None:
+    """Why ``prompt_ids`` cannot take ``count`` audio embeddings, or None when its placeholders match."""
+    found = prompt_ids.count(placeholder_id)
+    if found == count:
+        return None
+    return f"{found} audio placeholders in the prompt, {count} audio embeddings"
 
 
-def encode_audio(
-    model: nn.Module,
-    prompt_ids: list[int],
-    input_features: torch.Tensor,
-    feature_attention_mask: torch.Tensor | None = None,
-) -> MultimodalInput:
-    """The MultimodalInput for a prompt whose ``audio_token_id`` placeholders are already expanded."""
-    embeds = audio_embeddings(model, input_features, feature_attention_mask)
-    extra = () if feature_attention_mask is None else (feature_attention_mask,)
-    digest = media_digest(input_features, *extra)
-    return multimodal_input(prompt_ids, embeds, model.config.audio_token_id, digest)
+def encode(model: nn.Module, prompt_ids: list[int], audio: AudioFeatures) -> MultimodalInput:
+    """The MultimodalInput of a prompt whose placeholders are expanded: each clip through the audio
+    encoder (in the engine's thread), the embeddings paired with the placeholders in order."""
+    embeds = torch.cat([audio_embeddings(model, c.input_features, c.attention_mask) for c in audio.clips])
+    placeholder = model.config.audio_token_id
+    if (why := placeholder_mismatch(prompt_ids, placeholder, embeds.shape[0])) is not None:
+        raise ValueError(why)
+    positions = (torch.tensor(prompt_ids) == placeholder).nonzero().flatten()
+    return MultimodalInput(embeds, positions, audio.digest)
 
 
 def _qwen2_audio_embeds(model: nn.Module, input_features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

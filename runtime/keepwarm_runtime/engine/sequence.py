@@ -46,7 +46,8 @@ class Sequence:
     text: str = ""  # detokenized output, stop string already cut
     constraint: TokenConstraint | None = None
     generator: torch.Generator | None = None  # per-sequence RNG when the request has a seed
-    # Multimodal (engine/multimodal.py): embeddings for placeholder tokens; their digest salts block hashes.
+    # Multimodal (engine/multimodal.py): embeddings for placeholder tokens, set by the engine's step when
+    # it encodes the request's audio (before the sequence can be scheduled); their digest salts block hashes.
     multimodal: MultimodalInput | None = None
     # LoRA (engine/lora): the adapter this sequence runs with (None: the base) and the identity of its
     # registration, which salts block hashes so KV computed under one adapter never serves another.

@@ -6,9 +6,10 @@ loops: apply queued adds and aborts, ``step()``, hand each output to its request
 
 Failure containment: ``add_request`` errors (prompt too long, bad params) go to that request alone,
 and so do the faults the engine pins on one request (``RequestOutput.error``: a constraint or sampling
-fault). An exception escaping ``step()`` cannot be pinned on anyone and may have left the engine's
-state inconsistent: every in-flight request gets the error, the state becomes "failed" (so /health
-answers 503 and Kubernetes restarts the pod) and no further work is accepted.
+fault, its audio failing the encoder). An exception escaping ``step()`` cannot be pinned on anyone and
+may have left the engine's state inconsistent: every in-flight request gets the error, the state
+becomes "failed" (so /health answers 503 and Kubernetes restarts the pod) and no further work is
+accepted.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from keepwarm_runtime.engine.multimodal import MultimodalInput
+    from keepwarm_runtime.engine.multimodal import AudioFeatures
     from keepwarm_runtime.engine.outputs import EngineStats, RequestOutput
     from keepwarm_runtime.engine.sampling_params import SamplingParams
     from keepwarm_runtime.server.engine_client import EngineClient
@@ -127,14 +128,15 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
-        multimodal: MultimodalInput | None = None,
+        audio: AudioFeatures | None = None,
         lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative RequestOutputs until finished; abort the request if the consumer goes away.
-        ``multimodal``: embeddings for the prompt's placeholder tokens (engine/multimodal.py), or None;
+        ``audio``: features for the prompt's placeholder tokens, encoded in the engine's step
+        (engine/multimodal.py), or None;
         ``lora_name``: the LoRA adapter it runs with (engine/lora), or None for the base model."""
         stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
-        self._post(("add", (request_id, prompt_token_ids, params, priority, multimodal, lora_name, stream)))
+        self._post(("add", (request_id, prompt_token_ids, params, priority, audio, lora_name, stream)))
         try:
             while True:
                 item = await stream.queue.get()
@@ -191,9 +193,9 @@ class AsyncEngine:
         while self._inbox:
             kind, payload = self._inbox.popleft()
             if kind == "add":
-                request_id, prompt_token_ids, params, priority, multimodal, lora_name, stream = payload
+                request_id, prompt_token_ids, params, priority, audio, lora_name, stream = payload
                 # Only what the request set: engines without priorities or audio (WhisperEngine) take neither.
-                extra: dict[str, Any] = {} if multimodal is None else {"multimodal": multimodal}
+                extra: dict[str, Any] = {} if audio is None else {"audio": audio}
                 if priority:
                     extra["priority"] = priority
                 if lora_name is not None:

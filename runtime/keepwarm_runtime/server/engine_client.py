@@ -3,7 +3,9 @@
 ``LLMEngine`` and ``WhisperEngine`` satisfy it; tests may pass any object that does. The server asks
 the engine about the model (vocabulary width, EOS ids, token texts) instead of re-reading checkpoint
 files, so the two can never disagree, and reads what else it offers (LoRA, start-up profile, MoE
-backends, transcription) from its ``capabilities`` (engine/capabilities.py), never by probing.
+backends, transcription, audio input) from its ``capabilities`` (engine/capabilities.py), never by
+probing. A request's audio crosses as ``AudioFeatures`` (the feature extractor's output); the engine
+runs its audio encoder itself, so the server never touches the engine's model.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from keepwarm_runtime.engine.capabilities import EngineCapabilities
     from keepwarm_runtime.engine.loader import LoadInfo
-    from keepwarm_runtime.engine.multimodal import MultimodalInput
+    from keepwarm_runtime.engine.multimodal import AudioFeatures
     from keepwarm_runtime.engine.outputs import EngineStats, RequestOutput
     from keepwarm_runtime.engine.sampling_params import SamplingParams
 
@@ -37,7 +39,7 @@ class EngineClient(Protocol):
         params: SamplingParams,
         prompt: str | None = None,
         priority: int = 0,
-        multimodal: MultimodalInput | None = None,
+        audio: AudioFeatures | None = None,
     ) -> None: ...
 
     def abort_request(self, request_id: str) -> None: ...

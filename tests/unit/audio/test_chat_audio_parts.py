@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from keepwarm_runtime.engine.capabilities import EngineCapabilities
 from keepwarm_runtime.server.base.errors import BadRequest
 from keepwarm_runtime.server.base.protocol import ChatMessage
 from keepwarm_runtime.server.openai.chat.audio import (
@@ -100,7 +101,7 @@ def test_expand_and_count_mismatch() -> None:
 
 
 def test_a_text_model_refuses_audio(tmp_path: Path) -> None:
-    engine = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(model_type="llama")))
+    engine = SimpleNamespace(capabilities=EngineCapabilities())  # a text model states no audio input
     part = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
     with pytest.raises(BadRequest, match="does not take audio input"):
         asyncio.run(audio_chat_prompt(engine, tmp_path, [_msg("user", [part])], settings=None, metrics=None))

@@ -34,7 +34,7 @@ from keepwarm_runtime.server.base.protocol import SamplingRequest
 from keepwarm_runtime.server.engine_client import EngineClient
 
 if TYPE_CHECKING:
-    from keepwarm_runtime.engine.multimodal import MultimodalInput
+    from keepwarm_runtime.engine.multimodal import AudioFeatures
     from keepwarm_runtime.engine.outputs import RequestOutput
     from keepwarm_runtime.engine.sampling_params import SamplingParams
     from keepwarm_runtime.engine.structured import StructuredOutputCompiler, StructuredOutputsParams
@@ -249,7 +249,7 @@ class ServingContext:
         params: SamplingParams,
         timer: RequestTimer,
         priority: int = 0,
-        multimodal: MultimodalInput | None = None,
+        audio: AudioFeatures | None = None,
         lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The engine's cumulative outputs, with metrics (per adapter too); engine rejections become
@@ -257,7 +257,7 @@ class ServingContext:
         timer.adapter = lora_name
         try:
             async for output in self.async_engine.generate(
-                request_id, prompt_ids, params, priority, multimodal, lora_name
+                request_id, prompt_ids, params, priority, audio, lora_name
             ):
                 timer.tokens(sum(len(o.token_ids) for o in output.outputs))
                 yield output

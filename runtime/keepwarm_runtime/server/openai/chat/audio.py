@@ -2,11 +2,13 @@
 
 Each audio part becomes the model's audio marker in the message text (Qwen2-Audio:
 ``<|audio_bos|><|AUDIO|><|audio_eos|>``; Voxtral: ``[BEGIN_AUDIO][AUDIO]``); after the chat template
-renders, each placeholder token is expanded to as many copies as the audio has embeddings, and the
-embeddings travel with the request (engine/multimodal.py). Voxtral checkpoints that ship tekken.json
-render through mistral-common instead (audio_mistral.py). ``audio_url`` takes ``data:`` URLs; http(s)
-and ``file:`` URLs only where the server's allow-lists name them (server/base/media_fetch.py), and by default
-this server never fetches media.
+renders, each placeholder token is expanded to as many copies as the audio will have embeddings
+(the engine's ``capabilities.audio`` counts them from the features), and the features travel with the
+request as ``AudioFeatures``: the server decodes and runs the feature extractor in worker threads, the
+engine runs the audio encoder in its own step (engine/multimodal.py). Voxtral checkpoints that ship
+tekken.json render through mistral-common instead (audio_mistral.py). ``audio_url`` takes ``data:``
+URLs; http(s) and ``file:`` URLs only where the server's allow-lists name them
+(server/base/media_fetch.py), and by default this server never fetches media.
 """
 
 from __future__ import annotations
@@ -17,16 +19,26 @@ import binascii
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from keepwarm_runtime.audio import AudioError, load_audio
 from keepwarm_runtime.engine.chat import is_mistral_common
+from keepwarm_runtime.engine.multimodal import (
+    AudioClip,
+    AudioFeatures,
+    AudioSpec,
+    audio_features,
+    placeholder_mismatch,
+)
 from keepwarm_runtime.server.base.errors import BadRequest
 from keepwarm_runtime.server.base.media_fetch import MediaPolicy, fetch_media
 from keepwarm_runtime.server.base.protocol import ChatMessage, TextContentPart
 from keepwarm_runtime.server.openai.chat.audio_mistral import mistral_audio_prompt
+
+if TYPE_CHECKING:
+    from keepwarm_runtime.server.engine_client import EngineClient
 
 AUDIO_PART_TYPES = ("input_audio", "audio_url")
 AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")  # input_audio.format values accepted
@@ -150,37 +162,32 @@ def _decode(audio: bytes, sample_rate: int, max_duration_s: float | None, settin
         raise BadRequest(str(exc), param="messages", code=exc.code) from exc
 
 
-def _encode_one(model: Any, extractor: Any, samples: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """(embeddings of one audio, the feature tensors its digest covers)."""
-    from keepwarm_runtime.engine.multimodal import audio_embeddings
-
+def _extract(extractor: Any, samples: torch.Tensor) -> AudioClip:
+    """One audio's features (and attention mask, where the extractor gives one); blocking."""
     features = extractor(
         samples.numpy(),
         sampling_rate=extractor.sampling_rate,
         return_attention_mask=True,
         return_tensors="pt",
     )
-    mask = features.get("attention_mask")
-    embeds = audio_embeddings(model, features.input_features, mask)
-    return embeds, [features.input_features] + ([mask] if mask is not None else [])
+    return AudioClip(features.input_features, features.get("attention_mask"))
 
 
 async def audio_chat_prompt(
-    engine: Any,
+    engine: EngineClient,
     model_dir: Path,
     messages: list[ChatMessage],
     *,
     settings: Any,
     metrics: Any,
     **render: Any,
-) -> tuple[list[int], Any]:
-    """(prompt ids with expanded placeholders, MultimodalInput) for a chat with audio parts.
+) -> tuple[list[int], AudioFeatures]:
+    """(prompt ids with expanded placeholders, AudioFeatures) for a chat with audio parts.
     ``settings``: the server's AudioServerSettings (backend, limits, media allow-lists), or None for
-    the defaults. Decoding, features and the audio encoder run in worker threads, never on the loop."""
-    from keepwarm_runtime.engine.multimodal import audio_embeddings, media_digest, multimodal_input
-
-    marker = AUDIO_MARKERS.get(getattr(engine.model.config, "model_type", None))
-    if marker is None:
+    the defaults. Decoding and features run in worker threads, never on the loop; the audio encoder
+    runs in the engine's step."""
+    spec = engine.capabilities.audio
+    if spec is None:
         raise BadRequest("this model does not take audio input", param="messages", code="model_not_supported")
     parts, sources = split_parts(messages)
     audios = await resolve_audio(sources, getattr(settings, "media", None))
@@ -195,20 +202,19 @@ async def audio_chat_prompt(
         )
         if metrics is not None:
             metrics.record(decoded[-1].backend, decoded[-1].decode_seconds, decoded[-1].duration_s)
-    placeholder = engine.model.config.audio_token_id
     if mistral:
         samples = [d.samples.numpy() for d in decoded]
         ids, features = await asyncio.to_thread(
             mistral_audio_prompt, engine.tokenizer, extractor, parts, samples, **render
         )
-        embeds = await asyncio.to_thread(audio_embeddings, engine.model, features)
-        return ids, _paired(ids, embeds, placeholder, media_digest(features))
-    encoded = [await asyncio.to_thread(_encode_one, engine.model, extractor, d.samples) for d in decoded]
-    template_messages = with_markers(parts, marker)
+        clips = [AudioClip(features)]
+        _check_placeholders(ids, spec, clips)
+        return ids, await asyncio.to_thread(audio_features, clips)
+    clips = [await asyncio.to_thread(_extract, extractor, d.samples) for d in decoded]
+    template_messages = with_markers(parts, AUDIO_MARKERS[spec.model_type])
     ids = await asyncio.to_thread(_render_template, engine.tokenizer, template_messages, render)
-    expanded = _expand(ids, placeholder, [e.shape[0] for e, _ in encoded])
-    digest = media_digest(*(t for _, tensors in encoded for t in tensors))
-    return expanded, multimodal_input(expanded, torch.cat([e for e, _ in encoded]), placeholder, digest)
+    expanded = _expand(ids, spec.placeholder_id, [spec.count(c) for c in clips])
+    return expanded, await asyncio.to_thread(audio_features, clips)
 
 
 def _render_template(tokenizer: Any, messages: list[dict[str, str]], render: dict[str, Any]) -> list[int]:
@@ -220,14 +226,11 @@ def _render_template(tokenizer: Any, messages: list[dict[str, str]], render: dic
         raise BadRequest(f"cannot apply the chat template: {exc}", param="messages") from exc
 
 
-def _paired(ids: list[int], embeds: torch.Tensor, placeholder: int, digest: int) -> Any:
-    """multimodal_input, with a count mismatch (a processor that disagrees with the encoder) as a 400."""
-    from keepwarm_runtime.engine.multimodal import multimodal_input
-
-    try:
-        return multimodal_input(ids, embeds, placeholder, digest)
-    except ValueError as exc:
-        raise BadRequest(str(exc), param="messages") from exc
+def _check_placeholders(ids: list[int], spec: AudioSpec, clips: list[AudioClip]) -> None:
+    """A processor whose expansion disagrees with the encoder's count is a 400, before the engine."""
+    why = placeholder_mismatch(ids, spec.placeholder_id, sum(spec.count(c) for c in clips))
+    if why is not None:
+        raise BadRequest(why, param="messages")
 
 
 def _expand(ids: list[int], placeholder: int, counts: list[int]) -> list[int]:

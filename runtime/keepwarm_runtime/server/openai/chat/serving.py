@@ -54,7 +54,7 @@ from keepwarm_runtime.server.openai.chat.tools import (
 )
 
 if TYPE_CHECKING:
-    from keepwarm_runtime.engine.multimodal import MultimodalInput
+    from keepwarm_runtime.engine.multimodal import AudioFeatures
     from keepwarm_runtime.engine.sampling_params import SamplingParams
 
 _ROLES = {"developer": "system"}  # OpenAI's newer name; templates know "system"
@@ -88,28 +88,28 @@ class PreparedChat:
     params: SamplingParams
     plan: ToolPlan
     top_n: int | None  # logprob alternatives per token, None: no logprobs
-    multimodal: MultimodalInput | None = None  # audio embeddings for the placeholder tokens, or None
+    audio: AudioFeatures | None = None  # audio features for the placeholder tokens, or None
 
 
 async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> PreparedChat:
     """Render, tokenize and turn ``req`` into SamplingParams; every refusal is a 400 naming its field.
 
-    Audio content parts (server/openai/chat/audio.py) are decoded and encoded into embeddings that replace
-    the prompt's placeholder tokens."""
+    Audio content parts (server/openai/chat/audio.py) are decoded into the model's audio features; the
+    engine's step encodes them into the embeddings that replace the prompt's placeholder tokens."""
     ctx.check_model(req.model)
     engine = ctx.engine
     plan = plan_tools(req, ctx.options.tool_call_parser)
     template_kwargs = _template_kwargs(ctx, req, plan)
     if req.top_logprobs and not req.logprobs:
         raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")
-    multimodal = None
+    audio = None
     if has_audio_parts(req.messages):
         if req.truncate_prompt_tokens is not None:
             raise BadRequest(
                 "truncate_prompt_tokens cannot cut through audio", param="truncate_prompt_tokens"
             )
         add_generation_prompt = template_kwargs.pop("add_generation_prompt")
-        prompt_ids, multimodal = await audio_chat_prompt(
+        prompt_ids, audio = await audio_chat_prompt(
             engine,
             ctx.model_dir,
             req.messages,
@@ -139,7 +139,7 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: Req
 
         structured = StructuredOutputsParams(json=plan.schema)
     params = await ctx.sampling_params(req, max_tokens, top_n, structured, structured_param="tools")
-    return PreparedChat(prompt_ids, params, plan, top_n, multimodal)
+    return PreparedChat(prompt_ids, params, plan, top_n, audio)
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Any:
@@ -149,9 +149,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     request_id = random_id("chatcmpl")
     timer = RequestTimer(ctx.metrics, len(prompt_ids), arrival=arrival)
     lora = ctx.lora_name(req.model)
-    outputs = ctx.stream(
-        request_id, prompt_ids, prepared.params, timer, req.priority, prepared.multimodal, lora
-    )
+    outputs = ctx.stream(request_id, prompt_ids, prepared.params, timer, req.priority, prepared.audio, lora)
     if req.stream:
         first = await race_disconnect(anext(outputs), raw)
         body = _stream(req, plan, request_id, ctx.response_model(req.model), len(prompt_ids), first, outputs)
