@@ -47,8 +47,8 @@ from ..builders.runtime import (
 )
 from ..kube import ApiError
 from ..metrics import APPLIES, reconciling
-from ..status import inference_status, now, resident_models, status_changed
-from .setup import Context, context
+from ..status import inference_status, now, status_changed
+from .setup import Context, context, residency_moved
 
 GROUP, VERSION = API_VERSION.split("/")
 C, R = IDepConditionType, IDepReason
@@ -275,10 +275,8 @@ async def residency_changed(body: kopf.Body, type: str | None, memo: Any, **_: A
     cache's InferenceDeployments, on the coalescer's pool (one refresh per burst). `memo` is kopf's
     per-object memo of the WeightCacheNode: its residency as last acted on."""
     cache = (body.get("spec") or {}).get("weightCache")
-    resident = frozenset() if type == "DELETED" else resident_models(body)
-    if not cache or memo.get("resident.inference", frozenset()) == resident:  # a new, empty node: none
+    if not cache or not residency_moved(body, type, memo, "inference"):
         return
-    memo["resident.inference"] = resident
     # also after the initial listing: resumed deployments may have counted early
     context(memo).coalesce(
         f"inference/{cache}", lambda: refresh_for_cache(memo, cache, ApplyMode.STATUS_ONLY)

@@ -21,7 +21,7 @@ from ..builders.meta import WARM_LABEL_PREFIX
 from ..kube import ApiError, Kube
 from ..metrics import reconciling
 from ..status import node_warm_labels, resident_models
-from .setup import context
+from .setup import context, residency_moved
 
 GROUP, VERSION = API_VERSION.split("/")
 LABEL_MANAGER = "keepwarm-operator-warm-labels"
@@ -110,10 +110,8 @@ async def weightcachenode_changed(
     do not each take a turn on kopf's worker pool.
     """
     node = (body.get("spec") or {}).get("nodeName")
-    resident = frozenset() if type == "DELETED" else resident_models(body)
-    if not node or memo.get("resident.labels", frozenset()) == resident:  # a new, empty node: none
+    if not node or not residency_moved(body, type, memo, "labels"):
         return
-    memo["resident.labels"] = resident
     ctx = context(memo)
 
     def labels() -> None:  # from the index as it is when this runs: the latest of a burst

@@ -22,6 +22,7 @@ from ..applied import AppliedStore
 from ..builders.meta import IDEP_LABEL
 from ..kube import Kube, connection_info
 from ..settings import OperatorSettings
+from ..status import resident_models
 
 POOL_PER_WORKER = 4  # API connections kept per handler worker (see configure)
 COALESCE_S = 1.0  # Coalescer's default delay
@@ -137,6 +138,19 @@ class Context:
 
 def context(memo: Any) -> Context:
     return memo.keepwarm
+
+
+def residency_moved(body: Mapping[str, Any], type: str | None, memo: Any, subscriber: str) -> bool:
+    """Whether a WeightCacheNode event changes the node's resident models from what ``subscriber`` (one
+    handler module) last acted on, recording the new set in kopf's per-object ``memo`` if so. Each
+    module keeps its own record, so each acts once per change whatever order the handlers run in;
+    heartbeats, and a new node that holds nothing yet, change nothing."""
+    resident = frozenset() if type == "DELETED" else resident_models(body)
+    seen = f"resident.{subscriber}"
+    if memo.get(seen, frozenset()) == resident:
+        return False
+    memo[seen] = resident
+    return True
 
 
 def operator_settings(memo: Any) -> OperatorSettings:

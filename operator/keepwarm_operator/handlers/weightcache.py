@@ -56,11 +56,10 @@ from ..status import (
     node_belongs,
     node_gpus,
     now,
-    resident_models,
     status_changed,
     weightcache_status,
 )
-from .setup import context
+from .setup import context, residency_moved
 
 GROUP, VERSION = API_VERSION.split("/")
 
@@ -244,10 +243,8 @@ async def node_residency_changed(body: kopf.Body, type: str | None, memo: Any, *
     """A node's resident models changed (not every heartbeat): re-aggregate its cache's status, on
     the coalescer's pool (one refresh per burst). `memo` is kopf's per-object memo of the node."""
     cache = (body.get("spec") or {}).get("weightCache")
-    resident = frozenset() if type == "DELETED" else resident_models(body)
-    if not cache or memo.get("resident.weightcache", frozenset()) == resident:  # a new, empty node: none
+    if not cache or not residency_moved(body, type, memo, "weightcache"):
         return
-    memo["resident.weightcache"] = resident
     ctx = context(memo)
     ctx.coalesce(f"weightcache/{cache}", lambda: refresh_status(memo, cache))
 
