@@ -46,6 +46,7 @@ from keepwarm_runtime.cache.registry import BudgetExceeded, ResidentModel
 from keepwarm_runtime.weights.arena import ArenaLayout, TensorEntry, plan_layout
 from keepwarm_runtime.weights.checkpoint import CheckpointError, read_checkpoint
 from keepwarm_runtime.weights.kernel_layout import MODEL, conversion_id
+from keepwarm_runtime.weights.quantization import online_settings
 
 if TYPE_CHECKING:
     from keepwarm_runtime.cache.daemon import CacheDaemon
@@ -128,8 +129,6 @@ def _check_key(
 
 def verify(daemon: CacheDaemon, record: ArenaRecord, fd: int) -> ResidentModel:
     """The resident model this daemon can serve from ``fd`` (which it then owns); Unfit otherwise."""
-    from keepwarm_runtime.cache.daemon import online_settings
-
     _check_descriptor(daemon, record, fd)
     model_dir = Path(record.path)
     kind = _kind(record)

@@ -43,7 +43,7 @@ from keepwarm_runtime.cache.adapters import (
     read_adapter,
 )
 from keepwarm_runtime.cache.connections import SocketServer
-from keepwarm_runtime.cache.fingerprint import WeightCacheKey, compute_key, read_config
+from keepwarm_runtime.cache.fingerprint import WeightCacheKey, compute_key
 from keepwarm_runtime.cache.handlers import CommandHandlers
 from keepwarm_runtime.cache.limits import ServerLimits, raise_nofile_limit
 from keepwarm_runtime.cache.metrics import ARENA_SOURCES, DaemonMetrics
@@ -54,7 +54,7 @@ from keepwarm_runtime.cache.succession import Inheritance
 from keepwarm_runtime.weights.arena import ArenaLayout, fill_arena, plan_layout
 from keepwarm_runtime.weights.checkpoint import Shard, parse_dtype, read_checkpoint
 from keepwarm_runtime.weights.kernel_layout import MODEL, conversion_id
-from keepwarm_runtime.weights.quantization import Fp8Settings, fp8_settings
+from keepwarm_runtime.weights.quantization import online_settings
 
 log = logging.getLogger(__name__)
 MAX_REASON_CHARS = 1000  # a Failed model's reason, as reported in stats, list and the node status
@@ -78,16 +78,6 @@ class DaemonConfig:
     # Test/dev twin of one GPU (`--fake-gpus`): host-memory arenas served on gpu-<UUID>.sock, so a
     # machine without CUDA runs the gpu tier's per-GPU daemons; host tier only (the arenas are host).
     fake_gpu_uuid: str | None = None
-
-
-def online_settings(path: Path, quantization: str | None) -> Fp8Settings | None:
-    """The online FP8 settings for ``path`` asked with ``quantization``, exactly as the engine reads
-    them (weights.quantization.fp8_settings): None without one; an FP8 checkpoint asked to be
-    quantized again, or any method but fp8, is refused by name (QuantizationError)."""
-    if quantization in (None, "none"):
-        return None
-    settings = fp8_settings(read_config(path).get("quantization_config"), quantization)
-    return settings if settings is not None and settings.source == "online" else None
 
 
 def resolve_tier(tier: str) -> str:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from keepwarm_runtime import __version__
-from keepwarm_runtime.weights.checkpoint import Shard, dtype_name, read_checkpoint
+from keepwarm_runtime.weights.checkpoint import Shard, dtype_name, read_checkpoint, read_config
 from keepwarm_runtime.weights.quantization import Fp8Settings
 from keepwarm_runtime.weights.serving_layout import CONVERSION_ID
 
@@ -88,18 +88,6 @@ def files_hash(shards: list[Shard]) -> str:
     for shard in shards:
         h.update(f"{shard.path.name}\0{shard.identity.as_tuple()}\0".encode())
     return h.hexdigest()
-
-
-def read_config(model_dir: Path) -> dict[str, Any]:
-    """config.json as a dict ({} without one); invalid JSON raises ValueError naming the file."""
-    path = model_dir / "config.json"
-    if not path.exists():
-        return {}
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from None
-    return config if isinstance(config, dict) else {}
 
 
 def _revision(model_dir: Path, config: dict[str, Any]) -> str:

@@ -5,7 +5,8 @@ ourselves (8-byte length + JSON) reads no weight bytes and lets the daemon copy 
 into its arena. Every header is validated here (offsets inside the file, known dtypes, shapes that
 match their byte ranges, no overlaps) so that a bad shard is refused, naming the file, before the
 daemon evicts or allocates anything. Each shard also carries its file identity from ``fstat`` of
-the descriptor its header was read from: the cheap half of "these are the same bytes".
+the descriptor its header was read from: the cheap half of "these are the same bytes". The
+directory's config.json is read here too (``read_config``), for the key and the quantization.
 """
 
 from __future__ import annotations
@@ -196,6 +197,18 @@ def read_checkpoint(model_dir: str | Path) -> list[Shard]:
                 raise CheckpointError(f"{shard.path}: tensor {rec.name!r} is also in {seen[rec.name]}")
             seen[rec.name] = shard.path
     return shards
+
+
+def read_config(model_dir: str | Path) -> dict[str, Any]:
+    """config.json as a dict ({} without one); invalid JSON raises ValueError naming the file."""
+    path = Path(model_dir) / "config.json"
+    if not path.exists():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    return config if isinstance(config, dict) else {}
 
 
 def current_identities(shards: list[Shard]) -> list[FileIdentity | None]:

@@ -18,11 +18,17 @@ Order with FP8: the swap applies to the float tensor before online quantization 
 its staging before quantizing it), and to a checkpoint's e4m3 weight and
 its per-half scale grids as stored. Those agree whenever the kernel can run at all (I % 128 == 0).
 
+A client asks for the layout a checkpoint is keyed in (``checkpoint_layout``: the asked one where it
+converts any experts, else `model`, as the daemon keys it), resolved from the checkpoint's meta-device
+model, so the engine's background attach asks the same before the engine has built anything.
+
 gpt-oss style experts (stored transposed `[E, H, 2I]`, gate and up interleaved) are left in the
 model layout: the CUTLASS runner repacks them with a copy, counted in `LoadInfo.copied_tensors`.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -35,7 +41,7 @@ from keepwarm_runtime.weights.layouts import (
     ExpertLayoutError,
     check_layout,
 )
-from keepwarm_runtime.weights.serving_layout import CONVERSION_ID, is_experts_module
+from keepwarm_runtime.weights.serving_layout import CONVERSION_ID, is_experts_module, meta_model
 
 __all__ = ["FLASHINFER_CUTLASS", "LAYOUTS", "MODEL", "ExpertLayoutError", "check_layout"]
 UP_FIRST_ATTR = "_keepwarm_gate_up_up_first"  # set on an experts module whose gate_up holds [up; gate]
@@ -84,6 +90,17 @@ def effective_layout(model: nn.Module, layout: str) -> str:
     """`layout` if it converts anything in `model`, else `model`: a dense model (or gpt-oss) is keyed
     the same whatever layout its client or daemon asks for, so the setting matters only where it acts."""
     return layout if layout_targets(model, layout) else MODEL
+
+
+def checkpoint_layout(model_dir: str | Path, layout: str) -> str:
+    """``effective_layout`` of ``model_dir``'s meta-device model (``serving_layout.meta_model``, the
+    model the arena's plan converts): the layout a client of that checkpoint asks the cache for, known
+    from config.json alone, before (or without) the engine's own model. ``model`` when transformers
+    cannot build it, as the plan then converts nothing. Only a kernel layout builds the meta model."""
+    if check_layout(layout) == MODEL:
+        return MODEL
+    model = meta_model(model_dir)
+    return effective_layout(model, layout) if model is not None else MODEL
 
 
 def layout_targets(model: nn.Module, layout: str) -> list[str]:

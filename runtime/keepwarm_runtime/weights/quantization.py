@@ -9,7 +9,9 @@ name, never loaded as if it were float. `--quantization fp8` quantizes a float c
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
+from keepwarm_runtime.weights.checkpoint import read_config
 from keepwarm_runtime.weights.fp8 import BLOCK
 
 SCALE_SUFFIX = (
@@ -76,6 +78,18 @@ def fp8_settings(quantization_config, online: str | None) -> Fp8Settings | None:
         )
     skipped = tuple(_get(quantization_config, "modules_to_not_convert", None) or DEFAULT_NOT_CONVERTED)
     return Fp8Settings("checkpoint", BLOCK, skipped)
+
+
+def online_settings(model_dir: str | Path, quantization: str | None) -> Fp8Settings | None:
+    """The online FP8 settings of ``model_dir`` asked with ``quantization`` (its config.json's
+    ``quantization_config`` read as the engine reads it: ``fp8_settings``): None when nothing is
+    quantized at load. The one answer for the daemon's arena and the engine's attach (its key's
+    ``quantization`` field); an FP8 checkpoint asked to be quantized again, or any method but fp8, is
+    refused by name (QuantizationError)."""
+    if quantization in (None, "none"):
+        return None
+    settings = fp8_settings(read_config(model_dir).get("quantization_config"), quantization)
+    return settings if settings is not None and settings.source == "online" else None
 
 
 def online_targets(model, settings: Fp8Settings) -> list[str]:
