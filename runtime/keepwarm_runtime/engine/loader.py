@@ -11,7 +11,9 @@ merge the plan could not make (per-expert gate/up/down -> fused 3-D tensors, FP8
 stacks experts here, a copy. Any other conversion is refused with the names involved. FP8
 checkpoints and `--quantization fp8` go through engine.quant; fused experts run on the MoE backend
 engine.moe chooses per module; `expert_layout="flashinfer_cutlass"` marks the experts whose halves
-the attach swapped (weights.kernel_layout).
+the attach swapped (weights.kernel_layout). What is attached (online FP8 settings, the expert layout)
+is resolved from the config and checkpoint before this model exists (engine/prefetch.py
+``attach_request``), so the server's background attach asks the same and the loader takes it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from keepwarm_runtime.engine.attention.fuser import IMPLEMENTATION
 from keepwarm_runtime.engine.config import EngineConfig
 from keepwarm_runtime.engine.moe.experts import ExpertsChoice, prepare_experts, use_keepwarm_experts
 from keepwarm_runtime.engine.multimodal import model_class as multimodal_model_class
-from keepwarm_runtime.engine.prefetch import WeightPrefetch, attach_arguments
+from keepwarm_runtime.engine.prefetch import WeightPrefetch, attach_request
 from keepwarm_runtime.engine.quant.fp8_modules import prepare_checkpoint_fp8
 from keepwarm_runtime.engine.startup import StartupProfile
 from keepwarm_runtime.weights import kernel_layout, serving_layout
@@ -57,7 +59,8 @@ def load_model(
     """The model with its weights attached; ``profile`` gets the config, model_meta and weights marks.
 
     ``prefetch``: an attach the server began in the background (engine/prefetch.py); used when it
-    asked for what this config asks for, else the weights are attached here."""
+    asked for what this config asks for, else the weights are attached here. Either way the attach
+    is ``attach_request(config)``: resolved from the config and checkpoint, not from this model."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     profile = profile or StartupProfile()
@@ -82,20 +85,20 @@ def load_model(
             "not go through the transformers registry, so keepwarm cannot run it"
         ) from exc
     model.eval()
-    online = quantization if quantization is not None and quantization.source == "online" else None
     profile.mark("model_meta")
-    res = prefetch.take(config) if prefetch is not None and online is None else None
-    profile.weights_prefetched = res is not None
-    if res is None:
-        layout = kernel_layout.effective_layout(model, config.expert_layout)
-        res = attach(**attach_arguments(config), online=online, expert_layout=layout)
+    prefetched = prefetch.take(config) if prefetch is not None else None
+    profile.weights_prefetched = prefetched is not None
+    if prefetched is None:
+        request = attach_request(config)  # from the config and checkpoint, as the prefetch asks
+        prefetched = request, attach(**request.arguments())
+    request, res = prefetched
     # The attach quantized online FP8 and converted the expert layout (from the cache or from disk,
     # the same plan: weights/arena.py), so the model only declares what its tensors now are.
     if quantization is not None:
         _prepare_fp8(model, quantization, res)
     copied = fill_parameters(model, res.tensors, res.aliases)
     materialize_buffers(model, torch.device(config.device))
-    mark_expert_layout(model, config.expert_layout)
+    mark_expert_layout(model, request.expert_layout)
     _check_fp8_scales(model)
     moe = _prepare_moe(model, config)
     copied += sum(choice.copied for choice in moe)
@@ -105,8 +108,8 @@ def load_model(
 
 
 def mark_expert_layout(model: nn.Module, layout: str) -> None:
-    """Mark the experts whose tensors `layout` converted (the attach did, from cache or disk), so
-    their MoE backend reads [up; gate] halves."""
+    """Mark the experts whose tensors `layout` (the attach request's, resolved for the checkpoint)
+    converted (the attach did, from cache or disk), so their MoE backend reads [up; gate] halves."""
     for full in kernel_layout.layout_targets(model, layout):
         module_name = full.rpartition(".")[0]
         setattr(model.get_submodule(module_name), kernel_layout.UP_FIRST_ATTR, True)

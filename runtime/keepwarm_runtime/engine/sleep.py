@@ -7,8 +7,8 @@ keeper, so level 1 keeps them where they are (host memory) and wake only realloc
 Level 2 also drops weights read from disk (and the decoded-token memo): wake then attaches again,
 from the cache or the disk by the usual rules (``--cache-fallback``), with the reason logged.
 
-Waking re-attaches through the same ``attach()`` arguments the loader used (engine/prefetch.py's
-``attach_arguments``) and points the parameters at the arena again (``fill_parameters``): no copy.
+Waking re-attaches through the same ``attach()`` request the loader made (engine/prefetch.py's
+``attach_request``) and points the parameters at the arena again (``fill_parameters``): no copy.
 Only weights the engine uses as attached can be let go: an engine that converted tensors at load
 (FP8 preparation, expert layouts, MoE repacks: ``LoadInfo.copied_tensors``) refuses to sleep past
 level 1's KV part by name, rather than serving weights it could not restore.
@@ -27,7 +27,7 @@ from torch import nn
 from keepwarm_runtime.engine.block_manager import BlockManager
 from keepwarm_runtime.engine.kv_cache import allocate_kv_cache
 from keepwarm_runtime.engine.loader import fill_parameters
-from keepwarm_runtime.engine.prefetch import attach_arguments
+from keepwarm_runtime.engine.prefetch import attach_request
 
 if TYPE_CHECKING:
     from keepwarm_runtime.engine.llm_engine import LLMEngine
@@ -89,7 +89,7 @@ def wake(engine: LLMEngine, weights_released: bool) -> float:
     started = time.perf_counter()
     config = engine.config
     if weights_released:
-        res = attach(**attach_arguments(config))
+        res = attach(**attach_request(config).arguments())
         fill_parameters(engine.model, res.tensors, res.aliases)
         log.info(
             "woke: weights from %s in %.2fs%s",

@@ -76,3 +76,34 @@ def test_online_fp8_from_the_gpu_tier_generates_what_the_disk_path_does(quantizi
         outs.append(llm.generate({"prompt_token_ids": list(range(10, 40))}, params)[0].outputs[0])
         del llm
     assert outs[0].token_ids == outs[1].token_ids
+
+
+def test_a_prefetch_attaches_the_gpu_tier_arena_the_engine_takes(quantizing_daemon) -> None:
+    """`keepwarm serve --device cuda:0 --quantization fp8`: the background attach (engine/prefetch.py)
+    asks the gpu-tier daemon for the quantized arena before the engine exists, and the engine takes
+    it. Untested on GPU (written without one); the CPU twin is test_fp8_online_cache.py's prefetch test."""
+    from keepwarm_runtime import SamplingParams
+    from keepwarm_runtime.engine.llm_engine import LLMEngine
+    from tests.integration.engine.strict import prefetched_engine, served
+
+    model_dir, socket_dir = quantizing_daemon
+
+    def config(where) -> EngineConfig:
+        return EngineConfig(
+            str(model_dir),
+            dtype="bfloat16",
+            device="cuda:0",
+            quantization="fp8",
+            moe_backend="torch",
+            num_kv_blocks=64,
+            cache_socket_dir=str(where) if where else None,
+            cache_fallback=False,
+        )
+
+    prompt, params = list(range(10, 40)), SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
+    engine = prefetched_engine(config(socket_dir))
+    info = engine.load_info
+    assert engine.startup.weights_prefetched and (info.source, info.copied_tensors) == ("cache", 0)
+    got = served(engine, prompt, params)
+    del engine
+    assert got.token_ids == served(LLMEngine(config(None)), prompt, params).token_ids

@@ -5,7 +5,8 @@ bf16 checkpoints. An engine asking `quantization="fp8"` attaches the quantized a
 (`copied_tensors == 0`, every weight inside the daemon's read-only mapping) and holds the same bits
 as its own disk path, which quantizes into its private arena from the same plan. The key keeps the
 two apart: an FP8 client never attaches float weights, nor a float client FP8 ones. The arena holds
-about half the bf16 bytes.
+about half the bf16 bytes. `keepwarm serve`'s background attach (engine/prefetch.py) asks the same
+key before the engine is built, and the engine takes it.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import torch
 from keepwarm_runtime import LLM, SamplingParams
 from keepwarm_runtime.cache.client import CacheAttachError, attach, connect, request
 from keepwarm_runtime.cache.launcher import DaemonProcess
+from keepwarm_runtime.engine.config import EngineConfig
+from keepwarm_runtime.engine.llm_engine import LLMEngine
 from keepwarm_runtime.engine.quant.fp8_modules import Fp8Linear
 from keepwarm_runtime.weights.fp8 import E4M3
 from tests.integration.engine.shapes import WHOLE_BLOCKS
-from tests.integration.engine.strict import bits, differing_bytes, load_strict
+from tests.integration.engine.strict import bits, differing_bytes, load_strict, prefetched_engine, served
 
 pytestmark = pytest.mark.integration
 
@@ -125,6 +128,42 @@ def test_online_fp8_from_the_cache_generates_what_the_disk_path_does(caches) -> 
     assert [{t: lp.logprob for t, lp in d.items()} for d in outs[0].logprobs] == [
         {t: lp.logprob for t, lp in d.items()} for d in outs[1].logprobs
     ]
+
+
+def test_the_servers_prefetch_attaches_the_key_the_engine_uses(caches) -> None:
+    """`keepwarm serve` attaches before the engine is built, online FP8 too (the settings come from
+    config.json and the flag, not the built model): one hit on the daemon's quantized arena, which the
+    loader takes (no second attach), serving what an engine without a prefetch serves from disk."""
+    model_dir = caches.models["deepseek_v3"]
+    hits = caches.stats(caches.fp8)["models"][model_dir.name]["hits"]
+    engine = prefetched_engine(_engine_config(model_dir, caches.fp8.socket_dir))
+    info = engine.load_info
+    assert engine.startup.weights_prefetched
+    assert (info.source, info.reason, info.copied_tensors) == ("cache", None, 0)
+    assert caches.stats(caches.fp8)["models"][model_dir.name]["hits"] == hits + 1  # the prefetch's only
+    prompt, params = (
+        list(range(20, 45)),
+        SamplingParams(temperature=0, max_tokens=6, min_tokens=6, logprobs=5),
+    )
+    got = served(engine, prompt, params)
+    del engine
+    want = served(LLMEngine(_engine_config(model_dir, None)), prompt, params)
+    assert got.token_ids == want.token_ids
+    assert [{t: lp.logprob for t, lp in d.items()} for d in got.logprobs] == [
+        {t: lp.logprob for t, lp in d.items()} for d in want.logprobs
+    ]
+
+
+def _engine_config(model_dir: Path, socket_dir: Path | None) -> EngineConfig:
+    return EngineConfig(
+        str(model_dir),
+        dtype="bfloat16",
+        block_size=4,
+        num_kv_blocks=64,
+        quantization="fp8",
+        cache_socket_dir=str(socket_dir) if socket_dir else None,
+        cache_fallback=False,
+    )
 
 
 def test_the_key_keeps_fp8_and_float_arenas_apart(caches) -> None:

@@ -6,7 +6,8 @@ fused `gate_up_proj` (its FP8 scales alike) with the up half first. Its arena eq
 runner's own per-client repack of a model-layout arena, bit for bit; an engine asking for that
 layout attaches it with `copied_tensors == 0`, holds the same bytes as its disk path (which converts
 into its private arena, from the daemon's plan), and generates what the model layout generates
-(the torch reference reads it back).
+(the torch reference reads it back). `keepwarm serve`'s background attach (engine/prefetch.py)
+asks for the converted arena before the engine is built, and the engine takes it.
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ import torch
 
 from keepwarm_runtime import LLM, SamplingParams
 from keepwarm_runtime.cache.client import CacheAttachError, attach
+from keepwarm_runtime.engine.config import EngineConfig
+from keepwarm_runtime.engine.llm_engine import LLMEngine
 from keepwarm_runtime.engine.moe import flashinfer_backend
 from keepwarm_runtime.engine.moe.activation import GatedActivation
 from keepwarm_runtime.engine.moe.reference import ExpertWeights
 from keepwarm_runtime.weights.kernel_layout import ExpertLayoutError
 from tests.integration.engine.shapes import WHOLE_BLOCKS
-from tests.integration.engine.strict import bits, differing_bytes, load_strict
+from tests.integration.engine.strict import bits, differing_bytes, load_strict, prefetched_engine, served
 
 pytestmark = pytest.mark.integration
 
@@ -188,6 +191,46 @@ def test_the_converted_model_generates_what_the_model_layout_does(models, tmp_pa
     first = [(t, lp.logprob) for t, lp in outs[0].logprobs[0].items()]
     second = {t: lp.logprob for t, lp in outs[1].logprobs[0].items()}
     assert all(abs(lp - second[t]) < 1e-5 for t, lp in first)
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"], ids=["float", "fp8-online"])
+def test_the_servers_prefetch_attaches_the_converted_experts(models, tmp_path, quantization) -> None:
+    """`keepwarm serve --expert-layout flashinfer_cutlass` attaches before the engine is built (the
+    layout resolved on a meta model of config.json, as the daemon's plan resolves it): one hit on the
+    converted arena, taken by the loader (no second attach), serving what the disk path serves.
+    CPU twin: on a GPU the same request goes to the gpu-tier daemon (untested on GPU)."""
+    model_dir = models["qwen3_moe"]
+    prompt, params = (
+        list(range(10, 47)),
+        SamplingParams(temperature=0, max_tokens=6, min_tokens=6, logprobs=5),
+    )
+    with _Daemon(tmp_path / "sock", "float32", CUTLASS) as cache:
+        resident = cache.add(model_dir, quantization)
+        engine = prefetched_engine(_engine_config(model_dir, cache.socket_dir, quantization))
+        info = engine.load_info
+        assert engine.startup.weights_prefetched
+        assert (info.source, info.reason, info.copied_tensors) == ("cache", None, 0)
+        assert resident.hits == 1  # the prefetch's; the loader asked nothing
+        got = served(engine, prompt, params)
+        del engine
+    want = served(LLMEngine(_engine_config(model_dir, None, quantization)), prompt, params)
+    assert got.token_ids == want.token_ids
+    assert [{t: lp.logprob for t, lp in d.items()} for d in got.logprobs] == [
+        {t: lp.logprob for t, lp in d.items()} for d in want.logprobs
+    ]
+
+
+def _engine_config(model_dir: Path, socket_dir: Path | None, quantization: str | None) -> EngineConfig:
+    return EngineConfig(
+        str(model_dir),
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=64,
+        expert_layout=CUTLASS,
+        quantization=quantization,
+        cache_socket_dir=str(socket_dir) if socket_dir else None,
+        cache_fallback=False,
+    )
 
 
 def test_models_the_layout_does_not_touch_are_keyed_in_the_model_layout(models, make_tiny, tmp_path) -> None:
