@@ -1,14 +1,42 @@
-"""Shared fixtures: generated checkpoints (no hub access) and the GPU skip."""
+"""Shared fixtures (generated checkpoints, no hub access), and the markers a test's folder gives it.
+
+The folder states a test's kind once: tests/integration/** and tests/e2e/** (real processes, a control
+plane, real pods) are `integration`, tests/gpu/** is `gpu`; a module adds only what its folder does not
+say (`slow`, `sweep`, a GPU test that also starts processes is `integration`)."""
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 
 import pytest
 
+TESTS = Path(__file__).resolve().parent
+# tests/<folder>/** -> the markers its tests carry (`-m integration`, `-m "not gpu"` select by folder).
+FOLDER_MARKERS: dict[str, tuple[str, ...]] = {
+    "integration": ("integration",),
+    "e2e": ("integration",),
+    "gpu": ("gpu",),
+}
 
+
+@cache
+def folder_markers(path: Path) -> tuple[str, ...]:
+    """The markers tests/<folder>/ gives a test file; none outside tests/ or for files directly in it."""
+    path = path.resolve()
+    if not path.is_relative_to(TESTS):
+        return ()
+    parts = path.relative_to(TESTS).parts
+    return FOLDER_MARKERS.get(parts[0], ()) if len(parts) > 1 else ()
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects by `-m`
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip `gpu` tests without CUDA, so `make test` stays green on CPU machines."""
+    """Mark each test by its folder, then skip `gpu` tests without CUDA, so `make test` stays green on
+    CPU machines."""
+    for item in items:
+        for name in folder_markers(item.path):
+            item.add_marker(name)
     try:
         import torch
 

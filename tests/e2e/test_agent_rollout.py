@@ -45,11 +45,7 @@ from keepwarm_testing.e2e import (
 from keepwarm_testing.operator import GROUP_PATH, NAMESPACE, get, samples
 from tests.running_pods import NEEDS_ROOT
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.slow,
-    NEEDS_ROOT,
-]
+pytestmark = [pytest.mark.slow, NEEDS_ROOT]
 WC, IDEP, APPS = "rollout", "chat", "rollout-apps"
 AGENTS, RUNTIME = agent_selector(WC), runtime_selector(IDEP)
 NEW_IMAGE = f"{repository(DEFAULT_AGENT_IMAGE)}:rollout-test"  # same content: the host's keepwarm

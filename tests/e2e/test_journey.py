@@ -53,11 +53,7 @@ from keepwarm_testing.hub import LocalHub
 from keepwarm_testing.operator import GROUP_PATH, NAMESPACE, RELEASE, condition, get, items
 from tests.running_pods import NEEDS_ROOT
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.slow,
-    NEEDS_ROOT,
-]
+pytestmark = [pytest.mark.slow, NEEDS_ROOT]
 WC, IDEP, APPS = "journey", "chat", "journey-apps"
 HUB_MODEL, HUB_REPO = "tiny-hub", "org/tiny-hub"  # a second model, from the (loopback) Hub
 ADAPTER = "terse"  # a LoRA adapter of MODEL the WeightCache keeps and the InferenceDeployment serves

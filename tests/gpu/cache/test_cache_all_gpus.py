@@ -18,7 +18,7 @@ from keepwarm_runtime.cache.client import attach
 from keepwarm_runtime.cache.gpus import discover
 from keepwarm_runtime.cache.launcher import READY_PREFIX, DaemonProcess
 
-pytestmark = [pytest.mark.gpu, pytest.mark.integration]
+pytestmark = pytest.mark.integration
 
 
 def test_discovery_matches_nvidia_smi():

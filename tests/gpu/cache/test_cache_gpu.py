@@ -16,7 +16,7 @@ import torch
 from keepwarm_runtime.cache.client import attach
 from keepwarm_runtime.cache.launcher import DaemonProcess
 
-pytestmark = [pytest.mark.gpu, pytest.mark.integration]
+pytestmark = pytest.mark.integration
 
 CLIENT = """
 import hashlib, json, sys, torch

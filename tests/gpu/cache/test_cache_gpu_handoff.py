@@ -13,7 +13,7 @@ import torch
 from keepwarm_runtime.cache.client import attach
 from keepwarm_runtime.cache.launcher import DaemonProcess, HolderProcess
 
-pytestmark = [pytest.mark.gpu, pytest.mark.integration]
+pytestmark = pytest.mark.integration
 
 
 def _daemon(socket_dir, model) -> DaemonProcess:

@@ -18,8 +18,6 @@ import torch
 
 from tests.integration.engine.reference import transformers_greedy
 
-pytestmark = pytest.mark.gpu
-
 ARCHS = ["llama", "gemma2", "deepseek_v3"]
 FLASHINFER_ARCHS = ["llama", "gemma2"]
 PARAMS = "6M"  # hidden 256 → head_dim 64 (the 1M preset's head_dim 16 is no FlashInfer kernel shape)

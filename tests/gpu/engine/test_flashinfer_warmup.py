@@ -7,8 +7,6 @@ import torch
 
 from keepwarm_runtime.engine.attention.select import load_warm_flashinfer, select_backend
 
-pytestmark = pytest.mark.gpu
-
 
 def test_auto_selects_flashinfer_after_a_successful_warm_up():
     pytest.importorskip("flashinfer", reason="needs keepwarm-runtime[gpu]")

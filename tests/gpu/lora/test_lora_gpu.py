@@ -22,7 +22,7 @@ from keepwarm_runtime.cache.launcher import DaemonProcess
 from keepwarm_runtime.engine.llm import LoRARequest
 from tests.lora_adapters import make_adapter, peft_greedy
 
-pytestmark = [pytest.mark.gpu, pytest.mark.integration]
+pytestmark = pytest.mark.integration
 
 NEW_TOKENS = 6
 PARAMS = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)

@@ -23,7 +23,7 @@ from keepwarm_runtime.weights.kernel_layout import up_first
 from scripts.gpucheck.plan import FLASHINFER_MOE_OPT_IN
 from tests.gpu.moe.arena import gpu_moe_daemon
 
-pytestmark = [pytest.mark.gpu, pytest.mark.integration]
+pytestmark = pytest.mark.integration
 
 CUTLASS = "flashinfer_cutlass"
 

@@ -11,8 +11,6 @@ import torch
 from keepwarm_runtime.engine.quant import fp8_gemm
 from keepwarm_runtime.weights.fp8 import quantize_blocks
 
-pytestmark = pytest.mark.gpu
-
 
 @pytest.mark.parametrize("tokens", [1, 5, 64])
 def test_scaled_mm_matches_emulation(tokens) -> None:

@@ -15,7 +15,7 @@ from keepwarm_runtime.engine.config import EngineConfig
 from keepwarm_runtime.engine.loader import load_model
 from tests.gpu.moe.arena import gpu_moe_daemon
 
-pytestmark = [pytest.mark.gpu, pytest.mark.integration]
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,6 @@ from keepwarm_runtime.engine.moe.reference import ExpertWeights, reference_moe
 from keepwarm_runtime.weights.fp8 import quantize_blocks
 from scripts.gpucheck.plan import FLASHINFER_MOE_OPT_IN
 
-pytestmark = pytest.mark.gpu
 # Opt-in (its own gpu-check step, tests-flashinfer-moe, sets it): keeps the other pytest steps' budgets safe.
 RUN_FLASHINFER_MOE = FLASHINFER_MOE_OPT_IN
 

@@ -8,10 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[3]
-pytestmark = pytest.mark.integration
 
 
 def test_audio_bench_reports_each_backend_and_the_ratio(tmp_path: Path) -> None:

@@ -20,7 +20,6 @@ from keepwarm_runtime.server.launcher import ServerProcess
 from tests.integration.audio.media_server import MediaServer
 from tests.integration.audio.serving import audio_server, noise_wav, openai_client
 
-pytestmark = pytest.mark.integration
 MODEL = "qwen2-audio-tiny"
 MARKER = "<|audio_bos|><|AUDIO|><|audio_eos|>"
 MAX_TOKENS = 10

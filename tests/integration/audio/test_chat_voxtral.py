@@ -16,7 +16,6 @@ from keepwarm_runtime.modelgen.voxtral import make_voxtral_tekken
 from keepwarm_runtime.server.launcher import ServerProcess
 from tests.integration.audio.serving import audio_server, noise_wav, openai_client
 
-pytestmark = pytest.mark.integration
 MODEL = "voxtral-tiny"
 MAX_TOKENS = 8
 

@@ -24,7 +24,6 @@ from keepwarm_runtime.modelgen.whisper import make_whisper
 from keepwarm_runtime.server.launcher import ServerProcess
 from tests.integration.audio.serving import audio_server, openai_client
 
-pytestmark = pytest.mark.integration
 MODEL = "whisper-tiny"
 RATE = 16000
 MAX_UPLOAD = 1_500_000

@@ -18,7 +18,7 @@ import pytest
 from keepwarm_runtime.engine.threads import OPENMP_WAIT_DEFAULTS
 
 REPO = Path(__file__).resolve().parents[3]
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 
 def _run(argv: list[str], tmp_path: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:

@@ -11,8 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.integration
-
 
 def cache_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(

@@ -17,7 +17,6 @@ import torch
 from keepwarm_runtime.cache import protocol
 from keepwarm_runtime.cache.client import CacheAttachError, attach
 
-pytestmark = pytest.mark.integration
 NOBODY = 65534
 
 ATTACH_SCRIPT = """

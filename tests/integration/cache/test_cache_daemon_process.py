@@ -3,12 +3,9 @@ able to fall back, its successor clears the stale socket, and SIGTERM removes th
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from keepwarm_runtime.cache.client import attach
-
-pytestmark = pytest.mark.integration
 
 
 def test_lock_kill_restart_and_sigterm(daemon_factory, checkpoint_writer, tmp_path):

@@ -12,14 +12,12 @@ import struct
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 from keepwarm_runtime.cache import protocol
 from keepwarm_runtime.cache.client import attach
 from keepwarm_runtime.cache.fingerprint import compute_key
 
-pytestmark = pytest.mark.integration
 FRAMES, PROCESSES = 10_000, 4
 
 

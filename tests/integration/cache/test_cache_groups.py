@@ -16,10 +16,7 @@ import torch
 from keepwarm_runtime.cache import client
 from keepwarm_runtime.cache.client import attach, connect
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client under other ids"),
-]
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client under other ids")
 NOBODY = 65534
 SHARED_GID = 4242  # the socket's group, as a pod's supplementalGroups would carry it
 OTHER_GID = 4243

@@ -22,7 +22,6 @@ from keepwarm_runtime.cache.client import attach, connect
 from keepwarm_runtime.cache.handoff import HandoffRefused, recv_stream, send_stream
 from keepwarm_runtime.cache.launcher import HolderProcess
 
-pytestmark = pytest.mark.integration
 NOBODY = 65534
 
 

@@ -14,8 +14,6 @@ import torch
 from keepwarm_runtime.cache.client import attach
 from keepwarm_runtime.weights.checkpoint import read_checkpoint
 
-pytestmark = pytest.mark.integration
-
 
 def _stats(socket: Path) -> dict:
     out = subprocess.run(

@@ -16,8 +16,6 @@ import torch
 from keepwarm_runtime.cache import protocol
 from keepwarm_runtime.cache.client import attach, connect
 
-pytestmark = pytest.mark.integration
-
 
 def fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))

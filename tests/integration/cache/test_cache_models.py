@@ -14,8 +14,6 @@ import torch
 from keepwarm_runtime.cache.client import attach
 from keepwarm_runtime.weights.checkpoint import read_checkpoint
 
-pytestmark = pytest.mark.integration
-
 
 def corrupt(model: Path) -> Path:
     """Truncate the model's largest shard by one byte: its header now points past the end."""

@@ -16,7 +16,7 @@ import pytest
 
 from tests.integration.clients.conftest import OFFLINE_ENV
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 REQUESTS = 6
 OUTPUT_TOKENS = 8
 

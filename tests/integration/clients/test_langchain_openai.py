@@ -9,8 +9,6 @@ from typing import Literal
 import pytest
 from pydantic import BaseModel, Field
 
-pytestmark = pytest.mark.integration
-
 
 class Forecast(BaseModel):
     """A weather forecast."""

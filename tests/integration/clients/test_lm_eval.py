@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 MC_DOCS = [
     {"question": "The sky is", "choices": [" blue", " green", " loud"], "answer": 0},

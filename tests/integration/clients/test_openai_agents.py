@@ -12,7 +12,7 @@ from typing import Literal
 import pytest
 from pydantic import BaseModel
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 
 class Forecast(BaseModel):

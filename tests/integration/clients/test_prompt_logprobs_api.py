@@ -10,7 +10,6 @@ import torch
 
 from tests.integration.clients.conftest import MAX_PROMPT_LOGPROBS_LEN
 
-pytestmark = pytest.mark.integration
 PROMPT = [1, 17, 33, 57, 88, 121, 400, 9, 250, 31]
 TOL = 1e-4
 

@@ -12,7 +12,7 @@ import pytest
 
 from tests.sweep.judge import judge
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 FEATURE_MODELS = [
     ("moshi", {"window"}),  # window only in generate()'s cache: generated tokens see 8, the prompt all

@@ -25,8 +25,6 @@ from keepwarm_runtime.weights.fp8 import E4M3
 from tests.integration.engine.reference import transformers_greedy
 from tests.integration.engine.shapes import DEEPSEEK_WHOLE_BLOCKS, WHOLE_BLOCKS
 
-pytestmark = pytest.mark.integration
-
 NEW_TOKENS = 6
 TOP = 20
 

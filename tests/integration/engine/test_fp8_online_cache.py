@@ -27,8 +27,6 @@ from keepwarm_runtime.weights.fp8 import E4M3
 from tests.integration.engine.shapes import WHOLE_BLOCKS
 from tests.integration.engine.strict import bits, differing_bytes, load_strict, prefetched_engine, served
 
-pytestmark = pytest.mark.integration
-
 ARCHS = ("llama", "qwen3_moe", "deepseek_v3", "gpt_oss")  # deepseek: partial blocks; gpt_oss: transposed
 
 

@@ -29,7 +29,6 @@ def _reference(model_dir, prompts: list[list[int]]) -> list[list[int]]:
     return transformers_greedy(model, prompts, NEW_TOKENS)
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("arch", ENGINE_ARCHS)
 def test_greedy_matches_transformers(make_tiny, arch: str) -> None:
     model_dir = make_tiny(arch)

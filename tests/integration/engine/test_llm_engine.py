@@ -12,7 +12,6 @@ from keepwarm_runtime import LLM, SamplingParams
 from keepwarm_runtime.engine.config import EngineConfig
 from keepwarm_runtime.engine.llm_engine import LLMEngine
 
-pytestmark = pytest.mark.integration
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 

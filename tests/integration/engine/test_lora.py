@@ -80,7 +80,6 @@ def requests(adapters: dict[str, Path]) -> dict[str | None, LoRARequest | None]:
     return {None: None} | {n: LoRARequest(n, i + 1, str(p)) for i, (n, p) in enumerate(adapters.items())}
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize(
     ("arch", "names"),
     [
@@ -109,7 +108,6 @@ def test_adapters_alone_and_mixed_match_peft(lora_setup, arch: str, names: tuple
     assert not wrong, f"{arch}: mixed batch differs from PEFT for (adapter, prompt) {wrong}"
 
 
-@pytest.mark.integration
 def test_fewer_slots_than_adapters_queue_evict_and_reload(lora_setup) -> None:
     model_dir, adapters, prompts, expected = lora_setup("llama", ("attn", "mlp", "kv", "all"))
     lora = requests(adapters)
@@ -135,7 +133,6 @@ def test_fewer_slots_than_adapters_queue_evict_and_reload(lora_setup) -> None:
     assert not slots.pins, "finished sequences still pin their slots"
 
 
-@pytest.mark.integration
 def test_prefix_cache_is_per_adapter(lora_setup) -> None:
     model_dir, adapters, prompts, expected = lora_setup("llama", ("attn", "mlp", "kv", "all"))
     lora = requests(adapters)
@@ -197,7 +194,6 @@ def _truncate(directory: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
-@pytest.mark.integration
 def test_bad_adapters_refused_by_name_and_nothing_else_affected(lora_setup, tmp_path: Path) -> None:
     model_dir, adapters, prompts, expected = lora_setup("llama", ("attn", "mlp", "kv", "all"))
     good = adapters["attn"]
@@ -249,7 +245,6 @@ def test_bad_adapters_refused_by_name_and_nothing_else_affected(lora_setup, tmp_
     assert [o.outputs[0].token_ids for o in outs] == [expected["attn"][0], expected[None][1]]
 
 
-@pytest.mark.integration
 def test_remove_refuses_while_in_use_and_unknown_names(lora_setup) -> None:
     model_dir, adapters, prompts, _ = lora_setup("llama", ("attn", "mlp", "kv", "all"))
     llm = engine(model_dir, max_loras=1)

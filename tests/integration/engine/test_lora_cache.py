@@ -29,7 +29,6 @@ from keepwarm_runtime.engine.llm import LoRARequest
 from tests.integration.engine.test_lora import ADAPTERS, NEW_TOKENS, PARAMS, prompts_for
 from tests.lora_adapters import make_adapter, peft_greedy
 
-pytestmark = pytest.mark.integration
 LOG = "keepwarm_runtime.engine.lora.adapter"
 
 

@@ -19,8 +19,6 @@ from tests.engine_architectures import ENGINE_ARCHS
 from tests.integration.engine.shapes import WHOLE_BLOCKS
 from tests.integration.engine.strict import differing_bytes, load_strict
 
-pytestmark = pytest.mark.integration
-
 
 class _Daemon:
     def __init__(self, socket_dir: Path, dtype: str) -> None:

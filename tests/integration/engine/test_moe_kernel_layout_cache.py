@@ -30,8 +30,6 @@ from keepwarm_runtime.weights.kernel_layout import ExpertLayoutError
 from tests.integration.engine.shapes import WHOLE_BLOCKS
 from tests.integration.engine.strict import bits, differing_bytes, load_strict, prefetched_engine, served
 
-pytestmark = pytest.mark.integration
-
 CUTLASS = "flashinfer_cutlass"
 
 

@@ -15,8 +15,6 @@ from keepwarm_runtime.engine.moe.experts import IMPLEMENTATION, RUNNER_ATTR
 from keepwarm_runtime.weights.serving_layout import is_experts_module
 from tests.integration.engine.reference import transformers_greedy
 
-pytestmark = pytest.mark.integration
-
 NEW_TOKENS = 8
 MOE_ARCHS = ["qwen3_moe", "deepseek_v3", "gpt_oss"]
 

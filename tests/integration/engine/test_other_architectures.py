@@ -23,8 +23,6 @@ from keepwarm_runtime.engine.attention.fuser import AttentionFusionError
 from keepwarm_runtime.engine.loader import ModelLoadError
 from tests.integration.engine.reference import transformers_greedy
 
-pytestmark = pytest.mark.integration
-
 NEW_TOKENS = 6
 SMALL = {
     "hidden_size": 64,

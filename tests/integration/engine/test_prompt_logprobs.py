@@ -11,7 +11,6 @@ from keepwarm_runtime.engine import scheduler as scheduler_module
 from keepwarm_runtime.engine.config import EngineConfig
 from keepwarm_runtime.engine.llm_engine import LLMEngine
 
-pytestmark = pytest.mark.integration
 TOP = 3
 TOL = 1e-4
 

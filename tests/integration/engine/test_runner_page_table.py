@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-
 from keepwarm_runtime import LLM, SamplingParams
 from keepwarm_runtime.engine.attention.page_table import page_table
-
-pytestmark = pytest.mark.integration
 
 
 def test_every_pass_of_a_real_engine_gives_flashinfer_a_page_table(make_tiny) -> None:

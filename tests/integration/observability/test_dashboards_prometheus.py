@@ -40,7 +40,7 @@ from tests.integration.observability.prometheus import (
 )
 from tests.integration.observability.render import render_dashboard
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[3]
 DASHBOARDS = {

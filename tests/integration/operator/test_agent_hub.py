@@ -26,7 +26,7 @@ from keepwarm_runtime.agent.download import DownloadFailed, download
 from keepwarm_testing.hub import LocalHub
 from keepwarm_testing.operator import GROUP_PATH, NAMESPACE, agent_pod_kubeconfig, get, install_crds, wait
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 TOKEN = "hf_e2e_gate_token"
 STALL_S = 60.0  # generous: a loaded box must not look like a hung download
 

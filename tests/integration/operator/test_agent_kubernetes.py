@@ -28,7 +28,7 @@ from keepwarm_testing.operator import (
     wait,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 NOBODY = 65534
 # A client of a uid the daemon does not allow: it connects and prints the daemon's answer (from inside
 # the socket directory: the test's tmp_path above it is private to root).

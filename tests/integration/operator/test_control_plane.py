@@ -14,7 +14,7 @@ import pytest
 
 from keepwarm_testing.controlplane.cluster import ControlPlane
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture

@@ -41,7 +41,7 @@ from keepwarm_testing.operator import (
     wait,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 WC, MODEL, IDEP = "kwe2e", "tiny", "chat"
 WARM = warm_label_key(WC, MODEL)
 RECONCILES = "keepwarm_operator_reconcile_total"

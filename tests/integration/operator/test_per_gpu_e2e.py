@@ -34,7 +34,7 @@ from keepwarm_testing.operator import (
     wait,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 MODEL = "tiny"
 
 

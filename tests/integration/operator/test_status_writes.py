@@ -6,13 +6,9 @@ from __future__ import annotations
 import json
 import uuid
 
-import pytest
-
 from keepwarm_api import API_VERSION
 from keepwarm_operator.kube import Kube
 from keepwarm_testing.operator import GROUP_PATH, get, install_crds
-
-pytestmark = [pytest.mark.integration]
 
 
 def test_a_status_computed_from_a_stale_read_is_recomputed_not_written(control_plane):

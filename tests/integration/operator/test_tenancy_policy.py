@@ -18,7 +18,7 @@ import yaml
 from keepwarm_api.common import LabelSelector
 from keepwarm_testing.operator import install_chart_rbac, install_crds, wait
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 TENANT = "keepwarm-e2e/tenant"  # a namespace label the selectors below read
 PREFIX = "/var/lib/models"  # the chart's default tenancyPolicy.inlinePathPrefix
 

@@ -18,10 +18,7 @@ from keepwarm_testing.controlplane.pods.container import Launch, Mount, Running,
 from keepwarm_testing.controlplane.pods.network import PodNetwork, existing
 from tests.running_pods import NEEDS_ROOT
 
-pytestmark = [
-    pytest.mark.integration,
-    NEEDS_ROOT,
-]
+pytestmark = NEEDS_ROOT
 VENV_BIN = str(Path(os.sys.executable).parent)
 PATH = f"{VENV_BIN}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
 POD = f"pod-a-{os.getpid()}"  # the pod uid: unique, so runs side by side never share a namespace

@@ -20,11 +20,7 @@ from keepwarm_testing.controlplane.build import ControlPlaneBuildError, build_co
 from keepwarm_testing.controlplane.cluster import ControlPlane
 from tests.running_pods import NEEDS_ROOT
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.slow,
-    NEEDS_ROOT,
-]
+pytestmark = [pytest.mark.slow, NEEDS_ROOT]
 NS = "pods-test"
 
 

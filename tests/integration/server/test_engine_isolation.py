@@ -9,8 +9,6 @@ from keepwarm_runtime.engine.config import EngineConfig
 from keepwarm_runtime.engine.llm_engine import LLMEngine
 from keepwarm_runtime.engine.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.integration
-
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama):

@@ -8,8 +8,6 @@ import httpx
 import openai
 import pytest
 
-pytestmark = pytest.mark.integration
-
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
 
 

@@ -6,12 +6,9 @@ import json
 from pathlib import Path
 
 import openai
-import pytest
 
 from keepwarm_runtime.engine import auto_dtype
 from keepwarm_runtime.server.launcher import start_server
-
-pytestmark = pytest.mark.integration
 
 
 def test_dtype_auto_serves_the_dtype_the_decision_names(tiny_llama: Path, tmp_path: Path) -> None:

@@ -6,8 +6,6 @@ import httpx
 import openai
 import pytest
 
-pytestmark = pytest.mark.integration
-
 PROMPT = [1, 17, 33, 57, 88, 121]  # token ids: no tokenizer in the way
 
 

@@ -10,8 +10,6 @@ import pytest
 
 from tests.integration.server.conftest import engine_is_idle
 
-pytestmark = pytest.mark.integration
-
 MESSAGES = [{"role": "user", "content": "Say something."}]
 
 

@@ -12,8 +12,6 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-pytestmark = pytest.mark.integration
-
 FIFTY_MB = 50 * 1024 * 1024
 LOOPING_TEMPLATE = "{% for i in range(100000000) %}{% endfor %}{{ messages[0]['content'] }}"
 

@@ -11,8 +11,6 @@ from urllib.parse import urlparse
 import openai
 import pytest
 
-pytestmark = pytest.mark.integration
-
 
 def _wait_idle(served, timeout: float = 20.0) -> dict:
     deadline = time.monotonic() + timeout

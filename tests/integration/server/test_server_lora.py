@@ -86,7 +86,6 @@ def token_ids(completion) -> list[int]:
     return [int(t.removeprefix("token_id:")) for t in completion.choices[0].logprobs.tokens]
 
 
-@pytest.mark.integration
 def test_models_lists_adapters_with_their_parent(lora_server) -> None:
     proc, adapters, _ = lora_server
     models = {m.id: m for m in client(proc).models.list()}
@@ -96,7 +95,6 @@ def test_models_lists_adapters_with_their_parent(lora_server) -> None:
     assert client(proc).models.retrieve("sql").parent == "tiny"
 
 
-@pytest.mark.integration
 def test_model_selects_the_adapter_and_matches_peft(lora_server) -> None:
     proc, _, expected = lora_server
     c = client(proc)
@@ -109,7 +107,6 @@ def test_model_selects_the_adapter_and_matches_peft(lora_server) -> None:
     assert chat.choices[0].finish_reason in ("length", "stop") and chat.model == "sql"
 
 
-@pytest.mark.integration
 def test_unknown_model_is_404_naming_it(lora_server) -> None:
     proc, _, _ = lora_server
     with pytest.raises(openai.NotFoundError) as err:
@@ -118,7 +115,6 @@ def test_unknown_model_is_404_naming_it(lora_server) -> None:
     assert err.value.code == "model_not_found"
 
 
-@pytest.mark.integration
 def test_more_adapters_at_once_than_slots_queue(lora_server) -> None:
     proc, _, expected = lora_server
     c = openai.AsyncOpenAI(base_url=proc.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
@@ -145,7 +141,6 @@ def _post(proc, route: str, body: dict, headers: dict | None = AUTH) -> httpx.Re
     return httpx.post(proc.url + route, json=body, headers=headers, timeout=120)
 
 
-@pytest.mark.integration
 def test_load_and_unload_at_runtime(lora_server) -> None:
     proc, adapters, expected = lora_server
     c = client(proc)
@@ -223,7 +218,6 @@ def _feed_fifo(path: Path, text: str, until) -> None:
         return
 
 
-@pytest.mark.integration
 def test_an_adapter_read_that_stalls_does_not_pause_serving(lora_server, tmp_path: Path) -> None:
     """The adapter's config is a FIFO nobody writes yet: its read blocks (as a slow volume would).
     The base model keeps answering meanwhile; once the config arrives the load completes and the
@@ -252,7 +246,6 @@ def test_an_adapter_read_that_stalls_does_not_pause_serving(lora_server, tmp_pat
     assert _post(proc, "/v1/unload_lora_adapter", {"lora_name": "slow"}).status_code == 200
 
 
-@pytest.mark.integration
 def test_a_bad_lora_module_fails_the_start_naming_it(tiny_llama: Path, tmp_path: Path) -> None:
     proc = start_server(
         tiny_llama, tmp_path / "serve.log", args=["--lora-modules", f"broken={tmp_path / 'absent'}"]

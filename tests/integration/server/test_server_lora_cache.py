@@ -13,13 +13,11 @@ from pathlib import Path
 
 import httpx
 import openai
-import pytest
 
 from keepwarm_runtime.cache.launcher import DaemonProcess
 from keepwarm_runtime.server.launcher import start_server
 from tests.lora_adapters import make_adapter, peft_greedy
 
-pytestmark = pytest.mark.integration
 NEW_TOKENS = 6
 PROMPT = [5, 87, 301, 44, 1024, 9, 77]
 

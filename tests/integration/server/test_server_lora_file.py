@@ -89,7 +89,6 @@ def wait_served(proc: ServerProcess, want: dict[str, str]) -> None:
         time.sleep(0.1)
 
 
-@pytest.mark.integration
 def test_the_file_s_adapters_serve_from_ready(file_server) -> None:
     proc, _, adapters, expected = file_server
     assert served(proc) == {"sql": str(adapters["sql"]), "flag": str(adapters["flag"])}  # no wait: at /ready
@@ -97,7 +96,6 @@ def test_the_file_s_adapters_serve_from_ready(file_server) -> None:
     assert greedy_ids(proc, "tiny") == expected[None]
 
 
-@pytest.mark.integration
 def test_a_changed_list_loads_and_unloads_without_a_restart(file_server) -> None:
     proc, listing, adapters, expected = file_server
     write_list(listing, {"late": adapters["late"]})
@@ -113,7 +111,6 @@ def test_a_changed_list_loads_and_unloads_without_a_restart(file_server) -> None
     assert greedy_ids(proc, "sql") == expected["sql"]
 
 
-@pytest.mark.integration
 def test_a_removed_adapter_in_use_finishes_its_requests_first(file_server) -> None:
     """Removed from the file mid-request: no new request may name it at once, the running one ends
     whole, and only then is it unloaded (seen when the same name comes back with other weights)."""
@@ -146,7 +143,6 @@ def test_a_removed_adapter_in_use_finishes_its_requests_first(file_server) -> No
     assert "LoRA adapter 'late' unloaded" in proc.log_text()
 
 
-@pytest.mark.integration
 def test_bad_entries_are_refused_by_name_and_the_rest_serve(file_server) -> None:
     proc, listing, adapters, expected = file_server
     write_list(
@@ -178,7 +174,6 @@ def test_bad_entries_are_refused_by_name_and_the_rest_serve(file_server) -> None
         time.sleep(0.1)
 
 
-@pytest.mark.integration
 def test_an_unparsable_file_keeps_the_served_adapters(file_server) -> None:
     proc, listing, adapters, _ = file_server
     write_list(listing, {"sql": adapters["sql"]})
@@ -214,7 +209,6 @@ def metric_series(proc: ServerProcess, name: str) -> dict[str, float]:
     }
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize(
     ("content", "message"),
     [

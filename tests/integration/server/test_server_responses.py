@@ -11,8 +11,6 @@ import pytest
 from tests.integration.server.conftest import API_KEY
 from tests.integration.server.test_server_tools import WEATHER
 
-pytestmark = pytest.mark.integration
-
 TOOL = {"type": "function", "name": "weather", "description": "Forecast", "parameters": WEATHER}
 
 

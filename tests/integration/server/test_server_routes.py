@@ -8,8 +8,6 @@ import pytest
 
 from tests.integration.server.conftest import API_KEY
 
-pytestmark = pytest.mark.integration
-
 
 def test_tokenize_and_detokenize_round_trip(served, tiny_llama):
     from transformers import AutoTokenizer

@@ -17,8 +17,6 @@ import pytest
 
 from tests.integration.server.conftest import engine_is_idle
 
-pytestmark = pytest.mark.integration
-
 EXAMPLES_PER_OPERATION = 12
 
 

@@ -17,8 +17,6 @@ import pytest
 from keepwarm_runtime.cache.launcher import DaemonProcess
 from keepwarm_runtime.server.launcher import ServerProcess, start_server
 
-pytestmark = pytest.mark.integration
-
 ARGS = [
     "--served-model-name",
     "tiny",

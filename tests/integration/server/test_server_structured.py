@@ -10,8 +10,6 @@ import jsonschema
 import openai
 import pytest
 
-pytestmark = pytest.mark.integration
-
 SCHEMA = {
     "type": "object",
     "properties": {

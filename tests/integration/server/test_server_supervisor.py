@@ -22,8 +22,6 @@ import pytest
 
 from keepwarm_runtime.server.launcher import ServerProcess, start_server
 
-pytestmark = pytest.mark.integration
-
 ARGS = [
     "--served-model-name",
     "tiny",

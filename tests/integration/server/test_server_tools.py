@@ -11,8 +11,6 @@ import pytest
 
 from tests.integration.server.conftest import API_KEY
 
-pytestmark = pytest.mark.integration
-
 WEATHER = {
     "type": "object",
     "properties": {
