@@ -48,7 +48,7 @@ ffmpeg:
 	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends ffmpeg; \
 	  else echo "warning: ffmpeg is missing (apt-get install ffmpeg); torchcodec cannot load" >&2; fi; }
 
-# Real Kubernetes control plane for tests/integration/operator: built once into ~/.cache/keepwarm.
+# Real Kubernetes control plane for tests/integration/operator and agent: built once into ~/.cache/keepwarm.
 controlplane:
 	bash testing/keepwarm_testing/controlplane/build.sh >/dev/null
 

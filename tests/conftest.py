@@ -2,7 +2,14 @@
 
 The folder states a test's kind once: tests/integration/** and tests/e2e/** (real processes, a control
 plane, real pods) are `integration`, tests/gpu/** is `gpu`; a module adds only what its folder does not
-say (`slow`, `sweep`, a GPU test that also starts processes is `integration`)."""
+say (`slow`, `sweep`, a GPU test that also starts processes is `integration`).
+
+tests/unit/<area>/ mirrors what its tests check: keepwarm_runtime's packages (weights/, engine/ with
+engine/moe/, modelgen/, agent/, cache/, server/, audio/), keepwarm_api.settings' settings/, the
+operator's operator/, the benchmarks' bench/, scripts/gpucheck's gpucheck/, the delivered files'
+delivery/; tests/unit/*.py hold
+keepwarm_runtime's top-level modules (log_once, model_kind), the test kubelet's volume writer and the
+cross-cutting checks (layers, one definition, folder markers)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import pytest
 
 from scripts.gpucheck import blocker, carry, dryrun, manifest, plan, prepare
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 # -- plan --------------------------------------------------------------------------------------
