@@ -18,7 +18,10 @@ LORA_LIST_MOUNT/LORA_LIST_FILE, which the runtime re-reads when the kubelet upda
 
 from __future__ import annotations
 
-from .common import ModelSource
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # standard library only at run time: the cache daemon's settings take defaults here
+    from .common import ModelSource
 
 MODELS_ROOT = "/models"  # path and pvc sources, one directory per model name
 HF_MOUNT = "/var/cache/keepwarm"  # the node's download directory (WeightCache spec.downloadDirectory)

@@ -73,6 +73,16 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"{text!r} is not a boolean; use true or false (empty means the default)")
 
 
+def repeated(container: type, parse_one: Callable[[str], Any]) -> Callable[[str], Any]:
+    """The parser of a repeatable setting's variable: comma-separated values, blanks skipped, each
+    parsed by ``parse_one`` into ``container`` (tuple or frozenset)."""
+
+    def parse(text: str) -> Any:
+        return container(parse_one(part.strip()) for part in text.split(",") if part.strip())
+
+    return parse
+
+
 def env_value(name: str, parse: Callable[[str], Any], default: Any, environ: Mapping[str, str]) -> Any:
     """``environ[name]`` parsed, or ``default`` when it is not given (see ``present``)."""
     raw = present(environ.get(name))
@@ -168,7 +178,7 @@ class Spec:
 
     def parse_env(self, text: str) -> Any:
         if self.repeat:
-            return self.repeat(self.parse_one(part.strip()) for part in text.split(",") if part.strip())
+            return repeated(self.repeat, self.parse_one)(text)
         return self.parse_one(text)
 
     def shown_default(self) -> str | None:
@@ -319,11 +329,11 @@ def env_names(cls: type) -> frozenset[str]:
 
 
 def group(settings: Any, name: str) -> dict[str, Any]:
-    """The fields of one group that are set (not None), as keyword arguments."""
+    """The fields of one group that are set (not None, not an empty repeatable), as keyword arguments."""
     return {
         spec.name: getattr(settings, spec.name)
         for spec in specs(type(settings))
-        if spec.meta.group == name and getattr(settings, spec.name) is not None
+        if spec.meta.group == name and not _empty(getattr(settings, spec.name))
     }
 
 
