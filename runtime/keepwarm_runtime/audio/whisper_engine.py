@@ -38,6 +38,7 @@ def _load_model(
     socket_dir: str | None,
     mode: str,
     fallback: bool,
+    trusted_uids: frozenset[int],
 ) -> tuple[Any, LoadInfo]:
     """The model built on the meta device and filled from the node weight cache or disk, as LLMEngine's
     loader does; returns it with the engine's one LoadInfo type."""
@@ -51,7 +52,15 @@ def _load_model(
     with serving_layout.BUILD_LOCK, torch.device("meta"):  # the default dtype is per process
         model = WhisperForConditionalGeneration._from_config(config, dtype=dtype)
     model.eval()
-    res = attach(model_dir, socket_dir, dtype=dtype, device=device, mode=mode, fallback=fallback)
+    res = attach(
+        model_dir,
+        socket_dir,
+        dtype=dtype,
+        device=device,
+        mode=mode,
+        fallback=fallback,
+        trusted_uids=trusted_uids,
+    )
     fill_parameters(model, res.tensors, res.aliases)
     materialize_buffers(model, device)
     with contextlib.suppress(OSError):  # no generation_config.json: the config's defaults
@@ -111,12 +120,19 @@ class WhisperEngine:
         cache_socket_dir: str | None = None,
         cache_mode: str = CacheMode.ZERO_COPY.value,
         cache_fallback: bool = True,
+        cache_trusted_uids: frozenset[int] = frozenset(),
     ):
         from transformers import AutoFeatureExtractor, AutoTokenizer, WhisperForConditionalGeneration
 
         self.device = torch.device(device)
         self.model, self.load_info = _load_model(
-            model_dir, getattr(torch, dtype), self.device, cache_socket_dir, cache_mode, cache_fallback
+            model_dir,
+            getattr(torch, dtype),
+            self.device,
+            cache_socket_dir,
+            cache_mode,
+            cache_fallback,
+            cache_trusted_uids,
         )
         self.feature_extractor = AutoFeatureExtractor.from_pretrained(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -104,14 +104,21 @@ def run_hold(args: argparse.Namespace) -> int:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
+    """`keepwarm cache ls|stats|release`: one request to a daemon, trusting the socket's owner as a
+    client does (KEEPWARM_CACHE_TRUSTED_UIDS, read here by cache/env.py)."""
     from keepwarm_runtime.cache.client import CacheAttachError, connect, request
+    from keepwarm_runtime.cache.env import trusted_uids
     from keepwarm_runtime.cache.protocol import ProtocolError
 
     header = {"cmd": "list" if args.cache_cmd == "ls" else args.cache_cmd}
     if args.cache_cmd == "release":
         header |= {"model": args.model, "force": args.force}
     try:
-        with connect(Path(args.socket), timeout_s=10.0) as sock:
+        trusted = trusted_uids(os.environ)
+    except SettingError as exc:
+        return _fail(args.cache_cmd, exc)
+    try:
+        with connect(Path(args.socket), timeout_s=10.0, trusted_uids=trusted) as sock:
             reply, fds = request(sock, header)
         for fd in fds:
             os.close(fd)

@@ -6,9 +6,10 @@ zero-copy views of the daemon's arena (read-only memory: never write into them);
 error it falls back to a plain safetensors load when ``fallback`` is true, logging each distinct
 reason once and counting every fallback in ``keepwarm_cache_client_misses_total``.
 
-Nothing here reads the environment: the caller passes the socket directory, mode and fallback its
-settings resolved (`keepwarm serve`: EngineConfig's cache fields). A process without settings of its
-own reads the KEEPWARM_CACHE_* variables with ``cache.env.cache_client_settings()``.
+Nothing here reads the environment: the caller passes the socket directory, mode, fallback and the
+extra uids it trusts to own the socket, as its settings resolved them (`keepwarm serve`: EngineConfig's
+cache fields). A process without settings of its own reads the KEEPWARM_CACHE_* variables with
+``cache.env.cache_client_settings()``.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def attach(
     tp_size: int = 1,
     online: Fp8Settings | None = None,
     expert_layout: str = MODEL,
+    trusted_uids: frozenset[int] = frozenset(),
 ) -> AttachResult:
     """Named tensors of ``model_dir`` in ``dtype`` on ``device``: from the cache or from disk.
 
@@ -90,6 +92,7 @@ def attach(
     conversion is a miss ("mismatch: conversion"), and the disk path converts as the daemon would.
 
     ``socket_dir=None`` loads from disk. ``mode="copy"`` copies out of the arena into private memory.
+    ``trusted_uids``: uids besides this process's and root's that may own the socket and its daemon.
     Raises CacheAttachError when the cache fails and ``fallback`` is off. The environment is not read
     here (``cache.env.cache_client_settings()`` reads it for callers without settings).
     """
@@ -110,7 +113,9 @@ def attach(
             )
 
         try:
-            result = _attach_from_cache(key, model_dir, Path(socket_dir), device, mode, timeout_s)
+            result = _attach_from_cache(
+                key, model_dir, Path(socket_dir), device, mode, timeout_s, trusted_uids
+            )
             result.seconds = time.perf_counter() - started
             metrics.hits.inc()
             metrics.attach_seconds.labels("cache").observe(result.seconds)
@@ -136,6 +141,7 @@ def attach_adapter(
     mode: str = CacheMode.ZERO_COPY.value,
     fallback: bool = True,
     timeout_s: float = 5.0,
+    trusted_uids: frozenset[int] = frozenset(),
 ) -> AttachResult:
     """A LoRA adapter's tensors (cache/adapters.py): attached from the node cache, else from disk.
 
@@ -160,7 +166,7 @@ def attach_adapter(
             return adapter_key(directory, dtype, shards)
 
         try:
-            result = _attach_from_cache(key, directory, Path(socket_dir), on, mode, timeout_s)
+            result = _attach_from_cache(key, directory, Path(socket_dir), on, mode, timeout_s, trusted_uids)
             result.seconds = time.perf_counter() - started
             return result
         except CacheAttachError as exc:
@@ -196,8 +202,9 @@ def request(sock: socket.socket, header: dict[str, Any]) -> tuple[dict[str, Any]
     return reply, fds
 
 
-def connect(socket_path: Path, timeout_s: float) -> socket.socket:
-    """Connect after checking the path and the daemon's credentials; errors -> CacheAttachError.
+def connect(socket_path: Path, timeout_s: float, trusted_uids: frozenset[int] = frozenset()) -> socket.socket:
+    """Connect after checking the path and the daemon's credentials (owned by and running as this
+    process's uid, root or one of ``trusted_uids``); errors -> CacheAttachError.
 
     While the socket file exists, a full listen backlog (EAGAIN) or a daemon between its bind and
     listen, or restarting (ECONNREFUSED), is retried until ``timeout_s``: a restart storm of pods
@@ -211,9 +218,9 @@ def connect(socket_path: Path, timeout_s: float) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(max(deadline - time.monotonic(), 0.01))
         try:
-            security.check_client_path(socket_path)
+            security.check_client_path(socket_path, trusted_uids)
             sock.connect(str(socket_path))
-            security.check_server_peer(sock)
+            security.check_server_peer(sock, trusted_uids)
             sock.settimeout(timeout_s)
             return sock
         except security.CacheSecurityError as exc:
@@ -228,13 +235,15 @@ def connect(socket_path: Path, timeout_s: float) -> socket.socket:
             raise CacheAttachError(f"unavailable: {exc.strerror or exc}") from None
 
 
-def open_session(socket_path: Path, timeout_s: float) -> socket.socket:
+def open_session(
+    socket_path: Path, timeout_s: float, trusted_uids: frozenset[int] = frozenset()
+) -> socket.socket:
     """A connection whose ``hello`` succeeded; a daemon at its connection limit ("busy") is retried
     until ``timeout_s``, like a full backlog."""
     deadline = time.monotonic() + timeout_s
     delay = 0.01
     while True:
-        sock = connect(socket_path, max(deadline - time.monotonic(), 0.01))
+        sock = connect(socket_path, max(deadline - time.monotonic(), 0.01), trusted_uids)
         try:
             hello, _ = request(
                 sock, {"cmd": "hello", "protocol": protocol.PROTOCOL_VERSION, "version": __version__}
@@ -271,9 +280,10 @@ def _attach_or_raise(
     device: torch.device,
     mode: str,
     timeout_s: float,
+    trusted_uids: frozenset[int],
 ) -> AttachResult:
     key = make_key()
-    sock = open_session(socket_path_for(socket_dir, device), timeout_s)
+    sock = open_session(socket_path_for(socket_dir, device), timeout_s, trusted_uids)
     fds: list[int] = []
     try:
         reply, fds = request(sock, {"cmd": "get_state", "key": key.to_dict(), "name": model_dir.name})

@@ -4,7 +4,8 @@ The socket hands out fds that map model weights, so the directory is private (07
 a shared group for pods of other users, since hostPath ignores fsGroup), the daemon checks every
 peer's uid and groups (SO_PEERCRED for the primary gid, SO_PEERGROUPS for the supplementary ones:
 Kubernetes hands pods the socket's group through ``supplementalGroups``), and a client only trusts a
-socket owned by itself or root.
+socket owned by itself, root, or a uid its caller names (``trusted_uids``: `keepwarm serve`'s
+``--cache-trusted-uid``, resolved by the settings layer; nothing here reads the environment).
 """
 
 from __future__ import annotations
@@ -19,12 +20,11 @@ import socket
 import stat
 import struct
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from keepwarm_api import podenv
 from keepwarm_api.refusals import Refusals, record
-from keepwarm_api.settings import present
 from keepwarm_api.sockets import MAX_SOCKET_PATH_BYTES
 
 
@@ -248,15 +248,14 @@ def secure_socket_file(socket_path: Path, gid: int | None) -> None:
     os.chmod(socket_path, 0o660 if gid is not None else 0o600)
 
 
-def trusted_owners() -> set[int]:
-    """Uids a client trusts to own a daemon socket: itself, root, and KEEPWARM_CACHE_TRUSTED_UIDS."""
-    extra = present(os.environ.get(podenv.CACHE_TRUSTED_UIDS)) or ""
-    return {0, os.geteuid(), *(int(u) for u in extra.replace(",", " ").split() if u.isdigit())}
+def trusted_owners(trusted_uids: Iterable[int] = ()) -> set[int]:
+    """Uids a client trusts to own a daemon socket: itself, root, and ``trusted_uids``."""
+    return {0, os.geteuid(), *trusted_uids}
 
 
-def check_client_path(socket_path: Path) -> None:
+def check_client_path(socket_path: Path, trusted_uids: Iterable[int] = ()) -> None:
     """Client side: the directory and socket are real (no symlinks) and owned by a trusted uid."""
-    trusted = trusted_owners()
+    trusted = trusted_owners(trusted_uids)
     st_dir = os.lstat(socket_path.parent)
     _check_owned(socket_path.parent, st_dir, "socket directory", trusted)
     st = os.lstat(socket_path)
@@ -265,9 +264,9 @@ def check_client_path(socket_path: Path) -> None:
         raise CacheSecurityError(f"{socket_path} is not a socket")
 
 
-def check_server_peer(sock: socket.socket) -> PeerCred:
+def check_server_peer(sock: socket.socket, trusted_uids: Iterable[int] = ()) -> PeerCred:
     """Client side: the process behind the socket runs as a trusted uid."""
     cred = peer_cred(sock)
-    if cred.uid not in trusted_owners():
+    if cred.uid not in trusted_owners(trusted_uids):
         raise CacheSecurityError(f"daemon behind the socket runs as uid {cred.uid}, which is not trusted")
     return cred

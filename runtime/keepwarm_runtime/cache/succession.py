@@ -177,7 +177,10 @@ def _stream_and_wait(
 
 
 def _ask(daemon: CacheDaemon) -> Inheritance:
-    """One hand-off request; raises Refused (give up), or OSError/ProtocolError/HandoffRefused (retry)."""
+    """One hand-off request; raises Refused (give up), or OSError/ProtocolError/HandoffRefused (retry).
+
+    The predecessor must run as this daemon's uid (checked below), so its socket trusts no owner
+    beyond this uid and root."""
     security.check_client_path(daemon.socket_path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:

@@ -50,6 +50,10 @@ class EngineConfig:
     cache_socket_dir: str | None = None  # node weight cache socket dir; None: read the checkpoint from disk
     cache_mode: str = CacheMode.ZERO_COPY.value  # a CacheMode (see keepwarm_runtime.cache.client.attach)
     cache_fallback: bool = True  # fall back to disk when the cache cannot serve the model
+    cache_trusted_uids: frozenset[int] = frozenset()  # uids besides ours and root's that may own the socket
+    # a read-only folder of CPU attention kernel builds (the node agent's) loaded before building one
+    # (engine/attention/native.py); None: only this process's own build cache
+    kernel_cache: str | None = None
     seed: int = 0  # seeds sampling of requests that set no seed of their own
     enable_prefix_caching: bool = True  # share KV blocks between requests with a common prompt prefix
     kv_cache_memory_gib: float = 1.0  # CPU: KV-cache budget when num_kv_blocks is None

@@ -84,7 +84,7 @@ class LLMEngine:
         self.eos_token_ids = set(_eos_ids(config.model_dir, self.tokenizer, GenerationConfig))
         profile.mark("tokenizer")
         self.layers = fuse_attention(self.model.get_decoder())
-        backend = select_backend(config.attention_backend, self.device)
+        backend = select_backend(config.attention_backend, self.device, kernel_cache=config.kernel_cache)
         for layer in self.layers:
             layer.backend = backend
         self.attention_backend = backend.name
@@ -105,7 +105,9 @@ class LLMEngine:
         self.max_prompt_logprobs_len = config.max_prompt_logprobs_len
 
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        cache = AdapterCache(config.cache_socket_dir, config.cache_mode, config.cache_fallback)
+        cache = AdapterCache(
+            config.cache_socket_dir, config.cache_mode, config.cache_fallback, config.cache_trusted_uids
+        )
         self.lora = (
             LoraSlots(self.model, config.max_loras, config.max_lora_rank, cache)
             if config.enable_lora

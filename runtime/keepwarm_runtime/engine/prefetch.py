@@ -58,6 +58,7 @@ class AttachSettings:
     device: str
     mode: str  # a CacheMode
     fallback: bool  # a cache miss loads from disk
+    trusted_uids: frozenset[int]  # uids besides ours and root's that may own the socket
     quantization: str | None  # "fp8": quantized online (a float checkpoint)
     expert_layout: str  # asked for; resolved per checkpoint by attach_request
 
@@ -70,6 +71,7 @@ class AttachSettings:
             config.device,
             config.cache_mode,
             config.cache_fallback,
+            config.cache_trusted_uids,
             config.quantization,
             config.expert_layout,
         )
@@ -93,6 +95,7 @@ class AttachRequest:
             "device": s.device,
             "mode": s.mode,
             "fallback": s.fallback,
+            "trusted_uids": s.trusted_uids,
             "online": self.online,
             "expert_layout": self.expert_layout,
         }

@@ -17,7 +17,7 @@ import socket
 import sys
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,7 +61,7 @@ def serve_settings(args: argparse.Namespace, environ: Mapping[str, str] = os.env
 
 def engine_config(settings: ServeSettings) -> EngineConfig:
     """The one EngineConfig of this process: the engine group's set fields, named in its ``given``
-    (unset ones keep EngineConfig's defaults), for the absolute MODEL_DIR.
+    (unset ones keep EngineConfig's defaults), and --kernel-cache, for the absolute MODEL_DIR.
 
     ``--dtype auto`` becomes a dtype here (engine/auto_dtype.py), so everything that takes this config
     (the background attach, the engine, the speech engine) sees a real one; the choice is logged.
@@ -76,7 +76,10 @@ def engine_config(settings: ServeSettings) -> EngineConfig:
         logger.info("--dtype auto: %s (%s)", engine["dtype"], why)
     if settings.lora_modules or settings.lora_modules_file or settings.allow_runtime_lora_updating:
         engine.setdefault("enable_lora", True)
-    return EngineConfig.from_settings(os.path.abspath(settings.model_dir), **engine)
+    config = EngineConfig.from_settings(os.path.abspath(settings.model_dir), **engine)
+    # Where the pod mounts the node's kernel builds, not an engine choice: not in `given`, so an engine
+    # that builds no kernel (Whisper's) is not refused it.
+    return replace(config, kernel_cache=settings.kernel_cache)
 
 
 def server_start(config: ServeSettings, thread_choice: Any, openmp_prepared: bool) -> ServerStart:

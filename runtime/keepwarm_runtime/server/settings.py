@@ -52,6 +52,17 @@ class ServeSettings:
     cache_fallback: bool = setting(
         True, "fall back to disk when the cache cannot serve the model", group=ENGINE
     )
+    cache_trusted_uids: frozenset[int] = setting(
+        frozenset(),
+        "a uid besides this process's and root's that may own the cache's socket and run its daemon",
+        group=ENGINE,
+        flag="--cache-trusted-uid",
+        metavar="UID",
+    )
+    # the node's CPU kernel builds (the operator sets the variable on CPU pods; engine/attention/native.py)
+    kernel_cache: str | None = setting(
+        None, "read-only folder of CPU attention kernel builds (the node agent's) to load before building one"
+    )
     # the engine (unset: EngineConfig's default)
     dtype: str | None = engine(
         None,

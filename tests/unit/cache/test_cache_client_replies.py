@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from keepwarm_api.settings import SettingError
 from keepwarm_runtime.cache import protocol
 from keepwarm_runtime.cache.client import CacheAttachError, attach
 from keepwarm_runtime.cache.env import CacheClientSettings, cache_client_settings, env_flag, env_text
@@ -133,6 +134,12 @@ def test_cache_client_settings_read_the_variables_by_the_one_rule(tmp_path, mode
         attach(model, settings.socket_dir, dtype=torch.float32, fallback=settings.fallback)
     with pytest.raises(ValueError, match="KEEPWARM_CACHE_FALLBACK"):
         cache_client_settings(env | {"KEEPWARM_CACHE_FALLBACK": "perhaps"})
+    assert cache_client_settings(env | {"KEEPWARM_CACHE_TRUSTED_UIDS": "1000, 1001"}).trusted_uids == {
+        1000,
+        1001,
+    }
+    with pytest.raises(SettingError, match="KEEPWARM_CACHE_TRUSTED_UIDS='1000 1001' is not valid"):
+        cache_client_settings(env | {"KEEPWARM_CACHE_TRUSTED_UIDS": "1000 1001"})
 
 
 def test_attach_reads_no_environment(tmp_path, model, monkeypatch):

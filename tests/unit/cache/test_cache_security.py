@@ -114,3 +114,24 @@ def test_peer_cred_of_socketpair():
     assert cred.groups == frozenset(os.getgroups())  # SO_PEERGROUPS: Linux >= 4.13
     a.close()
     b.close()
+
+
+def test_trusted_owners_are_this_uid_root_and_the_ones_named():
+    assert security.trusted_owners() == {0, os.geteuid()}
+    assert security.trusted_owners(frozenset({5, 6})) == {0, os.geteuid(), 5, 6}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a socket owned by another uid needs root to make")
+def test_client_trusts_another_owner_only_when_the_caller_names_it(tmp_path: Path, monkeypatch):
+    """--cache-trusted-uid reaches the check as an argument; the variable is not read here."""
+    directory = tmp_path / "wc"
+    directory.mkdir()
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(directory / "host.sock"))
+    os.chown(directory, NOBODY, -1)
+    os.chown(directory / "host.sock", NOBODY, -1)
+    monkeypatch.setenv("KEEPWARM_CACHE_TRUSTED_UIDS", str(NOBODY))
+    with pytest.raises(security.CacheSecurityError, match=f"owned by uid {NOBODY}"):
+        security.check_client_path(directory / "host.sock")
+    security.check_client_path(directory / "host.sock", frozenset({NOBODY}))
+    listener.close()

@@ -150,6 +150,24 @@ def test_a_build_is_named_for_the_torch_it_links(monkeypatch) -> None:
     assert native.library_name() != here
 
 
+def test_the_node_folder_is_an_argument_and_main_resolves_its_variable(tmp_path, monkeypatch) -> None:
+    """load() looks in the folder it is given, never in the environment; `python -m ...native` resolves
+    KEEPWARM_KERNEL_CACHE (the name the operator sets on CPU pods) at its entry point."""
+    from keepwarm_api import podenv
+    from keepwarm_api.settings import env_names, resolve
+
+    name = "keepwarm_cpu_probe"
+    (tmp_path / name).mkdir()
+    (tmp_path / name / f"{name}.so").write_bytes(b"")
+    monkeypatch.setenv(podenv.KERNEL_CACHE, str(tmp_path))
+    assert native._node_build(name, None) is None
+    assert native._node_build(name, tmp_path) == tmp_path / name / f"{name}.so"
+    assert env_names(native.BuildSettings) == {podenv.KERNEL_CACHE}
+    assert resolve(native.BuildSettings, native.parser().parse_args([])).kernel_cache == str(tmp_path)
+    flagged = native.parser().parse_args(["--kernel-cache", "/k"])
+    assert resolve(native.BuildSettings, flagged).kernel_cache == "/k"
+
+
 def test_a_fresh_process_loads_the_node_agents_build_and_builds_nothing(tmp_path) -> None:
     """What a CPU runtime pod does with the folder its node's agent built into (KEEPWARM_KERNEL_CACHE,
     mounted read-only): a real process loads that build and writes no build of its own."""
@@ -175,7 +193,7 @@ def test_a_fresh_process_loads_the_node_agents_build_and_builds_nothing(tmp_path
 
 
 def test_optional_build_failure_exits_zero_and_says_why(monkeypatch, capsys) -> None:
-    def no_compiler():
+    def no_compiler(kernel_cache=None):
         raise native.KernelUnavailable("RuntimeError: c++: command not found")
 
     monkeypatch.setattr(native, "load", no_compiler)

@@ -68,6 +68,24 @@ def test_env_supplies_every_flag_and_flags_win(monkeypatch):
     assert (config.max_num_seqs, config.cache_fallback, config.dtype) == (3, True, "float32")
 
 
+def test_trusted_uids_and_the_kernel_folder_reach_the_engine_config(monkeypatch, capsys):
+    """KEEPWARM_CACHE_TRUSTED_UIDS and KEEPWARM_KERNEL_CACHE are serve settings, resolved at the entry
+    point and handed down in the one EngineConfig; the kernel folder is where the pod mounts the node's
+    builds, not a setting the user gave (an engine that builds no kernel is not refused it)."""
+    from keepwarm_runtime.engine.prefetch import attach_arguments
+
+    monkeypatch.setenv("KEEPWARM_CACHE_TRUSTED_UIDS", "1000, 1001")
+    monkeypatch.setenv("KEEPWARM_KERNEL_CACHE", "/var/lib/keepwarm/kernels")
+    config = cli.engine_config(parse(["/m"]))
+    assert config.cache_trusted_uids == {1000, 1001}
+    assert attach_arguments(config)["trusted_uids"] == {1000, 1001}
+    assert config.kernel_cache == "/var/lib/keepwarm/kernels" and "kernel_cache" not in config.given
+    assert cli.engine_config(parse(["/m", "--cache-trusted-uid", "7"])).cache_trusted_uids == {7}
+    monkeypatch.setenv("KEEPWARM_CACHE_TRUSTED_UIDS", "1000 1001")  # a bad value: refused at start
+    assert cli.run(namespace(["/m"])) == 2
+    assert "KEEPWARM_CACHE_TRUSTED_UIDS='1000 1001' is not valid" in capsys.readouterr().err
+
+
 def test_bad_env_value_names_the_variable(monkeypatch):
     monkeypatch.setenv("KEEPWARM_PORT", "eighty")
     with pytest.raises(SystemExit, match="KEEPWARM_PORT"):

@@ -68,8 +68,9 @@ class CpuStepMetadata:
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
-    def __init__(self) -> None:
-        native.load()  # builds it the first time on this machine; raises KernelUnavailable
+    def __init__(self, kernel_cache: str | None = None) -> None:
+        # the node's build in kernel_cache, else built once on this machine; raises KernelUnavailable
+        native.load(kernel_cache)
 
     def build(self, meta: AttentionMetadata) -> CpuStepMetadata:
         qlens, ctx = meta.query_lens_list, meta.context_lens_list

@@ -12,8 +12,10 @@ CPU pods of that image run the torch backend.
 
 On a node, the agent pod of a host-tier WeightCache builds it once (``--optional``: a node without a
 compiler only logs why) into the node's kernel folder, which CPU runtime pods mount read-only and name
-in ``KEEPWARM_KERNEL_CACHE`` (keepwarm_api.podenv): a build found there is loaded first, so a fresh
-pod does not compile, and no pod can write what another loads. A miss there builds as above.
+in ``KEEPWARM_KERNEL_CACHE`` (keepwarm_api.podenv; `keepwarm serve --kernel-cache`, resolved by its
+settings into EngineConfig.kernel_cache and passed to ``load``): a build found there is loaded first,
+so a fresh pod does not compile, and no pod can write what another loads. A miss there builds as above.
+Nothing here reads KEEPWARM_* variables; ``main`` resolves its own setting at its entry point.
 
 It links the OpenMP runtime torch already loaded (the same soname), so its threads are torch's
 intra-op threads, under the same count and spin settings (engine/threads.py).
@@ -28,11 +30,12 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from keepwarm_api.podenv import KERNEL_CACHE
+from keepwarm_api.settings import add_arguments, resolve, setting
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +71,9 @@ def _cpu_flags() -> str:
     return "unknown"
 
 
-def _node_build(name: str) -> Path | None:
-    """The node agent's build of ``name`` (``KEEPWARM_KERNEL_CACHE``, laid out as the builder lays out
-    TORCH_EXTENSIONS_DIR), if there is one."""
-    root = os.environ.get(KERNEL_CACHE)
+def _node_build(name: str, root: str | Path | None) -> Path | None:
+    """The node agent's build of ``name`` in ``root`` (the kernel cache folder, laid out as the builder
+    lays out TORCH_EXTENSIONS_DIR), if there is one."""
     path = Path(root) / name / f"{name}.so" if root else None
     return path if path is not None and path.is_file() else None
 
@@ -99,9 +101,10 @@ def _built_library(name: str) -> Path | None:
     return path if path.is_file() else None
 
 
-def load() -> str:
+def load(kernel_cache: str | Path | None = None) -> str:
     """Build (when this CPU has no cached build) and load the kernel; idempotent, thread-safe.
 
+    ``kernel_cache``: a read-only folder of builds (the node agent's) tried first.
     Returns the library name. Raises KernelUnavailable with the compiler's last lines on failure."""
     global _loaded
     with _lock:
@@ -109,7 +112,7 @@ def load() -> str:
             return _loaded
         name = library_name()
         started = time.perf_counter()
-        for built in (_node_build(name), _built_library(name)):
+        for built in (_node_build(name, kernel_cache), _built_library(name)):
             if built is None:
                 continue
             try:
@@ -156,10 +159,20 @@ def paged_decode_attention(
     )
 
 
+@dataclass(frozen=True)
+class BuildSettings:
+    """``main``'s settings (flag, else variable, else default: keepwarm_api.settings)."""
+
+    kernel_cache: str | None = setting(
+        None, "read-only folder of builds (a node agent's) to load before building one", metavar="DIR"
+    )
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line of ``main`` (the agent pod's init container runs it: builders/agent.py)."""
     p = argparse.ArgumentParser(prog="python -m keepwarm_runtime.engine.attention.native")
     p.add_argument("--optional", action="store_true", help="exit 0 when the kernel cannot be built")
+    add_arguments(p, BuildSettings)
     return p
 
 
@@ -167,9 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     """Build the kernel now (image builds, `make venv`, the agent pod), so no serving process compiles
     it. ``--optional`` (the agent pod): a machine that cannot build it says why and exits 0."""
     args = parser().parse_args(argv)
+    settings = resolve(BuildSettings, args)  # KEEPWARM_KERNEL_CACHE unless --kernel-cache
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        print(load())
+        print(load(settings.kernel_cache))
     except KernelUnavailable as exc:
         print(f"keepwarm: the CPU attention kernel cannot be built here: {exc}", file=sys.stderr)
         return 0 if args.optional else 1

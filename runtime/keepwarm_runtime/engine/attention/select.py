@@ -33,9 +33,11 @@ def select_backend(
     device: torch.device,
     load_flashinfer: Callable[[torch.device], Any] | None = None,
     load_cpu: Callable[[], Any] | None = None,
+    kernel_cache: str | None = None,
 ):
     """The backend for `name` ('auto', 'torch', 'cpu' or 'flashinfer'); `load_flashinfer` and
-    `load_cpu` build and load those backends (seams for tests; default to the real ones)."""
+    `load_cpu` build and load those backends (seams for tests; default to the real ones).
+    `kernel_cache`: the node's folder of CPU kernel builds, tried first (EngineConfig.kernel_cache)."""
     from keepwarm_runtime.engine.attention.torch_backend import TorchAttentionBackend
 
     if name == "torch":
@@ -44,7 +46,7 @@ def select_backend(
         raise BackendUnavailable("attention_backend='cpu' runs on CPU only; use 'auto' or 'torch'")
     if name in ("cpu", "auto") and device.type == "cpu":
         try:
-            return (load_cpu or load_cpu_backend)()
+            return load_cpu() if load_cpu is not None else load_cpu_backend(kernel_cache)
         except Exception as exc:
             reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:400]
             if name == "cpu":
@@ -94,8 +96,9 @@ def load_warm_flashinfer(device: torch.device):
     return backend
 
 
-def load_cpu_backend():
-    """The backend over keepwarm's CPU kernel, which it builds (first time on this machine) and loads."""
+def load_cpu_backend(kernel_cache: str | None = None):
+    """The backend over keepwarm's CPU kernel, which it loads from ``kernel_cache`` or builds (first time
+    on this machine) and loads."""
     from keepwarm_runtime.engine.attention.cpu_backend import CpuAttentionBackend
 
-    return CpuAttentionBackend()
+    return CpuAttentionBackend(kernel_cache)

@@ -67,6 +67,7 @@ class AdapterCache:
     socket_dir: str | None = None
     mode: str = CacheMode.ZERO_COPY.value  # a CacheMode, as for the model's weights
     fallback: bool = True  # read from disk when the cache cannot serve an adapter (else refuse it)
+    trusted_uids: frozenset[int] = frozenset()  # uids besides ours and root's that may own the socket
 
 
 @dataclass
@@ -146,6 +147,7 @@ def read_tensors(
             mode=cache.mode,
             fallback=cache.fallback,
             timeout_s=CACHE_TIMEOUT_S,
+            trusted_uids=cache.trusted_uids,
         )
     except CacheAttachError as exc:
         raise LoraLoadError(
