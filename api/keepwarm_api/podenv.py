@@ -2,8 +2,9 @@
 
 Names follow the settings layer's one rule (``settings.env_name``): runtime pods get the variables of
 `keepwarm serve`'s cache settings (``keepwarm_runtime.cache.env`` reads the same ones for a program
-without settings of its own). Agent pods get no per-model variables: models and token Secret
-references reach the agent through its WeightCacheNode spec.
+without settings of its own). Agent pods get `keepwarm cache serve`'s node agent settings (the roots,
+NODE_NAME, POD_NAMESPACE) but no per-model variables: models and token Secret references reach the
+agent through its WeightCacheNode spec.
 The operator's builders and the runtime import these; neither spells them.
 """
 
@@ -17,6 +18,7 @@ CACHE_FALLBACK = env_name("cache_fallback")  # KEEPWARM_CACHE_FALLBACK: load fro
 CACHE_TRUSTED_UIDS = env_name("cache_trusted_uids")  # extra uids a client trusts to own the socket
 MODEL_ROOT = env_name("model_root")  # where the agent finds path/pvc sources (default keepwarm_api.paths)
 NODE_NAME = "NODE_NAME"  # the downward API's node name on agent pods (Kubernetes' convention)
+POD_NAMESPACE = "POD_NAMESPACE"  # the downward API's namespace on agent pods: where token Secrets live
 HOST_MODEL_ROOT = env_name("host_model_root")  # where the agent sees WeightCache.spec.modelDirectory
 DOWNLOAD_ROOT = env_name("download_root")  # where the agent keeps Hugging Face downloads
 # KEEPWARM_KERNEL_CACHE: a read-only folder of CPU kernels the node agent built for this node

@@ -205,7 +205,7 @@ def agent_daemonset(
     ]
     env: list[dict[str, Any]] = [
         {"name": podenv.NODE_NAME, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
-        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": podenv.POD_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "HOME", "value": "/tmp"},  # read-only root filesystem: caches go to the emptyDir
     ]
     if spec.agent.hugging_face_endpoint:

@@ -42,12 +42,11 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
-from keepwarm_api import GROUP, VERSION, podenv
+from keepwarm_api import GROUP, VERSION
 from keepwarm_api import lease as node_lease
 from keepwarm_api import weightcachenode as wcn
 from keepwarm_api.kubeconfig import client_configuration
 from keepwarm_api.paths import HF_MOUNT, HOST_MODELS_MOUNT, MODELS_ROOT, hf_cache_dir
-from keepwarm_api.settings import present
 from keepwarm_api.weightcache import DEFAULT_HEARTBEAT_S
 from keepwarm_api.weightcachenode import WeightCacheNodeSpec
 from keepwarm_runtime import __version__
@@ -57,7 +56,7 @@ if TYPE_CHECKING:
     from keepwarm_runtime.cache.settings import CacheServeSettings
 
 from .download import download
-from .settings import MAX_LOADS, STALL_TIMEOUT_S
+from .settings import MAX_LOADS, NAMESPACE, STALL_TIMEOUT_S
 from .state import (
     RETRY_BASE_S,
     AgentState,
@@ -113,18 +112,18 @@ def daemon_key(daemon: Any) -> str:
 class NodeAgent:
     def __init__(
         self, daemon: Any | list[Any], cache: str, node: str, api: Any, *, core: Any = None,
-        namespace: str | None = None, host_root: str | None = None, pvc_root: str | None = None,
-        hf_root: str | None = None,
+        namespace: str = NAMESPACE, host_root: str = HOST_MODELS_MOUNT, pvc_root: str = MODELS_ROOT,
+        hf_root: str = HF_MOUNT,
         retry_base_s: float = RETRY_BASE_S, max_loads: int = MAX_LOADS,
         stall_timeout_s: float = STALL_TIMEOUT_S,
     ):  # fmt: skip
         daemons = daemon if isinstance(daemon, list) else [daemon]
         self.daemons = {daemon_key(d): d for d in daemons}  # GPU UUID ("" for host.sock) -> daemon
         self.cache, self.node, self.api, self.core = cache, node, api, core
-        self.namespace = namespace or os.environ.get("POD_NAMESPACE", "default")  # token Secrets live here
-        self.host_root = host_root or present(os.environ.get(podenv.HOST_MODEL_ROOT)) or HOST_MODELS_MOUNT
-        self.pvc_root = pvc_root or present(os.environ.get(podenv.MODEL_ROOT)) or MODELS_ROOT
-        self.hf_root = hf_root or present(os.environ.get(podenv.DOWNLOAD_ROOT)) or HF_MOUNT
+        self.namespace = namespace  # token Secrets live here
+        self.host_root = host_root  # the WeightCache's modelDirectory: path sources
+        self.pvc_root = pvc_root  # pvc sources, one directory per model
+        self.hf_root = hf_root  # the node's download directory
         self.retry_base_s = retry_base_s  # failed/evicted models: first retry after this, then doubling
         self.stall_timeout_s = stall_timeout_s
         self.pool = ThreadPoolExecutor(max_workers=max_loads, thread_name_prefix="agent-load")
@@ -506,8 +505,14 @@ def run_agent(daemons: list[Any], settings: CacheServeSettings, stop: threading.
         log.error("%s", exc)
         return
     stop = stop or getattr(daemons[0], "_stop", None) or threading.Event()  # SIGTERM stops them all
-    agent = NodeAgent(
+    node_agent(daemons, settings, api, core).run(stop)
+
+
+def node_agent(daemons: list[Any], settings: CacheServeSettings, api: Any, core: Any) -> NodeAgent:
+    """The NodeAgent of `keepwarm cache serve`'s resolved settings (its node agent flags and their
+    variables: NODE_NAME, POD_NAMESPACE, KEEPWARM_*_ROOT); it reads no environment of its own."""
+    return NodeAgent(
         daemons, settings.weightcache, settings.node_name, api, core=core,
-        max_loads=settings.max_loads, stall_timeout_s=settings.stall_timeout,
+        namespace=settings.namespace, host_root=settings.host_model_root, pvc_root=settings.model_root,
+        hf_root=settings.download_root, max_loads=settings.max_loads, stall_timeout_s=settings.stall_timeout,
     )  # fmt: skip
-    agent.run(stop)

@@ -2,12 +2,14 @@
 KEEPWARM_CACHE_* variables, --help and the README's table from this class).
 
 Every setting is ``--flag`` and ``KEEPWARM_CACHE_<FIELD>`` (``--budget`` <- ``KEEPWARM_CACHE_BUDGET``),
-except the node name, which agent pods get as ``NODE_NAME`` from the downward API; repeatable flags
+except the node agent's node name and namespace, which agent pods get as ``NODE_NAME`` and
+``POD_NAMESPACE`` from the downward API, and its roots, which keep their ``KEEPWARM_*_ROOT`` names
+(keepwarm_api.podenv); repeatable flags
 (``--model``, ``--adapter``, ``--pin``, ``--allow-uid``, ``--allow-gid``, ``--fake-gpu``) take comma-separated
 variables. Fields that DaemonConfig also has carry over to it by name
 (``keepwarm_api.settings.carry_over``); ``--all-gpus`` and ``--fake-gpu`` choose how many daemons run
-(cache/gpus.py). The node agent's flags (``--max-loads``, ``--stall-timeout``) take their defaults from
-the agent's own constants (agent/settings.py).
+(cache/gpus.py). The node agent's flags (``--max-loads``, ``--stall-timeout``, ``--namespace``) take
+their defaults from the agent's own constants (agent/settings.py), its roots from keepwarm_api.paths.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from keepwarm_api import podenv
+from keepwarm_api.paths import HF_MOUNT, HOST_MODELS_MOUNT, MODELS_ROOT
 from keepwarm_api.settings import setting
 from keepwarm_api.values import SERVING_DTYPES, DType, Quantization, Tier
-from keepwarm_runtime.agent.settings import MAX_LOADS, STALL_TIMEOUT_S
+from keepwarm_runtime.agent.settings import MAX_LOADS, NAMESPACE, STALL_TIMEOUT_S
 from keepwarm_runtime.cache.gpus import fake_gpu_uuid
 from keepwarm_runtime.weights.layouts import LAYOUTS, MODEL
 
@@ -162,6 +165,26 @@ class CacheServeSettings:
         "node agent: a Hub download adding no bytes for this long is stopped (and retried later)",
         parse=positive_seconds,
         metavar="SECONDS",
+    )
+    namespace: str = setting(
+        NAMESPACE,
+        "node agent: the namespace of the models' token Secrets (its pod's)",
+        env=podenv.POD_NAMESPACE,
+    )
+    host_model_root: str = setting(
+        HOST_MODELS_MOUNT,
+        "node agent: where the WeightCache's modelDirectory is mounted (path sources)",
+        env=podenv.HOST_MODEL_ROOT,
+        metavar="DIR",
+    )
+    model_root: str = setting(
+        MODELS_ROOT, "node agent: where pvc sources are mounted", env=podenv.MODEL_ROOT, metavar="DIR"
+    )
+    download_root: str = setting(
+        HF_MOUNT,
+        "node agent: where the node's download directory is mounted (Hugging Face downloads)",
+        env=podenv.DOWNLOAD_ROOT,
+        metavar="DIR",
     )
 
 

@@ -147,9 +147,46 @@ def test_pod_variables_are_the_ones_the_programs_read():
         "KEEPWARM_CACHE_MODE",
         "KEEPWARM_CACHE_FALLBACK",
     )
-    assert podenv.NODE_NAME in env_names(CacheServeSettings)
+    assert {podenv.CACHE_TRUSTED_UIDS, podenv.KERNEL_CACHE} <= serve
+    agent = {
+        podenv.NODE_NAME,
+        podenv.POD_NAMESPACE,
+        podenv.HOST_MODEL_ROOT,
+        podenv.MODEL_ROOT,
+        podenv.DOWNLOAD_ROOT,
+    }
+    assert agent <= env_names(CacheServeSettings)
     roots = ("KEEPWARM_HOST_MODEL_ROOT", "KEEPWARM_DOWNLOAD_ROOT")
     assert roots == (podenv.HOST_MODEL_ROOT, podenv.DOWNLOAD_ROOT)
+
+
+def test_agent_settings_reach_the_node_agent_by_name():
+    """The agent pod's downward-API namespace and its roots are `keepwarm cache serve` settings: the
+    agent takes them as arguments, with the mounts of keepwarm_api.paths as their defaults."""
+    from keepwarm_api.paths import HF_MOUNT, HOST_MODELS_MOUNT, MODELS_ROOT
+    from keepwarm_runtime.agent.kubernetes import node_agent
+    from keepwarm_runtime.cache.settings import CacheServeSettings
+
+    env = {"KEEPWARM_CACHE_SOCKET_DIR": "/s", podenv.POD_NAMESPACE: "keepwarm-system"}
+    env |= {podenv.HOST_MODEL_ROOT: "/h", podenv.MODEL_ROOT: "/m", podenv.DOWNLOAD_ROOT: "/d"}
+    agent = node_agent([object()], settings(CacheServeSettings, ["--model-root", "/flag"], env), None, None)
+    assert (agent.namespace, agent.host_root, agent.pvc_root, agent.hf_root) == (
+        "keepwarm-system",
+        "/h",
+        "/flag",
+        "/d",
+    )
+    agent.pool.shutdown()
+    agent = node_agent(
+        [object()], settings(CacheServeSettings, [], {"KEEPWARM_CACHE_SOCKET_DIR": "/s"}), None, None
+    )
+    assert (agent.namespace, agent.host_root, agent.pvc_root, agent.hf_root) == (
+        "default",
+        HOST_MODELS_MOUNT,
+        MODELS_ROOT,
+        HF_MOUNT,
+    )
+    agent.pool.shutdown()
 
 
 def test_runtime_pods_get_only_variables_keepwarm_serve_reads():
