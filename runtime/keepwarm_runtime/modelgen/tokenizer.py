@@ -1,7 +1,8 @@
 """A real byte-level BPE tokenizer with a chat template, trained locally in a second or two.
 
 The training text is the Python standard library's own source, so nothing is downloaded. The trained
-tokenizer is cached on disk by (vocab size, corpus version), so generating many checkpoints is cheap.
+tokenizer is cached on disk by (vocab size, corpus version), so generating many checkpoints is cheap;
+the folder is ``cache_home`` (default: modelgen/settings.py, ``KEEPWARM_CACHE_HOME``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from keepwarm_api.settings import env_name, present
+from keepwarm_runtime.modelgen import settings
 
 BOS, EOS, PAD, END_OF_TURN = "<s>", "</s>", "<pad>", "<|end|>"
 ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
@@ -30,7 +31,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-CACHE_HOME_ENV = env_name("cache_home")  # KEEPWARM_CACHE_HOME: where trained tokenizers are kept
 CORPUS_VERSION = "stdlib-v1"
 CORPUS_MAX_BYTES = 3_000_000
 
@@ -47,8 +47,7 @@ def _corpus() -> Iterator[str]:
             return
 
 
-def _cache_path(vocab_size: int) -> Path:
-    root = Path(present(os.environ.get(CACHE_HOME_ENV)) or Path.home() / ".cache" / "keepwarm")
+def _cache_path(vocab_size: int, root: Path) -> Path:
     tag = hashlib.sha256(f"{CORPUS_VERSION}:{vocab_size}:{sys.version_info[:2]}".encode()).hexdigest()
     return root / "tokenizers" / f"bpe-{vocab_size}-{tag[:12]}.json"
 
@@ -73,11 +72,12 @@ def _train(vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def build_tokenizer(vocab_size: int = 8192) -> PreTrainedTokenizerFast:
-    """Return a fast tokenizer with BOS/EOS/PAD and the chat template, vocab exactly ``vocab_size``."""
+def build_tokenizer(vocab_size: int = 8192, cache_home: Path | None = None) -> PreTrainedTokenizerFast:
+    """Return a fast tokenizer with BOS/EOS/PAD and the chat template, vocab exactly ``vocab_size``;
+    trained once and kept under ``cache_home`` (None: modelgen's setting)."""
     if vocab_size < 512:
         raise ValueError(f"vocab_size must be at least 512 (got {vocab_size})")
-    path = _cache_path(vocab_size)
+    path = _cache_path(vocab_size, cache_home or settings.cache_home())
     if path.exists():
         raw = Tokenizer.from_file(str(path))
     else:

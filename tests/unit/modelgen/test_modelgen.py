@@ -80,3 +80,17 @@ def test_make_model_refuses_sizing_flags_for_an_audio_model(tmp_path, capsys) ->
     assert make_model_cli(str(tmp_path / "v"), "--arch", "voxtral", "--params", "1M", "--fp8") == 2
     assert "--params, --fp8 not for --arch voxtral" in capsys.readouterr().err
     assert not (tmp_path / "v").exists()
+
+
+def test_the_tokenizer_folder_is_modelgens_one_setting(tmp_path) -> None:
+    """KEEPWARM_CACHE_HOME, read by modelgen/settings.py by the settings layer's rule (empty: the
+    default); the tokenizer takes the folder as an argument and keeps its training there."""
+    from pathlib import Path
+
+    from keepwarm_runtime.modelgen.settings import CACHE_HOME_ENV, cache_home
+
+    assert CACHE_HOME_ENV == "KEEPWARM_CACHE_HOME"
+    assert cache_home({CACHE_HOME_ENV: f" {tmp_path} "}) == tmp_path
+    assert cache_home({CACHE_HOME_ENV: " "}) == cache_home({}) == Path.home() / ".cache" / "keepwarm"
+    assert len(build_tokenizer(1024, cache_home=tmp_path)) == 1024
+    assert [p.name.split("-")[:2] for p in (tmp_path / "tokenizers").glob("*.json")] == [["bpe", "1024"]]
