@@ -4,7 +4,8 @@ Names follow the settings layer's one rule (``settings.env_name``): runtime pods
 `keepwarm serve`'s cache settings (``keepwarm_runtime.cache.env`` reads the same ones for a program
 without settings of its own). Agent pods get `keepwarm cache serve`'s node agent settings (the roots,
 NODE_NAME, POD_NAMESPACE) but no per-model variables: models and token Secret references reach the
-agent through its WeightCacheNode spec.
+agent through its WeightCacheNode spec. Only the settings layer reads these from the environment
+(tests/unit/test_env_reads.py).
 The operator's builders and the runtime import these; neither spells them.
 """
 
