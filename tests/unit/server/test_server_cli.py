@@ -72,13 +72,14 @@ def test_trusted_uids_and_the_kernel_folder_reach_the_engine_config(monkeypatch,
     """KEEPWARM_CACHE_TRUSTED_UIDS and KEEPWARM_KERNEL_CACHE are serve settings, resolved at the entry
     point and handed down in the one EngineConfig; the kernel folder is where the pod mounts the node's
     builds, not a setting the user gave (an engine that builds no kernel is not refused it)."""
-    from keepwarm_runtime.engine.prefetch import attach_arguments
+    from keepwarm_runtime.engine.prefetch import AttachRequest, AttachSettings
 
     monkeypatch.setenv("KEEPWARM_CACHE_TRUSTED_UIDS", "1000, 1001")
     monkeypatch.setenv("KEEPWARM_KERNEL_CACHE", "/var/lib/keepwarm/kernels")
     config = cli.engine_config(parse(["/m"]))
     assert config.cache_trusted_uids == {1000, 1001}
-    assert attach_arguments(config)["trusted_uids"] == {1000, 1001}
+    request = AttachRequest(AttachSettings.of(config), online=None, expert_layout="model")
+    assert request.arguments()["trusted_uids"] == {1000, 1001}  # what attach() is given
     assert config.kernel_cache == "/var/lib/keepwarm/kernels" and "kernel_cache" not in config.given
     assert cli.engine_config(parse(["/m", "--cache-trusted-uid", "7"])).cache_trusted_uids == {7}
     monkeypatch.setenv("KEEPWARM_CACHE_TRUSTED_UIDS", "1000 1001")  # a bad value: refused at start
