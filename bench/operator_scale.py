@@ -47,6 +47,7 @@ from pathlib import Path
 
 import httpx
 
+from keepwarm_api.kube import AGENT_FIELD_MANAGER, connect
 from keepwarm_runtime.agent.kubernetes import NodeAgent
 from keepwarm_runtime.cache.snapshot import DaemonSnapshot, ModelSnapshot
 from keepwarm_testing.controlplane.build import build_control_plane
@@ -266,12 +267,10 @@ def start_agents(specs: list[tuple[str, str]], log: Path) -> subprocess.Popen:
 
 def run_agents(specs: list[tuple[str, str]]) -> None:
     """Child process: the real NodeAgent code for each (node, kubeconfig) until stdin closes."""
-    from kubernetes import client, config
-
     stop = threading.Event()
     for node, kubeconfig in specs:
-        api = client.CustomObjectsApi(config.new_client_from_config(config_file=kubeconfig))
-        agent = NodeAgent(FakeDaemon(), "scale", node, api, namespace=OPERATOR_NAMESPACE)
+        kube = connect(kubeconfig, AGENT_FIELD_MANAGER)
+        agent = NodeAgent(FakeDaemon(), "scale", node, kube, namespace=OPERATOR_NAMESPACE)
         threading.Thread(target=agent.run, args=(stop,), daemon=True, name="bench-agent").start()
     print("started", flush=True)
     sys.stdin.read()

@@ -17,6 +17,7 @@ from .group import API_VERSION, CACHE_LABEL
 from .weightcachenode import KIND as NODE_KIND
 
 LEASE_API_VERSION = "coordination.k8s.io/v1"
+LEASE_KIND = "Lease"
 LEASE_GROUP = "coordination.k8s.io"
 
 
@@ -59,7 +60,7 @@ def node_lease(
         ]
     body = renewal(now, holder, duration_s)
     body["spec"]["acquireTime"] = micro_time(now)
-    return {"apiVersion": LEASE_API_VERSION, "kind": "Lease", "metadata": meta, **body}
+    return {"apiVersion": LEASE_API_VERSION, "kind": LEASE_KIND, "metadata": meta, **body}
 
 
 def renewed_at(lease: dict[str, Any]) -> dt.datetime | None:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .kube import Kube
+from keepwarm_api.kube import Kube
 
 Key = tuple[str, str, str, str]  # (apiVersion, kind, namespace or "", name)
 # Kinds whose status is written often by others (the Deployment controller, the node agents): only a

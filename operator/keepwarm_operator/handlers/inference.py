@@ -32,6 +32,7 @@ from keepwarm_api.inferencedeployment import (
     IDepReason,
     InferenceDeploymentSpec,
 )
+from keepwarm_api.kube import ApiError
 from keepwarm_api.weightcache import PLURAL as CACHE_PLURAL
 from keepwarm_api.weightcache import WeightCacheSpec
 from keepwarm_api.weightcachenode import PLURAL as NODE_PLURAL
@@ -45,7 +46,6 @@ from ..builders.runtime import (
     runtime_deployment,
     runtime_service,
 )
-from ..kube import ApiError
 from ..metrics import APPLIES, reconciling
 from ..status import inference_status, now, status_changed
 from .setup import Context, context, residency_moved

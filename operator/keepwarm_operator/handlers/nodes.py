@@ -13,12 +13,12 @@ from typing import Any
 import kopf
 
 from keepwarm_api import API_VERSION
+from keepwarm_api.kube import ApiError, Kube
 from keepwarm_api.weightcachenode import KIND as NODE_KIND
 from keepwarm_api.weightcachenode import PLURAL
 
 from ..applied import AppliedStore, apply_if_changed
 from ..builders.meta import WARM_LABEL_PREFIX
-from ..kube import ApiError, Kube
 from ..metrics import reconciling
 from ..status import node_warm_labels, resident_models
 from .setup import context, residency_moved

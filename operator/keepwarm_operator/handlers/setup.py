@@ -13,14 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
-from kubernetes import client
 
 from keepwarm_api import GROUP
+from keepwarm_api.kube import Kube, connect
 from keepwarm_api.kubeconfig import client_configuration
 
 from ..applied import AppliedStore
 from ..builders.meta import IDEP_LABEL
-from ..kube import Kube, connection_info
 from ..settings import OperatorSettings
 from ..status import resident_models
 
@@ -158,6 +157,26 @@ def operator_settings(memo: Any) -> OperatorSettings:
     return memo.get("settings") or OperatorSettings()
 
 
+def connection_info(cfg: Any, settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
+    """kopf's credentials from a kubernetes client Configuration (as kopf.login_via_client reads its
+    global one)."""
+    header = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix("authorization")
+    parts = header.split(" ", 1) if header else []
+    scheme, token = (None, None) if not parts else (None, parts[0]) if len(parts) == 1 else tuple(parts)
+    return kopf.ConnectionInfo(
+        server=cfg.host,
+        ca_path=cfg.ssl_ca_cert,
+        insecure=not cfg.verify_ssl,
+        username=cfg.username or None,
+        password=cfg.password or None,
+        scheme=scheme,
+        token=token,
+        certificate_path=cfg.cert_file,
+        private_key_path=cfg.key_file,
+        trust_env=settings.networking.trust_env,
+    )
+
+
 @kopf.on.login()
 def login(memo: Any, **kwargs: Any) -> kopf.ConnectionInfo:
     """kopf connects as our own client does: --kubeconfig, else in-cluster, else $KUBECONFIG."""
@@ -190,12 +209,10 @@ def configure(
     configure_watching(settings)
     ours = operator_settings(memo)
     settings.execution.max_workers = ours.workers
-    cfg = client_configuration(ours.kubeconfig)
     # One connection per thread that may call at once (kopf's workers, coalesced refreshes): with the
     # client's default of 10, a burst of creates discarded connections and paid a TLS handshake each.
-    cfg.connection_pool_maxsize = max(cfg.connection_pool_maxsize or 0, POOL_PER_WORKER * ours.workers)
     memo.keepwarm = Context(
-        kube=Kube(client.ApiClient(cfg)),
+        kube=connect(ours.kubeconfig, pool_size=POOL_PER_WORKER * ours.workers),
         agent_namespace=ours.agent_namespace,
         residency=residency,
         deployments_by_cache=by_cache,

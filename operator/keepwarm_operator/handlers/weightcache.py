@@ -23,7 +23,8 @@ from pydantic import ValidationError
 
 from keepwarm_api import API_VERSION
 from keepwarm_api.common import condition, merge_conditions, upsert_conditions
-from keepwarm_api.lease import LEASE_API_VERSION, renewed_at
+from keepwarm_api.kube import ApiError, Kube
+from keepwarm_api.lease import LEASE_API_VERSION, LEASE_KIND, renewed_at
 from keepwarm_api.weightcache import (
     KIND,
     PLURAL,
@@ -47,7 +48,6 @@ from keepwarm_api.weightcachenode import PLURAL as NODE_PLURAL
 from ..applied import AppliedStore, ApplyMode, apply_if_changed
 from ..builders.agent import agent_children
 from ..builders.meta import CACHE_LABEL, agent_labels, agent_name, object_meta, selector_string
-from ..kube import ApiError, Kube
 from ..metrics import APPLIES, STALE_NODES, reconciling
 from ..status import (
     gpu_mismatches,
@@ -97,7 +97,7 @@ def _sync_nodes(
     }
     renewed = {  # the agents' Leases, named like their WeightCacheNodes
         lease["metadata"]["name"]: renewed_at(lease)
-        for lease in kube.list(LEASE_API_VERSION, "Lease", agent_ns, labels=f"{CACHE_LABEL}={cache}")
+        for lease in kube.list(LEASE_API_VERSION, LEASE_KIND, agent_ns, labels=f"{CACHE_LABEL}={cache}")
     }
     for node in sorted(n for n in agent_nodes if node_belongs(node_labels.get(n), spec.node_selector)):
         name = object_name(cache, node)

@@ -26,8 +26,9 @@ Started by `keepwarm cache serve --report-to-kubernetes --weightcache NAME --nod
 daemon thread. Three threads: the watch follows the spec (and the stored status), this one reconciles
 (local work only), a reporter renews the node's Lease every heartbeat (keepwarm_api.lease: liveness,
 so a long load never looks like a dead agent) and writes the WeightCacheNode status only when it
-changed: a steady node costs one small Lease write per heartbeat and no WeightCacheNode write. The
-kubernetes client is an optional dependency (extra `kubernetes`).
+changed: a steady node costs one small Lease write per heartbeat and no WeightCacheNode write. It
+talks to the API server through keepwarm_api.kube, the operator's client too, whose kubernetes client
+is an optional dependency here (extra `kubernetes`).
 """
 
 from __future__ import annotations
@@ -42,10 +43,10 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
-from keepwarm_api import GROUP, VERSION
+from keepwarm_api import API_VERSION
 from keepwarm_api import lease as node_lease
 from keepwarm_api import weightcachenode as wcn
-from keepwarm_api.kubeconfig import client_configuration
+from keepwarm_api.kube import AGENT_FIELD_MANAGER, GONE, ApiError, Kube, connect
 from keepwarm_api.paths import HF_MOUNT, HOST_MODELS_MOUNT, MODELS_ROOT, hf_cache_dir
 from keepwarm_api.weightcache import DEFAULT_HEARTBEAT_S
 from keepwarm_api.weightcachenode import WeightCacheNodeSpec
@@ -72,7 +73,6 @@ from .state import (
 )
 
 log = logging.getLogger(__name__)
-WATCH_TIMEOUT_S = 300  # the API server ends each watch after this; the agent re-lists and watches on
 WATCH_RETRY_S = 2.0  # after a failed list or watch
 
 
@@ -84,23 +84,24 @@ class TokenSecretError(RuntimeError):
     """A model's tokenSecretRef names a Secret or key that is not there (fails that model only)."""
 
 
-def _clients() -> tuple[Any, Any]:
-    """(CustomObjectsApi, CoreV1Api) with the pod's token, or KUBECONFIG outside a cluster."""
+def _kube() -> Kube:
+    """The client with the pod's token, or KUBECONFIG outside a cluster (keepwarm_api's loader)."""
     try:
-        from kubernetes import client
+        return connect(field_manager=AGENT_FIELD_MANAGER)
     except ImportError as exc:
         raise AgentDependencyError(
             "the node agent needs the kubernetes client: pip install 'keepwarm-runtime[kubernetes]'"
         ) from exc
-    api_client = client.ApiClient(client_configuration())  # the operator's loader (keepwarm_api)
-    return client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
 
 
-def fetch_node_object(api: Any, name: str) -> dict[str, Any] | None:
-    """The WeightCacheNode `name` (None until the operator created it); a list by name, as the agent
-    may list and watch but not get."""
-    found = api.list_cluster_custom_object(GROUP, VERSION, wcn.PLURAL, field_selector=f"metadata.name={name}")
-    items = found.get("items") or []
+def by_name(name: str) -> str:
+    """The field selector of one object: the agent may list and watch its WeightCacheNode, not get it."""
+    return f"metadata.name={name}"
+
+
+def fetch_node_object(kube: Kube, name: str) -> dict[str, Any] | None:
+    """The WeightCacheNode `name` (None until the operator created it), listed by name."""
+    items = kube.list(API_VERSION, wcn.KIND, fields=by_name(name))
     return items[0] if items else None
 
 
@@ -111,7 +112,7 @@ def daemon_key(daemon: Any) -> str:
 
 class NodeAgent:
     def __init__(
-        self, daemon: Any | list[Any], cache: str, node: str, api: Any, *, core: Any = None,
+        self, daemon: Any | list[Any], cache: str, node: str, kube: Kube | None, *,
         namespace: str = NAMESPACE, host_root: str = HOST_MODELS_MOUNT, pvc_root: str = MODELS_ROOT,
         hf_root: str = HF_MOUNT,
         retry_base_s: float = RETRY_BASE_S, max_loads: int = MAX_LOADS,
@@ -119,7 +120,7 @@ class NodeAgent:
     ):  # fmt: skip
         daemons = daemon if isinstance(daemon, list) else [daemon]
         self.daemons = {daemon_key(d): d for d in daemons}  # GPU UUID ("" for host.sock) -> daemon
-        self.cache, self.node, self.api, self.core = cache, node, api, core
+        self.cache, self.node, self.kube = cache, node, kube  # kube: None in tests that never call
         self.namespace = namespace  # token Secrets live here
         self.host_root = host_root  # the WeightCache's modelDirectory: path sources
         self.pvc_root = pvc_root  # pvc sources, one directory per model
@@ -144,7 +145,6 @@ class NodeAgent:
         self.seen: dict[str, Any] | None = None
         self.renewed = -float("inf")  # time.monotonic() of the last Lease renewal (or attempt)
         self.lease_held = False  # the last renewal succeeded
-        self._coordination: Any = None
 
     @property
     def object_name(self) -> str:
@@ -152,7 +152,7 @@ class NodeAgent:
 
     def fetch(self) -> dict[str, Any] | None:
         """This node's WeightCacheNode now (None until the operator created it)."""
-        return fetch_node_object(self.api, self.object_name)
+        return fetch_node_object(self.client(), self.object_name)
 
     def reconcile(self, obj: dict[str, Any]) -> None:
         """One pass: start loads of what is wanted and missing, release what is no longer wanted,
@@ -265,20 +265,16 @@ class NodeAgent:
         """The Hub token from its Secret in the agent's namespace, read through the API when needed."""
         if w.token is None:
             return None
-        from kubernetes.client import ApiException
-
+        where = f"tokenSecretRef: Secret {self.namespace}/{w.token.name}"
         try:
-            secret = self.core.read_namespaced_secret(w.token.name, self.namespace)
-        except ApiException as exc:
-            raise TokenSecretError(
-                f"tokenSecretRef: Secret {self.namespace}/{w.token.name} could not be read ({exc.status} "
-                f"{exc.reason})"
-            ) from exc
-        data = secret.data or {}
+            secret = self.client().get("v1", "Secret", w.token.name, self.namespace)
+        except ApiError as exc:
+            raise TokenSecretError(f"{where} could not be read ({exc.status} {exc.reason})") from exc
+        if secret is None:
+            raise TokenSecretError(f"{where} could not be read (404 NotFound)")
+        data = secret.get("data") or {}
         if w.token.key not in data:
-            raise TokenSecretError(
-                f"tokenSecretRef: Secret {self.namespace}/{w.token.name} has no key {w.token.key!r}"
-            )
+            raise TokenSecretError(f"{where} has no key {w.token.key!r}")
         return base64.b64decode(data[w.token.key]).decode().strip()
 
     def _path(self, w: WantedModel) -> str:
@@ -328,8 +324,6 @@ class NodeAgent:
     def report(self) -> bool:
         """Write the WeightCacheNode status if it changed (not its heartbeat stamp alone), once a pass
         has read the spec; False while the operator has not created the object yet."""
-        from kubernetes.client import ApiException
-
         if not self.passed:
             return True  # nothing before a pass: the status would not say what the node holds
         with self.lock:
@@ -339,53 +333,43 @@ class NodeAgent:
         if not status_differs(stored, status):
             return True
         try:
-            self.seen = self.api.patch_cluster_custom_object_status(
-                GROUP, VERSION, wcn.PLURAL, self.object_name, {"status": status.wire()},
-                _content_type="application/merge-patch+json",
-            )  # fmt: skip
+            self.seen = self.client().merge_patch(
+                API_VERSION, wcn.KIND, self.object_name, {"status": status.wire()}, status=True
+            )
             return True
-        except ApiException as exc:
+        except ApiError as exc:
             if exc.status == 404:
                 log.info("WeightCacheNode %s not created yet; retrying", self.object_name)
                 return False
             raise
 
-    def coordination(self) -> Any:
-        """CoordinationV1Api on the same connection as the custom objects API."""
-        if self._coordination is None:
-            from kubernetes import client
-
-            self._coordination = client.CoordinationV1Api(self.api.api_client)
-        return self._coordination
+    def client(self) -> Kube:
+        """The client (a NodeAgent made without one is a test's that never calls the API)."""
+        if self.kube is None:
+            raise RuntimeError("this NodeAgent was made without a Kubernetes client")
+        return self.kube
 
     def renew(self) -> bool:
         """Renew this node's Lease (create it, owned by the WeightCacheNode, on the first renewal or
         after the garbage collector removed it with an old WeightCacheNode). False while there is no
         WeightCacheNode yet: nothing to be stale."""
-        from kubernetes.client import ApiException
-
         self.renewed = time.monotonic()
         owner = self.seen or self.desired
         if owner is None:
             return False
         duration = int(wcn.STALE_HEARTBEATS * self.heartbeat_s)
-        coordination = self.coordination()
+        kube, renewal = self.client(), node_lease.renewal(now(), self.node, duration)
         try:
-            coordination.patch_namespaced_lease(
-                self.object_name, self.namespace, node_lease.renewal(now(), self.node, duration),
-                _content_type="application/merge-patch+json",
-            )  # fmt: skip
-        except ApiException as exc:
+            kube.merge_patch(
+                node_lease.LEASE_API_VERSION, node_lease.LEASE_KIND, self.object_name, renewal, self.namespace
+            )
+        except ApiError as exc:
             if exc.status != 404:
                 raise
             body = node_lease.node_lease(
                 self.object_name, self.namespace, self.cache, self.node, duration, now(), owner
             )
-            # Created by server-side apply: the client's create would re-serialize MicroTimes wrongly.
-            coordination.patch_namespaced_lease(
-                self.object_name, self.namespace, body, field_manager="keepwarm-agent", force=True,
-                _content_type="application/apply-patch+yaml",
-            )  # fmt: skip
+            kube.apply(body, manager=AGENT_FIELD_MANAGER)  # created by apply: one call, whoever was first
         return True
 
     def _follow(self, obj: dict[str, Any] | None) -> None:
@@ -394,31 +378,25 @@ class NodeAgent:
         self.changed.set()
 
     def run_watch(self, stop: threading.Event) -> None:
-        """List this node's WeightCacheNode, then watch it from that resourceVersion; on any error
-        (410 Gone included) or the server's timeout, list and watch again."""
-        from kubernetes import watch
-
-        selector = f"metadata.name={self.object_name}"
+        """List this node's WeightCacheNode, then watch it from that list's resourceVersion; when the
+        server ends the watch (its timeout) or answers 410 Gone (the version is too old), list and
+        watch again; after any other error, the same a little later."""
+        kube, selector = self.client(), by_name(self.object_name)
         while not stop.is_set():
             try:
-                listing = self.api.list_cluster_custom_object(
-                    GROUP, VERSION, wcn.PLURAL, field_selector=selector
-                )
-                found = listing.get("items") or []
-                self._follow(found[0] if found else None)  # fetch(), keeping the resourceVersion
-                stream = watch.Watch().stream(
-                    self.api.list_cluster_custom_object, GROUP, VERSION, wcn.PLURAL,
-                    field_selector=selector, resource_version=listing["metadata"]["resourceVersion"],
-                    timeout_seconds=WATCH_TIMEOUT_S,
-                )  # fmt: skip
-                for event in stream:
+                listing = kube.listing(API_VERSION, wcn.KIND, fields=selector)
+                self._follow(listing.items[0] if listing.items else None)  # fetch(), keeping the version
+                for kind, obj in kube.watch(API_VERSION, wcn.KIND, listing.resource_version, fields=selector):
                     if stop.is_set():
                         return
-                    if event["type"] in ("ADDED", "MODIFIED"):
-                        self._follow(event["raw_object"])
-                    elif event["type"] == "DELETED":
+                    if kind in ("ADDED", "MODIFIED"):
+                        self._follow(obj)
+                    elif kind == "DELETED":
                         self._follow(None)
             except Exception as exc:  # API hiccups must not end the watch
+                if isinstance(exc, ApiError) and exc.status == GONE:
+                    log.info("watch of WeightCacheNode %s expired; listing again", self.object_name)
+                    continue
                 log.warning("watching WeightCacheNode %s failed: %s", self.object_name, exc)
                 stop.wait(WATCH_RETRY_S)
 
@@ -485,14 +463,12 @@ def report_start_failure(settings: CacheServeSettings, message: str) -> None:
     object. Best effort: a failure here is logged, never raised over the daemon's own error."""
     name = wcn.object_name(settings.weightcache, settings.node_name)
     try:
-        api, _ = _clients()
-        if (stored := fetch_node_object(api, name)) is None:
+        kube = _kube()
+        if (stored := fetch_node_object(kube, name)) is None:
             log.warning("WeightCacheNode %s not created yet; the start failure is only in this log", name)
             return
         status = wcn.start_failure_status(stored.get("status"), message, now())
-        api.patch_cluster_custom_object_status(
-            GROUP, VERSION, wcn.PLURAL, name, {"status": status}, _content_type="application/merge-patch+json"
-        )
+        kube.merge_patch(API_VERSION, wcn.KIND, name, {"status": status}, status=True)
     except Exception as exc:  # no API, no permission: the log line above stands
         log.warning("could not report the start failure on WeightCacheNode %s: %s", name, exc)
 
@@ -500,19 +476,19 @@ def report_start_failure(settings: CacheServeSettings, message: str) -> None:
 def run_agent(daemons: list[Any], settings: CacheServeSettings, stop: threading.Event | None = None) -> None:
     """Entry point for `keepwarm cache serve --report-to-kubernetes` (runs until the daemons stop)."""
     try:
-        api, core = _clients()
+        kube = _kube()
     except AgentDependencyError as exc:
         log.error("%s", exc)
         return
     stop = stop or getattr(daemons[0], "_stop", None) or threading.Event()  # SIGTERM stops them all
-    node_agent(daemons, settings, api, core).run(stop)
+    node_agent(daemons, settings, kube).run(stop)
 
 
-def node_agent(daemons: list[Any], settings: CacheServeSettings, api: Any, core: Any) -> NodeAgent:
+def node_agent(daemons: list[Any], settings: CacheServeSettings, kube: Kube | None) -> NodeAgent:
     """The NodeAgent of `keepwarm cache serve`'s resolved settings (its node agent flags and their
     variables: NODE_NAME, POD_NAMESPACE, KEEPWARM_*_ROOT); it reads no environment of its own."""
     return NodeAgent(
-        daemons, settings.weightcache, settings.node_name, api, core=core,
+        daemons, settings.weightcache, settings.node_name, kube,
         namespace=settings.namespace, host_root=settings.host_model_root, pvc_root=settings.model_root,
         hf_root=settings.download_root, max_loads=settings.max_loads, stall_timeout_s=settings.stall_timeout,
     )  # fmt: skip

@@ -33,6 +33,7 @@ from typing import Any
 
 import httpx
 
+from keepwarm_api.kube import OPERATOR_FIELD_MANAGER, Kube, connect
 from keepwarm_runtime.server.launcher import free_port
 
 from .kubelet import FakeKubelet
@@ -245,11 +246,10 @@ class ControlPlane:
             raise subprocess.CalledProcessError(proc.returncode, cmd, proc.stdout, proc.stderr)
         return proc
 
-    def api_client(self, kubeconfig: Path | None = None) -> Any:
-        """A `kubernetes.client.ApiClient` for this cluster (admin unless `kubeconfig` is given)."""
-        from kubernetes import config
-
-        return config.new_client_from_config(config_file=str(kubeconfig or self.kubeconfig))
+    def kube(self, kubeconfig: Path | None = None, field_manager: str = OPERATOR_FIELD_MANAGER) -> Kube:
+        """keepwarm's client (the operator's and the agent's) for this cluster: admin unless
+        `kubeconfig` is given."""
+        return connect(str(kubeconfig or self.kubeconfig), field_manager)
 
     def add_gpu_nodes(
         self,

@@ -93,8 +93,7 @@ def snapshot_dir(agent, name: str) -> str:
 def test_the_agent_downloads_with_its_token_secret_and_recovers_from_an_outage(
     control_plane, hub_env, tmp_path
 ):
-    from kubernetes import client
-
+    from keepwarm_api.kube import AGENT_FIELD_MANAGER
     from keepwarm_runtime.agent.kubernetes import NodeAgent
     from keepwarm_runtime.cache.daemon import CacheDaemon, DaemonConfig
 
@@ -132,11 +131,10 @@ def test_the_agent_downloads_with_its_token_secret_and_recovers_from_an_outage(
     docs = [wcn, secret, *agent_rbac(cache, NAMESPACE, None, [secret_name])]
     cp.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(docs))
     agent_kc = agent_pod_kubeconfig(cp, cache, node)
-    api_client = cp.api_client(agent_kc)
     daemon = CacheDaemon(DaemonConfig(socket_dir=tmp_path / "sock", tier="host", dtype="bfloat16"))
     hf_root = tmp_path / "downloads"
     agent = NodeAgent(
-        daemon, cache, node, client.CustomObjectsApi(api_client), core=client.CoreV1Api(api_client),
+        daemon, cache, node, cp.kube(agent_kc, AGENT_FIELD_MANAGER),
         namespace=NAMESPACE, hf_root=str(hf_root), retry_base_s=1.0, stall_timeout_s=STALL_S,
     )  # fmt: skip
     earlier = len(hub.requests_for("org/gated"))  # this module's other tests asked too

@@ -19,7 +19,9 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+from keepwarm_api import API_VERSION
 from keepwarm_api.lease import node_lease
+from keepwarm_api.weightcachenode import KIND as NODE_KIND
 from keepwarm_api.weightcachenode import ResidentModel
 from keepwarm_api.weightcachenode import agent_status as wcn_status
 from keepwarm_operator.builders.meta import warm_label_key
@@ -220,8 +222,7 @@ def test_adding_a_model_changes_the_weightcachenodes_not_the_agent_pods(env):
 
 def test_agent_reports_aggregate_into_weightcache_status(env, tiny_llama, tmp_path):
     """Node 0 runs the real agent code with a real CacheDaemon; node 1 is written as an agent would."""
-    from kubernetes import client
-
+    from keepwarm_api.kube import AGENT_FIELD_MANAGER, ApiError
     from keepwarm_runtime.agent.kubernetes import NodeAgent
     from keepwarm_runtime.cache.daemon import CacheDaemon, DaemonConfig
 
@@ -231,9 +232,9 @@ def test_agent_reports_aggregate_into_weightcache_status(env, tiny_llama, tmp_pa
     shutil.copytree(tiny_llama, tmp_path / "models" / MODEL)
     daemon = CacheDaemon(DaemonConfig(socket_dir=tmp_path / "sock", tier="host", dtype="bfloat16"))
     try:
-        api = client.CustomObjectsApi(cp.api_client(agent_kc))
+        kube = cp.kube(agent_kc, AGENT_FIELD_MANAGER)
         agent = NodeAgent(
-            daemon, WC, env.nodes[0], api, namespace=NAMESPACE, host_root=str(tmp_path / "models")
+            daemon, WC, env.nodes[0], kube, namespace=NAMESPACE, host_root=str(tmp_path / "models")
         )
         agent.reconcile(agent.fetch())  # the models the operator wrote into this node's spec
         agent.settle()
@@ -252,18 +253,16 @@ def test_agent_reports_aggregate_into_weightcache_status(env, tiny_llama, tmp_pa
     patch = json.dumps(agent_status("Resident"))
     # The agent of node 0 may not write node 1's status (the chart's ValidatingAdmissionPolicy)...
     node1, body = f"{WC}.{env.nodes[1]}", json.loads(patch)
-    with pytest.raises(client.ApiException) as refused:
-        api.patch_cluster_custom_object_status("keepwarm.dev", "v1alpha1", "weightcachenodes", node1, body)
-    assert refused.value.status == 403 and "its own node" in refused.value.body
+    with pytest.raises(ApiError) as refused:
+        kube.merge_patch(API_VERSION, NODE_KIND, node1, body, status=True)
+    assert refused.value.status == 403 and "its own node" in refused.value.message
     # ... nor keep node 1 looking alive through its Lease.
     lease = node_lease(node1, NAMESPACE, WC, env.nodes[1], 60, dt.datetime.now(dt.UTC), None)
-    with pytest.raises(client.ApiException) as refused:
-        agent.coordination().patch_namespaced_lease(
-            node1, NAMESPACE, lease, field_manager="e2e", _content_type="application/apply-patch+yaml"
-        )
-    assert refused.value.status == 403 and "its own node" in refused.value.body
-    own = client.CustomObjectsApi(cp.api_client(agent_kubeconfig(env, env.nodes[1])))
-    own.patch_cluster_custom_object_status("keepwarm.dev", "v1alpha1", "weightcachenodes", node1, body)
+    with pytest.raises(ApiError) as refused:
+        kube.apply(lease, manager="e2e")
+    assert refused.value.status == 403 and "its own node" in refused.value.message
+    own = cp.kube(agent_kubeconfig(env, env.nodes[1]), AGENT_FIELD_MANAGER)
+    own.merge_patch(API_VERSION, NODE_KIND, node1, body, status=True)
 
     def two_ready():
         s = wc(env)["status"]

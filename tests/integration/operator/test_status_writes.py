@@ -7,7 +7,6 @@ import json
 import uuid
 
 from keepwarm_api import API_VERSION
-from keepwarm_operator.kube import Kube
 from keepwarm_testing.operator import GROUP_PATH, get, install_crds
 
 
@@ -22,7 +21,7 @@ def test_a_status_computed_from_a_stale_read_is_recomputed_not_written(control_p
         "spec": {"weightCache": "kwrv", "nodeName": "node"},
     }  # no cache label and no operator here: only this test writes it
     cp.kubectl("apply", "-f", "-", input=json.dumps(wcn))
-    kube = Kube(cp.api_client())
+    kube = cp.kube()
     try:
         stale = kube.get(API_VERSION, "WeightCacheNode", name)
         fresh = {"status": {"message": "fresh"}}

@@ -46,7 +46,7 @@ def cache(models, generation=1):
 
 
 def agent(daemon, root, **kwargs):
-    return NodeAgent(daemon, "wc", "node-1", api=None, host_root=str(root), pvc_root="/pvc", **kwargs)
+    return NodeAgent(daemon, "wc", "node-1", kube=None, host_root=str(root), pvc_root="/pvc", **kwargs)
 
 
 def passed(agent, obj):
@@ -146,7 +146,7 @@ def test_a_model_the_daemon_already_holds_is_resident_from_the_first_pass(model_
     daemon = CacheDaemon(DaemonConfig(socket_dir=tmp_path / "sock", tier="host", dtype="bfloat16"))
     try:
         daemon.add_model(model_root / "llama-a")  # the predecessor's arena, taken over at start
-        agent_ = agent(daemon, model_root)  # api=None: a status write would fail
+        agent_ = agent(daemon, model_root)  # kube=None: a status write would fail
         assert agent_.report()  # before any pass: nothing written
         agent_.reconcile(cache([{"name": "llama-a", "source": {"path": "/m/llama-a"}, "pin": True}]))
         assert not agent_.inflight  # booked in the pass itself, not loaded on the pool
@@ -336,7 +336,7 @@ def test_a_hung_download_does_not_hold_up_the_other_models(model_root, tmp_path)
             return super()._path(w)
 
     daemon = CacheDaemon(DaemonConfig(socket_dir=tmp_path / "sock", tier="host", dtype="bfloat16"))
-    agent_ = HungHub(daemon, "wc", "node-1", api=None, host_root=str(model_root), max_loads=2)
+    agent_ = HungHub(daemon, "wc", "node-1", kube=None, host_root=str(model_root), max_loads=2)
     try:
         models = [
             {"name": "hub", "source": {"huggingFace": {"repo": "o/r", "revision": "main"}}},

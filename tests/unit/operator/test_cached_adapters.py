@@ -205,7 +205,7 @@ def test_agent_loads_adapters_as_adapters_fails_a_corrupt_one_alone_and_releases
     from keepwarm_runtime.cache.daemon import CacheDaemon, DaemonConfig
 
     daemon = CacheDaemon(DaemonConfig(socket_dir=tmp_path / "sock", tier="host", dtype="bfloat16"))
-    agent = NodeAgent(daemon, "wc", "node-1", api=None, host_root=str(roots), pvc_root="/pvc")
+    agent = NodeAgent(daemon, "wc", "node-1", kube=None, host_root=str(roots), pvc_root="/pvc")
 
     def obj(adapters, generation):
         spec = {**SPEC, "models": [model("base", adapters)]}

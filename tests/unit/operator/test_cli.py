@@ -59,7 +59,7 @@ def test_kopf_logs_in_with_the_kubeconfig_from_settings(tmp_path):
     import kopf
 
     from keepwarm_api.kubeconfig import client_configuration
-    from keepwarm_operator.kube import connection_info
+    from keepwarm_operator.handlers.setup import connection_info
 
     kubeconfig = tmp_path / "kc.yaml"
     kubeconfig.write_text(

@@ -100,7 +100,7 @@ def test_agent_keeps_every_model_on_every_gpu_and_reports_each(fake_gpu_daemons,
     shutil.copytree(tiny_llama, root / "llama")
     (root / "broken").mkdir()
     assert [d.socket_path.name for d in fake_gpu_daemons] == [f"gpu-{u}.sock" for u in GPUS]
-    agent = NodeAgent(fake_gpu_daemons, "wc", "node-1", api=None, host_root=str(root), pvc_root="/pvc")
+    agent = NodeAgent(fake_gpu_daemons, "wc", "node-1", kube=None, host_root=str(root), pvc_root="/pvc")
     spec = {"weightCache": "wc", "nodeName": "node-1", "modelDirectory": "/m"}
     models = [{"name": "llama", "source": {"path": "/m/llama"}}]
     obj = {"metadata": {"name": "wc.node-1", "generation": 1}, "spec": {**spec, "models": models}}
@@ -148,7 +148,7 @@ def test_a_hub_model_is_downloaded_once_for_all_gpus(fake_gpu_daemons, tiny_llam
 
     monkeypatch.setattr(agent_module, "download", download)
     agent = NodeAgent(
-        fake_gpu_daemons, "wc", "node-1", api=None, host_root="/h", pvc_root="/pvc", max_loads=1
+        fake_gpu_daemons, "wc", "node-1", kube=None, host_root="/h", pvc_root="/pvc", max_loads=1
     )
     hub = {"huggingFace": {"repo": "org/tiny", "revision": "main"}}
     obj = {

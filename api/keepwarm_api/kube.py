@@ -1,21 +1,29 @@
-"""A thin dict-in, dict-out Kubernetes client: server-side apply, get, list, patch, delete.
+"""keepwarm's one Kubernetes client, shared by the operator and the node agent: dict-in, dict-out
+server-side apply, get, list, patch, delete and watch.
 
-The handlers speak plain manifests (what the builders return), so this wraps the kubernetes client's
-raw REST layer instead of its generated model classes.
+Both sides speak plain manifests (what the operator's builders return, the JSON the agent reads and
+patches), so this wraps the kubernetes client's raw REST layer (its ApiClient: the kubeconfig or
+in-cluster credentials from keepwarm_api.kubeconfig, token refresh, connection pool) instead of its
+generated model classes. The kubernetes client is imported when a client is made or a call fails:
+keepwarm_api itself does not depend on it (the operator always has it, the agent as the runtime's
+extra `kubernetes`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kubernetes import client
-
-FIELD_MANAGER = "keepwarm-operator"
+OPERATOR_FIELD_MANAGER = "keepwarm-operator"
+AGENT_FIELD_MANAGER = "keepwarm-agent"
 STATUS_WRITE_TRIES = 3  # write_status: reads and recomputes after a conflict
 LIST_PAGE = 500  # list: objects per page
+WATCH_TIMEOUT_S = 300  # watch: the API server ends each watch after this (timeoutSeconds)
+WATCH_READ_SLACK_S = 30  # watch: a stream silent this long past its timeout is dead (read timeout)
+WATCH_CONNECT_S = 30  # watch: connect timeout
+GONE = 410  # a watch's resourceVersion is too old: list again
 
 
 class ApiError(Exception):
@@ -52,6 +60,7 @@ RESOURCES = {
     ("v1", "Node"): Resource("", "v1", "nodes", False),
     ("v1", "Namespace"): Resource("", "v1", "namespaces", False),
     ("v1", "Pod"): Resource("", "v1", "pods", True),
+    ("v1", "Secret"): Resource("", "v1", "secrets", True),
     ("coordination.k8s.io/v1", "Lease"): Resource("coordination.k8s.io", "v1", "leases", True),
     ("apps/v1", "DaemonSet"): Resource("apps", "v1", "daemonsets", True),
     ("apps/v1", "Deployment"): Resource("apps", "v1", "deployments", True),
@@ -82,36 +91,40 @@ def resource(api_version: str, kind: str) -> Resource:
         raise ValueError(f"keepwarm's client does not know {kind} ({api_version})") from None
 
 
-def connection_info(cfg: client.Configuration, settings: Any) -> Any:
-    """kopf's credentials from a client Configuration (as kopf.login_via_client reads its global one)."""
-    import kopf
+def connect(kubeconfig: str | None = None, field_manager: str = OPERATOR_FIELD_MANAGER,
+            pool_size: int = 0) -> Kube:  # fmt: skip
+    """A client with keepwarm's one loader (keepwarm_api.kubeconfig); pool_size: connections kept
+    at least (one per thread that may call at once, else each burst pays TLS handshakes)."""
+    from kubernetes import client
 
-    header = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix("authorization")
-    parts = header.split(" ", 1) if header else []
-    scheme, token = (None, None) if not parts else (None, parts[0]) if len(parts) == 1 else tuple(parts)
-    return kopf.ConnectionInfo(
-        server=cfg.host,
-        ca_path=cfg.ssl_ca_cert,
-        insecure=not cfg.verify_ssl,
-        username=cfg.username or None,
-        password=cfg.password or None,
-        scheme=scheme,
-        token=token,
-        certificate_path=cfg.cert_file,
-        private_key_path=cfg.key_file,
-        trust_env=settings.networking.trust_env,
-    )
+    from .kubeconfig import client_configuration
+
+    cfg = client_configuration(kubeconfig)
+    cfg.connection_pool_maxsize = max(cfg.connection_pool_maxsize or 0, pool_size)
+    return Kube(client.ApiClient(cfg), field_manager)
+
+
+@dataclass(frozen=True)
+class Listing:
+    items: list[dict[str, Any]]
+    resource_version: str  # the list's snapshot: a watch from here misses nothing and repeats nothing
 
 
 class Kube:
-    def __init__(self, api_client: client.ApiClient, field_manager: str = FIELD_MANAGER):
-        self.api = api_client
+    """Thread-safe as its ApiClient is: one per process, shared by every thread that calls."""
+
+    def __init__(self, api_client: Any, field_manager: str = OPERATOR_FIELD_MANAGER):
+        self.api = api_client  # a kubernetes.client.ApiClient
         self.field_manager = field_manager
 
-    def request(
+    def send(
         self, method: str, path: str, query: list[tuple[str, str]] | None = None, body: Any = None,
-        content_type: str = "application/json",
-    ) -> dict[str, Any]:  # fmt: skip
+        content_type: str = "application/json", timeout: tuple[float, float] | None = None,
+    ) -> Any:  # fmt: skip
+        """The response (a kubernetes.client.rest.RESTResponse), its body not yet read; ApiError for
+        any HTTP error."""
+        from kubernetes.client import ApiException
+
         headers = {"Accept": "application/json", "Content-Type": content_type}
         method, url, headers, body, post = self.api.param_serialize(
             method,
@@ -122,26 +135,26 @@ class Kube:
             auth_settings=["BearerToken"],
         )
         try:
-            response = self.api.call_api(method, url, header_params=headers, body=body, post_params=post)
-            response.read()
-        except client.ApiException as exc:
-            return self._raise(exc.status, exc.body)
+            response = self.api.call_api(
+                method, url, header_params=headers, body=body, post_params=post, _request_timeout=timeout
+            )
+        except ApiException as exc:
+            raise api_error(exc.status, exc.body) from None
         if response.status >= 400:
-            return self._raise(response.status, response.data)
-        return json.loads(response.data) if response.data else {}
+            raise api_error(response.status, response.read())
+        return response
 
-    @staticmethod
-    def _raise(status: int, data: bytes | str | None) -> dict[str, Any]:
-        try:
-            payload = json.loads(data or "{}")
-        except ValueError:
-            payload = {"message": str(data)}
-        raise ApiError(status, payload.get("reason", ""), payload.get("message", ""))
+    def request(
+        self, method: str, path: str, query: list[tuple[str, str]] | None = None, body: Any = None,
+        content_type: str = "application/json",
+    ) -> dict[str, Any]:  # fmt: skip
+        data = self.send(method, path, query, body, content_type).read()
+        return json.loads(data) if data else {}
 
     def apply(
         self, obj: dict[str, Any], *, status: bool = False, manager: str | None = None
     ) -> dict[str, Any]:
-        """Server-side apply (force: the operator owns the fields it declares)."""
+        """Server-side apply (force: this field manager owns the fields it declares)."""
         res = resource(obj["apiVersion"], obj["kind"])
         meta = obj["metadata"]
         path = res.path(meta.get("namespace"), meta["name"], "status" if status else None)
@@ -162,19 +175,54 @@ class Kube:
         self, api_version: str, kind: str, namespace: str | None = None, labels: str | None = None,
         fields: str | None = None,
     ) -> list[dict[str, Any]]:  # fmt: skip
-        """Every matching object, LIST_PAGE at a time (large clusters: no single huge response)."""
-        query = [("limit", str(LIST_PAGE))]
-        if labels:
-            query.append(("labelSelector", labels))
-        if fields:
-            query.append(("fieldSelector", fields))
+        return self.listing(api_version, kind, namespace, labels, fields).items
+
+    def listing(
+        self, api_version: str, kind: str, namespace: str | None = None, labels: str | None = None,
+        fields: str | None = None,
+    ) -> Listing:  # fmt: skip
+        """Every matching object, LIST_PAGE at a time (large clusters: no single huge response),
+        and the list's resourceVersion (every page is of the first one's snapshot)."""
+        query = [("limit", str(LIST_PAGE)), *selectors(labels, fields)]
         path, found, token = resource(api_version, kind).path(namespace), [], ""
         while True:
             page = self.request("GET", path, query + ([("continue", token)] if token else []))
             found.extend(page.get("items", []))
-            token = (page.get("metadata") or {}).get("continue") or ""
+            meta = page.get("metadata") or {}
+            token = meta.get("continue") or ""
             if not token:
-                return found
+                return Listing(found, meta.get("resourceVersion", ""))
+
+    def watch(
+        self, api_version: str, kind: str, resource_version: str, namespace: str | None = None,
+        labels: str | None = None, fields: str | None = None, timeout_s: int = WATCH_TIMEOUT_S,
+        bookmarks: bool = False,
+    ) -> Iterator[tuple[str, dict[str, Any]]]:  # fmt: skip
+        """The changes after resource_version (a listing's), as (type, object), until the API server
+        ends the stream after timeout_s: ADDED, MODIFIED, DELETED, and BOOKMARK (an object with only
+        a newer resourceVersion) when bookmarks are asked for. An ERROR event raises its ApiError:
+        410 Gone (GONE) says that version is too old, list again."""
+        query = [("watch", "true"), ("resourceVersion", resource_version), *selectors(labels, fields)]
+        query += [("timeoutSeconds", str(timeout_s))]
+        if bookmarks:
+            query.append(("allowWatchBookmarks", "true"))
+        path = resource(api_version, kind).path(namespace)
+        read_timeout = (WATCH_CONNECT_S, timeout_s + WATCH_READ_SLACK_S)
+        stream = self.send("GET", path, query, timeout=read_timeout).response  # urllib3, unread
+        try:
+            for line in stream:
+                if not line.strip():
+                    continue
+                event = json.loads(line)
+                if event["type"] == "ERROR":
+                    status = event.get("object") or {}
+                    raise ApiError(
+                        status.get("code", 500), status.get("reason", ""), status.get("message", "")
+                    )
+                yield event["type"], event["object"]
+        finally:  # as the kubernetes client's own watch: a stream left early is not reused
+            stream.close()
+            stream.release_conn()
 
     def merge_patch(
         self, api_version: str, kind: str, name: str, patch: dict[str, Any], namespace: str | None = None,
@@ -218,3 +266,19 @@ class Kube:
             if exc.status == 404:
                 return False
             raise
+
+
+def selectors(labels: str | None, fields: str | None) -> list[tuple[str, str]]:
+    """The query parameters of a label and a field selector (either may be absent)."""
+    return [(k, v) for k, v in (("labelSelector", labels), ("fieldSelector", fields)) if v]
+
+
+def api_error(status: int, data: bytes | str | None) -> ApiError:
+    """The ApiError of an HTTP error response (its body a Status, or any text)."""
+    try:
+        payload = json.loads(data or "{}")
+    except ValueError:
+        payload = {"message": str(data)}
+    if not isinstance(payload, dict):
+        payload = {"message": str(data)}
+    return ApiError(status, payload.get("reason", ""), payload.get("message", ""))
