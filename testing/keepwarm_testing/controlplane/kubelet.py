@@ -10,7 +10,9 @@ Two modes. Status only (the default, cheap enough for hundreds of pods): nothing
 are only status. With a `PodRunner` (pods/runner.py, needs root), each pod runs for real: processes
 in their own namespaces, volumes, probes, restarts, with a podCIDR per node; the runner then writes
 the pod's status and deletes it once its containers stopped.
-Talks plain JSON over httpx (admin client certificate).
+Talks plain JSON over httpx (admin client certificate), not through keepwarm_api.kube: it stands in
+for the cluster, not for keepwarm, so a fault in keepwarm's own client cannot hide on both sides of a
+test.
 """
 
 from __future__ import annotations
