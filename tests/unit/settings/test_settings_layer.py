@@ -169,7 +169,7 @@ def test_agent_settings_reach_the_node_agent_by_name():
 
     env = {"KEEPWARM_CACHE_SOCKET_DIR": "/s", podenv.POD_NAMESPACE: "keepwarm-system"}
     env |= {podenv.HOST_MODEL_ROOT: "/h", podenv.MODEL_ROOT: "/m", podenv.DOWNLOAD_ROOT: "/d"}
-    agent = node_agent([object()], settings(CacheServeSettings, ["--model-root", "/flag"], env), None, None)
+    agent = node_agent([object()], settings(CacheServeSettings, ["--model-root", "/flag"], env), None)
     assert (agent.namespace, agent.host_root, agent.pvc_root, agent.hf_root) == (
         "keepwarm-system",
         "/h",
@@ -178,7 +178,7 @@ def test_agent_settings_reach_the_node_agent_by_name():
     )
     agent.pool.shutdown()
     agent = node_agent(
-        [object()], settings(CacheServeSettings, [], {"KEEPWARM_CACHE_SOCKET_DIR": "/s"}), None, None
+        [object()], settings(CacheServeSettings, [], {"KEEPWARM_CACHE_SOCKET_DIR": "/s"}), None
     )
     assert (agent.namespace, agent.host_root, agent.pvc_root, agent.hf_root) == (
         "default",
