@@ -70,3 +70,81 @@ def test_the_server_base_imports_no_route_group() -> None:
     so a group can be read, moved or dropped on its own."""
     assert offenders("server/base", "keepwarm_runtime.server.openai") == []
     assert offenders("server/base", "keepwarm_runtime.server.probes") == []
+
+
+def module_graph() -> dict[str, set[str]]:
+    """keepwarm_runtime's files, each with the files it imports (a package's __init__ stands for the
+    package only where a module outside it imports it)."""
+    modules = {}
+    for path in ROOT.rglob("*.py"):
+        parts = ("keepwarm_runtime", *path.relative_to(ROOT).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for imported in imports_of(path.read_text(), package):
+            while imported and imported not in modules:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name and not name.startswith(imported + "."):
+                targets.add(imported)
+        graph[name] = targets
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one file (Tarjan's algorithm, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(graph[start]))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            nxt = next(edges, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(graph.get(nxt, ()))))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(component)
+    return found
+
+
+def test_circles_finds_a_circle() -> None:
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_circle_crosses_packages() -> None:
+    """Files of different packages never import each other in a circle (imports inside functions
+    included): each package can be read with what it imports, not with what imports it (issue 25)."""
+
+    def package(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    crossing = [sorted(c) for c in circles(module_graph()) if len({package(m) for m in c}) > 1]
+    assert crossing == []
