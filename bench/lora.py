@@ -20,8 +20,8 @@ adapters on every projection (q/k/v/o/gate/up/down, random lora_B), saved by PEF
 
 Each throughput case runs --rounds times, the order rotating each round, and its best pass counts.
 
-``--load-only`` measures the load times alone (the throughput figures are null): the way to run it
-on a model too large to generate with on a small CPU, e.g. the demo's 500M.
+``--load-only`` measures the load times alone (the throughput figures are null), for a quick look or a
+model too large to generate with on the machine at hand (the demo's 500M takes ~4 minutes whole on 2 cores).
 
 fp32, greedy, EOS ignored, every request asks for --output-tokens tokens. A benchmark, not a test.
 """
