@@ -332,7 +332,11 @@ async def deployment_changed(body: kopf.Body, type: str | None, memo: Any, **_: 
 
     def refresh() -> None:
         namespace, name = key
-        idep = ctx.inference_deployment(namespace, name) or ctx.kube.get(API_VERSION, KIND, name, namespace)
+        # A deleted Deployment is most often the garbage collector following its owner: read the owner
+        # from the API, since kopf's index may still hold the deleted InferenceDeployment (its event
+        # comes on another watch) and re-applying from that copy would bring the Deployment back.
+        indexed = None if type == "DELETED" else ctx.inference_deployment(namespace, name)
+        idep = indexed or ctx.kube.get(API_VERSION, KIND, name, namespace)
         if idep is not None:
             _write_status(memo, idep, "deployment", mode, deployment)
 
