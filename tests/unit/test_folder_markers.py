@@ -63,3 +63,15 @@ def test_minus_m_selects_by_folder() -> None:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     selected = {line.split("::")[0] for line in done.stdout.splitlines() if "::" in line}
     assert selected == {integration}
+
+
+def test_every_test_module_has_its_own_basename() -> None:
+    """The test folders are not packages, so pytest imports each module by its file name alone: two
+    files of one name in different folders stop the whole collection ('import file mismatch')."""
+    seen: dict[str, Path] = {}
+    clashes = []
+    for path in sorted(TESTS.rglob("test_*.py")):
+        if path.name in seen:
+            clashes.append(f"{seen[path.name].relative_to(TESTS)} ~ {path.relative_to(TESTS)}")
+        seen.setdefault(path.name, path)
+    assert clashes == []
