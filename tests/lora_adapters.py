@@ -6,7 +6,26 @@ from pathlib import Path
 
 import torch
 
+from keepwarm_runtime import LLM
 from tests.integration.engine.reference import transformers_greedy
+
+
+def lora_engine(
+    model_dir: Path, max_loras: int, max_lora_rank: int = 64, socket_dir: Path | None = None
+) -> LLM:
+    """The LoRA tests' engine: fp32, small blocks and batches so steps mix prefill and decode; with
+    ``socket_dir``, the base and the adapters come through that node cache."""
+    return LLM(
+        model_dir,
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=256,
+        max_num_batched_tokens=64,
+        enable_lora=True,
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank,
+        cache_socket_dir=str(socket_dir) if socket_dir else None,
+    )
 
 
 def make_adapter(model_dir: Path, out: Path, seed: int, **config) -> Path:

@@ -63,15 +63,7 @@ def test_online_fp8_from_the_gpu_tier_generates_what_the_disk_path_does(quantizi
     params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8, logprobs=5)
     outs = []
     for where in (socket_dir, None):
-        llm = LLM(
-            model_dir,
-            dtype="bfloat16",
-            device="cuda:0",
-            quantization="fp8",
-            num_kv_blocks=64,
-            cache_socket_dir=str(where) if where else None,
-            cache_fallback=False,
-        )
+        llm = LLM(model_dir, **_gpu_fp8_engine(where))
         assert llm.engine.load_info.source == ("cache" if where else "disk")
         outs.append(llm.generate({"prompt_token_ids": list(range(10, 40))}, params)[0].outputs[0])
         del llm
@@ -89,16 +81,7 @@ def test_a_prefetch_attaches_the_gpu_tier_arena_the_engine_takes(quantizing_daem
     model_dir, socket_dir = quantizing_daemon
 
     def config(where) -> EngineConfig:
-        return EngineConfig(
-            str(model_dir),
-            dtype="bfloat16",
-            device="cuda:0",
-            quantization="fp8",
-            moe_backend="torch",
-            num_kv_blocks=64,
-            cache_socket_dir=str(where) if where else None,
-            cache_fallback=False,
-        )
+        return EngineConfig(str(model_dir), moe_backend="torch", **_gpu_fp8_engine(where))
 
     prompt, params = list(range(10, 40)), SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
     engine = prefetched_engine(config(socket_dir))
@@ -107,3 +90,16 @@ def test_a_prefetch_attaches_the_gpu_tier_arena_the_engine_takes(quantizing_daem
     got = served(engine, prompt, params)
     del engine
     assert got.token_ids == served(LLMEngine(config(None)), prompt, params).token_ids
+
+
+def _gpu_fp8_engine(socket_dir) -> dict:
+    """The engine settings of these comparisons: online FP8 on cuda:0, from ``socket_dir``'s gpu-tier
+    daemon or from disk."""
+    return {
+        "dtype": "bfloat16",
+        "device": "cuda:0",
+        "quantization": "fp8",
+        "num_kv_blocks": 64,
+        "cache_socket_dir": str(socket_dir) if socket_dir else None,
+        "cache_fallback": False,
+    }

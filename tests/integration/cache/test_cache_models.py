@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,6 +11,7 @@ import torch
 
 from keepwarm_runtime.cache.client import attach
 from keepwarm_runtime.weights.checkpoint import read_checkpoint
+from tests.integration.cache.test_cache_cli import cache_cli
 
 
 def corrupt(model: Path) -> Path:
@@ -21,15 +20,6 @@ def corrupt(model: Path) -> Path:
     with open(shard, "r+b") as f:
         f.truncate(shard.stat().st_size - 1)
     return shard
-
-
-def cache_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "keepwarm_runtime.cli", "cache", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def test_one_corrupt_shard_among_three_models(checkpoint_writer, daemon_factory, tmp_path):

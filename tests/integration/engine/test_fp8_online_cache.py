@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -112,20 +113,9 @@ def test_online_fp8_from_the_cache_generates_what_the_disk_path_does(caches) -> 
     params = SamplingParams(temperature=0, max_tokens=6, min_tokens=6, logprobs=5)
     outs = []
     for socket_dir in (caches.fp8.socket_dir, None):
-        llm = LLM(
-            caches.models["deepseek_v3"],
-            dtype="bfloat16",
-            block_size=4,
-            num_kv_blocks=64,
-            quantization="fp8",
-            cache_socket_dir=str(socket_dir) if socket_dir else None,
-            cache_fallback=False,
-        )
+        llm = LLM(caches.models["deepseek_v3"], **_fp8_engine(socket_dir))
         outs.append(llm.generate(prompt, params)[0].outputs[0])
-    assert outs[0].token_ids == outs[1].token_ids
-    assert [{t: lp.logprob for t, lp in d.items()} for d in outs[0].logprobs] == [
-        {t: lp.logprob for t, lp in d.items()} for d in outs[1].logprobs
-    ]
+    _assert_same_tokens_and_logprobs(outs[0], outs[1])
 
 
 def test_the_servers_prefetch_attaches_the_key_the_engine_uses(caches) -> None:
@@ -146,22 +136,30 @@ def test_the_servers_prefetch_attaches_the_key_the_engine_uses(caches) -> None:
     got = served(engine, prompt, params)
     del engine
     want = served(LLMEngine(_engine_config(model_dir, None)), prompt, params)
+    _assert_same_tokens_and_logprobs(got, want)
+
+
+def _fp8_engine(socket_dir: Path | None) -> dict[str, Any]:
+    """The engine settings of these comparisons: online FP8, from ``socket_dir``'s daemon or from disk."""
+    return {
+        "dtype": "bfloat16",
+        "block_size": 4,
+        "num_kv_blocks": 64,
+        "quantization": "fp8",
+        "cache_socket_dir": str(socket_dir) if socket_dir else None,
+        "cache_fallback": False,
+    }
+
+
+def _engine_config(model_dir: Path, socket_dir: Path | None) -> EngineConfig:
+    return EngineConfig(str(model_dir), **_fp8_engine(socket_dir))
+
+
+def _assert_same_tokens_and_logprobs(got: Any, want: Any) -> None:
     assert got.token_ids == want.token_ids
     assert [{t: lp.logprob for t, lp in d.items()} for d in got.logprobs] == [
         {t: lp.logprob for t, lp in d.items()} for d in want.logprobs
     ]
-
-
-def _engine_config(model_dir: Path, socket_dir: Path | None) -> EngineConfig:
-    return EngineConfig(
-        str(model_dir),
-        dtype="bfloat16",
-        block_size=4,
-        num_kv_blocks=64,
-        quantization="fp8",
-        cache_socket_dir=str(socket_dir) if socket_dir else None,
-        cache_fallback=False,
-    )
 
 
 def test_the_key_keeps_fp8_and_float_arenas_apart(caches) -> None:

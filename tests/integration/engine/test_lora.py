@@ -19,7 +19,7 @@ import torch
 from keepwarm_runtime import LLM, SamplingParams
 from keepwarm_runtime.engine.llm import LoRARequest
 from keepwarm_runtime.engine.lora import LoraInUse, LoraLoadError
-from tests.lora_adapters import make_adapter, peft_greedy
+from tests.lora_adapters import lora_engine, make_adapter, peft_greedy
 
 NEW_TOKENS = 6
 PARAMS = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
@@ -64,16 +64,7 @@ def lora_setup(make_tiny, tmp_path_factory: pytest.TempPathFactory):
 
 
 def engine(model_dir: Path, max_loras: int, max_lora_rank: int = 64) -> LLM:
-    return LLM(
-        model_dir,
-        dtype="float32",
-        block_size=4,
-        num_kv_blocks=256,
-        max_num_batched_tokens=64,
-        enable_lora=True,
-        max_loras=max_loras,
-        max_lora_rank=max_lora_rank,
-    )
+    return lora_engine(model_dir, max_loras, max_lora_rank)
 
 
 def requests(adapters: dict[str, Path]) -> dict[str | None, LoRARequest | None]:

@@ -27,7 +27,7 @@ from keepwarm_runtime.cache.client import attach_adapter, connect, request
 from keepwarm_runtime.cache.launcher import DaemonProcess
 from keepwarm_runtime.engine.llm import LoRARequest
 from tests.integration.engine.test_lora import ADAPTERS, NEW_TOKENS, PARAMS, prompts_for
-from tests.lora_adapters import make_adapter, peft_greedy
+from tests.lora_adapters import lora_engine, make_adapter, peft_greedy
 
 LOG = "keepwarm_runtime.engine.lora.adapter"
 
@@ -74,16 +74,7 @@ def setup(make_tiny, tmp_path_factory: pytest.TempPathFactory):
 
 
 def engine(model_dir: Path, socket_dir: Path | None, max_loras: int = 3) -> LLM:
-    return LLM(
-        model_dir,
-        dtype="float32",
-        block_size=4,
-        num_kv_blocks=256,
-        max_num_batched_tokens=64,
-        enable_lora=True,
-        max_loras=max_loras,
-        cache_socket_dir=str(socket_dir) if socket_dir else None,
-    )
+    return lora_engine(model_dir, max_loras, socket_dir=socket_dir)
 
 
 def arena_regions() -> list[tuple[int, int]]:

@@ -47,16 +47,21 @@ def test_streamed_text_assembles_to_the_whole_answer(client):
     assert text == whole.output_text == events[-1].response.output_text
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_forced_function_call_is_valid(client, stream):
-    kwargs = dict(
+def forced_weather_call(temperature: float) -> dict:
+    """A Responses request that must call the weather tool."""
+    return dict(
         model="tiny",
         input="Weather in Oslo?",
         tools=[TOOL],
         tool_choice={"type": "function", "name": "weather"},
         max_output_tokens=200,
-        temperature=1.0,
+        temperature=temperature,
     )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_function_call_is_valid(client, stream):
+    kwargs = forced_weather_call(temperature=1.0)
     if stream:
         events = list(client.responses.create(**kwargs, stream=True))
         done = [e for e in events if e.type == "response.function_call_arguments.done"]
@@ -89,14 +94,7 @@ def test_a_stream_cut_off_at_max_output_tokens_ends_with_response_incomplete(cli
 
 
 def test_a_forced_call_streams_its_item_events_and_ends_with_response_completed(client):
-    kwargs = dict(
-        model="tiny",
-        input="Weather in Oslo?",
-        tools=[TOOL],
-        tool_choice={"type": "function", "name": "weather"},
-        max_output_tokens=200,
-        temperature=0,
-    )
+    kwargs = forced_weather_call(temperature=0)
     with client.responses.stream(**kwargs) as stream:
         events = list(stream)
         final = stream.get_final_response()  # the helper needs response.completed
