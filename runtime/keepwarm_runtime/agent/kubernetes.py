@@ -369,7 +369,8 @@ class NodeAgent:
             body = node_lease.node_lease(
                 self.object_name, self.namespace, self.cache, self.node, duration, now(), owner
             )
-            kube.apply(body, manager=AGENT_FIELD_MANAGER)  # created by apply: one call, whoever was first
+            # Created by apply, as the client's field manager (keepwarm-agent): one call, whoever is first.
+            kube.apply(body)
         return True
 
     def _follow(self, obj: dict[str, Any] | None) -> None:
