@@ -17,6 +17,13 @@ value that does not parse is refused naming the variable (``SettingError``), nev
 Booleans take ``1/true/yes/on`` and ``0/false/no/off`` in any case (``parse_bool``); repeatable
 settings take comma-separated values from the environment.
 
+Another program's spelling (vLLM's, for `keepwarm serve`) is declared on the same line: ``aliases``
+(another flag of the same meaning), ``many`` (several values after one flag, vLLM's ``nargs='+'``),
+``shared`` (the other program has this very flag); flags of the other program that this one does not
+take as its own are ``Foreign`` entries in the class's ``FOREIGN_FLAGS``: accepted where this program
+already behaves so, refused by name with what to use instead otherwise (``foreign_table`` documents
+them). Abbreviated flags are refused, never guessed (``allow_abbrev=False``).
+
 Adding a setting is one line in the program's dataclass. Programs resolve their settings once, at
 their entry point (``resolve``), and hand the dataclass on; no layer below reads argv or os.environ.
 This module lives in keepwarm-api because the operator builds pods from the same names (see
@@ -33,6 +40,8 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
+
+from .foreign import Foreign, add_foreign_arguments, given
 
 TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 FALSE_WORDS = frozenset({"0", "false", "no", "off"})
@@ -106,6 +115,9 @@ class _Meta:
     metavar: str | None
     unset: str | None  # what a None default means, for --help and the README
     flag: str | None  # an explicit flag (a singular flag for a plural field, e.g. --namespace)
+    aliases: tuple[str, ...]  # other spellings of the flag, same meaning (another program's, e.g. vLLM's)
+    many: bool  # repeatable: several values may follow one flag (vLLM's nargs='+'), as well as repeats
+    shared: bool  # the other program (FOREIGN_PROGRAM) has this flag under this name and meaning
 
 
 def setting(
@@ -121,12 +133,16 @@ def setting(
     metavar: str | None = None,
     unset: str | None = None,
     flag: str | None = None,
+    aliases: Sequence[str] = (),
+    many: bool = False,
+    shared: bool = False,
 ) -> Any:
     """A field of a settings dataclass. ``parse`` turns one text value into the field's type (default:
     the annotation's type); ``group`` lets a program pick fields out (e.g. "engine"); ``env`` replaces
     the derived variable name and ``flag`` the derived flag where an older name must stay;
     ``required`` settings have no usable default and must come from the flag or the variable;
-    ``unset`` says what a None default means."""
+    ``unset`` says what a None default means; ``aliases``, ``many`` and ``shared`` speak another
+    program's command line (see the module's docstring)."""
     meta = _Meta(
         help,
         tuple(choices) if choices else None,
@@ -138,9 +154,16 @@ def setting(
         metavar,
         unset,
         flag,
+        tuple(aliases),
+        many,
+        shared,
     )
     if isinstance(default, list | set):
         raise TypeError("use a tuple or frozenset for the default of a repeatable setting")
+    if many and not isinstance(default, tuple | frozenset):
+        raise TypeError("many= is for repeatable settings (a tuple or frozenset default)")
+    if positional and aliases:
+        raise TypeError("a positional setting takes no flag aliases")
     return dataclasses.field(default=default, metadata={_META_KEY: meta})
 
 
@@ -252,7 +275,9 @@ def add_command(
     handler: Callable[[argparse.Namespace], int] | None = None,
 ) -> argparse.ArgumentParser:
     """A subcommand whose flags are the settings of ``cls``; ``handler`` becomes ``args.handler``."""
-    parser = subparsers.add_parser(name, help=help, description=f"{help[:1].upper()}{help[1:]}. {PRECEDENCE}")
+    parser = subparsers.add_parser(
+        name, help=help, description=f"{help[:1].upper()}{help[1:]}. {PRECEDENCE}", allow_abbrev=False
+    )
     add_arguments(parser, cls)
     if handler is not None:
         parser.set_defaults(handler=handler)
@@ -260,8 +285,9 @@ def add_command(
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One argparse argument per setting. Its parsed default is None ("not on the command line"), so
-    ``resolve`` can tell a flag from the environment and the declared default."""
+    """One argparse argument per setting (under its flag and its aliases), then the class's foreign
+    flags. A setting's parsed default is None ("not on the command line"), so ``resolve`` can tell a
+    flag from the environment and the declared default."""
     for spec in specs(cls):
         common: dict[str, Any] = {"default": None, "help": spec.help_text()}
         if spec.meta.metavar:
@@ -270,12 +296,26 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             parser.add_argument(spec.name, nargs="?", type=_argparse_type(spec), **common)
             continue
         common["dest"] = spec.name
+        flags = (spec.flag, *spec.meta.aliases)
         if spec.kind is bool and not spec.repeat:
-            parser.add_argument(spec.flag, action=argparse.BooleanOptionalAction, **common)
+            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, **common)
         elif spec.repeat:
-            parser.add_argument(spec.flag, action="append", type=_argparse_type(spec), **common)
+            several = {"action": "extend", "nargs": "+"} if spec.meta.many else {"action": "append"}
+            parser.add_argument(*flags, type=_argparse_type(spec), **several, **common)
         else:
-            parser.add_argument(spec.flag, type=_argparse_type(spec), choices=spec.meta.choices, **common)
+            parser.add_argument(*flags, type=_argparse_type(spec), choices=spec.meta.choices, **common)
+    add_foreign_arguments(parser, foreign_flags(cls), foreign_program(cls))
+
+
+def foreign_flags(cls: type) -> tuple[Foreign, ...]:
+    """The other program's flags a settings class answers (its ``FOREIGN_FLAGS`` ClassVar; none by
+    default)."""
+    return tuple(getattr(cls, "FOREIGN_FLAGS", ()))
+
+
+def foreign_program(cls: type) -> str:
+    """Whose command line ``aliases``, ``shared`` and ``FOREIGN_FLAGS`` speak (``FOREIGN_PROGRAM``)."""
+    return getattr(cls, "FOREIGN_PROGRAM", "another program")
 
 
 def _argparse_type(spec: Spec) -> Callable[[str], Any]:
@@ -311,6 +351,10 @@ def resolve(
                 f"give {spec.name.upper() if spec.meta.positional else spec.flag} (or set {spec.env})"
             )
         values[spec.name] = value
+    for foreign in given(args):  # e.g. vLLM's --enable-auto-tool-choice needs --tool-call-parser
+        if foreign.requires is not None and _empty(values[foreign.requires]):
+            spec = next(s for s in specs(cls) if s.name == foreign.requires)
+            missing.append(f"{foreign.flag} needs {spec.flag} (or {spec.env})")
     if missing:
         raise SettingError("; ".join(missing))
     return cls(**values)
@@ -349,6 +393,28 @@ def markdown_table(cls: type) -> str:
         if spec.repeat:
             text += "; repeatable (comma-separated in the variable)"
         rows.append(f"| `{flag}` | `{spec.env}` | {default} | {text} |")
+    return "\n".join(rows)
+
+
+def foreign_table(cls: type) -> str:
+    """The table of the other program's flags (``FOREIGN_PROGRAM``'s) and what this program does with
+    each: its own flag under the same name (``shared``), another name for one of its flags
+    (``aliases``), accepted as already so, or refused with what to use instead (``FOREIGN_FLAGS``)."""
+    program = foreign_program(cls)
+    rows = [f"| {program} flag | keepwarm | what happens |", "|---|---|---|"]
+    for spec in specs(cls):
+        text = spec.meta.help.replace("|", "\\|")
+        if spec.meta.shared:
+            rows.append(f"| `{spec.flag}` | `{spec.flag}` | the same flag: {text} |")
+        for alias in spec.meta.aliases:
+            rows.append(f"| `{alias}` | `{spec.flag}` | another name for it: {text} |")
+    for foreign in foreign_flags(cls):
+        flags = ", ".join(f"`{f}`" for f in foreign.flags)
+        answer = foreign.answer.replace("|", "\\|")
+        if foreign.refuse:
+            rows.append(f"| {flags} | refused | {answer} |")
+        else:
+            rows.append(f"| {flags} | accepted | {answer} |")
     return "\n".join(rows)
 
 

@@ -1,20 +1,25 @@
 """`keepwarm serve`'s settings, declared once (keepwarm_api.settings generates flags, KEEPWARM_* variables,
---help and the README's table from this class).
+--help and the reference pages' tables from this class).
 
 Every setting is ``--flag`` and ``KEEPWARM_<FIELD>`` (``max_num_seqs``: ``--max-num-seqs``,
 ``KEEPWARM_MAX_NUM_SEQS``; MODEL_DIR: ``KEEPWARM_MODEL_DIR``); a flag wins over its variable, and an
 empty variable means the default. The "engine" group is handed to EngineConfig as keyword arguments:
 left unset (None), a field keeps EngineConfig's own default, so that default is stated only there.
+vLLM's command line is spoken here too: a setting that is vLLM's own flag says ``shared=True`` (or
+names vLLM's spelling in ``aliases``), and ``FOREIGN_FLAGS`` answers the `vllm serve` flags keepwarm
+takes no setting for: accepted where keepwarm already behaves so, refused by name with what to use
+instead (docs/reference/vllm.md is generated from this class).
 Imports stay light: `keepwarm --help` must not pay for torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
+from keepwarm_api.foreign import Foreign, accepted, refused
 from keepwarm_api.settings import setting
-from keepwarm_api.values import CacheMode
+from keepwarm_api.values import CacheMode, DType
 from keepwarm_runtime.server.base.limits import (
     DEFAULT_FETCH_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
@@ -25,19 +30,126 @@ from keepwarm_runtime.server.base.lora_modules import LoraModule, parse_lora_mod
 from keepwarm_runtime.server.openai.chat.tool_parsers import TOOL_PARSERS
 
 ENGINE = "engine"  # the group of settings passed to EngineConfig
+# vLLM's other spellings of a dtype (its --dtype takes these too)
+VLLM_DTYPES = {"half": DType.FLOAT16.value, "float": DType.FLOAT32.value}
 
 
-def engine(default: None, help: str) -> Any:
+def engine(default: None, help: str, **kwargs: Any) -> Any:
     """An engine setting: unset, EngineConfig's own default applies (stated only there)."""
-    return setting(default, help, group=ENGINE, unset="the engine's")
+    return setting(default, help, group=ENGINE, unset="the engine's", **kwargs)
+
+
+def dtype_name(text: str) -> str:
+    """A --dtype value: keepwarm's names, or vLLM's ``half`` and ``float``; the engine checks the name."""
+    return VLLM_DTYPES.get(text.strip(), text.strip())
+
+
+SAME_NODE = "run more replicas (an InferenceDeployment's spec.replicas), one model per process and device"
+HUB = "MODEL_DIR is a local directory: a WeightCache's huggingFace source (repo, revision, tokenSecretRef)"
+HUB += " downloads a Hub model on the node"
+
+# `vllm serve` flags keepwarm takes no setting for (docs/reference/vllm.md).
+VLLM_FOREIGN_FLAGS: tuple[Foreign, ...] = (
+    refused("--model", instead="give the checkpoint directory as MODEL_DIR, as `vllm serve MODEL` does"),
+    refused("--tokenizer", instead="the checkpoint directory's own tokenizer serves; put its files there"),
+    refused("--revision", "--tokenizer-revision", "--code-revision", instead=HUB),
+    refused("--download-dir", "--hf-token", instead=HUB),
+    refused("--trust-remote-code", instead="keepwarm runs transformers' own modelling code only"),
+    refused(
+        "--load-format", instead="safetensors checkpoints, attached from the node cache or read from disk"
+    ),
+    refused("--tensor-parallel-size", "-tp", instead=SAME_NODE),
+    refused("--pipeline-parallel-size", "-pp", instead=SAME_NODE),
+    refused("--data-parallel-size", "-dp", instead=SAME_NODE),
+    refused("--enable-expert-parallel", instead=SAME_NODE),
+    refused("--kv-cache-dtype", instead="the KV cache is kept in --dtype"),
+    refused(
+        "--kv-cache-memory-bytes",
+        instead="--num-kv-blocks (any device), --kv-cache-memory-gib (CPU) or "
+        "--gpu-memory-utilization (CUDA)",
+    ),
+    refused("--swap-space", "--cpu-offload-gb", instead="preempted sequences are recomputed, not swapped"),
+    refused(
+        "--no-enable-chunked-prefill",
+        instead="chunked prefill is how the scheduler works: prompts share each step's "
+        "--max-num-batched-tokens",
+    ),
+    refused("--max-logprobs", instead="the bound is fixed: 20 top logprobs per token"),
+    refused(
+        "--chat-template",
+        instead="the checkpoint's own chat template serves; --trust-request-chat-template lets requests "
+        "send theirs",
+    ),
+    refused(
+        "--enable-log-requests", instead="request contents are never logged; --access-log logs each request"
+    ),
+    refused("--speculative-config", instead="no speculative decoding"),
+    refused("--reasoning-parser", instead="no reasoning output (the Responses API refuses `reasoning`)"),
+    refused(
+        "--structured-outputs-config",
+        "--guided-decoding-backend",
+        instead="xgrammar serves, and llguidance for schemas xgrammar would not enforce exactly; no choice",
+    ),
+    refused(
+        "--scheduling-policy",
+        instead="requests are always scheduled by their `priority` (lower first), then by arrival",
+    ),
+    refused("--return-tokens-as-token-ids", instead="send `return_tokens_as_token_ids` in the request"),
+    refused(
+        "--max-cpu-loras", instead="registered adapters stay in host memory; --max-loras sets device slots"
+    ),
+    refused(
+        "--lora-dtype", "--fully-sharded-loras", "--enable-lora-bias", instead="adapters compute in --dtype"
+    ),
+    refused("--compilation-config", "-O", instead="keepwarm runs eagerly (no torch.compile, no CUDA graphs)"),
+    refused("--hf-overrides", "--rope-scaling", instead="edit the checkpoint's config.json"),
+    refused(
+        "--ssl-keyfile",
+        "--ssl-certfile",
+        "--ssl-ca-certs",
+        instead="terminate TLS in front of the server (an Ingress, a gateway or a service mesh)",
+    ),
+    refused(
+        "--allowed-origins",
+        "--allowed-methods",
+        "--allowed-headers",
+        "--allow-credentials",
+        instead="no CORS headers: put a proxy in front for browser clients",
+    ),
+    refused("--root-path", "--middleware", "--uds", instead="serve behind a proxy that rewrites paths"),
+    refused(
+        "--limit-mm-per-prompt", instead="one audio input per chat part; --max-audio-upload-bytes bounds it"
+    ),
+    refused("--config", instead="flags or KEEPWARM_* variables (one per flag)"),
+    refused("--api-server-count", "-asc", "--headless", instead=SAME_NODE),
+    accepted("--enforce-eager", why="keepwarm always runs eagerly (no CUDA graphs, no torch.compile)"),
+    accepted("--enable-chunked-prefill", why="prompts are always prefilled in chunks"),
+    accepted("--disable-log-requests", why="request contents are never logged"),
+    accepted("--disable-log-stats", why="no periodic stats are logged; /metrics has them"),
+    accepted(
+        "--disable-uvicorn-access-log",
+        why="no access log (keepwarm's default; --access-log turns it on)",
+        sets=("access_log", False),
+    ),
+    accepted(
+        "--enable-auto-tool-choice",
+        why="tool_choice auto is served whenever --tool-call-parser is given (needed, as in vLLM)",
+        requires="tool_call_parser",
+    ),
+)
 
 
 @dataclass(frozen=True)
 class ServeSettings:
+    FOREIGN_PROGRAM: ClassVar[str] = "vLLM"
+    FOREIGN_FLAGS: ClassVar[tuple[Foreign, ...]] = VLLM_FOREIGN_FLAGS
+
     model_dir: str | None = setting(None, "Hugging Face checkpoint directory", positional=True, required=True)
-    host: str = setting("0.0.0.0", "bind address")
-    port: int = setting(8000, "port")
-    served_model_name: str | None = setting(None, "name clients use in `model`", unset="the directory name")
+    host: str = setting("0.0.0.0", "bind address", shared=True)
+    port: int = setting(8000, "port", shared=True)
+    served_model_name: str | None = setting(
+        None, "name clients use in `model`", unset="the directory name", shared=True
+    )
     # the node weight cache (the operator sets these variables on pods; cache/env.py reads the same ones
     # for library users of attach())
     cache_socket_dir: str | None = setting(
@@ -67,27 +179,41 @@ class ServeSettings:
     dtype: str | None = engine(
         None,
         "weights/activations dtype: float32 | bfloat16 | float16 | auto (the checkpoint's; bfloat16 on "
-        "CPUs with amx_bf16/avx512_bf16) (engine: float32)",
+        "CPUs with amx_bf16/avx512_bf16); vLLM's half and float too (engine: float32)",
+        parse=dtype_name,
+        shared=True,
     )
-    device: str | None = engine(None, "cpu, cuda, cuda:1, ... (engine: cpu)")
-    max_num_seqs: int | None = engine(None, "most sequences in one batch")
-    max_num_batched_tokens: int | None = engine(None, "most tokens in one forward pass")
-    max_model_len: int | None = engine(None, "context length (unset: the model's, capped by the KV cache)")
-    block_size: int | None = engine(None, "tokens per KV-cache block")
-    num_kv_blocks: int | None = engine(None, "KV-cache blocks (unset: sized from memory)")
+    device: str | None = engine(None, "cpu, cuda, cuda:1, ... (engine: cpu)", shared=True)
+    max_num_seqs: int | None = engine(None, "most sequences in one batch", shared=True)
+    max_num_batched_tokens: int | None = engine(None, "most tokens in one forward pass", shared=True)
+    max_model_len: int | None = engine(
+        None, "context length (unset: the model's, capped by the KV cache)", shared=True
+    )
+    block_size: int | None = engine(None, "tokens per KV-cache block", shared=True)
+    num_kv_blocks: int | None = engine(
+        None, "KV-cache blocks (unset: sized from memory)", aliases=("--num-gpu-blocks-override",)
+    )
     kv_cache_memory_gib: float | None = engine(
         None, "CPU KV-cache budget in GiB when --num-kv-blocks is unset"
     )
-    gpu_memory_utilization: float | None = engine(None, "CUDA: fraction of GPU memory for weights + KV cache")
+    gpu_memory_utilization: float | None = engine(
+        None, "CUDA: fraction of GPU memory for weights + KV cache", shared=True
+    )
+    enable_prefix_caching: bool | None = engine(
+        None, "share KV blocks between requests with a common prompt prefix (engine: on)", shared=True
+    )
     attention_backend: str | None = engine(None, "auto | torch | cpu | flashinfer")
     moe_backend: str | None = engine(None, "experts: auto | torch | flashinfer_cutlass | flashinfer_trtllm")
     expert_layout: str | None = engine(
         None, "model | flashinfer_cutlass: experts in that kernel's layout (ask the cache for the same)"
     )
     quantization: str | None = engine(
-        None, "fp8: quantize a float checkpoint online in 128x128 blocks (FP8 checkpoints load as-is)"
+        None,
+        "fp8: quantize a float checkpoint online in 128x128 blocks (FP8 checkpoints load as-is)",
+        aliases=("-q",),
+        shared=True,
     )
-    seed: int | None = engine(None, "seed for requests that set none")
+    seed: int | None = engine(None, "seed for requests that set none", shared=True)
     max_prompt_logprobs_len: int | None = engine(
         None, "longest prompt whose prompt logprobs (or echo with logprobs) a request may ask for"
     )
@@ -96,15 +222,21 @@ class ServeSettings:
         None,
         "serve LoRA adapters (on by itself with --lora-modules, --lora-modules-file or "
         "--allow-runtime-lora-updating)",
+        shared=True,
     )
-    max_loras: int | None = engine(None, "LoRA adapter slots: most distinct adapters in one batch")
-    max_lora_rank: int | None = engine(None, "highest LoRA rank an adapter may have")
+    max_loras: int | None = engine(
+        None, "LoRA adapter slots: most distinct adapters in one batch", shared=True
+    )
+    max_lora_rank: int | None = engine(None, "highest LoRA rank an adapter may have", shared=True)
     lora_modules: tuple[LoraModule, ...] = setting(
         (),
-        "a LoRA adapter clients name in `model`: name=path, or JSON {name, path, base_model_name} "
-        "(repeat the flag; the variable takes name=path entries separated by commas)",
+        "LoRA adapters clients name in `model`: name=path, or JSON {name, path, base_model_name}; several "
+        "after one flag, as vLLM takes them, or the flag repeated (the variable takes name=path entries "
+        "separated by commas)",
         parse=parse_lora_module,
         metavar="NAME=PATH",
+        many=True,
+        shared=True,
     )
     lora_modules_file: str | None = setting(
         None,
@@ -126,7 +258,7 @@ class ServeSettings:
         None, "comma-separated hosts whose http(s) chat audio_url the server may fetch", unset="none"
     )
     allowed_local_media_path: str | None = setting(
-        None, "directory whose files chat audio_url file: URLs may read", unset="none"
+        None, "directory whose files chat audio_url file: URLs may read", unset="none", shared=True
     )
     media_fetch_timeout: float = setting(
         DEFAULT_FETCH_TIMEOUT_S, "seconds one audio_url fetch may take, redirects included"
@@ -136,17 +268,19 @@ class ServeSettings:
         None,
         "require `Authorization: Bearer <key>` on every route but /health, /ready, /ping and /metrics "
         "(prefer the variable: flags show in ps)",
+        shared=True,
     )
     max_request_body_bytes: int = setting(
         DEFAULT_MAX_BODY_BYTES, "larger request bodies get 413 before they are read"
     )
     trust_request_chat_template: bool = setting(
-        False, "let requests send their own chat template (it runs in this process)"
+        False, "let requests send their own chat template (it runs in this process)", shared=True
     )
     tool_call_parser: str | None = setting(
         None,
         "how to recognise tool calls in the model's text (needed for tool_choice auto)",
         choices=sorted(TOOL_PARSERS),
+        shared=True,
     )
     preprocess_timeout: float = setting(
         DEFAULT_PREPROCESS_TIMEOUT_S, "seconds one request may spend preparing its prompt"
@@ -159,7 +293,9 @@ class ServeSettings:
     )
     # sleep mode (server/openai/sleep/serving.py)
     enable_sleep_mode: bool = setting(
-        False, "serve POST /sleep?level=1|2, POST /wake_up and GET /is_sleeping (vLLM's sleep mode)"
+        False,
+        "serve POST /sleep?level=1|2, POST /wake_up and GET /is_sleeping (vLLM's sleep mode)",
+        shared=True,
     )
     wake_on_request: bool = setting(
         False, "with sleep mode: a request to a sleeping engine wakes it (else 503 model_sleeping)"
@@ -180,5 +316,5 @@ class ServeSettings:
         5, "failed worker restarts in a row after which the parent's /health answers 503"
     )
     # the HTTP server
-    uvicorn_log_level: str = setting("info", "uvicorn's log level")
+    uvicorn_log_level: str = setting("info", "uvicorn's log level", shared=True)
     access_log: bool = setting(False, "log every request (uvicorn's access log)")
