@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export UV_CACHE_DIR ?= $(HOME)/.cache/uv
 
 .PHONY: venv demo test test-unit lint lint-delivery format crds bench clean controlplane podtools ffmpeg sweep prometheus \
-	dashboards
+	dashboards docs
 # Tools outside PyPI, built or installed once and cached outside the repo.
 TOOLS := $(HOME)/.cache/keepwarm/bin
 ACTIONLINT_VERSION := 1.7.12
@@ -85,21 +85,30 @@ format: $(STAMP)
 	$(BIN)/ruff format runtime operator tests bench scripts
 	$(BIN)/ruff check --fix .
 
-# Grafana dashboards and the metrics reference in docs/architecture.md, generated from the code.
+# Grafana dashboards and the metrics reference (docs/reference/metrics.md), generated from the code.
 dashboards: $(STAMP)
 	$(BIN)/python scripts/dashboards.py
 	$(BIN)/python scripts/metrics_reference.py
 
 crds: $(STAMP)
 	$(BIN)/python -m keepwarm_api.crdgen charts/keepwarm/crds
+	$(BIN)/python scripts/crd_reference.py
+
+# The documentation site (mkdocs.yml): regenerate the reference pages from the code, then build it
+# strictly into site/ (`make test` builds it too: tests/unit/delivery/test_docs_site.py).
+docs: $(STAMP)
+	$(BIN)/python scripts/flag_tables.py
+	$(BIN)/python scripts/metrics_reference.py
+	$(BIN)/python scripts/crd_reference.py
+	$(BIN)/mkdocs build --strict
 
 # Conformance sweep: every transformers causal-LM type against generate() (tests/sweep/run.py); rewrites
-# the committed report and the README's architecture list from it. After an interrupted run:
+# the committed report and the architecture list of docs/reference/architectures.md from it. After an interrupted run:
 # `make sweep SWEEP_ARGS=--resume`; one type: `make sweep SWEEP_ARGS="--resume --types moshi"`.
 SWEEP_REPORT := tests/sweep/report.json
 sweep: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m tests.sweep.run --report $(SWEEP_REPORT) $(SWEEP_ARGS); status=$$?; \
-	$(BIN)/python -m tests.sweep.readme $(SWEEP_REPORT) README.md && exit $$status
+	$(BIN)/python -m tests.sweep.architectures_page $(SWEEP_REPORT) docs/reference/architectures.md && exit $$status
 
 bench: $(STAMP)
 	$(BIN)/python -m keepwarm_runtime.cli bench restart --size-gib 2 --serving-dtype float32 --json

@@ -1,4 +1,4 @@
-"""Write the metrics reference in docs/architecture.md from the code's own metric objects.
+"""Write the metrics reference, docs/reference/metrics.md, from the code's own metric objects.
 
     python scripts/metrics_reference.py     # rewrites the table between the markers; a test checks drift
 
@@ -16,7 +16,7 @@ from pathlib import Path
 from dashboards import DASHBOARDS, UNPLOTTED
 from prometheus_client.metrics import MetricWrapperBase
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
+DOC = Path(__file__).resolve().parents[1] / "docs" / "reference" / "metrics.md"
 BEGIN, END = "<!-- metrics-reference:begin -->", "<!-- metrics-reference:end -->"
 SUFFIX = {"counter": "_total", "histogram": "_bucket/_sum/_count", "gauge": "", "summary": "_sum/_count"}
 

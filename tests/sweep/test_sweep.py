@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from tests.sweep import readme, run
+from tests.sweep import architectures_page, run
 from tests.sweep.shrink import WINDOW, shrink_dict, tiny_config
 
 
@@ -38,7 +39,7 @@ def test_tiny_config_passes_transformers_validators() -> None:
     assert (config.hidden_size, config.sliding_window) == (64, WINDOW)
 
 
-def test_readme_block_groups_reasons_and_replaces_only_its_section() -> None:
+def test_page_block_groups_reasons_and_replaces_only_its_section() -> None:
     report = {
         "transformers": "5.0",
         "torch": "2.0",
@@ -49,16 +50,27 @@ def test_readme_block_groups_reasons_and_replaces_only_its_section() -> None:
             "roberta": {"verdict": "refused", "reason": "AttentionFusionError: RobertaSelf is not causal"},
         },
     }
-    block = readme.render(report)
+    block = architectures_page.render(report)
     assert "**1 identical, 2 refused up front" in block
     assert (
         "- Refused, non-causal attention modules (cross-attention of encoder-decoder models, "
         "encoders) (2): bert, roberta." in block
     )
-    text = f"before\n{readme.BEGIN}\nold\n{readme.END}\nafter\n"
-    assert readme.update(text, block) == f"before\n{block}\nafter\n"
+    text = f"before\n{architectures_page.BEGIN}\nold\n{architectures_page.END}\nafter\n"
+    assert architectures_page.update(text, block) == f"before\n{block}\nafter\n"
     with pytest.raises(ValueError, match="no"):
-        readme.update("no markers here", block)
+        architectures_page.update("no markers here", block)
+
+
+def test_the_architectures_page_is_the_committed_report() -> None:
+    """docs/reference/architectures.md says what tests/sweep/report.json says (`make sweep` writes both)."""
+    root = Path(__file__).resolve().parents[2]
+    report = json.loads((root / "tests" / "sweep" / "report.json").read_text())
+    page = (root / "docs" / "reference" / "architectures.md").read_text()
+    assert architectures_page.update(page, architectures_page.render(report)) == page, (
+        "docs/reference/architectures.md drifted from tests/sweep/report.json: run "
+        "python -m tests.sweep.architectures_page tests/sweep/report.json docs/reference/architectures.md"
+    )
 
 
 @pytest.mark.sweep

@@ -1,5 +1,5 @@
-"""keepwarm_api.settings: one declaration gives flags, KEEPWARM_* variables, --help and the README's
-tables; one rule for empty values; the names the operator sets on pods are the ones programs read."""
+"""keepwarm_api.settings: one declaration gives flags, KEEPWARM_* variables, --help and the reference
+pages' tables; one rule for empty values; the names the operator sets on pods are the ones programs read."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ from typing import ClassVar
 import pytest
 
 from keepwarm_api import podenv
+from keepwarm_api.foreign import accepted, refused
 from keepwarm_api.settings import (
     SettingError,
     add_arguments,
     env_names,
+    foreign_table,
     group,
     markdown_table,
     parse_bool,
@@ -128,11 +130,48 @@ def test_declarations_refuse_what_the_layer_cannot_generate():
         setting([], "lists are mutable")
 
 
-def test_readme_tables_are_generated_from_the_declarations():
+def test_reference_tables_are_generated_from_the_declarations():
     tables = load_script("flag_tables")
-    text = (ROOT / "README.md").read_text()
-    assert tables.rewrite(text) == text, "README.md flag tables drifted: run python scripts/flag_tables.py"
-    assert "| `--max-num-seqs` | `KEEPWARM_MAX_NUM_SEQS` |" in text
+    for page in tables.PAGES:
+        text = page.read_text()
+        assert tables.rewrite(text, page) == text, f"{page} drifted: run python scripts/flag_tables.py"
+    assert "| `--max-num-seqs` | `KEEPWARM_MAX_NUM_SEQS` |" in tables.FLAGS_PAGE.read_text()
+    assert "| `--tensor-parallel-size`, `-tp` | refused |" in tables.VLLM_PAGE.read_text()
+    with pytest.raises(ValueError, match="flags:vllm"):
+        tables.rewrite("no markers", tables.VLLM_PAGE)
+
+
+def test_several_values_after_one_flag_aliases_and_foreign_flags():
+    @dataclass(frozen=True)
+    class Other:
+        FOREIGN_PROGRAM: ClassVar[str] = "other"
+        FOREIGN_FLAGS: ClassVar[tuple] = (
+            refused("--gone", "-g", instead="use --tag"),
+            accepted("--quiet", why="already quiet", sets=("loud", False)),
+            accepted("--auto", why="needs a tag", requires="tag"),
+        )
+
+        tag: tuple[str, ...] = setting((), "tags", many=True, aliases=("--label",), shared=True)
+        loud: bool = setting(True, "say more")
+
+    def parse(argv: list[str]) -> Other:
+        parser = argparse.ArgumentParser(allow_abbrev=False)
+        add_arguments(parser, Other)
+        return resolve(Other, parser.parse_args(argv), {})
+
+    assert parse(["--tag", "a", "b", "--label", "c"]).tag == ("a", "b", "c")
+    assert parse(["--quiet"]).loud is False
+    assert parse(["--auto", "--tag", "x"]).tag == ("x",)
+    with pytest.raises(SettingError, match=r"--auto needs --tag \(or KEEPWARM_TAG\)"):
+        parse(["--auto"])
+    with pytest.raises(SystemExit):
+        parse(["-g", "1"])
+    table = foreign_table(Other)
+    assert "| `--tag` | `--tag` | the same flag: tags |" in table
+    assert "| `--label` | `--tag` | another name for it: tags |" in table
+    assert "| `--gone`, `-g` | refused | use --tag |" in table
+    with pytest.raises(TypeError, match="many="):
+        setting(None, "not repeatable", many=True)
 
 
 def test_pod_variables_are_the_ones_the_programs_read():

@@ -1,8 +1,9 @@
-"""Write the README's supported/refused architecture list from the sweep's JSON report.
+"""Write the supported/refused architecture list of docs/reference/architectures.md from the sweep's
+JSON report.
 
-    python -m tests.sweep.readme tests/sweep/report.json README.md
+    python -m tests.sweep.architectures_page tests/sweep/report.json docs/reference/architectures.md
 
-The text between the BEGIN and END markers in the README is replaced; nothing else is touched. Reasons
+The text between the BEGIN and END markers of the page is replaced; nothing else is touched. Reasons
 are grouped by the refusal they share (each type's own message stays in the report).
 """
 
@@ -82,18 +83,18 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
-def update(readme: str, block: str) -> str:
-    if BEGIN not in readme or END not in readme:
-        raise ValueError(f"the README has no {BEGIN!r} ... {END!r} section to replace")
-    head, rest = readme.split(BEGIN, 1)
+def update(page: str, block: str) -> str:
+    if BEGIN not in page or END not in page:
+        raise ValueError(f"the page has no {BEGIN!r} ... {END!r} section to replace")
+    head, rest = page.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     return head + block + tail
 
 
 def main(argv: list[str] | None = None) -> int:
-    report_path, readme_path = (Path(a) for a in (argv or sys.argv[1:]))
+    report_path, page_path = (Path(a) for a in (argv or sys.argv[1:]))
     report = json.loads(report_path.read_text())
-    readme_path.write_text(update(readme_path.read_text(), render(report)))
+    page_path.write_text(update(page_path.read_text(), render(report)))
     return 0
 
 
