@@ -2,13 +2,13 @@
 
 A program declares its settings once, as a frozen dataclass whose fields come from ``setting()``:
 the annotation is the type, then the default and the help. Everything else is generated from that
-declaration, so a flag cannot drift from its variable, its help or the README:
+declaration, so a flag cannot drift from its variable, its help or its documentation:
 
 * the command-line flag: ``--`` + the field name with dashes (``max_num_seqs`` -> ``--max-num-seqs``);
 * the environment variable: the program's prefix + the field name in upper case
   (``KEEPWARM_MAX_NUM_SEQS``), derived once, in ``env_name``;
-* ``--help`` (each flag's help names its default and its variable) and the README's flag table
-  (``markdown_table``, checked against the README by a test).
+* ``--help`` (each flag's help names its default and its variable) and the flag tables of
+  docs/reference/flags.md (``markdown_table``, checked against the page by a test).
 
 Precedence: a flag on the command line, else the environment variable, else the default.
 The one rule for empty values (``present``): an unset variable and one that is empty or only
@@ -113,7 +113,7 @@ class _Meta:
     group: str | None
     env: str | None  # an explicit variable name (a Kubernetes convention such as NODE_NAME)
     metavar: str | None
-    unset: str | None  # what a None default means, for --help and the README
+    unset: str | None  # what a None default means, for --help and the flag tables
     flag: str | None  # an explicit flag (a singular flag for a plural field, e.g. --namespace)
     aliases: tuple[str, ...]  # other spellings of the flag, same meaning (another program's, e.g. vLLM's)
     many: bool  # repeatable: several values may follow one flag (vLLM's nargs='+'), as well as repeats
@@ -205,7 +205,7 @@ class Spec:
         return self.parse_one(text)
 
     def shown_default(self) -> str | None:
-        """The default as --help and the README show it; None when there is none to show."""
+        """The default as --help and the flag tables show it; None when there is none to show."""
         if _empty(self.default):
             return self.meta.unset
         return _show(self.default)
@@ -382,7 +382,7 @@ def group(settings: Any, name: str) -> dict[str, Any]:
 
 
 def markdown_table(cls: type) -> str:
-    """The README's table of a program's settings: flag, variable, default, meaning."""
+    """The flag table of a program's settings (docs/reference/flags.md): flag, variable, default, meaning."""
     rows = ["| flag | environment | default | meaning |", "|---|---|---|---|"]
     for spec in specs(cls):
         flag = spec.name.upper() if spec.meta.positional else spec.flag

@@ -1,5 +1,5 @@
 """The operator's settings, declared once (keepwarm_api.settings generates `keepwarm-operator run`'s
-flags, KEEPWARM_OPERATOR_* variables, --help and the README's table from this class).
+flags, KEEPWARM_OPERATOR_* variables, --help and the reference page's table from this class).
 
 Parsed once by the CLI (a flag wins over its variable; an empty variable means the default), then
 handed to kopf in its memo. Handlers read them from there, never from os.environ.
