@@ -54,3 +54,17 @@ def peft_greedy(
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter)
     return transformers_greedy(model, prompts, new_tokens)
+
+
+def served_greedy(client, model: str, prompt: list[int], new_tokens: int) -> list[int]:
+    """The greedy token ids a real `keepwarm serve` gives ``model`` (the base or an adapter) through the
+    openai client: exactly ``new_tokens`` of them (min_tokens), as ids (return_tokens_as_token_ids)."""
+    out = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=new_tokens,
+        temperature=0,
+        logprobs=0,
+        extra_body={"min_tokens": new_tokens, "return_tokens_as_token_ids": True},
+    )
+    return [int(t.removeprefix("token_id:")) for t in out.choices[0].logprobs.tokens]

@@ -16,7 +16,7 @@ import os
 import socket
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,6 +47,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     return add_command(
         subparsers, "serve", ServeSettings, "serve MODEL_DIR over an OpenAI-compatible HTTP API", run
     )
+
+
+def parse_serve_argv(argv: Sequence[str]) -> argparse.Namespace:
+    """`keepwarm serve ARGV` as the serve parser alone parses it (SystemExit 2 on a flag it refuses)."""
+    parser = argparse.ArgumentParser(prog="keepwarm")
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["serve", *argv])
 
 
 def serve_settings(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> ServeSettings:

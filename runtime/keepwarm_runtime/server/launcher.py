@@ -6,7 +6,6 @@ its stdout and stderr go to a log file the caller can read (e.g. to count warnin
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -22,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from keepwarm_api.settings import SettingError, resolve
-from keepwarm_runtime.server.cli import add_serve_parser, serve_env_vars
+from keepwarm_runtime.server.cli import parse_serve_argv, serve_env_vars
 from keepwarm_runtime.server.settings import ServeSettings
 
 
@@ -166,10 +165,8 @@ def child_supervision(
     """Whether the child will run a supervising parent, and the port of that parent's /health if ARGS
     or ENV name one: the child's own settings, resolved by the settings layer from what it will get
     (no serve variable of this process reaches it). Settings it will refuse: (False, None)."""
-    parser = argparse.ArgumentParser()
-    add_serve_parser(parser.add_subparsers())
     try:
-        settings = resolve(ServeSettings, parser.parse_args(["serve", str(model_dir), *args]), env)
+        settings = resolve(ServeSettings, parse_serve_argv([str(model_dir), *args]), env)
     except (SettingError, SystemExit):  # the child says why, and exits 2
         return False, None
     return settings.supervise, settings.supervisor_port if settings.supervise else None

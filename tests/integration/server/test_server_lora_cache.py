@@ -16,7 +16,7 @@ import openai
 
 from keepwarm_runtime.cache.launcher import DaemonProcess
 from keepwarm_runtime.server.launcher import start_server
-from tests.lora_adapters import make_adapter, peft_greedy
+from tests.lora_adapters import make_adapter, peft_greedy, served_greedy
 
 NEW_TOKENS = 6
 PROMPT = [5, 87, 301, 44, 1024, 9, 77]
@@ -49,15 +49,7 @@ def test_adapters_from_cache_and_disk_match_peft_and_are_counted_by_source_and_n
         )
         assert r.status_code == 200, r.text
         for name in ("sql", "late", "sql", str(tiny_llama)):  # the last: the base model
-            out = c.completions.create(
-                model=name,
-                prompt=PROMPT,
-                max_tokens=NEW_TOKENS,
-                temperature=0,
-                logprobs=0,
-                extra_body={"min_tokens": NEW_TOKENS, "return_tokens_as_token_ids": True},
-            )
-            ids = [int(t.removeprefix("token_id:")) for t in out.choices[0].logprobs.tokens]
+            ids = served_greedy(c, name, PROMPT, NEW_TOKENS)
             assert ids == expected.get(name, ids), f"adapter {name}"
         samples = proc.metrics()
         assert samples['keepwarm_lora_requests_total{adapter="sql"}'] == 2

@@ -17,7 +17,7 @@ import pytest
 
 from keepwarm_api.serveflags import lora_modules_file
 from keepwarm_runtime.server.launcher import ServerProcess, start_server
-from tests.lora_adapters import make_adapter, peft_greedy
+from tests.lora_adapters import make_adapter, peft_greedy, served_greedy
 
 NEW_TOKENS = 6
 PROMPT = [5, 87, 301, 44, 1024, 9, 77]
@@ -71,15 +71,7 @@ def served(proc: ServerProcess) -> dict[str, str]:
 
 
 def greedy_ids(proc: ServerProcess, model: str) -> list[int]:
-    out = client(proc).completions.create(
-        model=model,
-        prompt=PROMPT,
-        max_tokens=NEW_TOKENS,
-        temperature=0,
-        logprobs=0,
-        extra_body={"min_tokens": NEW_TOKENS, "return_tokens_as_token_ids": True},
-    )
-    return [int(t.removeprefix("token_id:")) for t in out.choices[0].logprobs.tokens]
+    return served_greedy(client(proc), model, PROMPT, NEW_TOKENS)
 
 
 def wait_served(proc: ServerProcess, want: dict[str, str]) -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from keepwarm_runtime.server.launcher import start_server
 from keepwarm_runtime.server.settings import ServeSettings
-from tests.lora_adapters import make_adapter, peft_greedy
+from tests.lora_adapters import make_adapter, peft_greedy, served_greedy
 
 NEW_TOKENS = 5
 PROMPT = [5, 87, 301, 44, 1024, 9, 77]
@@ -53,17 +53,8 @@ def test_each_adapter_of_vllms_forms_answers_with_its_own_tokens(vllm_server) ->
     served = {m.id: m.parent for m in client.models.list()}
     assert served == {"tiny": None, "sql": "tiny", "chat": "tiny", "json-one": "tiny", "json-two": "tiny"}
     for model in served:
-        completion = client.completions.create(
-            model=model,
-            prompt=PROMPT,
-            max_tokens=NEW_TOKENS,
-            temperature=0,
-            logprobs=0,
-            extra_body={"min_tokens": NEW_TOKENS, "return_tokens_as_token_ids": True},
-        )
-        tokens = [int(t.removeprefix("token_id:")) for t in completion.choices[0].logprobs.tokens]
+        tokens = served_greedy(client, model, PROMPT, NEW_TOKENS)
         assert tokens == expected[None if model == "tiny" else model], model
-        assert completion.model == model
     adapted = [tuple(expected[n]) for n in ("sql", "chat", "json-one", "json-two")]
     assert tuple(expected[None]) not in adapted  # every adapter changes the output, so each was applied
 

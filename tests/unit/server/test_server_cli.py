@@ -3,7 +3,6 @@ one EngineConfig from it that the background attach and the engine both take."""
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
@@ -13,14 +12,8 @@ from keepwarm_runtime.server import cli
 from keepwarm_runtime.server.settings import ServeSettings
 
 
-def namespace(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    cli.register(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["serve", *argv])
-
-
 def parse(argv: list[str]) -> ServeSettings:
-    return cli.serve_settings(namespace(argv))
+    return cli.serve_settings(cli.parse_serve_argv(argv))
 
 
 def test_defaults(monkeypatch):
@@ -83,7 +76,7 @@ def test_trusted_uids_and_the_kernel_folder_reach_the_engine_config(monkeypatch,
     assert config.kernel_cache == "/var/lib/keepwarm/kernels" and "kernel_cache" not in config.given
     assert cli.engine_config(parse(["/m", "--cache-trusted-uid", "7"])).cache_trusted_uids == {7}
     monkeypatch.setenv("KEEPWARM_CACHE_TRUSTED_UIDS", "1000 1001")  # a bad value: refused at start
-    assert cli.run(namespace(["/m"])) == 2
+    assert cli.run(cli.parse_serve_argv(["/m"])) == 2
     assert "KEEPWARM_CACHE_TRUSTED_UIDS='1000 1001' is not valid" in capsys.readouterr().err
 
 
@@ -95,7 +88,7 @@ def test_bad_env_value_names_the_variable(monkeypatch):
 
 def test_missing_model_dir_is_a_usage_error(monkeypatch, capsys):
     monkeypatch.delenv("KEEPWARM_MODEL_DIR", raising=False)
-    assert cli.run(namespace([])) == 2
+    assert cli.run(cli.parse_serve_argv([])) == 2
     assert "KEEPWARM_MODEL_DIR" in capsys.readouterr().err
 
 
@@ -109,7 +102,7 @@ def test_empty_variables_mean_the_default(monkeypatch):
 
 def test_bad_flag_value_is_refused_by_argparse(capsys):
     with pytest.raises(SystemExit):
-        namespace(["/m", "--cache-mode", "mmap"])
+        cli.parse_serve_argv(["/m", "--cache-mode", "mmap"])
     assert "--cache-mode" in capsys.readouterr().err
 
 

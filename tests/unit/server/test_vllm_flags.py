@@ -4,8 +4,6 @@ it knows refused by name with what to use instead (or accepted where keepwarm al
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
 from keepwarm_api.settings import foreign_table, specs
@@ -20,14 +18,8 @@ def _no_serve_variables(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
-def namespace(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    cli.register(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["serve", *argv])
-
-
 def parse(argv: list[str]) -> ServeSettings:
-    return cli.serve_settings(namespace(argv))
+    return cli.serve_settings(cli.parse_serve_argv(argv))
 
 
 def refusal(argv: list[str], capsys) -> str:
