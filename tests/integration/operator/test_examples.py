@@ -110,7 +110,7 @@ def _two_sources(docs):
             _adapter_named_like_the_model,
             "cannot take the served model's name",
         ),
-        ("inferencedeployment.yaml", _misspelt_field, 'unknown field "spec.replica"'),
+        ("inferencedeployment.yaml", _misspelt_field, ".spec.replica: field not declared in schema"),
         (
             "weightcache-hub.yaml",
             _two_sources,
