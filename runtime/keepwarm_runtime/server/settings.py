@@ -116,9 +116,11 @@ VLLM_FOREIGN_FLAGS: tuple[Foreign, ...] = (
         "--allow-credentials",
         instead="no CORS headers: put a proxy in front for browser clients",
     ),
-    refused("--root-path", "--middleware", "--uds", instead="serve behind a proxy that rewrites paths"),
+    refused("--root-path", instead="serve behind a proxy that strips the path prefix"),
+    refused("--middleware", instead="no extra ASGI middleware: put a proxy in front"),
+    refused("--uds", instead="the server listens on TCP: --host and --port"),
     refused(
-        "--limit-mm-per-prompt", instead="one audio input per chat part; --max-audio-upload-bytes bounds it"
+        "--limit-mm-per-prompt", instead="no count limit; --max-audio-upload-bytes bounds each audio input"
     ),
     refused("--config", instead="flags or KEEPWARM_* variables (one per flag)"),
     refused("--api-server-count", "-asc", "--headless", instead=SAME_NODE),
