@@ -75,6 +75,8 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_tokens: int, cached_blocks: list[int] = ()) -> bool:
         """Give `seq` blocks for its first `num_tokens` tokens, starting with `cached_blocks` (prefix hits).
         Returns False, changing nothing, when there are not enough free blocks."""
+        if not cached_blocks and num_tokens <= len(seq.block_ids) * self.block_size:
+            return True  # its blocks already hold them (most decode steps)
         cached_blocks = list(cached_blocks)
         needed = cdiv(num_tokens, self.block_size) - len(seq.block_ids) - len(cached_blocks)
         reviving = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
@@ -100,6 +102,8 @@ class BlockManager:
         """Register the blocks that `seq.num_computed_tokens` has just filled."""
         bs = self.block_size
         num_full = min(seq.num_computed_tokens // bs, len(seq.block_ids))
+        if num_full <= len(seq.block_hashes):
+            return  # no block filled since the last call (most decode steps)
         while len(seq.block_hashes) < num_full:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else seq.hash_salt

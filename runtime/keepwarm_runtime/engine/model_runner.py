@@ -1,7 +1,8 @@
 """ModelRunner: turns a SchedulerOutput into one packed forward pass and returns next-token logits.
 
-It builds the step's AttentionMetadata from the scheduler's host lists, and has the attention backend
-derive its own typed metadata from it once (`backend.build`), before any layer runs. The lm head runs
+It builds the step's AttentionMetadata from the scheduler's output (engine/step_inputs.py: array
+operations into buffers kept between steps), and has the attention backend derive its own typed
+metadata from it once (`backend.build`), before any layer runs. The lm head runs
 only on the rows the step needs: each sequence's last known token, plus the prompt positions a
 sequence scores for prompt logprobs (engine/prompt_logprobs.py); a step without the latter keeps
 exactly one row per sampled sequence. With LoRA adapters (engine/lora) each token's adapter slot
@@ -10,7 +11,6 @@ is set around the pass, so one pass serves any mix of adapters and the base.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -21,9 +21,10 @@ from keepwarm_runtime.engine.attention.metadata import AttentionMetadata, use_me
 from keepwarm_runtime.engine.lora import LoraSlots
 from keepwarm_runtime.engine.lora.slots import use_step
 from keepwarm_runtime.engine.multimodal import forward_with_embeds, place
-from keepwarm_runtime.engine.prompt_logprobs import PromptChunk, positions_to_score
+from keepwarm_runtime.engine.prompt_logprobs import PromptChunk
 from keepwarm_runtime.engine.scheduler import SchedulerOutput
 from keepwarm_runtime.engine.sequence import Sequence
+from keepwarm_runtime.engine.step_inputs import StepInputs, StepRows
 
 
 @dataclass
@@ -32,16 +33,6 @@ class StepLogits:
     logits: torch.Tensor | None = None  # [len(sample_seqs), vocab] float32, None when none
     prompt_chunks: list[PromptChunk] = field(default_factory=list)  # prompt positions scored this step
     prompt_logits: torch.Tensor | None = None  # [sum of chunk counts, vocab], rows in chunk order
-
-
-@dataclass
-class _Rows:
-    """Which rows of the packed step the lm head keeps."""
-
-    sample_index: list[int] = field(default_factory=list)  # packed row of each sampled sequence
-    sample_seqs: list[Sequence] = field(default_factory=list)
-    prompt_index: list[int] = field(default_factory=list)  # packed rows of scored prompt positions
-    prompt_chunks: list[PromptChunk] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -53,6 +44,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self._backend = None  # the attached layers' attention backend, found on the first step
+        self.inputs = StepInputs(block_size, device)  # the step's host tables, in buffers kept between steps
 
     def backend(self):
         """The one backend every attached layer uses: its build() runs once per step, for all layers."""
@@ -65,53 +57,10 @@ class ModelRunner:
             self._backend = next(iter(backends.values()))
         return self._backend
 
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, _Rows]:
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        context_lens: list[int] = []
-        rows = _Rows()
-        for seq, n in zip(out.seqs, out.num_scheduled_tokens, strict=True):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            blocks = seq.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            scored = positions_to_score(seq, start, end)
-            if scored:
-                rows.prompt_index.extend(query_start[-1] + p - start for p in scored)
-                rows.prompt_chunks.append(PromptChunk(seq, scored.start, len(scored)))
-            query_start.append(query_start[-1] + n)
-            context_lens.append(end)
-            if end == seq.num_tokens:  # the last known token is in: its logits give the next one
-                rows.sample_index.append(query_start[-1] - 1)
-                rows.sample_seqs.append(seq)
-        prompt_lens = [seq.num_prompt_tokens for seq in out.seqs]
-        query_lens = [e - s for s, e in itertools.pairwise(query_start)]
-        max_blocks = max(len(seq.block_ids) for seq in out.seqs)
-        tables = [seq.block_ids + [0] * (max_blocks - len(seq.block_ids)) for seq in out.seqs]
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            query_lens=torch.tensor(query_lens, dtype=torch.long, device=dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            max_query_len=max(query_lens),
-            max_context_len=max(context_lens),
-            block_size=bs,
-            prefill_only=all(c == q for c, q in zip(context_lens, query_lens, strict=True)),
-            prompt_lens=torch.tensor(prompt_lens, dtype=torch.long, device=dev),
-            prompt_lens_list=prompt_lens,
-            query_lens_list=query_lens,
-            context_lens_list=context_lens,
-            block_tables_list=[list(seq.block_ids) for seq in out.seqs],
-        )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        return ids, pos, meta, rows
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, StepRows]:
+        """The step's token ids, positions, attention metadata and kept rows (engine/step_inputs.py)."""
+        tables = self.inputs.build(out)
+        return tables.input_ids, tables.positions, tables.metadata, tables.rows
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> StepLogits:

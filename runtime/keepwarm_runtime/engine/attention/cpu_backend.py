@@ -11,6 +11,7 @@ once for the values and pads nothing. Prefills and chunks keep the torch backend
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -74,6 +75,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def build(self, meta: AttentionMetadata) -> CpuStepMetadata:
         qlens, ctx = meta.query_lens_list, meta.context_lens_list
+        if meta.max_query_len == 1 and min(ctx) > 1:  # every sequence decodes: no groups to plan
+            every = range(len(qlens))
+            return CpuStepMetadata(meta, len(qlens), [], _decode_batch(meta, every, range(len(qlens) + 1)))
         plans = plan_groups(qlens, ctx)
         decodes = sorted(i for p in plans if p.max_query == 1 and not p.fresh for i in p.seqs)
         plans = [p for p in plans if p.max_query > 1 or p.fresh]
@@ -111,7 +115,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return out.unsqueeze(0)
 
 
-def _decode_batch(meta: AttentionMetadata, seqs: list[int], starts: list[int]) -> DecodeBatch | None:
+def _decode_batch(meta: AttentionMetadata, seqs: Sequence[int], starts: Sequence[int]) -> DecodeBatch | None:
     if not seqs:
         return None
     device = meta.query_start.device

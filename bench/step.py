@@ -1,0 +1,261 @@
+"""One decode step, taken apart: the whole step, the model's forward pass and the host's share of it.
+
+    .venv/bin/python bench/step.py [--params 10M,100M] [--batches 1,16,64,256] [--dtype float32]
+        [--device cpu] [--threads 1] [--steps 16] [--warmup 3] [--attention-backend auto]
+        [--dir DIR] [--json-out FILE]
+
+For each generated Llama (--params, made once per run, or kept in --dir) one engine serves each batch
+size in turn: that many greedy requests (prompts of 16..47 tokens, EOS ignored) are admitted and
+prefilled, then --warmup decode steps run untimed and two timed passes of --steps decode steps each:
+
+* ``step_ms``: the first pass, nothing attached: the wall time of ``engine.step()`` as a server's loop
+  sees it (the median step; ``step_mean_ms`` is the pass's wall time over its steps, where work that one
+  step leaves to the next, as an overlapped loop does, is counted once);
+* ``forward_ms`` and ``host_ms``: the second pass, with the model's forward pass timed by hooks that
+  synchronise the device before and after it; ``host_ms`` is the rest of the step (scheduling, inputs,
+  sampling, detokenising, outputs), both as medians. On CUDA the synchronisation serialises what an
+  overlapped loop would hide, so ``step_ms`` may be less than their sum (``overlap_ms``).
+* ``*_cpu_ms``: the same medians in this process's CPU time (all its threads). On a shared machine the
+  wall times grow with the neighbours' load while CPU time mostly does not, so compare CPU times
+  between runs at different loads, wall times within one run.
+
+Every timed step must decode exactly the batch, one token per sequence (``tokens_per_forward``); the
+script stops with an error otherwise. Threads: --threads intra-op threads with keepwarm's OpenMP
+settings (engine/threads.py), 1 by default, as the issue's side-by-side runs use (on a small shared
+machine a second thread waits for a descheduled sibling). Prints one JSON document. A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+BATCHES = (1, 16, 64, 256)
+PROMPT_MIN, PROMPT_MAX = 16, 48  # prompt lengths, as bench/throughput.py's fixed workload
+PARAMS = ("10M", "100M")
+# CPU flags that decide which kernels run (AVX-512 and AMX: oneDNN's bfloat16; AVX2: the emulated path).
+FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--params", default=",".join(PARAMS), help="comma-separated model sizes")
+    p.add_argument("--batches", default=",".join(map(str, BATCHES)), help="comma-separated batch sizes")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--steps", type=int, default=16, help="timed decode steps per pass")
+    p.add_argument("--warmup", type=int, default=3, help="untimed decode steps first")
+    p.add_argument("--attention-backend", default="auto", help="auto | torch | cpu | flashinfer")
+    p.add_argument(
+        "--dir", default=None, help="where checkpoints are generated and kept (default: a temp dir)"
+    )
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args(argv)
+    args.params = [x for x in args.params.split(",") if x]
+    try:
+        args.batches = [int(x) for x in args.batches.split(",") if x]
+    except ValueError:
+        p.error("--batches: comma-separated whole numbers")
+    if not args.params or not args.batches or min(args.batches) < 1:
+        p.error("--params and --batches need at least one value each; batches are at least 1")
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be at least 1 and --warmup at least 0")
+    return args
+
+
+def machine() -> dict:
+    """What the figures depend on: CPU flags, cores, the load beside the run."""
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    return {
+        "cpus": os.cpu_count(),
+        "cpu_flags": [f for f in FLAGS if f in flags],
+        "load_average_1m": round(os.getloadavg()[0], 2),
+    }
+
+
+class ForwardTimer:
+    """Times the model's forward pass by hooks, synchronising the device around it when one is given."""
+
+    def __init__(self, model, sync) -> None:
+        self.sync = sync  # a no-op on CPU, torch.cuda.synchronize on CUDA
+        self.seconds: list[float] = []
+        self.cpu_seconds: list[float] = []
+        self.tokens: list[int] = []  # tokens in each forward pass
+        self._started = self._cpu_started = 0.0
+        self._hooks = [
+            model.register_forward_pre_hook(self._before, with_kwargs=True),
+            model.register_forward_hook(self._after, with_kwargs=True),
+        ]
+
+    def _before(self, module, args, kwargs) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.tokens.append(int(ids.shape[-1]) if ids is not None else -1)
+        self.sync()
+        self._started, self._cpu_started = time.perf_counter(), time.process_time()
+
+    def _after(self, module, args, kwargs, output) -> None:
+        self.sync()
+        self.seconds.append(time.perf_counter() - self._started)
+        self.cpu_seconds.append(time.process_time() - self._cpu_started)
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+def measure_batch(engine, batch: int, args: argparse.Namespace, sync) -> dict:
+    """Admit ``batch`` requests, prefill them, then time decode steps as the module docstring says."""
+    import torch
+
+    from keepwarm_runtime import SamplingParams
+
+    g = torch.Generator().manual_seed(batch)
+    # Enough tokens that none finishes: the first admitted decode while later ones are still prefilled.
+    params = SamplingParams(temperature=0, max_tokens=engine.max_model_len - PROMPT_MAX, ignore_eos=True)
+    ids = [f"step-{batch}-{i}" for i in range(batch)]
+    for i, request_id in enumerate(ids):
+        prompt = torch.randint(10, 8000, (PROMPT_MIN + i % (PROMPT_MAX - PROMPT_MIN),), generator=g).tolist()
+        engine.add_request(request_id, prompt, params)
+    while any(not engine.requests[r].seqs[0].output_token_ids for r in ids):  # prefill (chunks) first
+        engine.step()
+    for _ in range(args.warmup):
+        engine.step()
+    sync()
+    steps, cpu = [], []
+    started = time.perf_counter()
+    for _ in range(args.steps):
+        t, c = time.perf_counter(), time.process_time()
+        engine.step()
+        steps.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
+    sync()
+    wall = time.perf_counter() - started
+    timer = ForwardTimer(engine.runner.model, sync)
+    synced, synced_cpu = [], []
+    try:
+        for _ in range(args.steps):
+            t, c = time.perf_counter(), time.process_time()
+            engine.step()
+            sync()
+            synced.append(time.perf_counter() - t)
+            synced_cpu.append(time.process_time() - c)
+    finally:
+        timer.remove()
+    context = sum(engine.requests[r].seqs[0].num_tokens for r in ids) / batch
+    for request_id in ids:
+        engine.abort_request(request_id)
+    if set(timer.tokens) != {batch} or len(timer.seconds) != args.steps:
+        raise SystemExit(
+            f"batch {batch}: the timed steps were not pure decodes of the batch "
+            f"(tokens per forward pass: {sorted(set(timer.tokens))}, forward passes: {len(timer.seconds)})"
+        )
+    step_ms = _median_ms(steps)
+    forward_ms = _median_ms(timer.seconds)
+    host_ms = _median_ms(s - f for s, f in zip(synced, timer.seconds, strict=True))
+    return {
+        "batch": batch,
+        "step_ms": step_ms,
+        "step_mean_ms": round(wall / args.steps * 1e3, 3),
+        "forward_ms": forward_ms,
+        "host_ms": host_ms,
+        "overlap_ms": round(max(0.0, forward_ms + host_ms - step_ms), 3),
+        "step_cpu_ms": _median_ms(cpu),
+        "forward_cpu_ms": _median_ms(timer.cpu_seconds),
+        "host_cpu_ms": _median_ms(s - f for s, f in zip(synced_cpu, timer.cpu_seconds, strict=True)),
+        "tokens_per_s": round(batch * args.steps / wall, 1),
+        "tokens_per_forward": batch,
+        "mean_context_tokens": round(context, 1),
+    }
+
+
+def _median_ms(seconds) -> float:
+    return round(statistics.median(seconds) * 1e3, 3)
+
+
+def measure_model(params: str, args: argparse.Namespace, root: Path) -> dict:
+    import torch
+
+    from keepwarm_runtime.engine.config import EngineConfig
+    from keepwarm_runtime.engine.llm_engine import LLMEngine
+    from keepwarm_runtime.modelgen import make_model
+
+    model_dir = root / f"llama-{params}-{args.dtype}"
+    if not (model_dir / "config.json").exists():
+        make_model(model_dir, arch="llama", params=params, dtype=args.dtype)
+    # Room for the decode steps while the batch is prefilled (chunks of max_num_batched_tokens) and timed.
+    prefill_steps = -(-max(args.batches) * PROMPT_MAX // EngineConfig.max_num_batched_tokens) + 1
+    longest = PROMPT_MAX + prefill_steps + args.warmup + 2 * args.steps + 2
+    block = EngineConfig.block_size
+    config = EngineConfig(
+        str(model_dir),
+        dtype=args.dtype,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        max_num_seqs=max(args.batches),
+        max_model_len=longest,
+        num_kv_blocks=max(args.batches) * -(-longest // block) + 1,
+    )
+    started = time.perf_counter()
+    engine = LLMEngine(config)
+    engine.warm_up()
+    load_s = time.perf_counter() - started
+    device = torch.device(args.device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    rows = []
+    for batch in args.batches:
+        rows.append(measure_batch(engine, batch, args, sync))
+        print(f"{params} batch {batch}: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
+    return {
+        "params": params,
+        "attention_backend": engine.attention_backend,
+        "engine_start_s": round(load_s, 2),
+        "batches": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from keepwarm_runtime.engine import threads
+
+    choice = threads.ThreadChoice(args.threads, "--threads")
+    threads.prepare_openmp(choice)  # before torch is imported, as `keepwarm serve` does
+    threads.apply(choice)
+    import torch
+
+    result: dict = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "dtype": args.dtype,
+        "device": args.device,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "steps": args.steps,
+        "machine": machine(),
+    }
+    with tempfile.TemporaryDirectory(prefix="keepwarm-step-") as tmp:
+        root = Path(args.dir).expanduser() if args.dir else Path(tmp)
+        result["models"] = [measure_model(params, args, root) for params in args.params]
+    result["load_average_1m_after"] = round(os.getloadavg()[0], 2)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json_out:
+        Path(args.json_out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""A step's host tables (token ids, positions, KV slots, block tables), built by array operations into
+buffers kept from step to step.
+
+The model runner used to build them in Python lists, one element at a time (a slot per token, a
+padded block-table row per sequence), then copy each list into a new tensor: at batch 64 that was the
+largest part of the host's share of a decode step. Here the per-sequence numbers (tokens computed,
+tokens scheduled, length, blocks) are read once into arrays and every table is a few numpy operations
+over them, written into buffers that grow to the largest step seen and are then reused. On CPU the
+tensors a step hands to the model are views of those buffers; on CUDA the buffers are pinned and each
+table reaches the device in one non-blocking copy.
+
+Buffers are used in turn (``DEPTH`` sets), so the tables one step handed out stay intact while the
+next step is prepared; on CUDA a set is written again only after its copies have completed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from keepwarm_runtime.engine.attention.metadata import AttentionMetadata
+from keepwarm_runtime.engine.prompt_logprobs import PromptChunk, positions_to_score
+from keepwarm_runtime.engine.scheduler import SchedulerOutput
+from keepwarm_runtime.engine.sequence import Sequence
+
+DEPTH = 2  # buffer sets used in turn
+
+
+@dataclass
+class StepRows:
+    """Which rows of the packed step the lm head keeps."""
+
+    sample_index: list[int] = field(default_factory=list)  # packed row of each sampled sequence
+    sample_seqs: list[Sequence] = field(default_factory=list)
+    prompt_index: list[int] = field(default_factory=list)  # packed rows of scored prompt positions
+    prompt_chunks: list[PromptChunk] = field(default_factory=list)
+
+
+@dataclass
+class StepTables:
+    """One step's inputs as the model runner hands them on."""
+
+    input_ids: torch.Tensor  # [T] int64 on the device
+    positions: torch.Tensor  # [T] int64 on the device
+    metadata: AttentionMetadata
+    rows: StepRows
+
+
+class _Buffers:
+    """One set of host tables, grown (never shrunk) to the largest step seen."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.tokens = self.seqs = self.table_size = 0
+        self.copied: torch.cuda.Event | None = None  # recorded after this set's copies to the device
+        self.ensure(1, 1, 1)
+
+    def _new(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(n, dtype=dtype, pin_memory=self.pin)
+
+    def ensure(self, tokens: int, seqs: int, table_size: int) -> None:
+        if tokens > self.tokens:
+            self.tokens = max(tokens, 2 * self.tokens)
+            self.input_ids, self.positions, self.slots = (
+                self._new(self.tokens, torch.long) for _ in range(3)
+            )
+        if seqs > self.seqs:
+            self.seqs = max(seqs, 2 * self.seqs)
+            self.query_start = self._new(self.seqs + 1, torch.int32)
+            self.query_lens, self.context_lens, self.prompt_lens = (
+                self._new(self.seqs, torch.long) for _ in range(3)
+            )
+        if table_size > self.table_size:
+            self.table_size = max(table_size, 2 * self.table_size)
+            self.block_tables = self._new(self.table_size, torch.int32)  # [B * max_blocks], viewed per step
+
+
+class StepInputs:
+    """Builds each step's tables for one device and block size (ModelRunner.prepare)."""
+
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+        pin = device.type == "cuda"
+        self._sets = [_Buffers(pin) for _ in range(DEPTH)]
+        self._turn = 0
+
+    def build(self, out: SchedulerOutput) -> StepTables:
+        seqs, counts_list = out.seqs, out.num_scheduled_tokens
+        batch, bs = len(seqs), self.block_size
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, batch)
+        lengths = np.fromiter((len(s.token_ids) for s in seqs), np.int64, batch)
+        num_blocks = np.fromiter((len(s.block_ids) for s in seqs), np.int64, batch)
+        counts = np.asarray(counts_list, dtype=np.int64)
+        ends = starts + counts
+        tokens, width = int(counts.sum()), int(num_blocks.max())
+        buf = self._next(tokens, batch, batch * width)
+
+        query_start = buf.query_start.numpy()[: batch + 1]
+        query_start[0] = 0
+        np.cumsum(counts, out=query_start[1:])
+        table = buf.block_tables.numpy()[: batch * width].reshape(batch, width)
+        table.fill(0)
+        table[np.arange(width) < num_blocks[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(s.block_ids for s in seqs), np.int32, int(num_blocks.sum())
+        )
+        input_ids, positions = buf.input_ids.numpy()[:tokens], buf.positions.numpy()[:tokens]
+        if tokens == batch:  # one token each (decodes, one-token chunks): no packing to work out
+            input_ids[:] = [s.token_ids[p] for s, p in zip(seqs, starts.tolist(), strict=True)]
+            positions[:] = starts
+            owner = np.arange(batch)
+        else:
+            input_ids[:] = np.fromiter(
+                itertools.chain.from_iterable(
+                    s.token_ids[p : p + n] for s, p, n in zip(seqs, starts.tolist(), counts_list, strict=True)
+                ),
+                np.int64,
+                tokens,
+            )
+            owner = np.repeat(np.arange(batch), counts)
+            positions[:] = np.arange(tokens) + np.repeat(starts - query_start[:-1], counts)
+        slots = buf.slots.numpy()[:tokens]
+        slots[:] = table[owner, positions // bs].astype(np.int64) * bs + positions % bs
+        buf.query_lens.numpy()[:batch] = counts
+        buf.context_lens.numpy()[:batch] = ends
+        prompt_lens_list = [len(s.prompt_token_ids) for s in seqs]
+        buf.prompt_lens.numpy()[:batch] = prompt_lens_list
+
+        dev = self._device_tensors(buf, tokens, batch, width)
+        context_lens_list = ends.tolist()
+        meta = AttentionMetadata(
+            slot_mapping=dev["slots"],
+            query_start=dev["query_start"],
+            query_lens=dev["query_lens"],
+            context_lens=dev["context_lens"],
+            block_tables=dev["block_tables"],
+            max_query_len=int(counts.max()),
+            max_context_len=int(ends.max()),
+            block_size=bs,
+            prefill_only=bool((starts == 0).all()),
+            prompt_lens=dev["prompt_lens"],
+            prompt_lens_list=prompt_lens_list,
+            query_lens_list=list(counts_list),
+            context_lens_list=context_lens_list,
+            block_tables_list=[list(s.block_ids) for s in seqs],
+        )
+        return StepTables(
+            dev["input_ids"], dev["positions"], meta, _rows(seqs, starts, ends, lengths, query_start)
+        )
+
+    def _next(self, tokens: int, batch: int, table_size: int) -> _Buffers:
+        buf = self._sets[self._turn]
+        self._turn = (self._turn + 1) % DEPTH
+        if buf.copied is not None:
+            buf.copied.synchronize()  # its last copies to the device have been read
+            buf.copied = None
+        buf.ensure(tokens, batch, table_size)
+        return buf
+
+    def _device_tensors(self, buf: _Buffers, tokens: int, batch: int, width: int) -> dict[str, torch.Tensor]:
+        host = {
+            "input_ids": buf.input_ids[:tokens],
+            "positions": buf.positions[:tokens],
+            "slots": buf.slots[:tokens],
+            "query_start": buf.query_start[: batch + 1],
+            "query_lens": buf.query_lens[:batch],
+            "context_lens": buf.context_lens[:batch],
+            "prompt_lens": buf.prompt_lens[:batch],
+            "block_tables": buf.block_tables[: batch * width].view(batch, width),
+        }
+        if self.device.type == "cpu":
+            return host
+        dev = {name: t.to(self.device, non_blocking=True) for name, t in host.items()}
+        if self.device.type == "cuda":
+            buf.copied = torch.cuda.Event()
+            buf.copied.record()
+        return dev
+
+
+def _rows(
+    seqs: list[Sequence], starts: np.ndarray, ends: np.ndarray, lengths: np.ndarray, query_start: np.ndarray
+) -> StepRows:
+    """The sampled rows (each sequence whose last known token is in) and the scored prompt positions."""
+    last = ends == lengths  # the last known token is in: its logits give the next one
+    if last.all():
+        rows = StepRows((query_start[1:] - 1).tolist(), list(seqs))
+    else:
+        picked = np.flatnonzero(last)
+        rows = StepRows((query_start[1:][picked] - 1).tolist(), [seqs[i] for i in picked.tolist()])
+    for b, seq in enumerate(seqs):
+        if seq.prompt_logprobs is None:
+            continue
+        start, end = int(starts[b]), int(ends[b])
+        scored = positions_to_score(seq, start, end)
+        if scored:
+            first_row = int(query_start[b]) - start
+            rows.prompt_index.extend(first_row + p for p in scored)
+            rows.prompt_chunks.append(PromptChunk(seq, scored.start, len(scored)))
+    return rows
