@@ -397,32 +397,33 @@ class LLMEngine:
         return outputs
 
     def _append(self, seq: Sequence, token: SampledToken, detok: IncrementalDetokenizer) -> None:
-        p = seq.params
-        seq.token_ids.append(token.token_id)
+        """Add a sampled token to its sequence and finish the sequence if it should stop (runs for every
+        sequence of every step: plain locals, no properties)."""
+        p, tid, ids = seq.params, token.token_id, seq.token_ids
+        ids.append(tid)
         if token.logprobs is not None:
-            for tid, lp in token.logprobs.items():
-                lp.decoded_token = self.token_text(tid)
+            for alternative, lp in token.logprobs.items():
+                lp.decoded_token = self.token_text(alternative)
             seq.logprobs.append(token.logprobs)
             seq.cumulative_logprob += token.logprob
-        if seq.constraint is not None:
-            seq.constraint.accept(token.token_id)
-        new_text = detok.step(token.token_id)
-        before = len(seq.text)
-        seq.text += new_text
-        tid = token.token_id
-        terminated = seq.constraint is not None and seq.constraint.is_terminated()
-        eos = not p.ignore_eos and tid in self.eos_token_ids and seq.num_output_tokens >= p.min_tokens
+        constraint = seq.constraint
+        if constraint is not None:
+            constraint.accept(tid)
+        new_text = detok.step(tid)
+        if new_text:
+            seq.text += new_text
+        num_output = len(ids) - len(seq.prompt_token_ids)
+        terminated = constraint is not None and constraint.is_terminated()
+        eos = not p.ignore_eos and tid in self.eos_token_ids and num_output >= p.min_tokens
         if terminated or eos:
             self._finish(seq, "stop", None)
-        elif tid in p.stop_token_ids and seq.num_output_tokens >= p.min_tokens:
+        elif tid in p.stop_token_ids and num_output >= p.min_tokens:
             self._finish(seq, "stop", tid)
-        elif p.stop and new_text and (hit := find_stop(seq.text, len(seq.text) - before, p.stop)):
+        elif p.stop and new_text and (hit := find_stop(seq.text, len(new_text), p.stop)):
             idx, stop = hit
             seq.text = seq.text[: idx + (len(stop) if p.include_stop_str_in_output else 0)]
             self._finish(seq, "stop", stop)
-        elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or (
-            seq.num_tokens >= self.max_model_len
-        ):
+        elif (p.max_tokens is not None and num_output >= p.max_tokens) or len(ids) >= self.max_model_len:
             self._finish(seq, "length", None)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None) -> None:
@@ -430,29 +431,33 @@ class LLMEngine:
         self.scheduler.finish(seq)
 
     def _output(self, request: _Request, error: str | None = None) -> RequestOutput:
-        completions = [
-            CompletionOutput(
-                index=seq.index,
-                text=seq.text,
-                token_ids=seq.output_token_ids,
-                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-            )
-            for seq in request.seqs
-        ]
-        scored = request.seqs[0].prompt_logprobs
+        completions = [_completion(seq) for seq in request.seqs]
+        first = request.seqs[0]
+        scored = first.prompt_logprobs
         return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            prompt_logprobs=list(scored) if scored is not None else None,
-            outputs=completions,
+            request.request_id,
+            request.prompt,
+            request.prompt_token_ids,
+            completions,
             finished=all(seq.is_finished for seq in request.seqs),
-            num_cached_tokens=request.seqs[0].num_cached_tokens,
+            num_cached_tokens=first.num_cached_tokens,
+            prompt_logprobs=list(scored) if scored is not None else None,
             error=error,
         )
+
+
+def _completion(seq: Sequence) -> CompletionOutput:
+    """The sequence as its request's output reports it now (copies: the sequence goes on growing)."""
+    logprobs = seq.logprobs
+    return CompletionOutput(
+        seq.index,
+        seq.text,
+        seq.token_ids[len(seq.prompt_token_ids) :],
+        seq.cumulative_logprob if logprobs is not None else None,
+        list(logprobs) if logprobs is not None else None,
+        seq.finish_reason,
+        seq.stop_reason,
+    )
 
 
 def _eos_ids(model_dir: str, tokenizer, generation_config_cls) -> list[int]:

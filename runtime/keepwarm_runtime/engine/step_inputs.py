@@ -27,6 +27,18 @@ from keepwarm_runtime.engine.scheduler import SchedulerOutput
 from keepwarm_runtime.engine.sequence import Sequence
 
 DEPTH = 2  # buffer sets used in turn
+# The host tables of a buffer set (its attributes): [tokens], [tokens], [tokens], [seqs + 1], [seqs] x 3,
+# and the block tables, [seqs * blocks] viewed as [seqs, blocks] per step.
+TABLES = (
+    "input_ids",
+    "positions",
+    "slots",
+    "query_start",
+    "query_lens",
+    "context_lens",
+    "prompt_lens",
+    "block_tables",
+)
 
 
 @dataclass
@@ -76,6 +88,8 @@ class _Buffers:
         if table_size > self.table_size:
             self.table_size = max(table_size, 2 * self.table_size)
             self.block_tables = self._new(self.table_size, torch.int32)  # [B * max_blocks], viewed per step
+        # numpy views of the same memory, made once (a .numpy() call per table and step adds up)
+        self.np = {name: getattr(self, name).numpy() for name in TABLES}
 
 
 class StepInputs:
@@ -91,23 +105,29 @@ class StepInputs:
     def build(self, out: SchedulerOutput) -> StepTables:
         seqs, counts_list = out.seqs, out.num_scheduled_tokens
         batch, bs = len(seqs), self.block_size
-        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, batch)
-        lengths = np.fromiter((len(s.token_ids) for s in seqs), np.int64, batch)
-        num_blocks = np.fromiter((len(s.block_ids) for s in seqs), np.int64, batch)
-        counts = np.asarray(counts_list, dtype=np.int64)
+        # One pass over the sequences: [B, 4] of tokens computed, length, blocks, prompt length.
+        per_seq = np.array(
+            [
+                (s.num_computed_tokens, len(s.token_ids), len(s.block_ids), len(s.prompt_token_ids))
+                for s in seqs
+            ],
+            dtype=np.int64,
+        )
+        starts, lengths, num_blocks, prompt_lens = per_seq.T
+        counts = np.array(counts_list, dtype=np.int64)
         ends = starts + counts
         tokens, width = int(counts.sum()), int(num_blocks.max())
         buf = self._next(tokens, batch, batch * width)
 
-        query_start = buf.query_start.numpy()[: batch + 1]
+        query_start = buf.np["query_start"][: batch + 1]
         query_start[0] = 0
         np.cumsum(counts, out=query_start[1:])
-        table = buf.block_tables.numpy()[: batch * width].reshape(batch, width)
+        table = buf.np["block_tables"][: batch * width].reshape(batch, width)
         table.fill(0)
         table[np.arange(width) < num_blocks[:, None]] = np.fromiter(
             itertools.chain.from_iterable(s.block_ids for s in seqs), np.int32, int(num_blocks.sum())
         )
-        input_ids, positions = buf.input_ids.numpy()[:tokens], buf.positions.numpy()[:tokens]
+        input_ids, positions = buf.np["input_ids"][:tokens], buf.np["positions"][:tokens]
         if tokens == batch:  # one token each (decodes, one-token chunks): no packing to work out
             input_ids[:] = [s.token_ids[p] for s, p in zip(seqs, starts.tolist(), strict=True)]
             positions[:] = starts
@@ -122,15 +142,13 @@ class StepInputs:
             )
             owner = np.repeat(np.arange(batch), counts)
             positions[:] = np.arange(tokens) + np.repeat(starts - query_start[:-1], counts)
-        slots = buf.slots.numpy()[:tokens]
+        slots = buf.np["slots"][:tokens]
         slots[:] = table[owner, positions // bs].astype(np.int64) * bs + positions % bs
-        buf.query_lens.numpy()[:batch] = counts
-        buf.context_lens.numpy()[:batch] = ends
-        prompt_lens_list = [len(s.prompt_token_ids) for s in seqs]
-        buf.prompt_lens.numpy()[:batch] = prompt_lens_list
+        buf.np["query_lens"][:batch] = counts
+        buf.np["context_lens"][:batch] = ends
+        buf.np["prompt_lens"][:batch] = prompt_lens
 
         dev = self._device_tensors(buf, tokens, batch, width)
-        context_lens_list = ends.tolist()
         meta = AttentionMetadata(
             slot_mapping=dev["slots"],
             query_start=dev["query_start"],
@@ -142,9 +160,9 @@ class StepInputs:
             block_size=bs,
             prefill_only=bool((starts == 0).all()),
             prompt_lens=dev["prompt_lens"],
-            prompt_lens_list=prompt_lens_list,
+            prompt_lens_list=prompt_lens.tolist(),
             query_lens_list=list(counts_list),
-            context_lens_list=context_lens_list,
+            context_lens_list=ends.tolist(),
             block_tables_list=[list(s.block_ids) for s in seqs],
         )
         return StepTables(

@@ -146,3 +146,17 @@ def test_mixed_batch_rows_are_independent() -> None:
 def test_bad_params_are_rejected(kwargs) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+def test_argmax_rows_agrees_with_torch_on_ties_nans_and_strided_rows() -> None:
+    from keepwarm_runtime.engine.sampler import argmax_rows
+
+    x = torch.randn(6, 300, generator=torch.Generator().manual_seed(0))
+    x[1, 7] = x[1, 9] = float("nan")  # NaN counts as largest; the first one wins
+    x[2, :] = 1.0  # all tied: the first index
+    x[3, 3] = x[3, 250] = 100.0
+    with torch.inference_mode():  # logits arrive from the model as inference tensors
+        logits = x.clone()
+    for rows in (logits, logits[:, ::3], logits[1:4], logits.double(), logits.bfloat16()):
+        assert argmax_rows(rows) == rows.argmax(dim=-1).tolist()
+    assert argmax_rows(logits)[1:4] == [7, 0, 3]
