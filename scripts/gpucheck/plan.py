@@ -67,6 +67,7 @@ SERVER_MODULES = [
 ]
 RESTART_HELP = [PY, "-m", "keepwarm_runtime.cli", "bench", "restart", "--help"]
 THROUGHPUT_HELP = [PY, "bench/throughput.py", "--help"]
+STEP_HELP = [PY, "bench/step.py", "--help"]
 MOE_HELP = [PY, "bench/moe.py", "--help"]
 ENV_SCRIPT = "scripts/gpucheck/envinfo.py"
 # run by their own steps
@@ -126,6 +127,15 @@ def _throughput(backend: str, ceiling_s: int, core: bool = True, skip_hf: bool =
     return Step(f"throughput-{backend}", argv, ceiling_s, "json", ENGINE_MODULES, THROUGHPUT_HELP, core)
 
 
+def _decode_step(ceiling_s: int) -> Step:
+    """bench/step.py on cuda:0: a decode step's whole time, its synchronised forward pass and the host's
+    share, at batch 1/16/64/256 on the 10M and 100M models in bfloat16 with FlashInfer (issue 35's
+    split of the H200's 20 ms steps into device and Python time)."""
+    argv = [PY, "bench/step.py", "--device", "cuda:0", "--dtype", "bfloat16", "--params", "10M,100M"]
+    argv += ["--attention-backend", "flashinfer", "--threads", "4", "--steps", "16"]
+    return Step("step-decode-flashinfer", argv, ceiling_s, "json", ENGINE_MODULES, STEP_HELP, core=False)
+
+
 def _moe(flashinfer: bool, ceiling_s: int) -> Step:
     argv = [PY, "bench/moe.py", "--device", "cuda:0", "--experts", "16", "--hidden", "2048"]
     argv += ["--intermediate", "1024", "--repeats", "5", *([] if flashinfer else ["--skip-flashinfer"])]
@@ -152,6 +162,8 @@ STEPS: list[Step] = [
     # 4 passed and 3 skipped in the first run.
     _pytest("tests-gpu-other", "tests/gpu", 140, [], *OTHER_TESTS),
     # Past the budget line: run when the steps above finish early, or by name in a rerun.
+    # Never run yet: FlashInfer's JIT (about 27 s per module) plus two engines and 4 x 40 steps each.
+    _decode_step(120),
     _pytest("tests-cache", "tests/gpu/cache", 150, CACHE_MODULES, core=False),
     _pytest(
         "tests-flashinfer",
@@ -218,6 +230,7 @@ def time_box(step: Step, left_s: float) -> float | None:
 SMOKE_PYTEST = ["-p", "no:cacheprovider", "tests/integration/engine/test_llm.py"]
 SMOKE_RESTART = ["--size-gib", "0.02", "--serving-dtype", "float32", "--device", "cpu", "--repeats", "1"]
 SMOKE_THROUGHPUT = ["--params", "1M", "--prompts", "4", "--output-tokens", "4", "--rounds", "1"]
+SMOKE_STEP = ["--params", "1M", "--batches", "1,4", "--steps", "2", "--warmup", "1", "--device", "cpu"]
 SMOKE_STEPS: list[Step] = [
     # tests/gpu/engine's CPU twin: greedy parity with transformers on every tested architecture
     Step("smoke-engine-parity-cpu", [PY, "-m", "pytest", "-q", *SMOKE_PYTEST], 300, "pytest"),
@@ -234,6 +247,8 @@ SMOKE_STEPS: list[Step] = [
             "serve.cache.weights_source",
         ),
     ),
+    # step-decode-flashinfer's twin: the same script on CPU at toy size
+    Step("smoke-step-cpu", [*STEP_HELP[:-1], *SMOKE_STEP, "--threads", "1"], 300, "json"),
     Step(
         "smoke-throughput-cpu",
         [*THROUGHPUT_HELP[:-1], *SMOKE_THROUGHPUT, "--threads", "1", "--device", "cpu"],

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import throughput
 from keepwarm_runtime.engine.threads import OPENMP_WAIT_DEFAULTS
 
 REPO = Path(__file__).resolve().parents[3]
@@ -132,3 +133,47 @@ def test_lora_benchmark_reports_load_times_and_ratios(tmp_path: Path) -> None:
     for key in ("base_tok_s", "mixed_tok_s", "peft_tok_s", "mixed_over_base", "mixed_over_peft"):
         assert result[key] > 0, key
     assert result["rounds"] == 2
+
+
+def test_step_benchmark_times_pure_decode_steps_at_each_batch(tmp_path: Path) -> None:
+    out = tmp_path / "step.json"
+    argv = [sys.executable, "bench/step.py", "--params", "2M", "--batches", "1,3", "--steps", "3"]
+    _run([*argv, "--warmup", "1", "--json-out", str(out)], tmp_path)
+    result = json.loads(out.read_text())
+
+    assert result["threads"] == 1 and "cpu_flags" in result["machine"] and result["steps"] == 3
+    [model] = result["models"]
+    assert model["params"] == "2M" and model["attention_backend"] == "cpu"
+    assert [row["batch"] for row in model["batches"]] == [1, 3]
+    for row in model["batches"]:
+        assert row["tokens_per_forward"] == row["batch"]  # the timed steps decoded the batch, nothing else
+        assert row["step_ms"] > 0 and row["forward_ms"] > 0 and row["host_ms"] > 0, row
+        assert row["step_cpu_ms"] > 0 and row["forward_cpu_ms"] > 0 and row["host_cpu_ms"] > 0, row
+        assert row["tokens_per_s"] > 0 and row["mean_context_tokens"] > 16
+
+
+def test_throughput_names_why_the_vllm_peer_did_not_run(tmp_path: Path) -> None:
+    out = tmp_path / "throughput.json"
+    argv = [sys.executable, "bench/throughput.py", "--params", "2M", "--prompts", "2", "--output-tokens", "3"]
+    argv += ["--threads", "1", "--peers", "vllm", "--vllm-env", str(tmp_path / "no-env"), "--rounds", "1"]
+    _run([*argv, "--json-out", str(out)], tmp_path)
+    result = json.loads(out.read_text())
+
+    assert result["keepwarm"]["tokens_per_s"] > 0  # keepwarm is still measured
+    assert "no vLLM environment at" in result["vllm"]["skipped"] and "speedup_vs_vllm" not in result
+
+
+@pytest.mark.skipif(
+    not (Path(throughput.VLLM_ENV).expanduser() / "bin" / "python").exists(),
+    reason="no vLLM environment (make vllm-cpu)",
+)
+def test_throughput_runs_vllm_as_a_peer_where_its_environment_exists(tmp_path: Path) -> None:
+    out = tmp_path / "vllm.json"
+    argv = [sys.executable, "bench/throughput.py", "--params", "2M", "--prompts", "3", "--output-tokens", "5"]
+    argv += ["--threads", "1", "--peers", "vllm", "--vllm-eager"]
+    _run([*argv, "--json-out", str(out)], tmp_path, timeout=1800)
+    result = json.loads(out.read_text())
+
+    assert result["vllm"]["tokens_per_s"] > 0 and len(result["vllm"]["rounds_s"]) == 2
+    assert result["vllm"]["init_s"] > 0 and result["speedup_vs_vllm"] > 0
+    assert result["vllm"]["sequences_identical"] == 3  # fp32 greedy at this size: no near-ties

@@ -292,3 +292,16 @@ def test_env_step_reports_carried_versions_and_unmet_requirements(monkeypatch):
     found = envinfo.carried_requirements()
     assert found["versions"]["no-such-dist-here"] is None
     assert found["versions"]["fastapi"] and found["unmet"] == []  # this venv meets fastapi's needs
+
+
+def test_the_decode_step_benchmark_runs_on_the_gpu_with_a_cpu_twin():
+    """bench/step.py (issue 35): the host/device split of a decode step on the GPU, and its smoke twin."""
+    from bench import step
+
+    steps = {s.name: s for s in plan.STEPS}
+    gpu = steps["step-decode-flashinfer"]
+    assert gpu.argv[1] == "bench/step.py" and "cuda:0" in gpu.argv and "flashinfer" in gpu.argv
+    args = step.parse_args(gpu.command("python", "/tmp")[2:])  # the flags the step passes parse
+    assert args.params == ["10M", "100M"] and args.batches == list(step.BATCHES)
+    twin = next(s for s in plan.SMOKE_STEPS if s.name == "smoke-step-cpu")
+    assert twin.argv[1] == "bench/step.py" and twin.kind == "json" and "cpu" in twin.argv

@@ -62,13 +62,18 @@ def library_name() -> str:
 
 
 def _cpu_flags() -> str:
+    return " ".join(sorted(cpu_flags())) or "unknown"
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's instruction-set flags as /proc/cpuinfo names them (empty where it cannot be read)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                return " ".join(sorted(line.split(":", 1)[1].split()))
+                return set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return "unknown"
+    return set()
 
 
 def _node_build(name: str, root: str | Path | None) -> Path | None:
