@@ -44,12 +44,18 @@ class Sampler:
         failed: dict[int, str] = {}  # row -> why
         logits = self._process(seqs, logits, failed)
         tokens = self._choose_isolated(seqs, logits, failed)
+        asked = [r for r, want in enumerate(want_logprobs) if want and r not in failed]
+        batched = (
+            _batch_logprobs(raw, asked, tokens, [seqs[r].params.logprobs for r in asked]) if asked else {}
+        )
         out = []
         for row, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
             if row in failed:
                 out.append(SampledToken(-1, None, None, failed[row]))
             elif not want_logprobs[row]:
                 out.append(SampledToken(token, None, None))
+            elif row in batched:
+                out.append(SampledToken(token, *batched[row]))
             else:
                 try:
                     out.append(SampledToken(token, *_logprobs(raw[row], token, seq.params.logprobs)))
@@ -124,10 +130,10 @@ class Sampler:
             return tokens
 
     def _choose(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        tokens = argmax_rows(logits)
+        """Every row's token, read back from the device once."""
         rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if not rows:
-            return tokens
+            return argmax_rows(logits)
         sub = logits[rows]
         params = [seqs[i].params for i in rows]
         temps = torch.tensor([p.temperature for p in params], dtype=sub.dtype, device=sub.device)
@@ -146,10 +152,15 @@ class Sampler:
             gen = seqs[i].generator
             if gen is not None:
                 noise[j].exponential_(generator=gen)
-        chosen = (probs / noise).argmax(dim=-1).tolist()
-        for j, i in enumerate(rows):
-            tokens[i] = chosen[j]
-        return tokens
+        chosen = (probs / noise).argmax(dim=-1)
+        if logits.device.type == "cpu":  # no device to wait for; numpy's argmax for the greedy rows
+            tokens = argmax_rows(logits)
+            for i, token in zip(rows, chosen.tolist(), strict=True):
+                tokens[i] = token
+            return tokens
+        every = logits.argmax(dim=-1)
+        every[torch.tensor(rows, device=every.device)] = chosen
+        return every.tolist()
 
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:
@@ -185,6 +196,30 @@ def _top_k_top_p(logits: torch.Tensor, params) -> torch.Tensor:
     drop[:, 0] = False  # always keep the most likely token
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _batch_logprobs(
+    raw: torch.Tensor, rows: list[int], tokens: list[int], tops: list[int]
+) -> dict[int, tuple[float, dict[int, Logprob]]]:
+    """``_logprobs`` for several rows at once: one read back from the device per quantity instead of
+    three per row. Empty if it raises, so each row is then taken alone (and only a faulty one fails)."""
+    try:
+        sub = raw[torch.tensor(rows, device=raw.device)]
+        chosen = sub.gather(1, torch.tensor([tokens[r] for r in rows], device=raw.device)[:, None])
+        ranks = ((sub > chosen).sum(dim=1) + 1).tolist()
+        values = chosen[:, 0].tolist()
+        k = min(max(tops), sub.shape[1])
+        top_values, top_ids = sub.topk(k, dim=1) if k else (sub[:, :0], sub[:, :0].long())
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    except Exception:
+        return {}
+    result = {}
+    for j, row in enumerate(rows):
+        entry = {tokens[row]: Logprob(values[j], ranks[j])}
+        for rank, (v, t) in enumerate(zip(top_values[j][: tops[j]], top_ids[j][: tops[j]], strict=True), 1):
+            entry.setdefault(t, Logprob(v, rank))
+        result[row] = (values[j], entry)
+    return result
 
 
 def _logprobs(raw: torch.Tensor, token: int, top: int) -> tuple[float, dict[int, Logprob]]:

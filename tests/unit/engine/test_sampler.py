@@ -160,3 +160,25 @@ def test_argmax_rows_agrees_with_torch_on_ties_nans_and_strided_rows() -> None:
     for rows in (logits, logits[:, ::3], logits[1:4], logits.double(), logits.bfloat16()):
         assert argmax_rows(rows) == rows.argmax(dim=-1).tolist()
     assert argmax_rows(logits)[1:4] == [7, 0, 3]
+
+
+def test_logprobs_of_a_batch_match_each_row_taken_alone() -> None:
+    """Rows asking for logprobs are scored together (one read back per quantity); each row's value,
+    rank and alternatives are what scoring it alone gives."""
+    from keepwarm_runtime.engine.sampler import _logprobs
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
+    params = [
+        SamplingParams(temperature=0, logprobs=0),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, logprobs=5),
+        SamplingParams(temperature=1.0, logprobs=2),
+    ]
+    seqs = [seq(p) for p in params]
+    sampled = Sampler(set(), seed=0)(seqs, logits)
+    raw = torch.log_softmax(logits, dim=-1)
+    assert sampled[1].logprobs is None and sampled[1].logprob is None
+    for row in (0, 2, 3):
+        token = sampled[row].token_id
+        assert (sampled[row].logprob, sampled[row].logprobs) == _logprobs(raw[row], token, params[row].logprobs)
+    assert len(sampled[2].logprobs) in (5, 6) and len(sampled[0].logprobs) == 1
