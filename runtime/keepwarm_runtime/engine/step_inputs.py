@@ -163,7 +163,7 @@ class StepInputs:
             prompt_lens_list=prompt_lens.tolist(),
             query_lens_list=list(counts_list),
             context_lens_list=ends.tolist(),
-            block_tables_list=[list(s.block_ids) for s in seqs],
+            block_tables_list=[s.block_ids for s in seqs],  # the sequences' own: read within the step
         )
         return StepTables(
             dev["input_ids"], dev["positions"], meta, _rows(seqs, starts, ends, lengths, query_start)

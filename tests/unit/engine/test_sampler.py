@@ -180,5 +180,7 @@ def test_logprobs_of_a_batch_match_each_row_taken_alone() -> None:
     assert sampled[1].logprobs is None and sampled[1].logprob is None
     for row in (0, 2, 3):
         token = sampled[row].token_id
-        assert (sampled[row].logprob, sampled[row].logprobs) == _logprobs(raw[row], token, params[row].logprobs)
+        assert (sampled[row].logprob, sampled[row].logprobs) == _logprobs(
+            raw[row], token, params[row].logprobs
+        )
     assert len(sampled[2].logprobs) in (5, 6) and len(sampled[0].logprobs) == 1
