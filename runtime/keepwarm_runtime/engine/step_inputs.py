@@ -27,6 +27,7 @@ from keepwarm_runtime.engine.scheduler import SchedulerOutput
 from keepwarm_runtime.engine.sequence import Sequence
 
 DEPTH = 2  # buffer sets used in turn
+MAX_SHAPES = 64  # step shapes whose tensor views a buffer set keeps (decode steps repeat one for long)
 # The host tables of a buffer set (its attributes): [tokens], [tokens], [tokens], [seqs + 1], [seqs] x 3,
 # and the block tables, [seqs * blocks] viewed as [seqs, blocks] per step.
 TABLES = (
@@ -68,12 +69,17 @@ class _Buffers:
         self.pin = pin
         self.tokens = self.seqs = self.table_size = 0
         self.copied: torch.cuda.Event | None = None  # recorded after this set's copies to the device
+        # (tokens, seqs, blocks) -> the tensors a step of that shape hands on: made once per shape
+        self.views: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}
         self.ensure(1, 1, 1)
 
     def _new(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(n, dtype=dtype, pin_memory=self.pin)
 
     def ensure(self, tokens: int, seqs: int, table_size: int) -> None:
+        if tokens <= self.tokens and seqs <= self.seqs and table_size <= self.table_size:
+            return
+        self.views = {}
         if tokens > self.tokens:
             self.tokens = max(tokens, 2 * self.tokens)
             self.input_ids, self.positions, self.slots = (
@@ -179,16 +185,20 @@ class StepInputs:
         return buf
 
     def _device_tensors(self, buf: _Buffers, tokens: int, batch: int, width: int) -> dict[str, torch.Tensor]:
-        host = {
-            "input_ids": buf.input_ids[:tokens],
-            "positions": buf.positions[:tokens],
-            "slots": buf.slots[:tokens],
-            "query_start": buf.query_start[: batch + 1],
-            "query_lens": buf.query_lens[:batch],
-            "context_lens": buf.context_lens[:batch],
-            "prompt_lens": buf.prompt_lens[:batch],
-            "block_tables": buf.block_tables[: batch * width].view(batch, width),
-        }
+        host = buf.views.get((tokens, batch, width))
+        if host is None:
+            if len(buf.views) >= MAX_SHAPES:
+                buf.views.clear()
+            host = buf.views[tokens, batch, width] = {
+                "input_ids": buf.input_ids[:tokens],
+                "positions": buf.positions[:tokens],
+                "slots": buf.slots[:tokens],
+                "query_start": buf.query_start[: batch + 1],
+                "query_lens": buf.query_lens[:batch],
+                "context_lens": buf.context_lens[:batch],
+                "prompt_lens": buf.prompt_lens[:batch],
+                "block_tables": buf.block_tables[: batch * width].view(batch, width),
+            }
         if self.device.type == "cpu":
             return host
         dev = {name: t.to(self.device, non_blocking=True) for name, t in host.items()}
