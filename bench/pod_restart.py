@@ -2,9 +2,10 @@
 
     flock /tmp/kw-bench.lock .venv/bin/python bench/pod_restart.py [--params 500M,1B] [--json-out FILE]
 
-Needs root (the kubelet stand-in runs pods for real: testing/keepwarm_testing/controlplane/pods/).
-Two fake nodes; `helm install` of the chart; a host-tier WeightCache selecting one node only (the
-warm node); the model generated under modelDirectory on both. Per mode, one InferenceDeployment of
+Needs root: two real nodes on this machine (keepwarm_testing.node: the kubelet on containerd and runc,
+the Dockerfile's images pulled from a registry on loopback); `helm install` of the chart; a host-tier
+WeightCache selecting one node only (the warm node); the model generated under modelDirectory (both
+nodes' filesystem is this machine's). Per mode, one InferenceDeployment of
 one replica: `warm` attaches through the cache (cacheRef), `cold` names the same directory as its
 own source (no cache: weights from disk). Before every case the checkpoint's files are evicted from
 the page cache (posix_fadvise DONTNEED on each file: a node whose disk cache does not hold the
@@ -13,8 +14,9 @@ Per case the clock starts at the action and stops at the new pod's Ready (polled
 its first token (the official `openai` client, polling after Ready). One JSON object:
   runs[]: size_params, size_gib, case (delete | crash | scale_from_zero), mode (warm | cold), node
           (where the new pod landed), pod_ready_s, first_token_s, container_start_s (the action to
-          the new container's first process: scheduling, the kubelet, volumes), parent_imports_s
-          (that process's start to its serving worker's fork: the supervising parent's imports),
+          the new container's first process: scheduling, the kubelet, the sandbox, CNI, runc),
+          parent_imports_s (that process's start to its serving worker's fork: the supervising
+          parent's imports),
           process_ready_s (the worker's fork to ready, keepwarm_process_start_to_ready_seconds),
           ready_lag_s (pod Ready minus the worker's ready instant: what probes and the kubelet add),
           phases (keepwarm_startup_phase_seconds). Instants are on the boot clock, to 10 ms.
@@ -37,12 +39,10 @@ import httpx
 import openai
 import yaml
 
-from keepwarm_api.inferencedeployment import DEFAULT_IMAGE
-from keepwarm_runtime.modelgen import make_model
 from keepwarm_testing.controlplane.build import build_control_plane
 from keepwarm_testing.controlplane.cluster import ControlPlane
-from keepwarm_testing.controlplane.pods.images import from_dockerfile, repository
-from keepwarm_testing.operator import CHART, GROUP_PATH, NAMESPACE, RELEASE, ROOT, condition, items, samples
+from keepwarm_testing.e2e import RUNTIME_IMAGE, host_paths_restored, node_model
+from keepwarm_testing.operator import CHART, GROUP_PATH, NAMESPACE, RELEASE, condition, items, samples
 
 WC, APPS, MODEL_DIR, POLL_S = "bench", "bench-apps", "/var/lib/models/bench", 0.05
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -122,7 +122,9 @@ def runtime_metrics(pod: dict[str, Any]) -> tuple[float, dict[str, float]]:
 def measure(
     cp: ControlPlane, name: str, case: str, mode: str, params: str, models: list[Path]
 ) -> dict[str, Any]:
-    (old,) = runtime_pods(cp, name)
+    # The previous case's pod may still be in its preStop sleep: the one this case acts on is Ready.
+    (old,) = wait(lambda: [p for p in runtime_pods(cp, name) if ready(p)] or None)
+    wait(lambda: len(runtime_pods(cp, name)) == 1)  # and the previous one gone, so cases never overlap
     restarts = old["status"]["containerStatuses"][0]["restartCount"]
     if case == "scale_from_zero":
         cp.kubectl("scale", "-n", APPS, f"inferencedeployment/{name}", "--replicas=0")
@@ -133,8 +135,7 @@ def measure(
     if case == "delete":
         cp.kubectl("delete", "pod", "-n", APPS, old["metadata"]["name"], "--wait=false")
     elif case == "crash":
-        worker = cp.pods.worker(APPS, old["metadata"]["name"])
-        os.kill(worker.containers[0].running.pid1(), signal.SIGKILL)
+        os.kill(cp.nodes.container_pid(old), signal.SIGKILL)
     else:
         cp.kubectl("scale", "-n", APPS, f"inferencedeployment/{name}", "--replicas=1")
 
@@ -153,7 +154,7 @@ def measure(
     first_token(pod, "tiny")
     token = clock()
     process_ready_s, phases = runtime_metrics(pod)
-    pid1 = cp.pods.worker(APPS, pod["metadata"]["name"]).containers[0].running.pid1()
+    pid1 = cp.nodes.container_pid(pod)
     started, serving_started = process_start(pid1), process_start(serving_process(pid1))
     runtime_ready = serving_started + process_ready_s
     return {
@@ -176,32 +177,28 @@ def deployment(name: str, mode: str) -> dict[str, Any]:
         "apiVersion": "keepwarm.dev/v1alpha1",
         "kind": "InferenceDeployment",
         "metadata": {"name": name, "namespace": APPS},
-        "spec": {"model": model, "replicas": 1, "gpusPerPod": 0, "runtime": {"maxModelLen": 256}},
+        "spec": {
+            "model": model,
+            "replicas": 1,
+            "gpusPerPod": 0,
+            "image": RUNTIME_IMAGE,
+            "runtime": {"maxModelLen": 256},
+        },
     }
 
 
 def run(params: str, cases: list[str], modes: list[str]) -> dict[str, Any]:
-    dockerfile = ROOT / "Dockerfile"
-    images = {
-        yaml.safe_load((CHART / "values.yaml").read_text())["image"]["repository"]: from_dockerfile(
-            dockerfile, "operator"
-        ),
-        repository(DEFAULT_IMAGE): from_dockerfile(dockerfile, "runtime"),
-    }
     runs = []
-    with ControlPlane(build_control_plane(), run_pods=True, images=images) as cp:
-        warm_node, cold_node = cp.add_gpu_nodes(1, labels={"bench-cache": "on"}) + cp.add_gpu_nodes(1)
-        models = []
-        for node in (warm_node, cold_node):
-            models.append(make_model(cp.pods.node(node).root / MODEL_DIR.lstrip("/"), params=params))
-            for path in models[-1].iterdir():
-                path.chmod(0o644)
+    with host_paths_restored(), ControlPlane(build_control_plane(), run_pods=True) as cp:
+        (warm_node,) = cp.add_gpu_nodes(1, labels={"bench-cache": "on"})
+        cp.add_gpu_nodes(1)  # the cold node: the cache's nodeSelector leaves it out
+        models = [node_model(MODEL_DIR, params=params)]  # one machine: both nodes see these files
         with helm.Config(kubeconfig_path=str(cp.kubeconfig), namespace=NAMESPACE) as cfg:
             cfg.install(CHART, RELEASE, {"replicaCount": 1}, create_namespace=True, timeout=300)
         cache_spec = {
             "tier": "host",
             "nodeSelector": {"bench-cache": "on"},
-            "agent": {"gpuAccess": {"mode": "None"}},
+            "agent": {"image": RUNTIME_IMAGE, "gpuAccess": {"mode": "None"}},
             "models": [{"name": "tiny", "source": {"path": MODEL_DIR}, "pin": True}],
         }
         cache = {"apiVersion": "keepwarm.dev/v1alpha1", "kind": "WeightCache", "metadata": {"name": WC}}

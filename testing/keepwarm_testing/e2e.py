@@ -1,10 +1,12 @@
 """What the end-to-end tests on real pods (tests/e2e) share: the cluster, the chart, the objects a user
 applies, and how a test looks at pods, asks a runtime pod and reads its metrics.
 
-`pod_cluster` is one control plane whose kubelet stand-in runs pods for real (root only), with the
-Dockerfile's stages as the chart's and the runtime's images, one node, and a random-weight model in
-that node's filesystem under the WeightCache's default modelDirectory (MODEL_DIR). Each e2e module
-gets its own (tests/e2e/conftest.py).
+`pod_cluster` is one control plane with one real node (root only: the kubelet on containerd and runc,
+images built from the repository's Dockerfile and pulled from a registry on loopback; see
+keepwarm_testing.node), and a random-weight model under the WeightCache's default modelDirectory
+(MODEL_DIR). The node's filesystem is this machine's, so hostPaths are real paths: what a cluster
+creates under the node's well-known folders (HOST_PATHS) is removed when it stops. Each e2e module gets
+its own cluster (tests/e2e/conftest.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,66 +23,72 @@ import httpx
 import openai
 import yaml
 
-from keepwarm_api.inferencedeployment import DEFAULT_IMAGE
+from keepwarm_api.inferencedeployment import DEFAULT_CPU_IMAGE
+from keepwarm_api.weightcache import WeightCacheSpec
 from keepwarm_testing.controlplane.build import build_control_plane
 from keepwarm_testing.controlplane.cluster import ControlPlane
-from keepwarm_testing.controlplane.pods.images import from_dockerfile, repository
-from keepwarm_testing.operator import CHART, GROUP_PATH, NAMESPACE, RELEASE, ROOT, condition, items, samples
+from keepwarm_testing.operator import CHART, GROUP_PATH, NAMESPACE, RELEASE, condition, items, samples
 
 MODEL = "tiny"
 MODEL_DIR = "/var/lib/models/tiny"  # on the node, under the WeightCache's default modelDirectory
 PROMPT = [{"role": "user", "content": "Say something."}]
 OPERATOR = "app.kubernetes.io/name=keepwarm-operator"
-
-
-def operator_image() -> str:
-    values = yaml.safe_load((CHART / "values.yaml").read_text())
-    return values["image"]["repository"]
+RUNTIME_IMAGE = DEFAULT_CPU_IMAGE  # the nodes run CPU pods: the Dockerfile's runtime-cpu target
+# The node folders a cluster writes to (models, the agents' socket directories and downloads): what it
+# adds there goes when it stops.
+HOST_PATHS = (
+    Path("/var/lib/models"),
+    Path("/var/run/keepwarm"),
+    Path(WeightCacheSpec.model_fields["download_directory"].default),
+)
 
 
 @contextmanager
 def pod_cluster(failed: Callable[[], bool]) -> Iterator[SimpleNamespace]:
-    """The started cluster as (cp, node, root). At the end it stops, with every container log kept
-    beside the control plane's when `failed()` (or setting up failed), and it fails when the pods
-    left anything behind on the machine. Raises ControlPlaneBuildError when it cannot be built."""
+    """The started cluster as (cp, node, root: the node's filesystem root, this machine's). At the end
+    it stops, keeping every component and container log beside the control plane's when `failed()` (or
+    setting up failed), and it fails when the node left anything behind on the machine. Raises
+    ControlPlaneBuildError when it cannot be built."""
     bin_dir = build_control_plane()
-    dockerfile = ROOT / "Dockerfile"
-    images = {
-        operator_image(): from_dockerfile(dockerfile, "operator"),
-        repository(DEFAULT_IMAGE): from_dockerfile(dockerfile, "runtime"),
-    }
-    cp = ControlPlane(bin_dir, run_pods=True, images=images)
-    failing, runner = True, None
+    cp = ControlPlane(bin_dir, run_pods=True)
+    failing, nodes = True, None
+    with host_paths_restored():
+        try:
+            cp.start()
+            nodes = cp.nodes
+            (node,) = cp.add_gpu_nodes(1)
+            node_model(MODEL_DIR, arch="llama", params="1M", dtype="bfloat16")
+            yield SimpleNamespace(cp=cp, node=node, root=Path("/"))
+            failing = failed()
+        finally:
+            cp.stop(failed=failing)
+    assert nodes is not None and nodes.leftovers() == [], f"the node left things behind: {nodes.leftovers()}"
+
+
+def node_model(directory: str, **make_model_args: Any) -> Path:
+    """A random-weight checkpoint at `directory` on the node, readable by the runtime's user as a node's
+    model files are."""
+    from keepwarm_runtime.modelgen import make_model
+
+    model = make_model(Path(directory), **make_model_args)
+    for path in model.iterdir():
+        path.chmod(0o644)
+    return model
+
+
+@contextmanager
+def host_paths_restored() -> Iterator[None]:
+    """Remove, at the end, what appeared meanwhile under HOST_PATHS (the folders themselves if new)."""
+    before = {root: set(root.iterdir()) if root.is_dir() else None for root in HOST_PATHS}
     try:
-        cp.start()
-        (node,) = cp.add_gpu_nodes(1)
-        assert cp.pods is not None
-        runner = cp.pods
-        root = cp.pods.node(node).root
-        from keepwarm_runtime.modelgen import make_model
-
-        model = make_model(root / MODEL_DIR.lstrip("/"), arch="llama", params="1M", dtype="bfloat16")
-        for path in model.iterdir():  # as a node's model files are: readable by the runtime's user
-            path.chmod(0o644)
-        yield SimpleNamespace(cp=cp, node=node, root=root)
-        failing = failed()
+        yield
     finally:
-        if failing:
-            dump_logs(cp)
-        cp.stop(failed=failing)
-    assert runner is not None and runner.leftovers() == [], "pods left things behind"
-
-
-def dump_logs(cp: ControlPlane) -> None:
-    """Copy every container log the runner still has next to the control plane's logs (kept on
-    failure; their path is printed)."""
-    if cp.pods is None:
-        return
-    for log in sorted((cp.pods.root / "pods").glob("*/containers/*/*/log")):
-        uid, _, container, restart = log.parts[-5:-1]
-        target = cp.logs / "containers" / f"{uid}-{container}-{restart}.log"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(log, target)
+        for root, existing in before.items():
+            if existing is None:
+                shutil.rmtree(root, ignore_errors=True)
+                continue
+            for path in set(root.iterdir()) - existing if root.is_dir() else ():
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
 
 
 # -- what a user applies ----------------------------------------------------------------------------
@@ -104,7 +113,7 @@ def host_weightcache(name: str, **agent: Any) -> dict[str, Any]:
         "metadata": {"name": name},
         "spec": {
             "tier": "host",
-            "agent": {"gpuAccess": {"mode": "None"}, **agent},
+            "agent": {"image": RUNTIME_IMAGE, "gpuAccess": {"mode": "None"}, **agent},
             "models": [{"name": MODEL, "source": {"path": MODEL_DIR}, "pin": True}],
         },
     }
@@ -120,6 +129,7 @@ def cpu_inference_deployment(name: str, namespace: str, cache: str, replicas: in
             "model": {"cacheRef": cache, "name": MODEL},
             "replicas": replicas,
             "gpusPerPod": 0,
+            "image": RUNTIME_IMAGE,
             "runtime": {"maxModelLen": 256, "extraArgs": ["--num-kv-blocks", "64"]},
         },
     }

@@ -1,11 +1,11 @@
 """The node stays warm through the cache agent's own upgrade and crash, on real pods.
 
-One control plane whose kubelet stand-in runs pods for real (root only, tests/e2e/conftest.py): the
-chart's operator pod, a host-tier WeightCache whose agent DaemonSet pod keeps the model Resident, one
-runtime pod attached to it and answering through the official `openai` client. Then an upgrade as a
-user makes one: a new agent image tag in the WeightCache, so a new DaemonSet pod template. Throughout
-the rollout a watch sees every write of the WeightCacheNode, a poller which agent pods run, and a
-client asks the runtime pod over and over. Then a SIGKILL of the agent container's daemon, and a
+One control plane with a real node (root only, tests/e2e/conftest.py): the chart's operator pod, a host-
+tier WeightCache whose agent DaemonSet pod keeps the model Resident, one runtime pod attached to it and
+answering through the official `openai` client. Then an upgrade as a user makes one: a new agent image
+tag in the WeightCache (the same build, pushed under a second tag), so a new DaemonSet pod template.
+Throughout the rollout a watch sees every write of the WeightCacheNode, a poller which agent pods run,
+and a client asks the runtime pod over and over. Then a SIGKILL of the agent container's daemon, and a
 client asking throughout again. The steps share state and run in order.
 """
 
@@ -24,9 +24,8 @@ from typing import Any
 import httpx
 import pytest
 
-from keepwarm_api.weightcache import DEFAULT_AGENT_IMAGE
-from keepwarm_testing.controlplane.pods.images import repository
 from keepwarm_testing.e2e import (
+    RUNTIME_IMAGE,
     agent_selector,
     answer,
     apply,
@@ -43,12 +42,12 @@ from keepwarm_testing.e2e import (
     runtime_selector,
 )
 from keepwarm_testing.operator import GROUP_PATH, NAMESPACE, get, samples
-from tests.running_pods import NEEDS_ROOT
+from tests.running_pods import ON_REAL_NODES
 
-pytestmark = [pytest.mark.slow, NEEDS_ROOT]
+pytestmark = ON_REAL_NODES
 WC, IDEP, APPS = "rollout", "chat", "rollout-apps"
 AGENTS, RUNTIME = agent_selector(WC), runtime_selector(IDEP)
-NEW_IMAGE = f"{repository(DEFAULT_AGENT_IMAGE)}:rollout-test"  # same content: the host's keepwarm
+NEW_IMAGE = RUNTIME_IMAGE.rsplit(":", 1)[0] + ":rollout-test"  # the same build under a second tag
 POLL_S = 0.25
 
 
@@ -180,6 +179,8 @@ def test_agent_rollout_hands_off_and_keeps_the_node_warm(rollout: SimpleNamespac
     the runtime pod never fails a request."""
     cp, old = rollout.cp, rollout.agent
     runtime = the_runtime_pod(cp)
+    assert cp.nodes is not None and cp.nodes.images is not None
+    cp.nodes.publish(cp.nodes.images.runtime, NEW_IMAGE)
 
     def ask() -> bool:
         return answer(runtime) == rollout.answer
@@ -237,11 +238,10 @@ def test_killed_agent_restarts_warm_through_the_holder(rollout: SimpleNamespace)
     model Resident, and the runtime pod keeps serving meanwhile."""
     cp, agent = rollout.cp, rollout.agent
     runtime = the_runtime_pod(cp)
-    assert cp.pods is not None
-    worker = cp.pods.worker(NAMESPACE, agent["metadata"]["name"])
-    assert worker is not None and worker.containers[0].running is not None
-    daemon = worker.containers[0].running.pid1()
-    assert daemon is not None
+    assert cp.nodes is not None
+    daemon = cp.nodes.container_pid(
+        get(cp, f"/api/v1/namespaces/{NAMESPACE}/pods/{agent['metadata']['name']}"), "agent"
+    )
 
     def restarted() -> dict[str, Any] | None:
         now = get(cp, f"/api/v1/namespaces/{NAMESPACE}/pods/{agent['metadata']['name']}")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the real control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
-# kubectl) pinned in go.mod into a cache outside the repo, keyed by version; reuse it when present.
+# kubectl) and the node's Kubernetes agents (kubelet, kube-proxy) pinned in go.mod into a cache outside
+# the repo, keyed by version; reuse it when present.
 #
 #   testing/keepwarm_testing/controlplane/build.sh          # prints the bin directory on its last line
 #
@@ -25,15 +26,21 @@ mkdir -p "$bin"
 exec 9>"$root/.lock"
 flock 9
 
-if [[ -f "$bin/.key" && "$(cat "$bin/.key")" == "$key" ]]; then
+names=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy)
+missing=()
+for name in "${names[@]}"; do [[ -x "$bin/$name" ]] || missing+=("$name"); done
+if [[ "$(cat "$bin/.key" 2>/dev/null)" == "$key" && ${#missing[@]} == 0 ]]; then
   echo "control plane $kube_version (etcd $etcd_version) cached in $bin" >&2
   echo "$bin"
   exit 0
 fi
-if [[ "$(cat "$bin/.partial" 2>/dev/null)" != "$key" ]]; then
+# The binaries built from other pins are thrown away; with the same pins only the missing ones build.
+if [[ "$(cat "$bin/.key" 2>/dev/null || cat "$bin/.partial" 2>/dev/null)" != "$key" ]]; then
   find "$bin" -mindepth 1 -delete
-  echo "$key" >"$bin/.partial"
+  missing=("${names[@]}")
 fi
+rm -f "$bin/.key"
+echo "$key" >"$bin/.partial"
 
 # Version stamps so /version, `kubectl version` and clients see the release, not v0.0.0-master.
 minor="$(echo "$kube_version" | cut -d. -f2)"
@@ -50,10 +57,11 @@ declare -A targets=(
   [kube-controller-manager]=k8s.io/kubernetes/cmd/kube-controller-manager
   [kube-scheduler]=k8s.io/kubernetes/cmd/kube-scheduler
   [kubectl]=k8s.io/kubernetes/cmd/kubectl
+  [kubelet]=k8s.io/kubernetes/cmd/kubelet
+  [kube-proxy]=k8s.io/kubernetes/cmd/kube-proxy
 )
 start=$SECONDS
-for name in etcd kube-apiserver kube-controller-manager kube-scheduler kubectl; do
-  [[ -x "$bin/$name" ]] && continue
+for name in "${missing[@]}"; do
   t0=$SECONDS
   echo "building $name (${targets[$name]})..." >&2
   nice -n 19 go build -trimpath -ldflags="-s -w$stamp" -o "$bin/$name.tmp" "${targets[$name]}"

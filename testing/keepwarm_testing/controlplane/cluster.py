@@ -1,9 +1,13 @@
 """A real Kubernetes control plane on loopback for tests: etcd, kube-apiserver (RBAC on),
-kube-controller-manager, kube-scheduler, plus a kubelet stand-in with fake GPU nodes.
+kube-controller-manager, kube-scheduler, plus nodes: status-only fake GPU nodes (kubelet.py), or with
+`run_pods=True` (root only) real ones.
 
-`run_pods=True` (root only) makes the kubelet stand-in run pods for real (pods/runner.py): a bridge
-with a pod network on this machine, and the API server also reachable from pods at the bridge's
-address (a TCP forwarder; the serving certificate names that address).
+`run_pods=True` runs real nodes (keepwarm_testing.node): the kubelet on containerd and runc, pods on a
+bridge network this machine owns, images built from the repository's Dockerfile and pulled from a
+registry on loopback under the names the chart and the CRDs use (the nodes mirror those registries to
+it). The API server is reachable from pods at the bridge's address (a TCP forwarder; the serving
+certificate names it), which it advertises as the `kubernetes` Service's endpoint, and kube-proxy turns
+that Service's address into it, so in-cluster clients connect as in any cluster.
 
     from keepwarm_testing.controlplane.build import build_control_plane
     with ControlPlane(build_control_plane()) as cp:
@@ -36,11 +40,10 @@ import httpx
 from keepwarm_api.kube import OPERATOR_FIELD_MANAGER, Kube, connect
 from keepwarm_runtime.server.launcher import free_port
 
+from ..node.cluster import NodeSet
+from .apiproxy import TcpForwarder
 from .kubelet import FakeKubelet
 from .pki import PKI, SERVING_NAMES, client_ssl_context, write_kubeconfig
-from .pods.apiproxy import TcpForwarder
-from .pods.images import ImageConfig
-from .pods.runner import PodRunner
 
 SERVICE_CIDR = "10.0.0.0/16"  # room for a Service per InferenceDeployment at bench scale (400+)
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
@@ -96,11 +99,11 @@ class ControlPlane:
         extra_args: dict[str, list[str]] | None = None,
         heartbeat_s: float = 10.0,
         run_pods: bool = False,
-        images: dict[str, ImageConfig] | None = None,
     ) -> None:
         self.run_pods = run_pods
-        self.images = images or {}  # run_pods: image repository -> entrypoint/user (pods/images.py)
-        self.pods: PodRunner | None = None  # the pod runner (run_pods=True), from start() on
+        self.nodes: NodeSet | None = (
+            None  # the real nodes and what they share (run_pods=True), from start() on
+        )
         self._api_proxy: TcpForwarder | None = None
         self.bin_dir = Path(bin_dir)
         for name in (*COMPONENTS, "kubectl"):
@@ -135,11 +138,11 @@ class ControlPlane:
         self.stop(failed=exc_type is not None)
 
     def start(self, timeout_s: float = 180.0) -> ControlPlane:
-        deadline = time.monotonic() + timeout_s
         self.data.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(parents=True, exist_ok=True)
-        if self.run_pods:
-            self.pods = PodRunner(self.root / "pods", self.ports["apiserver"], self.images)
+        if self.run_pods:  # images built (or found) and published first: minutes on a fresh machine
+            self.nodes = NodeSet(self.root / "nodes", SERVICE_CIDR).prepare()
+        deadline = time.monotonic() + timeout_s
         self._make_credentials()
         self._spawn("etcd", self._etcd_args())
         self._wait(
@@ -150,9 +153,9 @@ class ControlPlane:
         self._spawn("kube-apiserver", self._apiserver_args())
         self._http = self.http_client()
         self._wait("kube-apiserver", lambda: self._http.get("/readyz").status_code == 200, deadline)
-        if self.pods is not None:
+        if self.nodes is not None:
             port = self.ports["apiserver"]
-            self._api_proxy = TcpForwarder((self.pods.network.gateway, port), ("127.0.0.1", port))
+            self._api_proxy = TcpForwarder((self.nodes.bridge.gateway, port), ("127.0.0.1", port))
         self._spawn("kube-controller-manager", self._controller_manager_args())
         self._spawn("kube-scheduler", self._scheduler_args())
         for name, port in (
@@ -169,20 +172,19 @@ class ControlPlane:
             lambda: self._http.get("/api/v1/namespaces/default/serviceaccounts/default").status_code == 200,
             deadline,
         )
-        self.kubelet = FakeKubelet(
-            self.server, self.admin_tls(), heartbeat_s=self.heartbeat_s, runner=self.pods
-        )
+        self.kubelet = FakeKubelet(self.server, self.admin_tls(), heartbeat_s=self.heartbeat_s)
         self.kubelet.start()
+        if self.nodes is not None:
+            self.nodes.start(self.server, self.pki, self.bin_dir)
         return self
 
     def stop(self, *, failed: bool = False) -> None:
         """Stop everything and delete the data; on failure keep (and print) the logs."""
         if self.kubelet is not None:
-            self.kubelet.stop()  # stops the pod runner too
+            self.kubelet.stop()
             self.kubelet = None
-        elif self.pods is not None:
-            self.pods.stop()
-        self.pods = None
+        if self.nodes is not None:
+            self.nodes.stop(keep_logs=self.logs if failed else None)
         if self._api_proxy is not None:
             self._api_proxy.close()
             self._api_proxy = None
@@ -260,14 +262,18 @@ class ControlPlane:
         prefix: str = "gpu-node",
         taints: list[dict] | None = None,
     ) -> list[str]:
-        """Register n Ready fake GPU nodes (capacity `nvidia.com/gpu: gpus`); returns their names once
-        the node lifecycle controller has lifted the `not-ready` taint every new Node is born with."""
+        """Register n Ready GPU nodes (capacity `nvidia.com/gpu: gpus`); returns their names once the
+        node lifecycle controller has lifted the `not-ready` taint every new Node is born with. Fake ones
+        (status only), or real ones with run_pods=True (their GPUs are only advertised: no device)."""
         kubelet = self._kubelet()
         names = []
         for _ in range(n):
             self._node_seq += 1
             name = f"{prefix}-{self._node_seq}"
-            kubelet.add_node(name, labels=labels, gpus=gpus, taints=taints)
+            if self.nodes is not None:
+                self.nodes.add(self, name, labels=labels, gpus=gpus, taints=taints)
+            else:
+                kubelet.add_node(name, labels=labels, gpus=gpus, taints=taints)
             names.append(name)
 
         def schedulable() -> bool:
@@ -353,7 +359,50 @@ class ControlPlane:
         raise TimeoutError(
             f"timed out after {timeout_s:.0f}s waiting for {what}"
             + (f" (last error: {last_exc!r})" if last_exc else "")
+            + (f"\n{self.explain_pods()}" if self.nodes is not None else "")
         )
+
+    def explain_pods(self, log_lines: int = 15) -> str:
+        """Every pod that is not Ready or whose containers have restarted (a crash-looping container
+        without a readiness probe is Ready for the moments it runs), named with its phase, its
+        containers' states (an image that failed to pull, an entrypoint that does not exist, a crash
+        loop), its events and its containers' last log lines: what a test says when pods never came up."""
+        lines = []
+        for pod in self.http.get("/api/v1/pods").json().get("items", []):
+            meta, status = pod["metadata"], pod.get("status", {})
+            ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", []))
+            restarted = any(c.get("restartCount", 0) for c in status.get("containerStatuses", []))
+            if (ready and not restarted) or status.get("phase") == "Succeeded":
+                continue
+            ns, name = meta["namespace"], meta["name"]
+            lines.append(
+                f"pod {ns}/{name} on {pod['spec'].get('nodeName') or '(unscheduled)'}: {status.get('phase')}"
+            )
+            for c in status.get("containerStatuses", []) + status.get("initContainerStatuses", []):
+                for kind, state in c.get("state", {}).items():
+                    why = " ".join(
+                        str(state.get(k, "")) for k in ("reason", "exitCode", "message") if k in state
+                    )
+                    lines.append(
+                        f"  container {c['name']} {kind} {why} (restarts {c.get('restartCount', 0)})"
+                    )
+            events = self.http.get(
+                f"/api/v1/namespaces/{ns}/events", params={"fieldSelector": f"involvedObject.name={name}"}
+            ).json()
+            for event in events.get("items", [])[-8:]:
+                lines.append(
+                    f"  event {event.get('type')} {event.get('reason')}: {event.get('message', '')[:300]}"
+                )
+            for c in pod["spec"]["containers"]:
+                for previous in ("false", "true"):
+                    log = self.kubectl(
+                        "logs", "-n", ns, name, "-c", c["name"], f"--previous={previous}",
+                        f"--tail={log_lines}", check=False,
+                    )  # fmt: skip
+                    if log.returncode == 0 and log.stdout.strip():
+                        label = "previous log" if previous == "true" else "log"
+                        lines.append(f"  {c['name']} {label}:\n    " + "\n    ".join(log.stdout.splitlines()))
+        return "\n".join(lines) or "(every pod is Ready)"
 
     def _kubelet(self) -> FakeKubelet:
         if self.kubelet is None:
@@ -366,12 +415,14 @@ class ControlPlane:
     # -- internals -------------------------------------------------------------------------------
     def _make_credentials(self) -> None:
         self.pki = PKI(self.data / "pki")
-        names = SERVING_NAMES + ([f"IP:{self.pods.network.gateway}"] if self.pods else [])
+        names = SERVING_NAMES + ([f"IP:{self.nodes.bridge.gateway}"] if self.nodes else [])
         self.serving = self.pki.issue("apiserver", "kube-apiserver", alt_names=names)
         self.admin = self.pki.issue("admin", "keepwarm-admin", organization="system:masters")
         self.sa_keys = self.pki.service_account_keys()
         ca = self.pki.ca.cert
         write_kubeconfig(self.kubeconfig, self.server, ca, "admin", client=self.admin)
+        # The API server's identity towards the kubelets (logs, exec, port-forward).
+        self.kubelet_client = self.pki.issue("apiserver-kubelet-client", "kube-apiserver", "system:masters")
         for user in ("kube-controller-manager", "kube-scheduler"):
             pair = self.pki.issue(user, f"system:{user}")
             write_kubeconfig(self.data / f"{user}.kubeconfig", self.server, ca, user, client=pair)
@@ -428,7 +479,7 @@ class ControlPlane:
             "--audit-log-batch-max-wait=1s",
             f"--etcd-servers=http://127.0.0.1:{self.ports['etcd']}",
             "--bind-address=127.0.0.1",
-            "--advertise-address=127.0.0.1",
+            *self._advertised(),
             f"--secure-port={self.ports['apiserver']}",
             f"--cert-dir={d / 'apiserver'}",
             f"--tls-cert-file={self.serving.cert}",
@@ -440,9 +491,19 @@ class ControlPlane:
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--authorization-mode=Node,RBAC",
             "--allow-privileged=true",
-            "--endpoint-reconciler-type=none",  # a loopback address may not be an endpoint
+            f"--kubelet-client-certificate={self.kubelet_client.cert}",
+            f"--kubelet-client-key={self.kubelet_client.key}",
+            "--kubelet-preferred-address-types=InternalIP",
             "--profiling=false",
         ]
+
+    def _advertised(self) -> list[str]:
+        """Where in-cluster clients find the API server: on real nodes the bridge's address (forwarded
+        to loopback), the `kubernetes` Service's endpoint; with fake nodes nobody in the cluster asks, and
+        a loopback address may not be an endpoint."""
+        if self.nodes is None:
+            return ["--advertise-address=127.0.0.1", "--endpoint-reconciler-type=none"]
+        return [f"--advertise-address={self.nodes.bridge.gateway}", "--endpoint-reconciler-type=lease"]
 
     def _component_common(self, name: str, port: str) -> list[str]:
         kubeconfig = self.data / f"{name}.kubeconfig"

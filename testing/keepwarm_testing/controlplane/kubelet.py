@@ -1,4 +1,7 @@
-"""A kubelet stand-in: fake GPU nodes that stay Ready, and pods on them that run without containers.
+"""A status-only kubelet stand-in: fake GPU nodes that stay Ready, and pods on them that run without
+containers. Real pods run on real nodes (keepwarm_testing.node); this one stays for what real nodes
+cannot hold on one machine: hundreds of pods for the operator's scale benchmark and the operator tests
+that only need pods' status.
 
 What it does, per node it owns, the way a real kubelet would look from the API server:
   1. registers the Node (labels, `nvidia.com/gpu` capacity, Ready condition, addresses);
@@ -6,10 +9,7 @@ What it does, per node it owns, the way a real kubelet would look from the API s
   3. watches pods bound to its nodes: a new pod becomes Running (and Ready unless told otherwise)
      with an IP; a pod marked for deletion is deleted for good (grace period 0), as a kubelet does
      once its containers stop.
-Two modes. Status only (the default, cheap enough for hundreds of pods): nothing runs, containers
-are only status. With a `PodRunner` (pods/runner.py, needs root), each pod runs for real: processes
-in their own namespaces, volumes, probes, restarts, with a podCIDR per node; the runner then writes
-the pod's status and deletes it once its containers stopped.
+Nothing runs: containers are only status, cheap enough for hundreds of pods.
 Talks plain JSON over httpx (admin client certificate), not through keepwarm_api.kube: it stands in
 for the cluster, not for keepwarm, so a fault in keepwarm's own client cannot hide on both sides of a
 test.
@@ -25,12 +25,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
 
 import httpx
-
-if TYPE_CHECKING:
-    from .pods.runner import PodRunner
 
 log = logging.getLogger("keepwarm.test.kubelet")
 
@@ -73,9 +69,7 @@ class FakeKubelet:
         *,
         lease_seconds: int = 40,
         heartbeat_s: float = 10.0,
-        runner: PodRunner | None = None,
     ) -> None:
-        self.runner = runner
         self._http = httpx.Client(base_url=server, verify=tls, timeout=30.0)
         self._watch_http = httpx.Client(base_url=server, verify=tls, timeout=httpx.Timeout(30.0, read=60.0))
         self._lock = threading.Lock()
@@ -94,14 +88,10 @@ class FakeKubelet:
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
-        if self.runner is not None:
-            self.runner.bind(self._request)
         for t in self._threads:
             t.start()
 
     def stop(self) -> None:
-        if self.runner is not None:
-            self.runner.stop()
         self._stop.set()
         for t in self._threads:
             t.join(timeout=15)
@@ -147,10 +137,6 @@ class FakeKubelet:
             "metadata": {"name": name, "labels": all_labels, "annotations": {FAKE_NODE_ANNOTATION: "true"}},
             "spec": {"taints": taints or []},
         }
-        if self.runner is not None:
-            body["spec"]["podCIDR"] = self.runner.network.pod_cidr(index)
-            body["spec"]["podCIDRs"] = [body["spec"]["podCIDR"]]
-            self.runner.add_node(name, index, node.ip)
         created = self._request("POST", "/api/v1/nodes", body)
         self._request(
             "PATCH",
@@ -315,8 +301,6 @@ class FakeKubelet:
                         rv = obj["metadata"].get("resourceVersion", rv)
                         if event["type"] in ("ADDED", "MODIFIED"):
                             self._handle(obj)
-                        elif event["type"] == "DELETED" and self.runner is not None:
-                            self.runner.forget(obj)
             except Exception as exc:
                 if self._stop.is_set():
                     return
@@ -328,9 +312,6 @@ class FakeKubelet:
         with self._lock:
             node = self._nodes.get(pod["spec"].get("nodeName", ""))
         if node is None:
-            return
-        if self.runner is not None:
-            self.runner.sync(pod)
             return
         if pod["metadata"].get("deletionTimestamp"):
             self._delete_pod(pod)

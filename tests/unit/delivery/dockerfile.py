@@ -74,9 +74,9 @@ def created_uids(stage: Stage) -> dict[str, int]:
     users = {}
     for run in stage.all("RUN"):
         for command in re.split(r"&&|;", run):
+            if command.split()[:1] != ["useradd"]:
+                continue  # other commands may hold quoted code that a split on `;` cut in two
             words = shlex.split(command)
-            if words[:1] != ["useradd"]:
-                continue
             uid = next((int(words[i + 1]) for i, w in enumerate(words) if w in ("--uid", "-u")), None)
             if uid is not None:
                 users[words[-1]] = uid

