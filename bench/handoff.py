@@ -12,15 +12,20 @@ bfloat16 on the host tier), with a descriptor holder (``keepwarm cache hold``) b
   itself, since the listener passes from one daemon to the other and no connection is refused).
 * ``crash_recovery_s``: the serving daemon is SIGKILLed and a new one started at once; the time from
   the kill until it answers for every model (it recovers the arenas from the holder).
-* ``reload_s``: today's way, for comparison: no holder, no predecessor; a new daemon's spawn until
-  it answers for every model, loaded from the checkpoint.
+* ``reload_s``: the way without a holder, for comparison: no holder, no predecessor; a new daemon's
+  spawn until it answers for every model, loaded from the checkpoint.
+* ``successor_imported_torch``, ``crash_restart_imported_torch``, ``reload_imported_torch``: whether
+  that daemon had imported torch once it served every model (torch's library in its memory map). A
+  daemon needs torch only to read a checkpoint, so the first two are false and the last true: most
+  of a restart's time used to be a new interpreter importing torch (issue 34).
 * ``disk_bytes_read``: ``read_bytes`` of ``/proc/<pid>/io`` of the successor (the crash-restarted
   daemon: ``crash_disk_bytes_read``; the reloading one: ``reload_disk_bytes_read``) once it serves
   every model: bytes fetched from the storage layer. With the checkpoint in the page cache, a reload
   also reads 0 there, so ``*_rchar`` (bytes through read(2), page cache included) is reported too:
   the reload's holds the 2 GiB, a successor's only headers and the interpreter's own files.
 
-Run once, alone: ``flock /tmp/kw-bench.lock python -m bench.handoff --json``.
+Run once, alone: ``flock /tmp/kw-bench.lock python -m bench.handoff --json``. The JSON names the
+load average before and after and the CPU's vector features, since the figures depend on both.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import time
 from pathlib import Path
 
 from keepwarm_runtime.cache.launcher import DaemonProcess, HolderProcess
+from keepwarm_runtime.engine.auto_dtype import BF16_CPU_FLAGS, CPUINFO, parse_cpu_flags
 
 TOTAL_GIB = 2.0
 DTYPE = "bfloat16"
@@ -86,6 +92,7 @@ def wait_serving(socket_dir: Path, daemon: DaemonProcess, count: int, since: flo
         time.sleep(0.005)
     seconds = time.perf_counter() - since
     daemon.io = proc_io(daemon.proc.pid)  # type: ignore[attr-defined]
+    daemon.torch = daemon.imported_torch()  # type: ignore[attr-defined]
     return seconds
 
 
@@ -176,7 +183,19 @@ def run(models: list[Path], root: Path, total_gib: float) -> dict:
         "attaches_during_upgrade": len(during),
         "successor_loaded_from_disk": "loaded " in second.stderr,
         "crash_restart_loaded_from_disk": "loaded " in third.stderr,
+        "successor_imported_torch": second.torch,  # type: ignore[attr-defined]
+        "crash_restart_imported_torch": third.torch,  # type: ignore[attr-defined]
+        "reload_imported_torch": fourth.torch,  # type: ignore[attr-defined]
     }
+
+
+def cpu_features() -> list[str]:
+    """The vector features the figures depend on (an interpreter importing torch, a checkpoint read)."""
+    try:
+        flags = parse_cpu_flags(CPUINFO.read_text())
+    except OSError:
+        return []
+    return sorted(flags & {"avx2", "avx512f", *BF16_CPU_FLAGS})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "handoff",
         "tier": "host",
         "dtype": DTYPE,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "cpu_features": cpu_features()},
         "loadavg_before": loadavg_before,
         "loadavg_after": os.getloadavg(),
         "runs": runs,

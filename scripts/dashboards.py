@@ -51,6 +51,8 @@ UNPLOTTED: dict[str, str] = {
     "keepwarm_worker_restarts": "alert on it: serving workers the supervising parent restarted, by cause",
     "keepwarm_sleep_level": "a state (0 awake, else the sleep level) that routers read from /metrics",
     "keepwarm_moe_layers": "a load-time fact (experts backend per module), read from /metrics or the log",
+    "keepwarm_startup_source": "a start-up fact (the pod's parent restored from a snapshot, or importing, "
+    "and why), read from /metrics or the log; alert on reasons other than hit and off",
     "keepwarm_startup_phase_seconds": "a start-up fact (where start to ready went, by phase), read from "
     "/metrics or the log; the cache dashboard plots start to ready and the weights phase",
 }
@@ -263,6 +265,13 @@ CACHE = Dashboard(
                     "Model load time in the daemon",
                     "s",
                     [Target("max by (model) (keepwarm_cache_load_seconds)", "{{model}}")],
+                ),
+                Panel(
+                    "Descriptor holder connected",
+                    "bool_yes_no",
+                    [Target("min by (instance) (keepwarm_cache_holder_connected)", "{{instance}}")],
+                    "No: a crash of that node's daemon reloads every model from disk instead of "
+                    "restarting warm from `keepwarm cache hold`.",
                 ),
                 Panel(
                     "Evictions, refused peers, failed models",

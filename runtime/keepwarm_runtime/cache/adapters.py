@@ -17,12 +17,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from keepwarm_runtime.cache.fingerprint import WeightCacheKey, compute_key
-from keepwarm_runtime.weights.arena import ArenaLayout, plain_layout
-from keepwarm_runtime.weights.checkpoint import CheckpointError, Shard, read_shard
+from keepwarm_runtime.weights.files import CheckpointError, ShardFile, read_shard_file
+
+if TYPE_CHECKING:
+    import torch
+
+    from keepwarm_runtime.weights.arena import ArenaLayout
+    from keepwarm_runtime.weights.checkpoint import Shard
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -36,8 +40,9 @@ def is_adapter_dir(directory: Path) -> bool:
     return (directory / CONFIG_FILE).is_file()
 
 
-def read_adapter(directory: str | Path) -> list[Shard]:
-    """The adapter's one shard, its header validated; CheckpointError names the file."""
+def adapter_file(directory: str | Path) -> ShardFile:
+    """The adapter's one shard as a file (its header read, not parsed: no torch); CheckpointError
+    names what is missing."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory} is not a directory")
@@ -46,10 +51,17 @@ def read_adapter(directory: str | Path) -> list[Shard]:
     path = directory / WEIGHTS_FILE
     if not path.is_file():
         raise CheckpointError(f"{path} does not exist (only safetensors adapters are cached)")
-    return [read_shard(path)]
+    return read_shard_file(path)
 
 
-def adapter_key(directory: str | Path, dtype: torch.dtype | str, shards: list[Shard]) -> WeightCacheKey:
+def read_adapter(directory: str | Path) -> list[Shard]:
+    """The adapter's one shard, its header validated; CheckpointError names the file."""
+    from keepwarm_runtime.weights.checkpoint import parse_shard
+
+    return [parse_shard(adapter_file(directory))]
+
+
+def adapter_key(directory: str | Path, dtype: torch.dtype | str, shards: list[ShardFile]) -> WeightCacheKey:
     """The key of an adapter served in ``dtype``: its file's identity and header, marked an adapter."""
     key = compute_key(directory, dtype, shards=shards, conversion=ADAPTER_CONVERSION)
     return replace(key, architecture=ADAPTER_ARCHITECTURE, quantization="none")
@@ -60,4 +72,6 @@ def is_adapter_key(key: WeightCacheKey) -> bool:
 
 
 def adapter_layout(shards: list[Shard], dtype: torch.dtype) -> ArenaLayout:
+    from keepwarm_runtime.weights.arena import plain_layout
+
     return plain_layout(shards, dtype)

@@ -6,20 +6,24 @@ the weights:
 * the descriptor: on the host tier a memfd of exactly the recorded size whose seals all hold (no
   write, grow or shrink: nobody can have changed it); on the gpu tier the record's size is taken as
   given (the VMM handle cannot be inspected without importing it; untested on GPU);
-* the files: every shard is re-read (headers only; a LoRA adapter's as an adapter, cache/adapters.py)
-  and its identity (device, inode, size, mtime, ctime) must equal the one recorded at load, the check
-  every hit makes;
+* the files: every shard's header is re-read (a LoRA adapter's as an adapter, cache/adapters.py) and
+  its identity (device, inode, size, mtime, ctime) must equal the one recorded at load, the check
+  every hit makes: the same file, unchanged, is the one whose header was validated at that load;
 * this daemon's configuration: tier, GPU, serving dtype and expert layout, by recomputing the key
   with its own settings (every field but ``version`` must agree); from another keepwarm version the
   arena layout is also re-planned (the tensor table must be the one this version would write, so a
   version whose layout changed reloads instead of misreading bytes), while the same version, whose
-  key agrees on every field, wrote the table with this very code;
+  key agrees on every field, wrote the table with this very code: its rows need only be well-formed
+  and inside the arena;
 * the budget: pinned and most recently used arenas first, each must fit beside those already taken.
 
 An arena that fails any check is closed and named with the reason in the log and in
 ``keepwarm_cache_dropped_arenas_total`` (its label: the check, metrics.DROP_REASONS); the model is
 then loaded from disk like any other (``--model`` or the node agent). The content digest is carried
 over as recorded: the bytes themselves are sealed, so they are the bytes that were digested.
+
+Only re-planning another version's layout imports torch (weights.arena); a record of this version is
+verified and served without it, so a daemon restarted after a crash answers before torch is imported.
 """
 
 from __future__ import annotations
@@ -28,28 +32,27 @@ import logging
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from keepwarm_runtime.cache.adapters import (
     KIND_ADAPTER,
     KIND_MODEL,
+    adapter_file,
     adapter_key,
     adapter_layout,
     is_adapter_key,
-    read_adapter,
 )
 from keepwarm_runtime.cache.backends.host import AdoptedArena, ArenaSealError, verify_sealed
-from keepwarm_runtime.cache.fingerprint import WeightCacheKey, compute_key
+from keepwarm_runtime.cache.fingerprint import WeightCacheKey
 from keepwarm_runtime.cache.handoff import ArenaRecord, HandoffRefused, Stream, shard_identities
 from keepwarm_runtime.cache.metrics import DROP_REASONS
 from keepwarm_runtime.cache.registry import BudgetExceeded, ResidentModel
-from keepwarm_runtime.weights.arena import ArenaLayout, TensorEntry, plan_layout
-from keepwarm_runtime.weights.checkpoint import CheckpointError, read_checkpoint
-from keepwarm_runtime.weights.kernel_layout import MODEL, conversion_id
-from keepwarm_runtime.weights.quantization import online_settings
+from keepwarm_runtime.weights.files import ITEMSIZE, CheckpointError, ShardFile, read_shard_files
+from keepwarm_runtime.weights.layouts import MODEL, conversion_id
+from keepwarm_runtime.weights.quantization import Fp8Settings, online_settings
 
 if TYPE_CHECKING:
-    from keepwarm_runtime.cache.daemon import CacheDaemon
+    from keepwarm_runtime.cache.core import DaemonCore
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +74,7 @@ class Adoption:
     seconds: float
 
 
-def _check_descriptor(daemon: CacheDaemon, record: ArenaRecord, fd: int) -> None:
+def _check_descriptor(daemon: DaemonCore, record: ArenaRecord, fd: int) -> None:
     if record.tier != daemon.tier:
         raise Unfit("tier", f"the arena is {record.tier}, this daemon serves {daemon.tier}")
     if record.gpu_uuid != daemon.gpu_uuid:
@@ -93,9 +96,9 @@ def _kind(record: ArenaRecord) -> str:
         return KIND_MODEL  # _check_key names the malformed key
 
 
-def _check_files(record: ArenaRecord, model_dir: Path, kind: str):
+def _check_files(record: ArenaRecord, model_dir: Path, kind: str) -> list[ShardFile]:
     try:
-        shards = read_adapter(model_dir) if kind == KIND_ADAPTER else read_checkpoint(model_dir)
+        shards = [adapter_file(model_dir)] if kind == KIND_ADAPTER else read_shard_files(model_dir)
     except CheckpointError as exc:
         raise Unfit("files", str(exc)) from None
     want = shard_identities(record, model_dir)
@@ -107,7 +110,12 @@ def _check_files(record: ArenaRecord, model_dir: Path, kind: str):
 
 
 def _check_key(
-    daemon: CacheDaemon, record: ArenaRecord, model_dir: Path, shards, online, kind: str
+    daemon: DaemonCore,
+    record: ArenaRecord,
+    model_dir: Path,
+    shards: list[ShardFile],
+    online: Fp8Settings | None,
+    kind: str,
 ) -> WeightCacheKey:
     """This daemon's key for the model (its version), if the recorded key agrees on everything else."""
     try:
@@ -117,8 +125,8 @@ def _check_key(
     if kind == KIND_ADAPTER:
         candidates: tuple[WeightCacheKey, ...] = (adapter_key(model_dir, daemon.dtype, shards),)
     else:
-        key = compute_key(model_dir, daemon.dtype, shards=shards, conversion=daemon.conversion, online=online)
-        candidates = (key, replace(key, conversion=conversion_id(MODEL)))
+        # a tensor-parallel shard is verified as that shard
+        candidates = daemon.model_keys(model_dir, shards, online, handed.sharding)
     best = min(candidates, key=lambda k: len([f for f in handed.diff(k) if f != "version"]))
     differ = [f for f in handed.diff(best) if f != "version"]
     if differ:
@@ -127,7 +135,7 @@ def _check_key(
     return best
 
 
-def verify(daemon: CacheDaemon, record: ArenaRecord, fd: int) -> ResidentModel:
+def verify(daemon: DaemonCore, record: ArenaRecord, fd: int) -> ResidentModel:
     """The resident model this daemon can serve from ``fd`` (which it then owns); Unfit otherwise."""
     _check_descriptor(daemon, record, fd)
     model_dir = Path(record.path)
@@ -136,30 +144,22 @@ def verify(daemon: CacheDaemon, record: ArenaRecord, fd: int) -> ResidentModel:
     try:
         online = online_settings(model_dir, record.quantization) if kind == KIND_MODEL else None
         key = _check_key(daemon, record, model_dir, shards, online, kind)
-        entries = tuple(TensorEntry.from_wire(row) for row in record.tensors)
-        if record.key.get("version") == key.version:  # same code, same key: the layout it writes
-            layout = ArenaLayout(entries, _extent(entries))
-        elif kind == KIND_ADAPTER:
-            layout = adapter_layout(shards, daemon.dtype)
-            if entries != layout.entries:
-                raise Unfit("layout", "the tensor table is not the one this version writes")
-        else:  # another version: its table must be the one this version plans
-            layout = plan_layout(shards, daemon.dtype, online, daemon.config.expert_layout)
-            if entries != layout.entries:
-                raise Unfit("layout", "the tensor table is not the one this version writes")
-            key = replace(key, conversion=daemon.conversion if layout.up_first else conversion_id(MODEL))
+        if record.key.get("version") == key.version:  # same code, same key: the table it writes
+            tensors, extent = record.tensors, _extent(record.tensors)
+        else:
+            key, tensors, extent = _replanned(daemon, record, shards, online, key, kind)
     except Unfit:
         raise
     except Exception as exc:  # a quantization or layout this version refuses, a malformed row
         raise Unfit("layout", f"{type(exc).__name__}: {str(exc)[:300]}") from None
-    if layout.size > record.size:
-        raise Unfit("layout", f"{layout.size} bytes of tensors do not fit the {record.size}-byte arena")
+    if extent > record.size:
+        raise Unfit("layout", f"{extent} bytes of tensors do not fit the {record.size}-byte arena")
     pinned = record.pinned or record.name in daemon.config.pins or model_dir.name in daemon.config.pins
     return ResidentModel(
         record.name,
         model_dir,
         key,
-        layout,
+        tensors,
         AdoptedArena(record.name, fd, record.size, record.page_mode),
         daemon.tier,
         record.digest,
@@ -171,21 +171,60 @@ def verify(daemon: CacheDaemon, record: ArenaRecord, fd: int) -> ResidentModel:
         hits=record.hits,
         last_used=time.monotonic() - float(record.idle_s),
         kind=kind,
+        sharding=key.sharding,
     )
 
 
-def _extent(entries: tuple[TensorEntry, ...]) -> int:
-    """Bytes the tensor table spans; an entry at a negative offset or of a size that does not match
-    its shape is refused, like the client refuses it (client.check_layout)."""
+def _replanned(
+    daemon: DaemonCore,
+    record: ArenaRecord,
+    shards: list[ShardFile],
+    online: Fp8Settings | None,
+    key: WeightCacheKey,
+    kind: str,
+) -> tuple[WeightCacheKey, list[list[Any]], int]:
+    """Another version's arena: its tensor table must be the one this version plans (torch)."""
+    from keepwarm_runtime.weights.arena import TensorEntry, plan_layout
+    from keepwarm_runtime.weights.checkpoint import parse_checkpoint, parse_dtype
+
+    parsed, dtype = parse_checkpoint(shards), parse_dtype(daemon.dtype)
+    entries = tuple(TensorEntry.from_wire(row) for row in record.tensors)
+    if kind == KIND_ADAPTER:
+        layout = adapter_layout(parsed, dtype)
+    else:
+        sharding = key.sharding
+        layout = plan_layout(parsed, dtype, online, daemon.config.expert_layout, sharding)
+        converted = conversion_id(daemon.config.expert_layout if layout.up_first else MODEL, sharding)
+        key = replace(key, conversion=converted)
+    if entries != layout.entries:
+        raise Unfit("layout", "the tensor table is not the one this version writes")
+    return key, [e.to_wire() for e in layout.entries], layout.size
+
+
+def _extent(rows: list[Any]) -> int:
+    """Bytes a tensor table of wire rows ``[name, dtype, shape, offset, nbytes]`` spans; a malformed
+    row, an unknown dtype, a negative offset or a size that does not match the shape is refused, as
+    the client refuses it (client.check_layout)."""
     end = 0
-    for e in entries:
-        count = e.dtype.itemsize
-        for d in e.shape:
+    for row in rows:
+        if not (isinstance(row, list) and len(row) == 5 and isinstance(row[0], str)):
+            raise Unfit("layout", f"tensor row {str(row)[:80]} is not [name, dtype, shape, offset, nbytes]")
+        name, dtype, shape, offset, nbytes = row
+        if not isinstance(dtype, str) or dtype not in ITEMSIZE:
+            raise Unfit("layout", f"tensor {name[:200]!r} has an unknown dtype {str(dtype)[:40]!r}")
+        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+            raise Unfit("layout", f"tensor {name[:200]!r} has a malformed shape")
+        count = ITEMSIZE[dtype]
+        for d in shape:
             count *= d
-        if e.offset < 0 or e.nbytes != count:
-            raise Unfit("layout", f"tensor {e.name!r} is malformed")
-        end = max(end, e.offset + e.nbytes)
+        if not (_is_count(offset) and _is_count(nbytes)) or nbytes != count:
+            raise Unfit("layout", f"tensor {name[:200]!r} is malformed")
+        end = max(end, offset + nbytes)
     return end
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
 
 
 def _order(stream: Stream) -> list[int]:
@@ -201,7 +240,7 @@ def _order(stream: Stream) -> list[int]:
     return sorted(range(len(stream.items)), key=rank)
 
 
-def adopt(daemon: CacheDaemon, stream: Stream, source: str, who: str = "") -> Adoption:
+def adopt(daemon: DaemonCore, stream: Stream, source: str, who: str = "") -> Adoption:
     """Verify every record of ``stream`` and insert those that hold into the daemon's registry.
 
     Descriptors taken are owned by their arenas (set to -1 in the stream); the caller closes the rest
@@ -250,7 +289,7 @@ def adopt(daemon: CacheDaemon, stream: Stream, source: str, who: str = "") -> Ad
     return Adoption(taken, dropped, seconds)
 
 
-def refuse(daemon: CacheDaemon, stream: Stream, source: str) -> None:
+def refuse(daemon: DaemonCore, stream: Stream, source: str) -> None:
     """Count every arena of a stream refused as a whole (a record format this daemon does not read)."""
     if stream.items:
         daemon.metrics.dropped_arenas.labels(source, "format").inc(len(stream.items))

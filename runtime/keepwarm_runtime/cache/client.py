@@ -32,13 +32,14 @@ from keepwarm_api.values import CacheMode, Tier
 from keepwarm_runtime import __version__
 from keepwarm_runtime.cache import protocol, security
 from keepwarm_runtime.cache.adapters import adapter_key, read_adapter
-from keepwarm_runtime.cache.fingerprint import WeightCacheKey, compute_key
+from keepwarm_runtime.cache.fingerprint import WeightCacheKey, compute_key, files_hash
 from keepwarm_runtime.cache.metrics import client_metrics
 from keepwarm_runtime.log_once import warning_once
 from keepwarm_runtime.weights.arena import TensorEntry, load_from_disk, load_serving_layout
 from keepwarm_runtime.weights.checkpoint import parse_dtype, read_checkpoint
 from keepwarm_runtime.weights.kernel_layout import MODEL, conversion_id
 from keepwarm_runtime.weights.quantization import Fp8Settings
+from keepwarm_runtime.weights.tensor_parallel import WHOLE, Sharding
 
 log = logging.getLogger(__name__)
 _RETRY_ERRNOS = {errno.EAGAIN, errno.ECONNREFUSED}
@@ -57,6 +58,9 @@ class AttachResult:
     digest: str | None = None  # content digest the daemon computed while loading
     page_mode: str | None = None  # arena pages on a hit: "4k" | "thp" | "hugetlb" | "vmm"
     gpu_uuid: str | None = None  # gpu tier: the GPU holding the arena (checked against `device`)
+    # the checkpoint's file identities the tensors came from (fingerprint.files_hash): ranks of one
+    # group compare it, so a group never serves shards of two checkpoints
+    files: str | None = None
 
 
 class CacheAttachError(Exception):
@@ -76,8 +80,7 @@ def attach(
     mode: str = CacheMode.ZERO_COPY.value,
     fallback: bool = True,
     timeout_s: float = 5.0,
-    tp_rank: int = 0,
-    tp_size: int = 1,
+    sharding: Sharding = WHOLE,
     online: Fp8Settings | None = None,
     expert_layout: str = MODEL,
     trusted_uids: frozenset[int] = frozenset(),
@@ -91,6 +94,9 @@ def attach(
     names raise) for experts converted to that MoE kernel's layout; a daemon holding another
     conversion is a miss ("mismatch: conversion"), and the disk path converts as the daemon would.
 
+    ``sharding``: one tensor-parallel rank's slice of every tensor (weights.tensor_parallel), keyed by
+    its rank and size, so a daemon holding another rank's shard is a miss naming ``tp_rank``.
+
     ``socket_dir=None`` loads from disk. ``mode="copy"`` copies out of the arena into private memory.
     ``trusted_uids``: uids besides this process's and root's that may own the socket and its daemon.
     Raises CacheAttachError when the cache fails and ``fallback`` is off. The environment is not read
@@ -100,7 +106,7 @@ def attach(
     if mode not in tuple(CacheMode):
         raise ValueError(f"unknown cache mode {mode!r}; use {' or '.join(CacheMode)}")
     dtype, device = parse_dtype(dtype), torch.device(device)
-    conversion = conversion_id(expert_layout)  # an unknown layout is refused before any I/O
+    conversion = conversion_id(expert_layout, sharding)  # an unknown layout is refused before any I/O
     model_dir = Path(model_dir)
     shards = read_checkpoint(model_dir)
     metrics = client_metrics()
@@ -109,7 +115,13 @@ def attach(
 
         def key() -> WeightCacheKey:
             return compute_key(
-                model_dir, dtype, tp_rank, tp_size, shards=shards, conversion=conversion, online=online
+                model_dir,
+                dtype,
+                sharding.rank,
+                sharding.size,
+                shards=shards,
+                conversion=conversion,
+                online=online,
             )
 
         try:
@@ -117,6 +129,7 @@ def attach(
                 key, model_dir, Path(socket_dir), device, mode, timeout_s, trusted_uids
             )
             result.seconds = time.perf_counter() - started
+            result.files = files_hash(shards)
             metrics.hits.inc()
             metrics.attach_seconds.labels("cache").observe(result.seconds)
             return result
@@ -126,10 +139,10 @@ def attach(
             reason = exc.reason
             metrics.misses.labels(reason.split(":")[0]).inc()
             warning_once(log, reason, "weight cache miss for %s (%s); loading from disk", model_dir, exc)
-    tensors = load_serving_layout(shards, dtype, device, online, expert_layout)
+    tensors = load_serving_layout(shards, dtype, device, online, expert_layout, sharding)
     seconds = time.perf_counter() - started
     metrics.attach_seconds.labels("disk").observe(seconds)
-    return AttachResult(tensors, {}, "disk", reason, seconds)
+    return AttachResult(tensors, {}, "disk", reason, seconds, files=files_hash(shards))
 
 
 def attach_adapter(

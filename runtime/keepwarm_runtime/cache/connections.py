@@ -1,5 +1,8 @@
 """The daemon's socket server: accept loop, per-peer checks and limits, one thread per connection.
 
+Each request goes to the command handlers (handlers.py), except ``handoff``, whose connection becomes
+the hand-off's (succession.py); both act on the daemon core (core.py).
+
 What a hostile or unlucky local client cannot do here:
 
 * exhaust the daemon's descriptors or lock others out: the soft RLIMIT_NOFILE is raised to the hard
@@ -25,11 +28,11 @@ import time
 from typing import TYPE_CHECKING
 
 from keepwarm_runtime.cache import protocol, security, succession
-from keepwarm_runtime.cache.handlers import BadRequest
+from keepwarm_runtime.cache.handlers import BadRequest, CommandHandlers
 from keepwarm_runtime.cache.limits import ConnectionTable, ServerLimits, connection_cap
 
 if TYPE_CHECKING:
-    from keepwarm_runtime.cache.daemon import CacheDaemon
+    from keepwarm_runtime.cache.core import DaemonCore
 
 log = logging.getLogger(__name__)
 _ACCEPT_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
@@ -59,8 +62,15 @@ class RateLimitedLog:
 
 
 class SocketServer:
-    def __init__(self, daemon: CacheDaemon, listener: socket.socket, limits: ServerLimits, nofile: int):
-        self.daemon, self.listener, self.limits = daemon, listener, limits
+    def __init__(
+        self,
+        daemon: DaemonCore,
+        handlers: CommandHandlers,
+        listener: socket.socket,
+        limits: ServerLimits,
+        nofile: int,
+    ) -> None:
+        self.daemon, self.handlers, self.listener, self.limits = daemon, handlers, listener, limits
         self.table = ConnectionTable(
             connection_cap(limits.max_connections, nofile), limits.max_connections_per_uid
         )
@@ -166,7 +176,7 @@ class SocketServer:
                 succession.give(d, conn, cred, request)
                 return
             try:
-                reply, out_fds = d.handlers.dispatch(request)
+                reply, out_fds = self.handlers.dispatch(request)
             except BadRequest as exc:
                 self._bad_frame(conn, cred, exc)
                 return

@@ -24,14 +24,16 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from keepwarm_runtime import __version__
-from keepwarm_runtime.weights.checkpoint import Shard, dtype_name, read_checkpoint, read_config
+from keepwarm_runtime.weights.files import ShardFile, read_config, read_shard_files
+from keepwarm_runtime.weights.layouts import CONVERSION_ID
 from keepwarm_runtime.weights.quantization import Fp8Settings
-from keepwarm_runtime.weights.serving_layout import CONVERSION_ID
+from keepwarm_runtime.weights.tensor_parallel import SHARDING_ID, Sharding
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -69,13 +71,19 @@ class WeightCacheKey:
         return cls(**{f.name: data[f.name] for f in fields(cls)})
 
     @property
+    def sharding(self) -> Sharding:
+        """The tensor-parallel shard this key names (expert parallel is in its ``conversion``)."""
+        expert = SHARDING_ID + "-ep" in self.conversion.split("+")
+        return Sharding(self.tp_rank, self.tp_size, expert and self.tp_size > 1)
+
+    @property
     def digest(self) -> str:
         """Short stable id of the whole key, for logs and status."""
         blob = json.dumps(self.to_dict(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def checkpoint_hash(shards: list[Shard]) -> str:
+def checkpoint_hash(shards: list[ShardFile]) -> str:
     h = hashlib.sha256()
     for shard in shards:
         h.update(f"{shard.path.name}\0{shard.size}\0{len(shard.header)}\0".encode())
@@ -83,7 +91,7 @@ def checkpoint_hash(shards: list[Shard]) -> str:
     return h.hexdigest()
 
 
-def files_hash(shards: list[Shard]) -> str:
+def files_hash(shards: list[ShardFile]) -> str:
     h = hashlib.sha256()
     for shard in shards:
         h.update(f"{shard.path.name}\0{shard.identity.as_tuple()}\0".encode())
@@ -97,19 +105,25 @@ def _revision(model_dir: Path, config: dict[str, Any]) -> str:
     return str(config.get("_commit_hash") or "local")
 
 
+def _name(dtype: torch.dtype) -> str:
+    from keepwarm_runtime.weights.checkpoint import dtype_name  # a torch dtype: torch is loaded already
+
+    return dtype_name(dtype)
+
+
 def compute_key(
     model_dir: str | Path,
     dtype: torch.dtype | str,
     tp_rank: int = 0,
     tp_size: int = 1,
-    shards: list[Shard] | None = None,
+    shards: list[ShardFile] | None = None,
     conversion: str = CONVERSION_ID,
     online: Fp8Settings | None = None,
 ) -> WeightCacheKey:
     """Key of ``model_dir`` served in ``dtype`` (quantized at load when ``online`` is given); reads
-    only headers, ``fstat`` and config.json."""
+    only headers, ``fstat`` and config.json, and needs no torch when ``dtype`` is a name."""
     model_dir = Path(model_dir)
-    shards = shards if shards is not None else read_checkpoint(model_dir)
+    shards = shards if shards is not None else read_shard_files(model_dir)
     config = read_config(model_dir)
     archs = config.get("architectures") or [config.get("model_type", "unknown")]
     quant = config.get("quantization_config")
@@ -122,7 +136,7 @@ def compute_key(
         checkpoint=checkpoint_hash(shards),
         files=files_hash(shards),
         architecture=str(archs[0]),
-        dtype=dtype if isinstance(dtype, str) else dtype_name(dtype),
+        dtype=dtype if isinstance(dtype, str) else _name(dtype),
         quantization=quant_hash,
         conversion=conversion,
         revision=_revision(model_dir, config),

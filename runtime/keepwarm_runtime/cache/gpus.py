@@ -12,7 +12,10 @@ gpu-<UUID>.sock, so the per-GPU agent and its status can run (and be tested end 
 without CUDA. It stands in for the gpu tier only: it is refused with --tier host (whose one daemon
 serves all GPUs), and so is --all-gpus.
 
-The planning (plan_daemons) is pure; discover() is the one side effect.
+A model held as tensor-parallel shards (``--tensor-parallel-size``, a WeightCache model's parallelism)
+puts one shard per GPU (``held_ranks``) or, on the host tier, every shard in the one daemon.
+
+The planning (plan_daemons, held_ranks) is pure; discover() is the one side effect.
 """
 
 from __future__ import annotations
@@ -88,3 +91,13 @@ def discover() -> list[GPU]:
     except cuda.CudaError:  # no libcuda.so.1, or cuInit found no device
         return []
     return [GPU(i, cuda.gpu_uuid(i)) for i in range(count)]
+
+
+def held_ranks(daemon_index: int, daemons: int, size: int) -> list[int]:
+    """The tensor-parallel ranks of a model of ``size`` shards that the ``daemon_index``-th of a node's
+    ``daemons`` holds: every rank in the one daemon (the host tier's, which serves every GPU); with a
+    daemon per GPU, rank ``daemon_index mod size``, so a pod whose ranks sit on consecutive GPUs finds
+    each rank's shard on its own GPU."""
+    if daemons == 1:
+        return list(range(size))
+    return [daemon_index % size]

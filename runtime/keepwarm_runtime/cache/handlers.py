@@ -1,5 +1,8 @@
 """One method per protocol command; each returns (reply header, fds to send and then close).
 
+The handlers read and change the daemon core (core.py) and nothing else; a hit's tensor table is the
+one the resident model carries, so answering needs no torch.
+
 A request that is well-formed JSON but malformed for its command (missing or mistyped fields) raises
 ``BadRequest``: the connection answers it with an error frame and closes, like any bad frame. A
 well-formed request for an unknown command, or one the daemon declines (``not_found``, ``pinned``),
@@ -15,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 from keepwarm_runtime import __version__
 from keepwarm_runtime.cache.fingerprint import WeightCacheKey
 from keepwarm_runtime.cache.protocol import PROTOCOL_VERSION, ProtocolError, error_reply
-from keepwarm_runtime.weights.checkpoint import changed_shards
+from keepwarm_runtime.weights.files import changed_shards
 
 if TYPE_CHECKING:
-    from keepwarm_runtime.cache.daemon import CacheDaemon
+    from keepwarm_runtime.cache.core import DaemonCore
 
 Reply = tuple[dict[str, Any], list[int]]
 CHANGED_ON_DISK = "changed on disk"  # get_state miss reason: a resident model's shard was rewritten
@@ -41,7 +44,7 @@ def _str_field(request: dict[str, Any], name: str, required: bool = True) -> str
 
 
 class CommandHandlers:
-    def __init__(self, daemon: CacheDaemon) -> None:
+    def __init__(self, daemon: DaemonCore) -> None:
         self.daemon = daemon
 
     def dispatch(self, request: dict[str, Any]) -> Reply:
@@ -100,7 +103,7 @@ class CommandHandlers:
                 "page_mode": model.arena.page_mode,
                 "gpu_uuid": model.gpu_uuid,
                 "digest": model.digest,
-                "tensors": [e.to_wire() for e in model.layout.entries],
+                "tensors": model.tensors,
                 "aliases": {},
             }
             metrics.request_seconds.observe(time.perf_counter() - started)

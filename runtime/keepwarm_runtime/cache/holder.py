@@ -11,12 +11,15 @@ must be the daemons' uid, is served; the socket is 0600)::
 
     {"cmd": "store", "socket": NAME} + a stream   replace NAME's arenas -> {"ok": true, "stored": N}
     {"cmd": "reclaim", "socket": NAME}            -> a stream of NAME's arenas (the holder keeps them)
+    {"cmd": "count", "socket": NAME}              -> {"ok": true, "count": N}: how many it keeps
     {"cmd": "handoff", "formats": [1]}            a new holder takes everything, the listener and the
                                                   lock (as daemons do, succession.py); then "commit"
 
 A daemon stores its whole set after every change (load, eviction, release), so what the holder keeps
-is never more than what the daemon serves and nothing it dropped stays pinned in memory. Requests are
-served one at a time with a deadline each: they are few and small.
+is never more than what the daemon serves and nothing it dropped stays pinned in memory; it asks for
+the ``count`` now and then, to know the holder is there and to store again into a holder that came
+back empty (holder_link.py, the daemon's side). Requests are served one at a time with a deadline
+each: they are few and small. The functions at the end are the client side of these commands.
 """
 
 from __future__ import annotations
@@ -30,23 +33,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from keepwarm_runtime.cache import protocol, security
-from keepwarm_runtime.cache.handoff import (
-    RECORD_FORMAT,
-    HandoffRefused,
-    Stream,
-    check_format,
-    record_of,
-    recv_stream,
-    send_stream,
-)
+from keepwarm_runtime.cache.handoff import RECORD_FORMAT, HandoffRefused, Stream, recv_stream, send_stream
 from keepwarm_runtime.cache.launcher import READY_PREFIX
-from keepwarm_runtime.cache.metrics import HOLDER
-
-if TYPE_CHECKING:
-    from keepwarm_runtime.cache.daemon import CacheDaemon
 
 log = logging.getLogger(__name__)
 HOLDER_NAME = "keepwarm-holder"  # the holder's socket in the socket directory (no .sock: not a cache)
@@ -196,6 +187,9 @@ class Holder:
             elif cmd == "reclaim":
                 deposit = self.deposits.get(name) or _Deposit(RECORD_FORMAT)
                 send_stream(conn, {"format": deposit.format}, deposit.items)
+            elif cmd == "count":
+                count = len(self.deposits[name].items) if name in self.deposits else 0
+                protocol.send_frame(conn, {"ok": True, "count": count})
             else:
                 why = f"unknown command {str(cmd)[:64]!r}"
                 protocol.send_frame(conn, protocol.error_reply("unknown_command", why))
@@ -244,11 +238,12 @@ class Holder:
         log.info("handed %d descriptors to the new holder; exiting", len(items))
 
 
-# -- the daemon's side --------------------------------------------------------------------------
+# -- the client side (a daemon's: holder_link.py) ----------------------------------------------
 
 
 def _connect(socket_dir: Path) -> socket.socket | None:
-    """A connection to the holder, or None when there is none (no holder is not an error)."""
+    """A connection to the holder, or None when there is none or it does not accept (no holder is
+    not an error); a holder of another uid raises CacheSecurityError (never used)."""
     path = holder_path(socket_dir)
     if not path.exists():
         return None
@@ -256,53 +251,14 @@ def _connect(socket_dir: Path) -> socket.socket | None:
     sock.settimeout(REQUEST_TIMEOUT_S)
     try:
         sock.connect(str(path))
-        if security.peer_cred(sock).uid != os.geteuid():
-            raise security.CacheSecurityError(f"the holder at {path} runs as another uid; not using it")
-    except (OSError, security.CacheSecurityError) as exc:
+        uid = security.peer_cred(sock).uid
+    except OSError:
         sock.close()
-        if isinstance(exc, security.CacheSecurityError):
-            log.warning("%s", exc)
         return None
+    if uid != os.geteuid():
+        sock.close()
+        raise security.CacheSecurityError(f"the holder at {path} runs as uid {uid}, not {os.geteuid()}")
     return sock
-
-
-def recover(daemon: CacheDaemon) -> None:
-    """Take back, verified (adopt.py), what the holder kept for ``daemon``'s socket; a daemon without
-    a holder, or whose holder does not answer, loads from disk."""
-    from keepwarm_runtime.cache.adopt import adopt, refuse
-
-    try:
-        stream = reclaim(daemon.socket_dir, daemon.socket_path.name)
-    except (OSError, protocol.ProtocolError, HandoffRefused) as exc:
-        log.warning("the descriptor holder did not answer (%s); loading from disk", exc)
-        return
-    if stream is None:
-        return
-    try:
-        if stream.items:
-            check_format(stream.head)
-            adopt(daemon, stream, HOLDER)
-    except HandoffRefused as exc:
-        refuse(daemon, stream, HOLDER)
-        log.warning("taking nothing from the holder: %s; loading from disk", exc)
-    finally:
-        stream.close()
-
-
-def deposit(daemon: CacheDaemon) -> None:
-    """Replace what the holder keeps for ``daemon``'s socket with its current arenas (no holder: no-op)."""
-    items: list[tuple[dict[str, Any], int]] = []
-    try:
-        now = time.monotonic()
-        for model in daemon.registry.models():
-            with contextlib.suppress(OSError):  # dropped meanwhile
-                items.append((record_of(model, now).to_wire(), os.dup(model.arena.fd)))
-        store(daemon.socket_dir, daemon.socket_path.name, items)
-    except (OSError, protocol.ProtocolError, HandoffRefused) as exc:
-        log.warning("could not deposit the arenas in the descriptor holder: %s", exc)
-    finally:
-        for _, fd in items:
-            os.close(fd)
 
 
 def reclaim(socket_dir: Path, socket_name: str) -> Stream | None:
@@ -330,3 +286,21 @@ def store(socket_dir: Path, socket_name: str, items: list[tuple[dict[str, Any], 
     if not reply.get("ok"):
         raise HandoffRefused(f"the holder refused: {reply.get('error')}")
     return int(reply["stored"])
+
+
+def count(socket_dir: Path, socket_name: str) -> int | None:
+    """How many arenas the holder keeps for ``socket_name``; None when there is no holder, -1 when it
+    answers but does not know the command (a holder from before ``count``)."""
+    sock = _connect(socket_dir)
+    if sock is None:
+        return None
+    with sock:
+        protocol.send_frame(sock, {"cmd": "count", "socket": socket_name})
+        reply, fds = protocol.recv_frame(sock)
+    for fd in fds:
+        os.close(fd)
+    if reply.get("ok") is True and type(reply.get("count")) is int:
+        return reply["count"]
+    if (reply.get("error") or {}).get("code") == "unknown_command":
+        return -1
+    raise HandoffRefused(f"the holder answered count with {str(reply)[:200]}")

@@ -2,7 +2,9 @@
 
 The twin of ``server/launcher.py`` for the cache daemon, shared by the restart benchmark and the
 tests. The daemon binds its socket only once every model is loaded and then prints one line starting
-with ``READY`` on stderr, so that line (not the socket file) is the readiness signal.
+with ``READY`` on stderr, so that line (not the socket file) is the readiness signal. Whether a daemon
+has imported torch (it needs it only to read a checkpoint) shows in its memory map
+(``imported_torch``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 from keepwarm_api.sockets import HOST_SOCKET
 
 READY_PREFIX = "READY "
+TORCH_LIBRARY = "libtorch_cpu"  # mapped by `import torch` in every build (its CPU kernels live there)
 
 
 class DaemonStartError(RuntimeError):
@@ -87,6 +90,10 @@ class DaemonProcess:
     @property
     def stderr(self) -> str:
         return "".join(self.lines)
+
+    def imported_torch(self) -> bool:
+        """torch's library is mapped in the daemon now: it imported torch (``import`` never unmaps)."""
+        return TORCH_LIBRARY in Path(f"/proc/{self.proc.pid}/maps").read_text()
 
     @property
     def socket(self) -> Path:

@@ -151,6 +151,12 @@ class DaemonMetrics:
             ["source"],
             registry=r,
         )
+        self.holder_connected = Gauge(
+            "keepwarm_cache_holder_connected",
+            "1 while the descriptor holder (keepwarm cache hold) answers this daemon, so a crash restarts "
+            "warm; 0 without one: a crash reloads every model from disk",
+            registry=r,
+        )
         self.start_arenas = Gauge(
             "keepwarm_cache_start_arenas",
             "Arenas resident when the daemon began serving, by where they came from "

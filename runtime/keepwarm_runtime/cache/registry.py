@@ -12,14 +12,24 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from keepwarm_runtime.cache.adapters import KIND_MODEL
 from keepwarm_runtime.cache.fingerprint import WeightCacheKey
 from keepwarm_runtime.cache.metrics import DISK
 from keepwarm_runtime.cache.snapshot import ModelSnapshot
-from keepwarm_runtime.weights.arena import ArenaLayout
-from keepwarm_runtime.weights.checkpoint import Shard
+from keepwarm_runtime.weights.files import ShardFile
+from keepwarm_runtime.weights.tensor_parallel import WHOLE, Sharding
+
+if TYPE_CHECKING:
+    from keepwarm_runtime.weights.arena import ArenaLayout
+
+
+def shard_name(name: str, sharding: Sharding) -> str:
+    """A shard's name in the daemon: ``<model>.tp<rank>of<size>`` (``ep`` with expert parallel)."""
+    if not sharding.sharded:
+        return name
+    return f"{name}.{'ep' if sharding.expert else 'tp'}{sharding.rank}of{sharding.size}"
 
 
 class BudgetExceeded(Exception):
@@ -39,23 +49,39 @@ class ResidentModel:
     name: str  # unique within the daemon (directory name, suffixed on clashes)
     path: Path  # checkpoint directory it was loaded from
     key: WeightCacheKey
-    layout: ArenaLayout
+    tensors: list[list[Any]]  # the arena's tensor table as served (weights.arena.TensorEntry.to_wire rows)
     arena: Arena
     tier: str  # "host" | "gpu"
     digest: str  # sha256 of the bytes read
     pinned: bool
     load_seconds: float
-    shards: list[Shard]  # headers and file identities as loaded (re-checked before each hit)
+    shards: list[ShardFile]  # headers and file identities as loaded (re-checked before each hit)
     gpu_uuid: str | None = None  # gpu tier: the GPU holding it
     quantization: str | None = None  # online quantization applied at load ("fp8"), kept for reloads
     hits: int = 0
     last_used: float = field(default_factory=time.monotonic)
     origin: str = DISK  # where its arena came from (metrics.ARENA_SOURCES): read here, or handed over
     kind: str = KIND_MODEL  # adapters.KINDS: a model's checkpoint, or a LoRA adapter's (plain layout)
+    sharding: Sharding = WHOLE  # a tensor-parallel rank's shard (weights.tensor_parallel), or whole
+    filled: ArenaLayout | None = None  # the layout it was filled in here (loading.py); None: adopted
+    _parsed: ArenaLayout | None = field(default=None, init=False, repr=False)  # adopted: from `tensors`
 
     @property
     def nbytes(self) -> int:
         return self.arena.size
+
+    @property
+    def layout(self) -> ArenaLayout:
+        """The arena's layout in torch's types: as filled here, or for an adopted arena its tensor table
+        parsed, which imports torch. Serving never needs it: clients get ``tensors``."""
+        if self.filled is not None:
+            return self.filled
+        if self._parsed is None:
+            from keepwarm_runtime.weights.arena import ArenaLayout, TensorEntry
+
+            entries = tuple(TensorEntry.from_wire(row) for row in self.tensors)
+            self._parsed = ArenaLayout(entries, max((e.offset + e.nbytes for e in entries), default=0))
+        return self._parsed
 
     def snapshot(self) -> ModelSnapshot:
         """As the daemon's snapshot (and so ``stats``) shows it, now."""
@@ -67,11 +93,12 @@ class ResidentModel:
             pinned=self.pinned,
             tier=self.tier,
             gpu_uuids=(self.gpu_uuid,) if self.gpu_uuid else (),
-            num_tensors=len(self.layout.entries),
+            num_tensors=len(self.tensors),
             load_seconds=self.load_seconds,
             hits=self.hits,
             page_mode=self.arena.page_mode,
             kind=self.kind,
+            sharding=self.sharding,
         )
 
 
@@ -89,11 +116,13 @@ class ModelRegistry:
         self._models: dict[str, ResidentModel] = {}
         self._lock = threading.RLock()
 
-    def unique_name(self, path: Path) -> str:
-        base = path.resolve().name or "model"
+    def unique_name(self, path: Path, sharding: Sharding = WHOLE) -> str:
+        """The name of ``path``'s model (its ``sharding`` shard) if resident, else a new unique one:
+        the directory's name, a shard's with its rank (``shard_name``)."""
+        base = shard_name(path.resolve().name or "model", sharding)
         with self._lock:
             for model in self._models.values():
-                if model.path == path.resolve():
+                if model.path == path.resolve() and model.sharding == sharding:
                     return model.name
             name, n = base, 1
             while name in self._models:

@@ -1,5 +1,6 @@
 """`keepwarm cache serve`'s settings, declared once (keepwarm_api.settings generates its flags,
-KEEPWARM_CACHE_* variables, --help and the README's table from this class).
+KEEPWARM_CACHE_* variables and --help from this class, and scripts/flag_tables.py the table in
+docs/reference/flags.md).
 
 Every setting is ``--flag`` and ``KEEPWARM_CACHE_<FIELD>`` (``--budget`` <- ``KEEPWARM_CACHE_BUDGET``),
 except the node agent's node name and namespace, which agent pods get as ``NODE_NAME`` and
@@ -128,6 +129,15 @@ class CacheServeSettings:
         "for the same attach it; part of the cache key)",
         choices=LAYOUTS,
     )
+    tensor_parallel_size: int = setting(
+        1,
+        "hold each --model as this many tensor-parallel shards, one arena each: every shard in the "
+        "host tier's daemon; on the gpu tier the i-th GPU's daemon holds shard i mod N",
+        parse=positive_int,
+    )
+    enable_expert_parallel: bool = setting(
+        False, "with --tensor-parallel-size: MoE experts partitioned over the shards (as the pods ask)"
+    )
     budget: int | None = setting(
         None, "bytes (or 4GiB, 512MiB) per daemon (per GPU); least recently used beyond", parse=parse_bytes
     )
@@ -186,6 +196,25 @@ class CacheServeSettings:
         env=podenv.DOWNLOAD_ROOT,
         metavar="DIR",
     )
+    # process snapshots of runtime pods' supervising parents (keepwarm_runtime.snapshot.service)
+    snapshot_store: str | None = setting(
+        None,
+        "the node's snapshot store: take snapshots of runtime pods' prepared parents on their request "
+        "(snapshot.sock in --socket-dir); runtime pods mount it read-only",
+        unset="no snapshot service",
+        metavar="DIR",
+    )
+    snapshot_budget: int | None = setting(
+        None,
+        "bytes (or 4GiB, 512MiB) the snapshot store may hold; least recently used snapshots beyond",
+        parse=parse_bytes,
+        unset="the disk's",
+    )
+    criu: str = setting("criu", "the CRIU binary taking snapshots: a path, or a name on PATH")
+    snapshot_preload_timeout: float = setting(
+        600.0, "seconds a snapshot's parent may take to import before the snapshot is abandoned",
+        parse=positive_seconds, metavar="SECONDS",
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Any
 
 from keepwarm_api.refusals import Refusals
 from keepwarm_runtime.cache.fingerprint import WeightCacheKey
+from keepwarm_runtime.weights.tensor_parallel import WHOLE, Sharding
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class ModelSnapshot:
     hits: int  # clients that attached it
     page_mode: str  # how the arena's pages were obtained (backends)
     kind: str  # adapters.KINDS: "model" or "adapter"
+    sharding: Sharding = WHOLE  # the tensor-parallel shard it is (the key's tp_rank/tp_size)
 
     @property
     def key_digest(self) -> str:

@@ -56,7 +56,7 @@ from keepwarm_runtime.cache.metrics import (
 )
 
 if TYPE_CHECKING:
-    from keepwarm_runtime.cache.daemon import CacheDaemon
+    from keepwarm_runtime.cache.core import DaemonCore
 
 log = logging.getLogger(__name__)
 COMMIT_TIMEOUT_S = 30.0  # the successor waits this long for "committed", then for the lock itself
@@ -80,7 +80,7 @@ class Inheritance:
     adoption: Adoption
 
 
-def config_summary(daemon: CacheDaemon) -> dict[str, Any]:
+def config_summary(daemon: DaemonCore) -> dict[str, Any]:
     """The settings a successor compares with its own (and logs the differences of)."""
     c = daemon.config
     return {
@@ -98,7 +98,7 @@ def config_summary(daemon: CacheDaemon) -> dict[str, Any]:
 # -- the running daemon ---------------------------------------------------------------------------
 
 
-def give(daemon: CacheDaemon, conn: socket.socket, cred: security.PeerCred, request: dict[str, Any]) -> None:
+def give(daemon: DaemonCore, conn: socket.socket, cred: security.PeerCred, request: dict[str, Any]) -> None:
     """Answer a ``handoff`` request on ``conn``: refuse it by name, or stream everything and, on the
     successor's commit, stop accepting (``daemon.hand_over``)."""
     conn.settimeout(SEND_TIMEOUT_S)
@@ -121,13 +121,13 @@ def give(daemon: CacheDaemon, conn: socket.socket, cred: security.PeerCred, requ
         daemon.handing_off.release()
 
 
-def _refuse(daemon: CacheDaemon, conn: socket.socket, code: str, why: str) -> None:
+def _refuse(daemon: DaemonCore, conn: socket.socket, code: str, why: str) -> None:
     daemon.metrics.handoffs.labels(PREDECESSOR, REFUSED).inc()
     protocol.send_frame(conn, protocol.error_reply(code, why))
 
 
 def _stream_and_wait(
-    daemon: CacheDaemon, conn: socket.socket, cred: security.PeerCred, formats: list[int]
+    daemon: DaemonCore, conn: socket.socket, cred: security.PeerCred, formats: list[int]
 ) -> None:
     head: dict[str, Any] = {
         "format": RECORD_FORMAT,
@@ -176,7 +176,7 @@ def _stream_and_wait(
 # -- the successor --------------------------------------------------------------------------------
 
 
-def _ask(daemon: CacheDaemon) -> Inheritance:
+def _ask(daemon: DaemonCore) -> Inheritance:
     """One hand-off request; raises Refused (give up), or OSError/ProtocolError/HandoffRefused (retry).
 
     The predecessor must run as this daemon's uid (checked below), so its socket trusts no owner
@@ -221,7 +221,7 @@ def _ask(daemon: CacheDaemon) -> Inheritance:
     return Inheritance(sock, listener_fd, lock_fd, cred.pid, adoption)
 
 
-def _log_config_changes(daemon: CacheDaemon, theirs: Any) -> None:
+def _log_config_changes(daemon: DaemonCore, theirs: Any) -> None:
     if not isinstance(theirs, dict):
         return
     mine = config_summary(daemon)
@@ -230,7 +230,7 @@ def _log_config_changes(daemon: CacheDaemon, theirs: Any) -> None:
         log.info("configuration changes at hand-off: %s", "; ".join(changes))
 
 
-def take_over(daemon: CacheDaemon, busy: security.DaemonAlreadyRunning) -> Inheritance | None:
+def take_over(daemon: DaemonCore, busy: security.DaemonAlreadyRunning) -> Inheritance | None:
     """The lock is held: ask its holder for everything. Returns None when the lock became free (the
     running daemon died, or stopped: the caller then holds the lock and starts as after a crash). A
     daemon from before hand-offs (``unknown_command``) is waited for: it keeps serving until it is
@@ -260,7 +260,7 @@ def take_over(daemon: CacheDaemon, busy: security.DaemonAlreadyRunning) -> Inher
             return None
 
 
-def commit(daemon: CacheDaemon, inheritance: Inheritance) -> None:
+def commit(daemon: DaemonCore, inheritance: Inheritance) -> None:
     """Tell the predecessor to stop; the listener and lock are then ours. If it does not confirm,
     serve only once the lock is ours alone (it exited); otherwise give everything back and fail."""
     sock = inheritance.sock

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from keepwarm_runtime.cache.launcher import DaemonProcess
+from keepwarm_runtime.cache.launcher import DaemonProcess, HolderProcess
 
 
 def write_checkpoint(path: Path, seed: int, rows: int = 64) -> Path:
@@ -40,6 +40,20 @@ def daemon_factory():
     yield start
     for d in started:
         d.kill()
+
+
+@pytest.fixture
+def holder_factory():
+    """Start a descriptor holder (`keepwarm cache hold`) for a socket dir, ready; killed at the end."""
+    started: list[HolderProcess] = []
+
+    def start(socket_dir: Path, *extra: str) -> HolderProcess:
+        started.append(HolderProcess(socket_dir, *extra))
+        return started[-1].wait_ready()
+
+    yield start
+    for h in started:
+        h.kill()
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,9 @@ from keepwarm_runtime.cache import client, holder, protocol
 from keepwarm_runtime.cache.client import attach, connect
 from keepwarm_runtime.cache.handoff import HandoffRefused, recv_stream, send_stream
 from keepwarm_runtime.cache.launcher import HolderProcess
+from tests.integration.cache.probes import metric as _metric
+from tests.integration.cache.probes import scrape as _scrape
+from tests.integration.cache.probes import wait_for as _wait_for
 
 NOBODY = 65534
 
@@ -42,27 +45,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _scrape(port: str) -> str:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-            return reply.read().decode()
-    except OSError:
-        return ""
-
-
-def _metric(port: str, name: str, **labels: str) -> float | None:
-    """The value of the sample ``name`` with exactly ``labels`` on the daemon's real /metrics, or None."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    for family in text_string_to_metric_families(_scrape(port)):
-        for sample in family.samples:
-            if sample.name == name and sample.labels == labels:
-                return sample.value
-    return None
 
 
 def _dropped(port: str) -> dict[tuple[str, str], float]:
@@ -92,13 +74,6 @@ def _settled_fd_count(pid: int, quiet_s: float = 1.0) -> int:
         if now != count:
             count, since = now, time.monotonic()
     return count
-
-
-def _wait_for(predicate, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
 
 
 class AttachLoad:

@@ -7,7 +7,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from keepwarm_runtime.cache.backends.cuda import format_uuid
+from keepwarm_runtime.cache.backends.cuda import device_ordinal, format_uuid
 from keepwarm_runtime.cache.gpus import GPU, DaemonPlan, GPUPlanError, fake_gpu_uuid, plan_daemons
 from keepwarm_runtime.cache.metrics import DaemonMetrics, PerGPUCollector
 
@@ -23,6 +23,26 @@ def test_uuid_bytes_print_as_nvidia_smi_does():
     assert format_uuid(raw) == "GPU-5a3e3a0b-9c1d-4e2f-8a7b-6c5d4e3f2a1b"
     with pytest.raises(ValueError, match="16 bytes"):
         format_uuid(raw[:8])
+
+
+def test_the_gpu_tiers_device_is_read_without_torch_as_torch_reads_it():
+    import torch
+
+    for spelling in ("cuda", "cuda:0", "cuda:3", torch.device("cuda:1"), torch.device("cuda")):
+        assert device_ordinal(spelling) == (torch.device(spelling).index or 0)
+    for bad in ("cpu", "cuda:x", "cuda:", "cuda:01", " cuda:1", "cuda:1:2", "mps:0", torch.device("cpu")):
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            device_ordinal(bad)
+        assert not _torch_reads_cuda(bad)  # torch agrees: not a CUDA device
+
+
+def _torch_reads_cuda(spelling) -> bool:
+    import torch
+
+    try:
+        return torch.device(spelling).type == "cuda"
+    except RuntimeError:
+        return False
 
 
 def test_one_daemon_unless_asked_for_every_gpu():

@@ -11,17 +11,24 @@ handles (``cudaIpcGetMemHandle``) would be a second path; it is not implemented:
 PID namespace and cannot share one allocation read-only.
 
 The driver is reached through ctypes (``libcuda.so.1``) so no CUDA toolkit or extra package is
-needed; tensors over mapped memory come from ``__cuda_array_interface__``.
+needed; tensors over mapped memory come from ``__cuda_array_interface__``. torch is imported only where
+an allocation is made or mapped (``CudaArena``, ``ImportedArena``): finding a GPU's ordinal and UUID
+and holding, adopting or sending an allocation's fd need the driver alone, so a gpu-tier daemon that
+restarts serves what it adopted before torch is imported (cache/core.py; untested on GPU).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import re
 import threading
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
+_CUDA_DEVICE = re.compile(r"cuda(?::(0|[1-9][0-9]*))?")  # torch.device's spelling of a CUDA device
 CU_MEM_ALLOCATION_TYPE_PINNED = 1
 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
 CU_MEM_LOCATION_TYPE_DEVICE = 1
@@ -93,10 +100,12 @@ def _call(name: str, *args) -> None:
 
 
 def device_ordinal(device: str | torch.device) -> int:
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise ValueError(f"the gpu tier needs a CUDA device, got {device}")
-    return device.index or 0
+    """The ordinal of ``cuda`` / ``cuda:N`` (a string or a torch.device), read as torch reads it but
+    without torch."""
+    found = _CUDA_DEVICE.fullmatch(str(device))
+    if found is None:
+        raise ValueError(f"the gpu tier needs a CUDA device (cuda or cuda:N), got {str(device)[:64]!r}")
+    return int(found.group(1) or 0)
 
 
 def _device(ordinal: int) -> ctypes.c_int:
@@ -215,6 +224,8 @@ class _Mapping:
                 _set_access(self.ptr, size, ordinal, CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
         else:
             _set_access(self.ptr, size, ordinal, access)
+        import torch
+
         self._bytes = torch.as_tensor(_DeviceBytes(self, self.ptr, size), device=f"cuda:{ordinal}")
 
     def tensor(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -225,6 +236,8 @@ class _Mapping:
 
     def unmap(self) -> None:
         if self.ptr:
+            import torch
+
             self._bytes = None
             torch.cuda.synchronize(self.ordinal)
             _call("cuMemUnmap", ctypes.c_uint64(self.ptr), ctypes.c_size_t(self.size))
@@ -238,6 +251,8 @@ class CudaArena:
     page_mode = "vmm"
 
     def __init__(self, name: str, size: int, ordinal: int) -> None:
+        import torch
+
         torch.cuda.init()
         _make_current(ordinal)
         for attr, what in (
@@ -285,6 +300,8 @@ class CudaArena:
 
     def seal(self) -> None:
         """Finish the copies; the daemon keeps its read-write mapping (clients map read-only)."""
+        import torch
+
         torch.cuda.synchronize(self.ordinal)
 
     def close(self) -> None:
@@ -302,6 +319,8 @@ class ImportedArena:
     """Client side: the daemon's allocation mapped (read-only where the driver allows)."""
 
     def __init__(self, fd: int, size: int, ordinal: int) -> None:
+        import torch
+
         torch.cuda.init()
         _make_current(ordinal)
         handle = ctypes.c_uint64()

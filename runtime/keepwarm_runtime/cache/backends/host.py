@@ -17,8 +17,10 @@ import os
 import re
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch only where a tensor is made: holding or adopting an arena needs none
+    import torch
 
 HUGE_PAGE = 2 << 20
 SMALL_PAGE = mmap.PAGESIZE
@@ -100,6 +102,8 @@ class HostArena:
 
     def tensor(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """Writable view for filling (daemon side, before ``seal``)."""
+        import torch
+
         if self._map is None:
             raise RuntimeError(f"arena {self.name} is sealed")
         count = _numel(shape) * dtype.itemsize
@@ -175,6 +179,8 @@ def map_readonly(fd: int, size: int, populate: bool = True) -> mmap.mmap:
 
 def readonly_tensor(buf: mmap.mmap, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """A tensor viewing ``buf``; it keeps ``buf`` alive. Writing to it faults (read-only pages)."""
+    import torch
+
     count = _numel(shape) * dtype.itemsize
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": that is the point
