@@ -26,11 +26,12 @@ from pydantic import BaseModel, ValidationError
 from keepwarm_runtime import __version__
 from keepwarm_runtime.audio.metrics import AudioMetrics
 from keepwarm_runtime.engine.outputs import EngineStats
+from keepwarm_runtime.process_start import process_start_time
 from keepwarm_runtime.server.async_engine import AsyncEngine
 from keepwarm_runtime.server.base.errors import BadRequest, from_validation_error, install_error_handlers
 from keepwarm_runtime.server.base.guards import ApiKey, BodyLimit
 from keepwarm_runtime.server.base.linger import LingeringClose
-from keepwarm_runtime.server.base.metrics import ServerMetrics, process_start_time
+from keepwarm_runtime.server.base.metrics import ServerMetrics
 from keepwarm_runtime.server.base.openapi import body_schema, install_openapi
 from keepwarm_runtime.server.base.request_body import parse_json_object
 from keepwarm_runtime.server.base.routes import Route

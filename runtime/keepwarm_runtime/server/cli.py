@@ -106,24 +106,81 @@ def run(args: argparse.Namespace) -> int:
     return serve(settings)
 
 
+def prepare_parent_environment() -> None:
+    """What the supervising parent sets before torch loads: numpy's OpenBLAS starts its thread pool
+    when torch loads it; the serving path does no numpy BLAS, and the parent must fork with one
+    thread only. (A snapshot's parent, server/checkpoint.py, does the same.)"""
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
+def start_from_snapshot(config: ServeSettings) -> int | None:
+    """Before any heavy import: restore this start's supervising parent from the node's snapshot
+    (snapshot/restore.py) and stay its init; returns its exit code once it ended. None: this process
+    serves itself (it imports, also in place of a restored parent that failed unasked; or it is the
+    restored parent), with how it started recorded (snapshot/outcome.py) for the metrics."""
+    from keepwarm_runtime.snapshot import outcome
+
+    if outcome.recorded() is not None:  # the restored parent, running `keepwarm serve` itself
+        return None
+    if config.snapshot_store is None or not config.supervise:
+        reason = outcome.Reason.OFF if config.snapshot_store is None else outcome.Reason.UNSUPERVISED
+        outcome.record(outcome.StartupSource(outcome.Source.IMPORTS, reason))
+        return None
+    from keepwarm_runtime.snapshot.key import preload_device
+    from keepwarm_runtime.snapshot.restore import LaunchSettings, Restored, launch, leave_init, stay_init
+
+    assert config.model_dir is not None  # required: resolve() refuses settings without it
+    result = launch(
+        LaunchSettings(
+            store=Path(config.snapshot_store),
+            criu=config.criu,
+            model_dir=os.path.abspath(config.model_dir),
+            device=preload_device(config.device),
+            socket_dir=config.cache_socket_dir,
+            restore_timeout=config.restore_timeout,
+        )
+    )
+    if isinstance(result, Restored):
+        outcome.record(result.outcome)
+        ended = stay_init(result.pid)
+        if not ended.unasked:
+            return ended.code
+        logger.error("the restored parent failed unasked (exit %d): importing in its place", ended.code)
+        leave_init()
+        result = outcome.StartupSource(outcome.Source.IMPORTS, outcome.Reason.RESTORED_EXITED)
+    outcome.record(result)
+    return None
+
+
 def serve(config: ServeSettings) -> int:
-    """Serve until stopped: through a supervising parent (server/supervisor.py) unless --no-supervise.
+    """Serve until stopped: through a supervising parent (server/supervisor.py) unless --no-supervise,
+    restored from a snapshot when --snapshot-store holds one for this start.
 
     2 on bad settings, 1 if loading fails."""
     from keepwarm_runtime.engine import threads as cpu_threads
+    from keepwarm_runtime.snapshot import outcome
 
+    if (code := start_from_snapshot(config)) is not None:
+        return code
     # Before anything imports torch: OpenMP reads its thread count and wait policy once, at load.
     try:
         thread_choice = cpu_threads.choose_threads(config.threads)
     except ValueError as exc:
         print(f"keepwarm serve: {exc}", file=sys.stderr)
         return 2
-    openmp_prepared = cpu_threads.prepare_openmp(thread_choice)
+    ranks = config.tensor_parallel_size or 1
+    if (refusal := parallel_refusal(config, ranks)) is not None:
+        print(f"keepwarm serve: {refusal}", file=sys.stderr)
+        return 2
+    if not (config.device or "cpu").startswith("cuda"):  # the ranks share this machine's cores
+        thread_choice = cpu_threads.per_rank(thread_choice, ranks)
+    started = outcome.recorded()
+    # A restored parent's OpenMP was loaded by the snapshot's preload, with this pod's variables.
+    restored = started is not None and started.source is outcome.Source.SNAPSHOT
+    openmp_prepared = cpu_threads.prepare_openmp(thread_choice) or restored
     if config.supervise:
-        # numpy's OpenBLAS starts its thread pool when torch loads it; the serving path does no numpy
-        # BLAS, and the parent must fork with one thread only.
-        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    from keepwarm_runtime.server.base.metrics import process_start_time
+        prepare_parent_environment()
+    from keepwarm_runtime.process_start import process_start_time
 
     started_at = process_start_time()
     assert config.model_dir is not None  # required: resolve() refuses settings without it
@@ -149,8 +206,27 @@ def serve(config: ServeSettings) -> int:
     return server.run(started_at, server.prefetch())
 
 
+def parallel_refusal(config: ServeSettings, ranks: int) -> str | None:
+    """Why these settings cannot run ``ranks`` tensor-parallel ranks (None: they can)."""
+    if ranks == 1:
+        return None
+    if not config.supervise:
+        return (
+            "--tensor-parallel-size needs the supervising parent, which forks the ranks (drop --no-supervise)"
+        )
+    if config.enable_sleep_mode:
+        return "--enable-sleep-mode is not served with --tensor-parallel-size > 1"
+    from keepwarm_runtime.engine.parallel.launch import device_refusal
+
+    return device_refusal(config.device or "cpu", ranks)
+
+
 def supervise(server: ServerStart) -> int:
-    """Import everything and bind the ports here, then serve in forked workers (server/supervisor.py)."""
+    """Import everything and bind the ports here, then serve in forked workers (server/supervisor.py);
+    a tensor-parallel engine as a group of ranks (engine/parallel), all forked here."""
+    import itertools
+    import shutil
+    import tempfile
     import time
 
     from keepwarm_runtime.server.preload import preload
@@ -159,7 +235,11 @@ def supervise(server: ServerStart) -> int:
     config = server.config
     if server.check() is not None:
         return 2
-    preload(server.model_dir, server.kind)
+    preload(server.model_dir, server.kind, cuda=server.engine_config.device.startswith("cuda"))
+    ranks = server.engine_config.tensor_parallel_size
+    if ranks > 1 and (refusal := server.split_refusal()) is not None:
+        print(f"keepwarm serve: {refusal}", file=sys.stderr)
+        return 2
     health_port = config.supervisor_port if config.supervisor_port is not None else config.port + 1
     try:
         listener = bind_listener(config.host, config.port)
@@ -171,11 +251,22 @@ def supervise(server: ServerStart) -> int:
         )
         return 2
 
-    def worker() -> int:
+    # one rendezvous directory for the parent's life; each group start meets at a fresh file in it
+    directory = tempfile.mkdtemp(prefix="keepwarm-tp-") if ranks > 1 else None
+    starts = itertools.count()
+
+    def rendezvous() -> str:
+        return f"file://{directory}/group-{next(starts)}"
+
+    def worker(rank: int, meet_at: str | None) -> int:
         started_at = time.time()  # the fork: this worker's start
-        prefetch = server.prefetch()  # the EngineConfig the parent built, inherited by the fork
+        start = server if meet_at is None else server.for_rank(rank, meet_at)
+        if rank > 0:  # follows rank 0's steps; serves no HTTP
+            listener.close()
+            return start.follow()
+        prefetch = start.prefetch()  # the EngineConfig the parent built, inherited by the fork
         # A restarted worker loads before it accepts: requests wait in the backlog, never see a 503.
-        return server.run(started_at, prefetch, listener, load_first=sum(RESTARTS.by_cause.values()) > 0)
+        return start.run(started_at, prefetch, listener, load_first=sum(RESTARTS.by_cause.values()) > 0)
 
     supervisor = Supervisor(
         SupervisorConfig(
@@ -188,6 +279,8 @@ def supervise(server: ServerStart) -> int:
         health,
         close_in_worker=[health],
         listener=listener,
+        ranks=ranks,
+        rendezvous=rendezvous,
     )
     logger.info(
         "supervising: workers serve http://%s:%d; the parent's /health is on port %d",
@@ -200,6 +293,8 @@ def supervise(server: ServerStart) -> int:
     finally:
         listener.close()
         health.close()
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 @dataclass
@@ -224,6 +319,33 @@ class ServerStart:
         from keepwarm_runtime.engine.prefetch import WeightPrefetch
 
         return WeightPrefetch.start(self.engine_config, self.kind)
+
+    def for_rank(self, rank: int, rendezvous: str) -> ServerStart:
+        """This start as rank ``rank`` of a tensor-parallel group meeting at ``rendezvous``."""
+        from keepwarm_runtime.engine.parallel.launch import rank_config
+
+        return replace(self, engine_config=rank_config(self.engine_config, rank, rendezvous))
+
+    def split_refusal(self) -> str | None:
+        """Why this model cannot be split over its ranks (None: it can), checked before any fork."""
+        from keepwarm_runtime.engine.loader import ModelLoadError
+        from keepwarm_runtime.engine.parallel.launch import refuse_unsplittable
+
+        if self.kind is not ModelKind.TEXT:
+            return f"a {self.kind.value} model is served on one rank only (--tensor-parallel-size)"
+        try:
+            refuse_unsplittable(self.engine_config)
+        except ModelLoadError as exc:
+            return str(exc)
+        return None
+
+    def follow(self) -> int:
+        """A rank 1..N-1 of a tensor-parallel group: load its shard and follow rank 0's steps."""
+        from keepwarm_runtime.engine import threads as cpu_threads
+        from keepwarm_runtime.engine.parallel.launch import serve_rank
+
+        cpu_threads.apply(self.thread_choice)
+        return serve_rank(self.engine_config, self.prefetch())
 
     def make_engine(self, started_at: float, prefetch: WeightPrefetch, load_first: bool = False) -> Any:
         """The engine of this config: Whisper's for a speech model, else an LLMEngine that takes the

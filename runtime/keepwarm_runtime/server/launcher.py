@@ -1,4 +1,6 @@
 """Start `keepwarm serve` as a child process and wait for it: used by the demo, the benchmark and tests.
+Under POD (root) the child runs as in a pod: its own PID, mount and UTS namespaces, and a pod's
+restore capabilities only (process snapshots, docs/snapshots.md); ``stop_pod`` stops it as a kubelet.
 
 Each server runs in its own session (process group) so ``stop()`` takes down anything it spawned;
 its stdout and stderr go to a log file the caller can read (e.g. to count warnings).
@@ -9,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,6 +26,13 @@ from pathlib import Path
 from keepwarm_api.settings import SettingError, resolve
 from keepwarm_runtime.server.cli import parse_serve_argv, serve_env_vars
 from keepwarm_runtime.server.settings import ServeSettings
+
+# A command prefix that runs a process as in a pod (root only): its own PID (the process is PID 1 there),
+# mount and UTS namespaces, and of all capabilities only those a runtime container's restore gets.
+POD = (
+    "unshare", "--pid", "--fork", "--mount-proc", "--mount", "--uts", "--",
+    "setpriv", "--bounding-set=-all,+checkpoint_restore,+setpcap", "--inh-caps=-all", "--",
+)  # fmt: skip
 
 
 class ServerStartError(RuntimeError):
@@ -100,6 +110,17 @@ class ServerProcess:
             raise RuntimeError(f"the parent names no worker now ({status} {body})")
         return int(body["worker_pid"])
 
+    def startup_source(self) -> tuple[str, str]:
+        """(source, reason) of the ready server's keepwarm_startup_source_total: how its parent started."""
+        rows = [
+            dict(re.findall(r'(\w+)="([^"]*)"', name))
+            for name, value in self.metrics().items()
+            if name.startswith("keepwarm_startup_source_total{") and value == 1
+        ]
+        if len(rows) != 1:
+            raise RuntimeError(f"one keepwarm_startup_source_total series expected, got {rows}")
+        return rows[0]["source"], rows[0]["reason"]
+
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
@@ -125,9 +146,11 @@ def start_server(
     port: int | None = None,
     args: list[str] | tuple[str, ...] = (),
     env: dict[str, str] | None = None,
+    prefix: Sequence[str] = (),
 ) -> ServerProcess:
-    """Spawn `keepwarm serve MODEL_DIR --host 127.0.0.1 --port PORT ARGS` (does not wait); the
-    supervising parent's /health gets a free port of its own unless ARGS or ENV name one."""
+    """Spawn `keepwarm serve MODEL_DIR --host 127.0.0.1 --port PORT ARGS` (does not wait), under
+    ``prefix`` when given (e.g. ``unshare ... --``: a pod's namespaces); the supervising parent's
+    /health gets a free port of its own unless ARGS or ENV name one."""
     port = port or free_port()
     supervised, parent_port = child_supervision(model_dir, args, env or {})
     if supervised and parent_port is None:
@@ -136,6 +159,7 @@ def start_server(
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     command = [
+        *prefix,
         sys.executable,
         "-m",
         "keepwarm_runtime.cli",
@@ -175,3 +199,22 @@ def child_supervision(
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, sig)
+
+
+def pod_init(proc: subprocess.Popen) -> int:
+    """The PID 1 of a pod started under POD: ``unshare``'s one child."""
+    return int(Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()[0])
+
+
+def stop_pod(proc: subprocess.Popen, timeout: float = 60.0) -> int:
+    """Stop a pod started under POD as the kubelet does: SIGTERM to its PID 1, SIGKILL to everything
+    after ``timeout``; returns the PID 1's exit code (unshare's)."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError, IndexError, ValueError):
+            os.kill(pod_init(proc), signal.SIGTERM)
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGKILL)
+            return proc.wait(10)
+    return proc.returncode

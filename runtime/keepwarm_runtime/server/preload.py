@@ -19,6 +19,7 @@ import time
 from keepwarm_runtime.model_kind import ModelKind
 
 logger = logging.getLogger(__name__)
+_preloaded: set[tuple[ModelKind, str]] = set()  # (kind, modelling module) this process preloaded
 
 
 def model_class(model_dir: str) -> type:
@@ -33,9 +34,9 @@ def model_class(model_dir: str) -> type:
     return audio_language_class(hf_config) or MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
 
 
-def preload(model_dir: str, kind: ModelKind) -> float:
-    """Import the serving path of ``model_dir``'s checkpoint (a ``kind`` model); returns the seconds
-    it took."""
+def preload(model_dir: str, kind: ModelKind, cuda: bool = False) -> float:
+    """Import the serving path of ``model_dir``'s checkpoint (a ``kind`` model; on CUDA also the
+    FlashInfer backend); returns the seconds it took."""
     started = time.perf_counter()
     import torch  # noqa: F401
     import transformers.core_model_loading  # noqa: F401
@@ -54,9 +55,15 @@ def preload(model_dir: str, kind: ModelKind) -> float:
             loaded = model_class(model_dir).__module__
         except (ImportError, OSError, ValueError, KeyError) as exc:  # the engine names a bad checkpoint
             logger.warning("preloading %s's model classes failed (%s); a worker imports them", model_dir, exc)
+    if (kind, loaded) in _preloaded:  # a parent restored from a snapshot: it did all this before
+        logger.info("the serving path is preloaded (model classes: %s)", loaded)
+        return time.perf_counter() - started
     _warm_app_imports(model_dir)
     _import_serving_internals()
+    if cuda:
+        _import_cuda_attention()
     _build_conversion_table()
+    _preloaded.add((kind, loaded))
     seconds = time.perf_counter() - started
     logger.info("preloaded the serving path in %.2fs (model classes: %s)", seconds, loaded)
     return seconds
@@ -85,6 +92,17 @@ def _import_serving_internals() -> None:
     import anyio._backends._asyncio  # noqa: F401
 
     import keepwarm_runtime.engine.attention.cpu_backend  # noqa: F401
+
+
+def _import_cuda_attention() -> None:
+    """FlashInfer's Python package and keepwarm's backend over it (seconds of a CUDA worker's
+    `attention` phase otherwise): imports only, no kernel loaded and no CUDA call, so no context. Its
+    JIT modules load at the worker's warm-up, after the fork. Untested on GPU in CI (scripts/gpu-check
+    runs tests/gpu/snapshot, which checks the parent stays one thread without a CUDA context)."""
+    try:
+        import keepwarm_runtime.engine.attention.flashinfer_backend  # noqa: F401
+    except ImportError as exc:  # no flashinfer-python (extra `gpu`): the worker takes the torch backend
+        logger.info("not preloading FlashInfer: %s", exc)
 
 
 def _build_conversion_table() -> None:

@@ -44,7 +44,8 @@ def dtype_name(text: str) -> str:
     return VLLM_DTYPES.get(text.strip(), text.strip())
 
 
-SAME_NODE = "run more replicas (an InferenceDeployment's spec.replicas), one model per process and device"
+SAME_NODE = "run more replicas (an InferenceDeployment's spec.replicas); within one, --tensor-parallel-size"
+SAME_NODE += " splits a model over the node's devices"
 HUB = "MODEL_DIR is a local directory: a WeightCache's huggingFace source (repo, revision, tokenSecretRef)"
 HUB += " downloads a Hub model on the node"
 
@@ -58,10 +59,8 @@ VLLM_FOREIGN_FLAGS: tuple[Foreign, ...] = (
     refused(
         "--load-format", instead="safetensors checkpoints, attached from the node cache or read from disk"
     ),
-    refused("--tensor-parallel-size", "-tp", instead=SAME_NODE),
     refused("--pipeline-parallel-size", "-pp", instead=SAME_NODE),
     refused("--data-parallel-size", "-dp", instead=SAME_NODE),
-    refused("--enable-expert-parallel", instead=SAME_NODE),
     refused("--kv-cache-dtype", instead="the KV cache is kept in --dtype"),
     refused(
         "--kv-cache-memory-bytes",
@@ -216,6 +215,19 @@ class ServeSettings:
         shared=True,
     )
     seed: int | None = engine(None, "seed for requests that set none", shared=True)
+    tensor_parallel_size: int | None = engine(
+        None,
+        "ranks the model is split over, one process each, forked by the supervising parent (on CUDA: "
+        "cuda:0..N-1 of the GPUs the process sees)",
+        aliases=("-tp",),
+        shared=True,
+    )
+    enable_expert_parallel: bool | None = engine(
+        None,
+        "MoE: partition the experts over the tensor-parallel ranks instead of splitting each expert",
+        aliases=("-ep",),
+        shared=True,
+    )
     max_prompt_logprobs_len: int | None = engine(
         None, "longest prompt whose prompt logprobs (or echo with logprobs) a request may ask for"
     )
@@ -316,6 +328,18 @@ class ServeSettings:
     )
     max_failed_restarts: int = setting(
         5, "failed worker restarts in a row after which the parent's /health answers 503"
+    )
+    # process snapshots of the supervising parent (snapshot/, docs/snapshots.md)
+    snapshot_store: str | None = setting(
+        None,
+        "the node's snapshot store (read-only): restore the supervising parent from a snapshot of this "
+        "start instead of importing, and ask the node agent (--cache-socket-dir) for one when none fits",
+        unset="off: the parent imports",
+        metavar="DIR",
+    )
+    criu: str = setting("criu", "the CRIU binary that restores snapshots: a path, or a name on PATH")
+    restore_timeout: float = setting(
+        30.0, "seconds CRIU, then the restored parent's resume, may take before the parent imports instead"
     )
     # the HTTP server
     uvicorn_log_level: str = setting("info", "uvicorn's log level", shared=True)

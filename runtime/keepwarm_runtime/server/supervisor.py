@@ -19,6 +19,12 @@ that stays ready for ``STABLE_S`` ends the row. The parent's own /health (a port
 Kubernetes' liveness probe restarts the container only then. Restarts are counted by cause; the
 counts live in the parent, and each worker inherits them by the fork and exports them on /metrics.
 
+A tensor-parallel engine (``ranks`` > 1) runs as a group: the parent forks rank 0 (the worker that
+serves HTTP and drives the engine) and ranks 1..N-1 (which follow its steps: engine/parallel), each
+called with its rank and the group's rendezvous, a fresh one per start. The group lives and restarts
+as a whole: any rank that dies takes the others down (killed here), and the group is forked again
+(cause ``crash``, naming the rank); a stop drains rank 0 first, then ends the others.
+
 A worker that fails to load before any worker was ever ready ends the parent with its exit code,
 as `keepwarm serve` without a parent would end: bad settings or a broken checkpoint do not heal by
 retrying. SIGTERM (or SIGINT) first closes the parent's copy of the listening socket, then is passed
@@ -143,21 +149,30 @@ def fork_hazards() -> list[str]:
     return found
 
 
+Worker = Callable[[int, "str | None"], int]  # (rank, the group's rendezvous or None) -> exit code
+
+
 class Supervisor:
-    """Runs ``worker()`` in forked children until stopped; ``run()`` returns the exit code."""
+    """Runs ``worker(rank, rendezvous)`` in forked children until stopped, one per rank; ``run()``
+    returns the exit code."""
 
     def __init__(
         self,
         config: SupervisorConfig,
-        worker: Callable[[], int],
+        worker: Worker,
         health: socket.socket,
         close_in_worker: list,
         listener: socket.socket | None = None,
+        ranks: int = 1,
+        rendezvous: Callable[[], str] | None = None,
     ) -> None:
         self.config, self._worker, self._health = config, worker, health
         self._listener = listener  # the serving socket the workers inherit: closed here on stop
         self._close_in_worker = close_in_worker  # the parent's sockets a worker must not keep
-        self.pid: int | None = None
+        self.ranks = ranks  # processes per group: rank 0 serves, ranks 1..N-1 follow it
+        self._rendezvous = rendezvous  # a fresh rendezvous per group start (ranks > 1)
+        self.pid: int | None = None  # rank 0: the serving worker
+        self.followers: dict[int, int] = {}  # rank -> pid of ranks 1..N-1
         self._spawned_at = self._last_answer = self._ready_at = 0.0
         self._ever_ready = False
         self._answered = False
@@ -213,14 +228,15 @@ class Supervisor:
 
     def _tick(self) -> int | None:
         """Reap, poll, restart; an exit code when the parent must end."""
-        if self.pid is not None:
-            done, status = os.waitpid(self.pid, os.WNOHANG)
-            if done:
-                self.pid = None
+        if self.pid is not None or self.followers:
+            ended = self._reap()
+            if ended is not None:
+                who, status = ended
+                self._kill_worker()  # the rest of the group
                 if not self._ever_ready and os.WIFEXITED(status) and os.WEXITSTATUS(status) in (1, 2):
-                    logger.error("the worker %s before it was ever ready: stopping", describe_exit(status))
+                    logger.error("the %s %s before it was ever ready: stopping", who, describe_exit(status))
                     return os.WEXITSTATUS(status)
-                self._schedule_restart("crash", f"the worker {describe_exit(status)}")
+                self._schedule_restart("crash", f"the {who} {describe_exit(status)}")
         if self.pid is not None:
             self._watch_worker()
         if self._restart_at is not None and time.monotonic() >= self._restart_at and not self._stopping:
@@ -230,9 +246,24 @@ class Supervisor:
 
     # --- the worker -------------------------------------------------------------------------------
 
+    def _reap(self) -> tuple[str, int] | None:
+        """The first process of the group found ended (who, wait status), forgotten; else None."""
+        if self.pid is not None:
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+            if done:
+                self.pid = None
+                return ("worker" if self.ranks == 1 else "worker (rank 0)"), status
+        for rank, pid in list(self.followers.items()):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                del self.followers[rank]
+                return f"tensor-parallel rank {rank}", status
+        return None
+
     def _spawn(self) -> None:
         for hazard in fork_hazards():
             logger.warning("forking the worker although %s", hazard)
+        rendezvous = self._rendezvous() if self.ranks > 1 and self._rendezvous is not None else None
         serving_r, serving_w = os.pipe()
         # A stop signal arriving around the fork must not reach the child's copy of the parent's
         # handler (it would be swallowed): blocked here, it stays pending until the child has put
@@ -241,7 +272,14 @@ class Supervisor:
         pid = os.fork()
         if pid == 0:
             os.close(serving_r)
-            os._exit(self._worker_main(serving_w))
+            os._exit(self._worker_main(serving_w, 0, rendezvous))
+        for rank in range(1, self.ranks):
+            follower = os.fork()
+            if follower == 0:
+                os.close(serving_r)
+                os.close(serving_w)
+                os._exit(self._worker_main(None, rank, rendezvous))
+            self.followers[rank] = follower
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _HANDLED)
         os.close(serving_w)
         self._serving_r = serving_r
@@ -251,9 +289,10 @@ class Supervisor:
         self._ready_at = 0.0
         self._answered = False  # the worker has answered /health at least once
         self._next_poll = self._spawned_at + self.config.health_interval
-        logger.info("worker %d forked (restarts so far: %s)", pid, RESTARTS.by_cause)
+        ranks = f" with ranks {sorted(self.followers.items())}" if self.followers else ""
+        logger.info("worker %d forked%s (restarts so far: %s)", pid, ranks, RESTARTS.by_cause)
 
-    def _worker_main(self, serving_w: int) -> int:
+    def _worker_main(self, serving_w: int | None, rank: int, rendezvous: str | None) -> int:
         """In the child: undo the parent's signal set-up, die with the parent, then serve."""
         global _serving_fd
         _serving_fd = serving_w
@@ -269,7 +308,7 @@ class Supervisor:
             os.close(self._wake_w)
             self._selector.close()
             _die_with_parent(self._parent_pid)
-            code = self._worker()
+            code = self._worker(rank, rendezvous)
         except BaseException:
             logger.exception("the worker failed")
         finally:
@@ -328,13 +367,17 @@ class Supervisor:
                 self._in_a_row = 0
 
     def _kill_worker(self) -> None:
+        """Kill every process of the group still running, and reap it."""
         self._drop_worker_io()
-        if self.pid is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
-        os.waitpid(self.pid, 0)
+        pids = ([self.pid] if self.pid is not None else []) + list(self.followers.values())
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for pid in pids:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
         self.pid = None
+        self.followers.clear()
 
     def _drop_worker_io(self) -> None:
         """Forget the worker's probe and pipe (it is dead or about to be)."""
@@ -359,6 +402,7 @@ class Supervisor:
         if self._listener is not None:
             self._listener.close()  # the worker's copy alone keeps the port open, until it stops
         if self.pid is None:
+            self._kill_worker()  # ranks of a group whose rank 0 is gone
             return 0
         logger.info("stopping worker %d (grace %.0fs)", self.pid, self.config.stop_grace_s)
         with contextlib.suppress(ProcessLookupError):
@@ -368,6 +412,7 @@ class Supervisor:
             done, _ = os.waitpid(self.pid, os.WNOHANG)
             if done:
                 self.pid = None
+                self._kill_worker()  # rank 0 drained its requests: the ranks that followed it go too
                 return 0
             time.sleep(0.05)
         logger.warning("worker %d did not stop within %.0fs: killing it", self.pid, self.config.stop_grace_s)
@@ -402,6 +447,7 @@ class Supervisor:
             body = {
                 "status": "ok" if self.alive else "failing",
                 "worker_pid": self.pid,
+                "rank_pids": {str(rank): pid for rank, pid in sorted(self.followers.items())},
                 "restarts_in_a_row": self._in_a_row,
                 "max_failed_restarts": self.config.max_failed_restarts,
                 "restarts": RESTARTS.by_cause,

@@ -9,7 +9,6 @@ client) are registered here too, so they appear on the server's /metrics.
 
 from __future__ import annotations
 
-import os
 import time
 
 from prometheus_client import (
@@ -23,24 +22,13 @@ from prometheus_client import (
 )
 
 from keepwarm_runtime.cache.metrics import client_metrics
+from keepwarm_runtime.engine.startup import RESTORE_PHASE
 from keepwarm_runtime.server.supervisor import RESTARTS
+from keepwarm_runtime.snapshot import outcome
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ADAPTER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
-
-
-def process_start_time() -> float:
-    """Wall-clock time this process started (from /proc), or now when /proc is unavailable."""
-    try:
-        with open("/proc/self/stat") as f:
-            # Field 22 (starttime, clock ticks since boot); the comm field may contain spaces.
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-        return boot + start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return time.time()
 
 
 class ServerMetrics:
@@ -101,10 +89,23 @@ class ServerMetrics:
         )
         self.startup_phase = Gauge(
             "keepwarm_startup_phase_seconds",
-            "Seconds of each start-up phase, process start to ready (engine/startup.py PHASES)",
+            "Seconds of each start-up phase, process start to ready (engine/startup.py PHASES), and the "
+            "parent's restore from a snapshot (RESTORE_PHASE)",
             ["phase"],
             registry=r,
         )
+        self.startup_source = Counter(
+            "keepwarm_startup_source",
+            "How the supervising parent of this process started: restored from a node-local snapshot, "
+            "or by importing, and why (snapshot/outcome.py: hit, off, absent, mismatch, digest, ...)",
+            ["source", "reason"],
+            registry=r,
+        )
+        started = outcome.recorded()  # the parent's record (a supervised worker inherits it)
+        if started is not None:
+            self.startup_source.labels(source=started.source.value, reason=started.reason.value).inc()
+            if started.restore_s is not None:
+                self.startup_phase.labels(phase=RESTORE_PHASE).set(started.restore_s)
         self.moe_layers = Gauge(
             "keepwarm_moe_layers",
             "MoE experts modules by the backend chosen for them at load (engine.moe.oracle)",
