@@ -36,6 +36,13 @@ the running daemon). Each reports the server's own ``keepwarm_process_start_to_r
 (``keepwarm_weight_load_seconds``: the attach runs in the background during imports, so the weights
 phase is only what the start still waited for it), and the wall time from spawn to the first 200
 seen by polling.
+``--snapshot`` (root, CRIU) adds ``snapshot``: whole `keepwarm serve` starts in a pod's namespaces
+(keepwarm_runtime.server.launcher.POD), weights from the same daemon, spawn to a 200 from /ready:
+``imports_ready_s`` (the parent imports) and ``snapshot_ready_s`` (the parent restored from the
+snapshot the daemon's snapshot service took for the first start), each the best of --repeats with
+every run, the restored starts' ``restore_s`` (keepwarm_startup_phase_seconds{phase="restore"}: the
+pod's start until the restored parent resumed) and every start's ``worker_ready_s`` (its worker's
+fork to ready).
 Run: ``keepwarm bench restart --size-gib 2 --serving-dtype float32 --json``.
 """
 
@@ -45,6 +52,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -56,7 +64,7 @@ from keepwarm_api.settings import SettingError, add_arguments, resolve
 from keepwarm_runtime.bench_cli import RestartSettings
 from keepwarm_runtime.cache.backends.host import page_facts
 from keepwarm_runtime.cache.launcher import DaemonProcess
-from keepwarm_runtime.server.launcher import start_server
+from keepwarm_runtime.server.launcher import POD, start_server, stop_pod
 
 CHECKPOINT_DTYPE = "bfloat16"
 PROMPT_LEN = 4  # a short prompt: the pass reads every weight once
@@ -234,6 +242,17 @@ class Paths:
     settings: RestartSettings
 
 
+def snapshot_refusal(euid: int, criu: str) -> str | None:
+    """Why ``--snapshot`` cannot run here (None: it can): pods' namespaces take root, and CRIU."""
+    if euid != 0:
+        return (
+            f"--snapshot needs root (each start runs in a pod's namespaces); this process runs as uid {euid}"
+        )
+    if shutil.which(criu) is None:
+        return f"--snapshot: no CRIU {criu!r} (scripts/criu/build.sh builds one and prints its directory)"
+    return None
+
+
 def drop_caches_refusal(euid: int, control: Path = DROP_CACHES) -> str | None:
     """Why ``--drop-caches`` cannot run here (None: it can): writing ``control`` takes root and a
     writable /proc/sys (containers often mount it read-only)."""
@@ -346,6 +365,63 @@ def _serve_best(
     return best | {"ready_s_runs": [r["ready_s"] for r in runs]}
 
 
+def _pod_start(settings: RestartSettings, model: Path, args: list[str], log: Path, source: str) -> dict:
+    """One `keepwarm serve` in a pod's namespaces: spawn to /ready, and how its parent started."""
+    server = start_server(model, log, args=args, prefix=POD)
+    try:
+        wall = server.wait("/ready", timeout=900)
+        metrics = server.metrics()
+    finally:
+        stop_pod(server.proc)  # the whole pod gone before the next start
+    started = [k for k, v in metrics.items() if k.startswith("keepwarm_startup_source_total{") and v == 1]
+    if not started or f'source="{source}"' not in started[0]:
+        raise RuntimeError(f"a start meant to come from {source} came from {started}: see {log}")
+    restore = metrics.get('keepwarm_startup_phase_seconds{phase="restore"}')
+    return {
+        "ready_s": round(wall, 3),
+        "restore_s": None if restore is None else round(restore, 3),
+        "worker_ready_s": round(metrics[READY_METRIC], 3),  # the worker's fork to ready
+    }
+
+
+def snapshot_starts(settings: RestartSettings, model: Path, logs: Path, socket_dir: Path, store: Path,
+                    criu: str, daemon: DaemonProcess) -> dict:  # fmt: skip
+    """``imports_ready_s`` and ``snapshot_ready_s`` (see the module docstring); the first start imports
+    and asks the daemon for the snapshot the others restore."""
+    imports_args = serve_args(settings, socket_dir)
+    snapshot_args = [*imports_args, "--snapshot-store", str(store), "--criu", criu]
+    _pod_start(settings, model, snapshot_args, logs / "snapshot-first.log", "imports")
+    deadline = time.monotonic() + 900
+    while not (
+        took := [line for line in daemon.lines if "snapshots: took" in line or "no snapshot of" in line]
+    ):
+        if time.monotonic() > deadline or daemon.proc.poll() is not None:
+            raise RuntimeError(f"the daemon took no snapshot:\n{daemon.stderr[-3000:]}")
+        time.sleep(0.5)
+    if "snapshots: took" not in took[0]:
+        raise RuntimeError(f"the daemon took no snapshot: {took[0].strip()}")
+    runs: dict[str, list[dict]] = {"imports": [], "snapshot": []}
+    for i in range(settings.repeats):
+        runs["imports"].append(
+            _pod_start(settings, model, imports_args, logs / f"imports-{i}.log", "imports")
+        )
+        runs["snapshot"].append(
+            _pod_start(settings, model, snapshot_args, logs / f"snapshot-{i}.log", "snapshot")
+        )
+    best = {kind: min(r["ready_s"] for r in found) for kind, found in runs.items()}
+    images = sum(p.stat().st_size for p in store.rglob("*.img"))
+    return {
+        "imports_ready_s": best["imports"],
+        "snapshot_ready_s": best["snapshot"],
+        "imports_ready_s_runs": [r["ready_s"] for r in runs["imports"]],
+        "snapshot_ready_s_runs": [r["ready_s"] for r in runs["snapshot"]],
+        "restore_s_runs": [r["restore_s"] for r in runs["snapshot"]],
+        "worker_ready_s_runs": {kind: [r["worker_ready_s"] for r in found] for kind, found in runs.items()},
+        "snapshot_bytes": images,
+        "took": took[0].strip().split("snapshots: ", 1)[1],
+    }
+
+
 MODEL_LOAD_PHASES = ("config", "model_meta", "weights")  # engine/startup.py: what from_pretrained also does
 
 
@@ -356,6 +432,11 @@ def model_load_s(phases: dict[str, float]) -> float:
 
 def run(settings: RestartSettings) -> dict:
     from keepwarm_runtime.weights.checkpoint import read_checkpoint
+
+    if settings.tensor_parallel > 1:  # a group against one rank: its own report
+        from bench._restart_group import run as run_group
+
+        return run_group(settings)
 
     root = Path(settings.dir) if settings.dir else Path.home() / ".cache" / "keepwarm" / "bench"
     model = checkpoint_for(settings.size_gib, root)
@@ -390,18 +471,26 @@ def run(settings: RestartSettings) -> dict:
                 serve["disk_cold"] = _serve_best(settings, model, logs, None, cold=True)
             serve["disk_warm"] = _serve_best(settings, model, logs, None, cold=False)
         on_gpu = device.startswith("cuda")
+        store, criu = Path(tmp) / "snapshots", settings.criu
+        snapshots = ["--snapshot-store", str(store), "--criu", criu] if settings.snapshot else []
         daemon = DaemonProcess(
             Path(tmp) / "wc",
             [model],
             *(["--device", device] if on_gpu else []),
             "--dtype",
             settings.serving_dtype,
+            *snapshots,
             tier="gpu" if on_gpu else "host",
         ).wait_ready(timeout_s=900)
         try:
             warm = _best("warm", paths, Path(tmp) / "wc")
             if settings.serve:
                 serve["cache"] = _serve_best(settings, model, logs, Path(tmp) / "wc", cold=False)
+            if snapshots:
+                logs = Path(tmp) / "logs"
+                out["snapshot"] = snapshot_starts(
+                    settings, model, logs, Path(tmp) / "wc", store, criu, daemon
+                )
         finally:
             daemon.terminate(60)
     if warm["source"] != "cache":
@@ -460,6 +549,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(settings: RestartSettings) -> int:
     if settings.drop_caches and (refusal := drop_caches_refusal(os.geteuid())):
+        print(f"keepwarm bench restart: {refusal}", file=sys.stderr)
+        return 2
+    if settings.snapshot and (refusal := snapshot_refusal(os.geteuid(), settings.criu)):
         print(f"keepwarm bench restart: {refusal}", file=sys.stderr)
         return 2
     result = run(settings)

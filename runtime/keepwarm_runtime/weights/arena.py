@@ -19,6 +19,10 @@ A kernel's expert layout (``keepwarm cache serve --expert-layout flashinfer_cutl
 (and a checkpoint's FP8 scales beside them) get their [gate; up] halves swapped in the arena once
 every expert is written; a tensor quantized online is swapped in its float staging, before
 quantization.
+
+A tensor-parallel rank's arena (``plan_layout(..., sharding)``) holds its shard: every entry has the
+rank's shape, and each write keeps only the slice the rank holds (weights.tensor_parallel,
+``TensorShard.copies``); online quantization quantizes the slice, the kernel layout swaps its halves.
 """
 
 from __future__ import annotations
@@ -26,24 +30,25 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, TypeVar
 
 import torch
 
-from keepwarm_runtime.weights import kernel_layout, serving_layout
+from keepwarm_runtime.weights import kernel_layout, serving_layout, tensor_parallel, tensor_parallel_plan
 from keepwarm_runtime.weights.checkpoint import (
     CONVERTIBLE,
     CheckpointError,
-    FileIdentity,
     Shard,
     TensorRecord,
     dtype_name,
     parse_dtype,
 )
+from keepwarm_runtime.weights.files import FileIdentity
 from keepwarm_runtime.weights.fp8 import E4M3, quantize_blocks
 from keepwarm_runtime.weights.quantization import SCALE_SUFFIX, Fp8Settings, QuantizationError
+from keepwarm_runtime.weights.tensor_parallel import WHOLE, Sharding, ShardingError, TensorShard
 
 ALIGN = 256  # bytes; satisfies every dtype and CUDA's preferred alignment
 T, R = TypeVar("T"), TypeVar("R")
@@ -83,6 +88,8 @@ class ArenaLayout:
     placements: dict[str, serving_layout.Placement] = field(default_factory=dict)  # merged sources
     quantized: dict[str, QuantizedEntry] = field(default_factory=dict)  # online FP8, by entry name
     up_first: frozenset[str] = frozenset()  # entries converted to the kernel layout ([up; gate])
+    # a tensor-parallel rank's arena (weights.tensor_parallel): the entries it holds a slice of
+    shards: dict[str, TensorShard] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -103,15 +110,19 @@ def plan_layout(
     serving: torch.dtype,
     quantization: Fp8Settings | None = None,
     expert_layout: str = kernel_layout.MODEL,
+    sharding: Sharding = WHOLE,
 ) -> ArenaLayout:
     """Where each served tensor lies in the arena; ``quantization`` (online FP8) adds the conversion
     of every linear weight and expert stack to e4m3 plus block scales (QuantizationError if the
-    model cannot be built to tell which those are); ``expert_layout`` the kernel layout's swap."""
+    model cannot be built to tell which those are); ``expert_layout`` the kernel layout's swap;
+    ``sharding`` one tensor-parallel rank's slice of every tensor (ShardingError, naming the tensor,
+    where the model does not divide)."""
     records = [(rec.name, rec.shape, rec.dtype) for shard in shards for rec in shard.tensors]
     model_dir = shards[0].path.parent if shards else None
     model = serving_layout.meta_model(model_dir) if model_dir is not None else None
     conversion = serving_layout.plan(records, serving_layout.merge_rules(model))
     served = _served_tensors(records, conversion, serving)
+    served, tensor_shards = _sharded(served, conversion, model, sharding, model_dir)
     quantized = {} if quantization is None else _online_quantized(served, model, quantization, model_dir)
     up_first = _up_first_entries(served, model, expert_layout, model_dir)
     placed: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
@@ -121,7 +132,50 @@ def plan_layout(
         if q:
             placed.append((q.scale, torch.float32, (*t.shape[:-2], *_grid(t.shape, q.block))))
     entries, size = pack_entries(placed)
-    return ArenaLayout(entries, size, conversion.placements, quantized, up_first)
+    return ArenaLayout(entries, size, conversion.placements, quantized, up_first, tensor_shards)
+
+
+def _sharded(
+    served: list[_Served],
+    conversion: serving_layout.ServingPlan,
+    model,
+    sharding: Sharding,
+    model_dir: Path | None,
+) -> tuple[list[_Served], dict[str, TensorShard]]:
+    """The served tensors as ``sharding``'s rank holds them (local shapes; a merged target counts only
+    the sources that land in its slice), and each one's TensorShard."""
+    if not sharding.sharded:
+        return served, {}
+    if model is None:
+        raise ShardingError(
+            f"{model_dir}: transformers cannot build this model, so keepwarm cannot tell how to split it "
+            "over tensor-parallel ranks"
+        )
+    plan = tensor_parallel_plan.shard_plan(model, sharding)
+    pairs = serving_layout.model_renamings(model)
+    block_scaled = tensor_parallel_plan.fp8_weights(t.name for t in served)
+    shards: dict[str, TensorShard] = {}
+    out = []
+    for t in served:
+        split = plan.split_of(serving_layout.model_name(t.name, pairs))
+        if t.name in block_scaled:
+            split = tensor_parallel.scaled(split, len(t.shape))
+        elif t.name.endswith(SCALE_SUFFIX):
+            split = tensor_parallel.in_blocks(tensor_parallel.scaled(split, len(t.shape)), len(t.shape))
+        if t.name[: -len(SCALE_SUFFIX)] not in block_scaled:  # a grid is checked as its weight
+            tensor_parallel.check_split(t.name, t.shape, split, sharding)
+        shard = TensorShard(split, t.shape, sharding)
+        shards[t.name] = shard
+        out.append(_Served(t.name, shard.shape, t.dtype, t.sources))
+    landing: dict[str, int] = {}
+    for placement in conversion.placements.values():
+        shard = shards[placement.target]
+        rows = placement.rows[1] - placement.rows[0]
+        starts, shape = (placement.expert, placement.rows[0], 0), (1, rows, shard.whole[2])
+        if shard.copies(starts, shape):
+            landing[placement.target] = landing.get(placement.target, 0) + 1
+    merged = {p.target for p in conversion.placements.values()}
+    return [replace(t, sources=landing.get(t.name, 0)) if t.name in merged else t for t in out], shards
 
 
 def plain_layout(shards: list[Shard], serving: torch.dtype) -> ArenaLayout:
@@ -257,10 +311,11 @@ def fill_arena(arena: WritableArena, shards: list[Shard], layout: ArenaLayout) -
                 digest.update(raw)
                 placement = layout.placements.get(rec.name)
                 entry = by_name[placement.target if placement else rec.name]
+                part = layout.shards.get(entry.name)  # a tensor-parallel rank's slice of it
                 if entry.name in layout.quantized:
-                    staged.write(entry, rec, raw, placement)
+                    staged.write(entry, rec, raw, placement, part)
                 else:
-                    write_serving_tensor(arena, entry, rec, raw, placement)
+                    write_serving_tensor(arena, entry, rec, raw, placement, part)
                 del raw
             _check_identity(shard, f.fileno())
     staged.check_done()
@@ -284,11 +339,13 @@ class _Staging:
         rec: TensorRecord,
         raw: bytearray | torch.Tensor,
         placement: serving_layout.Placement | None,
+        shard: TensorShard | None = None,
     ) -> None:
         q = self.layout.quantized[entry.name]
         staging, seen = self.pending.get(entry.name) or (torch.empty(entry.shape, dtype=q.staging), 0)
         staging_entry = TensorEntry(entry.name, q.staging, entry.shape, 0, staging.nbytes)
-        write_serving_tensor(_Whole(staging), staging_entry, rec, raw, placement)
+        if not write_serving_tensor(_Whole(staging), staging_entry, rec, raw, placement, shard):
+            return  # another rank's slice
         seen += 1
         if seen < q.sources:
             self.pending[entry.name] = (staging, seen)
@@ -339,20 +396,35 @@ def write_serving_tensor(
     rec: TensorRecord,
     raw: bytearray | torch.Tensor,
     placement: serving_layout.Placement | None = None,
-) -> None:
-    """Convert one stored tensor into its serving layout in the arena: the serving dtype, and for an
-    expert merged into a fused 3-D tensor, that expert's slice of it.
+    shard: TensorShard | None = None,
+) -> bool:
+    """Convert one stored tensor into its serving layout in the arena: the serving dtype, for an
+    expert merged into a fused 3-D tensor that expert's slice of it, and for a tensor-parallel rank
+    (``shard``) only the part of it the rank holds. False when none of it is this rank's.
 
     Conversion steps slot in here; they must be named in the key's ``conversion`` field.
     """
     if rec.nbytes == 0:
-        return
+        return True
     src = raw if isinstance(raw, torch.Tensor) else torch.frombuffer(raw, dtype=torch.uint8).view(rec.dtype)
     src = src.view(rec.shape)
     dest = arena.tensor(entry.offset, entry.dtype, entry.shape)
-    if placement is not None:  # one expert's slice of a merged tensor
-        dest = dest[placement.expert, placement.rows[0] : placement.rows[1]]
-    dest.copy_(src)
+    if placement is not None:  # one expert's rows of a merged tensor [E, rows, cols]
+        src = src.unsqueeze(0)
+        starts: tuple[int, ...] = (placement.expert, placement.rows[0], 0)
+    else:
+        starts = (0,) * src.ndim
+    if shard is None:
+        region = tuple(slice(s, s + n) for s, n in zip(starts, src.shape, strict=True))
+        dest[region].copy_(src)
+        return True
+    copies = shard.copies(starts, tuple(src.shape))
+    for source, target in copies:
+        if source is None:
+            dest[target].zero_()
+        else:
+            dest[target].copy_(src[source])
+    return bool(copies)
 
 
 # The disk path's time goes to faulting in the fresh pages of each converted tensor, not to the
@@ -383,10 +455,12 @@ def load_serving_layout(
     device: str | torch.device = "cpu",
     quantization: Fp8Settings | None = None,
     expert_layout: str = kernel_layout.MODEL,
+    sharding: Sharding = WHOLE,
 ) -> dict[str, torch.Tensor]:
     """The disk path of a model: the daemon's own plan (``plan_layout``: serving dtype, expert merges,
-    online FP8, the kernel's expert layout) filled into a PrivateArena, so a client gets from disk the
-    very tensors, names and bits a cache hit gives, and never asks where they came from.
+    online FP8, the kernel's expert layout, a tensor-parallel rank's slices) filled into a
+    PrivateArena, so a client gets from disk the very tensors, names and bits a cache hit gives, and
+    never asks where they came from.
 
     Each shard is mapped once (copy-on-write: nothing written to a tensor reaches the file) and each
     tensor written straight from the mapping, in parallel threads (torch's copies release the GIL);
@@ -395,32 +469,34 @@ def load_serving_layout(
     mapping itself, its pages read when first touched, as a plain safetensors load leaves it. A shard
     whose identity changed since its header was read is refused by name (CheckpointError)."""
     device = torch.device(device)
-    layout = plan_layout(shards, dtype, quantization, expert_layout)
+    layout = plan_layout(shards, dtype, quantization, expert_layout, sharding)
     arena = PrivateArena(layout.size, device)
     by_name = {e.name: e for e in layout.entries}
     views: dict[str, torch.Tensor] = {}
-    writes: list[tuple[TensorEntry, TensorRecord, torch.Tensor, serving_layout.Placement | None]] = []
-    staged: list[tuple[TensorEntry, TensorRecord, torch.Tensor, serving_layout.Placement | None]] = []
+    writes: list[_Write] = []
+    staged: list[_Write] = []
     for shard, stored in _mapped(shards):
         for rec in shard.tensors:
             placement = layout.placements.get(rec.name)
             entry = by_name[placement.target if placement else rec.name]
             src = _stored_view(stored, rec)
+            part = layout.shards.get(entry.name)
             if entry.name in layout.quantized:
-                staged.append((entry, rec, src, placement))
+                staged.append((entry, rec, src, placement, part))
             elif (
                 device.type == "cpu"
                 and placement is None
                 and entry.dtype == rec.dtype
                 and entry.name not in layout.up_first
+                and (view := _held_view(src, part)) is not None
             ):
-                views[entry.name] = src
+                views[entry.name] = view
             else:
-                writes.append((entry, rec, src, placement))
+                writes.append((entry, rec, src, placement, part))
     _parallel(lambda w: write_serving_tensor(arena, *w), writes, sum(w[1].nbytes for w in writes))
     staging = _Staging(arena, layout, by_name)
-    for entry, rec, src, placement in staged:
-        staging.write(entry, rec, src, placement)
+    for entry, rec, src, placement, part in staged:
+        staging.write(entry, rec, src, placement, part)
     staging.check_done()
     for entry in layout.entries:
         if entry.name in layout.up_first and entry.name not in layout.quantized:  # quantized: swapped staged
@@ -430,6 +506,18 @@ def load_serving_layout(
         e.name: views[e.name] if e.name in views else arena.tensor(e.offset, e.dtype, e.shape)
         for e in layout.entries
     }
+
+
+_Write = tuple[TensorEntry, TensorRecord, torch.Tensor, serving_layout.Placement | None, TensorShard | None]
+
+
+def _held_view(src: torch.Tensor, shard: TensorShard | None) -> torch.Tensor | None:
+    """What this rank holds of a stored tensor as a view of the file mapping, when it is one
+    contiguous run (the whole tensor, or a run of its rows); else None (it is written instead)."""
+    if shard is None or shard.whole_here:
+        return src
+    rows = shard.rows()
+    return src[rows[0] : rows[1]] if rows is not None else None
 
 
 def load_from_disk(shards: list[Shard], dtype: torch.dtype, device: str | torch.device = "cpu"):

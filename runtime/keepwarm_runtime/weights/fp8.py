@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from keepwarm_runtime.weights.quantization import BLOCK
+
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)  # 448
-BLOCK = (128, 128)  # (rows, columns) per scale: `weight_block_size` of the checkpoints keepwarm loads
 
 
 def _grid(rows: int, cols: int, block: tuple[int, int]) -> tuple[int, int]:

@@ -35,22 +35,16 @@ from torch import nn
 
 from keepwarm_runtime.weights.layouts import (
     FLASHINFER_CUTLASS,
-    LAYOUT_IDS,
     LAYOUTS,
     MODEL,
     ExpertLayoutError,
     check_layout,
+    conversion_id,
 )
-from keepwarm_runtime.weights.serving_layout import CONVERSION_ID, is_experts_module, meta_model
+from keepwarm_runtime.weights.serving_layout import is_experts_module, meta_model
 
-__all__ = ["FLASHINFER_CUTLASS", "LAYOUTS", "MODEL", "ExpertLayoutError", "check_layout"]
+__all__ = ["FLASHINFER_CUTLASS", "LAYOUTS", "MODEL", "ExpertLayoutError", "check_layout", "conversion_id"]
 UP_FIRST_ATTR = "_keepwarm_gate_up_up_first"  # set on an experts module whose gate_up holds [up; gate]
-
-
-def conversion_id(layout: str) -> str:
-    """The cache key's `conversion` field for arenas in `layout`: the serving layout, plus the kernel's."""
-    suffix = LAYOUT_IDS[check_layout(layout)]
-    return f"{CONVERSION_ID}+{suffix}" if suffix else CONVERSION_ID
 
 
 def up_first(gate_up: torch.Tensor) -> torch.Tensor:

@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from keepwarm_runtime.weights.checkpoint import read_config
-from keepwarm_runtime.weights.fp8 import BLOCK
+from keepwarm_runtime.weights.files import read_config
 
 SCALE_SUFFIX = (
     "_scale_inv"  # `x.weight` -> `x.weight_scale_inv`; a fused `experts.gate_up_proj` -> `..._scale_inv`
 )
+BLOCK = (128, 128)  # (rows, columns) per scale: `weight_block_size` of the checkpoints keepwarm loads
 ONLINE_QUANTIZER = "quantizer-v1"  # bump when quantize_blocks or online_targets change their output
 DEFAULT_NOT_CONVERTED = ("lm_head",)  # output head stays in the serving dtype, as in released checkpoints
 

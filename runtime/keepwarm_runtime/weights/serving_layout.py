@@ -12,8 +12,8 @@ Today that is two conversions:
 
 A plan says, for each checkpoint tensor, where its bytes land: a target tensor and an index into
 it. The disk path gives the same numbers: the engine's loader merges per-expert tensors the same
-way (engine/loader.py), so the cache and the disk path are bit-identical. `CONVERSION_ID` is part of
-the weight cache key: a change to this layout must change it. A MoE kernel's own expert layout
+way (engine/loader.py), so the cache and the disk path are bit-identical. `layouts.CONVERSION_ID`
+is part of the weight cache key: a change to this layout must change it. A MoE kernel's own expert layout
 (weights.kernel_layout) is one more conversion on top, asked for by name and keyed with it.
 """
 
@@ -30,7 +30,6 @@ import torch
 
 from keepwarm_runtime.weights.quantization import SCALE_SUFFIX
 
-CONVERSION_ID = "serving-layout-v1"  # bump when the arena layout below changes
 KEEP_FLOAT32_SUFFIXES = (SCALE_SUFFIX,)  # FP8 block scales: never rounded to the serving dtype
 
 

@@ -22,6 +22,7 @@ from keepwarm_runtime import LLM, SamplingParams
 from keepwarm_runtime.engine.loader import ModelLoadError
 from keepwarm_runtime.engine.quant.fp8_modules import Fp8Linear
 from keepwarm_runtime.weights.fp8 import E4M3
+from tests.integration.engine.fp8_pairs import bf16_and_fp8
 from tests.integration.engine.reference import transformers_greedy
 from tests.integration.engine.shapes import DEEPSEEK_WHOLE_BLOCKS, WHOLE_BLOCKS
 
@@ -31,22 +32,9 @@ TOP = 20
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    from keepwarm_runtime.modelgen import make_model
-    from keepwarm_runtime.modelgen.fp8 import quantize_checkpoint
-
     made = {}
     for arch in ("llama", "qwen3_moe"):
-        src = make_model(
-            tmp_path_factory.mktemp(f"bf16-{arch}"),
-            arch=arch,
-            params="2M",
-            dtype="bfloat16",
-            vocab_size=2048,
-            **WHOLE_BLOCKS,
-        )
-        fp8 = tmp_path_factory.mktemp(f"fp8-{arch}")
-        shutil.copytree(src, fp8, dirs_exist_ok=True)
-        made[arch], made[f"{arch}-fp8"] = src, quantize_checkpoint(fp8)
+        made[arch], made[f"{arch}-fp8"] = bf16_and_fp8(tmp_path_factory, arch, arch, **WHOLE_BLOCKS)
     return made
 
 

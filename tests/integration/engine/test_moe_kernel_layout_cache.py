@@ -234,7 +234,7 @@ def _engine_config(model_dir: Path, socket_dir: Path | None, quantization: str |
 def test_models_the_layout_does_not_touch_are_keyed_in_the_model_layout(models, make_tiny, tmp_path) -> None:
     """gpt-oss (transposed, interleaved experts: the CUTLASS runner repacks those, a counted copy on a
     GPU) and dense models are not converted, so a client in either layout attaches them zero-copy."""
-    from keepwarm_runtime.weights.serving_layout import CONVERSION_ID
+    from keepwarm_runtime.weights.layouts import CONVERSION_ID
 
     with _Daemon(tmp_path / "sock", "bfloat16", CUTLASS) as cache:
         for model_dir in (models["gpt_oss"], make_tiny("llama")):

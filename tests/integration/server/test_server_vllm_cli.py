@@ -59,7 +59,7 @@ def test_each_adapter_of_vllms_forms_answers_with_its_own_tokens(vllm_server) ->
     assert tuple(expected[None]) not in adapted  # every adapter changes the output, so each was applied
 
 
-@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--trust-remote-code"])
+@pytest.mark.parametrize("flag", ["--pipeline-parallel-size", "--trust-remote-code"])
 def test_a_vllm_flag_keepwarm_lacks_stops_the_real_command_by_name(flag: str, tmp_path: Path) -> None:
     answer = next(f.answer for f in ServeSettings.FOREIGN_FLAGS if f.flag == flag)
     argv = [sys.executable, "-m", "keepwarm_runtime.cli", "serve", str(tmp_path), flag, "2"]

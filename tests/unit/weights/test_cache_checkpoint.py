@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from keepwarm_runtime.weights.checkpoint import CheckpointError, changed_shards, read_checkpoint, read_shard
+from keepwarm_runtime.weights.checkpoint import CheckpointError, read_checkpoint, read_shard
+from keepwarm_runtime.weights.files import changed_shards
 
 
 def _shard(path: Path, table: object, data: bytes = b"", raw_header: bytes | None = None) -> Path:

@@ -14,7 +14,7 @@ from keepwarm_runtime.engine.moe.reference import ExpertWeights, reference_moe
 from keepwarm_runtime.weights import kernel_layout
 from keepwarm_runtime.weights.fp8 import quantize_blocks
 from keepwarm_runtime.weights.kernel_layout import ExpertLayoutError, conversion_id, up_first
-from keepwarm_runtime.weights.serving_layout import CONVERSION_ID
+from keepwarm_runtime.weights.layouts import CONVERSION_ID
 
 E, H, T, K = 4, 256, 24, 2
 # I % 128 != 0: a checkpoint's per-half scale grids differ from one grid. One grid (online
