@@ -10,7 +10,7 @@ import datetime as dt
 from enum import StrEnum
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 from pydantic.alias_generators import to_camel
 
 from .group import API_VERSION, GROUP, VERSION  # noqa: F401 (re-exported: the models' home)
@@ -115,6 +115,47 @@ class ModelSource(KubeModel):
     """Model files on a PersistentVolumeClaim."""
     hugging_face: HuggingFaceSource | None = None
     """Download from the Hugging Face Hub into the node's download directory."""
+
+
+MAX_TENSOR_PARALLEL = 16  # ranks in one pod: one GPU each, and a node offers at most this many
+
+
+class Parallelism(KubeModel):
+    """How a model is split over tensor-parallel ranks: one process each in the runtime pod (one GPU
+    each on GPUs), each rank holding its shard (`keepwarm serve --tensor-parallel-size`)."""
+
+    model_config = KubeModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                {
+                    # has(): the API server checks the rule on the default ({}) before defaulting
+                    "rule": "!has(self.expert) || !self.expert || (has(self.tensor) && self.tensor > 1)",
+                    "message": "parallelism.expert partitions the experts over the tensor-parallel ranks: "
+                    "it needs parallelism.tensor > 1",
+                }
+            ]
+        }
+    }
+
+    tensor: int = Field(default=1, ge=1, le=MAX_TENSOR_PARALLEL)
+    """Ranks the model is split over (attention heads and MLP columns/rows, the vocabulary): the
+    model's attention heads must divide by it (the runtime refuses it at start, naming the layer)."""
+    expert: bool = False
+    """MoE models: partition the experts over the ranks (expert parallel, `--enable-expert-parallel`)
+    instead of splitting every expert; needs tensor > 1."""
+
+    @model_validator(mode="after")
+    def _expert_needs_ranks(self) -> Parallelism:
+        """The API server's rule above, said off the cluster too."""
+        if self.expert and self.tensor == 1:
+            raise ValueError("parallelism.expert needs parallelism.tensor > 1")
+        return self
+
+    def describe(self) -> str:
+        """In words, for conditions: "whole", "2 tensor-parallel shards", "4 expert-parallel shards"."""
+        if self.tensor == 1:
+            return "whole"
+        return f"{self.tensor} {'expert' if self.expert else 'tensor'}-parallel shards"
 
 
 class TolerationOperator(StrEnum):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from .common import (
     DNS_LABEL,
@@ -19,6 +19,7 @@ from .common import (
     EnvVar,
     KubeModel,
     ModelSource,
+    Parallelism,
     PVCSource,
     ResourceRequirements,
     Toleration,
@@ -30,6 +31,8 @@ KIND = "InferenceDeployment"
 PLURAL = "inferencedeployments"
 SHORT_NAMES = ["idep"]
 DEFAULT_IMAGE = "ghcr.io/keepwarm/keepwarm-runtime:0.1.0"
+# The Dockerfile's runtime-cpu target, for CPU nodes (spec.image, and a WeightCache's spec.agent.image).
+DEFAULT_CPU_IMAGE = "ghcr.io/keepwarm/keepwarm-runtime-cpu:0.1.0"
 # Bounds of spec.lora. An adapter's pod volume is "lora-" + its name, and volume names are DNS labels
 # of at most 63 characters. Slots cost max_loras * max_lora_rank rows per targeted projection on the
 # device; 512 is the highest rank vLLM serves.
@@ -154,6 +157,25 @@ class LoraSettings(KubeModel):
         return adapters
 
 
+class StartupMode(StrEnum):
+    IMPORTS = "Imports"
+    SNAPSHOT = "Snapshot"
+
+
+class StartupSettings(KubeModel):
+    """How a new pod's supervising parent comes up (docs/snapshots.md). Imports: it imports the serving
+    path itself (seconds of Python; no privilege). Snapshot: it is restored from the node's snapshot of
+    this start when one fits (a second or so), else imports and asks the node agent to take one. The
+    runtime container then needs CHECKPOINT_RESTORE and SETPCAP and allowPrivilegeEscalation (CRIU's
+    file capabilities): more than Pod Security "baseline" allows, so it is opt-in, and the WeightCache
+    must have spec.snapshots.enabled."""
+
+    mode: StartupMode = StartupMode.IMPORTS
+    """Imports or Snapshot."""
+    restore_timeout_seconds: int = Field(default=30, ge=1, le=600)
+    """Seconds a restore may take before the pod imports instead."""
+
+
 class PodOverrides(KubeModel):
     """Additions to the runtime pods."""
 
@@ -182,12 +204,37 @@ class ServiceType(StrEnum):
 class InferenceDeploymentSpec(KubeModel):
     """Desired state of an InferenceDeployment."""
 
+    model_config = KubeModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.gpusPerPod <= 1 || (has(self.parallelism) && has(self.parallelism.tensor)"
+                    " && self.gpusPerPod == self.parallelism.tensor)",
+                    "message": "a pod takes one GPU per tensor-parallel rank: gpusPerPod is 0 (CPU), 1 or "
+                    "parallelism.tensor",
+                },
+                {
+                    "rule": "!has(self.parallelism) || !has(self.parallelism.tensor)"
+                    " || self.parallelism.tensor == 1 || !has(self.lora) || !self.lora.enabled",
+                    "message": "LoRA adapters are served on one rank only: parallelism.tensor must be 1 "
+                    "with spec.lora enabled",
+                },
+            ]
+        }
+    }
+
     model: ModelRef
     """What to serve."""
     replicas: int = Field(default=1, ge=0, le=10000)
     """Runtime pods; owned by the scale subresource (kubectl scale, HPA)."""
     gpus_per_pod: int = Field(default=1, ge=0, le=16)
-    """nvidia.com/gpu per pod; 0 for CPU serving."""
+    """nvidia.com/gpu per pod; 0 for CPU serving. With parallelism.tensor > 1 a GPU pod takes one GPU
+    per rank (1 or parallelism.tensor here: the request is parallelism.tensor)."""
+    parallelism: Parallelism = Field(default_factory=Parallelism, json_schema_extra={"default": {}})
+    """Split the model over this many ranks in each pod (`--tensor-parallel-size`, and
+    `--enable-expert-parallel` for MoE), each attaching its own shard from the node cache when the
+    WeightCache model holds the same parallelism (else the pods load from disk, and CacheWarm says
+    why). The pod gets a memory-backed /dev/shm for the ranks (NCCL's transport)."""
     image: str = DEFAULT_IMAGE
     """Runtime image."""
     image_pull_policy: str = Field(default="IfNotPresent", pattern=r"^(Always|IfNotPresent|Never)$")
@@ -208,6 +255,25 @@ class InferenceDeploymentSpec(KubeModel):
     """How long a pod may take to load before the kubelet restarts it."""
     pod: PodOverrides = Field(default_factory=PodOverrides, json_schema_extra={"default": {}})
     """Additions to the pods."""
+    startup: StartupSettings = Field(default_factory=StartupSettings, json_schema_extra={"default": {}})
+    """How a new pod's parent comes up: importing (default) or restored from the node's snapshot."""
+
+    @model_validator(mode="after")
+    def _ranks_fit_the_pod(self) -> InferenceDeploymentSpec:
+        """The API server's rules above, said off the cluster too."""
+        tensor = self.parallelism.tensor
+        if self.gpus_per_pod > 1 and self.gpus_per_pod != tensor:
+            raise ValueError(
+                f"gpusPerPod {self.gpus_per_pod}: a pod takes one GPU per rank (0, 1 or {tensor})"
+            )
+        if tensor > 1 and self.lora is not None and self.lora.enabled:
+            raise ValueError("LoRA adapters are served on one rank only: parallelism.tensor must be 1")
+        return self
+
+    @property
+    def gpus(self) -> int:
+        """nvidia.com/gpu the pod requests: one per rank on GPUs, none on CPU."""
+        return 0 if self.gpus_per_pod == 0 else max(self.gpus_per_pod, self.parallelism.tensor)
 
 
 class IDepConditionType(StrEnum):
@@ -230,6 +296,8 @@ class IDepReason(StrEnum):
     MODEL_RESIDENT = "ModelResident"
     MODEL_NOT_RESIDENT = "ModelNotResident"
     NO_CACHE = "NoCacheConfigured"
+    PARALLELISM_MISMATCH = "ParallelismMismatch"  # the cache holds the model split otherwise
+    TOO_FEW_GPUS = "TooFewGPUs"  # more ranks than any node's GPUs (no multi-node groups yet)
     APPLY_FAILED = "ApplyFailed"
 
 

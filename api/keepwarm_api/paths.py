@@ -14,6 +14,8 @@ modelDirectory mount like models' (host_model_dir), and Hub sources under the do
 pods that serve LoRA adapters from a WeightCache mount its modelDirectory and download directory the same
 way, so an adapter added to their list needs no new volume; the list itself is a ConfigMap's file at
 LORA_LIST_MOUNT/LORA_LIST_FILE, which the runtime re-reads when the kubelet updates it.
+With snapshots enabled, agent pods mount the cache's snapshot store (snapshot_store_dir) at
+SNAPSHOTS_MOUNT to write it, and runtime pods whose startup mode is Snapshot mount it there read-only.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ LORA_LIST_MOUNT = "/etc/keepwarm/lora"  # runtime pods: the ConfigMap listing th
 LORA_LIST_FILE = "adapters.json"  # its one key (serveflags.lora_modules_file writes it)
 CACHED_ADAPTERS_ROOT = "/adapters"  # a WeightCache model's pvc adapters in agent pods, <model>/<adapter>
 KERNELS_MOUNT = "/var/lib/keepwarm/kernels"  # the node's CPU kernel builds (kernel_cache_dir) in pods
+SNAPSHOTS_MOUNT = "/var/lib/keepwarm/snapshots"  # the node's snapshot store (snapshot_store_dir) in pods
 
 
 class PathOutsideModelDirectory(ValueError):
@@ -49,6 +52,12 @@ def kernel_cache_dir(download_directory: str) -> str:
     """The node's folder of CPU kernel builds: under the WeightCache's download directory (a cache
     that outlives pods), written only by the agent pod, read-only in runtime pods."""
     return f"{download_directory.rstrip('/')}/kernels"
+
+
+def snapshot_store_dir(directory: str, cache: str) -> str:
+    """A WeightCache's snapshot store on a node: written only by its agent pods, read-only in
+    runtime pods (WeightCache spec.snapshots.directory, one folder per cache)."""
+    return f"{directory.rstrip('/')}/{cache}"
 
 
 def model_dir(name: str, root: str = MODELS_ROOT) -> str:

@@ -18,6 +18,10 @@ MAX_LORAS = flag_name("max_loras")  # --max-loras: adapter slots, most distinct 
 MAX_LORA_RANK = flag_name("max_lora_rank")  # --max-lora-rank: adapters of a higher rank are refused
 LORA_MODULES_FILE = flag_name("lora_modules_file")  # --lora-modules-file: the adapters, re-read on change
 ALLOW_RUNTIME_LORA_UPDATING = flag_name("allow_runtime_lora_updating")  # /v1/(un)load_lora_adapter
+TENSOR_PARALLEL_SIZE = flag_name("tensor_parallel_size")  # --tensor-parallel-size: ranks, one process each
+ENABLE_EXPERT_PARALLEL = flag_name("enable_expert_parallel")  # --enable-expert-parallel: experts partitioned
+SNAPSHOT_STORE = flag_name("snapshot_store")  # --snapshot-store: restore the parent from the node's store
+RESTORE_TIMEOUT = flag_name("restore_timeout")  # --restore-timeout: seconds before importing instead
 
 
 def lora_modules_file(adapters: Mapping[str, str]) -> str:

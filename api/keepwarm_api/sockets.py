@@ -9,6 +9,8 @@ gpu tier a long directory plus a long cache name would only fail when the agent 
 from __future__ import annotations
 
 HOST_SOCKET = "host.sock"  # the host tier's daemon
+# The node agent's snapshot service (keepwarm_runtime.snapshot.service), beside the daemons' sockets.
+SNAPSHOT_SOCKET = "snapshot.sock"
 # sun_path in struct sockaddr_un is 108 bytes on Linux, one of them the terminating NUL.
 MAX_SOCKET_PATH_BYTES = 107
 GPU_UUID_LENGTH = len("GPU-") + 36  # as nvidia-smi -L and NVML print it: GPU-<UUID>

@@ -17,6 +17,7 @@ from .common import (
     KubeModel,
     LabelSelector,
     ModelSource,
+    Parallelism,
     Quantity,
     Quantization,
     ResourceRequirements,
@@ -63,6 +64,10 @@ class CachedModel(KubeModel):
     """Weight quantization the daemon applies once, at load, into the arena (either tier)."""
     pin: bool = False
     """Pinned models are never evicted to make room under the budget (nor are their adapters)."""
+    parallelism: Parallelism = Field(default_factory=Parallelism, json_schema_extra={"default": {}})
+    """Hold the model as tensor-parallel shards, one arena each, as InferenceDeployments with the same
+    spec.parallelism attach them (each rank its own): on the host tier every shard in the node's one
+    daemon; on the gpu tier the i-th GPU's daemon holds shard i mod tensor. Unset: the whole model."""
     adapters: list[CachedAdapter] = Field(
         default_factory=list,
         max_length=MAX_CACHED_ADAPTERS,
@@ -142,6 +147,22 @@ class SocketSpec(KubeModel):
     """If set, the agent serves only peers with one of these gids (SO_PEERCRED)."""
 
 
+DEFAULT_SNAPSHOT_DIRECTORY = "/var/lib/keepwarm/snapshots"
+
+
+class SnapshotStoreSpec(KubeModel):
+    """The node-local store of process snapshots (docs/snapshots.md): the agents take snapshots of
+    runtime pods' prepared parents on their request, into <directory>/<cache name> on each node;
+    InferenceDeployments with spec.startup.mode Snapshot restore them (read-only)."""
+
+    enabled: bool = False
+    """Run the snapshot service: the agent pods then get CHECKPOINT_RESTORE, SETUID, SETGID and SETPCAP."""
+    directory: str = Field(default=DEFAULT_SNAPSHOT_DIRECTORY, pattern=r"^(/[^/]+)+$", max_length=1024)
+    """Host directory under which /<cache name>/ holds the snapshots (root-owned; pods read it only)."""
+    budget: Quantity | None = None
+    """Bytes the store may hold per node, e.g. 8Gi; least recently used snapshots are evicted beyond it."""
+
+
 class WeightCacheSpec(KubeModel):
     """Desired state of a WeightCache."""
 
@@ -195,6 +216,8 @@ class WeightCacheSpec(KubeModel):
     """Namespaces whose InferenceDeployments may use this cache, as a namespace label selector (every
     namespace carries kubernetes.io/metadata.name=<its name>); unset allows every namespace. The API
     server refuses others at create (the chart's tenancy policy); the operator refuses the rest."""
+    snapshots: SnapshotStoreSpec = Field(default_factory=SnapshotStoreSpec, json_schema_extra={"default": {}})
+    """Node-local process snapshots of runtime pods' parents (off unless enabled)."""
     model_directory: str = Field(default=DEFAULT_MODEL_DIRECTORY, pattern=r"^(/[^/]+)+$", max_length=4096)
     """Host directory holding every path source (no trailing slash). The agents mount it once, read
     only, so adding or removing a path model changes no agent pod (their caches stay warm)."""

@@ -102,6 +102,9 @@ class ResidentModel(KubeModel):
     """gpu or host."""
     gpu_uuids: list[str] = Field(default_factory=list)
     """GPUs holding a copy (gpu tier); Resident means all of status.gpus."""
+    shards: list[int] = Field(default_factory=list)
+    """A model held as tensor-parallel shards (spec.models[].parallelism): the ranks held here, each
+    an arena of its own (every rank on the host tier; per GPU under status.gpus)."""
     message: str = ""
     """Why it failed (or on which GPUs it is still missing), when not Resident."""
     attempts: int = 0
@@ -143,6 +146,9 @@ class GPUModel(KubeModel):
     """Loading, Resident, Evicted or Failed on this GPU."""
     bytes: int = 0
     """Bytes held on this GPU."""
+    shards: list[int] = Field(default_factory=list)
+    """The tensor-parallel ranks this GPU's daemon holds of a model held as shards (rank i mod N on
+    the i-th GPU)."""
     message: str = ""
     """Why it failed or was evicted on this GPU."""
 
@@ -178,8 +184,9 @@ def combine_gpus(per_gpu: dict[str, ResidentModel]) -> ResidentModel:
     entries = list(per_gpu.values())
     holding = sorted(u for u, m in per_gpu.items() if m.state == ModelState.RESIDENT)
     first = next((m for m in entries if m.state == ModelState.RESIDENT), entries[0])
+    shards = sorted({r for m in entries if m.state == ModelState.RESIDENT for r in m.shards})
     base = first.model_copy(
-        update={"gpu_uuids": holding, "bytes": sum(m.bytes for m in entries), "message": ""}
+        update={"gpu_uuids": holding, "bytes": sum(m.bytes for m in entries), "message": "", "shards": shards}
     )
     if len(holding) == len(entries):
         return base
@@ -200,6 +207,24 @@ def combine_gpus(per_gpu: dict[str, ResidentModel]) -> ResidentModel:
     return base.model_copy(
         update={"state": ModelState.LOADING, "message": f"loading on {', '.join(missing)}"[:1000]}
     )
+
+
+class NodeSnapshot(KubeModel):
+    """One process snapshot in the node's store: a runtime pod's prepared parent, taken by the agent's
+    snapshot service (keepwarm_runtime.snapshot, docs/snapshots.md)."""
+
+    key: str = Field(max_length=64)
+    """Its key's digest: the store's directory name (packages, interpreter, model, CPU, kernel, CRIU,
+    user)."""
+    bytes: int = 0
+    """Size of its images."""
+    created: dt.datetime
+    """When the agent took it."""
+    restores: int = 0
+    """Restores runtime pods reported."""
+
+
+MAX_SNAPSHOTS_REPORTED = 64  # the newest; a store holding more reports these
 
 
 class WeightCacheNodeStatus(KubeModel):
@@ -235,6 +260,12 @@ class WeightCacheNodeStatus(KubeModel):
     )
     """Stale (set by the operator); PeersRefused (set by the agent) while its daemon refuses clients;
     DaemonStarted=False (set by the agent) when its daemon could not start."""
+    snapshots: list[NodeSnapshot] = Field(
+        default_factory=list,
+        max_length=MAX_SNAPSHOTS_REPORTED,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["key"]},
+    )
+    """Process snapshots in the node's store (with the WeightCache's snapshots enabled), newest first."""
 
     def resident(self) -> set[str]:
         """Models a pod placed on this node finds warm on whichever GPU it gets (resident_models)."""

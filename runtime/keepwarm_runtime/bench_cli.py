@@ -49,6 +49,20 @@ class RestartSettings:
         False, "root only: sync and drop the page cache before each cold (disk-reading) path"
     )
     serve: bool = setting(True, "also time whole `keepwarm serve` starts to /ready, phase by phase")
+    tensor_parallel: int = setting(
+        1,
+        "time a group of this many tensor-parallel ranks against one rank instead: `keepwarm serve` "
+        "starts from disk and from the cache (shards), each rank's weights phase, and throughput "
+        "(bench/_restart_group.py)",
+    )
+    snapshot: bool = setting(
+        False,
+        "root only: also time whole `keepwarm serve` starts in a pod's namespaces restored from the "
+        "node's process snapshot (snapshot_ready_s) beside the same start importing (imports_ready_s)",
+    )
+    criu: str = setting(
+        "criu", "CRIU for --snapshot: a path (scripts/criu/build.sh prints its directory) or a name on PATH"
+    )
 
 
 @dataclass(frozen=True)

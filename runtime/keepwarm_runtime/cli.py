@@ -12,6 +12,7 @@ import importlib
 import logging
 import sys
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # (module, attribute) pairs; each attribute is ``register(subparsers) -> None``.
 SUBCOMMAND_MODULES: list[str] = [
     "keepwarm_runtime.modelgen.cli",
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=LOG_FORMAT,
         stream=sys.stderr,
     )
     result = args.handler(args)

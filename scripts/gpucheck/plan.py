@@ -70,8 +70,20 @@ THROUGHPUT_HELP = [PY, "bench/throughput.py", "--help"]
 STEP_HELP = [PY, "bench/step.py", "--help"]
 MOE_HELP = [PY, "bench/moe.py", "--help"]
 ENV_SCRIPT = "scripts/gpucheck/envinfo.py"
+SNAPSHOT_MODULES = ["keepwarm_runtime.snapshot.restore", "keepwarm_runtime.snapshot.service"]
 # run by their own steps
-OTHER_TESTS = ["--ignore=tests/gpu/cache", "--ignore=tests/gpu/engine", "--ignore=tests/gpu/lora"]
+OTHER_TESTS = [
+    "--ignore=tests/gpu/cache", "--ignore=tests/gpu/engine", "--ignore=tests/gpu/lora",
+    "--ignore=tests/gpu/parallel", "--ignore=tests/gpu/snapshot",
+]  # fmt: skip
+# tensor/expert parallel (engine/parallel): torch.distributed with NCCL, and the gpu-tier shards
+PARALLEL_MODULES = [
+    "torch.distributed",
+    "keepwarm_runtime.engine.parallel.group",
+    "keepwarm_runtime.engine.parallel.launch",
+    "keepwarm_runtime.engine.parallel.runner",
+    *CACHE_MODULES,
+]
 LORA_MODULES = ["peft", "keepwarm_runtime.engine.lora.slots", "keepwarm_runtime.cache.backends.cuda"]
 # tests/gpu/moe's FlashInfer fused-MoE parity cases (CUTLASS FP8 block-scale and bf16, SwiGLU with
 # alpha/beta/limit, biases; the flashinfer_cutlass expert layout served zero-copy from a gpu-tier
@@ -101,22 +113,29 @@ def _pytest(
     return Step(name, argv, ceiling_s, "pytest", imports, core=core, env=env or {})
 
 
-def _restart(size_gib: int, dtype: str, ceiling_s: int, core: bool = True, serve: bool = False) -> Step:
+def _restart(
+    size_gib: int, dtype: str, ceiling_s: int, core: bool = True, serve: bool = False, snapshot: bool = False
+) -> Step:
     """The restart benchmark on cuda:0. Without `serve` it times the engine paths only (--no-serve);
     `serve` adds whole `keepwarm serve` starts timed to /ready (from disk and attached from the cache),
-    whose web stack (fastapi, starlette, uvicorn, pydantic) the image lacks and the archive carries."""
+    whose web stack (fastapi, starlette, uvicorn, pydantic) the image lacks and the archive carries;
+    `snapshot` adds whole starts in a pod's namespaces restored from a snapshot beside importing ones
+    (root, CRIU on PATH)."""
     argv = [PY, "-m", "keepwarm_runtime.cli", "bench", "restart", "--size-gib", str(size_gib)]
     argv += ["--serving-dtype", dtype, "--device", "cuda:0", "--repeats", "1", "--threads", "0", "--json"]
     argv += [] if serve else ["--no-serve"]
+    argv += ["--snapshot", "--criu", "criu"] if snapshot else []
     short = {"bfloat16": "bf16", "float32": "f32"}[dtype]
+    suffix = ("-serve" if serve else "") + ("-snapshot" if snapshot else "")
     return Step(
-        f"restart-{size_gib}gib-{short}{'-serve' if serve else ''}",
+        f"restart-{size_gib}gib-{short}{suffix}",
         argv,
         ceiling_s,
         "json",
-        ["bench.restart", *CACHE_MODULES, *(SERVER_MODULES if serve else [])],
+        ["bench.restart", *CACHE_MODULES, *(SERVER_MODULES if serve or snapshot else [])],
         RESTART_HELP,
         core,
+        expect=("snapshot.snapshot_ready_s", "snapshot.imports_ready_s") if snapshot else (),
     )
 
 
@@ -164,6 +183,29 @@ STEPS: list[Step] = [
     # Past the budget line: run when the steps above finish early, or by name in a rerun.
     # Never run yet: FlashInfer's JIT (about 27 s per module) plus two engines and 4 x 40 steps each.
     _decode_step(120),
+    # Tensor/expert parallel, never run on a GPU yet (written without one): the NCCL path at world
+    # size 1 on any lent GPU; the 2-GPU groups and gpu-tier shards skip, naming why, on one GPU. A
+    # guess: two engines per case (one rank, the group), each rank a fresh process importing torch.
+    _pytest(
+        "tests-parallel-nccl",
+        "tests/gpu/parallel",
+        150,
+        PARALLEL_MODULES,
+        "-k",
+        "group_of_one",
+        core=False,
+        per_test_s=120,
+    ),
+    _pytest(
+        "tests-parallel-multi-gpu",
+        "tests/gpu/parallel",
+        200,
+        PARALLEL_MODULES,
+        "-k",
+        "not group_of_one",
+        core=False,
+        per_test_s=120,
+    ),
     _pytest("tests-cache", "tests/gpu/cache", 150, CACHE_MODULES, core=False),
     _pytest(
         "tests-flashinfer",
@@ -180,6 +222,12 @@ STEPS: list[Step] = [
     # imports torch, transformers and the web stack, on top of the engine paths' 120 s box.
     _restart(1, "bfloat16", 150, core=False, serve=True),
     _pytest("tests-engine-torch", "tests/gpu/engine", 60, ENGINE_MODULES, "-k", "not flashinfer", core=False),
+    # Process snapshots on CUDA (never run on a GPU yet; needs root and CRIU on the device machine: the
+    # runtime image's /usr/local/sbin/criu, or scripts/criu/build.sh's): the CUDA parent's preload,
+    # and a pod restored from a snapshot serving on CUDA; then `keepwarm serve` from a snapshot to
+    # ready at 1 GiB (goal: snapshot_ready_s <= 3 s; imports_ready_s beside it).
+    _pytest("tests-snapshot", "tests/gpu/snapshot", 240, SNAPSHOT_MODULES, core=False, per_test_s=200),
+    _restart(1, "bfloat16", 240, core=False, snapshot=True),
     _restart(16, "bfloat16", 180, core=False),  # includes writing the 16 GiB checkpoint (reused by f32)
     _restart(1, "float32", 60, core=False),
     _restart(16, "float32", 90, core=False),

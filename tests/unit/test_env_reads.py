@@ -57,6 +57,12 @@ TOUCHES_ENVIRONMENT = {
     "keepwarm's choice",
     "runtime/keepwarm_runtime/engine/attention/native.py": "TORCH_EXTENSIONS_DIR: torch's extension "
     "builder's folder, found as the builder finds it",
+    "runtime/keepwarm_runtime/snapshot/fresh.py": "a restored parent replaces its whole environment (and "
+    "the C environ) with the pod's, handed over by its launcher",
+    "runtime/keepwarm_runtime/snapshot/restore.py": "the launcher hands its whole environment to the "
+    "parent it restored, and keys the snapshot by the variables imports read",
+    "runtime/keepwarm_runtime/snapshot/take.py": "the agent's own code-path variables (PATH, PYTHONPATH, "
+    "...) are those of the parent it checkpoints, never a pod's",
 }
 
 

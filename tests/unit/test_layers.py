@@ -72,12 +72,12 @@ def test_the_server_base_imports_no_route_group() -> None:
     assert offenders("server/base", "keepwarm_runtime.server.probes") == []
 
 
-def module_graph() -> dict[str, set[str]]:
-    """keepwarm_runtime's files, each with the files it imports (a package's __init__ stands for the
-    package only where a module outside it imports it)."""
+def module_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """keepwarm_runtime's files (under ``root``), each with the files it imports (a package's __init__
+    stands for the package only where a module outside it imports it)."""
     modules = {}
-    for path in ROOT.rglob("*.py"):
-        parts = ("keepwarm_runtime", *path.relative_to(ROOT).with_suffix("").parts)
+    for path in root.rglob("*.py"):
+        parts = ("keepwarm_runtime", *path.relative_to(root).with_suffix("").parts)
         modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
@@ -148,3 +148,41 @@ def test_no_circle_crosses_packages() -> None:
 
     crossing = [sorted(c) for c in circles(module_graph()) if len({package(m) for m in c}) > 1]
     assert crossing == []
+
+
+def cache_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The circles of ``graph`` that hold a file of keepwarm_runtime.cache."""
+    return [sorted(c) for c in circles(graph) if any(m.startswith("keepwarm_runtime.cache.") for m in c)]
+
+
+def test_no_circle_inside_the_cache() -> None:
+    """No file of the cache is in a circle of imports (imports inside functions and under
+    TYPE_CHECKING included): the daemon core (cache/core.py) is what the request handlers, the
+    connection loop, the hand-off and the holder use, and it imports none of them, so each of them
+    can be read and changed with what it imports (issue 38)."""
+    assert cache_circles(module_graph()) == []
+
+
+def test_a_circle_inside_the_cache_is_found(tmp_path: Path) -> None:
+    """The check above can fail: a tree whose cache files import each other in a circle, one import
+    inside a function and one under TYPE_CHECKING, the third relative, is caught."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "__init__.py").write_text("")
+    (cache / "core.py").write_text("def f():\n    from keepwarm_runtime.cache import handlers\n")
+    (cache / "handlers.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import daemon\n"
+    )
+    (cache / "daemon.py").write_text("from keepwarm_runtime.cache.core import f\n")
+    (cache / "protocol.py").write_text("import keepwarm_runtime.cache.core\n")  # imports, outside the circle
+    assert cache_circles(module_graph(tmp_path)) == [
+        ["keepwarm_runtime.cache.core", "keepwarm_runtime.cache.daemon", "keepwarm_runtime.cache.handlers"]
+    ]
+    (cache / "core.py").write_text("")  # the circle broken: nothing left to find
+    assert cache_circles(module_graph(tmp_path)) == []
+
+
+def test_the_daemon_core_imports_none_of_the_parts_that_use_it() -> None:
+    parts = ("handlers", "connections", "succession", "adopt", "holder", "holder_link", "daemon")
+    core = imports_of((ROOT / "cache" / "core.py").read_text(), "keepwarm_runtime.cache")
+    assert sorted(core & {f"keepwarm_runtime.cache.{p}" for p in parts}) == []

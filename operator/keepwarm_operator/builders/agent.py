@@ -24,6 +24,11 @@ The socket directory is a hostPath, which ignores fsGroup: the agent runs as roo
 FOWNER (no other capabilities), creates /var/run/keepwarm/<cache>/ with group socket.groupId and mode
 socket.mode (setgid, so sockets inherit the group), and inference pods run with that group.
 
+With spec.snapshots.enabled the agent also runs the snapshot service (keepwarm_runtime.snapshot,
+docs/snapshots.md): it mounts the cache's snapshot store read-write and gets SETUID, SETGID, SETPCAP and
+CHECKPOINT_RESTORE besides, and no seccomp filter (CRIU cannot dump a filtered process unprivileged);
+the holder container never gets them.
+
 On the host tier (CPU nodes) an init container builds keepwarm's CPU attention kernel for the node's
 CPU into the node's kernel folder (keepwarm_api.paths.kernel_cache_dir; a no-op once built, a logged
 no-op in an image without a compiler); CPU runtime pods mount it read-only (builders/runtime.py), so a
@@ -38,13 +43,25 @@ from kubernetes.utils.quantity import parse_quantity
 
 from keepwarm_api import GROUP, podenv
 from keepwarm_api.lease import LEASE_GROUP
-from keepwarm_api.paths import KERNELS_MOUNT
+from keepwarm_api.paths import KERNELS_MOUNT, SNAPSHOTS_MOUNT, snapshot_store_dir
 from keepwarm_api.weightcache import GPUAccessMode, SocketMode, Tier, WeightCacheSpec
 
 from .meta import agent_labels, agent_name, object_meta
 from .volumes import cached_adapter_mount, hf_volume, host_models_volume, kernels_volume, model_mount
 
 SOCKET_MOUNT = "/var/run/keepwarm"
+# The agent's snapshot service (spec.snapshots.enabled): it starts a pod's parent under the pod's uid
+# and groups (SETUID, SETGID) with no capability (SETPCAP empties its bounding set), and CRIU dumps it as
+# that uid with CHECKPOINT_RESTORE as an ambient capability (docs/snapshots.md).
+SNAPSHOT_CAPABILITIES = ["SETUID", "SETGID", "SETPCAP", "CHECKPOINT_RESTORE"]
+# Seccomp of the containers that dump (the agent) and restore (Snapshot-mode runtime pods), set
+# explicitly so a kubelet's --seccomp-default cannot change it: CRIU cannot dump a process under any
+# seccomp filter without CAP_SYS_ADMIN (PTRACE_O_SUSPEND_SECCOMP), and the runtime's default profile
+# answers clone3 with ENOSYS, whose fallback (/proc/sys/kernel/ns_last_pid) is read-only in a
+# container (both seen with runc; docs/snapshots.md). Restores alone also work under a Localhost
+# profile of RuntimeDefault plus clone3.
+SNAPSHOT_SECCOMP = {"type": "Unconfined"}
+SNAPSHOTS_VOLUME = "snapshots"
 # Builds the CPU attention kernel (keepwarm_runtime.engine.attention.native; --optional: a node that
 # cannot build it says why and the agent starts anyway).
 KERNEL_BUILD = ["python", "-m", "keepwarm_runtime.engine.attention.native", "--optional"]
@@ -162,6 +179,11 @@ def agent_command(spec: WeightCacheSpec, cache: str) -> list[str]:
         command += ["--allow-uid", str(uid)]
     for gid in allowed_gids(spec):
         command += ["--allow-gid", str(gid)]
+    if spec.snapshots.enabled:
+        command += ["--snapshot-store", SNAPSHOTS_MOUNT]
+        snapshot_budget = budget_bytes(spec.snapshots.budget)
+        if snapshot_budget is not None:
+            command += ["--snapshot-budget", str(snapshot_budget)]
     command += ["--after-handoff", "wait"]  # a surge pod took over: idle until deleted, never restarted
     node = f"$({podenv.NODE_NAME})"  # the downward API variable, expanded by the kubelet
     return [*command, "--report-to-kubernetes", "--weightcache", cache, "--node-name", node]
@@ -264,6 +286,17 @@ def agent_daemonset(
             "failureThreshold": 2,
         },
     }
+    if spec.snapshots.enabled:
+        store = snapshot_store_dir(spec.snapshots.directory, cache)
+        pod_spec["volumes"].append(
+            {"name": SNAPSHOTS_VOLUME, "hostPath": {"path": store, "type": "DirectoryOrCreate"}}
+        )
+        mounts.append({"name": SNAPSHOTS_VOLUME, "mountPath": SNAPSHOTS_MOUNT})
+        container["securityContext"] = {
+            **container["securityContext"],
+            "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "FOWNER", *SNAPSHOT_CAPABILITIES]},
+            "seccompProfile": dict(SNAPSHOT_SECCOMP),
+        }
     if spec.agent.resources:
         container["resources"] = spec.agent.resources.wire()
     holder = {  # a second process of the pod: survives the agent container's restarts (cache/holder.py)
@@ -273,7 +306,11 @@ def agent_daemonset(
         "command": holder_command(spec, cache),
         "env": [{"name": "HOME", "value": "/tmp"}],
         "volumeMounts": [{"name": "sockets", "mountPath": sockets}, {"name": "tmp", "mountPath": "/tmp"}],
-        "securityContext": container["securityContext"],
+        "securityContext": {  # the agent's, without the snapshot service's capabilities
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]},
+        },
         # It allocates nothing: the arenas' pages stay charged to the cgroup that first touched them.
         "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}},
     }

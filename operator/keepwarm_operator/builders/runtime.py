@@ -5,9 +5,18 @@ Warm-node preference is a preferred node affinity on a node label the operator m
 (warm.keepwarm.dev/<cache>.<model>), not a list of node names: the pod template then stays the same
 when nodes warm up or cool down, so cache changes never roll the pods.
 
+A pod of parallelism.tensor N runs N ranks (`--tensor-parallel-size N`, and `--enable-expert-parallel`),
+requests one GPU per rank on GPUs, and gets a memory-backed /dev/shm for them.
+
 CPU pods of a host-tier cache mount the node's kernel folder read-only and name it in
 KEEPWARM_KERNEL_CACHE: the CPU attention kernel the node's agent built loads in milliseconds instead of
 being compiled by every fresh pod (builders/agent.py).
+
+With spec.startup.mode Snapshot (docs/snapshots.md) the pods mount the cache's snapshot store
+read-only, `keepwarm serve` gets --snapshot-store, and the runtime container what a restore costs:
+CHECKPOINT_RESTORE and SETPCAP in its bounding set, privilege escalation allowed, so that the
+file capabilities of the image's criu take effect (the server itself runs with none), and a seccomp
+profile that lets CRIU recreate pids (clone3).
 
 LoRA adapters are likewise kept out of the pod template: the pods mount a ConfigMap listing them
 (lora_list) and follow it while they run, and cached adapters are read from the node directories the
@@ -20,23 +29,34 @@ from dataclasses import dataclass
 from typing import Any
 
 from keepwarm_api import podenv, serveflags
-from keepwarm_api.common import ModelSource
-from keepwarm_api.inferencedeployment import InferenceDeploymentSpec, LoraAdapter, LoraSettings
-from keepwarm_api.paths import KERNELS_MOUNT, LORA_LIST_FILE, LORA_LIST_MOUNT
+from keepwarm_api.common import ModelSource, Parallelism
+from keepwarm_api.inferencedeployment import InferenceDeploymentSpec, LoraAdapter, LoraSettings, StartupMode
+from keepwarm_api.paths import (
+    KERNELS_MOUNT,
+    LORA_LIST_FILE,
+    LORA_LIST_MOUNT,
+    SNAPSHOTS_MOUNT,
+    snapshot_store_dir,
+)
 from keepwarm_api.probes import HEALTH_PATH, READY_PATH, ready_long_poll
 from keepwarm_api.shutdown import PRESTOP_SLEEP_S, TERMINATION_GRACE_S
 from keepwarm_api.weightcache import CachedModel, WeightCacheSpec
 
-from .agent import builds_kernels, socket_dir
+from .agent import SNAPSHOT_SECCOMP, builds_kernels, socket_dir
 from .meta import GPU_RESOURCE, object_meta, runtime_labels, warm_label_key
 from .volumes import ModelMount, hf_volume, host_models_volume, kernels_volume, lora_mount, model_mount
 
 WARM_AFFINITY_WEIGHT = 100
 LORA_LIST_VOLUME = "keepwarm-lora-list"  # never an adapter's: theirs are "lora-<name>"
+SHM_VOLUME = "keepwarm-shm"  # /dev/shm of a pod running tensor-parallel ranks
 # The startup probe long-polls /ready for this long per attempt (keepwarm_api.probes): it succeeds the
 # moment the weights are in, and the kubelet then probes readiness at once, so a pod is Ready within
 # a round trip of its runtime, not up to a period later.
 STARTUP_POLL_S = 10
+SNAPSHOTS_VOLUME = "keepwarm-snapshots"
+# What a restore needs in the runtime container: CRIU's file capabilities (the image's criu carries
+# cap_checkpoint_restore,cap_setpcap+ep) take effect only for capabilities in the bounding set.
+RESTORE_CAPABILITIES = ["CHECKPOINT_RESTORE", "SETPCAP"]
 
 
 @dataclass(frozen=True)
@@ -128,6 +148,67 @@ def lora_args(lora: LoraSettings | None) -> list[str]:
     return args
 
 
+def parallel_args(parallelism: Parallelism) -> list[str]:
+    """`keepwarm serve`'s tensor/expert parallel flags; none for one rank."""
+    if parallelism.tensor == 1:
+        return []
+    args = [serveflags.TENSOR_PARALLEL_SIZE, str(parallelism.tensor)]
+    return [*args, serveflags.ENABLE_EXPERT_PARALLEL] if parallelism.expert else args
+
+
+def node_gpus(node: dict[str, Any]) -> int:
+    """The GPUs a Node offers pods (allocatable nvidia.com/gpu)."""
+    allocatable = (node.get("status") or {}).get("allocatable") or {}
+    try:
+        return int(allocatable.get(GPU_RESOURCE, 0))
+    except (TypeError, ValueError):
+        return 0
+
+
+def too_few_gpus(spec: InferenceDeploymentSpec, nodes: list[dict[str, Any]]) -> str | None:
+    """Why no node can run one pod's ranks (each takes a GPU), None when one can or when no node
+    offers GPUs at all (nothing to judge by: GPU nodes may come with the autoscaler). ``nodes``: the
+    Nodes spec.pod.nodeSelector selects."""
+    if spec.gpus <= 1:
+        return None
+    offered = {n["metadata"]["name"]: node_gpus(n) for n in nodes}
+    most = max(offered.values(), default=0)
+    if most == 0 or most >= spec.gpus:
+        return None
+    largest = sorted(name for name, gpus in offered.items() if gpus == most)[0]
+    return (
+        f"parallelism.tensor {spec.parallelism.tensor} needs {spec.gpus} GPUs in one pod, but no node "
+        f"offers that many (the most: {most}, on {largest}); keepwarm runs a group within one node"
+    )
+
+
+def snapshot_refusal(spec: InferenceDeploymentSpec, binding: CacheBinding | None) -> str | None:
+    """Why spec.startup.mode Snapshot cannot be served as asked (None when it can, or is not asked)."""
+    if spec.startup.mode is not StartupMode.SNAPSHOT:
+        return None
+    if binding is None:
+        return (
+            "spec.startup.mode Snapshot restores from a WeightCache's snapshot store: set spec.model.cacheRef"
+        )
+    if not binding.spec.snapshots.enabled:
+        return (
+            f"spec.startup.mode Snapshot: WeightCache {binding.cache!r} does not enable spec.snapshots; "
+            "ask its owner to, or use mode Imports"
+        )
+    return None
+
+
+def snapshot_startup(spec: InferenceDeploymentSpec, binding: CacheBinding) -> tuple[dict, dict, list[str]]:
+    """Snapshot mode's volume, mount and `keepwarm serve` flags: the store read-only (a snapshot is
+    code, written only by the node agent)."""
+    store = snapshot_store_dir(binding.spec.snapshots.directory, binding.cache)
+    volume = {"name": SNAPSHOTS_VOLUME, "hostPath": {"path": store, "type": "DirectoryOrCreate"}}
+    mount = {"name": SNAPSHOTS_VOLUME, "mountPath": SNAPSHOTS_MOUNT, "readOnly": True}
+    flags = [serveflags.SNAPSHOT_STORE, SNAPSHOTS_MOUNT]
+    flags += [serveflags.RESTORE_TIMEOUT, str(spec.startup.restore_timeout_seconds)]
+    return volume, mount, flags
+
+
 def runtime_command(spec: InferenceDeploymentSpec, model_path: str, model_name: str, dtype: str) -> list[str]:
     command = ["keepwarm", "serve", model_path, "--host", "0.0.0.0", "--port", str(spec.port)]
     command += ["--supervisor-port", str(supervisor_port(spec))]
@@ -140,6 +221,7 @@ def runtime_command(spec: InferenceDeploymentSpec, model_path: str, model_name: 
         command += ["--max-model-len", str(spec.runtime.max_model_len)]
     if spec.runtime.max_num_seqs:
         command += ["--max-num-seqs", str(spec.runtime.max_num_seqs)]
+    command += parallel_args(spec.parallelism)
     command += lora_args(spec.lora)
     return [*command, *spec.runtime.extra_args]
 
@@ -148,7 +230,10 @@ def runtime_deployment(
     name: str, namespace: str, spec: InferenceDeploymentSpec, binding: CacheBinding | None,
     owner: dict[str, Any] | None,
 ) -> dict[str, Any]:  # fmt: skip
-    """The Deployment; raises ValueError when the spec names no usable model."""
+    """The Deployment; raises ValueError when the spec names no usable model, or asks for a startup
+    the cache cannot give (snapshot_refusal)."""
+    if (why := snapshot_refusal(spec, binding)) is not None:
+        raise ValueError(why)
     labels = runtime_labels(name)
     if binding is not None:
         model_name, source = binding.model.name, binding.model.source
@@ -166,6 +251,9 @@ def runtime_deployment(
         if m.volume:
             volumes.append(m.volume)
             mounts.append(m.mount)
+    if spec.parallelism.tensor > 1:  # ranks meet over shared memory (NCCL; 64 MiB is Docker's default)
+        volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}})
+        mounts.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
     lora_on = bool(spec.lora and spec.lora.enabled)
     if lora_on:
         volumes.append({"name": LORA_LIST_VOLUME, "configMap": {"name": lora_list_name(name)}})
@@ -218,8 +306,8 @@ def runtime_deployment(
     if spec.pod.run_as_user is not None:
         pod_security["runAsUser"] = spec.pod.run_as_user
     resources = spec.resources.wire() if spec.resources else {}
-    if spec.gpus_per_pod:
-        resources.setdefault("limits", {})[GPU_RESOURCE] = spec.gpus_per_pod
+    if spec.gpus:
+        resources.setdefault("limits", {})[GPU_RESOURCE] = spec.gpus
     startup_probe = {
         "httpGet": {"path": ready_long_poll(STARTUP_POLL_S), "port": "http"},
         "periodSeconds": 1,
@@ -258,6 +346,16 @@ def runtime_deployment(
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
+    if spec.startup.mode is StartupMode.SNAPSHOT and binding is not None:
+        volume, mount, flags = snapshot_startup(spec, binding)
+        volumes.append(volume)
+        mounts.append(mount)
+        container["command"] = [*container["command"], *flags]
+        container["securityContext"] = {
+            "allowPrivilegeEscalation": True,  # for criu's file capabilities; the server has none
+            "capabilities": {"drop": ["ALL"], "add": list(RESTORE_CAPABILITIES)},
+            "seccompProfile": dict(SNAPSHOT_SECCOMP),  # clone3 for CRIU's pids (agent.SNAPSHOT_SECCOMP)
+        }
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "terminationGracePeriodSeconds": TERMINATION_GRACE_S,

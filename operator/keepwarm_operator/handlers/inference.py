@@ -2,10 +2,11 @@
 
 Reconcile, in order:
   1. resolve the model: the WeightCache's entry (cacheRef + name; the cache must allow the namespace)
-     or the inline source
+     or the inline source; a pod of several GPUs (spec.parallelism) needs a node offering them all
   2. apply the LoRA adapter list (a ConfigMap the pods follow: a new list rolls no pod), the Deployment
      (replicas copied from spec.replicas, which the scale subresource owns) and the Service
-  3. count warm nodes (WeightCacheNodes reporting the model resident) -> CacheWarm
+  3. count warm nodes (WeightCacheNodes reporting the model resident) -> CacheWarm; a cache holding
+     the model split otherwise than spec.parallelism (whole, or other shards) is ParallelismMismatch
   4. status from the Deployment -> Available, Progressing
 A missing cache or model is a condition with a message, not an error loop; the InferenceDeployment is
 reconciled again when its cache's spec changes or its model's residency does (this module's own
@@ -45,6 +46,8 @@ from ..builders.runtime import (
     missing_cached_adapters,
     runtime_deployment,
     runtime_service,
+    snapshot_refusal,
+    too_few_gpus,
 )
 from ..metrics import APPLIES, reconciling
 from ..status import inference_status, now, status_changed
@@ -94,6 +97,13 @@ def _resolve(
         return None, condition(C.CACHE_WARM, False, R.ADAPTER_NOT_IN_CACHE, message, gen), 0
     warm = ctx.warm_nodes(ref.cache_ref, model.name)  # from the WeightCacheNode watch, no listing
     binding = CacheBinding(ref.cache_ref, cache_spec, model)
+    if model.parallelism != spec.parallelism:  # each rank asks for its own shard: none is held so
+        message = (
+            f"WeightCache {ref.cache_ref!r} holds {model.name} {model.parallelism.describe()}, but this "
+            f"InferenceDeployment runs it {spec.parallelism.describe()} (spec.parallelism): its pods load "
+            "from disk; give both the same parallelism"
+        )
+        return binding, condition(C.CACHE_WARM, False, R.PARALLELISM_MISMATCH, message, gen), 0
     if warm:
         cond = condition(
             C.CACHE_WARM, True, R.MODEL_RESIDENT, f"{model.name} resident on {warm} node(s)", gen
@@ -102,6 +112,15 @@ def _resolve(
         message = f"{model.name} is not resident on any node yet; pods load from disk until it is"
         cond = condition(C.CACHE_WARM, False, R.MODEL_NOT_RESIDENT, message, gen)
     return binding, cond, warm
+
+
+def _gpus_refusal(ctx: Context, spec: InferenceDeploymentSpec) -> str | None:
+    """Why no node the pods may run on has a GPU for each rank (builders.runtime.too_few_gpus); the
+    Nodes are read only for a pod of several GPUs."""
+    if spec.gpus <= 1:
+        return None
+    nodes = ctx.kube.list("v1", "Node", labels=selector_string(spec.pod.node_selector) or None)
+    return too_few_gpus(spec, nodes)
 
 
 def _apply_lora_list(
@@ -166,6 +185,10 @@ def reconcile(
             deployment = ctx.kube.get("apps/v1", "Deployment", name, namespace)
         if spec.model.cache_ref and binding is None:
             problem = cache_cond.model_copy(update={"type": C.AVAILABLE})
+        elif (refused := _gpus_refusal(ctx, spec)) is not None:
+            problem = condition(C.AVAILABLE, False, R.TOO_FEW_GPUS, refused, gen)
+        elif (why := snapshot_refusal(spec, binding)) is not None:
+            problem = condition(C.AVAILABLE, False, R.INVALID_SPEC, why, gen)
         elif mode is not ApplyMode.STATUS_ONLY:
             problem = _apply_lora_list(ctx, name, namespace, spec, binding, body, gen)
         if problem is None and mode is not ApplyMode.STATUS_ONLY:

@@ -55,6 +55,7 @@ from keepwarm_runtime.cache.snapshot import DaemonSnapshot, ModelSnapshot
 
 if TYPE_CHECKING:
     from keepwarm_runtime.cache.settings import CacheServeSettings
+    from keepwarm_runtime.snapshot.service import SnapshotService
 
 from .download import download
 from .settings import MAX_LOADS, NAMESPACE, STALL_TIMEOUT_S
@@ -62,12 +63,14 @@ from .state import (
     RETRY_BASE_S,
     AgentState,
     DaemonBook,
+    Entry,
     WantedModel,
     fresh_since,
     load_options,
     node_status,
     now,
     retry_delay,
+    shard_entries,
     status_differs,
     wanted_models,
 )
@@ -116,7 +119,7 @@ class NodeAgent:
         namespace: str = NAMESPACE, host_root: str = HOST_MODELS_MOUNT, pvc_root: str = MODELS_ROOT,
         hf_root: str = HF_MOUNT,
         retry_base_s: float = RETRY_BASE_S, max_loads: int = MAX_LOADS,
-        stall_timeout_s: float = STALL_TIMEOUT_S,
+        stall_timeout_s: float = STALL_TIMEOUT_S, snapshots: SnapshotService | None = None,
     ):  # fmt: skip
         daemons = daemon if isinstance(daemon, list) else [daemon]
         self.daemons = {daemon_key(d): d for d in daemons}  # GPU UUID ("" for host.sock) -> daemon
@@ -127,6 +130,7 @@ class NodeAgent:
         self.hf_root = hf_root  # the node's download directory
         self.retry_base_s = retry_base_s  # failed/evicted models: first retry after this, then doubling
         self.stall_timeout_s = stall_timeout_s
+        self.snapshot_service = snapshots  # the node's snapshot service, reported under status.snapshots
         self.pool = ThreadPoolExecutor(max_workers=max_loads, thread_name_prefix="agent-load")
         self.inflight: dict[tuple[str, str], Future[None]] = {}  # (daemon key, model name) -> its load
         self.resolved: dict[tuple[str, str, str], str] = {}  # (name, repo, revision) -> Hub snapshot dir
@@ -179,9 +183,15 @@ class NodeAgent:
         for key in self.daemons:
             self._reconcile_daemon(key, wanted)
 
+    def daemon_index(self, key: str) -> int:
+        """The daemon's place among the node's (by GPU UUID, as agent.state numbers them): which
+        tensor-parallel shards it holds (cache.gpus.held_ranks)."""
+        return sorted(self.daemons).index(key)
+
     def _reconcile_daemon(self, key: str, wanted: list[WantedModel]) -> None:
         daemon, book = self.daemons[key], self.state.books[key]
-        names = {w.name for w in wanted}
+        entries = [e for w in wanted for e in shard_entries(w, self.daemon_index(key), len(self.daemons))]
+        names = {e.name for e in entries}
         busy = {name for k, name in self.inflight if k == key}
         for name in sorted(set(self._loaded(key)) - names - busy):
             with self.lock:
@@ -189,48 +199,50 @@ class NodeAgent:
             daemon.remove_model(daemon_name)
             log.info("released %s%s (removed from WeightCacheNode %s)", name, _on(key), self.object_name)
         resident = daemon.snapshot().models
-        for w in wanted:
-            if (key, w.name) in self.inflight:
+        for entry in entries:
+            w = entry.wanted
+            if (key, entry.name) in self.inflight:
                 continue
-            daemon_name = self._loaded(key).get(w.name)
-            if daemon_name is None and self._book_handed_over(key, w, resident):
+            daemon_name = self._loaded(key).get(entry.name)
+            if daemon_name is None and self._book_handed_over(key, entry, resident):
                 continue
             if daemon_name in resident:
                 if w.pin and not resident[daemon_name].pinned:  # no-op reload; marks pinned
-                    daemon.add_model(self._path(w), **load_options(w))
+                    daemon.add_model(self._path(w), **load_options(w, entry.rank))
                 continue
             if daemon_name is not None:  # was loaded, now gone: evicted under the budget
                 with self.lock:
-                    book.daemon_names.pop(w.name)
-                    book.evicted.add(w.name)
-                    self._schedule_retry(book, w.name)
-            retry_at = book.retry_at.get(w.name)
+                    book.daemon_names.pop(entry.name)
+                    book.evicted.add(entry.name)
+                    self._schedule_retry(book, entry.name)
+            retry_at = book.retry_at.get(entry.name)
             if retry_at is not None and now() < retry_at:
                 continue  # failed or evicted: wait for the backoff
             if self._downloading_elsewhere(key, w):
                 continue  # reported Loading; the next pass after that download loads it from disk
             with self.lock:
-                book.loading.add(w.name)
-            self.inflight[(key, w.name)] = self.pool.submit(self._load, key, w)
+                book.loading.add(entry.name)
+            self.inflight[(key, entry.name)] = self.pool.submit(self._load, key, entry)
             self.wake.set()  # report Loading now
 
-    def _book_handed_over(self, key: str, w: WantedModel, resident: Mapping[str, ModelSnapshot]) -> bool:
+    def _book_handed_over(self, key: str, entry: Entry, resident: Mapping[str, ModelSnapshot]) -> bool:
         """A model the daemon already holds from the same directory, though this agent never loaded
         it: the arena its predecessor or the holder handed over at start (cache/adopt.py verified
         it). Booked through the same add_model a load makes, which finds it resident (headers and
         key only, no weights read), so the status goes on saying Resident through an upgrade or a
         restart instead of Loading. Hub sources are not known by directory before their download:
         they take the usual way (reported Loading until that no-op load returns)."""
+        w = entry.wanted
         if w.path is None or not any(str(m.path) == os.path.realpath(w.path) for m in resident.values()):
             return False
         try:
-            daemon_name = self.daemons[key].add_model(self._path(w), **load_options(w))
+            daemon_name = self.daemons[key].add_model(self._path(w), **load_options(w, entry.rank))
         except Exception as exc:  # no longer what the spec asks for: the usual load reports why
-            log.info("%s%s: the arena handed over does not serve it (%s); loading", w.name, _on(key), exc)
+            log.info("%s%s: the arena handed over does not serve it (%s); loading", entry.name, _on(key), exc)
             return False
         with self.lock:
-            self.state.books[key].daemon_names[w.name] = daemon_name
-        log.info("%s%s is resident from the start (handed over)", w.name, _on(key))
+            self.state.books[key].daemon_names[entry.name] = daemon_name
+        log.info("%s%s is resident from the start (handed over)", entry.name, _on(key))
         return True
 
     def _downloading_elsewhere(self, key: str, w: WantedModel) -> bool:
@@ -293,27 +305,27 @@ class NodeAgent:
                 self.resolved[source] = download(w.repo, w.revision, hf_dir, token, self.stall_timeout_s)
             return self.resolved[source]
 
-    def _load(self, key: str, w: WantedModel) -> None:
-        book = self.state.books[key]
+    def _load(self, key: str, entry: Entry) -> None:
+        book, w, name = self.state.books[key], entry.wanted, entry.name
         try:
             path = self._path(w)
-            daemon_name = self.daemons[key].add_model(path, **load_options(w))
+            daemon_name = self.daemons[key].add_model(path, **load_options(w, entry.rank))
         except Exception as exc:  # a bad checkpoint fails this model, not the agent
-            log.warning("loading %s%s failed: %s", w.name, _on(key), exc)
+            log.warning("loading %s%s failed: %s", name, _on(key), exc)
             self.resolved.pop((w.name, w.repo or "", w.revision or ""), None)  # a retry downloads again
             with self.lock:
-                book.failed[w.name] = f"{type(exc).__name__}: {exc}"
-                self._schedule_retry(book, w.name)
+                book.failed[name] = f"{type(exc).__name__}: {exc}"
+                self._schedule_retry(book, name)
         else:
             with self.lock:
-                book.daemon_names[w.name] = daemon_name
-                book.failed.pop(w.name, None)
-                book.evicted.discard(w.name)
-                book.attempts.pop(w.name, None)
-                book.retry_at.pop(w.name, None)
+                book.daemon_names[name] = daemon_name
+                book.failed.pop(name, None)
+                book.evicted.discard(name)
+                book.attempts.pop(name, None)
+                book.retry_at.pop(name, None)
         finally:
             with self.lock:
-                book.loading.discard(w.name)
+                book.loading.discard(name)
             self.wake.set()
             self.changed.set()  # another pass: a load may have evicted another model
 
@@ -330,6 +342,7 @@ class NodeAgent:
             stored = None if self.seen is None else self.seen.get("status") or {}
             self.state.reporting_since = fresh_since(stored, self.state.reporting_since, now())
             status = node_status(self.state, self.snapshots(), self.wanted, __version__)
+            status = status.model_copy(update={"snapshots": self.snapshot_rows()})
         if not status_differs(stored, status):
             return True
         try:
@@ -342,6 +355,22 @@ class NodeAgent:
                 log.info("WeightCacheNode %s not created yet; retrying", self.object_name)
                 return False
             raise
+
+    def snapshot_rows(self) -> list[wcn.NodeSnapshot]:
+        """The store's snapshots, newest first (at most MAX_SNAPSHOTS_REPORTED); none without the
+        snapshot service."""
+        if self.snapshot_service is None:
+            return []
+        rows = sorted(self.snapshot_service.rows(), key=lambda e: e.created, reverse=True)
+        return [
+            wcn.NodeSnapshot(
+                key=e.digest,
+                bytes=e.bytes,
+                created=dt.datetime.fromtimestamp(e.created, dt.UTC),
+                restores=e.usage.restores,
+            )
+            for e in rows[: wcn.MAX_SNAPSHOTS_REPORTED]
+        ]
 
     def client(self) -> Kube:
         """The client (a NodeAgent made without one is a test's that never calls the API)."""
@@ -474,7 +503,12 @@ def report_start_failure(settings: CacheServeSettings, message: str) -> None:
         log.warning("could not report the start failure on WeightCacheNode %s: %s", name, exc)
 
 
-def run_agent(daemons: list[Any], settings: CacheServeSettings, stop: threading.Event | None = None) -> None:
+def run_agent(
+    daemons: list[Any],
+    settings: CacheServeSettings,
+    stop: threading.Event | None = None,
+    snapshots: SnapshotService | None = None,
+) -> None:
     """Entry point for `keepwarm cache serve --report-to-kubernetes` (runs until the daemons stop)."""
     try:
         kube = _kube()
@@ -482,14 +516,20 @@ def run_agent(daemons: list[Any], settings: CacheServeSettings, stop: threading.
         log.error("%s", exc)
         return
     stop = stop or getattr(daemons[0], "_stop", None) or threading.Event()  # SIGTERM stops them all
-    node_agent(daemons, settings, kube).run(stop)
+    node_agent(daemons, settings, kube, snapshots).run(stop)
 
 
-def node_agent(daemons: list[Any], settings: CacheServeSettings, kube: Kube | None) -> NodeAgent:
+def node_agent(
+    daemons: list[Any],
+    settings: CacheServeSettings,
+    kube: Kube | None,
+    snapshots: SnapshotService | None = None,
+) -> NodeAgent:
     """The NodeAgent of `keepwarm cache serve`'s resolved settings (its node agent flags and their
     variables: NODE_NAME, POD_NAMESPACE, KEEPWARM_*_ROOT); it reads no environment of its own."""
     return NodeAgent(
         daemons, settings.weightcache, settings.node_name, kube,
         namespace=settings.namespace, host_root=settings.host_model_root, pvc_root=settings.model_root,
         hf_root=settings.download_root, max_loads=settings.max_loads, stall_timeout_s=settings.stall_timeout,
+        snapshots=snapshots,
     )  # fmt: skip

@@ -3,8 +3,10 @@
 The node's wanted models arrive as the typed WeightCacheNode spec of keepwarm_api (the operator writes
 it). Each model's LoRA adapters are wanted entries of their own (kind adapter, keyed
 ``<model>/<adapter>``: adapter_key), loaded, retried and released by the same bookkeeping as models, and
-reported apart, under status.adapters. Model and adapter directories follow keepwarm_api.paths, the
-convention the operator mounts sources by; the status is built by
+reported apart, under status.adapters. A model held as tensor-parallel shards (its parallelism) is one
+book entry per shard a daemon holds (``<model>#<rank>``: shard_entries), reported as the model's entry
+with the ranks held (``shards``; per GPU under status.gpus). Model and adapter directories follow
+keepwarm_api.paths, the convention the operator mounts sources by; the status is built by
 keepwarm_api.weightcachenode.agent_status from the daemons' snapshots (cache/snapshot.py, read by
 attribute; one per GPU with per-GPU daemons, each tracked in its own DaemonBook), and written only when
 it differs from the stored one (status_differs) other than in its heartbeat stamp: liveness is the
@@ -20,7 +22,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from keepwarm_api.common import ConditionStatus, ModelSource, Quantization, SecretKeyRef
+from keepwarm_api.common import ConditionStatus, ModelSource, Parallelism, Quantization, SecretKeyRef
 from keepwarm_api.lease import parse_time
 from keepwarm_api.paths import (
     CACHED_ADAPTERS_ROOT,
@@ -44,7 +46,9 @@ from keepwarm_api.weightcachenode import (
     combine_gpus,
 )
 from keepwarm_runtime.cache.adapters import KIND_ADAPTER, KIND_MODEL
+from keepwarm_runtime.cache.gpus import held_ranks
 from keepwarm_runtime.cache.snapshot import DaemonSnapshot
+from keepwarm_runtime.weights.tensor_parallel import Sharding
 
 EVICTED_MESSAGE = "evicted under the budget"
 RETRY_BASE_S = 10.0  # first retry of a failed or evicted model after this long, then doubling
@@ -68,6 +72,7 @@ class WantedModel:
     token: SecretKeyRef | None = None  # Hub token, read by the agent from a Secret in its namespace
     model: str | None = None  # set for an adapter: the model it adapts
     adapter: str | None = None  # set for an adapter: its name within that model
+    parallelism: Parallelism = field(default_factory=Parallelism)  # held as tensor-parallel shards
 
     @property
     def kind(self) -> str:
@@ -97,14 +102,37 @@ class AgentState:
     reporting_since: dt.datetime = field(default_factory=lambda: now())  # Stale=False since then
 
 
-def load_options(w: WantedModel) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Entry:
+    """What one daemon holds of a wanted model: the model, or one of its tensor-parallel shards."""
+
+    name: str  # the agent's book key: the WeightCache name, a shard's with "#<rank>" (shard_entries)
+    wanted: WantedModel
+    rank: int | None = None  # the shard's rank; None: the whole model (or an adapter)
+
+
+def shard_entries(w: WantedModel, daemon_index: int, daemons: int) -> list[Entry]:
+    """The entries the ``daemon_index``-th of a node's ``daemons`` holds of ``w``: the model, or the
+    shards cache.gpus.held_ranks gives it (every rank in one daemon; rank i mod N on the i-th GPU).
+    A shard's book key adds "#<rank>" to the name (a DNS label: never one of its own)."""
+    if w.parallelism.tensor == 1 or w.adapter is not None:
+        return [Entry(w.name, w)]
+    ranks = held_ranks(daemon_index, daemons, w.parallelism.tensor)
+    return [Entry(f"{w.name}#{rank}", w, rank) for rank in ranks]
+
+
+def load_options(w: WantedModel, rank: int | None = None) -> dict[str, Any]:
     """Keywords of `CacheDaemon.add_model` for a wanted model: its pin and the quantization the
     daemon applies at load (`quantization: fp8` -> online FP8 in the arena, part of the cache key);
     for an adapter its pin and kind (adapters are held as stored: no quantization)."""
     if w.adapter is not None:
         return {"pin": w.pin, "kind": KIND_ADAPTER}
     online = None if w.quantization == Quantization.NONE else w.quantization.value
-    return {"pin": w.pin, "quantization": online}
+    options: dict[str, Any] = {"pin": w.pin, "quantization": online}
+    if rank is not None:  # a shard (shard_entries)
+        parallel = w.parallelism
+        options["sharding"] = Sharding(rank, parallel.tensor, parallel.expert)
+    return options
 
 
 def wanted_models(
@@ -118,17 +146,10 @@ def wanted_models(
     models, adapters = [], []
     for m in spec.models:
         pvc_dir = model_dir(m.name, pvc_root)
-        models.append(
-            _wanted(
-                m.name,
-                m.source,
-                spec.model_directory,
-                host_root,
-                pvc_dir,
-                pin=m.pin,
-                quantization=m.quantization,
-            )
+        wanted = _wanted(
+            m.name, m.source, spec.model_directory, host_root, pvc_dir, pin=m.pin, quantization=m.quantization
         )
+        models.append(dataclasses.replace(wanted, parallelism=m.parallelism))
         for a in m.adapters:
             pvc_dir = cached_adapter_dir(m.name, a.name, adapter_root)
             wanted = _wanted(
@@ -174,10 +195,27 @@ def _retry_note(state: DaemonBook, name: str) -> str:
     return f" (attempt {state.attempts.get(name, 1)}; retrying at {stamp})"
 
 
-def resident_model(w: WantedModel, state: DaemonBook, snapshot: DaemonSnapshot) -> ResidentModel:
-    """One model's entry for one daemon, from its snapshot and the agent's bookkeeping of it."""
+def resident_model(
+    w: WantedModel, state: DaemonBook, snapshot: DaemonSnapshot, entries: list[Entry] | None = None
+) -> ResidentModel:
+    """One model's entry for one daemon, from its snapshot and the agent's bookkeeping of it; a model
+    held as shards (``entries``: shard_entries) combines its shards' entries as combine_gpus combines
+    GPUs: Resident when every shard is, with the ranks held under shards."""
+    if entries is not None and any(e.rank is not None for e in entries):
+        per_shard = {f"rank {e.rank}": _entry(w, e.name, state, snapshot, e.rank) for e in entries}
+        combined = combine_gpus(per_shard)
+        return combined.model_copy(
+            update={"gpu_uuids": sorted({u for m in per_shard.values() for u in m.gpu_uuids})}
+        )
+    return _entry(w, w.name, state, snapshot, None)
+
+
+def _entry(
+    w: WantedModel, key: str, state: DaemonBook, snapshot: DaemonSnapshot, rank: int | None
+) -> ResidentModel:
+    """One book entry (the model, or a shard of it) as a status entry named after the model."""
     base = ResidentModel(name=w.name, state=ModelState.LOADING, pinned=w.pin, tier=snapshot.tier)
-    info = snapshot.models.get(state.daemon_names.get(w.name, ""))
+    info = snapshot.models.get(state.daemon_names.get(key, ""))
     if info is not None:
         return base.model_copy(
             update={
@@ -187,14 +225,15 @@ def resident_model(w: WantedModel, state: DaemonBook, snapshot: DaemonSnapshot) 
                 "digest": info.digest,
                 "pinned": info.pinned,
                 "gpu_uuids": list(info.gpu_uuids),
+                "shards": [] if rank is None else [rank],
             }
         )
-    note = _retry_note(state, w.name)
-    retry = {"attempts": state.attempts.get(w.name, 0), "retry_at": state.retry_at.get(w.name)}
-    if w.name in state.failed and w.name not in state.loading:
-        message = state.failed[w.name][: 1000 - len(note)] + note
+    note = _retry_note(state, key)
+    retry = {"attempts": state.attempts.get(key, 0), "retry_at": state.retry_at.get(key)}
+    if key in state.failed and key not in state.loading:
+        message = state.failed[key][: 1000 - len(note)] + note
         return base.model_copy(update={"state": ModelState.FAILED, "message": message, **retry})
-    if w.name in state.evicted and w.name not in state.loading:
+    if key in state.evicted and key not in state.loading:
         return base.model_copy(
             update={"state": ModelState.EVICTED, "message": EVICTED_MESSAGE + note, **retry}
         )
@@ -228,7 +267,7 @@ def split_adapters(
 
 def gpu_model(m: ResidentModel) -> GPUModel:
     """A model's entry on one GPU (the per-GPU part of its status entry)."""
-    return GPUModel(name=m.name, state=m.state, bytes=m.bytes, message=m.message)
+    return GPUModel(name=m.name, state=m.state, bytes=m.bytes, shards=m.shards, message=m.message)
 
 
 def latest_refusals(snapshots: dict[str, DaemonSnapshot]) -> Refusals | None:
@@ -247,8 +286,14 @@ def node_status(
     them (Resident only when every GPU holds it: weightcachenode.combine_gpus); adapters combine the
     same way and are reported under adapters only (status.gpus lists models).
     """
+    order = sorted(snapshots)  # the daemons as the agent numbers them (KubernetesAgent.daemon_index)
     per_daemon = {
-        key: [resident_model(w, state.books.get(key) or DaemonBook(), snap) for w in wanted]
+        key: [
+            resident_model(
+                w, state.books.get(key) or DaemonBook(), snap, shard_entries(w, order.index(key), len(order))
+            )
+            for w in wanted
+        ]
         for key, snap in snapshots.items()
     }
     gpu_keys = sorted(k for k in per_daemon if k)

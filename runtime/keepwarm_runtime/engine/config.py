@@ -20,6 +20,8 @@ from keepwarm_runtime.weights import layouts
 if TYPE_CHECKING:
     import torch
 
+    from keepwarm_runtime.weights.tensor_parallel import Sharding
+
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flashinfer")
 MOE_BACKENDS = ("auto", *moe_oracle.BACKENDS)
 QUANTIZATIONS = (None, Quantization.FP8.value)  # online quantization of a bf16/fp32 checkpoint
@@ -62,6 +64,12 @@ class EngineConfig:
     enable_lora: bool = False  # serve PEFT LoRA adapters per request (engine/lora)
     max_loras: int = count(4)  # adapter slots on the device: most distinct adapters in one batch
     max_lora_rank: int = count(64)  # adapters of a higher rank are refused at load
+    # tensor/expert parallel (engine/parallel): one process per rank, each holding its shard
+    tensor_parallel_size: int = count(1)  # ranks the model is split over (vLLM's tensor_parallel_size)
+    enable_expert_parallel: bool = False  # MoE: partition the experts over the ranks, not split each one
+    # set per process by whoever starts the ranks (LLM, the supervising parent), never by a user:
+    tensor_parallel_rank: int = 0  # this process's rank in its group
+    distributed_init_method: str | None = None  # the group's rendezvous: file://PATH or tcp://HOST:PORT
     # the fields the user set (`keepwarm serve`'s flags and KEEPWARM_* variables), in the order given;
     # the others hold the defaults above
     given: tuple[str, ...] = ()
@@ -87,6 +95,13 @@ class EngineConfig:
             least, value = f.metadata.get(_AT_LEAST), getattr(self, f.name)
             if least is not None and value is not None and value < least:
                 raise ValueError(f"{f.name} must be at least {least}, got {value}")
+        if not 0 <= self.tensor_parallel_rank < self.tensor_parallel_size:
+            raise ValueError(
+                f"tensor_parallel_rank {self.tensor_parallel_rank} is not in a group of "
+                f"{self.tensor_parallel_size}"
+            )
+        if self.tensor_parallel_size > 1 and self.enable_lora:
+            raise ValueError("LoRA adapters are not served with tensor_parallel_size > 1 (engine/parallel)")
         unknown = set(self.given) - {f.name for f in fields(self)}
         if unknown:
             raise ValueError(f"given names no EngineConfig field: {', '.join(sorted(unknown))}")
@@ -99,6 +114,13 @@ class EngineConfig:
     def given_values(self) -> dict[str, Any]:
         """The fields the user set, with their values."""
         return {name: getattr(self, name) for name in self.given}
+
+    @property
+    def sharding(self) -> Sharding:
+        """The slice of the model this process holds (weights.tensor_parallel)."""
+        from keepwarm_runtime.weights.tensor_parallel import Sharding
+
+        return Sharding(self.tensor_parallel_rank, self.tensor_parallel_size, self.enable_expert_parallel)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -7,23 +7,33 @@ outputs = llm.chat([{"role": "user", "content": "Hi"}])
 
 llm = LLM("/models/tiny", enable_lora=True)
 outputs = llm.generate(["Hello"], lora_request=LoRARequest("sql", 1, "/adapters/sql"))
+
+llm = LLM("/models/tiny", tensor_parallel_size=2)  # this process is rank 0; ranks 1.. are its children
+llm.close()  # stops them (also done when the LLM is garbage collected, or at exit)
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+import weakref
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from keepwarm_runtime.engine.chat import render_chat
 from keepwarm_runtime.engine.config import EngineConfig
 from keepwarm_runtime.engine.llm_engine import LLMEngine
 from keepwarm_runtime.engine.outputs import RequestOutput
+from keepwarm_runtime.engine.parallel import group as parallel_group
+from keepwarm_runtime.engine.parallel import launch
 from keepwarm_runtime.engine.sampling_params import SamplingParams
 
 Prompt = str | dict[str, Any]  # text, {"prompt": text} or {"prompt_token_ids": [...]}
 Messages = list[dict[str, Any]]
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -38,10 +48,32 @@ class LoRARequest:
 
 class LLM:
     def __init__(self, model: str, **engine_kwargs: Any):
-        """`engine_kwargs` are EngineConfig fields: dtype, device, max_num_seqs, block_size, ..."""
-        self.engine = LLMEngine(EngineConfig(model_dir=str(model), **engine_kwargs))
+        """`engine_kwargs` are EngineConfig fields: dtype, device, max_num_seqs, block_size, ...;
+        with ``tensor_parallel_size`` N > 1 this process is rank 0 and starts ranks 1..N-1
+        (engine/parallel/launch.py), which ``close()`` stops."""
+        config = EngineConfig(model_dir=str(model), **engine_kwargs)
+        self._close = lambda: None
+        if config.tensor_parallel_size > 1:
+            launch.refuse_unsplittable(config)
+            ranks = launch.RankProcesses(config)
+            threads = torch.get_num_threads() if config.device == "cpu" else None  # restored by close()
+            if threads is not None:
+                launch.share_threads(config.tensor_parallel_size)
+            try:
+                self.engine = LLMEngine(ranks.config)
+            except BaseException:
+                _stop_group(None, ranks)
+                raise
+            self._close = weakref.finalize(self, _stop_group, self.engine.runner, ranks, threads)
+        else:
+            self.engine = LLMEngine(config)
         self._ids = itertools.count()
         self._pending: list[str] = []  # enqueued request ids, in order
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel group (a no-op for one process); the LLM serves
+        nothing after."""
+        self._close()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -159,3 +191,18 @@ def _per_prompt(params: SamplingParams | Seq[SamplingParams] | None, count: int)
     if len(params) != count:
         raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
     return params
+
+
+def _stop_group(runner, ranks: launch.RankProcesses, threads: int | None = None) -> None:
+    """Tell ranks 1..N-1 to stop (when rank 0's runner can still reach them), reap them, leave."""
+    told = False
+    if runner is not None:
+        try:
+            runner.channel.stop()
+            told = True
+        except Exception:  # a rank already gone: the group is broken; kill the rest
+            log.warning("the tensor-parallel ranks could not be told to stop; killing them")
+    ranks.stop(told)
+    parallel_group.leave()
+    if threads is not None:
+        torch.set_num_threads(threads)

@@ -12,6 +12,10 @@ an encoder fault fails that request alone, as ``internal_error`` words it.
 With ``enable_lora`` a request may name a registered PEFT adapter (``add_lora``); requests for
 different adapters and the base share batches (engine/lora). Adapters come through the node cache
 when the engine has a cache socket, as its weights do.
+
+With ``tensor_parallel_size`` > 1 the engine is one rank of a group (engine/parallel): it joins the
+group before loading its shard, the ranks agree on one KV-cache size, and rank 0's runner shares
+each step with the others, which build the same engine and only follow.
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ from keepwarm_runtime.engine.lora.adapter import AdapterCache, LoraWeights
 from keepwarm_runtime.engine.model_runner import ModelRunner, StepLogits
 from keepwarm_runtime.engine.multimodal import AudioFeatures, audio_spec, encode, placeholder_mismatch
 from keepwarm_runtime.engine.outputs import CompletionOutput, EngineStats, RequestOutput, internal_error
+from keepwarm_runtime.engine.parallel import group as parallel_group
+from keepwarm_runtime.engine.parallel.layers import output_vocab_size
+from keepwarm_runtime.engine.parallel.runner import ParallelRunner
 from keepwarm_runtime.engine.prefetch import WeightPrefetch
 from keepwarm_runtime.engine.prompt_logprobs import PromptChunk, store
 from keepwarm_runtime.engine.sampler import SampledToken, Sampler
@@ -71,6 +78,7 @@ class LLMEngine:
 
         self.startup = profile = profile or StartupProfile()
         self.config = config
+        self.parallel = parallel_group.join(config)  # one rank of a tensor-parallel group (engine/parallel)
         self.device = torch.device(config.device)
         if self.device.type == "cpu":
             keep_freed_memory()  # a step's large temporaries reuse heap memory (engine/host_memory.py)
@@ -94,14 +102,14 @@ class LLMEngine:
         model_len = getattr(text_config, "max_position_embeddings", None) or 2048
         max_len = min(config.max_model_len or model_len, model_len)
         specs = probe_kv_specs(self.model, self.layers, self.device)
-        num_blocks = num_blocks_for(config, specs, max_len, self.device)
+        num_blocks = parallel_group.fewest(num_blocks_for(config, specs, max_len, self.device))
         allocate_kv_cache(self.layers, specs, num_blocks, config.block_size, config.torch_dtype, self.device)
         self.kv_specs, self.num_kv_blocks = (
             specs,
             num_blocks,
         )  # to allocate it again on wake (engine/sleep.py)
         self.max_model_len = min(max_len, num_blocks * config.block_size)
-        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = output_vocab_size(self.model)
         self.max_prompt_logprobs_len = config.max_prompt_logprobs_len
 
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -116,7 +124,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.lora
         )
-        self.runner = ModelRunner(self.model, config.block_size, self.device, self.lora)
+        runner = ParallelRunner if self.parallel else ModelRunner  # rank 0 shares each step
+        self.runner = runner(self.model, config.block_size, self.device, self.lora)
         self.capabilities = EngineCapabilities(
             audio=audio_spec(self.model.config),
             lora=self.lora,

@@ -14,6 +14,9 @@ engine.moe chooses per module; `expert_layout="flashinfer_cutlass"` marks the ex
 the attach swapped (weights.kernel_layout). What is attached (online FP8 settings, the expert layout)
 is resolved from the config and checkpoint before this model exists (engine/prefetch.py
 ``attach_request``), so the server's background attach asks the same and the loader takes it.
+A tensor-parallel rank gives its meta parameters the shapes of its shard
+(weights.tensor_parallel_plan, engine/parallel/layers.py) before attaching that shard, checks that
+every rank attached the same checkpoint, and adds the layers' collectives after filling.
 """
 
 from __future__ import annotations
@@ -30,12 +33,16 @@ from keepwarm_runtime.engine.attention.fuser import IMPLEMENTATION
 from keepwarm_runtime.engine.config import EngineConfig
 from keepwarm_runtime.engine.moe.experts import ExpertsChoice, prepare_experts, use_keepwarm_experts
 from keepwarm_runtime.engine.multimodal import model_class as multimodal_model_class
+from keepwarm_runtime.engine.parallel import group as parallel_group
+from keepwarm_runtime.engine.parallel import layers as parallel_layers
 from keepwarm_runtime.engine.prefetch import WeightPrefetch, attach_request
 from keepwarm_runtime.engine.quant.fp8_modules import prepare_checkpoint_fp8
 from keepwarm_runtime.engine.startup import StartupProfile
 from keepwarm_runtime.weights import kernel_layout, serving_layout
 from keepwarm_runtime.weights.fp8 import E4M3
 from keepwarm_runtime.weights.quantization import SCALE_SUFFIX, Fp8Settings, QuantizationError, fp8_settings
+from keepwarm_runtime.weights.tensor_parallel import ShardingError
+from keepwarm_runtime.weights.tensor_parallel_plan import ShardPlan, shard_plan
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +92,26 @@ def load_model(
             "not go through the transformers registry, so keepwarm cannot run it"
         ) from exc
     model.eval()
+    plan = _shard(model, config, cls is not None)
     profile.mark("model_meta")
-    prefetched = prefetch.take(config) if prefetch is not None else None
-    profile.weights_prefetched = prefetched is not None
-    if prefetched is None:
-        request = attach_request(config)  # from the config and checkpoint, as the prefetch asks
-        prefetched = request, attach(**request.arguments())
+    try:
+        prefetched = prefetch.take(config) if prefetch is not None else None
+        profile.weights_prefetched = prefetched is not None
+        if prefetched is None:
+            request = attach_request(config)  # from the config and checkpoint, as the prefetch asks
+            prefetched = request, attach(**request.arguments())
+    except ShardingError as exc:  # a shard off the FP8 block boundaries, found planning the arena
+        raise ModelLoadError(str(exc)) from exc
     request, res = prefetched
+    if plan.styles:  # a rank of a group
+        if res.reason is not None:
+            log.warning(
+                "rank %d of %d: its shard loads from disk (%s)",
+                plan.sharding.rank,
+                plan.sharding.size,
+                res.reason,
+            )
+        parallel_group.check_same_checkpoint(res.files, res.source)
     # The attach quantized online FP8 and converted the expert layout (from the cache or from disk,
     # the same plan: weights/arena.py), so the model only declares what its tensors now are.
     if quantization is not None:
@@ -101,10 +121,38 @@ def load_model(
     mark_expert_layout(model, request.expert_layout)
     _check_fp8_scales(model)
     moe = _prepare_moe(model, config)
+    if plan.styles:
+        parallel_layers.install(model, plan, moe)
     copied += sum(choice.copied for choice in moe)
     profile.weights_source, profile.weights_attach_s = res.source, res.seconds
-    profile.mark("weights")
+    weights_s = profile.mark("weights")
+    if plan.styles:  # each rank's own line (bench/_restart_group.py reads it)
+        log.info(
+            "rank %d of %d: weights from %s in %.4fs (attach %.4fs)",
+            plan.sharding.rank,
+            plan.sharding.size,
+            res.source,
+            weights_s,
+            res.seconds,
+        )
     return model, LoadInfo(res.source, res.seconds, res.reason, copied, moe)
+
+
+def _shard(model: nn.Module, config: EngineConfig, multimodal: bool) -> ShardPlan:
+    """This rank's plan (weights.tensor_parallel), its meta parameters shaped as the rank holds them;
+    a model that cannot be split so is refused by name before any weight is read."""
+    sharding = config.sharding
+    if sharding.sharded and multimodal:
+        raise ModelLoadError(
+            f"{type(model).__name__}: keepwarm serves audio-language models on one rank only "
+            f"(tensor_parallel_size {sharding.size})"
+        )
+    try:
+        plan = shard_plan(model, sharding, grouped=config.distributed_init_method is not None)
+    except ShardingError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    parallel_layers.shard_parameters(model, plan)
+    return plan
 
 
 def mark_expert_layout(model: nn.Module, layout: str) -> None:

@@ -6,7 +6,9 @@ metadata from it once (`backend.build`), before any layer runs. The lm head runs
 only on the rows the step needs: each sequence's last known token, plus the prompt positions a
 sequence scores for prompt logprobs (engine/prompt_logprobs.py); a step without the latter keeps
 exactly one row per sampled sequence. With LoRA adapters (engine/lora) each token's adapter slot
-is set around the pass, so one pass serves any mix of adapters and the base.
+is set around the pass, so one pass serves any mix of adapters and the base. A tensor-parallel rank
+0 shares each step's inputs with the other ranks just before the pass (``share``:
+engine/parallel/runner.py), which run the same ``text_logits``.
 """
 
 from __future__ import annotations
@@ -69,16 +71,12 @@ class ModelRunner:
         ids, pos, meta, rows = self.prepare(out)
         kept = rows.sample_index + rows.prompt_index
         keep = torch.tensor(kept or [0], dtype=torch.long, device=self.device)
+        self.share(ids, pos, meta, keep)
         with use_metadata(meta), use_step(self._lora_step(out)):
             if any(seq.multimodal is not None for seq in out.seqs):
                 logits = forward_with_embeds(self.model, self._embeds(out, ids), pos, keep)
             else:
-                result = self.model(
-                    input_ids=ids[None], position_ids=pos[None], use_cache=False, logits_to_keep=keep
-                )
-                logits = result.logits[0]
-                if logits.shape[0] != keep.shape[0]:  # a model that ignores logits_to_keep (Qwen2-Audio)
-                    logits = logits[keep]
+                logits = text_logits(self.model, ids, pos, keep)
         if not kept:
             return StepLogits()
         n = len(rows.sample_index)
@@ -88,6 +86,12 @@ class ModelRunner:
             prompt_chunks=rows.prompt_chunks,
             prompt_logits=logits[n:] if rows.prompt_index else None,
         )
+
+    def share(
+        self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata, keep: torch.Tensor
+    ) -> None:
+        """Hand the step's inputs to the other processes that run it: the ranks of a tensor-parallel
+        group (engine/parallel/runner.py); one process has none."""
 
     def _lora_step(self, out: SchedulerOutput):
         """Each packed token's adapter slot (-1: the base), as the LoRA hooks read it; None without LoRA."""
@@ -108,3 +112,13 @@ class ModelRunner:
                 place(embeds[offset : offset + n], seq.multimodal, start, start + n)
             offset += n
         return embeds
+
+
+def text_logits(model: nn.Module, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """One packed forward pass of a text model (attention metadata set by the caller): the logits of
+    the ``keep`` rows."""
+    result = model(input_ids=ids[None], position_ids=pos[None], use_cache=False, logits_to_keep=keep)
+    logits = result.logits[0]
+    if logits.shape[0] != keep.shape[0]:  # a model that ignores logits_to_keep (Qwen2-Audio)
+        logits = logits[keep]
+    return logits

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from keepwarm_runtime.cache.client import AttachResult
     from keepwarm_runtime.engine.config import EngineConfig
     from keepwarm_runtime.weights.quantization import Fp8Settings
+    from keepwarm_runtime.weights.tensor_parallel import Sharding
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class AttachSettings:
     trusted_uids: frozenset[int]  # uids besides ours and root's that may own the socket
     quantization: str | None  # "fp8": quantized online (a float checkpoint)
     expert_layout: str  # asked for; resolved per checkpoint by attach_request
+    sharding: Sharding  # this rank's slice of the model (weights.tensor_parallel)
 
     @classmethod
     def of(cls, config: EngineConfig) -> AttachSettings:
@@ -74,6 +76,7 @@ class AttachSettings:
             config.cache_trusted_uids,
             config.quantization,
             config.expert_layout,
+            config.sharding,
         )
 
 
@@ -98,6 +101,7 @@ class AttachRequest:
             "trusted_uids": s.trusted_uids,
             "online": self.online,
             "expert_layout": self.expert_layout,
+            "sharding": s.sharding,
         }
 
 

@@ -33,6 +33,10 @@ PHASES = (
     "warmup",  # one short request through the whole step, so the first client does not pay first-use
     "ready",  # until the server marks itself ready (metrics, callbacks)
 )
+# The supervising parent's own phase when it was restored from a snapshot (snapshot/): the pod's start
+# until the restored parent resumed. It precedes the worker's fork, so it is not one of PHASES (which
+# add up to the worker's start to ready); exported beside them, and absent when the parent imported.
+RESTORE_PHASE = "restore"
 
 
 @dataclass

@@ -154,6 +154,13 @@ def choose_threads(requested: int | None = None, environ: Mapping[str, str] = os
     return derive_threads(affinity, cgroup_cpu_limit(), requested, environ.get("OMP_NUM_THREADS"))
 
 
+def per_rank(choice: ThreadChoice, ranks: int) -> ThreadChoice:
+    """One tensor-parallel rank's share of ``choice``: the ranks of a group share the machine's cores."""
+    if ranks <= 1:
+        return choice
+    return ThreadChoice(max(1, choice.threads // ranks), f"{choice.reason}, shared by {ranks} ranks")
+
+
 def prepare_openmp(choice: ThreadChoice, environ: MutableMapping[str, str] = os.environ) -> bool:
     """Put the thread count and a bounded-spin wait into the environment OpenMP will read.
 

@@ -178,3 +178,87 @@ def test_throughput_runs_vllm_as_a_peer_where_its_environment_exists(tmp_path: P
     assert result["vllm"]["tokens_per_s"] > 0 and len(result["vllm"]["rounds_s"]) == 2
     assert result["vllm"]["init_s"] > 0 and result["speedup_vs_vllm"] > 0
     assert result["vllm"]["sequences_identical"] == 3  # fp32 greedy at this size: no near-ties
+
+
+def test_restart_benchmark_times_a_tensor_parallel_group_against_one_rank(tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "keepwarm_runtime.cli", "bench", "restart", "--tensor-parallel", "2"]
+    proc = _run([*argv, "--size-gib", "0.01", "--repeats", "1", "--json"], tmp_path, timeout=1200)
+    result = json.loads(proc.stdout)
+
+    assert result["tensor_parallel"] == 2 and result["tier"] == "host"
+    assert "cpu_flags" in result["machine"] and result["loadavg_1m_end"] >= 0
+    for ranks in (1, 2):
+        for path, source in (("disk", "disk"), ("cache", "cache")):
+            start = result[f"tp{ranks}"][path]
+            assert start["weights_source"] == source, (ranks, path)
+            assert start["ttft_s"] == pytest.approx(start["ready_s"] + start["first_token_s"], abs=2e-3)
+        assert result[f"tp{ranks}"]["cache"]["throughput"]["tokens"] == 8 * 32
+    group = result["tp2"]
+    for path in ("disk", "cache"):  # every rank's own weights line, each from where it was asked
+        assert set(group[path]["ranks"]) == {"0", "1"}
+        assert {r["source"] for r in group[path]["ranks"].values()} == {path}
+    goals = result["goals"]
+    assert goals["rank_weights_from_cache_s_max"] == max(
+        r["weights_s"] for r in group["cache"]["ranks"].values()
+    )
+    assert {"rank_weights_met", "group_over_one_met", "group_over_one_warm_s"} <= set(goals)
+    assert result["same_first_text"]  # one rank and two, from disk and the cache: one first token
+    assert result["throughput_group_over_one"] > 0
+
+
+@pytest.mark.extended
+@pytest.mark.skipif(os.geteuid() != 0, reason="--snapshot starts pods in namespaces of their own: root only")
+@pytest.mark.timeout(1800)  # every path of the benchmark, then a snapshot's preload and five pod starts
+def test_restart_benchmark_times_starts_restored_from_a_snapshot_beside_importing_ones(
+    tmp_path: Path,
+) -> None:
+    argv = [sys.executable, "-m", "keepwarm_runtime.cli", "bench", "restart"]
+    from keepwarm_testing.criu import build_criu
+
+    flags = [
+        "--size-gib",
+        "0.01",
+        "--repeats",
+        "1",
+        "--no-serve",
+        "--snapshot",
+        "--criu",
+        str(build_criu()),
+        "--json",
+    ]
+    result = json.loads(_run([*argv, *flags], tmp_path, timeout=1500).stdout)["snapshot"]
+    assert result["imports_ready_s"] > 0 and result["snapshot_ready_s"] > 0
+    assert result["imports_ready_s_runs"] == [result["imports_ready_s"]]
+    assert result["snapshot_ready_s_runs"] == [result["snapshot_ready_s"]]
+    assert 0 < result["restore_s_runs"][0] < result["snapshot_ready_s"]  # the restore is part of the start
+    assert result["snapshot_bytes"] > 10**8 and "installed" in result["took"]
+
+
+def test_handoff_benchmark_reports_the_restarts_and_that_only_a_reload_imports_torch(tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "bench.handoff", "--models", "1", "--total-gib", "0.02", "--json"]
+    result = json.loads(_run([*argv, "--root", str(tmp_path / "handoff")], tmp_path).stdout)
+
+    assert result["machine"]["cpus"] >= 1 and isinstance(result["machine"]["cpu_features"], list)
+    assert len(result["loadavg_before"]) == len(result["loadavg_after"]) == 3
+    (run,) = result["runs"]
+    for key in ("initial_load_s", "handoff_s", "crash_recovery_s", "reload_s", "adopt_s", "crash_adopt_s"):
+        assert run[key] > 0, key
+    assert run["fallbacks_during_upgrade"] == 0 and run["attaches_during_upgrade"] > 0
+    assert not run["successor_loaded_from_disk"] and not run["crash_restart_loaded_from_disk"]
+    # The successor and the crash restart served everything without importing torch; the daemon that
+    # read the checkpoint did import it (the probe sees torch when it is there).
+    assert run["successor_imported_torch"] is False and run["crash_restart_imported_torch"] is False
+    assert run["reload_imported_torch"] is True
+    assert run["reload_rchar"] > run["rchar"]  # the reload read the weights; the successor headers only
+
+
+def test_operator_scale_benchmark_converges_a_few_deployments_on_the_control_plane(tmp_path: Path) -> None:
+    out = tmp_path / "scale.json"
+    argv = [sys.executable, "bench/operator_scale.py", "--crs", "3", "--nodes", "2", "--create-threads", "2"]
+    flags = ["--settle-s", "1", "--steady-window-s", "3", "--timeout-s", "300", "--json-out", str(out)]
+    _run([*argv, *flags], tmp_path, timeout=900)  # exits 1 unless every CR got its Deployment
+    result = json.loads(out.read_text())
+
+    assert result["crs"] == 3 and result["deployment_latency_s"]["n"] == 3
+    assert result["status_latency_s"]["n"] == 3 and result["operator_peak_rss_mib"] > 0
+    assert "operator_steady_state" in result and "agent_steady_state" in result

@@ -23,6 +23,7 @@ UNIT_LABELS = {
     "percentunit": "ratio",
     "reqps": "req/s",
     "ops": "ops/s",
+    "bool_yes_no": "1 yes, 0 no",
 }
 
 

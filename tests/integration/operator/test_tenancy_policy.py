@@ -166,3 +166,33 @@ def test_an_inline_path_outside_the_prefix_is_refused_by_the_api_server(cluster,
             assert f"source.path {path} must lie under {PREFIX}" in result.stderr, result.stderr
     finally:
         cp.kubectl("delete", "idep", "disk", "-n", ns, "--ignore-not-found", check=False)
+
+
+SNAPSHOT_LABEL = (
+    "keepwarm.dev/snapshot-startup"  # the chart's default tenancyPolicy.snapshotStartupNamespaceLabel
+)
+
+
+def test_snapshot_startup_is_admitted_only_in_namespaces_the_admin_labelled(cluster):
+    """spec.startup.mode Snapshot gives runtime pods CHECKPOINT_RESTORE and SETPCAP: the API server
+    refuses it outside namespaces carrying the chart's label; Imports is admitted anywhere."""
+    cp, tag, _ = cluster
+    labelled, bare = f"{tag}-snap", f"{tag}-bare"
+    cp.kubectl("create", "namespace", labelled)
+    cp.kubectl("label", "namespace", labelled, f"{SNAPSHOT_LABEL}=yes")
+
+    def doc(name: str, ns: str, mode: str) -> dict:
+        body = inference(name, ns, {"source": {"path": f"{PREFIX}/tiny"}})
+        body["spec"]["startup"] = {"mode": mode}
+        return body
+
+    try:
+        refused_once_seen(cp, doc("probe", bare, "Snapshot"), "the snapshot-startup policy acts")
+        refused = create(cp, doc("snap", bare, "Snapshot"))
+        assert refused.returncode != 0
+        assert f"needs namespace {bare} to carry the label {SNAPSHOT_LABEL}" in refused.stderr, refused.stderr
+        assert create(cp, doc("snap", labelled, "Snapshot")).returncode == 0
+        assert create(cp, doc("plain", bare, "Imports")).returncode == 0
+    finally:
+        cp.kubectl("delete", "idep", "plain", "-n", bare, "--ignore-not-found", check=False)
+        cp.kubectl("delete", "namespace", labelled, "--wait=false", check=False)

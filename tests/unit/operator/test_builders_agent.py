@@ -248,3 +248,31 @@ def test_a_hub_mirror_reaches_the_agent_as_hf_endpoint():
     mirror = spec(agent={"huggingFaceEndpoint": "http://hub-mirror.ml.svc:8090"})
     assert env(mirror)["HF_ENDPOINT"] == "http://hub-mirror.ml.svc:8090"
     assert "HF_ENDPOINT" not in env(spec())  # huggingface_hub's own default: huggingface.co
+
+
+def test_snapshot_agents_write_the_store_with_the_capabilities_of_a_take_and_the_holder_gets_none():
+    import argparse
+
+    from keepwarm_runtime.cache.cli import register
+
+    s = spec(snapshots={"enabled": True, "directory": "/srv/snapshots", "budget": "1Gi"})
+    pod = agent_daemonset("llama", s, "ns", OWNER)["spec"]["template"]["spec"]
+    agent, holder = pod["containers"]
+    store = next(v for v in pod["volumes"] if v["name"] == "snapshots")
+    assert store["hostPath"] == {"path": "/srv/snapshots/llama", "type": "DirectoryOrCreate"}
+    assert {"name": "snapshots", "mountPath": "/var/lib/keepwarm/snapshots"} in agent["volumeMounts"]
+    assert agent["securityContext"]["capabilities"]["add"] == [
+        "CHOWN", "FOWNER", "SETUID", "SETGID", "SETPCAP", "CHECKPOINT_RESTORE",
+    ]  # fmt: skip
+    assert agent["securityContext"]["allowPrivilegeEscalation"] is False
+    assert agent["securityContext"]["seccompProfile"] == {"type": "Unconfined"}  # CRIU: no filtered dumps
+    assert holder["securityContext"]["capabilities"]["add"] == ["CHOWN", "FOWNER"]
+    assert "seccompProfile" not in holder["securityContext"]
+    parser = argparse.ArgumentParser(prog="keepwarm")
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(agent["command"][1:])
+    assert args.snapshot_store == "/var/lib/keepwarm/snapshots" and args.snapshot_budget == 1 << 30
+    plain = agent_daemonset("llama", spec(), "ns", OWNER)["spec"]["template"]["spec"]
+    assert "--snapshot-store" not in plain["containers"][0]["command"]
+    assert plain["containers"][0]["securityContext"]["capabilities"]["add"] == ["CHOWN", "FOWNER"]
+    assert "seccompProfile" not in plain["containers"][0]["securityContext"]

@@ -6,7 +6,13 @@ from keepwarm_api.inferencedeployment import InferenceDeploymentSpec
 from keepwarm_api.paths import LORA_LIST_FILE, LORA_LIST_MOUNT
 from keepwarm_api.weightcache import WeightCacheSpec
 from keepwarm_operator.builders.meta import warm_label_key
-from keepwarm_operator.builders.runtime import CacheBinding, lora_list, runtime_deployment, runtime_service
+from keepwarm_operator.builders.runtime import (
+    CacheBinding,
+    lora_list,
+    runtime_deployment,
+    runtime_service,
+    too_few_gpus,
+)
 
 OWNER = {
     "apiVersion": "keepwarm.dev/v1alpha1",
@@ -332,3 +338,100 @@ def test_a_cached_adapter_the_cache_does_not_list_is_named():
     with pytest.raises(ValueError, match="no cached adapter 'nope'"):
         runtime_deployment("chat", "ns", spec, CACHED_BINDING, OWNER)
     assert missing_cached_adapters(idep(lora={**lora, "enabled": False}).lora, CACHE.models[0]) == []
+
+
+def test_a_tensor_parallel_pod_takes_a_gpu_per_rank_its_flags_and_shared_memory():
+    spec = idep(parallelism={"tensor": 4, "expert": True})
+    pod = runtime_deployment("chat", "ns", spec, BINDING, OWNER)["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 4
+    settings = serve_settings(c["command"])  # the runtime's own parser reads what was rendered
+    assert settings.tensor_parallel_size == 4 and settings.enable_expert_parallel
+    shm = next(v for v in pod["volumes"] if v["name"] == "keepwarm-shm")
+    assert shm == {"name": "keepwarm-shm", "emptyDir": {"medium": "Memory"}}
+    assert {"name": "keepwarm-shm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    one = runtime_deployment("chat", "ns", idep(), BINDING, OWNER)["spec"]["template"]["spec"]
+    assert "--tensor-parallel-size" not in one["containers"][0]["command"]
+    assert all(v["name"] != "keepwarm-shm" for v in one["volumes"])
+    cpu = runtime_deployment("chat", "ns", idep(parallelism={"tensor": 2}, gpusPerPod=0), BINDING, OWNER)
+    (c,) = cpu["spec"]["template"]["spec"]["containers"]
+    assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
+    assert serve_settings(c["command"]).tensor_parallel_size == 2
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"parallelism": {"tensor": 4}, "gpusPerPod": 2}, "a pod takes one GPU per rank"),
+        ({"parallelism": {"expert": True}}, "parallelism.expert needs parallelism.tensor > 1"),
+        (
+            {"parallelism": {"tensor": 2}, "lora": {"adapters": []}},
+            "LoRA adapters are served on one rank only",
+        ),
+    ],
+)
+def test_parallelism_that_cannot_work_is_refused_by_name(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        idep(**overrides)
+
+
+def test_a_group_larger_than_every_nodes_gpus_is_refused_naming_the_largest():
+    def node(name, gpus):
+        return {"metadata": {"name": name}, "status": {"allocatable": {"nvidia.com/gpu": str(gpus)}}}
+
+    spec = idep(parallelism={"tensor": 8})
+    assert too_few_gpus(spec, [node("a", 8), node("b", 4)]) is None
+    refusal = too_few_gpus(spec, [node("b", 4), node("a", 4), node("c", 0)])
+    assert (
+        refusal.startswith("parallelism.tensor 8 needs 8 GPUs in one pod") and "the most: 4, on a" in refusal
+    )
+    assert too_few_gpus(spec, [node("cpu", 0)]) is None  # no GPU node to judge by (an autoscaler adds them)
+    assert too_few_gpus(idep(parallelism={"tensor": 8}, gpusPerPod=0), [node("b", 4)]) is None  # CPU ranks
+
+
+SNAPSHOT_CACHE = WeightCacheSpec.model_validate(
+    {**CACHE.wire(), "snapshots": {"enabled": True, "directory": "/srv/snapshots", "budget": "8Gi"}}
+)
+
+
+def test_snapshot_startup_mounts_the_store_read_only_and_gives_only_what_a_restore_needs():
+    spec = idep(startup={"mode": "Snapshot", "restoreTimeoutSeconds": 12})
+    dep = runtime_deployment(
+        "chat", "team-a", spec, CacheBinding("wc1", SNAPSHOT_CACHE, SNAPSHOT_CACHE.models[0]), OWNER
+    )
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    store = next(v for v in pod["volumes"] if v["name"] == "keepwarm-snapshots")
+    assert store["hostPath"]["path"] == "/srv/snapshots/wc1"
+    assert {"name": "keepwarm-snapshots", "mountPath": "/var/lib/keepwarm/snapshots", "readOnly": True} in c[
+        "volumeMounts"
+    ]
+    assert c["securityContext"] == {
+        "allowPrivilegeEscalation": True,
+        "capabilities": {"drop": ["ALL"], "add": ["CHECKPOINT_RESTORE", "SETPCAP"]},
+        "seccompProfile": {"type": "Unconfined"},  # RuntimeDefault answers clone3 with ENOSYS
+    }
+    settings = serve_settings(c["command"])  # the runtime's own parser reads what was rendered
+    assert settings.snapshot_store == "/var/lib/keepwarm/snapshots" and settings.restore_timeout == 12
+    assert settings.cache_socket_dir is None  # the socket directory comes in the environment
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["KEEPWARM_CACHE_SOCKET_DIR"] == "/var/run/keepwarm/wc1"  # where the agent takes requests
+
+
+def test_import_startup_keeps_the_container_unprivileged():
+    (c,) = runtime_deployment("chat", "ns", idep(), BINDING, OWNER)["spec"]["template"]["spec"]["containers"]
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    assert "--snapshot-store" not in c["command"]
+
+
+@pytest.mark.parametrize(
+    ("binding", "said"),
+    [(None, "set spec.model.cacheRef"), (BINDING, "WeightCache 'wc1' does not enable spec.snapshots")],
+)
+def test_snapshot_startup_without_a_store_is_refused_by_name(binding, said):
+    from keepwarm_operator.builders.runtime import snapshot_refusal
+
+    spec = idep(startup={"mode": "Snapshot"})
+    assert said in snapshot_refusal(spec, binding)
+    with pytest.raises(ValueError, match=r"spec\.startup\.mode Snapshot"):
+        runtime_deployment("chat", "ns", spec, binding, OWNER)

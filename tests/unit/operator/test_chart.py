@@ -70,9 +70,9 @@ def test_values_files_change_what_renders():
             "RoleBinding",
             "Service",
             "ServiceAccount",
-            *["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"] * 3,
+            *["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"] * 4,
         ]
-    )  # fmt: skip (agent-own-node, cache-namespaces, inline-path)
+    )  # fmt: skip (agent-own-node, cache-namespaces, inline-path, snapshot-startup)
     assert "ValidatingAdmissionPolicy" not in kinds["minimal-values"]
     full = next(d for d in render(CHART / "ci" / "full-values.yaml") if d["kind"] == "Deployment")
     args = full["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -207,3 +207,21 @@ def test_operator_pod_names_its_kopf_identity():
     env = {e["name"]: e for e in container["env"]}
     assert env["POD_ID"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == 65532
+
+
+def _snapshot_policy(label: str | None) -> dict:
+    values = {} if label is None else {"tenancyPolicy": {"snapshotStartupNamespaceLabel": label}}
+    out = helm.Chart.load(CHART).render(values, name="kw", namespace="keepwarm-system", is_install=True)
+    docs = [d for name, t in out.items() if name.endswith(".yaml") for d in yaml.safe_load_all(t) if d]
+    return next(d for d in docs if d.get("metadata", {}).get("name") == "kw-keepwarm-snapshot-startup")
+
+
+@pytest.mark.parametrize(
+    ("label", "cel"), [(None, '"keepwarm.dev/snapshot-startup"'), ("", '""'), ("a/b", '"a/b"')]
+)
+def test_the_snapshot_startup_label_reaches_its_policy_as_a_cel_string(label, cel):
+    """Default: namespaces labelled keepwarm.dev/snapshot-startup; empty refuses Snapshot startup."""
+    policy = _snapshot_policy(label)
+    variables = {v["name"]: v["expression"] for v in policy["spec"]["variables"]}
+    assert variables["label"] == cel
+    assert "object.spec.startup.mode == 'Snapshot'" in policy["spec"]["matchConditions"][0]["expression"]

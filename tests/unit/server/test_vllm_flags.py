@@ -66,6 +66,15 @@ def test_vllm_spellings_of_flags_keepwarm_implements():
     assert cli.engine_config(parse(["/m", "--dtype", "float"])).dtype == "float32"
 
 
+def test_vllms_parallel_flags_and_their_short_forms_are_keepwarms():
+    for argv in (["--tensor-parallel-size", "2", "--enable-expert-parallel"], ["-tp", "2", "-ep"]):
+        config = cli.engine_config(parse(["/m", *argv]))
+        assert (config.tensor_parallel_size, config.enable_expert_parallel) == (2, True), argv
+    unset = cli.engine_config(parse(["/m"]))
+    assert (unset.tensor_parallel_size, unset.enable_expert_parallel) == (1, False)
+    assert "tensor_parallel_size" not in unset.given
+
+
 def test_prefix_caching_is_vllms_flag_both_ways():
     assert "enable_prefix_caching" not in cli.engine_config(parse(["/m"])).given
     assert cli.engine_config(parse(["/m", "--no-enable-prefix-caching"])).enable_prefix_caching is False

@@ -136,7 +136,7 @@ def test_reference_tables_are_generated_from_the_declarations():
         text = page.read_text()
         assert tables.rewrite(text, page) == text, f"{page} drifted: run python scripts/flag_tables.py"
     assert "| `--max-num-seqs` | `KEEPWARM_MAX_NUM_SEQS` |" in tables.FLAGS_PAGE.read_text()
-    assert "| `--tensor-parallel-size`, `-tp` | refused |" in tables.VLLM_PAGE.read_text()
+    assert "| `--pipeline-parallel-size`, `-pp` | refused |" in tables.VLLM_PAGE.read_text()
     with pytest.raises(ValueError, match="flags:vllm"):
         tables.rewrite("no markers", tables.VLLM_PAGE)
 

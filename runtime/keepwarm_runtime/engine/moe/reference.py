@@ -75,9 +75,15 @@ class ExpertWeights:
         return torch.cat([gate_up[half:], gate_up[:half]])
 
 
+# An expert id meaning "held by another rank" (expert parallel, engine/parallel/layers.py): the pair
+# is skipped here and contributes zero; the all-reduce after the experts adds the rank that holds it.
+ROUTED_ELSEWHERE = -1
+
+
 def route_pairs(top_k_index: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-    """(permutation that sorts the flattened (token, slot) pairs by expert, pairs per expert)."""
-    flat = top_k_index.reshape(-1)
+    """(permutation that sorts the flattened (token, slot) pairs by expert, pairs per expert); pairs
+    ROUTED_ELSEWHERE sort first and are counted in the first entry, before expert 0's."""
+    flat = top_k_index.reshape(-1) + 1  # ROUTED_ELSEWHERE -> bucket 0
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=1).tolist()  # the one host sync per layer
     return order, counts
@@ -94,12 +100,16 @@ def reference_moe(
     tokens, k = top_k_index.shape
     if tokens == 0:
         return torch.zeros_like(hidden)
-    if int(top_k_index.max()) >= weights.num_experts or int(top_k_index.min()) < 0:
-        raise ValueError(f"routed expert ids must lie in [0, {weights.num_experts})")
-    order, counts = route_pairs(top_k_index)
+    if int(top_k_index.max()) >= weights.num_experts or int(top_k_index.min()) < ROUTED_ELSEWHERE:
+        raise ValueError(
+            f"routed expert ids must lie in [0, {weights.num_experts}) "
+            f"(or be ROUTED_ELSEWHERE, {ROUTED_ELSEWHERE})"
+        )
+    order, (elsewhere, *counts) = route_pairs(top_k_index)
     rows = hidden.repeat_interleave(k, dim=0)[order]  # [T*k, H], grouped by expert
     out = torch.empty_like(rows)
-    start = 0
+    out[:elsewhere] = 0
+    start = elsewhere
     for e, n in enumerate(counts):
         if n == 0:
             continue
