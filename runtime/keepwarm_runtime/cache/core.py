@@ -160,9 +160,7 @@ class DaemonCore:
         try:
             with self._load_lock:
                 current = self.registry.get(name)
-                if current is not None and self._still_resident(
-                    current, path, kind, quantization, sharding
-                ):
+                if current is not None and self._still_resident(current, path, kind, quantization, sharding):
                     current.pinned = current.pinned or pin
                 else:
                     self._load(path, name, pin, evict, quantization, kind, sharding)

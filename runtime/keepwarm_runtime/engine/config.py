@@ -59,6 +59,9 @@ class EngineConfig:
     seed: int = 0  # seeds sampling of requests that set no seed of their own
     enable_prefix_caching: bool = True  # share KV blocks between requests with a common prompt prefix
     kv_cache_memory_gib: float = 1.0  # CPU: KV-cache budget when num_kv_blocks is None
+    # CPU bfloat16 with native bf16 (AVX-512 BF16, AMX): keep oneDNN's packed copy of each linear weight
+    # (faster steps; as much private memory again as the linear layers) (engine/cpu_linear.py)
+    cpu_packed_weights: bool = True
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of total memory weights + KV cache may use
     max_prompt_logprobs_len: int = count(32768)  # longest prompt whose prompt logprobs a request may ask for
     enable_lora: bool = False  # serve PEFT LoRA adapters per request (engine/lora)

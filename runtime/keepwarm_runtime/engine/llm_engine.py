@@ -30,7 +30,12 @@ from keepwarm_runtime.engine.attention.select import select_backend
 from keepwarm_runtime.engine.block_manager import BlockManager
 from keepwarm_runtime.engine.capabilities import EngineCapabilities
 from keepwarm_runtime.engine.config import EngineConfig
-from keepwarm_runtime.engine.cpu_linear import use_weight_major_linear
+from keepwarm_runtime.engine.cpu_linear import (
+    LinearPacker,
+    packed_weights_supported,
+    use_packed_linear,
+    use_weight_major_linear,
+)
 from keepwarm_runtime.engine.detokenizer import IncrementalDetokenizer, find_stop
 from keepwarm_runtime.engine.host_memory import keep_freed_memory
 from keepwarm_runtime.engine.kv_cache import allocate_kv_cache, num_blocks_for, probe_kv_specs
@@ -83,8 +88,12 @@ class LLMEngine:
         if self.device.type == "cpu":
             keep_freed_memory()  # a step's large temporaries reuse heap memory (engine/host_memory.py)
         self.model, info = load_model(config, profile, prefetch)
-        if self.device.type == "cpu":
-            use_weight_major_linear(self.model)  # few-token steps (engine/cpu_linear.py)
+        packed: list = []
+        if self.device.type == "cpu":  # engine/cpu_linear.py
+            use_weight_major_linear(self.model)  # float32: few-token steps weight-major
+            if config.cpu_packed_weights and packed_weights_supported():
+                packed = use_packed_linear(self.model)  # bfloat16: oneDNN's packed weights
+        self.linear_packer = LinearPacker(packed)
         self.load_info: LoadInfo = info
         self.moe_backends = {c.module: c.backend for c in info.moe}  # experts module -> MoE backend
         self.model_name = config.model_dir
@@ -137,6 +146,7 @@ class LLMEngine:
         self._unencoded: list[_Request] = []  # arrived with audio; step() encodes it first
         self._token_text: dict[int, str] = {}  # decoded single tokens, for logprob alternatives
         profile.mark("kv_alloc")
+        self.linear_packer.start()  # in the background: steps use each layer once it is packed
         log.info(
             "engine ready: %s from %s in %.2fs, %d KV blocks x %d tokens, attention %s",
             config.model_dir,

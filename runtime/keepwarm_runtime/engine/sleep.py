@@ -76,6 +76,7 @@ def sleep(engine: LLMEngine, level: int) -> SleepReport:
     # The block manager stays (stats read it; every block is free): wake replaces it, since the
     # prefix cache it indexes is gone with the KV cache.
     if release:
+        engine.linear_packer.drop()  # packed copies are private memory (engine/cpu_linear.py)
         _to_meta(engine.model)
     if level == 2:
         engine._token_text.clear()
@@ -91,6 +92,7 @@ def wake(engine: LLMEngine, weights_released: bool) -> float:
     if weights_released:
         res = attach(**attach_request(config).arguments())
         fill_parameters(engine.model, res.tensors, res.aliases)
+        engine.linear_packer.start()
         log.info(
             "woke: weights from %s in %.2fs%s",
             res.source,

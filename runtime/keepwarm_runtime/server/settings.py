@@ -197,6 +197,11 @@ class ServeSettings:
     kv_cache_memory_gib: float | None = engine(
         None, "CPU KV-cache budget in GiB when --num-kv-blocks is unset"
     )
+    cpu_packed_weights: bool | None = engine(
+        None,
+        "CPU bfloat16 on AVX-512 BF16/AMX: keep oneDNN's packed copy of each linear weight, made in the "
+        "background after load (faster steps, as much memory again as the linear layers; engine: on)",
+    )
     gpu_memory_utilization: float | None = engine(
         None, "CUDA: fraction of GPU memory for weights + KV cache", shared=True
     )

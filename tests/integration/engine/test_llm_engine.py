@@ -1,5 +1,6 @@
 """LLMEngine behaviour on a real tiny checkpoint: stops, n, logprobs, abort, preemption, prefix cache,
-chat, and weights from the node cache giving the same tokens as weights from disk."""
+chat, weights from the node cache giving the same tokens as weights from disk, and packed bfloat16
+weights giving the same tokens and logprobs as unpacked ones, through a sleep and a wake."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from keepwarm_runtime import LLM, SamplingParams
 from keepwarm_runtime.engine.config import EngineConfig
+from keepwarm_runtime.engine.cpu_linear import PackedLinear, packed_weights_supported
 from keepwarm_runtime.engine.llm_engine import LLMEngine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -150,3 +152,32 @@ def test_bad_requests_are_rejected_clearly(model_dir) -> None:
         engine.add_request("b", [], SamplingParams())
     with pytest.raises(ValueError, match="token ids must be in"):
         engine.add_request("c", [10**9], SamplingParams())
+
+
+@pytest.mark.skipif(not packed_weights_supported(), reason="oneDNN has no native bfloat16 here")
+def test_packed_bfloat16_weights_give_the_tokens_and_logprobs_of_unpacked_ones(make_tiny) -> None:
+    from keepwarm_runtime.engine.sleep import sleep, wake
+
+    model_dir = make_tiny("llama", "bfloat16")
+    kwargs = {"dtype": "bfloat16", "block_size": 4, "num_kv_blocks": 256}
+    plain = LLM(model_dir, cpu_packed_weights=False, **kwargs)
+    packed = LLM(model_dir, **kwargs)
+    assert not plain.engine.linear_packer.layers
+    packer = packed.engine.linear_packer
+    packer.thread.join(timeout=120)
+    assert packer.layers and all(layer._packed is not None for layer in packer.layers)
+    assert not any(isinstance(m, PackedLinear) for m in plain.engine.model.modules())
+
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True)
+    batch = prompts(6, length=9, seed=3)  # prefill and decode steps of several rows, and single rows
+    want = plain.generate(batch, params)
+    got = packed.generate(batch, params)
+    assert tokens(got) == tokens(want)
+    assert [o.outputs[0].logprobs for o in got] == [o.outputs[0].logprobs for o in want]
+
+    report = sleep(packed.engine, level=2)  # weights read from disk: level 2 lets them go
+    assert report.weights_released and all(layer._packed is None for layer in packer.layers)
+    wake(packed.engine, report.weights_released)
+    packer.thread.join(timeout=120)
+    assert all(layer._packed is not None for layer in packer.layers)
+    assert tokens(packed.generate(batch, params)) == tokens(want)

@@ -56,7 +56,7 @@ def test_cpu_runtime_takes_the_runtime_wheel_and_torch_from_the_cpu_index():
     assert stage.base.startswith("debian:") and "cuda" not in stage.base
     assert DF.args["TORCH_CPU_INDEX"].endswith("/whl/cpu")
     install = " ".join(stage.all("RUN"))
-    assert 'torch==${TORCH_VERSION}' in install and "--index-url \"$TORCH_CPU_INDEX\"" in install
+    assert "torch==${TORCH_VERSION}" in install and '--index-url "$TORCH_CPU_INDEX"' in install
     assert "flashinfer" not in install and "[gpu" not in install
 
 
