@@ -72,23 +72,19 @@ USER 65532:65532
 ENTRYPOINT ["keepwarm-operator"]
 CMD ["run"]
 
-# -- criu: CRIU for process snapshots (docs/snapshots.md) ------------------------------------------
+# -- criu, criu-cpu: CRIU for process snapshots (docs/snapshots.md) -------------------------------
 # Built by the script that builds it for the tests (scripts/criu/build.sh: Debian's upstream tarball of
-# CRIU, pinned by sha256), on the runtime's own base so the binary links the libraries that base has;
-# it also lists the packages of those libraries, which the runtime stage installs.
+# CRIU, pinned by sha256), on each runtime's own base so the binary links the libraries that base has;
+# scripts/criu/image.sh also lists the packages of those libraries, which the runtime stage installs.
 FROM ${CUDA_IMAGE} AS criu
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 COPY scripts/criu/ /src/criu/
-# hadolint ignore=DL3008,SC2046
-RUN apt-get update \
- && apt-get install -y --no-install-recommends $(bash /src/criu/build.sh --build-deps) \
- && bin="$(KEEPWARM_CRIU_CACHE=/tmp/criu bash /src/criu/build.sh | tail -1)" \
- && install -D -m 0755 "$bin/criu" /opt/criu/criu \
- && for lib in $(ldd /opt/criu/criu | awk '$3 ~ /^\// {print $3}'); do \
-      real="$(realpath "$lib")"; \
-      for path in "$lib" "$real" "${real#/usr}" "/usr$lib"; do dpkg -S "$path" 2>/dev/null && break; done; \
-    done | cut -d: -f1 | sort -u > /opt/criu/runtime-packages \
- && rm -rf /tmp/criu /var/lib/apt/lists/*
+RUN bash /src/criu/image.sh build /opt/criu
+
+FROM ${DEBIAN_IMAGE} AS criu-cpu
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+COPY scripts/criu/ /src/criu/
+RUN bash /src/criu/image.sh build /opt/criu
 
 # -- runtime: `keepwarm cache serve` (node agent) and `keepwarm serve` (inference) ----------------
 FROM ${CUDA_IMAGE} AS runtime
@@ -130,18 +126,9 @@ RUN pip install "torch==${TORCH_VERSION}" \
       "/tmp/wheels/keepwarm_api-${KEEPWARM_VERSION}-py3-none-any.whl" \
       "/tmp/wheels/keepwarm_runtime-${KEEPWARM_VERSION}-py3-none-any.whl[gpu,structured,kubernetes,audio]" \
  && rm -rf /tmp/wheels
-# CRIU, with the file capabilities a runtime pod's restore uses (CHECKPOINT_RESTORE, SETPCAP: granted
-# only where the pod adds them to its bounding set and allows privilege escalation; the node agent
-# runs it with an ambient capability instead). Checked before setcap: a capability-aware exec of it
-# fails (EPERM) wherever the bounding set lacks them, as in a build. setpriv is the base's util-linux.
+# CRIU, with the file capabilities a runtime pod's restore uses (scripts/criu/image.sh).
 COPY --from=criu /opt/criu/ /opt/criu/
-# hadolint ignore=DL3008,SC2046
-RUN apt-get update \
- && apt-get install -y --no-install-recommends libcap2-bin $(cat /opt/criu/runtime-packages) \
- && install -m 0755 /opt/criu/criu /usr/local/sbin/criu \
- && criu --version \
- && setcap cap_checkpoint_restore,cap_setpcap+ep /usr/local/sbin/criu \
- && rm -rf /opt/criu /var/lib/apt/lists/*
+RUN bash /opt/criu/image.sh install /opt/criu
 USER 10001:10001
 WORKDIR /home/keepwarm
 EXPOSE 8000
@@ -175,6 +162,9 @@ RUN apt-get update \
  && pip install "uv==${UV_VERSION}"
 RUN groupadd --gid 10001 keepwarm \
  && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin keepwarm
+# CRIU, as in the GPU runtime (scripts/criu/image.sh); before the heavy layers, so it stays cached.
+COPY --from=criu-cpu /opt/criu/ /opt/criu/
+RUN bash /opt/criu/image.sh install /opt/criu
 # The third-party packages come from the pyproject files alone, before keepwarm's own wheels, so a change
 # to keepwarm's code rebuilds (and a node pulls) only the last, small layer. torch first and pinned, from
 # its CPU index; then the runtime's dependencies and CPU extras (keepwarm's own packages left out here).

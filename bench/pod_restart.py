@@ -4,22 +4,28 @@
 
 Needs root: two real nodes on this machine (keepwarm_testing.node: the kubelet on containerd and runc,
 the Dockerfile's images pulled from a registry on loopback); `helm install` of the chart; a host-tier
-WeightCache selecting one node only (the warm node); the model generated under modelDirectory (both
-nodes' filesystem is this machine's). Per mode, one InferenceDeployment of
-one replica: `warm` attaches through the cache (cacheRef), `cold` names the same directory as its
-own source (no cache: weights from disk). Before every case the checkpoint's files are evicted from
+WeightCache selecting one node only (the warm node), with its process snapshot store on; the model
+generated under modelDirectory (both nodes' filesystem is this machine's). Per mode, one
+InferenceDeployment of one replica: `warm` attaches through the cache (cacheRef), `snapshot` too and
+restores its supervising parent from the warm node's snapshot (spec.startup.mode Snapshot, after the
+first pod's snapshot is taken: docs/snapshots.md), `cold` names the same directory as its own source
+(no cache: weights from disk). Before every case the checkpoint's files are evicted from
 the page cache (posix_fadvise DONTNEED on each file: a node whose disk cache does not hold the
 weights, while the image's own files stay cached as on a node that ran the image before).
 Per case the clock starts at the action and stops at the new pod's Ready (polled every 50 ms) and at
 its first token (the official `openai` client, polling after Ready). One JSON object:
-  runs[]: size_params, size_gib, case (delete | crash | scale_from_zero), mode (warm | cold), node
+  runs[]: size_params, size_gib, case (delete | crash | scale_from_zero), mode (warm | snapshot |
+          cold), node
           (where the new pod landed), pod_ready_s, first_token_s, container_start_s (the action to
           the new container's first process: scheduling, the kubelet, the sandbox, CNI, runc),
           parent_imports_s (that process's start to its serving worker's fork: the supervising
           parent's imports),
           process_ready_s (the worker's fork to ready, keepwarm_process_start_to_ready_seconds),
           ready_lag_s (pod Ready minus the worker's ready instant: what probes and the kubelet add),
-          phases (keepwarm_startup_phase_seconds). Instants are on the boot clock, to 10 ms.
+          phases (keepwarm_startup_phase_seconds), startup_source (keepwarm_startup_source_total's
+          source and reason: snapshot/hit, or imports/why), restore_s (the pod's start until the
+          restored parent resumed: the phase `restore`; null when it imported).
+          Instants are on the boot clock, to 10 ms.
 A benchmark, not a test: nothing here asserts speed.
 """
 
@@ -112,11 +118,13 @@ def size_gib(model_dir: Path) -> float:
     return round(sum(p.stat().st_size for p in model_dir.glob("*.safetensors")) / 2**30, 3)
 
 
-def runtime_metrics(pod: dict[str, Any]) -> tuple[float, dict[str, float]]:
+def runtime_metrics(pod: dict[str, Any]) -> tuple[float, dict[str, float], str]:
+    """The serving worker's fork-to-ready, its startup phases, and how its parent came up."""
     text = httpx.get(f"http://{pod['status']['podIP']}:8000/metrics", timeout=30).text
     ready_s = samples(text, "keepwarm_process_start_to_ready_seconds")[0].value
     phases = {s.labels["phase"]: round(s.value, 3) for s in samples(text, "keepwarm_startup_phase_seconds")}
-    return ready_s, phases
+    sources = [s.labels for s in samples(text, "keepwarm_startup_source_total") if s.value > 0]
+    return ready_s, phases, ",".join(f"{s['source']}/{s['reason']}" for s in sources)
 
 
 def measure(
@@ -153,7 +161,7 @@ def measure(
     pod_ready = clock()
     first_token(pod, "tiny")
     token = clock()
-    process_ready_s, phases = runtime_metrics(pod)
+    process_ready_s, phases, source = runtime_metrics(pod)
     pid1 = cp.nodes.container_pid(pod)
     started, serving_started = process_start(pid1), process_start(serving_process(pid1))
     runtime_ready = serving_started + process_ready_s
@@ -163,16 +171,17 @@ def measure(
         "first_token_s": round(token - t0, 3), "container_start_s": round(started - t0, 3),
         "parent_imports_s": round(serving_started - started, 3),
         "process_ready_s": round(process_ready_s, 3), "ready_lag_s": round(pod_ready - runtime_ready, 3),
-        "phases": phases,
+        "phases": phases, "startup_source": source, "restore_s": phases.get("restore"),
     }  # fmt: skip
 
 
 def deployment(name: str, mode: str) -> dict[str, Any]:
     model = (
-        {"cacheRef": WC, "name": "tiny"}
-        if mode == "warm"
-        else {"name": "tiny", "source": {"path": MODEL_DIR}}
+        {"name": "tiny", "source": {"path": MODEL_DIR}}
+        if mode == "cold"
+        else {"cacheRef": WC, "name": "tiny"}
     )
+    startup = {"mode": "Snapshot" if mode == "snapshot" else "Imports"}
     return {
         "apiVersion": "keepwarm.dev/v1alpha1",
         "kind": "InferenceDeployment",
@@ -183,8 +192,17 @@ def deployment(name: str, mode: str) -> dict[str, Any]:
             "gpusPerPod": 0,
             "image": RUNTIME_IMAGE,
             "runtime": {"maxModelLen": 256},
+            "startup": startup,
         },
     }
+
+
+def snapshots_on(cp: ControlPlane, node: str) -> list[dict[str, Any]]:
+    """The snapshots the node's WeightCacheNode reports (status.snapshots)."""
+    wcns = items(cp, f"{GROUP_PATH}/weightcachenodes?labelSelector=keepwarm.dev/weightcache={WC}")
+    return [
+        s for w in wcns if w["spec"].get("nodeName") == node for s in w.get("status", {}).get("snapshots", [])
+    ]
 
 
 def run(params: str, cases: list[str], modes: list[str]) -> dict[str, Any]:
@@ -200,6 +218,7 @@ def run(params: str, cases: list[str], modes: list[str]) -> dict[str, Any]:
             "nodeSelector": {"bench-cache": "on"},
             "agent": {"image": RUNTIME_IMAGE, "gpuAccess": {"mode": "None"}},
             "models": [{"name": "tiny", "source": {"path": MODEL_DIR}, "pin": True}],
+            "snapshots": {"enabled": "snapshot" in modes},
         }
         cache = {"apiVersion": "keepwarm.dev/v1alpha1", "kind": "WeightCache", "metadata": {"name": WC}}
         cache["spec"] = cache_spec
@@ -216,6 +235,8 @@ def run(params: str, cases: list[str], modes: list[str]) -> dict[str, Any]:
             name = f"bench-{mode}"
             cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(deployment(name, mode)))
             wait(lambda name=name: [p for p in runtime_pods(cp, name) if ready(p)])
+            if mode == "snapshot":  # the first pod imported and asked for one: taken beside it
+                wait(lambda: snapshots_on(cp, warm_node))
             for case in cases:
                 runs.append(measure(cp, name, case, mode, params, models))
                 print(json.dumps(runs[-1]), file=sys.stderr)
@@ -230,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
         "--params", default="1M", help="model sizes for keepwarm_runtime.modelgen, comma-separated (500M,1B)"
     )
     parser.add_argument("--cases", default="delete,crash,scale_from_zero")
-    parser.add_argument("--modes", default="warm,cold")
+    parser.add_argument("--modes", default="warm,snapshot,cold")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args(argv)
     if os.geteuid() != 0:

@@ -24,7 +24,7 @@ import openai
 import yaml
 
 from keepwarm_api.inferencedeployment import DEFAULT_CPU_IMAGE
-from keepwarm_api.weightcache import WeightCacheSpec
+from keepwarm_api.weightcache import DEFAULT_SNAPSHOT_DIRECTORY, WeightCacheSpec
 from keepwarm_testing.controlplane.build import build_control_plane
 from keepwarm_testing.controlplane.cluster import ControlPlane
 from keepwarm_testing.operator import CHART, GROUP_PATH, NAMESPACE, RELEASE, condition, items, samples
@@ -34,12 +34,13 @@ MODEL_DIR = "/var/lib/models/tiny"  # on the node, under the WeightCache's defau
 PROMPT = [{"role": "user", "content": "Say something."}]
 OPERATOR = "app.kubernetes.io/name=keepwarm-operator"
 RUNTIME_IMAGE = DEFAULT_CPU_IMAGE  # the nodes run CPU pods: the Dockerfile's runtime-cpu target
-# The node folders a cluster writes to (models, the agents' socket directories and downloads): what it
-# adds there goes when it stops.
+# The node folders a cluster writes to (models, the agents' socket directories, downloads and process
+# snapshots): what it adds there goes when it stops.
 HOST_PATHS = (
     Path("/var/lib/models"),
     Path("/var/run/keepwarm"),
     Path(WeightCacheSpec.model_fields["download_directory"].default),
+    Path(DEFAULT_SNAPSHOT_DIRECTORY),
 )
 
 

@@ -6,7 +6,10 @@ chart's Deployment pod, as its ServiceAccount); a host-tier WeightCache with a m
 modelDirectory (and a LoRA adapter of it) and one from the Hub (keepwarm_testing.hub on the pod bridge,
 named as the cache's Hub mirror; the agent DaemonSet pod runs `keepwarm cache serve`); an
 InferenceDeployment of 2 replicas serving the model and that cached adapter (pods run `keepwarm serve`
-as rendered), whose adapter list then changes with no rollout. The official `openai` client talks to
+as rendered), whose adapter list then changes with no rollout. Process snapshots are on (the cache's
+spec.snapshots, the deployment's spec.startup.mode Snapshot): the first pods import and the agent takes
+one snapshot, and every pod a delete, a crash or a scale-up brings is restored from it
+(docs/snapshots.md). The official `openai` client talks to
 each pod IP; the agent pod is restarted and then a spec change rolls the pods while client threads send
 requests all along. The steps share state and run in order.
 """
@@ -103,6 +106,7 @@ def test_weightcache_agent_pod_makes_the_node_ready(
     ]
     hub_source = {"huggingFace": {"repo": HUB_REPO, "revision": "main"}}
     cache["spec"]["models"].append({"name": HUB_MODEL, "source": hub_source})
+    cache["spec"]["snapshots"] = {"enabled": True}
     apply(cp, cache)
 
     def adapter_resident(wcn: dict[str, Any]) -> bool:
@@ -159,8 +163,12 @@ def test_inference_pods_answer_from_the_node_cache(journey: SimpleNamespace) -> 
     dep = cpu_inference_deployment(IDEP, APPS, WC, replicas=2)
     adapters = [{"name": ADAPTER, "source": {"cached": ADAPTER}}]  # the WeightCache's adapter
     dep["spec"]["lora"] = {"maxLoras": 2, "maxLoraRank": 8, "adapters": adapters}
+    dep["spec"]["startup"] = {"mode": "Snapshot"}
     apply(cp, dep)
     ready = cp.wait_for(lambda: ready_pods(cp, APPS, RUNTIME, 2), timeout_s=300, what="2 runtime pods Ready")
+    # Nothing to restore yet: both imported, and the agent took one snapshot for them (single flight).
+    assert all(set(metric(p, "keepwarm_startup_source_total")) == {"imports"} for p in ready)
+    cp.wait_for(lambda: len(snapshots(cp)) == 1, timeout_s=300, what="the node's snapshot taken")
     answers = {answer(p) for p in ready}
     assert len(answers) == 1 and answers != {""}
     journey.answer = answers.pop()
@@ -217,7 +225,8 @@ def test_a_new_adapter_list_reaches_the_serving_pods_without_a_rollout(journey: 
 
 def test_deleted_pod_is_replaced_and_answers_identically(journey: SimpleNamespace) -> None:
     cp = journey.cp
-    victim = ready_pods(cp, APPS, RUNTIME, 2)[0]
+    before = ready_pods(cp, APPS, RUNTIME, 2)
+    victim = before[0]
     cp.kubectl("delete", "pod", "-n", APPS, victim["metadata"]["name"], "--wait=true", timeout=120)
     fresh = cp.wait_for(
         lambda: (
@@ -230,6 +239,19 @@ def test_deleted_pod_is_replaced_and_answers_identically(journey: SimpleNamespac
     )
     for pod in fresh:
         assert answer(pod) == journey.answer
+    (new,) = [p for p in fresh if p["metadata"]["uid"] not in {b["metadata"]["uid"] for b in before}]
+    assert restored(new), metric(new, "keepwarm_startup_source_total")
+
+
+def restored(pod: dict[str, Any]) -> bool:
+    """The pod's supervising parent came from the node's snapshot, not from its own imports."""
+    return metric(pod, "keepwarm_startup_source_total") == {"snapshot": 1.0}
+
+
+def snapshots(cp: ControlPlane) -> list[dict[str, Any]]:
+    """The snapshots the journey's WeightCacheNode reports (status.snapshots)."""
+    wcn = resident_node(cp, WC) or {}
+    return (wcn.get("status") or {}).get("snapshots", [])
 
 
 def test_killed_worker_is_replaced_inside_the_running_container(journey: SimpleNamespace) -> None:
@@ -264,6 +286,7 @@ def test_killed_runtime_restarts_in_place_and_answers(journey: SimpleNamespace) 
     last = again["status"]["containerStatuses"][0]["lastState"]["terminated"]
     assert last["exitCode"] == 137
     assert answer(again) == journey.answer
+    assert restored(again)  # the restarted container restored its parent too
 
 
 def test_scale_to_zero_and_back(journey: SimpleNamespace) -> None:
@@ -274,6 +297,9 @@ def test_scale_to_zero_and_back(journey: SimpleNamespace) -> None:
     (pod,) = cp.wait_for(lambda: ready_pods(cp, APPS, RUNTIME, 1), timeout_s=300, what="1 runtime pod Ready")
     assert answer(pod) == journey.answer
     assert set(metric(pod, "keepwarm_weight_load_seconds")) == {"cache"}
+    assert restored(pod)
+    (taken,) = snapshots(cp)  # one snapshot served every restore: delete, crash and scale-up
+    assert taken["restores"] >= 3, taken
 
 
 # How stale an endpoints consumer's view may be: each client thread re-reads the pods from the API

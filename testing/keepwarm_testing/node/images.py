@@ -36,7 +36,7 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "keepwa
 SUITE, MIRROR = "bookworm", "http://deb.debian.org/debian"
 BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates")
 TRUST_STORE = Path("/etc/ssl/certs/ca-certificates.crt")
-CONTEXT = ("api", "runtime", "operator")  # what .dockerignore lets into the build context
+CONTEXT = ("api", "runtime", "operator", "scripts/criu")  # what .dockerignore lets into the build context
 SKIPPED = ("__pycache__", ".egg-info", "/build/", "/dist/")
 TARGETS = ("operator", "runtime-cpu")
 # Where buildah keeps a `RUN --mount=type=cache,target=/root/.cache/uv` between builds.

@@ -52,7 +52,7 @@ def test_cpu_runtime_takes_the_runtime_wheel_and_torch_from_the_cpu_index():
     image, torch pinned, from the CPU index unless a build names another, on a Debian base without CUDA."""
     stage = DF.stages["runtime-cpu"]
     sources = {m.group(1) for c in stage.all("COPY") if (m := re.search(r"--from=(\S+)", c))}
-    assert sources == {"runtime-wheel"}
+    assert sources == {"runtime-wheel", "criu-cpu"}
     assert stage.base.startswith("debian:") and "cuda" not in stage.base
     assert DF.args["TORCH_CPU_INDEX"].endswith("/whl/cpu")
     install = " ".join(stage.all("RUN"))
@@ -181,13 +181,16 @@ def test_every_stage_that_installs_with_uv_compiles_bytecode():
             assert any("UV_COMPILE_BYTECODE=1" in env for env in stage.all("ENV")), stage.name
 
 
-def test_the_runtime_carries_criu_built_by_the_tests_build_script_with_the_restores_capabilities():
-    """One build of CRIU for the tests and the image (scripts/criu/build.sh pins its source), on the
-    runtime's own base, installed with the file capabilities a pod's restore uses."""
-    criu = DF.stages["criu"]
-    assert criu.base == DF.stages["runtime"].base
-    assert any("scripts/criu/" in c for c in criu.all("COPY"))
-    runs = " ".join(criu.all("RUN"))
-    assert "build.sh --build-deps" in runs and "build.sh | tail -1" in runs
-    runtime = " ".join(DF.stages["runtime"].all("RUN"))
-    assert "setcap cap_checkpoint_restore,cap_setpcap+ep /usr/local/sbin/criu" in runtime
+def test_the_runtimes_carry_criu_built_by_the_tests_build_script_with_the_restores_capabilities():
+    """One build of CRIU for the tests and both runtime images (scripts/criu/build.sh pins its source),
+    each on its runtime's own base, installed with the file capabilities a pod's restore uses."""
+    for stage, runtime in (("criu", "runtime"), ("criu-cpu", "runtime-cpu")):
+        criu = DF.stages[stage]
+        assert criu.base == DF.stages[runtime].base, stage
+        assert any("scripts/criu/" in c for c in criu.all("COPY"))
+        assert " ".join(criu.all("RUN")) == "bash /src/criu/image.sh build /opt/criu"
+        assert any(f"--from={stage} /opt/criu/" in c for c in DF.stages[runtime].all("COPY")), runtime
+        assert "bash /opt/criu/image.sh install /opt/criu" in DF.stages[runtime].all("RUN"), runtime
+    script = (ROOT / "scripts/criu/image.sh").read_text()
+    assert 'bash "$here/build.sh" --build-deps' in script and 'bash "$here/build.sh" | tail -1' in script
+    assert "setcap cap_checkpoint_restore,cap_setpcap+ep /usr/local/sbin/criu" in script
