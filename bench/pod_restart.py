@@ -47,7 +47,7 @@ import yaml
 
 from keepwarm_testing.controlplane.build import build_control_plane
 from keepwarm_testing.controlplane.cluster import ControlPlane
-from keepwarm_testing.e2e import RUNTIME_IMAGE, host_paths_restored, node_model
+from keepwarm_testing.e2e import RUNTIME_IMAGE, create_namespace, host_paths_restored, node_model
 from keepwarm_testing.operator import CHART, GROUP_PATH, NAMESPACE, RELEASE, condition, items, samples
 
 WC, APPS, MODEL_DIR, POLL_S = "bench", "bench-apps", "/var/lib/models/bench", 0.05
@@ -230,7 +230,7 @@ def run(params: str, cases: list[str], modes: list[str]) -> dict[str, Any]:
             return any(m["state"] == "Resident" for m in models)
 
         wait(resident)
-        cp.kubectl("create", "namespace", APPS)
+        create_namespace(cp, APPS, snapshot_startup="snapshot" in modes)
         for mode in modes:
             name = f"bench-{mode}"
             cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(deployment(name, mode)))

@@ -136,6 +136,19 @@ def cpu_inference_deployment(name: str, namespace: str, cache: str, replicas: in
     }
 
 
+def snapshot_startup_label() -> str:
+    """The namespace label the chart's tenancy policy asks of spec.startup.mode Snapshot (its values)."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    return values["tenancyPolicy"]["snapshotStartupNamespaceLabel"]
+
+
+def create_namespace(cp: ControlPlane, name: str, snapshot_startup: bool = False) -> None:
+    """A namespace; with `snapshot_startup`, labelled so its InferenceDeployments may use mode Snapshot."""
+    cp.kubectl("create", "namespace", name)
+    if snapshot_startup:
+        cp.kubectl("label", "namespace", name, f"{snapshot_startup_label()}=true")
+
+
 def apply(cp: ControlPlane, obj: dict[str, Any]) -> None:
     cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(obj))
 

@@ -44,6 +44,7 @@ from keepwarm_testing.e2e import (
     apply,
     client,
     cpu_inference_deployment,
+    create_namespace,
     host_weightcache,
     install_chart,
     is_ready,
@@ -159,7 +160,7 @@ def test_inference_pods_answer_from_the_node_cache(journey: SimpleNamespace) -> 
     (source.cached), which the pods mount and attach from the node cache too (the CRD's fields,
     rendered to `keepwarm serve`'s flags, answered through the openai client)."""
     cp = journey.cp
-    cp.kubectl("create", "namespace", APPS)
+    create_namespace(cp, APPS, snapshot_startup=True)
     dep = cpu_inference_deployment(IDEP, APPS, WC, replicas=2)
     adapters = [{"name": ADAPTER, "source": {"cached": ADAPTER}}]  # the WeightCache's adapter
     dep["spec"]["lora"] = {"maxLoras": 2, "maxLoraRank": 8, "adapters": adapters}
