@@ -115,6 +115,7 @@ def take(
     try:
         taken = _take_into(temp, key, config_json, pod_env, who, settings)
     finally:
+        reclaim(temp)  # the pod's uid may own what is left: root can remove it only once it is root's
         shutil.rmtree(temp, ignore_errors=True)
     if taken.digest is None:
         return taken
@@ -130,8 +131,7 @@ def _take_into(
     for path in (images, work):
         path.mkdir(mode=0o700)
     (work / "config.json").write_bytes(config_json)
-    for path in (temp, images, work, work / "config.json"):
-        os.chown(path, who.uid, who.gid)
+    hand_over(temp, who.uid, who.gid)
     raise_pid_floor()
     parent = _Parent.start(work, preload_env(pod_env, os.environ), who, settings.log_level, key.device)
     try:
@@ -156,6 +156,7 @@ def _take_into(
             return Taken(None, f"criu dump {why} after {dump.seconds:.1f}s: {dump.log_tail}")
     finally:
         parent.end()
+    reclaim(temp)
     files = image_files(images)
     size = sum(f.size for f in files.values())
     evict = plan_eviction(settings.store.entries(), size, settings.budget)
@@ -174,6 +175,28 @@ def _take_into(
     except FileExistsError:
         return Taken(None, "another take installed this key first")
     return Taken(installed.name, f"{size} bytes; preload {ready.preload_s:.1f}s, dump {dump.seconds:.1f}s")
+
+
+def hand_over(temp: Path, uid: int, gid: int) -> None:
+    """Give the snapshot's temporary directory to the pod's uid (the parent and CRIU's dump write in
+    it), deepest first: the agent is root without CAP_DAC_OVERRIDE or CAP_DAC_READ_SEARCH (only CHOWN
+    and FOWNER among the file capabilities), so once a 0700 directory is another uid's, root cannot
+    look inside it any more."""
+    for dirpath, dirnames, filenames in os.walk(temp, topdown=False):
+        for name in (*filenames, *dirnames):
+            os.chown(os.path.join(dirpath, name), uid, gid, follow_symlinks=False)
+    os.chown(temp, uid, gid)
+
+
+def reclaim(temp: Path) -> None:
+    """Take the temporary directory back for root, outermost first (the reverse of ``hand_over``: root
+    may enter each directory once it owns it), so the agent can hash, seal or remove what CRIU wrote."""
+    if not temp.is_dir():
+        return
+    os.chown(temp, 0, 0)
+    for dirpath, dirnames, filenames in os.walk(temp):  # top-down: each directory is root's before it is read
+        for name in (*dirnames, *filenames):
+            os.chown(os.path.join(dirpath, name), 0, 0, follow_symlinks=False)
 
 
 def _as_user(who: Requester) -> list[str]:
