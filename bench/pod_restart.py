@@ -19,7 +19,8 @@ its first token (the official `openai` client, polling after Ready). One JSON ob
           (where the new pod landed), pod_ready_s, first_token_s, container_start_s (the action to
           the new container's first process: scheduling, the kubelet, the sandbox, CNI, runc),
           parent_imports_s (that process's start to its serving worker's fork: the supervising
-          parent's imports),
+          parent's imports, or in mode snapshot its restore and what the restored parent does
+          before it forks),
           process_ready_s (the worker's fork to ready, keepwarm_process_start_to_ready_seconds),
           ready_lag_s (pod Ready minus the worker's ready instant: what probes and the kubelet add),
           phases (keepwarm_startup_phase_seconds), startup_source (keepwarm_startup_source_total's
@@ -47,7 +48,13 @@ import yaml
 
 from keepwarm_testing.controlplane.build import build_control_plane
 from keepwarm_testing.controlplane.cluster import ControlPlane
-from keepwarm_testing.e2e import RUNTIME_IMAGE, create_namespace, host_paths_restored, node_model
+from keepwarm_testing.e2e import (
+    RUNTIME_IMAGE,
+    create_namespace,
+    host_paths_restored,
+    node_model,
+    serving_chain,
+)
 from keepwarm_testing.operator import CHART, GROUP_PATH, NAMESPACE, RELEASE, condition, items, samples
 
 WC, APPS, MODEL_DIR, POLL_S = "bench", "bench-apps", "/var/lib/models/bench", 0.05
@@ -64,13 +71,6 @@ def process_start(pid: int) -> float:
     """A host process's start on clock() (from /proc: clock ticks since boot)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return int(fields[19]) / CLK_TCK
-
-
-def serving_process(pid1: int) -> int:
-    """The process that serves and reports keepwarm_process_start_to_ready_seconds from its own
-    start: the supervising parent's worker (its child), or PID 1 itself under --no-supervise."""
-    children = Path(f"/proc/{pid1}/task/{pid1}/children").read_text().split()
-    return int(children[0]) if children else pid1
 
 
 def runtime_pods(cp: ControlPlane, name: str) -> list[dict[str, Any]]:
@@ -163,7 +163,8 @@ def measure(
     token = clock()
     process_ready_s, phases, source = runtime_metrics(pod)
     pid1 = cp.nodes.container_pid(pod)
-    started, serving_started = process_start(pid1), process_start(serving_process(pid1))
+    # The worker reports keepwarm_process_start_to_ready_seconds from its own start (e2e.serving_chain)
+    started, serving_started = process_start(pid1), process_start(serving_chain(pid1)[1])
     runtime_ready = serving_started + process_ready_s
     return {
         "size_params": params, "size_gib": size_gib(models[0]), "case": case, "mode": mode,

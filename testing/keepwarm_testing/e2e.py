@@ -136,6 +136,22 @@ def cpu_inference_deployment(name: str, namespace: str, cache: str, replicas: in
     }
 
 
+def children(pid: int) -> list[int]:
+    """A host process's children (from /proc)."""
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def serving_chain(pid1: int) -> tuple[int, int]:
+    """(the supervising parent, its serving worker) in a runtime container whose PID 1 is ``pid1``.
+    PID 1 is the parent itself when it imported; when it was restored from a snapshot, PID 1 is the
+    launcher and the restored parent its child (docs/snapshots.md). The worker ends the chain of only
+    children; under --no-supervise PID 1 serves alone and is both."""
+    chain = [pid1]
+    while len(kids := children(chain[-1])) == 1:
+        chain.append(kids[0])
+    return (chain[-2] if len(chain) > 1 else pid1), chain[-1]
+
+
 def snapshot_startup_label() -> str:
     """The namespace label the chart's tenancy policy asks of spec.startup.mode Snapshot (its values)."""
     values = yaml.safe_load((CHART / "values.yaml").read_text())

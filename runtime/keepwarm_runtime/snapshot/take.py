@@ -47,6 +47,9 @@ from keepwarm_runtime.snapshot.wire import MAX_READY_BYTES, Ready, WireError, re
 
 log = logging.getLogger(__name__)
 SETPRIV = "setpriv"  # util-linux: CRIU runs as the pod's uid with one ambient capability
+# coreutils: the parent starts at nice 19 (set before the uid changes: once the parent is the pod's
+# uid, the agent, root without CAP_SYS_NICE, may not renice it; seen on the real node)
+NICE = ("nice", "-n", "19")
 # The parent to checkpoint: the server's (a module name, run as a program: the snapshot package sits
 # below the server and never imports it).
 CHECKPOINTED = "keepwarm_runtime.server.checkpoint"
@@ -273,7 +276,7 @@ class _Parent:
         control_r, control_w = os.pipe()
         ready_r, ready_w = os.pipe()
         argv = [
-            *_as_user(who), "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--",
+            *NICE, *_as_user(who), "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--",
             sys.executable, "-m", CHECKPOINTED, str(work), log_level,
             "--control-fd", str(control_r), "--ready-fd", str(ready_w), "--device", device,
         ]  # fmt: skip
@@ -292,7 +295,6 @@ class _Parent:
         finally:
             os.close(control_r)
             os.close(ready_w)
-        os.setpriority(os.PRIO_PROCESS, proc.pid, 19)
         return cls(proc, control_w, ready_r)
 
     def wait_ready(self, timeout: float) -> Ready | str:
