@@ -14,16 +14,22 @@ class ControlPlaneBuildError(RuntimeError):
     """build.sh failed: the message holds the exact compiler/module errors (log tail) and the log path."""
 
 
-def build_control_plane(timeout_s: float | None = None) -> Path:
-    """Build (or reuse) the pinned control plane binaries; returns the directory holding them."""
-    log = Path(tempfile.gettempdir()) / f"keepwarm-controlplane-build-{os.getuid()}.log"
+def run_build_script(
+    script: Path, log_name: str, error: type[RuntimeError], timeout_s: float | None = None
+) -> Path:
+    """Run a cached build script (its last stdout line names what it built); a failure raises `error`
+    with the log's tail and the log's path."""
+    log = Path(tempfile.gettempdir()) / f"keepwarm-{log_name}-build-{os.getuid()}.log"
     with open(log, "w") as out:
         proc = subprocess.run(
-            ["bash", str(HERE / "build.sh")], stdout=subprocess.PIPE, stderr=out, text=True, timeout=timeout_s
+            ["bash", str(script)], stdout=subprocess.PIPE, stderr=out, text=True, timeout=timeout_s
         )
     if proc.returncode != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-60:])
-        raise ControlPlaneBuildError(
-            f"{HERE / 'build.sh'} exited {proc.returncode} (full log {log}):\n{tail}"
-        )
+        raise error(f"{script} exited {proc.returncode} (full log {log}):\n{tail}")
     return Path(proc.stdout.strip().splitlines()[-1])
+
+
+def build_control_plane(timeout_s: float | None = None) -> Path:
+    """Build (or reuse) the pinned control plane binaries; returns the directory holding them."""
+    return run_build_script(HERE / "build.sh", "controlplane", ControlPlaneBuildError, timeout_s)

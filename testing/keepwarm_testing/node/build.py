@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import tempfile
 from pathlib import Path
+
+from keepwarm_testing.controlplane.build import run_build_script
 
 HERE = Path(__file__).resolve().parent
 
@@ -16,12 +15,4 @@ class NodeBuildError(RuntimeError):
 
 def build_node_components(timeout_s: float | None = None) -> Path:
     """Build (or reuse) containerd, runc, the CNI plugins and crictl; returns the directory holding them."""
-    log = Path(tempfile.gettempdir()) / f"keepwarm-node-build-{os.getuid()}.log"
-    with open(log, "w") as out:
-        proc = subprocess.run(
-            ["bash", str(HERE / "build.sh")], stdout=subprocess.PIPE, stderr=out, text=True, timeout=timeout_s
-        )
-    if proc.returncode != 0:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-60:])
-        raise NodeBuildError(f"{HERE / 'build.sh'} exited {proc.returncode} (full log {log}):\n{tail}")
-    return Path(proc.stdout.strip().splitlines()[-1])
+    return run_build_script(HERE / "build.sh", "node", NodeBuildError, timeout_s)
