@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import throughput
+from bench import _restart_group, throughput
 from keepwarm_runtime.engine.threads import OPENMP_WAIT_DEFAULTS
 
 REPO = Path(__file__).resolve().parents[3]
@@ -218,7 +218,17 @@ def test_restart_benchmark_times_a_tensor_parallel_group_against_one_rank(tmp_pa
     assert goals["rank_weights_from_cache_s_max"] == max(
         r["weights_s"] for r in group["cache"]["ranks"].values()
     )
-    assert {"rank_weights_met", "group_over_one_met", "group_over_one_warm_s"} <= set(goals)
+    # The verdicts are bench/_restart_group.py's (the group's run, handed over by bench/restart.py),
+    # judged against its own goals from the figures in the same JSON.
+    assert goals["rank_weights_goal_s"] == _restart_group.GOAL_RANK_WEIGHTS_S
+    assert goals["rank_weights_met"] == (
+        goals["rank_weights_from_cache_s_max"] <= _restart_group.GOAL_RANK_WEIGHTS_S
+    )
+    assert goals["group_over_one_goal_s"] == _restart_group.GOAL_GROUP_OVER_ONE_S
+    assert goals["group_over_one_met"] == (
+        group["cache"]["ready_s"] - result["tp1"]["cache"]["ready_s"] <= _restart_group.GOAL_GROUP_OVER_ONE_S
+    )
+    assert "group_over_one_warm_s" in goals
     assert result["same_first_text"]  # one rank and two, from disk and the cache: one first token
     assert result["throughput_group_over_one"] > 0
 
