@@ -88,12 +88,12 @@ class LLMEngine:
         if self.device.type == "cpu":
             keep_freed_memory()  # a step's large temporaries reuse heap memory (engine/host_memory.py)
         self.model, info = load_model(config, profile, prefetch)
-        packed: list = []
-        if self.device.type == "cpu":  # engine/cpu_linear.py
+        cpu = self.device.type == "cpu"  # engine/cpu_linear.py
+        if cpu:
             use_weight_major_linear(self.model)  # float32: few-token steps weight-major
-            if config.cpu_packed_weights and packed_weights_supported():
-                packed = use_packed_linear(self.model)  # bfloat16: oneDNN's packed weights
-        self.linear_packer = LinearPacker(packed)
+        packs = cpu and config.cpu_packed_weights and packed_weights_supported()
+        # bfloat16: oneDNN's packed weights, made in the background once the engine is built
+        self.linear_packer = LinearPacker(use_packed_linear(self.model) if packs else [])
         self.load_info: LoadInfo = info
         self.moe_backends = {c.module: c.backend for c in info.moe}  # experts module -> MoE backend
         self.model_name = config.model_dir
