@@ -102,6 +102,16 @@ class Pod:
         return stop_pod(self.server.proc, timeout)
 
 
+def start_pod(
+    model: Path, log: Path, store: Path, criu: Path | str, socket_dir: Path | None = None, *args: str
+) -> Pod:
+    """A pod (`keepwarm serve` in its own namespaces) on ``store``, not waited for."""
+    flags = ["--snapshot-store", str(store), "--criu", str(criu), *SERVE_ARGS, *args]
+    if socket_dir is not None:
+        flags += ["--cache-socket-dir", str(socket_dir)]
+    return Pod(start_server(model, log, args=flags, prefix=POD))
+
+
 @pytest.fixture
 def pods(tmp_path: Path, tiny_llama: Path) -> Iterator[callable]:
     """``pods(store, criu, socket_dir, *args)``: start a pod (not waited for); all stopped at the end."""
@@ -110,11 +120,7 @@ def pods(tmp_path: Path, tiny_llama: Path) -> Iterator[callable]:
     def start(
         store: Path, criu: Path | str, socket_dir: Path | None = None, *args: str, model: Path = tiny_llama
     ) -> Pod:
-        flags = ["--snapshot-store", str(store), "--criu", str(criu), *SERVE_ARGS, *args]
-        if socket_dir is not None:
-            flags += ["--cache-socket-dir", str(socket_dir)]
-        log = tmp_path / f"pod-{len(started)}.log"
-        pod = Pod(start_server(model, log, args=flags, prefix=POD))
+        pod = start_pod(model, tmp_path / f"pod-{len(started)}.log", store, criu, socket_dir, *args)
         started.append(pod)
         return pod
 

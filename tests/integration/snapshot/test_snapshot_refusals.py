@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from keepwarm_runtime.server.launcher import POD, start_server
 from keepwarm_runtime.snapshot.store import IMAGES, MANIFEST, is_pages
-from tests.integration.snapshot.conftest import SERVE_ARGS, Node, Pod, startup_source, writable
+from tests.integration.snapshot.conftest import Node, Pod, start_pod, startup_source, writable
 
 pytestmark = pytest.mark.extended  # the snapshot's integration tests: `make test-extended`
 
@@ -24,19 +23,8 @@ def snapshot(
     node: Node, criu: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Path]:
     """One snapshot taken by the node for the first pod (which imports)."""
-    flags = [
-        "--snapshot-store",
-        str(node.store),
-        "--criu",
-        str(criu),
-        "--cache-socket-dir",
-        str(node.socket_dir),
-    ]
-    pod = Pod(
-        start_server(
-            tiny_llama, tmp_path_factory.mktemp("first") / "pod.log", args=[*flags, *SERVE_ARGS], prefix=POD
-        )
-    )
+    log = tmp_path_factory.mktemp("first") / "pod.log"
+    pod = start_pod(tiny_llama, log, node.store, criu, node.socket_dir)
     try:
         pod.server.wait(timeout=600)
         node.wait_for(r"snapshots: took ")

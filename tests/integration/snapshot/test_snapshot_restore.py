@@ -10,26 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from keepwarm_runtime.server.launcher import POD, start_server
 from keepwarm_runtime.snapshot.store import Store
-from tests.integration.snapshot.conftest import SERVE_ARGS, Node, Pod, startup_source
+from tests.integration.snapshot.conftest import Node, Pod, start_pod, startup_source
 
 pytestmark = pytest.mark.extended  # the snapshot's integration tests: `make test-extended`
 
 
 def _first_two_pods(node: Node, criu: Path, model: Path, logs: Path) -> list[Pod]:
-    flags = [
-        "--snapshot-store",
-        str(node.store),
-        "--criu",
-        str(criu),
-        "--cache-socket-dir",
-        str(node.socket_dir),
-    ]
-    return [
-        Pod(start_server(model, logs / f"first-{i}.log", args=[*flags, *SERVE_ARGS], prefix=POD))
-        for i in range(2)
-    ]
+    return [start_pod(model, logs / f"first-{i}.log", node.store, criu, node.socket_dir) for i in range(2)]
 
 
 @pytest.fixture(scope="module")
