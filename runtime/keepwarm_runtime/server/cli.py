@@ -25,6 +25,7 @@ from keepwarm_api.settings import SettingError, add_command, env_names, group, r
 from keepwarm_api.shutdown import DRAIN_S
 from keepwarm_runtime.engine.auto_dtype import AUTO_DTYPE, auto_dtype
 from keepwarm_runtime.engine.config import EngineConfig
+from keepwarm_runtime.engine.parallel.launch import NodeShare, node_rendezvous
 from keepwarm_runtime.model_kind import ModelKind, detect_kind
 from keepwarm_runtime.server.settings import ENGINE, ServeSettings
 
@@ -172,8 +173,8 @@ def serve(config: ServeSettings) -> int:
     if (refusal := parallel_refusal(config, ranks)) is not None:
         print(f"keepwarm serve: {refusal}", file=sys.stderr)
         return 2
-    if not (config.device or "cpu").startswith("cuda"):  # the ranks share this machine's cores
-        thread_choice = cpu_threads.per_rank(thread_choice, ranks)
+    if not (config.device or "cpu").startswith("cuda"):  # this node's ranks share its cores
+        thread_choice = cpu_threads.per_rank(thread_choice, node_share(config).local)
     started = outcome.recorded()
     # A restored parent's OpenMP was loaded by the snapshot's preload, with this pod's variables.
     restored = started is not None and started.source is outcome.Source.SNAPSHOT
@@ -206,8 +207,17 @@ def serve(config: ServeSettings) -> int:
     return server.run(started_at, server.prefetch())
 
 
+def node_share(config: ServeSettings) -> NodeShare:
+    """The ranks of the group this node (pod) runs (--nnodes, --node-rank)."""
+    return NodeShare(config.tensor_parallel_size or 1, config.nnodes, config.node_rank)
+
+
 def parallel_refusal(config: ServeSettings, ranks: int) -> str | None:
     """Why these settings cannot run ``ranks`` tensor-parallel ranks (None: they can)."""
+    if (refusal := node_share(config).refusal(config.master_addr)) is not None:
+        return refusal
+    if config.headless and config.node_rank == 0:
+        return "--headless: node rank 0 serves the API (only the nodes above it run headless)"
     if ranks == 1:
         return None
     if not config.supervise:
@@ -218,7 +228,7 @@ def parallel_refusal(config: ServeSettings, ranks: int) -> str | None:
         return "--enable-sleep-mode is not served with --tensor-parallel-size > 1"
     from keepwarm_runtime.engine.parallel.launch import device_refusal
 
-    return device_refusal(config.device or "cpu", ranks)
+    return device_refusal(config.device or "cpu", node_share(config).local)
 
 
 def supervise(server: ServerStart) -> int:
@@ -240,9 +250,10 @@ def supervise(server: ServerStart) -> int:
     if ranks > 1 and (refusal := server.split_refusal()) is not None:
         print(f"keepwarm serve: {refusal}", file=sys.stderr)
         return 2
+    share = node_share(config)
     health_port = config.supervisor_port if config.supervisor_port is not None else config.port + 1
-    try:
-        listener = bind_listener(config.host, config.port)
+    try:  # a node without rank 0 serves no API: only the parent's /health
+        listener = bind_listener(config.host, config.port) if share.serves else None
         health = bind_listener(config.host, health_port, backlog=16)
     except OSError as exc:
         print(
@@ -251,18 +262,24 @@ def supervise(server: ServerStart) -> int:
         )
         return 2
 
-    # one rendezvous directory for the parent's life; each group start meets at a fresh file in it
-    directory = tempfile.mkdtemp(prefix="keepwarm-tp-") if ranks > 1 else None
+    # one rendezvous directory for the parent's life; each group start meets at a fresh file in it;
+    # a group over nodes meets at rank 0's store, once (it restarts as a whole, by pods)
+    spans_nodes = share.nnodes > 1
+    directory = tempfile.mkdtemp(prefix="keepwarm-tp-") if ranks > 1 and not spans_nodes else None
     starts = itertools.count()
 
     def rendezvous() -> str:
+        if spans_nodes:
+            assert config.master_addr is not None  # parallel_refusal
+            return node_rendezvous(config.master_addr, config.master_port)
         return f"file://{directory}/group-{next(starts)}"
 
     def worker(rank: int, meet_at: str | None) -> int:
         started_at = time.time()  # the fork: this worker's start
-        start = server if meet_at is None else server.for_rank(rank, meet_at)
+        start = server if meet_at is None else server.for_rank(rank, meet_at, rank - share.first)
         if rank > 0:  # follows rank 0's steps; serves no HTTP
-            listener.close()
+            if listener is not None:
+                listener.close()
             return start.follow()
         prefetch = start.prefetch()  # the EngineConfig the parent built, inherited by the fork
         # A restarted worker loads before it accepts: requests wait in the backlog, never see a 503.
@@ -279,19 +296,33 @@ def supervise(server: ServerStart) -> int:
         health,
         close_in_worker=[health],
         listener=listener,
-        ranks=ranks,
-        rendezvous=rendezvous,
+        ranks=share.local,
+        rendezvous=rendezvous if ranks > 1 else None,
+        first_rank=share.first,
+        whole_group=not spans_nodes,
     )
-    logger.info(
-        "supervising: workers serve http://%s:%d; the parent's /health is on port %d",
-        config.host,
-        config.port,
-        health_port,
-    )
+    if share.serves:
+        logger.info(
+            "supervising: workers serve http://%s:%d; the parent's /health is on port %d",
+            config.host,
+            config.port,
+            health_port,
+        )
+    else:
+        logger.info(
+            "supervising ranks %d..%d of %d (node %d of %d, no API); the parent's /health is on port %d",
+            share.first,
+            share.first + share.local - 1,
+            ranks,
+            config.node_rank,
+            config.nnodes,
+            health_port,
+        )
     try:
         return supervisor.run()
     finally:
-        listener.close()
+        if listener is not None:
+            listener.close()
         health.close()
         if directory is not None:
             shutil.rmtree(directory, ignore_errors=True)
@@ -320,11 +351,12 @@ class ServerStart:
 
         return WeightPrefetch.start(self.engine_config, self.kind)
 
-    def for_rank(self, rank: int, rendezvous: str) -> ServerStart:
-        """This start as rank ``rank`` of a tensor-parallel group meeting at ``rendezvous``."""
+    def for_rank(self, rank: int, rendezvous: str, local_rank: int | None = None) -> ServerStart:
+        """This start as rank ``rank`` of a tensor-parallel group meeting at ``rendezvous``, the
+        ``local_rank``-th of the ranks on this node (its GPU)."""
         from keepwarm_runtime.engine.parallel.launch import rank_config
 
-        return replace(self, engine_config=rank_config(self.engine_config, rank, rendezvous))
+        return replace(self, engine_config=rank_config(self.engine_config, rank, rendezvous, local_rank))
 
     def split_refusal(self) -> str | None:
         """Why this model cannot be split over its ranks (None: it can), checked before any fork."""

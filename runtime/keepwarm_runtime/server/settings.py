@@ -45,7 +45,7 @@ def dtype_name(text: str) -> str:
 
 
 SAME_NODE = "run more replicas (an InferenceDeployment's spec.replicas); within one, --tensor-parallel-size"
-SAME_NODE += " splits a model over the node's devices"
+SAME_NODE += " splits a model over the node's devices (and with --nnodes over several nodes)"
 HUB = "MODEL_DIR is a local directory: a WeightCache's huggingFace source (repo, revision, tokenSecretRef)"
 HUB += " downloads a Hub model on the node"
 
@@ -122,7 +122,7 @@ VLLM_FOREIGN_FLAGS: tuple[Foreign, ...] = (
         "--limit-mm-per-prompt", instead="no count limit; --max-audio-upload-bytes bounds each audio input"
     ),
     refused("--config", instead="flags or KEEPWARM_* variables (one per flag)"),
-    refused("--api-server-count", "-asc", "--headless", instead=SAME_NODE),
+    refused("--api-server-count", "-asc", instead=SAME_NODE),
     accepted("--enforce-eager", why="keepwarm always runs eagerly (no CUDA graphs, no torch.compile)"),
     accepted("--enable-chunked-prefill", why="prompts are always prefilled in chunks"),
     accepted("--disable-log-requests", why="request contents are never logged"),
@@ -232,6 +232,33 @@ class ServeSettings:
         "MoE: partition the experts over the tensor-parallel ranks instead of splitting each expert",
         aliases=("-ep",),
         shared=True,
+    )
+    # a group of ranks over several nodes (docs/parallel.md, "Across nodes")
+    nnodes: int = setting(
+        1,
+        "nodes (pods) the tensor-parallel ranks span, each running --tensor-parallel-size / --nnodes of "
+        "them: node rank 0 serves the API, the others follow its steps",
+        shared=True,
+    )
+    node_rank: int = setting(
+        0,
+        "this node's place in the group, 0 .. --nnodes - 1: it runs the ranks from node_rank x (its "
+        "share) on, and above 0 serves no API (vLLM's --headless)",
+        shared=True,
+    )
+    headless: bool = setting(
+        False,
+        "serve no API, only follow node rank 0: what every node above rank 0 does (so it may say so)",
+        shared=True,
+    )
+    master_addr: str | None = setting(
+        None,
+        "with --nnodes > 1: node rank 0's address, where the group meets (a name is looked up until "
+        "it resolves)",
+        shared=True,
+    )
+    master_port: int = setting(
+        29500, "with --nnodes > 1: the group's meeting port on --master-addr", shared=True
     )
     max_prompt_logprobs_len: int | None = engine(
         None, "longest prompt whose prompt logprobs (or echo with logprobs) a request may ask for"

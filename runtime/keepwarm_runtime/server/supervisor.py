@@ -23,7 +23,11 @@ A tensor-parallel engine (``ranks`` > 1) runs as a group: the parent forks rank 
 serves HTTP and drives the engine) and ranks 1..N-1 (which follow its steps: engine/parallel), each
 called with its rank and the group's rendezvous, a fresh one per start. The group lives and restarts
 as a whole: any rank that dies takes the others down (killed here), and the group is forked again
-(cause ``crash``, naming the rank); a stop drains rank 0 first, then ends the others.
+(cause ``crash``, naming the rank); a stop drains rank 0 first, then ends the others. A group that
+spans nodes (``whole_group`` False; ``first_rank``: this node's first rank, a follower unless 0)
+cannot be restarted in place, as its other nodes' ranks are still in the old group: any death or
+restart cause ends this parent with 1, so that the pod restarts and its LeaderWorkerSet recreates the
+whole group; a node without rank 0 serves no HTTP and its workers are not probed.
 
 A worker that fails to load before any worker was ever ready ends the parent with its exit code,
 as `keepwarm serve` without a parent would end: bad settings or a broken checkpoint do not heal by
@@ -165,14 +169,20 @@ class Supervisor:
         listener: socket.socket | None = None,
         ranks: int = 1,
         rendezvous: Callable[[], str] | None = None,
+        first_rank: int = 0,
+        whole_group: bool = True,
     ) -> None:
         self.config, self._worker, self._health = config, worker, health
         self._listener = listener  # the serving socket the workers inherit: closed here on stop
         self._close_in_worker = close_in_worker  # the parent's sockets a worker must not keep
-        self.ranks = ranks  # processes per group: rank 0 serves, ranks 1..N-1 follow it
-        self._rendezvous = rendezvous  # a fresh rendezvous per group start (ranks > 1)
-        self.pid: int | None = None  # rank 0: the serving worker
-        self.followers: dict[int, int] = {}  # rank -> pid of ranks 1..N-1
+        self.ranks = ranks  # processes of the group forked here: rank 0 serves, the others follow it
+        self._rendezvous = rendezvous  # a fresh rendezvous per group start (a group's only)
+        self.first_rank = first_rank  # the group's rank of the first process forked here
+        self.serves = first_rank == 0  # a node holding rank 0; another node's first rank is a follower
+        self.whole_group = whole_group  # False: ranks on other nodes too, so no restart in place
+        self._exit_code: int | None = None  # set when this parent must end (a group over nodes failed)
+        self.pid: int | None = None  # the first rank forked here: the serving worker on node 0
+        self.followers: dict[int, int] = {}  # rank -> pid of the other ranks forked here
         self._spawned_at = self._last_answer = self._ready_at = 0.0
         self._ever_ready = False
         self._answered = False
@@ -213,7 +223,10 @@ class Supervisor:
                         with contextlib.suppress(BlockingIOError):
                             os.read(self._wake_r, 4096)
                 code = self._tick()
+                if code is None:
+                    code = self._exit_code
                 if code is not None:
+                    self._kill_worker()
                     return code
             return self._stop_worker()
         finally:
@@ -237,7 +250,7 @@ class Supervisor:
                     logger.error("the %s %s before it was ever ready: stopping", who, describe_exit(status))
                     return os.WEXITSTATUS(status)
                 self._schedule_restart("crash", f"the {who} {describe_exit(status)}")
-        if self.pid is not None:
+        if self.pid is not None and self.serves:
             self._watch_worker()
         if self._restart_at is not None and time.monotonic() >= self._restart_at and not self._stopping:
             self._restart_at = None
@@ -252,7 +265,8 @@ class Supervisor:
             done, status = os.waitpid(self.pid, os.WNOHANG)
             if done:
                 self.pid = None
-                return ("worker" if self.ranks == 1 else "worker (rank 0)"), status
+                who = "worker" if self.ranks == 1 else "worker (rank 0)"
+                return (who if self.serves else f"tensor-parallel rank {self.first_rank}"), status
         for rank, pid in list(self.followers.items()):
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
@@ -263,7 +277,7 @@ class Supervisor:
     def _spawn(self) -> None:
         for hazard in fork_hazards():
             logger.warning("forking the worker although %s", hazard)
-        rendezvous = self._rendezvous() if self.ranks > 1 and self._rendezvous is not None else None
+        rendezvous = self._rendezvous() if self._rendezvous is not None else None
         serving_r, serving_w = os.pipe()
         # A stop signal arriving around the fork must not reach the child's copy of the parent's
         # handler (it would be swallowed): blocked here, it stays pending until the child has put
@@ -272,8 +286,8 @@ class Supervisor:
         pid = os.fork()
         if pid == 0:
             os.close(serving_r)
-            os._exit(self._worker_main(serving_w, 0, rendezvous))
-        for rank in range(1, self.ranks):
+            os._exit(self._worker_main(serving_w, self.first_rank, rendezvous))
+        for rank in range(self.first_rank + 1, self.first_rank + self.ranks):
             follower = os.fork()
             if follower == 0:
                 os.close(serving_r)
@@ -388,6 +402,14 @@ class Supervisor:
 
     def _schedule_restart(self, cause: str, why: str) -> None:
         self._drop_worker_io()
+        if not self.whole_group:  # the other nodes' ranks are still in the old group: none can rejoin
+            logger.error(
+                "%s; the group spans nodes, so this node exits and the group restarts as a whole "
+                "(a LeaderWorkerSet recreates every pod of a group when one restarts)",
+                why,
+            )
+            self._exit_code = 1
+            return
         RESTARTS.by_cause[cause] += 1
         self._in_a_row += 1
         delay = backoff_delay(self._in_a_row, self.config.backoff_base_s, self.config.backoff_cap_s)
@@ -401,8 +423,8 @@ class Supervisor:
         requests), SIGKILL it after the grace period."""
         if self._listener is not None:
             self._listener.close()  # the worker's copy alone keeps the port open, until it stops
-        if self.pid is None:
-            self._kill_worker()  # ranks of a group whose rank 0 is gone
+        if self.pid is None or not self.serves:
+            self._kill_worker()  # ranks with no rank 0 here to drain first
             return 0
         logger.info("stopping worker %d (grace %.0fs)", self.pid, self.config.stop_grace_s)
         with contextlib.suppress(ProcessLookupError):

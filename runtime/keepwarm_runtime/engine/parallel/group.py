@@ -4,7 +4,8 @@ Backends: gloo on CPU; on CUDA one group with two (``cpu:gloo,cuda:nccl``), so t
 broadcasts travel as CPU tensors over gloo and the activations over NCCL. The rendezvous is the
 EngineConfig's ``distributed_init_method``: ``file://PATH`` for ranks on one machine (a fresh path per
 group start, made by whoever starts the ranks: no port to pick or race for), ``tcp://HOST:PORT`` across
-machines. Every collective runs on torch.distributed's default group: a process belongs to one group.
+machines (rank 0 holds the store; the others wait for HOST to resolve, as a pod's DNS name may appear
+after they start). Every collective runs on torch.distributed's default group: a process belongs to one group.
 
 Timeouts: the ranks must all have joined within ``JOIN_TIMEOUT`` (the rendezvous store's: a rank
 that died before joining fails the others' start instead of holding it); after that, ranks 1..N-1 wait
@@ -17,6 +18,8 @@ raises), which is what restarts a group. A rank that hangs alive stalls its grou
 from __future__ import annotations
 
 import logging
+import socket
+import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -82,8 +85,23 @@ def rendezvous_store(init_method: str, rank: int, size: int) -> dist.Store:
         return store
     if init_method.startswith("tcp://"):
         host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+        host = host.removeprefix("[").removesuffix("]")
+        if rank > 0:  # node rank 0's name (a pod's DNS record) may appear only after this rank starts
+            wait_resolvable(host, time.monotonic() + JOIN_TIMEOUT.total_seconds())
         return dist.TCPStore(host, int(port), size, rank == 0, timeout=JOIN_TIMEOUT)
     raise GroupError(f"distributed_init_method {init_method!r}: use file://PATH or tcp://HOST:PORT")
+
+
+def wait_resolvable(host: str, deadline: float, pause_s: float = 0.5) -> None:
+    """Return once ``host`` resolves; GroupError naming it at ``deadline``."""
+    while True:
+        try:
+            socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+            return
+        except socket.gaierror as exc:
+            if time.monotonic() >= deadline:
+                raise GroupError(f"the group's meeting address {host!r} did not resolve: {exc}") from exc
+            time.sleep(pause_s)
 
 
 def leave() -> None:

@@ -1,12 +1,14 @@
 """Starting the ranks of a tensor-parallel group.
 
 ``rank_config``: one rank's EngineConfig (its rank, the group's rendezvous, its device: ``cuda``
-becomes ``cuda:<rank>``). ``rendezvous``: a fresh ``file://`` path in a private directory, one per group
-start. An offline ``LLM(..., tensor_parallel_size=N)`` is rank 0 itself and starts ranks 1..N-1 as
-child processes (``RankProcesses``: ``python -m keepwarm_runtime.engine.parallel.launch``, the rank's
-config as JSON on stdin, never pickled); each builds its engine and follows rank 0's steps
-(engine/parallel/runner.py), and dies with its parent. `keepwarm serve` forks its ranks from the
-supervising parent instead (server/supervisor.py), with the same ``rank_config``.
+becomes ``cuda:<rank>``, its place on the node). ``rendezvous``: a fresh ``file://`` path in a private
+directory, one per group start; ``node_rendezvous``: rank 0's TCP store, for a group over several
+nodes, each running its ``NodeShare`` of the ranks. An offline ``LLM(..., tensor_parallel_size=N)``
+is rank 0 itself and starts ranks 1..N-1 as child processes (``RankProcesses``: ``python -m
+keepwarm_runtime.engine.parallel.launch``, the rank's config as JSON on stdin, never pickled); each
+builds its engine and follows rank 0's steps (engine/parallel/runner.py), and dies with its parent.
+`keepwarm serve` forks its ranks from the supervising parent instead (server/supervisor.py), with the
+same ``rank_config``.
 
 On CPU the ranks share the cores: each uses its share of the intra-op threads (``share_threads``).
 """
@@ -23,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,13 +54,59 @@ def device_refusal(device: str, ranks: int) -> str | None:
     return None
 
 
-def rank_config(config: EngineConfig, rank: int, init_method: str) -> EngineConfig:
-    """The EngineConfig of rank ``rank`` of ``config``'s group (ValueError: ``device_refusal``)."""
+@dataclass(frozen=True)
+class NodeShare:
+    """The ranks of a group of ``size`` that run on node ``node_rank`` of ``nnodes`` (a pod of a
+    LeaderWorkerSet): ``local`` consecutive ranks from ``first``. Node 0 holds rank 0, which serves."""
+
+    size: int
+    nnodes: int = 1
+    node_rank: int = 0
+
+    @property
+    def local(self) -> int:
+        return self.size // self.nnodes
+
+    @property
+    def first(self) -> int:
+        return self.node_rank * self.local
+
+    @property
+    def serves(self) -> bool:
+        return self.node_rank == 0
+
+    def refusal(self, master_addr: str | None) -> str | None:
+        """Why this share cannot run (None: it can)."""
+        if self.nnodes == 1:
+            return None if self.node_rank == 0 else f"--node-rank {self.node_rank} needs --nnodes above it"
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            return f"--node-rank {self.node_rank} is not a node of --nnodes {self.nnodes} (0 .. nnodes - 1)"
+        if self.size % self.nnodes != 0 or self.size == self.nnodes == 1:
+            return (
+                f"--tensor-parallel-size {self.size} does not split over --nnodes {self.nnodes}: each node "
+                "runs the same number of ranks"
+            )
+        if not master_addr:
+            return f"--nnodes {self.nnodes} needs --master-addr: node rank 0's address, where the ranks meet"
+        return None
+
+
+def node_rendezvous(master_addr: str, master_port: int) -> str:
+    """The rendezvous of a group spanning nodes: rank 0's TCP store on node rank 0."""
+    host = f"[{master_addr}]" if ":" in master_addr else master_addr
+    return f"tcp://{host}:{master_port}"
+
+
+def rank_config(
+    config: EngineConfig, rank: int, init_method: str, local_rank: int | None = None
+) -> EngineConfig:
+    """The EngineConfig of rank ``rank`` of ``config``'s group (ValueError: ``device_refusal``); on
+    CUDA it takes ``cuda:<local_rank>`` (its place on this node; the rank itself by default)."""
     device = config.device
     if (refusal := device_refusal(device, config.tensor_parallel_size)) is not None:
         raise ValueError(refusal)
     if config.tensor_parallel_size > 1 and device.startswith("cuda"):
-        device = f"cuda:{rank}"
+        device = f"cuda:{rank if local_rank is None else local_rank}"
     return replace(config, tensor_parallel_rank=rank, distributed_init_method=init_method, device=device)
 
 
