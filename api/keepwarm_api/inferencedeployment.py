@@ -14,6 +14,7 @@ from pydantic import Field, field_validator, model_validator
 
 from .common import (
     DNS_LABEL,
+    MAX_TENSOR_PARALLEL,
     Condition,
     DType,
     EnvVar,
@@ -201,6 +202,47 @@ class ServiceType(StrEnum):
     LOAD_BALANCER = "LoadBalancer"
 
 
+class GroupParallelism(Parallelism):
+    """A WeightCache model's Parallelism, and where the ranks run: in one pod, or over ``nodes``
+    pods of a LeaderWorkerSet (one per node, each running tensor / nodes ranks)."""
+
+    model_config = Parallelism.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                *Parallelism.model_config["json_schema_extra"]["x-kubernetes-validations"],
+                {
+                    "rule": "!has(self.nodes) || (has(self.tensor) ? self.tensor : 1) % self.nodes == 0",
+                    "message": "parallelism.nodes must divide parallelism.tensor: each pod of the group "
+                    "runs as many ranks",
+                },
+            ]
+        }
+    }
+
+    nodes: int = Field(default=1, ge=1, le=MAX_TENSOR_PARALLEL)
+    """Pods (one per node) the ranks span. Above 1 the group runs as a LeaderWorkerSet
+    (sigs.k8s.io/lws, which the cluster must have installed): its leader pod runs rank 0 and serves,
+    each worker pod runs its share of the ranks, and a pod that restarts restarts the whole group."""
+
+    @model_validator(mode="after")
+    def _nodes_divide_the_ranks(self) -> GroupParallelism:
+        if self.tensor % self.nodes != 0:
+            raise ValueError(f"parallelism.nodes {self.nodes} must divide parallelism.tensor {self.tensor}")
+        return self
+
+    @property
+    def ranks_per_pod(self) -> int:
+        return self.tensor // self.nodes
+
+    def describe(self) -> str:
+        whole = super().describe()
+        return whole if self.nodes == 1 else f"{whole} over {self.nodes} pods"
+
+    def shards(self) -> Parallelism:
+        """The split alone, as a WeightCache model states it (where the ranks run is no cache's matter)."""
+        return Parallelism(tensor=self.tensor, expert=self.expert)
+
+
 class InferenceDeploymentSpec(KubeModel):
     """Desired state of an InferenceDeployment."""
 
@@ -212,6 +254,12 @@ class InferenceDeploymentSpec(KubeModel):
                     " && self.gpusPerPod == self.parallelism.tensor)",
                     "message": "a pod takes one GPU per tensor-parallel rank: gpusPerPod is 0 (CPU), 1 or "
                     "parallelism.tensor",
+                },
+                {
+                    "rule": "self.gpusPerPod <= 1 || !has(self.parallelism) || !has(self.parallelism.nodes)"
+                    " || self.parallelism.nodes == 1",
+                    "message": "a group over several pods (parallelism.nodes > 1) takes one GPU per rank: "
+                    "gpusPerPod is 0 (CPU) or 1",
                 },
                 {
                     "rule": "!has(self.parallelism) || !has(self.parallelism.tensor)"
@@ -230,11 +278,12 @@ class InferenceDeploymentSpec(KubeModel):
     gpus_per_pod: int = Field(default=1, ge=0, le=16)
     """nvidia.com/gpu per pod; 0 for CPU serving. With parallelism.tensor > 1 a GPU pod takes one GPU
     per rank (1 or parallelism.tensor here: the request is parallelism.tensor)."""
-    parallelism: Parallelism = Field(default_factory=Parallelism, json_schema_extra={"default": {}})
-    """Split the model over this many ranks in each pod (`--tensor-parallel-size`, and
-    `--enable-expert-parallel` for MoE), each attaching its own shard from the node cache when the
-    WeightCache model holds the same parallelism (else the pods load from disk, and CacheWarm says
-    why). The pod gets a memory-backed /dev/shm for the ranks (NCCL's transport)."""
+    parallelism: GroupParallelism = Field(default_factory=GroupParallelism, json_schema_extra={"default": {}})
+    """Split the model over this many ranks (`--tensor-parallel-size`, and `--enable-expert-parallel`
+    for MoE), in each pod or, with `nodes`, over a LeaderWorkerSet's pods; each rank attaches its own
+    shard from the node cache when the WeightCache model holds the same split (else the pods load from
+    disk, and CacheWarm says why). A pod of several ranks gets a memory-backed /dev/shm for them
+    (NCCL's transport)."""
     image: str = DEFAULT_IMAGE
     """Runtime image."""
     image_pull_policy: str = Field(default="IfNotPresent", pattern=r"^(Always|IfNotPresent|Never)$")
@@ -266,14 +315,19 @@ class InferenceDeploymentSpec(KubeModel):
             raise ValueError(
                 f"gpusPerPod {self.gpus_per_pod}: a pod takes one GPU per rank (0, 1 or {tensor})"
             )
+        if self.gpus_per_pod > 1 and self.parallelism.nodes > 1:
+            raise ValueError(
+                "a group over several pods (parallelism.nodes > 1) takes one GPU per rank: gpusPerPod is 0 "
+                "(CPU) or 1"
+            )
         if tensor > 1 and self.lora is not None and self.lora.enabled:
             raise ValueError("LoRA adapters are served on one rank only: parallelism.tensor must be 1")
         return self
 
     @property
     def gpus(self) -> int:
-        """nvidia.com/gpu the pod requests: one per rank on GPUs, none on CPU."""
-        return 0 if self.gpus_per_pod == 0 else max(self.gpus_per_pod, self.parallelism.tensor)
+        """nvidia.com/gpu a pod requests: one per rank it runs on GPUs, none on CPU."""
+        return 0 if self.gpus_per_pod == 0 else self.parallelism.ranks_per_pod
 
 
 class IDepConditionType(StrEnum):

@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from . import lws
+
 OPERATOR_FIELD_MANAGER = "keepwarm-operator"
 AGENT_FIELD_MANAGER = "keepwarm-agent"
 STATUS_WRITE_TRIES = 3  # write_status: reads and recomputes after a conflict
@@ -81,6 +83,7 @@ RESOURCES = {
     ("keepwarm.dev/v1alpha1", "InferenceDeployment"): Resource(
         "keepwarm.dev", "v1alpha1", "inferencedeployments", True
     ),
+    (lws.API_VERSION, lws.KIND): Resource(lws.GROUP, lws.VERSION, lws.PLURAL, True),
 }
 
 

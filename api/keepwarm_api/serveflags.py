@@ -20,6 +20,10 @@ LORA_MODULES_FILE = flag_name("lora_modules_file")  # --lora-modules-file: the a
 ALLOW_RUNTIME_LORA_UPDATING = flag_name("allow_runtime_lora_updating")  # /v1/(un)load_lora_adapter
 TENSOR_PARALLEL_SIZE = flag_name("tensor_parallel_size")  # --tensor-parallel-size: ranks, one process each
 ENABLE_EXPERT_PARALLEL = flag_name("enable_expert_parallel")  # --enable-expert-parallel: experts partitioned
+NNODES = flag_name("nnodes")  # --nnodes: pods a group of ranks spans (a LeaderWorkerSet's size)
+NODE_RANK = flag_name("node_rank")  # --node-rank: this pod's place in the group (0: the leader, serving)
+MASTER_ADDR = flag_name("master_addr")  # --master-addr: the leader pod's address, where the ranks meet
+HEADLESS = flag_name("headless")  # --headless: a worker pod of the group, serving no API
 SNAPSHOT_STORE = flag_name("snapshot_store")  # --snapshot-store: restore the parent from the node's store
 RESTORE_TIMEOUT = flag_name("restore_timeout")  # --restore-timeout: seconds before importing instead
 

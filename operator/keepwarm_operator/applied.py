@@ -20,12 +20,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from keepwarm_api import lws
 from keepwarm_api.kube import Kube
 
 Key = tuple[str, str, str, str]  # (apiVersion, kind, namespace or "", name)
 # Kinds whose status is written often by others (the Deployment controller, the node agents): only a
 # new generation (a spec change) or deletion counts as drift, not every resourceVersion.
-GENERATION_TRACKED = frozenset({"Deployment", "WeightCacheNode"})
+GENERATION_TRACKED = frozenset({"Deployment", lws.KIND, "WeightCacheNode"})
 
 
 class ApplyMode(enum.Enum):

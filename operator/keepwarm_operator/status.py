@@ -7,6 +7,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from keepwarm_api import lws
 from keepwarm_api.common import Condition, condition
 from keepwarm_api.inferencedeployment import IDepConditionType, IDepReason, InferenceDeploymentStatus
 from keepwarm_api.weightcache import (
@@ -192,12 +193,15 @@ def inference_status(
     warm_nodes: int,
     problem: Condition | None = None,
 ) -> InferenceDeploymentStatus:
-    """Available/Progressing from the Deployment's status; CacheWarm as judged by the handler."""
+    """Available/Progressing from the Deployment's status (or the LeaderWorkerSet's: a group counts
+    once its leader and workers are Ready); CacheWarm as judged by the handler."""
     C, R = IDepConditionType, IDepReason
     dstatus = (deployment or {}).get("status") or {}
     replicas = dstatus.get("replicas", 0)
     ready = dstatus.get("readyReplicas", 0)
-    available = dstatus.get("availableReplicas", 0)
+    # a LeaderWorkerSet reports no availableReplicas: a Ready group serves
+    groups = deployment is not None and deployment.get("kind") == lws.KIND
+    available = ready if groups else dstatus.get("availableReplicas", 0)
     updated = dstatus.get("updatedReplicas", 0)
     current = deployment is not None and dstatus.get("observedGeneration", 0) >= deployment["metadata"].get(
         "generation", 0

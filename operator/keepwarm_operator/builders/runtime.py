@@ -1,12 +1,14 @@
 """InferenceDeployment -> Deployment + Service of runtime pods (`keepwarm serve`), and the ConfigMap
-listing their LoRA adapters.
+listing their LoRA adapters; a group of ranks over several pods (spec.parallelism.nodes) is a
+LeaderWorkerSet instead of the Deployment, its leaders behind the Service.
 
 Warm-node preference is a preferred node affinity on a node label the operator maintains
 (warm.keepwarm.dev/<cache>.<model>), not a list of node names: the pod template then stays the same
 when nodes warm up or cool down, so cache changes never roll the pods.
 
 A pod of parallelism.tensor N runs N ranks (`--tensor-parallel-size N`, and `--enable-expert-parallel`),
-requests one GPU per rank on GPUs, and gets a memory-backed /dev/shm for them.
+or its share N / nodes of them, requests one GPU per rank on GPUs, and gets a memory-backed /dev/shm
+for them.
 
 CPU pods of a host-tier cache mount the node's kernel folder read-only and name it in
 KEEPWARM_KERNEL_CACHE: the CPU attention kernel the node's agent built loads in milliseconds instead of
@@ -25,10 +27,11 @@ pods mount whenever LoRA is on, so a new list changes the ConfigMap only.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
-from keepwarm_api import podenv, serveflags
+from keepwarm_api import lws, podenv, serveflags
 from keepwarm_api.common import ModelSource, Parallelism
 from keepwarm_api.inferencedeployment import InferenceDeploymentSpec, LoraAdapter, LoraSettings, StartupMode
 from keepwarm_api.paths import (
@@ -46,6 +49,7 @@ from .agent import SNAPSHOT_SECCOMP, builds_kernels, socket_dir
 from .meta import GPU_RESOURCE, object_meta, runtime_labels, warm_label_key
 from .volumes import ModelMount, hf_volume, host_models_volume, kernels_volume, lora_mount, model_mount
 
+DEPLOYMENT = ("apps/v1", "Deployment")
 WARM_AFFINITY_WEIGHT = 100
 LORA_LIST_VOLUME = "keepwarm-lora-list"  # never an adapter's: theirs are "lora-<name>"
 SHM_VOLUME = "keepwarm-shm"  # /dev/shm of a pod running tensor-parallel ranks
@@ -178,7 +182,8 @@ def too_few_gpus(spec: InferenceDeploymentSpec, nodes: list[dict[str, Any]]) -> 
     largest = sorted(name for name, gpus in offered.items() if gpus == most)[0]
     return (
         f"parallelism.tensor {spec.parallelism.tensor} needs {spec.gpus} GPUs in one pod, but no node "
-        f"offers that many (the most: {most}, on {largest}); keepwarm runs a group within one node"
+        f"offers that many (the most: {most}, on {largest}); spread the ranks over several pods with "
+        "parallelism.nodes (a LeaderWorkerSet)"
     )
 
 
@@ -226,6 +231,67 @@ def runtime_command(spec: InferenceDeploymentSpec, model_path: str, model_name: 
     return [*command, *spec.runtime.extra_args]
 
 
+def workload_kind(spec: InferenceDeploymentSpec) -> tuple[str, str]:
+    """(apiVersion, kind) of the runtime pods' owner: a Deployment, or a LeaderWorkerSet for a group
+    over several pods (spec.parallelism.nodes > 1)."""
+    return (lws.API_VERSION, lws.KIND) if spec.parallelism.nodes > 1 else DEPLOYMENT
+
+
+def runtime_workload(
+    name: str, namespace: str, spec: InferenceDeploymentSpec, binding: CacheBinding | None,
+    owner: dict[str, Any] | None,
+) -> dict[str, Any]:  # fmt: skip
+    """The Deployment, or the LeaderWorkerSet (workload_kind); raises ValueError as
+    runtime_deployment does."""
+    deployment = runtime_deployment(name, namespace, spec, binding, owner)
+    if spec.parallelism.nodes == 1:
+        return deployment
+    return leader_worker_set(deployment, spec)
+
+
+def leader_worker_set(deployment: dict[str, Any], spec: InferenceDeploymentSpec) -> dict[str, Any]:
+    """The Deployment's pods as groups of spec.parallelism.nodes pods (a LeaderWorkerSet, one group
+    per replica): the leader runs node rank 0 and serves; each worker runs its node rank's ranks,
+    headless, its readiness the supervising parent's /health. The ranks meet at the leader's address
+    and the worker index LWS gives each pod (its environment, expanded by the kubelet). A pod that
+    restarts recreates its whole group: a group over pods cannot restart one rank in place."""
+    nodes = spec.parallelism.nodes
+    group = [serveflags.NNODES, str(nodes), serveflags.MASTER_ADDR, f"$({lws.LEADER_ADDRESS_ENV})"]
+    leader = copy.deepcopy(deployment["spec"]["template"])
+    (container,) = leader["spec"]["containers"]
+    container["command"] = [*container["command"], *group, serveflags.NODE_RANK, "0"]
+    worker = copy.deepcopy(deployment["spec"]["template"])
+    (container,) = worker["spec"]["containers"]
+    worker_rank = [serveflags.NODE_RANK, f"$({lws.WORKER_INDEX_ENV})", serveflags.HEADLESS]
+    container["command"] = [*container["command"], *group, *worker_rank]
+    container["ports"] = [p for p in container["ports"] if p["name"] != "http"]  # no API on a worker
+    for probe in ("startupProbe", "readinessProbe"):
+        container.pop(probe)
+    container["readinessProbe"] = dict(container["livenessProbe"], periodSeconds=5)
+    worker["metadata"]["annotations"] = {
+        k: v for k, v in worker["metadata"]["annotations"].items() if not k.startswith("prometheus.io/")
+    }
+    return {
+        "apiVersion": lws.API_VERSION,
+        "kind": lws.KIND,
+        "metadata": deployment["metadata"],
+        "spec": {
+            "replicas": spec.replicas,
+            # as the Deployment's: an old group serves until a new one is Ready
+            "rolloutStrategy": {
+                "type": "RollingUpdate",
+                "rollingUpdateConfiguration": {"maxUnavailable": 0, "maxSurge": 1},
+            },
+            "leaderWorkerTemplate": {
+                "size": nodes,
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": leader,
+                "workerTemplate": worker,
+            },
+        },
+    }
+
+
 def runtime_deployment(
     name: str, namespace: str, spec: InferenceDeploymentSpec, binding: CacheBinding | None,
     owner: dict[str, Any] | None,
@@ -251,7 +317,7 @@ def runtime_deployment(
         if m.volume:
             volumes.append(m.volume)
             mounts.append(m.mount)
-    if spec.parallelism.tensor > 1:  # ranks meet over shared memory (NCCL; 64 MiB is Docker's default)
+    if spec.parallelism.ranks_per_pod > 1:  # ranks meet over shared memory (NCCL; Docker gives 64 MiB)
         volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}})
         mounts.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
     lora_on = bool(spec.lora and spec.lora.enabled)
@@ -397,13 +463,15 @@ def runtime_service(
     name: str, namespace: str, spec: InferenceDeploymentSpec, owner: dict[str, Any] | None
 ) -> dict[str, Any]:
     labels = runtime_labels(name)
+    # a group's leaders alone serve the API
+    selector = labels if spec.parallelism.nodes == 1 else {**labels, lws.WORKER_INDEX_LABEL: "0"}
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": object_meta(name, labels, owner, namespace),
         "spec": {
             "type": spec.service_type.value,
-            "selector": labels,
+            "selector": selector,
             "ports": [{"name": "http", "port": spec.port, "targetPort": "http", "protocol": "TCP"}],
         },
     }

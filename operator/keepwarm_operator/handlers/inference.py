@@ -19,12 +19,13 @@ operator (as for WeightCaches).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
 import kopf
 
-from keepwarm_api import API_VERSION
+from keepwarm_api import API_VERSION, lws
 from keepwarm_api.common import Condition, condition, merge_conditions
 from keepwarm_api.inferencedeployment import (
     KIND,
@@ -41,13 +42,15 @@ from keepwarm_api.weightcachenode import PLURAL as NODE_PLURAL
 from ..applied import UNREAD, ApplyMode, Unread, apply_if_changed, key_of
 from ..builders.meta import IDEP_LABEL, runtime_labels, selector_string
 from ..builders.runtime import (
+    DEPLOYMENT,
     CacheBinding,
     lora_list,
     missing_cached_adapters,
-    runtime_deployment,
     runtime_service,
+    runtime_workload,
     snapshot_refusal,
     too_few_gpus,
+    workload_kind,
 )
 from ..metrics import APPLIES, reconciling
 from ..status import inference_status, now, status_changed
@@ -97,11 +100,11 @@ def _resolve(
         return None, condition(C.CACHE_WARM, False, R.ADAPTER_NOT_IN_CACHE, message, gen), 0
     warm = ctx.warm_nodes(ref.cache_ref, model.name)  # from the WeightCacheNode watch, no listing
     binding = CacheBinding(ref.cache_ref, cache_spec, model)
-    if model.parallelism != spec.parallelism:  # each rank asks for its own shard: none is held so
+    if model.parallelism != spec.parallelism.shards():  # each rank asks for its own shard: none held so
         message = (
             f"WeightCache {ref.cache_ref!r} holds {model.name} {model.parallelism.describe()}, but this "
-            f"InferenceDeployment runs it {spec.parallelism.describe()} (spec.parallelism): its pods load "
-            "from disk; give both the same parallelism"
+            f"InferenceDeployment runs it {spec.parallelism.shards().describe()} (spec.parallelism): its "
+            "pods load from disk; give both the same parallelism"
         )
         return binding, condition(C.CACHE_WARM, False, R.PARALLELISM_MISMATCH, message, gen), 0
     if warm:
@@ -150,18 +153,32 @@ def _apply_children(
     server has it and a failure's condition. The Deployment goes first: its record in ctx.applied
     lets the event of our own apply (it arrives during the Service's round trip) pass unapplied."""
     try:
-        manifest = runtime_deployment(name, namespace, spec, binding, owner)
+        manifest = runtime_workload(name, namespace, spec, binding, owner)
         deployment, wrote = apply_if_changed(ctx.kube, ctx.applied, manifest, deployment)
         if wrote:
-            APPLIES.labels("Deployment").inc()
+            APPLIES.labels(manifest["kind"]).inc()
+            _delete_other_workload(ctx, name, namespace, spec)
         if apply_if_changed(ctx.kube, ctx.applied, runtime_service(name, namespace, spec, owner))[1]:
             APPLIES.labels("Service").inc()
     except ApiError as exc:
-        message = f"applying the Deployment/Service failed: {exc}"
+        message = f"applying the {workload_kind(spec)[1]}/Service failed: {exc}"
+        if exc.status == 404 and spec.parallelism.nodes > 1:
+            message += (
+                f" (spec.parallelism.nodes {spec.parallelism.nodes} runs the group as a LeaderWorkerSet: "
+                "install sigs.k8s.io/lws in the cluster, docs/parallel.md)"
+            )
         kopf.warn(owner, reason=R.APPLY_FAILED.value, message=message)
         held = deployment if isinstance(deployment, dict) else None
         return held, condition(C.AVAILABLE, False, R.APPLY_FAILED, message, gen)
     return deployment, None
+
+
+def _delete_other_workload(ctx: Context, name: str, namespace: str, spec: InferenceDeploymentSpec) -> None:
+    """A change of spec.parallelism.nodes between 1 and more moves the pods between a Deployment and a
+    LeaderWorkerSet: the kind no longer used goes (absent, or the LWS API not installed: nothing)."""
+    other = DEPLOYMENT if spec.parallelism.nodes > 1 else (lws.API_VERSION, lws.KIND)
+    with contextlib.suppress(ApiError):
+        ctx.kube.delete(*other, name, namespace)
 
 
 def reconcile(
@@ -182,7 +199,7 @@ def reconcile(
         if mode is ApplyMode.APPLY:
             deployment = None
         elif deployment is None:
-            deployment = ctx.kube.get("apps/v1", "Deployment", name, namespace)
+            deployment = ctx.kube.get(*workload_kind(spec), name, namespace)
         if spec.model.cache_ref and binding is None:
             problem = cache_cond.model_copy(update={"type": C.AVAILABLE})
         elif (refused := _gpus_refusal(ctx, spec)) is not None:
@@ -329,8 +346,10 @@ def register_resync(interval: float) -> None:
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={IDEP_LABEL: kopf.PRESENT})
+@kopf.on.event(lws.GROUP, lws.VERSION, lws.PLURAL, labels={IDEP_LABEL: kopf.PRESENT})
 async def deployment_changed(body: kopf.Body, type: str | None, memo: Any, **_: Any) -> None:
-    """Rollouts show up in status at once, and drift in the Deployment is re-applied (no-op when none).
+    """Rollouts show up in status at once, and drift in the Deployment (or the LeaderWorkerSet, where
+    the cluster has the API) is re-applied (no-op when none).
 
     Async and non-blocking (the API calls run on the coalescer's pool): kopf runs a sync handler
     on its worker pool, where each of a rollout's events queued behind every create handler."""
@@ -345,7 +364,7 @@ async def deployment_changed(body: kopf.Body, type: str | None, memo: Any, **_: 
     # None: not applied by this process yet (its handler is mid-apply, or it has just started and
     # its resume handler will apply): no re-apply here
     known = ctx.applied.get(key_of(dict(body)))
-    drifted = type == "DELETED" or (known is not None and known.drifted("Deployment", dict(body)))
+    drifted = type == "DELETED" or (known is not None and known.drifted(body["kind"], dict(body)))
     ours = known is not None and known.resource_version == meta.get("resourceVersion")
     if ours and not drifted:  # what our apply returned: the status written with it already shows it
         return

@@ -111,8 +111,20 @@ def _serve_settings(command: list[str]):
             "LoRA adapters are served on one rank only",
         ),
         ({"parallelism": {"tensor": 17}}, "should be less than or equal to 16"),
+        ({"parallelism": {"tensor": 4, "nodes": 3}}, "parallelism.nodes must divide parallelism.tensor"),
+        (
+            {"parallelism": {"tensor": 4, "nodes": 2}, "gpusPerPod": 4},
+            "takes one GPU per rank: gpusPerPod is 0",
+        ),
     ],
-    ids=["expert-without-ranks", "gpus-not-one-per-rank", "lora-with-ranks", "too-many-ranks"],
+    ids=[
+        "expert-without-ranks",
+        "gpus-not-one-per-rank",
+        "lora-with-ranks",
+        "too-many-ranks",
+        "nodes-not-dividing",
+        "pods-of-a-group-with-all-gpus",
+    ],
 )
 def test_parallelism_that_cannot_work_is_refused_by_the_api_server(env, spec, message) -> None:
     result = _apply(env, _idep(env, "bad", "any", **spec), check=False)
@@ -150,4 +162,15 @@ def test_a_group_larger_than_any_nodes_gpus_is_refused_naming_the_largest(env) -
     assert "needs 8 GPUs in one pod" in message and f"the most: {GPUS_PER_NODE}" in message
     time.sleep(1)
     assert get(env.cp, f"/apis/apps/v1/namespaces/{env.ns}/deployments/huge") is None
-    assert _get_idep(env, "huge")["spec"]["parallelism"] == {"expert": True, "tensor": 8}
+    assert _get_idep(env, "huge")["spec"]["parallelism"] == {"expert": True, "tensor": 8, "nodes": 1}
+
+
+def test_a_group_over_pods_without_leaderworkerset_installed_is_named(env) -> None:
+    """The LeaderWorkerSet API is not installed in this cluster (tests/e2e/test_parallel.py has it)."""
+    _apply(env, _cache(env, "nodeswc", {"tensor": 4}))
+    _apply(env, _idep(env, "spread", "nodeswc", parallelism={"tensor": 4, "nodes": 2}))
+    message = _condition(env, "spread", "Available", "ApplyFailed")["message"]
+    assert "applying the LeaderWorkerSet/Service failed" in message and "install sigs.k8s.io/lws" in message
+    assert get(env.cp, f"/apis/apps/v1/namespaces/{env.ns}/deployments/spread") is None
+    # the split matches the cache's: where the ranks run is not the cache's matter
+    assert _condition(env, "spread", "CacheWarm")["reason"] == "ModelNotResident"

@@ -11,7 +11,9 @@ from keepwarm_operator.builders.runtime import (
     lora_list,
     runtime_deployment,
     runtime_service,
+    runtime_workload,
     too_few_gpus,
+    workload_kind,
 )
 
 OWNER = {
@@ -364,6 +366,11 @@ def test_a_tensor_parallel_pod_takes_a_gpu_per_rank_its_flags_and_shared_memory(
     [
         ({"parallelism": {"tensor": 4}, "gpusPerPod": 2}, "a pod takes one GPU per rank"),
         ({"parallelism": {"expert": True}}, "parallelism.expert needs parallelism.tensor > 1"),
+        ({"parallelism": {"tensor": 4, "nodes": 3}}, "parallelism.nodes 3 must divide parallelism.tensor 4"),
+        (
+            {"parallelism": {"tensor": 4, "nodes": 2}, "gpusPerPod": 4},
+            "takes one GPU per rank: gpusPerPod is 0",
+        ),
         (
             {"parallelism": {"tensor": 2}, "lora": {"adapters": []}},
             "LoRA adapters are served on one rank only",
@@ -435,3 +442,54 @@ def test_snapshot_startup_without_a_store_is_refused_by_name(binding, said):
     assert said in snapshot_refusal(spec, binding)
     with pytest.raises(ValueError, match=r"spec\.startup\.mode Snapshot"):
         runtime_deployment("chat", "ns", spec, binding, OWNER)
+
+
+def _expanded(command: list[str], env: dict[str, str]) -> list[str]:
+    """The command as the kubelet runs it: $(VAR) replaced from the container's environment."""
+    for name, value in env.items():
+        command = [part.replace(f"$({name})", value) for part in command]
+    return command
+
+
+def test_a_group_over_pods_is_a_leader_worker_set_whose_leaders_alone_serve():
+    spec = idep(parallelism={"tensor": 4, "nodes": 2, "expert": True}, replicas=3)
+    lws = runtime_workload("chat", "ns", spec, BINDING, OWNER)
+    assert (
+        (lws["apiVersion"], lws["kind"])
+        == workload_kind(spec)
+        == ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet")
+    )
+    assert lws["metadata"]["ownerReferences"][0]["name"] == "chat" and lws["spec"]["replicas"] == 3
+    group = lws["spec"]["leaderWorkerTemplate"]
+    assert group["size"] == 2 and group["restartPolicy"] == "RecreateGroupOnPodRestart"
+    env = {"LWS_LEADER_ADDRESS": "chat-0.chat.ns", "LWS_WORKER_INDEX": "1"}
+    (leader,) = group["leaderTemplate"]["spec"]["containers"]
+    (worker,) = group["workerTemplate"]["spec"]["containers"]
+    for c, rank in ((leader, 0), (worker, 1)):
+        settings = serve_settings(_expanded(c["command"], env))  # the runtime's own parser reads it
+        assert (settings.tensor_parallel_size, settings.nnodes, settings.node_rank) == (4, 2, rank)
+        assert settings.master_addr == "chat-0.chat.ns" and settings.enable_expert_parallel
+        assert settings.headless == (rank == 1)
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 2  # its share of the ranks, one GPU each
+    assert {p["name"] for p in worker["ports"]} == {"supervisor"}  # no API on a worker
+    assert worker["readinessProbe"]["httpGet"]["port"] == "supervisor" and "startupProbe" not in worker
+    assert leader["readinessProbe"]["httpGet"]["port"] == "http" and "startupProbe" in leader
+    service = runtime_service("chat", "ns", spec, OWNER)
+    assert service["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+    one = idep(parallelism={"tensor": 4})
+    assert runtime_workload("chat", "ns", one, BINDING, OWNER) == runtime_deployment(
+        "chat", "ns", one, BINDING, OWNER
+    )
+    assert (
+        "leaderworkerset.sigs.k8s.io/worker-index"
+        not in runtime_service("chat", "ns", one, OWNER)["spec"]["selector"]
+    )
+
+
+def test_a_group_over_pods_needs_only_its_share_of_gpus_on_a_node():
+    def node(name, gpus):
+        return {"metadata": {"name": name}, "status": {"allocatable": {"nvidia.com/gpu": str(gpus)}}}
+
+    assert too_few_gpus(idep(parallelism={"tensor": 16, "nodes": 2}), [node("a", 8)]) is None
+    refusal = too_few_gpus(idep(parallelism={"tensor": 16}), [node("a", 8)])
+    assert refusal is not None and "parallelism.nodes" in refusal
