@@ -88,7 +88,8 @@ nodetools:
 	  else echo "warning: missing $$missing (apt-get install them as root); real-node tests fail" >&2; fi; \
 	fi
 
-# containerd, runc, the CNI plugins and crictl, built from their Go modules once into ~/.cache/keepwarm/node.
+# containerd, runc, the CNI plugins, crictl, CoreDNS and the LeaderWorkerSet controller, built from their Go
+# modules once into ~/.cache/keepwarm/node.
 node: nodetools
 	bash testing/keepwarm_testing/node/build.sh >/dev/null
 

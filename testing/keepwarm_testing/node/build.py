@@ -14,5 +14,6 @@ class NodeBuildError(RuntimeError):
 
 
 def build_node_components(timeout_s: float | None = None) -> Path:
-    """Build (or reuse) containerd, runc, the CNI plugins and crictl; returns the directory holding them."""
+    """Build (or reuse) containerd, runc, the CNI plugins, crictl and the add-ons (CoreDNS, the
+    LeaderWorkerSet controller and its manifests, in `lws/` beside it); returns the bin directory."""
     return run_build_script(HERE / "build.sh", "node", NodeBuildError, timeout_s)

@@ -6,9 +6,12 @@
 #   testing/keepwarm_testing/node/build.sh          # prints the bin directory on its last line
 #
 # containerd (with its runc shim and `ctr`), runc (cgo, with seccomp: needs libseccomp-dev), the CNI
-# plugins a node's bridge network uses, and crictl. Env: KEEPWARM_NODE_CACHE (default
-# ~/.cache/keepwarm/node). A second concurrent call waits on a lock; an interrupted build resumes with the
-# binaries it already finished (a changed version is a new key, so a new folder).
+# plugins a node's bridge network uses, crictl, and the cluster's add-ons: CoreDNS (cluster DNS) and the
+# LeaderWorkerSet controller (`lws-manager`, pinned by go.mod beside this file, its CRDs and webhook
+# manifests copied from its module into lws/ beside bin/: node/addons.py installs them). Env:
+# KEEPWARM_NODE_CACHE (default ~/.cache/keepwarm/node). A second concurrent call waits on a lock; an
+# interrupted build resumes with the binaries it already finished (a changed version is a new key, so a
+# new folder).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 command -v go >/dev/null || export PATH="$PATH:/usr/local/go/bin"
@@ -19,6 +22,7 @@ CONTAINERD=v2.3.7
 RUNC=v1.4.4
 CNI_PLUGINS=v1.9.1
 CRI_TOOLS=v1.37.0
+COREDNS=v1.13.1
 declare -A packages=(
   [containerd]=github.com/containerd/containerd/v2/cmd/containerd@$CONTAINERD
   [containerd-shim-runc-v2]=github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2@$CONTAINERD
@@ -29,8 +33,18 @@ declare -A packages=(
   [loopback]=github.com/containernetworking/plugins/plugins/main/loopback@$CNI_PLUGINS
   [portmap]=github.com/containernetworking/plugins/plugins/meta/portmap@$CNI_PLUGINS
   [crictl]=sigs.k8s.io/cri-tools/cmd/crictl@$CRI_TOOLS
+  [coredns]=github.com/coredns/coredns@$COREDNS
+  [lws-manager]=sigs.k8s.io/lws/cmd  # a `tool` of go.mod: built in this folder, at go.mod's version
 )
-key="$(sha256sum "$here/build.sh" | cut -c1-16)"
+# What node/addons.py reads from the LWS module, relative to its root.
+lws_files=(
+  config/crd/bases/leaderworkerset.x-k8s.io_leaderworkersets.yaml
+  config/crd/bases/disaggregatedset.x-k8s.io_disaggregatedsets.yaml
+  config/webhook/manifests.yaml
+  config/webhook/mutating-patch.yaml
+  config/webhook/validating-patch.yaml
+)
+key="$(cat "$here/build.sh" "$here/go.mod" "$here/go.sum" | sha256sum | cut -c1-16)"
 root="${KEEPWARM_NODE_CACHE:-$HOME/.cache/keepwarm/node}/$key"
 bin="$root/bin"
 mkdir -p "$bin"
@@ -39,6 +53,7 @@ flock 9
 
 missing=()
 for name in "${!packages[@]}"; do [[ -x "$bin/$name" ]] || missing+=("$name"); done
+[[ -f "$root/lws/.complete" ]] || missing+=(lws-files)
 if (( ${#missing[@]} == 0 )); then
   echo "node components cached in $bin" >&2
   echo "$bin"
@@ -48,12 +63,24 @@ start=$SECONDS
 export GOFLAGS="-buildvcs=false"
 for name in "${missing[@]}"; do
   t0=$SECONDS
+  if [[ "$name" == lws-files ]]; then
+    src="$(cd "$here" && go mod download sigs.k8s.io/lws && go list -m -f '{{.Dir}}' sigs.k8s.io/lws)"
+    mkdir -p "$root/lws"
+    for f in "${lws_files[@]}"; do cp "$src/$f" "$root/lws/$(basename "$f")"; done
+    touch "$root/lws/.complete"
+    continue
+  fi
   echo "building $name (${packages[$name]})..." >&2
   tmp="$(mktemp -d)"
   cgo=0 tags=()
   if [[ "$name" == runc ]]; then cgo=1 tags=(-tags seccomp); fi  # runc applies seccomp through libseccomp
-  GOBIN="$tmp" CGO_ENABLED=$cgo nice -n 19 go install -trimpath "${tags[@]}" -ldflags="-s -w" "${packages[$name]}"
-  mv "$tmp/$(basename "${packages[$name]%@*}")" "$bin/$name"
+  if [[ "${packages[$name]}" == *@* ]]; then
+    GOBIN="$tmp" CGO_ENABLED=$cgo nice -n 19 go install -trimpath "${tags[@]}" -ldflags="-s -w" "${packages[$name]}"
+  else
+    (cd "$here" && CGO_ENABLED=$cgo nice -n 19 go build -trimpath -ldflags="-s -w" -o "$tmp/" "${packages[$name]}")
+  fi
+  built=("$tmp"/*)  # go install names it after the package's folder (lws's is `cmd`)
+  mv "${built[0]}" "$bin/$name"
   rm -rf "$tmp"
   echo "built $name in $((SECONDS - t0)) s" >&2
 done
