@@ -7,7 +7,8 @@ bridge network this machine owns, images built from the repository's Dockerfile 
 registry on loopback under the names the chart and the CRDs use (the nodes mirror those registries to
 it). The API server is reachable from pods at the bridge's address (a TCP forwarder; the serving
 certificate names it), which it advertises as the `kubernetes` Service's endpoint, and kube-proxy turns
-that Service's address into it, so in-cluster clients connect as in any cluster.
+that Service's address into it, so in-cluster clients connect as in any cluster. CoreDNS on the bridge
+is the cluster DNS (`cluster.local`), and `install_lws()` adds the LeaderWorkerSet API (node/addons.py).
 
     from keepwarm_testing.controlplane.build import build_control_plane
     with ControlPlane(build_control_plane()) as cp:
@@ -40,6 +41,7 @@ import httpx
 from keepwarm_api.kube import OPERATOR_FIELD_MANAGER, Kube, connect
 from keepwarm_runtime.server.launcher import free_port
 
+from ..node.addons import LwsManager
 from ..node.cluster import NodeSet
 from .apiproxy import TcpForwarder
 from .kubelet import FakeKubelet
@@ -287,6 +289,13 @@ class ControlPlane:
 
         self.wait_for(schedulable, timeout_s=60 + n, what=f"{n} new nodes losing their not-ready taint")
         return names
+
+    def install_lws(self) -> LwsManager:
+        """The LeaderWorkerSet API (sigs.k8s.io/lws: CRDs, webhooks, controller) in this cluster, once
+        (run_pods=True only; node/addons.py); a second call returns the running one."""
+        if self.nodes is None:
+            raise ControlPlaneError("the LeaderWorkerSet controller runs with real nodes: run_pods=True")
+        return self.nodes.install_lws(self)
 
     def remove_node(self, name: str, *, delete_pods: bool = True) -> None:
         """Delete a fake node (see FakeKubelet.remove_node for what happens to its pods)."""

@@ -1,9 +1,11 @@
 """The real nodes of one test cluster and what they share: the bridge, the images, the registry serving
-them, kube-proxy. `ControlPlane(run_pods=True)` owns one (controlplane/cluster.py).
+them, kube-proxy, the cluster DNS (CoreDNS) and, on request, the LeaderWorkerSet controller
+(node/addons.py). `ControlPlane(run_pods=True)` owns one (controlplane/cluster.py).
 
 Order matters: `prepare()` runs before the API server starts (the bridge's address is what it
 advertises, and the images must be in the registry before a node pulls them), `start()` after it, and
-`add()` registers a node and waits for it to be Ready. One such cluster runs on a machine at a time (a
+`add()` registers a node and waits for it to be Ready (CoreDNS runs from `start()` on, since every
+kubelet names it as its cluster DNS). One such cluster runs on a machine at a time (a
 lock): kube-proxy's iptables chains and the hostPaths pods mount belong to the whole machine.
 
 The images are the Dockerfile's targets (node/images.py), published under the names a user's cluster
@@ -27,6 +29,7 @@ import yaml
 from keepwarm_api.inferencedeployment import DEFAULT_CPU_IMAGE
 
 from ..controlplane.pki import PKI
+from .addons import CoreDNS, LwsManager
 from .build import build_node_components
 from .images import BuiltImages, build_images, push
 from .kubelet import KubeletError
@@ -69,6 +72,8 @@ class NodeSet:
         self.images: BuiltImages | None = None
         self.published: dict[str, str] = {}  # image reference the cluster uses -> local image
         self.kube_proxy: KubeProxy | None = None
+        self.dns: CoreDNS | None = None
+        self.lws: LwsManager | None = None
         self._cluster: NodeCluster | None = None
         self._lock: IO[str] | None = None
         self._node_bin: Path | None = None
@@ -104,6 +109,15 @@ class NodeSet:
             node_bin=self._node_bin,
             pull=tuple(ref for ref in self.published if "/pause:" not in ref),
         )
+        self.dns = CoreDNS(self.workdir / "coredns", self._node_bin, server, pki, self.bridge.gateway).start()
+
+    def install_lws(self, cp: ControlPlane) -> LwsManager:
+        """The LeaderWorkerSet CRDs, webhooks and controller (node/addons.py); a second call finds them
+        installed. The controller stops with the cluster."""
+        assert self._cluster is not None and self._node_bin is not None, "start() first"
+        if self.lws is None:
+            self.lws = LwsManager(self.workdir / "lws", self._node_bin, cp.server, self._cluster.pki)
+        return self.lws.install(cp)
 
     def _pause_path(self) -> str:
         return next(registry_path(ref) for ref in self.published if "/pause:" in ref)
@@ -159,8 +173,12 @@ class NodeSet:
     def stop(self, keep_logs: Path | None = None) -> None:
         if keep_logs is not None:
             self._keep_logs(keep_logs)
+        if self.lws is not None:
+            self.lws.stop()
         for node in reversed(list(self.nodes.values())):
             node.stop()
+        if self.dns is not None:
+            self.dns.stop()
         if self.kube_proxy is not None:
             self.kube_proxy.stop()
         KubeProxy.remove_chains()
@@ -212,7 +230,12 @@ class NodeSet:
             print(f"stopped what an earlier test cluster left running: {', '.join(found)}", file=sys.stderr)
 
     def _keep_logs(self, logs: Path) -> None:
-        """Copy the nodes' component logs and every container log beside the control plane's."""
+        """Copy the nodes' component logs, the add-ons' and every container log beside the control
+        plane's."""
+        for addon in (self.dns, self.lws):
+            if addon is not None and addon.log.exists():
+                with contextlib.suppress(OSError):
+                    shutil.copyfile(addon.log, logs / addon.log.name)
         for name, node in self.nodes.items():
             target = logs / "nodes" / name
             target.mkdir(parents=True, exist_ok=True)

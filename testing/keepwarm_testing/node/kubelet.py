@@ -7,7 +7,9 @@ machine forces, each a documented KubeletConfiguration field, not a patch:
 - `cgroupRoot` per node: two nodes' kubelets on one machine each own their own cgroup subtree;
 - eviction and image GC thresholds at their floor: the tests' disk and memory belong to the machine,
   not the node, and a busy build beside them must not evict a pod;
-- no cluster DNS (nothing in the tests resolves a Service name): pods use this machine's resolv.conf.
+- `clusterDNS` is CoreDNS on the bridge's address (node/addons.py), `clusterDomain` cluster.local: a
+  ClusterFirst pod resolves Services and headless Services' pods as in any cluster; `resolvConf` stays
+  this machine's (the search domains it adds, and what Default-policy and host-network pods use).
 The node authenticates with a client certificate of `system:node:<name>` (the Node authorizer and the
 NodeRestriction admission plugin judge it), and serves its API (logs, exec) with a certificate the
 cluster's CA signs, checked against that CA with webhook authorization, as kubeadm sets it up.
@@ -27,6 +29,7 @@ from keepwarm_runtime.server.launcher import free_port
 
 from ..controlplane.pki import PKI, write_kubeconfig
 from . import process
+from .addons import CLUSTER_DOMAIN
 
 
 class KubeletError(RuntimeError):
@@ -35,7 +38,8 @@ class KubeletError(RuntimeError):
 
 def kubelet_configuration(
     *, address: str, port: int, healthz_port: int, ca: Path, serving_cert: Path, serving_key: Path,
-    runtime: str, cgroup_root: str, pod_cidr: str, pod_logs: Path, fail_cgroup_v1: bool = False,
+    runtime: str, cgroup_root: str, pod_cidr: str, pod_logs: Path, cluster_dns: str,
+    fail_cgroup_v1: bool = False,
 ) -> dict:  # fmt: skip
     """The KubeletConfiguration of a test node (see the module docstring for the choices)."""
     return {
@@ -63,6 +67,8 @@ def kubelet_configuration(
         "podCIDR": pod_cidr,
         "failSwapOn": False,
         "resolvConf": "/etc/resolv.conf",
+        "clusterDNS": [cluster_dns],
+        "clusterDomain": CLUSTER_DOMAIN,
         "evictionHard": {
             "memory.available": "1Mi",
             "nodefs.available": "1%",
@@ -153,6 +159,7 @@ class Kubelet:
     pod_cidr: str
     runtime: str  # containerd's CRI endpoint, unix://...
     labels: dict[str, str]
+    cluster_dns: str  # the cluster DNS server's address (CoreDNS on the bridge)
     fail_cgroup_v1: bool = False  # True: the kubelet's default, which refuses a cgroup v1 machine
     proc: subprocess.Popen | None = None
 
@@ -190,6 +197,7 @@ class Kubelet:
                     cgroup_root=self.cgroup_root,
                     pod_cidr=self.pod_cidr,
                     pod_logs=self.workdir / "pod-logs",
+                    cluster_dns=self.cluster_dns,
                     fail_cgroup_v1=self.fail_cgroup_v1,
                 )
             )

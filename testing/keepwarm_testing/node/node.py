@@ -43,7 +43,7 @@ class NodeCluster:
     registry: str  # host:port of the local registry
     sandbox: str  # the pause image's reference in it
     control_plane_bin: Path  # the kubelet
-    node_bin: Path  # containerd, runc, CNI plugins, crictl (node/build.sh)
+    node_bin: Path  # containerd, runc, CNI plugins, crictl, the add-ons (node/build.sh)
     pull: tuple[str, ...] = ()  # images every node pulls at start (their tags may have moved)
 
 
@@ -80,6 +80,7 @@ class RealNode:
         self.kubelet = Kubelet(
             self.name, self.workdir / "kubelet", cluster.control_plane_bin, cluster.server, cluster.pki,
             self.address, cluster.bridge.pod_cidr(self.index), self.containerd.endpoint, self.labels,
+            cluster.bridge.gateway,
         ).start()  # fmt: skip
         return self
 

@@ -1,7 +1,8 @@
 """What an earlier test cluster left running when it was killed before its teardown (SIGKILL, a
-terminal closed, an interrupt during a pull): its kubelets, kube-proxy, containerd and shims, the
-registry, and the pods' processes. A containerd left on a node's persistent root holds its database,
-so the next cluster's containerd for that node waits on it and never starts.
+terminal closed, an interrupt during a pull): its add-ons (the LeaderWorkerSet controller, CoreDNS),
+kubelets, kube-proxy, containerd and shims, the registry, and the pods' processes. A containerd left
+on a node's persistent root holds its database, so the next cluster's containerd for that node waits
+on it and never starts; a CoreDNS left holds port 53 on an address the next bridge may take.
 
 `stop_strays()` runs with the machine lock held (node/cluster.py), so nothing it finds belongs to a
 live cluster: it kills them, removes the nodes' emptied cgroup roots and unmounts what was mounted in
@@ -20,7 +21,8 @@ from pathlib import Path
 from .kubelet import CGROUP_FS, remove_cgroup_root
 
 CACHE = Path.home() / ".cache" / "keepwarm"
-COMPONENTS = ("kubelet", "kube-proxy", "containerd", "containerd-shim-runc-v2")  # stopped in this order
+# Stopped in this order (node/build.sh's names).
+COMPONENTS = ("lws-manager", "kubelet", "kube-proxy", "containerd", "containerd-shim-runc-v2", "coredns")
 CGROUP_PREFIX = "kwt-"  # a node's cgroupRoot is /kwt-<node> (node/kubelet.py)
 
 

@@ -146,7 +146,7 @@ def test_a_kubelet_refusing_the_machine_says_why_in_one_line(
     assert node.containerd is not None
     kubelet = Kubelet(
         "refused", tmp_path, cp.bin_dir, cp.server, cp.pki, node.address, "10.1.2.0/24",
-        node.containerd.endpoint, labels={}, fail_cgroup_v1=True,
+        node.containerd.endpoint, labels={}, cluster_dns=cp.nodes.bridge.gateway, fail_cgroup_v1=True,
     )  # fmt: skip
     try:
         with pytest.raises(KubeletError) as refused:
