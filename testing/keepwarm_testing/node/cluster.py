@@ -109,7 +109,8 @@ class NodeSet:
             node_bin=self._node_bin,
             pull=tuple(ref for ref in self.published if "/pause:" not in ref),
         )
-        self.dns = CoreDNS(self.workdir / "coredns", self._node_bin, server, pki, self.bridge.gateway).start()
+        self.dns = CoreDNS(self.workdir / "coredns", self._node_bin, server, pki, self.bridge.gateway)
+        self.dns.start()  # held first: a CoreDNS that never became ready is stopped, its log kept
 
     def install_lws(self, cp: ControlPlane) -> LwsManager:
         """The LeaderWorkerSet CRDs, webhooks and controller (node/addons.py); a second call finds them

@@ -1,7 +1,8 @@
 """The test cluster's pod network: one Linux bridge on this machine, pods attached by the CNI bridge plugin.
 
 The harness owns a /16 (10.Y.0.0/16, Y chosen so nothing on the machine uses it); the bridge holds
-10.Y.0.1, the address pods reach this host on (the API server through a forwarder, a loopback Hub).
+10.Y.0.1, the address pods reach this host on (the API server through a forwarder, a loopback Hub,
+the cluster DNS: CoreDNS on port 53, UDP and TCP, node/addons.py).
 Node n's pods get addresses from 10.Y.n.0/24 (the host-local IPAM plugin), with the whole /16 on-link,
 so pods on different nodes talk across the bridge.
 

@@ -57,7 +57,15 @@ RESOLVE_SERVICE = """
 import socket
 print(open("/etc/resolv.conf").read())
 for name in ("kubernetes.default.svc.cluster.local", "kubernetes.default"):  # the second by search path
-    print("resolved", name, socket.gethostbyname(name))
+    print("resolved", name, socket.gethostbyname(name))  # over UDP
+# The same question over TCP (what a truncated answer falls back to), by hand: an A query, one answer.
+labels = b"".join(bytes([len(p)]) + p.encode() for p in "kubernetes.default.svc.cluster.local".split("."))
+query = bytes.fromhex("123401000001000000000000") + labels + bytes.fromhex("0000010001")
+server = next(line.split()[1] for line in open("/etc/resolv.conf") if line.startswith("nameserver"))
+conn = socket.create_connection((server, 53), timeout=10)
+conn.sendall(len(query).to_bytes(2, "big") + query)
+answer = conn.recv(4096)[2:]
+print("tcp", socket.inet_ntoa(answer[-4:]), "answers", int.from_bytes(answer[6:8], "big"))
 """
 
 
@@ -89,6 +97,7 @@ def test_a_service_name_resolves_through_the_cluster_dns(cluster: SimpleNamespac
     resolved = [line.split() for line in out.splitlines() if line.startswith("resolved ")]
     names = ("kubernetes.default.svc.cluster.local", "kubernetes.default")
     assert resolved == [["resolved", name, service_ip] for name in names], out
+    assert f"tcp {service_ip} answers 1" in out
 
 
 # The leader serves one line to each worker that connects, naming itself; it logs who came.
