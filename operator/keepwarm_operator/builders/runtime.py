@@ -237,6 +237,16 @@ def workload_kind(spec: InferenceDeploymentSpec) -> tuple[str, str]:
     return (lws.API_VERSION, lws.KIND) if spec.parallelism.nodes > 1 else DEPLOYMENT
 
 
+def group_name(name: str) -> str:
+    """The LeaderWorkerSet of InferenceDeployment ``name``: not ``name`` itself, which the Service
+    holds, since LWS names its headless Service (the pods' DNS subdomain) after the set."""
+    return f"{name}-group"
+
+
+def workload_name(name: str, spec: InferenceDeploymentSpec) -> str:
+    return group_name(name) if spec.parallelism.nodes > 1 else name
+
+
 def runtime_workload(
     name: str, namespace: str, spec: InferenceDeploymentSpec, binding: CacheBinding | None,
     owner: dict[str, Any] | None,
@@ -274,7 +284,7 @@ def leader_worker_set(deployment: dict[str, Any], spec: InferenceDeploymentSpec)
     return {
         "apiVersion": lws.API_VERSION,
         "kind": lws.KIND,
-        "metadata": deployment["metadata"],
+        "metadata": {**deployment["metadata"], "name": group_name(deployment["metadata"]["name"])},
         "spec": {
             "replicas": spec.replicas,
             # as the Deployment's: an old group serves until a new one is Ready

@@ -44,6 +44,7 @@ from ..builders.meta import IDEP_LABEL, runtime_labels, selector_string
 from ..builders.runtime import (
     DEPLOYMENT,
     CacheBinding,
+    group_name,
     lora_list,
     missing_cached_adapters,
     runtime_service,
@@ -51,6 +52,7 @@ from ..builders.runtime import (
     snapshot_refusal,
     too_few_gpus,
     workload_kind,
+    workload_name,
 )
 from ..metrics import APPLIES, reconciling
 from ..status import inference_status, now, status_changed
@@ -176,9 +178,11 @@ def _apply_children(
 def _delete_other_workload(ctx: Context, name: str, namespace: str, spec: InferenceDeploymentSpec) -> None:
     """A change of spec.parallelism.nodes between 1 and more moves the pods between a Deployment and a
     LeaderWorkerSet: the kind no longer used goes (absent, or the LWS API not installed: nothing)."""
-    other = DEPLOYMENT if spec.parallelism.nodes > 1 else (lws.API_VERSION, lws.KIND)
+    other = (
+        (*DEPLOYMENT, name) if spec.parallelism.nodes > 1 else (lws.API_VERSION, lws.KIND, group_name(name))
+    )
     with contextlib.suppress(ApiError):
-        ctx.kube.delete(*other, name, namespace)
+        ctx.kube.delete(*other, namespace)
 
 
 def reconcile(
@@ -199,7 +203,7 @@ def reconcile(
         if mode is ApplyMode.APPLY:
             deployment = None
         elif deployment is None:
-            deployment = ctx.kube.get(*workload_kind(spec), name, namespace)
+            deployment = ctx.kube.get(*workload_kind(spec), workload_name(name, spec), namespace)
         if spec.model.cache_ref and binding is None:
             problem = cache_cond.model_copy(update={"type": C.AVAILABLE})
         elif (refused := _gpus_refusal(ctx, spec)) is not None:

@@ -460,15 +460,16 @@ def test_a_group_over_pods_is_a_leader_worker_set_whose_leaders_alone_serve():
         == ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet")
     )
     assert lws["metadata"]["ownerReferences"][0]["name"] == "chat" and lws["spec"]["replicas"] == 3
+    assert lws["metadata"]["name"] == "chat-group"  # LWS's headless Service takes its name: not the Service's
     group = lws["spec"]["leaderWorkerTemplate"]
     assert group["size"] == 2 and group["restartPolicy"] == "RecreateGroupOnPodRestart"
-    env = {"LWS_LEADER_ADDRESS": "chat-0.chat.ns", "LWS_WORKER_INDEX": "1"}
+    env = {"LWS_LEADER_ADDRESS": "chat-group-0.chat-group.ns", "LWS_WORKER_INDEX": "1"}
     (leader,) = group["leaderTemplate"]["spec"]["containers"]
     (worker,) = group["workerTemplate"]["spec"]["containers"]
     for c, rank in ((leader, 0), (worker, 1)):
         settings = serve_settings(_expanded(c["command"], env))  # the runtime's own parser reads it
         assert (settings.tensor_parallel_size, settings.nnodes, settings.node_rank) == (4, 2, rank)
-        assert settings.master_addr == "chat-0.chat.ns" and settings.enable_expert_parallel
+        assert settings.master_addr == "chat-group-0.chat-group.ns" and settings.enable_expert_parallel
         assert settings.headless == (rank == 1)
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 2  # its share of the ranks, one GPU each
     assert {p["name"] for p in worker["ports"]} == {"supervisor"}  # no API on a worker
