@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,6 +22,7 @@ import pytest
 
 from keepwarm_runtime.server.launcher import free_port, start_server
 from tests.integration.server.test_server_supervisor import ARGS  # the supervised server's settings
+from tests.integration.server.test_server_tensor_parallel import refused
 
 pytestmark = pytest.mark.slow
 
@@ -75,17 +74,6 @@ def test_a_rank_lost_on_the_other_node_ends_the_group_for_a_restart_as_a_whole(n
         assert why in text and "this node exits and the group restarts as a whole" in text, text[-3000:]
 
 
-def _refused(model: Path, *args: str) -> str:
-    result = subprocess.run(
-        [sys.executable, "-m", "keepwarm_runtime.cli", "serve", str(model), "--port", "0", *args],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert result.returncode == 2, result.stderr[-2000:]
-    return result.stderr
-
-
 @pytest.mark.parametrize(
     ("args", "says"),
     [
@@ -97,4 +85,4 @@ def _refused(model: Path, *args: str) -> str:
     ],
 )
 def test_shares_that_cannot_run_are_refused_by_name(tiny_llama, args, says) -> None:
-    assert says in _refused(tiny_llama, *args)
+    assert says in refused(tiny_llama, *args)

@@ -100,7 +100,8 @@ def test_a_rank_killed_mid_request_fails_it_and_the_group_restarts(group) -> Non
     assert re.search(r"the tensor-parallel rank 1 killed by SIGKILL", group.log_text())
 
 
-def _refused(model: Path, *args: str) -> str:
+def refused(model: Path, *args: str) -> str:
+    """`keepwarm serve MODEL ARGS`'s stderr, which must end with 2 (refused before serving)."""
     result = subprocess.run(
         [sys.executable, "-m", "keepwarm_runtime.cli", "serve", str(model), "--port", "0", *args],
         capture_output=True,
@@ -112,10 +113,10 @@ def _refused(model: Path, *args: str) -> str:
 
 
 def test_settings_that_cannot_run_a_group_are_refused_by_name(tiny_llama) -> None:
-    assert "2 key/value heads (num_key_value_heads) do not divide over 4" in _refused(
+    assert "2 key/value heads (num_key_value_heads) do not divide over 4" in refused(
         tiny_llama, "--tensor-parallel-size", "4"
     )
-    assert "needs the supervising parent" in _refused(
+    assert "needs the supervising parent" in refused(
         tiny_llama, "--tensor-parallel-size", "2", "--no-supervise"
     )
-    assert "takes cuda:0, cuda:1" in _refused(tiny_llama, "--tensor-parallel-size", "2", "--device", "cuda:1")
+    assert "takes cuda:0, cuda:1" in refused(tiny_llama, "--tensor-parallel-size", "2", "--device", "cuda:1")
