@@ -53,7 +53,7 @@ from keepwarm_runtime.engine.prompt_logprobs import PromptChunk, store
 from keepwarm_runtime.engine.sampler import SampledToken, Sampler
 from keepwarm_runtime.engine.sampling_params import SamplingParams
 from keepwarm_runtime.engine.scheduler import Scheduler
-from keepwarm_runtime.engine.sequence import Sequence
+from keepwarm_runtime.engine.sequence import Sequence, SequenceStatus
 from keepwarm_runtime.engine.startup import StartupProfile
 
 log = logging.getLogger(__name__)
@@ -337,7 +337,7 @@ class LLMEngine:
         self.scheduler.update_after_step(batch)
         failed = self._score_prompts(step.prompt_chunks, step.prompt_logits)
         seqs, logits, scored_only = self._to_sample(step, failed)
-        outputs = self._postprocess(seqs, self.sampler(seqs, logits) if seqs else [])
+        outputs = self._sample_and_append(seqs, logits) if seqs else []
         unsampled = (scored_only | set(failed)) - {o.request_id for o in outputs}
         reported = [self._report(rid, failed.get(rid)) for rid in unsampled if rid in self.requests]
         return unencoded + outputs + reported
@@ -388,39 +388,67 @@ class LLMEngine:
             self.requests.pop(request_id, None)
         return output
 
-    def _postprocess(self, seqs: list[Sequence], sampled: list[SampledToken]) -> list[RequestOutput]:
-        touched: dict[str, _Request] = {}
+    def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> list[RequestOutput]:
+        """Sample the step's tokens and post-process them: a batch of plain greedy rows takes the
+        sampler's argmax alone (Sampler.greedy_tokens), any other the full sampler."""
+        tokens = self.sampler.greedy_tokens(seqs, logits)
+        if tokens is not None:
+            return self._postprocess(seqs, tokens)
+        sampled = self.sampler(seqs, logits)
+        return self._postprocess(seqs, [t.token_id for t in sampled], sampled)
+
+    def _postprocess(
+        self, seqs: list[Sequence], tokens: list[int], sampled: list[SampledToken] | None = None
+    ) -> list[RequestOutput]:
+        """Append each row's token (``sampled``, when given, carries its logprobs or its error) and
+        build the outputs of the requests touched, in the order first touched. A request of one
+        sequence has its output built at once; one of several once all its rows are in, since one
+        failing row fails them all. Runs for every sequence of every step: plain locals."""
+        requests = self.requests
+        outputs: list[RequestOutput] = []
+        pending: dict[str, tuple[_Request, int]] = {}  # several sequences: outputs before its output
         failed: dict[str, str] = {}  # request id -> why it alone failed
-        for seq, token in zip(seqs, sampled, strict=True):
-            request = self.requests.get(seq.request_id)
-            if request is None or seq.is_finished or seq.request_id in failed:
+        for row, seq in enumerate(seqs):
+            rid = seq.request_id
+            request = requests.get(rid)
+            if request is None or seq.status is SequenceStatus.FINISHED or (failed and rid in failed):
                 continue
-            touched[seq.request_id] = request
-            if token.error is not None:
-                failed[seq.request_id] = token.error
-                continue
-            try:
-                self._append(seq, token, request.detokenizers[seq.index])
-            except Exception as exc:
-                log.exception("post-processing request %s failed; failing it alone", seq.request_id)
-                failed[seq.request_id] = f"{type(exc).__name__}: {exc}"
-        outputs = []
-        for request in touched.values():
-            error = failed.get(request.request_id)
+            token = sampled[row] if sampled is not None else None
+            error = token.error if token is not None else None
+            if error is None:
+                try:
+                    self._append(seq, tokens[row], token, request.detokenizers[seq.index])
+                except Exception as exc:
+                    log.exception("post-processing request %s failed; failing it alone", rid)
+                    error = f"{type(exc).__name__}: {exc}"
             if error is not None:
-                self.abort_request(request.request_id)
-            output = self._output(request, error)
-            if output.finished and request.request_id in self.requests:
-                del self.requests[request.request_id]
-            outputs.append(output)
+                failed[rid] = error
+            if len(request.seqs) == 1:
+                outputs.append(self._settle(request, error))
+            elif rid not in pending:
+                pending[rid] = (request, len(outputs))
+        # Last place first, so each insertion leaves the places before it as they were.
+        for rid, (request, place) in reversed(pending.items()):
+            outputs.insert(place, self._settle(request, failed.get(rid)))
         return outputs
 
-    def _append(self, seq: Sequence, token: SampledToken, detok: IncrementalDetokenizer) -> None:
-        """Add a sampled token to its sequence and finish the sequence if it should stop (runs for every
-        sequence of every step: plain locals, no properties)."""
-        p, tid, ids = seq.params, token.token_id, seq.token_ids
+    def _settle(self, request: _Request, error: str | None) -> RequestOutput:
+        """A sampled request's output; a failed one is aborted first, a finished one forgotten."""
+        if error is not None:
+            self.abort_request(request.request_id)
+        output = self._output(request, error)
+        if output.finished:
+            self.requests.pop(request.request_id, None)
+        return output
+
+    def _append(
+        self, seq: Sequence, tid: int, token: SampledToken | None, detok: IncrementalDetokenizer
+    ) -> None:
+        """Add a sampled token (``token``: its logprobs, when asked) to its sequence and finish the
+        sequence if it should stop (runs for every sequence of every step: plain locals, no properties)."""
+        p, ids = seq.params, seq.token_ids
         ids.append(tid)
-        if token.logprobs is not None:
+        if token is not None and token.logprobs is not None:
             for alternative, lp in token.logprobs.items():
                 lp.decoded_token = self.token_text(alternative)
             seq.logprobs.append(token.logprobs)
@@ -436,7 +464,7 @@ class LLMEngine:
         eos = not p.ignore_eos and tid in self.eos_token_ids and num_output >= p.min_tokens
         if terminated or eos:
             self._finish(seq, "stop", None)
-        elif tid in p.stop_token_ids and num_output >= p.min_tokens:
+        elif p.stop_token_ids and tid in p.stop_token_ids and num_output >= p.min_tokens:
             self._finish(seq, "stop", tid)
         elif p.stop and new_text and (hit := find_stop(seq.text, len(new_text), p.stop)):
             idx, stop = hit
@@ -450,18 +478,24 @@ class LLMEngine:
         self.scheduler.finish(seq)
 
     def _output(self, request: _Request, error: str | None = None) -> RequestOutput:
-        completions = [_completion(seq) for seq in request.seqs]
-        first = request.seqs[0]
+        seqs = request.seqs
+        first = seqs[0]
+        if len(seqs) == 1:  # most requests: no generator to run
+            completions = [_completion(first)]
+            finished = first.status is SequenceStatus.FINISHED
+        else:
+            completions = [_completion(seq) for seq in seqs]
+            finished = all(seq.status is SequenceStatus.FINISHED for seq in seqs)
         scored = first.prompt_logprobs
         return RequestOutput(
             request.request_id,
             request.prompt,
             request.prompt_token_ids,
             completions,
-            finished=all(seq.is_finished for seq in request.seqs),
-            num_cached_tokens=first.num_cached_tokens,
-            prompt_logprobs=list(scored) if scored is not None else None,
-            error=error,
+            finished,
+            first.num_cached_tokens,
+            list(scored) if scored is not None else None,
+            error,
         )
 
 

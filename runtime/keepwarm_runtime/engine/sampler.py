@@ -6,6 +6,10 @@ structured-output constraint's mask; then greedy argmax, or temperature, top-k, 
 draw (exponential race, so seeded rows use their own generator without a per-row multinomial).
 Logprobs are taken from the raw model distribution.
 
+A batch whose every row is plain greedy (``Sequence.plain_greedy``, no constraint) skips all of it:
+``greedy_tokens`` is the argmax alone, with no per-row checks and no ``SampledToken`` per row, the
+same tokens ``__call__`` gives (its general path makes no change to such rows).
+
 Isolation: one request's fault (a constraint that raises, a parameter that overflows) must not cost
 the other rows their step. Per-row work catches per row; the batched draw, if it raises, is redone
 row by row. A failed row comes back as a ``SampledToken`` with ``error`` set and no token.
@@ -37,6 +41,17 @@ class Sampler:
     def __init__(self, eos_token_ids: set[int], seed: int = 0, device: torch.device | str = "cpu"):
         self.eos_token_ids = set(eos_token_ids)
         self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def greedy_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int] | None:
+        """Every row's token when all rows are plain greedy with no constraint, else None (then
+        ``__call__`` samples them). None too if the argmax raises, so ``__call__`` isolates the fault."""
+        for seq in seqs:
+            if not seq.plain_greedy or seq.constraint is not None:
+                return None
+        try:
+            return argmax_rows(logits)
+        except Exception:
+            return None
 
     def __call__(self, seqs: list[Sequence], logits: torch.Tensor) -> list[SampledToken]:
         want_logprobs = [s.params.logprobs is not None for s in seqs]

@@ -53,9 +53,15 @@ class Sequence:
     # registration, which salts block hashes so KV computed under one adapter never serves another.
     lora_name: str | None = None
     lora_id: int = 0
+    # Greedy, nothing to edit in its logits row (no penalties, biases, masks or min_tokens) and no
+    # logprobs: the sampler's argmax alone serves it (Sampler.greedy_tokens). Read from the params
+    # once, here: the engine never changes a request's params after add_request.
+    plain_greedy: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        p = self.params
+        self.plain_greedy = p.greedy and not p.needs_masks and p.logprobs is None and not p.min_tokens
         if self.params.logprobs is not None:
             self.logprobs = []
         if self.params.prompt_logprobs is not None and self.index == 0:

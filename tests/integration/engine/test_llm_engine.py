@@ -93,6 +93,51 @@ def test_n_seeded_samples_and_logprobs(llm) -> None:
     )
 
 
+def test_plain_greedy_batches_give_the_outputs_of_the_full_sampler(model_dir, llm) -> None:
+    """A batch of plain greedy rows takes the sampler's argmax alone (Sampler.greedy_tokens) and the
+    outputs are built as each row is appended: every step's outputs (order, text, tokens, logprobs,
+    reasons) are those of the full sampler's path, through stops, n=2 and a logprobs request joining."""
+    batch = [p["prompt_token_ids"] for p in prompts(4, length=9, seed=3)]
+    free = llm.generate([{"prompt_token_ids": batch[0]}], GREEDY)[0].outputs[0]
+    requests = [
+        SamplingParams(temperature=0, max_tokens=10),
+        SamplingParams(n=2, temperature=0, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, stop=[free.text[4:7]], ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[free.token_ids[5]], ignore_eos=True),
+    ]
+
+    def run(fast: bool) -> tuple[list[list[tuple]], int]:
+        engine = LLM(model_dir, block_size=4, num_kv_blocks=128).engine
+        greedy_tokens, taken = engine.sampler.greedy_tokens, []
+        if fast:  # count the batches that took it
+            engine.sampler.greedy_tokens = lambda s, x: taken.append(1) or greedy_tokens(s, x)
+        else:  # every batch: the full sampler
+            engine.sampler.greedy_tokens = lambda s, x: None
+        for i, params in enumerate(requests):  # the stops are in batch[0]'s free output
+            engine.add_request(f"plain-{i}", batch[0 if i > 1 else i], params)
+        steps = []
+        while engine.has_unfinished_requests():
+            if len(steps) == 3:
+                engine.add_request("lp", batch[1], SamplingParams(temperature=0, max_tokens=4, logprobs=1))
+            steps.append([_seen(o) for o in engine.step()])
+        return steps, len(taken)
+
+    (fast, taken), (full, _) = run(fast=True), run(fast=False)
+    assert fast == full and taken
+    finished = [c for step in fast for o in step for c in o[4] if c[5] is not None]
+    assert {c[5] for c in finished} == {"stop", "length"}  # the stops were reached
+    assert any(len(o[4]) == 2 for step in fast for o in step)
+
+
+def _seen(output) -> tuple:
+    """What a client reads of one step's output."""
+    completions = [
+        (c.index, c.text, list(c.token_ids), c.cumulative_logprob, c.logprobs, c.finish_reason, c.stop_reason)
+        for c in output.outputs
+    ]
+    return (output.request_id, output.finished, output.error, output.num_cached_tokens, completions)
+
+
 def test_warm_up_leaves_nothing_behind(model_dir) -> None:
     """A warmed engine holds no request, no KV block and no cached prefix, and answers as an unwarmed
     one does (greedy: the sampler's random stream is untouched either way)."""

@@ -184,3 +184,45 @@ def test_logprobs_of_a_batch_match_each_row_taken_alone() -> None:
             raw[row], token, params[row].logprobs
         )
     assert len(sampled[2].logprobs) in (5, 6) and len(sampled[0].logprobs) == 1
+
+
+PLAIN = [
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=0, stop=["x"], stop_token_ids=[2], max_tokens=3, seed=5, ignore_eos=True),
+]
+NOT_PLAIN = [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=0, logprobs=0),
+    SamplingParams(temperature=0, min_tokens=1),
+    SamplingParams(temperature=0, repetition_penalty=1.2),
+    SamplingParams(temperature=0, presence_penalty=0.5),
+    SamplingParams(temperature=0, frequency_penalty=0.5),
+    SamplingParams(temperature=0, logit_bias={1: 5.0}),
+    SamplingParams(temperature=0, allowed_token_ids=[1, 2]),
+    SamplingParams(temperature=0, bad_words_token_ids=[[3]]),
+]
+
+
+def test_greedy_tokens_are_the_full_samplers_tokens_for_plain_rows() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(len(PLAIN) * 3, 50, generator=g)
+    logits[0, 7] = logits[0, 9] = 100.0  # a tie: the first index wins in both paths
+    logits[1, 11] = float("nan")  # NaN counts as the largest in both
+    rows = [seq(PLAIN[i % len(PLAIN)]) for i in range(logits.shape[0])]
+    assert all(r.plain_greedy for r in rows)
+    fast = Sampler({EOS}).greedy_tokens(rows, logits.clone())
+    full = [t.token_id for t in Sampler({EOS})(rows, logits.clone())]
+    assert fast == full and fast[0] == 7 and fast[1] == 11
+
+
+@pytest.mark.parametrize("params", NOT_PLAIN)
+def test_one_row_that_needs_more_than_an_argmax_sends_the_batch_to_the_full_sampler(params) -> None:
+    rows = [seq(SamplingParams(temperature=0)), seq(params)]
+    assert not rows[1].plain_greedy
+    assert Sampler({EOS}).greedy_tokens(rows, torch.stack([LOGITS, LOGITS])) is None
+
+
+def test_a_constraint_sends_the_batch_to_the_full_sampler() -> None:
+    s = seq(SamplingParams(temperature=0))
+    s.constraint = OnlyEven()
+    assert s.plain_greedy and Sampler({EOS}).greedy_tokens([s], LOGITS[None].clone()) is None
