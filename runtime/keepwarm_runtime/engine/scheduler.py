@@ -72,28 +72,30 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scoring_budget = PROMPT_LOGITS_PER_STEP  # prompt positions kept for prompt logprobs
-        preempted = False
+        preemptions = self.num_preemptions
+        block_size = self.block_manager.block_size
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0:  # every running sequence, every step: plain locals
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if seq.needs_prompt_logits:
+            computed = seq.num_computed_tokens
+            n = min(len(seq.token_ids) - computed, budget)
+            scoring = seq.prompt_logprobs is not None and seq.needs_prompt_logits
+            if scoring:
                 n = min(n, scoring_budget)
                 if n == 0:  # no scoring room left this step: it waits a step, keeping its blocks
                     i += 1
                     continue
-            while not self.block_manager.allocate(seq, seq.num_computed_tokens + n):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
-            else:
-                out.seqs.append(seq)
-                out.num_scheduled_tokens.append(n)
-                budget -= n
-                scoring_budget -= n if seq.needs_prompt_logits else 0
-                i += 1
+            end = computed + n
+            # Its blocks already hold the tokens on most decode steps (BlockManager.allocate's own test).
+            if end > len(seq.block_ids) * block_size and not self._allocate_or_preempt(seq, end):
+                continue
+            out.seqs.append(seq)
+            out.num_scheduled_tokens.append(n)
+            budget -= n
+            if scoring:
+                scoring_budget -= n
+            i += 1
+        preempted = self.num_preemptions != preemptions
         index = 0  # sequences before it wait for an adapter slot
         lora_blocked = False  # an earlier adapter sequence found no slot: later ones wait behind it
         while (
@@ -128,11 +130,24 @@ class Scheduler:
             scoring_budget -= n if scoring else 0
         return out
 
+    def _allocate_or_preempt(self, seq: Sequence, num_tokens: int) -> bool:
+        """Blocks for ``seq``'s first ``num_tokens`` tokens, preempting the newest running sequences
+        until they fit; False when ``seq`` itself was preempted."""
+        while not self.block_manager.allocate(seq, num_tokens):
+            victim = self.running.pop()
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
     def update_after_step(self, out: SchedulerOutput) -> None:
         """The scheduled tokens are now in the KV cache."""
+        block_size = self.block_manager.block_size
         for seq, n in zip(out.seqs, out.num_scheduled_tokens, strict=True):
             seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
+            # cache_full_blocks has nothing to do unless a block filled (most decode steps)
+            if seq.num_computed_tokens // block_size > len(seq.block_hashes):
+                self.block_manager.cache_full_blocks(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Free a finished or aborted sequence's blocks at once."""
