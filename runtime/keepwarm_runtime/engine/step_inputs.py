@@ -111,15 +111,25 @@ class StepInputs:
     def build(self, out: SchedulerOutput) -> StepTables:
         seqs, counts_list = out.seqs, out.num_scheduled_tokens
         batch, bs = len(seqs), self.block_size
-        # One pass over the sequences: [B, 4] of tokens computed, length, blocks, prompt length.
-        per_seq = np.array(
-            [
-                (s.num_computed_tokens, len(s.token_ids), len(s.block_ids), len(s.prompt_token_ids))
-                for s in seqs
-            ],
-            dtype=np.int64,
-        )
-        starts, lengths, num_blocks, prompt_lens = per_seq.T
+        # One pass over the sequences: [B, 5] of tokens computed, length, blocks, prompt length and
+        # whether it scores its prompt (flattened: fromiter is faster than an array of tuples).
+        per_seq = np.fromiter(
+            itertools.chain.from_iterable(
+                [
+                    (
+                        s.num_computed_tokens,
+                        len(s.token_ids),
+                        len(s.block_ids),
+                        len(s.prompt_token_ids),
+                        s.prompt_logprobs is not None,
+                    )
+                    for s in seqs
+                ]
+            ),
+            np.int64,
+            5 * batch,
+        ).reshape(batch, 5)
+        starts, lengths, num_blocks, prompt_lens, scoring = per_seq.T
         counts = np.array(counts_list, dtype=np.int64)
         ends = starts + counts
         tokens, width = int(counts.sum()), int(num_blocks.max())
@@ -172,7 +182,10 @@ class StepInputs:
             block_tables_list=[s.block_ids for s in seqs],  # the sequences' own: read within the step
         )
         return StepTables(
-            dev["input_ids"], dev["positions"], meta, _rows(seqs, starts, ends, lengths, query_start)
+            dev["input_ids"],
+            dev["positions"],
+            meta,
+            _rows(seqs, starts, ends, lengths, query_start, scoring),
         )
 
     def _next(self, tokens: int, batch: int, table_size: int) -> _Buffers:
@@ -209,18 +222,23 @@ class StepInputs:
 
 
 def _rows(
-    seqs: list[Sequence], starts: np.ndarray, ends: np.ndarray, lengths: np.ndarray, query_start: np.ndarray
+    seqs: list[Sequence],
+    starts: np.ndarray,
+    ends: np.ndarray,
+    lengths: np.ndarray,
+    query_start: np.ndarray,
+    scoring: np.ndarray,
 ) -> StepRows:
-    """The sampled rows (each sequence whose last known token is in) and the scored prompt positions."""
+    """The sampled rows (each sequence whose last known token is in) and the scored prompt positions
+    (``scoring``: the sequences that score their prompt, the only ones looked at again)."""
     last = ends == lengths  # the last known token is in: its logits give the next one
     if last.all():
         rows = StepRows((query_start[1:] - 1).tolist(), list(seqs))
     else:
         picked = np.flatnonzero(last)
         rows = StepRows((query_start[1:][picked] - 1).tolist(), [seqs[i] for i in picked.tolist()])
-    for b, seq in enumerate(seqs):
-        if seq.prompt_logprobs is None:
-            continue
+    for b in np.flatnonzero(scoring).tolist() if scoring.any() else ():
+        seq = seqs[b]
         start, end = int(starts[b]), int(ends[b])
         scored = positions_to_score(seq, start, end)
         if scored:
