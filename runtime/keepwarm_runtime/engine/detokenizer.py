@@ -7,6 +7,16 @@ class IncrementalDetokenizer:
     """Text grows one token at a time without re-decoding the whole output (tokenizers' DecodeStream;
     a prefix/read-offset window for tokenizers without a Rust backend)."""
 
+    __slots__ = (
+        "backend",
+        "ids",
+        "prefix_offset",
+        "read_offset",
+        "skip_special_tokens",
+        "stream",
+        "tokenizer",
+    )
+
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens

@@ -59,7 +59,7 @@ from keepwarm_runtime.engine.startup import StartupProfile
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)  # read for every sequence of every step
 class _Request:
     request_id: str
     prompt: str | None

@@ -23,7 +23,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: its fields are read for every sequence of every step
 class Sequence:
     request_id: str
     index: int  # completion index within the request
