@@ -69,15 +69,14 @@ class ModelRunner:
         """The step's forward pass: logits of the sequences that get a new token, and of the prompt
         positions scored for prompt logprobs."""
         ids, pos, meta, rows = self.prepare(out)
-        kept = rows.sample_index + rows.prompt_index
-        keep = torch.tensor(kept or [0], dtype=torch.long, device=self.device)
+        keep = torch.from_numpy(rows.kept()).to(self.device)
         self.share(ids, pos, meta, keep)
         with use_metadata(meta), use_step(self._lora_step(out)):
             if any(seq.multimodal is not None for seq in out.seqs):
                 logits = forward_with_embeds(self.model, self._embeds(out, ids), pos, keep)
             else:
                 logits = text_logits(self.model, ids, pos, keep)
-        if not kept:
+        if not (rows.sample_index or rows.prompt_index):
             return StepLogits()
         n = len(rows.sample_index)
         return StepLogits(

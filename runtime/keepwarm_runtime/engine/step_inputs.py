@@ -50,6 +50,17 @@ class StepRows:
     sample_seqs: list[Sequence] = field(default_factory=list)
     prompt_index: list[int] = field(default_factory=list)  # packed rows of scored prompt positions
     prompt_chunks: list[PromptChunk] = field(default_factory=list)
+    sample_rows: np.ndarray | None = None  # sample_index as a new int64 array (None: make it from the list)
+
+    def kept(self) -> np.ndarray:
+        """The rows the lm head keeps, sampled then scored, as a new int64 array (a tensor may share
+        its memory); row 0 alone when there are none, since the pass still needs one."""
+        sampled = self.sample_rows
+        if sampled is None:
+            sampled = np.array(self.sample_index, dtype=np.int64)
+        if self.prompt_index:
+            return np.concatenate([sampled, np.array(self.prompt_index, dtype=np.int64)])
+        return sampled if len(sampled) else np.zeros(1, dtype=np.int64)
 
 
 @dataclass
@@ -233,10 +244,13 @@ def _rows(
     (``scoring``: the sequences that score their prompt, the only ones looked at again)."""
     last = ends == lengths  # the last known token is in: its logits give the next one
     if last.all():
-        rows = StepRows((query_start[1:] - 1).tolist(), list(seqs))
+        sampled = query_start[1:] - 1
+        rows = StepRows(sampled.tolist(), list(seqs))
     else:
         picked = np.flatnonzero(last)
-        rows = StepRows((query_start[1:][picked] - 1).tolist(), [seqs[i] for i in picked.tolist()])
+        sampled = query_start[1:][picked] - 1
+        rows = StepRows(sampled.tolist(), [seqs[i] for i in picked.tolist()])
+    rows.sample_rows = sampled.astype(np.int64)
     for b in np.flatnonzero(scoring).tolist() if scoring.any() else ():
         seq = seqs[b]
         start, end = int(starts[b]), int(ends[b])

@@ -3,6 +3,7 @@ buffers reused between steps without one step's tables leaking into another's.""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from keepwarm_runtime.engine.sampling_params import SamplingParams
@@ -61,6 +62,10 @@ def test_an_all_decode_step_and_prompt_positions_scored_for_logprobs() -> None:
     [chunk] = tables.rows.prompt_chunks
     assert (chunk.seq, chunk.first_position, chunk.count) == (scoring, 0, 3)
     assert tables.metadata.prefill_only is False and tables.rows.sample_seqs == [a]
+    # the lm head's rows: sampled then scored, int64; row 0 alone when a step keeps none
+    assert tables.rows.kept().tolist() == [0, 1, 2, 3] and tables.rows.kept().dtype == np.int64
+    first_chunk = StepInputs(BS, torch.device("cpu")).build(step((seq([1, 2, 3, 4, 5], 0, [2, 3]), 2)))
+    assert first_chunk.rows.sample_index == [] and first_chunk.rows.kept().tolist() == [0]
 
 
 def test_a_step_s_tables_stay_intact_while_the_next_is_built_and_padding_never_goes_stale() -> None:
