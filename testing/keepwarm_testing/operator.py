@@ -72,6 +72,21 @@ def install_crds(cp: Any) -> None:
         cp.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
 
 
+def install_lws_crds(cp: Any) -> list[str]:
+    """The LeaderWorkerSet API alone (its CRDs, from the node build; no controller, no webhooks): the
+    operator can apply and watch LeaderWorkerSets, none runs a pod. Returns the CRD names."""
+    from keepwarm_testing.node.addons import lws_crds
+    from keepwarm_testing.node.build import build_node_components
+
+    names = []
+    for crd in lws_crds(build_node_components()):
+        cp.kubectl("apply", "--server-side", "-f", str(crd))
+        names.append(yaml.safe_load(crd.read_text())["metadata"]["name"])
+    for name in names:
+        cp.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+    return names
+
+
 def render_chart(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The chart's manifests as Helm renders them for release RELEASE in NAMESPACE."""
     rendered = helm.Chart.load(CHART).render(values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True)

@@ -138,6 +138,11 @@ class CoreDNS(_HostProcess):
         return self
 
 
+def lws_crds(node_bin: Path) -> list[Path]:
+    """The LeaderWorkerSet CRDs the node build copied beside its bin directory (`lws/`)."""
+    return sorted((node_bin.parent / "lws").glob("*.x-k8s.io_*.yaml"))
+
+
 class LwsManager(_HostProcess):
     """The LeaderWorkerSet controller and its webhooks; `install()` is idempotent."""
 
@@ -153,7 +158,7 @@ class LwsManager(_HostProcess):
             return self
         deadline = time.monotonic() + timeout_s
         self.workdir.mkdir(parents=True, exist_ok=True)
-        crds = sorted(self.manifests.glob("*.x-k8s.io_*.yaml"))
+        crds = lws_crds(self.node_bin)
         for crd in crds:
             cp.kubectl("apply", "--server-side", "-f", str(crd))
         for crd in crds:

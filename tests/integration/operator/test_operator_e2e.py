@@ -37,6 +37,7 @@ from keepwarm_testing.operator import (
     granted,
     install_chart_rbac,
     install_crds,
+    install_lws_crds,
     items,
     render_chart,
     used,
@@ -56,6 +57,7 @@ def env(control_plane, tmp_path_factory):
     started = time.time()
     install_crds(cp)
     install_chart_rbac(cp)
+    lws_crds = install_lws_crds(cp)  # removed at the end: other modules run without the LWS API
     runtime_class = {
         "apiVersion": "node.k8s.io/v1",
         "kind": "RuntimeClass",
@@ -71,6 +73,7 @@ def env(control_plane, tmp_path_factory):
     op = OperatorProcess(cp, tmp_path_factory.mktemp("operator")).start()
     yield SimpleNamespace(cp=cp, op=op, pool=pool, nodes=nodes, other=other, ns=ns, started=started)
     op.stop()
+    cp.kubectl("delete", "crd", *lws_crds, "--wait=true")
 
 
 def apply(env, doc: dict, *, check: bool = True, kubeconfig=None):
@@ -948,6 +951,31 @@ def test_delete_garbage_collects_everything(env):
     )
     assert env.op.healthy()
     assert not [e for e in env.op.errors() if "Traceback" in e], env.op.tail()
+
+
+def test_parallelism_nodes_moves_the_pods_between_a_deployment_and_a_leader_worker_set(env):
+    """spec.parallelism.nodes > 1 is a LeaderWorkerSet `<name>-group` (the LWS API without its
+    controller here: nothing runs); back to 1, the Deployment returns and the set goes, and again."""
+    cp, ns = env.cp, env.ns
+    deployment = f"/apis/apps/v1/namespaces/{ns}/deployments/moves"
+    group = f"/apis/leaderworkerset.x-k8s.io/v1/namespaces/{ns}/leaderworkersets/moves-group"
+
+    def declare(nodes: int) -> None:
+        spec = {"model": {"source": {"path": "/var/lib/models/tiny"}}, "gpusPerPod": 0}
+        spec["parallelism"] = {"tensor": 2, "nodes": nodes}
+        meta = {"name": "moves", "namespace": ns}
+        doc = {"apiVersion": "keepwarm.dev/v1alpha1", "kind": "InferenceDeployment", "metadata": meta}
+        result = apply(env, {**doc, "spec": spec}, check=False)
+        assert result.returncode == 0, result.stderr
+
+    for nodes, present, gone in ((2, group, deployment), (1, deployment, group), (2, group, deployment)):
+        declare(nodes)
+        wait(cp, lambda p=present, g=gone: get(cp, p) is not None and get(cp, g) is None, f"nodes {nodes}",
+             op=env.op)  # fmt: skip
+    lws = get(cp, group)
+    assert lws["metadata"]["ownerReferences"][0]["name"] == "moves"
+    assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+    cp.kubectl("delete", "-n", ns, "inferencedeployment/moves", "--wait=true")
 
 
 def test_chart_rbac_grants_exactly_what_the_operator_used(env, request):
