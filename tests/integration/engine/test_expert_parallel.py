@@ -51,9 +51,20 @@ def _generate(llm: LLM, prompts: list[list[int]], logprobs: int | None = None):
     return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
 
 
-@pytest.mark.extended
-@pytest.mark.parametrize("expert", [True, False], ids=["expert-parallel", "split-experts"])
-@pytest.mark.parametrize("arch", MOE_ARCHS)
+# `make test` runs experts partitioned on the first architecture; `make test-extended` every case
+MOE_CASES = [
+    pytest.param(
+        arch,
+        expert,
+        id=f"{arch}-{'expert-parallel' if expert else 'split-experts'}",
+        marks=() if (arch, expert) == (MOE_ARCHS[0], True) else pytest.mark.extended,
+    )
+    for arch in MOE_ARCHS
+    for expert in (True, False)
+]
+
+
+@pytest.mark.parametrize(("arch", "expert"), MOE_CASES)
 def test_moe_on_two_ranks_gives_transformers_tokens(make_tiny, arch: str, expert: bool) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -116,8 +127,13 @@ def _assert_close(one: list, two: list) -> None:
     assert worst <= FP8_TOLERANCE
 
 
-@pytest.mark.extended
-@pytest.mark.parametrize("expert", [True, False], ids=["expert-parallel", "split-experts"])
+@pytest.mark.parametrize(
+    "expert",
+    [
+        pytest.param(True, id="expert-parallel"),
+        pytest.param(False, id="split-experts", marks=pytest.mark.extended),
+    ],
+)
 def test_fp8_checkpoint_on_two_ranks_matches_one_rank(fp8_checkpoints, expert: bool) -> None:
     one, two = _fp8_pair(fp8_checkpoints["aligned-fp8"], enable_expert_parallel=expert)
     _assert_close(one, two)

@@ -36,8 +36,10 @@ def _engine(model_dir, settings: dict, size: int = 2) -> LLM:
     return LLM(model_dir, dtype="float32", block_size=BLOCK_SIZE, tensor_parallel_size=size, **settings)
 
 
-@pytest.mark.extended
-@pytest.mark.parametrize("arch", DENSE_ARCHS)
+# `make test` runs the first architecture; `make test-extended` all of them
+@pytest.mark.parametrize(
+    "arch", [DENSE_ARCHS[0], *(pytest.param(a, marks=pytest.mark.extended) for a in DENSE_ARCHS[1:])]
+)
 def test_two_ranks_give_transformers_tokens_under_the_conformance_conditions(
     arch, tmp_path, tokenizer_dir
 ) -> None:
