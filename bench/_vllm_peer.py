@@ -8,6 +8,7 @@ per line. throughput.py writes the workload first::
      "max_model_len": N, "eager": false}
 
 and this script answers ``{"ready": true, "init_s": ..., "threads": ...}`` once the engine is built
+(``{"error": ...}`` and exit 2 when vLLM cannot be imported by its interpreter)
 and warmed up (not timed), then one ``{"seconds", "cpu_seconds", "tokens"}`` line per ``"run"``
 line (every request greedy, EOS ignored, exactly its own output length), until ``"quit"`` or end
 of input. vLLM's own logging goes to stderr: stdout carries the protocol only.
@@ -26,9 +27,13 @@ def main() -> int:
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # vLLM logs to stdout by default
     config = json.loads(sys.stdin.readline())
     started = time.perf_counter()
-    import torch
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    try:
+        import torch
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+    except ImportError as exc:  # not vLLM's environment: said on the protocol, not only in a traceback
+        protocol.write(json.dumps({"error": f"vLLM is not importable by {sys.executable}: {exc}"}) + "\n")
+        return 2
 
     llm = LLM(
         config["model"],

@@ -342,7 +342,10 @@ class VllmPeer:
         answer = self.proc.stdout.readline()
         if not answer:
             raise RuntimeError(f"vllm: its process ended (exit {self.proc.wait()}); its log is above")
-        return json.loads(answer)
+        reply = json.loads(answer)
+        if "error" in reply:
+            raise RuntimeError(f"vllm: {reply['error']}")
+        return reply
 
     def run(self) -> tuple[float, float, list[list[int]]]:
         result = self._ask("run")

@@ -180,6 +180,27 @@ def test_throughput_names_why_the_vllm_peer_did_not_run(tmp_path: Path) -> None:
     assert "no vLLM environment at" in result["vllm"]["skipped"] and "speedup_vs_vllm" not in result
 
 
+def test_the_vllm_peer_names_an_interpreter_that_cannot_import_vllm(tmp_path: Path) -> None:
+    """bench/_vllm_peer.py runs on every machine here: under this project's interpreter (no vLLM) it
+    answers its protocol with the reason; throughput.py, given that environment, stops naming it."""
+    config = {"model": "m", "dtype": "float32", "prompts": [[1]], "outputs": [1], "max_model_len": 8}
+    peer = subprocess.run(
+        [sys.executable, "bench/_vllm_peer.py"], cwd=REPO, input=json.dumps(config) + "\n",
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert peer.returncode == 2, peer.stderr[-3000:]
+    (answer,) = [json.loads(line) for line in peer.stdout.splitlines()]
+    assert (
+        answer["error"].startswith(f"vLLM is not importable by {sys.executable}")
+        and "vllm" in answer["error"]
+    )
+
+    argv = [sys.executable, "bench/throughput.py", "--params", "2M", "--prompts", "2", "--output-tokens", "3"]
+    argv += ["--threads", "1", "--peers", "vllm", "--vllm-env", str(Path(sys.executable).parent.parent)]
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and "vllm: vLLM is not importable by" in proc.stderr, proc.stderr[-3000:]
+
+
 @pytest.mark.skipif(
     not (Path(throughput.VLLM_ENV).expanduser() / "bin" / "python").exists(),
     reason="no vLLM environment (make vllm-cpu)",
