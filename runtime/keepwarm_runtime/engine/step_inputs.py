@@ -251,7 +251,7 @@ def _rows(
         sampled = query_start[1:][picked] - 1
         rows = StepRows(sampled.tolist(), [seqs[i] for i in picked.tolist()])
     rows.sample_rows = sampled.astype(np.int64)
-    for b in np.flatnonzero(scoring).tolist() if scoring.any() else ():
+    for b in np.flatnonzero(scoring).tolist():
         seq = seqs[b]
         start, end = int(starts[b]), int(ends[b])
         scored = positions_to_score(seq, start, end)
