@@ -45,25 +45,31 @@ HOST_PATHS = (
 
 
 @contextmanager
-def pod_cluster(failed: Callable[[], bool]) -> Iterator[SimpleNamespace]:
-    """The started cluster as (cp, node, root: the node's filesystem root, this machine's). At the end
-    it stops, keeping every component and container log beside the control plane's when `failed()` (or
-    setting up failed), and it fails when the node left anything behind on the machine. Raises
+def real_cluster(failed: Callable[[], bool]) -> Iterator[ControlPlane]:
+    """A started control plane that runs pods on real nodes (none added yet). At the end it stops,
+    keeping every component and container log beside the control plane's when `failed()` (or setting
+    up failed), and it fails when the nodes left anything behind on the machine. Raises
     ControlPlaneBuildError when it cannot be built."""
-    bin_dir = build_control_plane()
-    cp = ControlPlane(bin_dir, run_pods=True)
+    cp = ControlPlane(build_control_plane(), run_pods=True)
     failing, nodes = True, None
-    with host_paths_restored():
-        try:
-            cp.start()
-            nodes = cp.nodes
-            (node,) = cp.add_gpu_nodes(1)
-            node_model(MODEL_DIR, arch="llama", params="1M", dtype="bfloat16")
-            yield SimpleNamespace(cp=cp, node=node, root=Path("/"))
-            failing = failed()
-        finally:
-            cp.stop(failed=failing)
+    try:
+        cp.start()
+        nodes = cp.nodes
+        yield cp
+        failing = failed()
+    finally:
+        cp.stop(failed=failing)
     assert nodes is not None and nodes.leftovers() == [], f"the node left things behind: {nodes.leftovers()}"
+
+
+@contextmanager
+def pod_cluster(failed: Callable[[], bool]) -> Iterator[SimpleNamespace]:
+    """`real_cluster` with one node and MODEL on it, as (cp, node, root: the node's filesystem root,
+    this machine's); the host paths pods write are restored afterwards."""
+    with host_paths_restored(), real_cluster(failed) as cp:
+        (node,) = cp.add_gpu_nodes(1)
+        node_model(MODEL_DIR, arch="llama", params="1M", dtype="bfloat16")
+        yield SimpleNamespace(cp=cp, node=node, root=Path("/"))
 
 
 def node_model(directory: str, **make_model_args: Any) -> Path:

@@ -15,9 +15,8 @@ from typing import Any
 
 import pytest
 
-from keepwarm_testing.controlplane.build import build_control_plane
 from keepwarm_testing.controlplane.cluster import ControlPlane
-from keepwarm_testing.e2e import RUNTIME_IMAGE
+from keepwarm_testing.e2e import RUNTIME_IMAGE, real_cluster
 from keepwarm_testing.node.addons import LWS_GROUP, LWS_NAME_LABEL
 from tests.running_pods import ON_REAL_NODES
 
@@ -29,20 +28,12 @@ PORT = 7777
 
 @pytest.fixture(scope="module")
 def cluster(request: pytest.FixtureRequest) -> Iterator[SimpleNamespace]:
-    cp = ControlPlane(build_control_plane(), run_pods=True)
-    ok = False
-    try:
-        cp.start()
+    with real_cluster(lambda: request.session.testsfailed > 0) as cp:
         nodes = cp.add_gpu_nodes(2)
         lws = cp.install_lws()
         assert cp.install_lws() is lws  # idempotent: the same controller
         cp.kubectl("create", "namespace", NS)
         yield SimpleNamespace(cp=cp, nodes=nodes)
-        ok = request.session.testsfailed == 0
-    finally:
-        node_set = cp.nodes
-        cp.stop(failed=not ok)
-    assert node_set is not None and node_set.leftovers() == []
 
 
 def pod_of(cp: ControlPlane, name: str) -> dict[str, Any]:

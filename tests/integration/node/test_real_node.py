@@ -16,9 +16,8 @@ from typing import Any
 
 import pytest
 
-from keepwarm_testing.controlplane.build import build_control_plane
 from keepwarm_testing.controlplane.cluster import ControlPlane
-from keepwarm_testing.e2e import RUNTIME_IMAGE
+from keepwarm_testing.e2e import RUNTIME_IMAGE, real_cluster
 from keepwarm_testing.node.kubelet import Kubelet, KubeletError, remove_cgroup_root
 from tests.running_pods import ON_REAL_NODES
 
@@ -28,18 +27,10 @@ NS = "node-test"
 
 @pytest.fixture(scope="module")
 def cluster(request: pytest.FixtureRequest) -> Iterator[SimpleNamespace]:
-    cp = ControlPlane(build_control_plane(), run_pods=True)
-    ok = False
-    try:
-        cp.start()
+    with real_cluster(lambda: request.session.testsfailed > 0) as cp:
         (node,) = cp.add_gpu_nodes(1)
         cp.kubectl("create", "namespace", NS)
         yield SimpleNamespace(cp=cp, node=node)
-        ok = request.session.testsfailed == 0
-    finally:
-        nodes = cp.nodes
-        cp.stop(failed=not ok)
-    assert nodes is not None and nodes.leftovers() == []
 
 
 def pod(name: str, image: str, command: list[str], **spec: Any) -> dict[str, Any]:
