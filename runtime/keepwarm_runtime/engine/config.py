@@ -62,6 +62,9 @@ class EngineConfig:
     # CPU bfloat16 with native bf16 (AVX-512 BF16, AMX): keep oneDNN's packed copy of each linear weight
     # (faster steps; as much private memory again as the linear layers) (engine/cpu_linear.py)
     cpu_packed_weights: bool = True
+    # CPU bfloat16/float16: fused RMSNorm, SiLU-and-mul and rotary kernels on Llama-family modules
+    # (engine/cpu_fused.py)
+    cpu_fused_ops: bool = True
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of total memory weights + KV cache may use
     max_prompt_logprobs_len: int = count(32768)  # longest prompt whose prompt logprobs a request may ask for
     enable_lora: bool = False  # serve PEFT LoRA adapters per request (engine/lora)

@@ -30,6 +30,7 @@ from keepwarm_runtime.engine.attention.select import select_backend
 from keepwarm_runtime.engine.block_manager import BlockManager
 from keepwarm_runtime.engine.capabilities import EngineCapabilities
 from keepwarm_runtime.engine.config import EngineConfig
+from keepwarm_runtime.engine.cpu_fused import FusedModules, use_fused_ops
 from keepwarm_runtime.engine.cpu_linear import (
     LinearPacker,
     packed_weights_supported,
@@ -94,6 +95,11 @@ class LLMEngine:
         packs = cpu and config.cpu_packed_weights and packed_weights_supported()
         # bfloat16: oneDNN's packed weights, made in the background once the engine is built
         self.linear_packer = LinearPacker(use_packed_linear(self.model) if packs else [])
+        # bfloat16/float16: fused norm, activation and rotary kernels (engine/cpu_fused.py)
+        fuses = cpu and config.cpu_fused_ops
+        self.fused_ops = (
+            use_fused_ops(self.model, config.torch_dtype, config.kernel_cache) if fuses else FusedModules()
+        )
         self.load_info: LoadInfo = info
         self.moe_backends = {c.module: c.backend for c in info.moe}  # experts module -> MoE backend
         self.model_name = config.model_dir

@@ -202,6 +202,11 @@ class ServeSettings:
         "CPU bfloat16 on AVX-512 BF16/AMX: keep oneDNN's packed copy of each linear weight, made in the "
         "background after load (faster steps, as much memory again as the linear layers; engine: on)",
     )
+    cpu_fused_ops: bool | None = engine(
+        None,
+        "CPU bfloat16/float16: fused RMSNorm, SiLU-and-mul and rotary kernels on Llama-family modules "
+        "(engine: on)",
+    )
     gpu_memory_utilization: float | None = engine(
         None, "CUDA: fraction of GPU memory for weights + KV cache", shared=True
     )

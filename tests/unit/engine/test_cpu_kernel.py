@@ -113,7 +113,7 @@ def test_inputs_it_cannot_take_are_refused_by_name() -> None:
 def test_a_build_that_fails_is_a_named_error(tmp_path, monkeypatch) -> None:
     broken = tmp_path / "paged_decode.cpp"
     broken.write_text("this is not C++;\n")
-    monkeypatch.setattr(native, "SOURCE", broken)
+    monkeypatch.setattr(native, "SOURCES", (broken, *native.SOURCES[1:]))
     monkeypatch.setattr(native, "_loaded", None)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     with pytest.raises(native.KernelUnavailable, match="Error"):

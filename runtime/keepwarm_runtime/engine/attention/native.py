@@ -1,9 +1,11 @@
-"""keepwarm's compiled CPU kernel (csrc/paged_decode.cpp): built on first use, cached, loaded into torch.ops.
+"""keepwarm's compiled CPU kernels (csrc/): built on first use, cached, loaded into torch.ops.
 
-The kernel is compiled for this machine's CPU (`-march=native`) with the compiler torch's extension
+One library, ``torch.ops.keepwarm_cpu``: the paged decode attention (csrc/paged_decode.cpp) and the
+fused RMSNorm, SiLU-and-mul and rotary kernels (csrc/fused_ops.cpp, attached by engine/cpu_fused.py).
+The kernels are compiled for this machine's CPU (`-march=native`) with the compiler torch's extension
 builder finds, once, into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``); later processes load the cached library in milliseconds. The library
-name carries a hash of the source, the torch and Python versions and the CPU's instruction-set flags,
+name carries a hash of the sources, the torch and Python versions and the CPU's instruction-set flags,
 so a cache shared between machines or images never hands one CPU (or torch) another's build, and a
 process finding that build loads it directly, without importing the builder. `make venv` builds it
 ahead (`python -m keepwarm_runtime.engine.attention.native`), so no server or test compiles it; the
@@ -39,7 +41,7 @@ from keepwarm_api.settings import add_arguments, resolve, setting
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "fused_ops.cpp"))
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 OP_NAMESPACE = "keepwarm_cpu"
 
@@ -52,9 +54,11 @@ class KernelUnavailable(RuntimeError):
 
 
 def library_name() -> str:
-    """Names a build by its source, the torch and Python it links and this CPU's instruction sets (a
+    """Names a build by its sources, the torch and Python it links and this CPU's instruction sets (a
     build is only good for all of them)."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
     digest.update(" ".join(CFLAGS).encode())
     digest.update(f"torch {torch.__version__} python {sys.version_info[:2]}".encode())
     digest.update(_cpu_flags().encode())
@@ -137,7 +141,10 @@ def load(kernel_cache: str | Path | None = None) -> str:
 
         try:
             cpp_extension.load(
-                name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS), is_python_module=False
+                name=name,
+                sources=[str(source) for source in SOURCES],
+                extra_cflags=list(CFLAGS),
+                is_python_module=False,
             )
         except Exception as exc:  # a missing compiler, an unwritable cache, a failed build
             lines = [line for line in str(exc).splitlines() if line.strip()]

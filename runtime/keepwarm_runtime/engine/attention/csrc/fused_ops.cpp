@@ -1,0 +1,334 @@
+// Fused elementwise kernels for a decoder layer on CPU: RMSNorm (alone and after a residual add),
+// SiLU-and-mul (a gated MLP's act(gate) * up) and rotary position embedding.
+//
+// Each replaces a chain of torch operators that read and write the whole activation once per operator
+// (RMSNorm alone is a cast, pow, mean, add, rsqrt, mul, cast and mul) with one pass over each row.
+// They round where transformers' modules round, so in bfloat16 and float16 the only differences left
+// are the order of RMSNorm's sum of squares and SiLU's exp (a float32 polynomial, ~1e-7 relative, where
+// torch uses Sleef): a result one unit in the last place apart, rarely. In float32 those two differ by a
+// unit in the last place of float32 (engine/cpu_fused.py attaches the kernels for 16-bit dtypes only).
+//
+// Vectorised with GCC's 16-float vector type, as paged_decode.cpp (one zmm register under AVX-512, two
+// ymm under AVX2, scalar code elsewhere); bfloat16 is widened and rounded (to nearest even) with integer
+// vector operations, float16 through c10::Half. Rows are split over torch's intra-op threads when there
+// are enough of them to pay for it.
+//
+// Registered as torch.ops.keepwarm_cpu.{rms_norm, add_rms_norm, silu_and_mul, rotary_embedding}
+// (attention/native.py builds it into one library with paged_decode.cpp).
+
+#pragma GCC optimize("fp-contract=off")  // a * b + c rounds twice, as torch's separate operators do
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <type_traits>
+
+namespace {
+
+typedef float vfloat __attribute__((vector_size(64)));
+typedef int32_t vint __attribute__((vector_size(64)));
+typedef uint32_t vuint __attribute__((vector_size(64)));
+typedef uint16_t vhalfword __attribute__((vector_size(32)));
+constexpr int64_t kLanes = 16;
+
+// Elements per parallel_for grain: below this a kernel stays on the calling thread.
+constexpr int64_t kGrainElements = 1 << 15;
+
+// 16 elements of T widened to float32, and float32 rounded back to T (round to nearest even, NaN kept).
+template <typename T>
+inline vfloat load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    vfloat v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    vhalfword h;
+    std::memcpy(&h, p, sizeof h);
+    const vuint bits = __builtin_convertvector(h, vuint) << 16;
+    return __builtin_bit_cast(vfloat, bits);
+  } else {
+    vfloat v;
+    for (int64_t i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
+    return v;
+  }
+}
+
+template <typename T>
+inline void store16(T* p, vfloat v) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(p, &v, sizeof v);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const vuint bits = __builtin_bit_cast(vuint, v);
+    const vuint rounded = (bits + (((bits >> 16) & 1u) + 0x7fffu)) >> 16;
+    const vuint out = v != v ? vuint{} + 0x7fc0u : rounded;  // NaN stays a (quiet) NaN
+    const vhalfword h = __builtin_convertvector(out, vhalfword);
+    std::memcpy(p, &h, sizeof h);
+  } else {
+    for (int64_t i = 0; i < kLanes; ++i) p[i] = static_cast<T>(v[i]);
+  }
+}
+
+// x rounded to T and widened again: where transformers' module stores an intermediate in the model's dtype.
+template <typename T>
+inline vfloat round_to(vfloat v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const vuint bits = __builtin_bit_cast(vuint, v);
+    const vuint rounded = (bits + (((bits >> 16) & 1u) + 0x7fffu)) & 0xffff0000u;
+    return v != v ? v : __builtin_bit_cast(vfloat, rounded);
+  } else {
+    alignas(64) T tmp[kLanes];
+    store16(tmp, v);
+    return load16(tmp);
+  }
+}
+
+template <typename T>
+inline float round_to(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
+
+inline float hsum(vfloat v) {
+  v += __builtin_shuffle(v, vint{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  v += __builtin_shuffle(v, vint{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+  v += __builtin_shuffle(v, vint{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+  v += __builtin_shuffle(v, vint{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+  return v[0];
+}
+
+// e^x on [-87.3, 88] (clamped outside it): 2^n * e^r with Cephes' expf polynomial (as paged_decode.cpp).
+inline vfloat exp16(vfloat x) {
+  const vfloat zero{}, one = zero + 1.f;
+  x = x < -87.3f ? zero - 87.3f : x;
+  x = x > 88.f ? zero + 88.f : x;
+  const vfloat y = x * 1.44269504088896341f + 0.5f;
+  vfloat n = __builtin_convertvector(__builtin_convertvector(y, vint), vfloat);
+  n -= n > y ? one : zero;
+  const vfloat r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vfloat p = zero + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
+  return p * __builtin_bit_cast(vfloat, bits);
+}
+
+// One row of RMSNorm, as LlamaRMSNorm: y = w * T(x * rsqrt(mean(x^2) + eps)), the sum in float32.
+template <typename T>
+inline void rms_norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
+  vfloat acc{};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const vfloat v = load16(x + i);
+    acc += v * v;
+  }
+  float sum = hsum(acc);
+  for (; i < n; ++i) {
+    const float v = static_cast<float>(x[i]);
+    sum += v * v;
+  }
+  const float r = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+  i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    store16(out + i, load16(w + i) * round_to<T>(load16(x + i) * r));
+  for (; i < n; ++i)
+    out[i] = static_cast<T>(static_cast<float>(w[i]) * round_to<T>(static_cast<float>(x[i]) * r));
+}
+
+// One row of residual + x (rounded to T, stored in `sum`), then RMSNorm of that sum into `out`.
+template <typename T>
+inline void add_row(const T* x, const T* residual, T* sum, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) store16(sum + i, load16(residual + i) + load16(x + i));
+  for (; i < n; ++i) sum[i] = static_cast<T>(static_cast<float>(residual[i]) + static_cast<float>(x[i]));
+}
+
+// One row of T(silu(gate)) * up, silu(g) = g / (1 + e^-g) as torch computes it.
+template <typename T>
+inline void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
+  const vfloat one = vfloat{} + 1.f;
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const vfloat g = load16(gate + i);
+    store16(out + i, round_to<T>(g / (one + exp16(-g))) * load16(up + i));
+  }
+  for (; i < n; ++i) {
+    const float g = static_cast<float>(gate[i]);
+    out[i] = static_cast<T>(round_to<T>(g / (1.f + std::exp(-g))) * static_cast<float>(up[i]));
+  }
+}
+
+// One head's row of rotary embedding, as transformers' apply_rotary_pos_emb (rotate_half layout):
+// out = T(T(x * cos) + T(rotate_half(x) * sin)), rotate_half(x) = cat(-x2, x1).
+template <typename T>
+inline void rotary_row(const T* x, const T* c, const T* s, T* out, int64_t dim) {
+  const int64_t half = dim / 2;
+  int64_t i = 0;
+  if (half % kLanes == 0) {
+    for (; i < half; i += kLanes) {
+      const vfloat x1 = load16(x + i), x2 = load16(x + half + i);
+      const vfloat c1 = load16(c + i), c2 = load16(c + half + i);
+      const vfloat s1 = load16(s + i), s2 = load16(s + half + i);
+      store16(out + i, round_to<T>(x1 * c1) + round_to<T>(-x2 * s1));
+      store16(out + half + i, round_to<T>(x2 * c2) + round_to<T>(x1 * s2));
+    }
+    return;
+  }
+  for (; i < half; ++i) {
+    const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[half + i]);
+    const float c1 = static_cast<float>(c[i]), c2 = static_cast<float>(c[half + i]);
+    const float s1 = static_cast<float>(s[i]), s2 = static_cast<float>(s[half + i]);
+    out[i] = static_cast<T>(round_to<T>(x1 * c1) + round_to<T>(-x2 * s1));
+    out[half + i] = static_cast<T>(round_to<T>(x2 * c2) + round_to<T>(x1 * s2));
+  }
+}
+
+// Rows of a [rows, n] view: row r starts at r * stride (the last dim contiguous).
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() >= 1 && t.stride(-1) == 1, name, ": the last dim must be contiguous");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+int64_t grain(int64_t n) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(n, 1)); }
+
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n && weight.is_contiguous(), "weight: [hidden], contiguous");
+  TORCH_CHECK(out.sizes() == x.sizes(), "out and x have one shape");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() && out.scalar_type() == x.scalar_type(),
+              "x, weight and out share one dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain(n), [&](int64_t first, int64_t last) {
+      for (int64_t r = first; r < last; ++r) rms_norm_row(xp + r * n, wp, op + r * n, n, float(eps));
+    });
+  });
+}
+
+void add_rms_norm(at::Tensor out, at::Tensor sum, const at::Tensor& x, const at::Tensor& residual,
+                  const at::Tensor& weight, double eps) {
+  check_rows(out, "out");
+  check_rows(sum, "sum");
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n && weight.is_contiguous(), "weight: [hidden], contiguous");
+  TORCH_CHECK(out.sizes() == x.sizes() && sum.sizes() == x.sizes() && residual.sizes() == x.sizes(),
+              "out, sum, x and residual have one shape");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(weight.scalar_type() == dtype && out.scalar_type() == dtype && sum.scalar_type() == dtype
+                  && residual.scalar_type() == dtype,
+              "x, residual, weight, out and sum share one dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "add_rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* rp = residual.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    scalar_t* sp = sum.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain(n), [&](int64_t first, int64_t last) {
+      for (int64_t r = first; r < last; ++r) {
+        add_row(xp + r * n, rp + r * n, sp + r * n, n);
+        rms_norm_row(sp + r * n, wp, op + r * n, n, float(eps));
+      }
+    });
+  });
+}
+
+void silu_and_mul(at::Tensor out, const at::Tensor& gate, const at::Tensor& up) {
+  check_rows(gate, "gate");
+  check_rows(up, "up");
+  check_rows(out, "out");
+  TORCH_CHECK(gate.sizes() == up.sizes() && out.sizes() == gate.sizes(), "gate, up and out have one shape");
+  TORCH_CHECK(gate.scalar_type() == up.scalar_type() && out.scalar_type() == gate.scalar_type(),
+              "gate, up and out share one dtype");
+  const int64_t n = gate.size(-1), rows = n ? gate.numel() / n : 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* gp = gate.data_ptr<scalar_t>();
+    const scalar_t* up_ = up.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain(n), [&](int64_t first, int64_t last) {
+      for (int64_t r = first; r < last; ++r) silu_mul_row(gp + r * n, up_ + r * n, op + r * n, n);
+    });
+  });
+}
+
+// q, k: [B, H, T, D] (any strides but the last; q and k may have different head counts), cos and sin:
+// [B, T, D] (the last dim contiguous); q_out and k_out: q's and k's shapes, written.
+void rotary_embedding(at::Tensor q_out, at::Tensor k_out, const at::Tensor& q, const at::Tensor& k,
+                      const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && cos.dim() == 3 && sin.dim() == 3,
+              "q and k are [B, H, T, D], cos and sin [B, T, D]");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.strides() == sin.strides(), "cos and sin: one layout");
+  TORCH_CHECK(q_out.sizes() == q.sizes() && k_out.sizes() == k.sizes(), "outputs have their inputs' shapes");
+  const int64_t B = q.size(0), T = q.size(2), D = q.size(3);
+  TORCH_CHECK(k.size(0) == B && k.size(2) == T && k.size(3) == D && cos.size(0) == B && cos.size(1) == T
+                  && cos.size(2) == D,
+              "q, k, cos and sin disagree on batch, tokens or head dim");
+  TORCH_CHECK(D % 2 == 0, "the head dim must be even");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &cos, &sin, &q_out, &k_out})
+    TORCH_CHECK(t->stride(-1) == 1, "the last dim must be contiguous");
+  const auto dtype = q.scalar_type();
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k, &cos, &sin, &q_out, &k_out})
+    TORCH_CHECK(t->scalar_type() == dtype, "q, k, cos, sin and the outputs share one dtype");
+  const int64_t Hq = q.size(1), Hk = k.size(1), rows = B * T * (Hq + Hk);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "rotary_embedding", [&] {
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* sp = sin.data_ptr<scalar_t>();
+    // Per tensor (q, k): input, output and their strides over (b, h, t).
+    const scalar_t* in[2] = {q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>()};
+    scalar_t* out[2] = {q_out.data_ptr<scalar_t>(), k_out.data_ptr<scalar_t>()};
+    const at::Tensor* ins[2] = {&q, &k};
+    const at::Tensor* outs[2] = {&q_out, &k_out};
+    int64_t in_stride[2][3], out_stride[2][3];
+    for (int w = 0; w < 2; ++w)
+      for (int d = 0; d < 3; ++d) in_stride[w][d] = ins[w]->stride(d), out_stride[w][d] = outs[w]->stride(d);
+    const int64_t cs_b = cos.stride(0), cs_t = cos.stride(1);
+    at::parallel_for(0, rows, grain(D), [&](int64_t first, int64_t last) {
+      for (int64_t row = first; row < last; ++row) {
+        // row = ((b * T + t) * (Hq + Hk) + h): the heads of one token together, q's before k's.
+        const int64_t h = row % (Hq + Hk), bt = row / (Hq + Hk), b = bt / T, t = bt % T;
+        const int w = h < Hq ? 0 : 1;
+        const int64_t head = w == 0 ? h : h - Hq;
+        const int64_t* is = in_stride[w];
+        const int64_t* os = out_stride[w];
+        const int64_t cs_at = b * cs_b + t * cs_t;
+        rotary_row(in[w] + b * is[0] + head * is[1] + t * is[2], cp + cs_at, sp + cs_at,
+                   out[w] + b * os[0] + head * os[1] + t * os[2], D);
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(keepwarm_cpu, m) {
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) sum, Tensor x, Tensor residual, Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor gate, Tensor up) -> ()");
+  m.def(
+      "rotary_embedding(Tensor(a!) q_out, Tensor(b!) k_out, Tensor q, Tensor k, Tensor cos, Tensor sin) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(keepwarm_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_embedding", &rotary_embedding);
+}

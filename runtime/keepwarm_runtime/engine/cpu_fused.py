@@ -1,0 +1,255 @@
+"""Fused CPU kernels attached to transformers' modules: RMSNorm, SiLU-and-mul and rotary embedding.
+
+A decode step of a small model in bfloat16 spends a fifth of its CPU time in elementwise operators
+(RMSNorm's cast, pow, mean, rsqrt and muls; rotary's muls, cat and neg; SiLU and its mul), each a pass
+over the whole activation. keepwarm's compiled CPU library (engine/attention/native.py,
+csrc/fused_ops.cpp) does each module's chain in one pass per row. This module is the one place that
+decides where they apply: by module type (``FAMILIES``: the model classes whose modules compute exactly
+what the kernels do, checked against their source by a test), never by names.
+
+- ``*RMSNorm``: the module's class becomes a subclass whose forward calls ``keepwarm_cpu.rms_norm``.
+- ``*MLP`` whose ``act_fn`` is SiLU: ``down_proj(silu_and_mul(gate_proj(x), up_proj(x)))``; the
+  projections stay the modules they are (packed, LoRA's hooks, tensor-parallel shards).
+- ``*Attention``: its forward, the same code, runs with ``apply_rotary_pos_emb`` bound to the fused
+  kernel (a copy of the function with its own globals, so transformers' module and every other model
+  in the process keep the original). The copy is of the innermost forward, under the decorators
+  transformers puts on it (the ``past_key_values`` -> ``cache`` renaming, which keepwarm's calls do
+  not need, and the ``kernels`` package's routing of hub kernels, which keepwarm does not use).
+- ``*DecoderLayer``: the residual add after attention and the post-attention RMSNorm are one kernel
+  (``keepwarm_cpu.add_rms_norm``).
+
+Each fused forward falls back to the module's own for inputs its kernel does not take (another dtype
+or device, a non-contiguous activation, partial rotary, autograd), so the result never depends on it.
+
+Only on CPU, only when the library loads (else one line in the log and nothing changes), and only for
+bfloat16 and float16 models: the kernels round where the modules round, so in those dtypes a result
+differs from the module's only where RMSNorm's sum of squares (summed in another order) or SiLU's exp (a
+float32 polynomial, where torch uses Sleef) lands a float32 intermediate on the other side of a 16-bit
+rounding boundary: one unit in the last place of the 16-bit result, rarely (in tests: none of several
+thousand outputs). In float32 there is no rounding to absorb those ulps, so outputs would differ from
+transformers' in the last bits and the float32 parity tests (identical tokens and logprobs) could not
+hold: float32 models keep the unfused modules. ``--no-cpu-fused-ops`` turns it off.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+FUSED_DTYPES = (torch.bfloat16, torch.float16)
+ROTARY_NAME = "apply_rotary_pos_emb"  # the global a family's attention forward calls
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture's module classes (from its transformers modelling module)."""
+
+    rms_norm: type[nn.Module]
+    mlp: type[nn.Module]
+    attention: type[nn.Module]
+    decoder_layer: type[nn.Module]
+
+
+@functools.cache
+def families() -> tuple[Family, ...]:
+    """The model families whose modules are Llama's: RMSNorm ``w * T(x * rsqrt(mean(x^2) + eps))``,
+    MLP ``down(act(gate(x)) * up(x))``, rotary in the rotate-half layout, and a pre-norm decoder
+    layer (tests/unit/engine/test_cpu_fused.py compares their sources with Llama's)."""
+    from transformers.models.llama import modeling_llama as llama
+    from transformers.models.mistral import modeling_mistral as mistral
+
+    return tuple(
+        Family(
+            m.__dict__[f"{p}RMSNorm"],
+            m.__dict__[f"{p}MLP"],
+            m.__dict__[f"{p}Attention"],
+            m.__dict__[f"{p}DecoderLayer"],
+        )
+        for m, p in ((llama, "Llama"), (mistral, "Mistral"))
+    )
+
+
+@dataclass
+class FusedModules:
+    """What ``use_fused_ops`` attached: modules per kind (all zero when it attached nothing)."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def _ops():
+    from keepwarm_runtime.engine.attention.native import OP_NAMESPACE
+
+    return getattr(torch.ops, OP_NAMESPACE)
+
+
+def _takes(*tensors: torch.Tensor) -> bool:
+    """The kernels take these: CPU, one 16-bit dtype, contiguous, no autograd."""
+    first = tensors[0]
+    if first.device.type != "cpu" or first.dtype not in FUSED_DTYPES:
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return all(t.dtype == first.dtype and t.is_contiguous() for t in tensors)
+
+
+def rms_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(x)
+    _ops().rms_norm(out, x, module.weight, module.variance_epsilon)
+    return out
+
+
+def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    if not _takes(hidden_states, self.weight):
+        return super(type(self), self).forward(hidden_states)
+    return rms_norm(self, hidden_states)
+
+
+def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    if not _takes(gate, up) or gate.shape != up.shape:
+        return self.down_proj(self.act_fn(gate) * up)
+    out = torch.empty_like(gate)
+    _ops().silu_and_mul(out, gate, up)
+    return self.down_proj(out)
+
+
+def _decoder_layer_forward(
+    self,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.LongTensor | None = None,
+    cache=None,
+    use_cache: bool | None = False,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    """Llama's pre-norm layer with ``residual + attention`` and the post-attention norm fused."""
+    if cache is None:  # the name transformers deprecates (its decorator on the layer's own forward)
+        cache = kwargs.pop("past_key_values", None)
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    hidden_states, _ = self.self_attn(
+        hidden_states=hidden_states,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        cache=cache,
+        use_cache=use_cache,
+        position_embeddings=position_embeddings,
+        **kwargs,
+    )
+    norm = self.post_attention_layernorm
+    if _takes(hidden_states, residual, norm.weight) and hidden_states.shape == residual.shape:
+        summed, normed = torch.empty_like(residual), torch.empty_like(residual)
+        _ops().add_rms_norm(normed, summed, hidden_states, residual, norm.weight, norm.variance_epsilon)
+        residual, hidden_states = summed, normed
+    else:
+        residual = residual + hidden_states
+        hidden_states = norm(residual)
+    return residual + self.mlp(hidden_states)
+
+
+def fused_rotary(original: Callable) -> Callable:
+    """``apply_rotary_pos_emb`` on the fused kernel, ``original`` for what the kernel does not take."""
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if (
+            unsqueeze_dim != 1
+            or q.dim() != 4
+            or k.dim() != 4
+            or cos.dim() != 3
+            or cos.shape != sin.shape
+            or cos.shape[-1] != q.shape[-1]  # partial rotary
+            or cos.shape[0] != q.shape[0]
+            or cos.shape[1] != q.shape[2]
+            or k.shape[0] != q.shape[0]
+            or k.shape[2:] != q.shape[2:]
+            or not _takes(cos, sin)
+            or q.dtype != cos.dtype
+            or k.dtype != cos.dtype
+            or q.stride(-1) != 1
+            or k.stride(-1) != 1
+            or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
+        ):
+            return original(q, k, cos, sin, unsqueeze_dim)
+        q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+        _ops().rotary_embedding(q_out, k_out, q, k, cos, sin)
+        return q_out, k_out
+
+    return apply_rotary_pos_emb
+
+
+@functools.cache
+def fused_class(cls: type[nn.Module], kind: str) -> type[nn.Module] | None:
+    """The subclass of ``cls`` with the fused forward for ``kind``; None when ``cls`` cannot take it
+    (an attention forward that does not call ``apply_rotary_pos_emb`` by its global name)."""
+    if kind == "rms_norm":
+        forward = _rms_norm_forward
+    elif kind == "mlp":
+        forward = _mlp_forward
+    elif kind == "decoder_layer":
+        forward = _decoder_layer_forward
+    else:  # attention: its own forward, with the rotary global bound to the kernel
+        own = inspect.unwrap(cls.forward)  # under transformers' kwarg renaming and `kernels`' routing
+        if not isinstance(own, types.FunctionType) or ROTARY_NAME not in own.__code__.co_names:
+            return None
+        scope = dict(own.__globals__)
+        scope[ROTARY_NAME] = fused_rotary(own.__globals__[ROTARY_NAME])
+        forward = types.FunctionType(own.__code__, scope, own.__name__, own.__defaults__, own.__closure__)
+        forward.__kwdefaults__ = own.__kwdefaults__
+        functools.update_wrapper(forward, own)  # its source, for engine/attention/fuser.py
+    return type(f"KeepwarmFused{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__})
+
+
+def _kind(module: nn.Module) -> str | None:
+    """Which fused forward ``module`` can take, by its type (and its MLP's activation)."""
+    from transformers.activations import SiLUActivation
+
+    cls = type(module)
+    for family in families():
+        if cls is family.rms_norm:
+            return "rms_norm"
+        if cls is family.mlp:
+            return "mlp" if type(getattr(module, "act_fn", None)) in (SiLUActivation, nn.SiLU) else None
+        if cls is family.attention:
+            return "attention"
+        if cls is family.decoder_layer:
+            return "decoder_layer"
+    return None
+
+
+def use_fused_ops(model: nn.Module, dtype: torch.dtype, kernel_cache: str | None = None) -> FusedModules:
+    """Give ``model``'s modules of the families above their fused forwards, when ``dtype`` is one the
+    kernels serve and keepwarm's CPU library loads (``kernel_cache``: the node's builds, tried first)."""
+    from keepwarm_runtime.engine.attention import native
+
+    fused = FusedModules()
+    if dtype not in FUSED_DTYPES:
+        return fused
+    try:
+        native.load(kernel_cache)
+    except native.KernelUnavailable as exc:
+        log.info("fused CPU kernels off, keepwarm's CPU library cannot be built here: %s", exc)
+        return fused
+    for module in model.modules():
+        kind = _kind(module)
+        subclass = fused_class(type(module), kind) if kind is not None else None
+        if subclass is not None:
+            module.__class__ = subclass
+            fused.counts[kind] = fused.counts.get(kind, 0) + 1
+    log.info(
+        "fused CPU kernels: %s", ", ".join(f"{n} {k}" for k, n in sorted(fused.counts.items())) or "none"
+    )
+    return fused
