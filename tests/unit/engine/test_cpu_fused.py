@@ -53,7 +53,7 @@ def llama_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return norm(x)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("size", SIZES)
 def test_rms_norm_matches_llamas_module(ops, dtype, rows, size) -> None:
@@ -65,7 +65,7 @@ def test_rms_norm_matches_llamas_module(ops, dtype, rows, size) -> None:
     agree(out, llama_rms_norm(x, weight, 1e-5))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("size", SIZES)
 def test_add_rms_norm_matches_the_add_then_the_module(ops, dtype, rows, size) -> None:
@@ -79,7 +79,7 @@ def test_add_rms_norm_matches_the_add_then_the_module(ops, dtype, rows, size) ->
     agree(out, llama_rms_norm(want_sum, weight, 1e-6))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("size", SIZES)
 def test_silu_and_mul_matches_silu_times_up(ops, dtype, rows, size) -> None:
@@ -109,7 +109,7 @@ def rotary_case(dtype, tokens: int, heads: int, kv_heads: int, dim: int, seed: i
     return q, k, emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("tokens", [1, 5, 70])
 @pytest.mark.parametrize("dim", [64, 128, 18, 2])
 def test_rotary_is_transformers_apply_rotary_pos_emb_exactly(ops, dtype, tokens, dim) -> None:

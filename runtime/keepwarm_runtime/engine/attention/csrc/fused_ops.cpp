@@ -9,14 +9,13 @@
 // unit in the last place of float32 (engine/cpu_fused.py attaches the kernels for 16-bit dtypes only).
 //
 // Vectorised with GCC's 16-float vector type, as paged_decode.cpp (one zmm register under AVX-512, two
-// ymm under AVX2, scalar code elsewhere); bfloat16 is widened and rounded (to nearest even) with integer
-// vector operations, float16 through c10::Half. Rows are split over torch's intra-op threads when there
-// are enough of them to pay for it.
+// ymm under AVX2, scalar code elsewhere); bfloat16 is widened with integer vector operations and rounded
+// (to nearest even) by AVX-512 BF16's conversion where the CPU has it, by integer operations elsewhere;
+// float16 goes through c10::Half. Rows are split over torch's intra-op threads when there are enough of
+// them to pay for it.
 //
 // Registered as torch.ops.keepwarm_cpu.{rms_norm, add_rms_norm, silu_and_mul, rotary_embedding}
 // (attention/native.py builds it into one library with paged_decode.cpp).
-
-#pragma GCC optimize("fp-contract=off")  // a * b + c rounds twice, as torch's separate operators do
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -24,6 +23,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -62,30 +63,41 @@ inline vfloat load16(const T* p) {
   }
 }
 
+// float32 to bfloat16 bits, rounded to nearest even, NaN kept a NaN: one instruction with AVX-512 BF16
+// (which also reads a float32 subnormal, below 1.2e-38, as zero), integer operations elsewhere.
+inline vhalfword to_bfloat16(vfloat v) {
+#ifdef __AVX512BF16__
+  return __builtin_bit_cast(vhalfword, _mm512_cvtneps_pbh(__builtin_bit_cast(__m512, v)));
+#else
+  const vuint bits = __builtin_bit_cast(vuint, v);
+  const vuint rounded = (bits + (((bits >> 16) & 1u) + 0x7fffu)) >> 16;
+  return __builtin_convertvector(v != v ? vuint{} + 0x7fc0u : rounded, vhalfword);
+#endif
+}
+
 template <typename T>
 inline void store16(T* p, vfloat v) {
   if constexpr (std::is_same_v<T, float>) {
     std::memcpy(p, &v, sizeof v);
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    const vuint bits = __builtin_bit_cast(vuint, v);
-    const vuint rounded = (bits + (((bits >> 16) & 1u) + 0x7fffu)) >> 16;
-    const vuint out = v != v ? vuint{} + 0x7fc0u : rounded;  // NaN stays a (quiet) NaN
-    const vhalfword h = __builtin_convertvector(out, vhalfword);
+    const vhalfword h = to_bfloat16(v);
     std::memcpy(p, &h, sizeof h);
   } else {
     for (int64_t i = 0; i < kLanes; ++i) p[i] = static_cast<T>(v[i]);
   }
 }
 
-// x rounded to T and widened again: where transformers' module stores an intermediate in the model's dtype.
+// x rounded to T and widened again: where transformers' module stores an intermediate in the model's
+// dtype. For float32 it is an empty asm the value must pass through, so the compiler cannot contract
+// a * b + c into one fused multiply-add across it (torch's separate operators round twice); elsewhere
+// (the exp polynomial, the sum of squares) it may.
 template <typename T>
 inline vfloat round_to(vfloat v) {
   if constexpr (std::is_same_v<T, float>) {
+    asm("" : "+v"(v));
     return v;
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    const vuint bits = __builtin_bit_cast(vuint, v);
-    const vuint rounded = (bits + (((bits >> 16) & 1u) + 0x7fffu)) & 0xffff0000u;
-    return v != v ? v : __builtin_bit_cast(vfloat, rounded);
+    return __builtin_bit_cast(vfloat, __builtin_convertvector(to_bfloat16(v), vuint) << 16);
   } else {
     alignas(64) T tmp[kLanes];
     store16(tmp, v);
@@ -95,6 +107,7 @@ inline vfloat round_to(vfloat v) {
 
 template <typename T>
 inline float round_to(float v) {
+  if constexpr (std::is_same_v<T, float>) asm("" : "+v"(v));
   return static_cast<float>(static_cast<T>(v));
 }
 
