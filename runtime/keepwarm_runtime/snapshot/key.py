@@ -34,7 +34,7 @@ from pathlib import Path
 import keepwarm_runtime
 from keepwarm_runtime.model_kind import kind_of
 
-FORMAT = 1  # the layout of a snapshot and its manifest; another value is refused by key
+FORMAT = 2  # the layout of a snapshot and its manifest; another value is refused by key
 # Variables an import may read: passed from the pod into the checkpointed preload, and keyed.
 IMPORT_ENV_PREFIXES = (
     "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_",

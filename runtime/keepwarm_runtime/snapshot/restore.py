@@ -137,12 +137,12 @@ def _restore(found: Found, criu_path: str, started_at: float, timeout: float) ->
             tempfile.TemporaryDirectory(prefix="keepwarm-restore-") as work,
             concurrent.futures.ThreadPoolExecutor(1) as pool,
         ):
-            pages = pool.submit(verify_pages, found)  # the bulk of the digest, while CRIU restores
+            pages = pool.submit(_pages_timed, found)  # the bulk of the digest, while CRIU restores
             pidfile = Path(work) / "restored.pid"
             argv = criu.restore_argv(criu_path, found.images, Path(work), inherit, pidfile)
             run = criu.run(argv, timeout, Path(work) / "restore.log", tuple(inherit), inherit_stdio=True)
             pid = _read_pid(pidfile)
-            wrong_pages = pages.result()
+            wrong_pages, digest_s = pages.result()
         fds.close_restored_ends()
         if wrong_pages is not None:
             return wrong_pages
@@ -168,9 +168,21 @@ def _restore(found: Found, criu_path: str, started_at: float, timeout: float) ->
         if not _resumed(fds.ready_r, timeout):
             return Miss(Reason.RESUME_FAILED, f"the restored parent did not resume within {timeout:g}s")
         fds.start_relays()
+        log.info(
+            "snapshots: criu restore %.2fs, page digests %.2fs beside it, resumed %.2fs after it began",
+            run.seconds,
+            digest_s,
+            time.time() - restore_started,
+        )
         return pid
     finally:
         fds.close()
+
+
+def _pages_timed(found: Found) -> tuple[Miss | None, float]:
+    """verify_pages and its seconds (logged beside CRIU's: the two run side by side)."""
+    started = time.perf_counter()
+    return verify_pages(found), time.perf_counter() - started
 
 
 class _Pipes:

@@ -18,9 +18,11 @@ files, the bulk, are hashed while CRIU restores them and checked before the rest
 its context (``verify_pages``): until then it sleeps in the read it was dumped in, and a mismatch
 kills it before it runs. Any miss is a Reason, and the launcher imports instead.
 
-Each file's digest is sha256 over the sha256s of its 16 MiB chunks, hashed in parallel threads: the
-pages are read before every restore, and one sha256 stream over them would cost more than the
-restore itself (0.5-1.5 GB/s a core).
+Each file's digest is its BLAKE3 hash, read through a memory map, files in parallel threads: the
+pages are read before every restore, beside CRIU, so their hash is on a restore's critical path. On
+the 2-core AMX VM a 484 MB page file took 0.11-0.21 s with BLAKE3 on one thread against 0.45 s with
+OpenSSL's sha256 (1.0-1.2 GB/s a core) and 0.55 s as 16 MiB chunks over two threads beside CRIU,
+longer than CRIU's own restore (0.44 s).
 
 Budget: the agent keeps the store under a byte budget by evicting the least recently used snapshots
 (``plan_eviction``, pure) before installing a new one; one that does not fit alone is not kept.
@@ -32,12 +34,15 @@ import concurrent.futures
 import contextlib
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import blake3
 
 from keepwarm_runtime.snapshot.key import SnapshotKey, differing
 from keepwarm_runtime.snapshot.outcome import Reason
@@ -48,14 +53,13 @@ IMAGES = "images"
 STATE = ".state.json"
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
-CHUNK_BYTES = 16 << 20
 MAX_MANIFEST_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
 class FileDigest:
     size: int
-    sha256: str  # sha256 over the sha256 of each CHUNK_BYTES chunk
+    blake3: str  # the file's BLAKE3 hash, hex
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,7 @@ class Manifest:
         return cls(
             key=SnapshotKey.from_wire(obj["key"]),
             images={
-                str(n): FileDigest(int(f["size"]), str(f["sha256"])) for n, f in dict(obj["images"]).items()
+                str(n): FileDigest(int(f["size"]), str(f["blake3"])) for n, f in dict(obj["images"]).items()
             },
             image_digest=str(obj["image_digest"]),
             created=float(obj["created"]),
@@ -148,36 +152,31 @@ def is_pages(name: str) -> bool:
 def image_files(
     images: Path, names: Iterable[str] | None = None, workers: int | None = None
 ) -> dict[str, FileDigest]:
-    """Each image file's size and digest (all of ``images``, or ``names``): sha256 over the sha256s of
-    its CHUNK_BYTES chunks, chunks hashed in parallel threads (hashlib releases the GIL)."""
+    """Each image file's size and BLAKE3 digest (all of ``images``, or ``names``), files hashed in
+    parallel threads (blake3 releases the GIL; one thread per file, so it starts no pool of its own)."""
     if names is None:
         names = sorted(p.name for p in images.iterdir() if p.is_file() and not p.is_symlink())
-    sizes = {name: (images / name).stat().st_size for name in names}
-    jobs = [(name, offset) for name, size in sizes.items() for offset in range(0, max(size, 1), CHUNK_BYTES)]
-    workers = workers or min(8, os.cpu_count() or 1)
+    names = list(names)
+    workers = workers or min(8, os.cpu_count() or 1, max(len(names), 1))
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        hashes = dict(
-            zip(jobs, pool.map(lambda job: _chunk_sha256(images / job[0], job[1]), jobs), strict=True)
-        )
-    out = {}
-    for name, size in sizes.items():
-        tree = hashlib.sha256()
-        for offset in range(0, max(size, 1), CHUNK_BYTES):
-            tree.update(hashes[(name, offset)])
-        out[name] = FileDigest(size, tree.hexdigest())
-    return out
+        return dict(zip(names, pool.map(lambda name: file_digest(images / name), names), strict=True))
+
+
+def file_digest(path: Path) -> FileDigest:
+    """``path``'s size and BLAKE3 hash, read through a memory map (no copy out of the page cache)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        hasher = blake3.blake3()
+        if size:
+            with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mapped:
+                hasher.update(mapped)
+    return FileDigest(size, hasher.hexdigest())
 
 
 def image_digest(files: dict[str, FileDigest]) -> str:
     """One digest of a whole snapshot's images (what the manifest and the status report)."""
-    canonical = json.dumps({name: [f.size, f.sha256] for name, f in sorted(files.items())}).encode()
+    canonical = json.dumps({name: [f.size, f.blake3] for name, f in sorted(files.items())}).encode()
     return hashlib.sha256(canonical).hexdigest()
-
-
-def _chunk_sha256(path: Path, offset: int) -> bytes:
-    with open(path, "rb") as f:
-        f.seek(offset)
-        return hashlib.sha256(f.read(CHUNK_BYTES)).digest()
 
 
 def verify_images(images: Path, recorded: dict[str, FileDigest], pages: bool) -> str | None:
@@ -198,8 +197,8 @@ def verify_images(images: Path, recorded: dict[str, FileDigest], pages: bool) ->
     for name in names:
         if found[name] != recorded[name]:
             return (
-                f"{images / name} hashes to {found[name].sha256[:16]} ({found[name].size} bytes), recorded "
-                f"{recorded[name].sha256[:16]} ({recorded[name].size} bytes)"
+                f"{images / name} hashes to {found[name].blake3[:16]} ({found[name].size} bytes), recorded "
+                f"{recorded[name].blake3[:16]} ({recorded[name].size} bytes)"
             )
     return None
 

@@ -8,15 +8,16 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+import blake3
 import pytest
 
-from keepwarm_runtime.snapshot import store as store_module
 from keepwarm_runtime.snapshot.key import SnapshotKey
 from keepwarm_runtime.snapshot.outcome import Reason
 from keepwarm_runtime.snapshot.store import (
     IMAGES,
     MANIFEST,
     Entry,
+    FileDigest,
     Found,
     Manifest,
     Miss,
@@ -55,19 +56,21 @@ def _images(root: Path) -> Path:
     return images
 
 
-def test_file_digests_follow_every_byte_and_chunking_is_invisible(tmp_path: Path, monkeypatch) -> None:
+def test_file_digests_are_blake3_of_every_byte(tmp_path: Path) -> None:
     images = _images(tmp_path)
+    (images / "empty.img").write_bytes(b"")
     files = image_files(images)
-    monkeypatch.setattr(store_module, "CHUNK_BYTES", 1024)  # four chunks, hashed in parallel
-    chunked = image_files(images)
-    assert chunked["core-1.img"].size == 40 and chunked["pages-1.img"].size == 3 * 1024 + 5
-    assert image_files(images) == chunked and image_digest(chunked) != image_digest(files)
     pages = images / "pages-1.img"
+    assert files["core-1.img"].size == 40 and files["pages-1.img"].size == 3 * 1024 + 5
+    assert files["pages-1.img"].blake3 == blake3.blake3(pages.read_bytes()).hexdigest()
+    assert files["empty.img"] == FileDigest(0, blake3.blake3(b"").hexdigest())
+    assert image_files(images, workers=1) == files  # one thread or several: the same digests
     data = bytearray(pages.read_bytes())
     data[2048] ^= 1
     pages.write_bytes(bytes(data))
-    assert "pages-1.img hashes to" in verify_images(images, chunked, pages=True)
-    assert verify_images(images, chunked, pages=False) is None  # the other files are intact
+    assert "pages-1.img hashes to" in verify_images(images, files, pages=True)
+    assert verify_images(images, files, pages=False) is None  # the other files are intact
+    assert image_digest(image_files(images)) != image_digest(files)
 
 
 def test_missing_extra_and_truncated_files_are_named(tmp_path: Path) -> None:
