@@ -3,7 +3,8 @@
 It is `keepwarm serve`'s supervising parent up to the point where that parent would bind its ports
 (server/cli.py ``supervise``): OpenMP's environment prepared, the serving path of CONFIG_DIR's
 config.json preloaded (server/preload.py: imports only, one thread, no CUDA, no tokenizer). Then the
-checkpoint point (wire.py): it says Ready and blocks reading its control pipe, where the agent dumps
+checkpoint point (wire.py): it notes the random generators imports made (fresh.py reseeds them after a
+restore without searching the heap), says Ready and blocks reading its control pipe, where the agent dumps
 it. A pod that restores it writes its Context there: the restored parent takes its start afresh
 (fresh.py), answers RESUMED, and runs `keepwarm serve` with the pod's own argv, which finds
 everything imported and goes on as today: settings, bind, fork, serve.
@@ -20,6 +21,7 @@ import os
 import sys
 import time
 
+from keepwarm_runtime.snapshot import fresh
 from keepwarm_runtime.snapshot.wire import (
     MAX_CONTEXT_BYTES,
     RESUMED,
@@ -74,6 +76,7 @@ def checkpoint_point(ready: Ready, control_fd: int, ready_fd: int) -> Context | 
     """Say Ready, then wait for a context (the agent dumps this process while it waits). None: the
     agent closed the pipe without one (it gave up on this snapshot)."""
     _allow_tracer()
+    fresh.remember_generators()
     sys.stdout.flush()
     sys.stderr.flush()
     write_all(ready_fd, ready.encode())
@@ -92,7 +95,7 @@ def _allow_tracer() -> None:
 
 def resume(context: Context, control_fd: int, ready_fd: int) -> int:
     """After a restore: become the pod's process, reseed, answer RESUMED, run `keepwarm serve`."""
-    from keepwarm_runtime.snapshot import fresh, outcome
+    from keepwarm_runtime.snapshot import outcome
 
     fresh.take_start(context)
     fresh.forget_per_pod_facts()

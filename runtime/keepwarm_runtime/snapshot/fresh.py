@@ -122,25 +122,44 @@ def fingerprints() -> dict[str, str]:
     return out
 
 
-def _reseed_instances() -> int:
-    """Reseed every ``random.Random`` and numpy generator an import created (not the module's own:
-    ``random.seed`` did that); SystemRandom draws from the kernel and has no state."""
+_remembered: list[object] | None = None  # the generators remember_generators() found, else None
+
+
+def remember_generators() -> int:
+    """Before the checkpoint: find every generator an import made, so that a restore's ``reseed`` need
+    not search the heap on the pod's start (gc.get_objects() over ~480,000 objects after torch and
+    transformers: 0.08-0.09 s). Nothing runs between this and the dump; returns how many."""
+    global _remembered
+    _remembered = _generators()
+    return len(_remembered)
+
+
+def _generators() -> list[object]:
+    """Every ``random.Random`` and numpy generator alive but the module's own (``random.seed`` does
+    that one); SystemRandom draws from the kernel and has no state."""
     numpy = sys.modules.get("numpy")
     kinds: tuple[type, ...] = (random.Random,)
     if numpy is not None:
         kinds += (numpy.random.RandomState, numpy.random.Generator)
-    count = 0
     with warnings.catch_warnings():  # isinstance() on deprecated proxies (torch.distributed's) warns
         warnings.simplefilter("ignore")
         found = [obj for obj in gc.get_objects() if isinstance(obj, kinds)]
+    return [
+        obj
+        for obj in found
+        if not isinstance(obj, random.SystemRandom) and obj is not random._inst  # type: ignore[attr-defined]
+    ]
+
+
+def _reseed_instances() -> int:
+    """Reseed every generator an import made: those remembered before the checkpoint, else a search."""
+    numpy = sys.modules.get("numpy")
+    found = _remembered if _remembered is not None else _generators()
     for obj in found:
-        if isinstance(obj, random.SystemRandom) or obj is random._inst:  # type: ignore[attr-defined]
-            continue
         if isinstance(obj, random.Random) or (
             numpy is not None and isinstance(obj, numpy.random.RandomState)
         ):
             obj.seed()
         else:  # a numpy Generator: a fresh bit generator's state, of its own type
-            obj.bit_generator.state = type(obj.bit_generator)().state
-        count += 1
-    return count
+            obj.bit_generator.state = type(obj.bit_generator)().state  # type: ignore[attr-defined]
+    return len(found)

@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 CHILD = r"""
 import json, os, random, sys, tempfile
 import numpy
@@ -16,6 +18,8 @@ from keepwarm_runtime.snapshot import fresh
 from keepwarm_runtime.snapshot.wire import Context
 
 made_before = random.Random(1234)
+if sys.argv[1] == "remembered":  # as the checkpointed parent does before its dump
+    assert fresh.remember_generators() >= 1
 before = fresh.fingerprints()
 made_first = made_before.random()
 made_before.seed(1234)
@@ -34,9 +38,10 @@ print(json.dumps({
 """
 
 
-def test_a_restored_parent_takes_the_pods_start_and_new_random_states() -> None:
+@pytest.mark.parametrize("generators", ["remembered", "searched"])
+def test_a_restored_parent_takes_the_pods_start_and_new_random_states(generators: str) -> None:
     out = subprocess.run(
-        [sys.executable, "-c", CHILD], capture_output=True, text=True, check=True, timeout=300
+        [sys.executable, "-c", CHILD, generators], capture_output=True, text=True, check=True, timeout=300
     )
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(got["env"]) == {"ONLY", "PATH"} and "ONLY=this" in got["child_env"]  # the C environ too
