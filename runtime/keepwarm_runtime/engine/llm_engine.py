@@ -164,22 +164,26 @@ class LLMEngine:
         )
 
     def warm_up(self) -> None:
-        """Run one short greedy request (a prefill and a decode step) and forget it.
+        """Run one short greedy request and forget it.
 
         The first forward pass pays one-time costs (OpenMP thread start, oneDNN kernel selection,
         lazy imports in sampling and detokenizing); the server pays them before it says ready rather
-        than on a client's first request. On CPU the prompt is one token: those costs are per
-        process, not per shape, while a matmul over several rows costs several times a one-row one
-        every time (a five-token prefill of the 500M demo model: 3-6x a decode step on 2 cores). A
-        GPU loads its prefill kernels on first use, so there it is a few tokens. Greedy, so the
-        sampler's random stream is untouched; the prompt is plain text (never a special or
+        than on a client's first request. On CPU the prompt is one token and the request one step
+        (its prefill samples its only token): those costs are per process, not per shape, the KV
+        probe has already run the model once, and every further pass reads all the weights again (a
+        1 GiB model: 0.15 s a pass on one AMX core, a third of a restored pod's start); a five-token
+        prefill of the 500M demo model cost 3-6x a decode step on 2 cores. A GPU loads its prefill
+        and decode kernels on first use, so there it is a few tokens and a decode step. Greedy, so
+        the sampler's random stream is untouched; the prompt is plain text (never a special or
         multimodal placeholder token, which would need inputs of its own) and fills no block unless
         blocks hold one token, so the prefix cache stays empty."""
         request_id = "keepwarm-warm-up"
         text_ids = self.tokenizer.encode("keep the weights warm", add_special_tokens=False) or [0]
-        length = 1 if self.device.type == "cpu" else self.config.block_size - 1
+        on_cpu = self.device.type == "cpu"
+        length = 1 if on_cpu else self.config.block_size - 1
         prompt = text_ids[: max(1, min(length, self.max_model_len - 2))]
-        self.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        params = SamplingParams(temperature=0.0, max_tokens=1 if on_cpu else 2, ignore_eos=True)
+        self.add_request(request_id, prompt, params)
         while request_id in self.requests:
             self.step()
         self.startup.mark("warmup")
