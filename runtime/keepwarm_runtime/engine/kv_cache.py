@@ -3,8 +3,6 @@
 Shapes come from a probe pass (one token through the model with no metadata set: each layer records
 what it was handed and the window it was called with; the backend then accepts or refuses each
 layer), so MLA's separate key/value widths and per-layer head counts need no model knowledge here.
-The pass runs on the meta-device model before the weights arrive where every op has a meta kernel
-(the conformance models do), else on the weights.
 Sizing: an explicit block count, else a memory budget (CPU) or what is left of the GPU after the weights.
 On CPU the tensors live in fresh anonymous mappings, which the kernel zero-fills page by page on first
 touch: allocating is free, and only blocks a sequence ever writes cost memory (torch.zeros wrote every
@@ -13,7 +11,6 @@ byte up front: 1.1 GiB took 0.4-1.7 s on a 2-core VM, a large part of a warm res
 
 from __future__ import annotations
 
-import logging
 import math
 import mmap
 
@@ -27,41 +24,14 @@ from keepwarm_runtime.engine.attention.window import cache_windows
 from keepwarm_runtime.engine.block_manager import cdiv
 from keepwarm_runtime.engine.config import EngineConfig
 
-log = logging.getLogger(__name__)
-
-
-def probe_on_meta(model: nn.Module, layers: list[KeepwarmAttention]) -> bool:
-    """The probe pass on the model before its weights are attached (every tensor on the meta device:
-    shapes, no arithmetic), so that a start reads no weight for it: on the real weights it is a whole
-    forward pass (1 GiB of bfloat16: 0.12-0.15 s of a 0.5 s restored start on 2 cores). False, the
-    layers as they were, when an op of the model has no meta kernel; ``probe_kv_specs`` then probes
-    with the weights."""
-    try:
-        _probe_pass(model, layers, torch.device("meta"))
-    except Exception as exc:  # any op without a meta kernel: the probe with the weights follows
-        log.info("KV probe: the meta pass failed (%s: %s); probing with the weights", type(exc).__name__, exc)
-        for layer in layers:
-            layer.kv_spec, layer.probe_calls, layer.probe_window, layer.probe_sinks = None, 0, None, False
-        return False
-    return True
-
 
 @torch.inference_mode()
-def _probe_pass(model: nn.Module, layers: list[KeepwarmAttention], device: torch.device) -> None:
+def probe_kv_specs(model: nn.Module, layers: list[KeepwarmAttention], device: torch.device) -> list[KVSpec]:
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
     for layer in layers:
         layer.probe_calls = 0
     with use_metadata(None):
         model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1)
-
-
-def probe_kv_specs(
-    model: nn.Module, layers: list[KeepwarmAttention], device: torch.device, probed: bool = False
-) -> list[KVSpec]:
-    """Each layer's KV spec, checked, from the probe pass (run here on ``device`` unless ``probed``:
-    ``probe_on_meta`` ran it), with its cache window; the backend accepts or refuses each layer."""
-    if not probed:
-        _probe_pass(model, layers, device)
     reused = [
         f"{layer.owner} layer_idx {layer.layer_idx} ({layer.probe_calls}x)"
         for layer in layers

@@ -24,10 +24,8 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from keepwarm_runtime.engine.attention.fuser import fuse_attention
-from keepwarm_runtime.engine.attention.layer import KeepwarmAttention
 from keepwarm_runtime.engine.attention.select import select_backend
 from keepwarm_runtime.engine.block_manager import BlockManager
 from keepwarm_runtime.engine.capabilities import EngineCapabilities
@@ -41,7 +39,7 @@ from keepwarm_runtime.engine.cpu_linear import (
 )
 from keepwarm_runtime.engine.detokenizer import IncrementalDetokenizer, find_stop
 from keepwarm_runtime.engine.host_memory import keep_freed_memory
-from keepwarm_runtime.engine.kv_cache import allocate_kv_cache, num_blocks_for, probe_kv_specs, probe_on_meta
+from keepwarm_runtime.engine.kv_cache import allocate_kv_cache, num_blocks_for, probe_kv_specs
 from keepwarm_runtime.engine.loader import LoadInfo, load_model
 from keepwarm_runtime.engine.lora import LoraInUse, LoraSlots
 from keepwarm_runtime.engine.lora.adapter import AdapterCache, LoraWeights
@@ -90,9 +88,7 @@ class LLMEngine:
         self.device = torch.device(config.device)
         if self.device.type == "cpu":
             keep_freed_memory()  # a step's large temporaries reuse heap memory (engine/host_memory.py)
-        self.layers: list[KeepwarmAttention] = []  # by layer index, attached on the meta model
-        self.kv_probed_on_meta = False  # the KV probe ran on the meta model (engine/kv_cache.py)
-        self.model, info = load_model(config, profile, prefetch, on_meta=self._fuse_attention)
+        self.model, info = load_model(config, profile, prefetch)
         cpu = self.device.type == "cpu"  # engine/cpu_linear.py
         if cpu:
             use_weight_major_linear(self.model)  # float32: few-token steps weight-major
@@ -110,6 +106,7 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
         self.eos_token_ids = set(_eos_ids(config.model_dir, self.tokenizer, GenerationConfig))
         profile.mark("tokenizer")
+        self.layers = fuse_attention(self.model.get_decoder())
         backend = select_backend(config.attention_backend, self.device, kernel_cache=config.kernel_cache)
         for layer in self.layers:
             layer.backend = backend
@@ -119,7 +116,7 @@ class LLMEngine:
         text_config = self.model.config.get_text_config()
         model_len = getattr(text_config, "max_position_embeddings", None) or 2048
         max_len = min(config.max_model_len or model_len, model_len)
-        specs = probe_kv_specs(self.model, self.layers, self.device, probed=self.kv_probed_on_meta)
+        specs = probe_kv_specs(self.model, self.layers, self.device)
         num_blocks = parallel_group.fewest(num_blocks_for(config, specs, max_len, self.device))
         allocate_kv_cache(self.layers, specs, num_blocks, config.block_size, config.torch_dtype, self.device)
         self.kv_specs, self.num_kv_blocks = (
@@ -166,22 +163,16 @@ class LLMEngine:
             backend.name,
         )
 
-    def _fuse_attention(self, model: nn.Module) -> None:
-        """On the meta model, before its weights: attach keepwarm's attention to every layer and run the
-        KV probe there if the model allows it (engine/kv_cache.py ``probe_on_meta``)."""
-        self.layers = fuse_attention(model.get_decoder())
-        self.kv_probed_on_meta = probe_on_meta(model, self.layers)
-
     def warm_up(self) -> None:
         """Run one short greedy request and forget it.
 
         The first forward pass pays one-time costs (OpenMP thread start, oneDNN kernel selection,
         lazy imports in sampling and detokenizing); the server pays them before it says ready rather
         than on a client's first request. On CPU the prompt is one token and the request one step
-        (its prefill samples its only token): those costs are per process, not per shape, and every
-        pass reads all the weights (a 1 GiB model: 0.15 s a pass on one AMX core, a third of a
-        restored pod's start); a five-token prefill of the 500M demo model cost 3-6x a decode step on
-        2 cores. A GPU loads its prefill
+        (its prefill samples its only token): those costs are per process, not per shape, the KV
+        probe has already run the model once, and every further pass reads all the weights again (a
+        1 GiB model: 0.15 s a pass on one AMX core, a third of a restored pod's start); a five-token
+        prefill of the 500M demo model cost 3-6x a decode step on 2 cores. A GPU loads its prefill
         and decode kernels on first use, so there it is a few tokens and a decode step. Greedy, so
         the sampler's random stream is untouched; the prompt is plain text (never a special or
         multimodal placeholder token, which would need inputs of its own) and fills no block unless

@@ -16,14 +16,12 @@ is resolved from the config and checkpoint before this model exists (engine/pref
 ``attach_request``), so the server's background attach asks the same and the loader takes it.
 A tensor-parallel rank gives its meta parameters the shapes of its shard
 (weights.tensor_parallel_plan, engine/parallel/layers.py) before attaching that shard, checks that
-every rank attached the same checkpoint, and adds the layers' collectives after filling. A caller
-may look at the meta model (split for its rank) before the weights arrive (``on_meta``).
+every rank attached the same checkpoint, and adds the layers' collectives after filling.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -63,18 +61,13 @@ class LoadInfo:
 
 
 def load_model(
-    config: EngineConfig,
-    profile: StartupProfile | None = None,
-    prefetch: WeightPrefetch | None = None,
-    on_meta: Callable[[nn.Module], None] | None = None,
+    config: EngineConfig, profile: StartupProfile | None = None, prefetch: WeightPrefetch | None = None
 ) -> tuple[nn.Module, LoadInfo]:
     """The model with its weights attached; ``profile`` gets the config, model_meta and weights marks.
 
     ``prefetch``: an attach the server began in the background (engine/prefetch.py); used when it
     asked for what this config asks for, else the weights are attached here. Either way the attach
-    is ``attach_request(config)``: resolved from the config and checkpoint, not from this model.
-    ``on_meta``: called with the model built on the meta device (split for this rank), before its
-    weights: what needs only shapes runs there without reading a weight (the engine's KV probe)."""
+    is ``attach_request(config)``: resolved from the config and checkpoint, not from this model."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     profile = profile or StartupProfile()
@@ -100,8 +93,6 @@ def load_model(
         ) from exc
     model.eval()
     plan = _shard(model, config, cls is not None)
-    if on_meta is not None:
-        on_meta(model)
     profile.mark("model_meta")
     try:
         prefetched = prefetch.take(config) if prefetch is not None else None
