@@ -88,13 +88,14 @@ inline void store16(T* p, vfloat v) {
 }
 
 // x rounded to T and widened again: where transformers' module stores an intermediate in the model's
-// dtype. For float32 it is an empty asm the value must pass through, so the compiler cannot contract
-// a * b + c into one fused multiply-add across it (torch's separate operators round twice); elsewhere
-// (the exp polynomial, the sum of squares) it may.
+// dtype. For float32 the value passes through memory by an empty asm (any ISA: a 16-float vector is
+// two registers under AVX2), so the compiler cannot contract a * b + c into one fused multiply-add
+// across it (torch's separate operators round twice); elsewhere (the exp polynomial, the sum of
+// squares) it may.
 template <typename T>
 inline vfloat round_to(vfloat v) {
   if constexpr (std::is_same_v<T, float>) {
-    asm("" : "+v"(v));
+    asm("" : "+m"(v));
     return v;
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
     return __builtin_bit_cast(vfloat, __builtin_convertvector(to_bfloat16(v), vuint) << 16);
@@ -107,7 +108,7 @@ inline vfloat round_to(vfloat v) {
 
 template <typename T>
 inline float round_to(float v) {
-  if constexpr (std::is_same_v<T, float>) asm("" : "+v"(v));
+  if constexpr (std::is_same_v<T, float>) asm("" : "+m"(v));
   return static_cast<float>(static_cast<T>(v));
 }
 
