@@ -3,6 +3,9 @@ change; a packed bfloat16 layer computes nn.Linear's result bit for bit, packed 
 
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +13,7 @@ from torch import nn
 
 from keepwarm_runtime.engine.cpu_linear import (
     MAX_ROWS,
+    PACKER_NICE,
     LinearPacker,
     PackedLinear,
     WeightMajorLinear,
@@ -102,9 +106,12 @@ def test_the_packer_packs_in_the_background_and_drop_lets_go() -> None:
     x = torch.randn(5, 128, dtype=torch.bfloat16)
     want = model(x)
     packer = LinearPacker(use_packed_linear(model))
+    ours = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     packer.start()
     packer.thread.join(timeout=60)
     assert all(layer._packed is not None for layer in model)
+    assert packer.niceness == PACKER_NICE  # behind the steps, on its own thread only
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == ours
     assert torch.equal(model(x), want)
     packer.drop()
     assert all(layer._packed is None for layer in model)
