@@ -35,8 +35,10 @@ parity tests (identical tokens and logprobs) could not hold: float32 models keep
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import logging
+import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -60,23 +62,26 @@ class Family:
     decoder_layer: type[nn.Module]
 
 
-@functools.cache
-def families() -> tuple[Family, ...]:
-    """The model families whose modules are Llama's: RMSNorm ``w * T(x * rsqrt(mean(x^2) + eps))``,
-    MLP ``down(act(gate(x)) * up(x))``, rotary in the rotate-half layout, and a pre-norm decoder
-    layer (tests/unit/engine/test_cpu_fused.py compares their sources with Llama's)."""
-    from transformers.models.llama import modeling_llama as llama
-    from transformers.models.mistral import modeling_mistral as mistral
+# The model families whose modules are Llama's: RMSNorm ``w * T(x * rsqrt(mean(x^2) + eps))``, MLP
+# ``down(act(gate(x)) * up(x))``, rotary in the rotate-half layout and a pre-norm decoder layer
+# (tests/unit/engine/test_cpu_fused.py compares their sources with Llama's): modelling module, prefix.
+FAMILY_MODULES = (
+    ("transformers.models.llama.modeling_llama", "Llama"),
+    ("transformers.models.mistral.modeling_mistral", "Mistral"),
+)
 
-    return tuple(
-        Family(
-            m.__dict__[f"{p}RMSNorm"],
-            m.__dict__[f"{p}MLP"],
-            m.__dict__[f"{p}Attention"],
-            m.__dict__[f"{p}DecoderLayer"],
-        )
-        for m, p in ((llama, "Llama"), (mistral, "Mistral"))
-    )
+
+def families() -> tuple[Family, ...]:
+    """The families whose modelling module is imported (a loaded model's is), so a start never pays
+    for importing another architecture's."""
+    return tuple(family(name, prefix) for name, prefix in FAMILY_MODULES if name in sys.modules)
+
+
+@functools.cache
+def family(module_name: str, prefix: str) -> Family:
+    m = importlib.import_module(module_name)
+    kinds = ("RMSNorm", "MLP", "Attention", "DecoderLayer")
+    return Family(*(getattr(m, f"{prefix}{kind}") for kind in kinds))
 
 
 @dataclass
@@ -214,19 +219,19 @@ def fused_class(cls: type[nn.Module], kind: str) -> type[nn.Module] | None:
     return type(f"KeepwarmFused{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__})
 
 
-def _kind(module: nn.Module) -> str | None:
+def _kind(module: nn.Module, known: tuple[Family, ...]) -> str | None:
     """Which fused forward ``module`` can take, by its type (and its MLP's activation)."""
     from transformers.activations import SiLUActivation
 
     cls = type(module)
-    for family in families():
-        if cls is family.rms_norm:
+    for members in known:
+        if cls is members.rms_norm:
             return "rms_norm"
-        if cls is family.mlp:
+        if cls is members.mlp:
             return "mlp" if type(getattr(module, "act_fn", None)) in (SiLUActivation, nn.SiLU) else None
-        if cls is family.attention:
+        if cls is members.attention:
             return "attention"
-        if cls is family.decoder_layer:
+        if cls is members.decoder_layer:
             return "decoder_layer"
     return None
 
@@ -244,8 +249,9 @@ def use_fused_ops(model: nn.Module, dtype: torch.dtype, kernel_cache: str | None
     except native.KernelUnavailable as exc:
         log.info("fused CPU kernels off, keepwarm's CPU library cannot be built here: %s", exc)
         return fused
+    known = families()
     for module in model.modules():
-        kind = _kind(module)
+        kind = _kind(module, known)
         subclass = fused_class(type(module), kind) if kind is not None else None
         if subclass is not None:
             module.__class__ = subclass

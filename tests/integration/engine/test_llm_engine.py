@@ -199,12 +199,13 @@ def test_bad_requests_are_rejected_clearly(model_dir) -> None:
         engine.add_request("c", [10**9], SamplingParams())
 
 
-def test_fused_cpu_kernels_give_bfloat16_tokens_and_logprobs_within_their_tolerance(make_tiny) -> None:
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_fused_cpu_kernels_give_bfloat16_tokens_and_logprobs_within_their_tolerance(make_tiny, arch) -> None:
     """Fused RMSNorm, SiLU-and-mul and rotary (engine/cpu_fused.py) against the same engine without
     them: the kernels round where the modules do, so a logprob may move by what one bfloat16 ulp in
     an activation moves it (stated tolerance 0.05 nats here; at this size none moved), and greedy
     tokens are the same. Prefill and decode steps of several rows and one row."""
-    model_dir = make_tiny("llama", "bfloat16")
+    model_dir = make_tiny(arch, "bfloat16")
     kwargs = {"dtype": "bfloat16", "block_size": 4, "num_kv_blocks": 256}
     plain = LLM(model_dir, cpu_fused_ops=False, **kwargs)
     fused = LLM(model_dir, **kwargs)

@@ -259,12 +259,11 @@ def _forward_source(cls: type) -> str:
     return inspect.getsource(inspect.unwrap(cls.forward))
 
 
-@pytest.mark.parametrize("family", range(len(cpu_fused.families())))
-def test_every_family_computes_what_llamas_modules_do(family) -> None:
+@pytest.mark.parametrize(("module", "prefix"), cpu_fused.FAMILY_MODULES[1:])
+def test_every_family_computes_what_llamas_modules_do(module, prefix) -> None:
     """A family is fused only while its modules' forwards are Llama's, names aside: a transformers
     release that changes one fails here rather than computing something else."""
-    llama, other = cpu_fused.families()[0], cpu_fused.families()[family]
-    prefix = other.rms_norm.__name__.removesuffix("RMSNorm")
+    llama, other = cpu_fused.family(*cpu_fused.FAMILY_MODULES[0]), cpu_fused.family(module, prefix)
     for kind in ("rms_norm", "mlp", "decoder_layer"):
         want = _forward_source(getattr(llama, kind)).replace("Llama", prefix)
         assert _forward_source(getattr(other, kind)) == want, f"{prefix} {kind}"
@@ -280,7 +279,7 @@ def test_every_family_computes_what_llamas_modules_do(family) -> None:
 def test_the_fused_attention_keeps_the_source_the_attention_fuser_reads() -> None:
     from keepwarm_runtime.engine.attention.fuser import analyze_class
 
-    llama = cpu_fused.families()[0]
+    llama = cpu_fused.family(*cpu_fused.FAMILY_MODULES[0])
     fused = cpu_fused.fused_class(llama.attention, "attention")
     assert fused is not None
     got, want = analyze_class(fused), analyze_class(llama.attention)
@@ -289,6 +288,15 @@ def test_the_fused_attention_keeps_the_source_the_attention_fuser_reads() -> Non
         == (want.scaling_kind, want.scaling_value)
         == ("attr", "scaling")
     )
+
+
+def test_only_imported_families_are_looked_at(monkeypatch) -> None:
+    import sys
+
+    llama, mistral = (name for name, _ in cpu_fused.FAMILY_MODULES)
+    monkeypatch.delitem(sys.modules, mistral, raising=False)
+    assert [f.rms_norm.__name__ for f in cpu_fused.families()] == ["LlamaRMSNorm"]
+    assert llama in sys.modules and mistral not in sys.modules
 
 
 def test_a_forward_without_the_rotary_global_is_not_fused() -> None:
