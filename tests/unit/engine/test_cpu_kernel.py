@@ -218,3 +218,27 @@ def test_auto_on_cpu_falls_back_to_torch_when_the_kernel_cannot_build_and_says_w
 
 def test_auto_on_cpu_uses_the_kernel_where_it_builds() -> None:
     assert type(select_backend("auto", torch.device("cpu"))) is CpuAttentionBackend
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_write_kv_is_index_copy(dtype) -> None:
+    """The cpu backend's write of a step's keys into their slots: index_copy_'s result, from the
+    layout the layer hands it (a [1, Hkv, T, D] view of [T, Hkv, D] projections) and from one whose
+    heads are not adjacent; bad slots and shapes are named refusals."""
+    native.load()
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(40, 3, 16, generator=g).to(dtype)
+    slots = torch.tensor([7, 0, 39, 12, 5])
+    adjacent = torch.randn(1, 5, 3, 16, generator=g).to(dtype).transpose(1, 2)[0].transpose(0, 1)
+    apart = torch.randn(3, 5, 16, generator=g).to(dtype).transpose(0, 1)  # heads T*D apart
+    for rows in (adjacent, apart, adjacent.contiguous()):
+        want, got = cache.clone(), cache.clone()
+        want.index_copy_(0, slots, rows)
+        CpuAttentionBackend.write_kv(got, slots, rows)
+        assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="out of range"):
+        native.write_kv(cache, torch.tensor([0, 1, 2, 3, 40]), adjacent)
+    with pytest.raises(RuntimeError, match="one per row"):
+        native.write_kv(cache, slots[:4], adjacent)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        native.write_kv(cache, slots, adjacent.double())

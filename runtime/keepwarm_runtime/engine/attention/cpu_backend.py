@@ -73,6 +73,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
         # the node's build in kernel_cache, else built once on this machine; raises KernelUnavailable
         native.load(kernel_cache)
 
+    @staticmethod
+    def write_kv(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """index_copy_'s result by keepwarm's kernel: one copy per token instead of per element."""
+        native.write_kv(cache, slots, rows)
+
     def build(self, meta: AttentionMetadata) -> CpuStepMetadata:
         qlens, ctx = meta.query_lens_list, meta.context_lens_list
         if meta.max_query_len == 1 and min(ctx) > 1:  # every sequence decodes: no groups to plan

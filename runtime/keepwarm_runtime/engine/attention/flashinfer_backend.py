@@ -20,7 +20,7 @@ from typing import Any
 import flashinfer
 import torch
 
-from keepwarm_runtime.engine.attention.layer import KeepwarmAttention
+from keepwarm_runtime.engine.attention.layer import KeepwarmAttention, write_kv
 from keepwarm_runtime.engine.attention.metadata import AttentionMetadata
 from keepwarm_runtime.engine.attention.page_table import page_table
 from keepwarm_runtime.engine.attention.window import Window, effective_window
@@ -41,6 +41,7 @@ class FlashInferStepMetadata:
 
 class FlashInferAttentionBackend:
     name = "flashinfer"
+    write_kv = staticmethod(write_kv)  # the step's new keys and values into the cache (attention/layer.py)
 
     def __init__(self, device: torch.device):
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)

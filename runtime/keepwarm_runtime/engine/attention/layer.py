@@ -16,6 +16,12 @@ from keepwarm_runtime.engine.attention.metadata import get_metadata
 from keepwarm_runtime.engine.attention.window import effective_window
 
 
+def write_kv(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """Row t of ``rows`` ([T, kv_heads, dim]) into slot ``slots[t]`` of ``cache`` ([slots, kv_heads,
+    dim]): the backends' way unless they have a faster one (the cpu backend's kernel)."""
+    cache.index_copy_(0, slots, rows)
+
+
 @dataclass(frozen=True)
 class KVSpec:
     num_kv_heads: int
@@ -66,7 +72,7 @@ class KeepwarmAttention(nn.Module):
         # Every backend reads the paged cache, so the new tokens' K/V go in here, once, for all of them.
         for cache, new in ((self.k_cache, key), (self.v_cache, value)):
             flat = cache.view(-1, new.shape[1], new.shape[-1])  # [slots, kv_heads, dim]
-            flat.index_copy_(0, meta.slot_mapping, new[0].transpose(0, 1).to(cache.dtype))
+            self.backend.write_kv(flat, meta.slot_mapping, new[0].transpose(0, 1).to(cache.dtype))
         if meta.backend_metadata is None:  # the model runner builds it; a bare caller (tests) gets it here
             meta.backend_metadata = self.backend.build(meta)
         window = effective_window(sliding_window, self.cache_window)

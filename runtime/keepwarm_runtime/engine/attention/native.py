@@ -171,6 +171,14 @@ def paged_decode_attention(
     )
 
 
+def write_kv(
+    cache: torch.Tensor,  # [slots, Hkv, D] contiguous, written
+    slots: torch.Tensor,  # [T] int64
+    rows: torch.Tensor,  # [T, Hkv, D], the last dim contiguous
+) -> None:
+    getattr(torch.ops, OP_NAMESPACE).write_kv(cache, slots, rows)
+
+
 @dataclass(frozen=True)
 class BuildSettings:
     """``main``'s settings (flag, else variable, else default: keepwarm_api.settings)."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from keepwarm_runtime.engine.attention.layer import KeepwarmAttention
+from keepwarm_runtime.engine.attention.layer import KeepwarmAttention, write_kv
 from keepwarm_runtime.engine.attention.metadata import AttentionMetadata
 from keepwarm_runtime.engine.attention.window import Window
 
@@ -125,6 +125,7 @@ class TorchStepMetadata:
 
 class TorchAttentionBackend:
     name = "torch"
+    write_kv = staticmethod(write_kv)  # the step's new keys and values into the cache (attention/layer.py)
 
     def check_layer(self, layer: KeepwarmAttention) -> None:
         """Every layer the fuser attaches runs here: windows, softcapping, sinks, MLA widths."""

@@ -11,7 +11,8 @@
 // Optional tanh softcapping and per-head sink logits (an extra softmax term with no value) follow
 // transformers' eager attention for Gemma 2 and gpt-oss.
 //
-// Registered as torch.ops.keepwarm_cpu.paged_decode_attention (attention/native.py builds and loads it).
+// Registered as torch.ops.keepwarm_cpu.paged_decode_attention, with write_kv, which puts a step's new
+// keys and values in their slots (attention/native.py builds and loads it).
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -23,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -346,14 +348,47 @@ void paged_decode_attention(
   });
 }
 
+// Writes a step's new keys or values into their cache slots: row t of `rows` ([T, Hkv, D], each
+// token's heads adjacent, the last dim contiguous) to slot slots[t] of `cache` ([slots, Hkv, D],
+// contiguous). index_copy_ does the same element by element (28-90 us for 64 tokens of 6 x 64
+// bfloat16 on a Xeon VM); this is a copy per token, or per head where the heads are not adjacent.
+void write_kv(at::Tensor cache, const at::Tensor& slots, const at::Tensor& rows) {
+  TORCH_CHECK(cache.dim() == 3 && rows.dim() == 3, "cache is [slots, Hkv, D], rows [T, Hkv, D]");
+  TORCH_CHECK(cache.is_contiguous(), "cache must be contiguous");
+  TORCH_CHECK(cache.size(1) == rows.size(1) && cache.size(2) == rows.size(2), "cache and rows: Hkv, D differ");
+  TORCH_CHECK(cache.scalar_type() == rows.scalar_type(), "cache and rows share one dtype");
+  TORCH_CHECK(rows.stride(2) == 1, "rows: the last dim must be contiguous");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous()
+                  && slots.numel() == rows.size(0),
+              "slots: int64, one per row");
+  const int64_t T = rows.size(0), H = rows.size(1), D = rows.size(2), n = cache.size(0);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < n, "slot ", slot[t], " out of range");
+  const int64_t item = rows.element_size(), row_stride = rows.stride(0), head_stride = rows.stride(1);
+  const char* src = static_cast<const char*>(rows.data_ptr());
+  char* dst = static_cast<char*>(cache.data_ptr());
+  const bool whole = head_stride == D || H == 1;  // a token's heads are one run of memory
+  for (int64_t t = 0; t < T; ++t) {
+    char* out = dst + slot[t] * H * D * item;
+    const char* in = src + t * row_stride * item;
+    if (whole) {
+      std::memcpy(out, in, H * D * item);
+    } else {
+      for (int64_t h = 0; h < H; ++h) std::memcpy(out + h * D * item, in + h * head_stride * item, D * item);
+    }
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(keepwarm_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
       "Tensor block_tables, Tensor starts, Tensor ends, float scale, float softcap, Tensor? sinks) -> ()");
+  m.def("write_kv(Tensor(a!) cache, Tensor slots, Tensor rows) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(keepwarm_cpu, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("write_kv", &write_kv);
 }
