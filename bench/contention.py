@@ -117,7 +117,7 @@ def worker(args: argparse.Namespace) -> int:
     from keepwarm_runtime.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(args.model_dir, dtype=args.dtype, max_num_seqs=max(1, args.prompts)))
-    engine.warm_up()
+    engine.run_warm_up_request()  # a step before the clock, on CPU too
     runs: dict[str, list[dict]] = {"alone": [], "hog": []}
     for round_ in range(args.rounds):
         for kind in ("alone", "hog") if round_ % 2 == 0 else ("hog", "alone"):

@@ -214,7 +214,7 @@ def measure_model(params: str, args: argparse.Namespace, root: Path) -> dict:
     )
     started = time.perf_counter()
     engine = LLMEngine(config)
-    engine.warm_up()
+    engine.run_warm_up_request()  # a step before the clock, on CPU too
     load_s = time.perf_counter() - started
     device = torch.device(args.device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)

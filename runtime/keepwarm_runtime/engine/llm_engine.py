@@ -164,29 +164,30 @@ class LLMEngine:
         )
 
     def warm_up(self) -> None:
-        """Run one short greedy request and forget it.
+        """Pay the first step's one-time costs before the server says ready, not on a client's request.
 
-        The first forward pass pays one-time costs (OpenMP thread start, oneDNN kernel selection,
-        lazy imports in sampling and detokenizing); the server pays them before it says ready rather
-        than on a client's first request. On CPU the prompt is one token and the request one step
-        (its prefill samples its only token): those costs are per process, not per shape, the KV
-        probe has already run the model once, and every further pass reads all the weights again (a
-        1 GiB model: 0.15 s a pass on one AMX core, a third of a restored pod's start); a five-token
-        prefill of the 500M demo model cost 3-6x a decode step on 2 cores. A GPU loads its prefill
-        and decode kernels on first use, so there it is a few tokens and a decode step. Greedy, so
-        the sampler's random stream is untouched; the prompt is plain text (never a special or
-        multimodal placeholder token, which would need inputs of its own) and fills no block unless
-        blocks hold one token, so the prefix cache stays empty."""
+        On a GPU: one short greedy request (a few tokens and a decode step), forgotten after; its
+        prefill and decode kernels load on first use. On CPU the KV probe has already run the whole
+        model once in this process (OpenMP's threads, oneDNN's kernel selection), and every further
+        pass reads all the weights again: a one-token warm-up step cost 0.20-0.22 s of a 1 GiB
+        model's start on 2 cores, while what a first step adds beyond the probe (the attention
+        backend's paged path, sampling, detokenizing) cost the first request 0.01-0.08 s, so on CPU
+        there is no warm-up step. Greedy, so the sampler's random stream is untouched; the prompt is
+        plain text (never a special or multimodal placeholder token, which would need inputs of its
+        own) and fills no block unless blocks hold two tokens or fewer, so the prefix cache stays empty."""
+        if self.device.type != "cpu":
+            self.run_warm_up_request()
+        self.startup.mark("warmup")
+
+    def run_warm_up_request(self) -> None:
+        """The warm-up's request: a few plain-text tokens and a decode step, greedy, run to its end.
+        Its prompt and first token stay short of a block, so no block is filled and cached."""
         request_id = "keepwarm-warm-up"
         text_ids = self.tokenizer.encode("keep the weights warm", add_special_tokens=False) or [0]
-        on_cpu = self.device.type == "cpu"
-        length = 1 if on_cpu else self.config.block_size - 1
-        prompt = text_ids[: max(1, min(length, self.max_model_len - 2))]
-        params = SamplingParams(temperature=0.0, max_tokens=1 if on_cpu else 2, ignore_eos=True)
-        self.add_request(request_id, prompt, params)
+        prompt = text_ids[: max(1, min(self.config.block_size - 2, self.max_model_len - 2))]
+        self.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
         while request_id in self.requests:
             self.step()
-        self.startup.mark("warmup")
 
     def add_request(
         self,

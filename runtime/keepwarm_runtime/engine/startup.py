@@ -30,7 +30,8 @@ PHASES = (
     "tokenizer",  # the tokenizer and generation config
     "attention",  # keepwarm attention fused into the layers, backend chosen
     "kv_alloc",  # KV cache sized and allocated, block manager, scheduler, runner, sampler
-    "warmup",  # one short request through the whole step, so the first client does not pay first-use
+    "warmup",  # GPU: one short request through the whole step, so the first client does not pay
+    # first-use (CPU: none; the kv_alloc phase's probe ran the model: LLMEngine.warm_up)
     "ready",  # until the server marks itself ready (metrics, callbacks)
 )
 # The supervising parent's own phase when it was restored from a snapshot (snapshot/): the pod's start

@@ -140,10 +140,11 @@ def _seen(output) -> tuple:
 
 def test_warm_up_leaves_nothing_behind(model_dir) -> None:
     """A warmed engine holds no request, no KV block and no cached prefix, and answers as an unwarmed
-    one does (greedy: the sampler's random stream is untouched either way)."""
+    one does (greedy: the sampler's random stream is untouched either way). The GPU's warm-up request
+    runs here on CPU, where warm_up() itself runs none (the KV probe was its pass)."""
     cold = LLM(model_dir, block_size=4, num_kv_blocks=128)
     warm = LLM(model_dir, block_size=4, num_kv_blocks=128)
-    warm.engine.warm_up()
+    warm.engine.run_warm_up_request()
     assert not warm.engine.has_unfinished_requests() and warm.engine.stats().kv_cache_usage == 0
     assert warm.engine.block_manager.cached == {}
     batch = prompts(3)
