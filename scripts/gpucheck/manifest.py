@@ -52,6 +52,7 @@ CARRIED: list[Pin] = [
         "the FlashInfer attention backend (JIT-compiled there with nvcc)",
     ),
     Pin("apache-tvm-ffi", "0.1.15.post2", ("tvm_ffi",), "flashinfer.jit imports tvm_ffi at import time"),
+    Pin("blake3", "1.0.11", ("blake3",), "snapshot/store.py hashes snapshot images with it (snapshot steps)"),
     # The web stack of a `keepwarm serve` process (bench restart's serve cases start whole servers),
     # at this venv's versions. The image has its other needs: anyio, click, h11, annotated-doc, httpx.
     Pin("fastapi", "0.165.0", ("fastapi",), "server/app.py and server/base/errors.py build the app on it"),
