@@ -15,6 +15,6 @@ Layout (vLLM's serving shape: one folder per route group over a shared base):
   ``router.py``) holds its handlers and declares its ``ROUTES``, and its ``protocol.py`` its own
   request and response models (audio and sleep have none: multipart forms, with the transcript
   formats in ``audio/transcript_formats.py``, and plain JSON). ``base/protocol.py`` imports no group.
-- Process level, unchanged: ``cli.py``, ``settings.py``, ``launcher.py``, ``supervisor.py``,
+- Process level, unchanged: ``cli.py``, ``settings.py``, ``launcher.py``, ``supervisor.py``, ``listener.py``,
   ``worker_probe.py``, ``preload.py``.
 """

@@ -99,6 +99,11 @@ def resume(context: Context, control_fd: int, ready_fd: int) -> int:
 
     fresh.take_start(context)
     fresh.forget_per_pod_facts()
+    api = "bound here"
+    if context.listener is not None:  # the API socket the launcher bound at the pod's start
+        from keepwarm_runtime.server import listener
+
+        api = "the launcher's" if listener.receive(context.listener) else api
     reseeded = fresh.reseed()
     logging.getLogger().setLevel(context.log_level.upper())
     restore_s = max(0.0, time.time() - context.started_at)
@@ -109,11 +114,12 @@ def resume(context: Context, control_fd: int, ready_fd: int) -> int:
     os.close(ready_fd)
     os.close(control_fd)
     log.info(
-        "restored from snapshot %s: %.2fs from the pod's start (restore %.2fs); reseeded %s; random "
-        "state digests: %s",
+        "restored from snapshot %s: %.2fs from the pod's start (restore %.2fs); API socket: %s; "
+        "reseeded %s; random state digests: %s",
         context.key_digest,
         restore_s,
         time.time() - context.restore_started_at,
+        api,
         ", ".join(reseeded),
         " ".join(f"{name}={value}" for name, value in fresh.fingerprints().items()),
     )

@@ -27,6 +27,7 @@ from keepwarm_runtime.engine.auto_dtype import AUTO_DTYPE, auto_dtype
 from keepwarm_runtime.engine.config import EngineConfig
 from keepwarm_runtime.engine.parallel.launch import NodeShare, node_rendezvous
 from keepwarm_runtime.model_kind import ModelKind, detect_kind
+from keepwarm_runtime.server import listener
 from keepwarm_runtime.server.settings import ENGINE, ServeSettings
 
 if TYPE_CHECKING:
@@ -139,6 +140,7 @@ def start_from_snapshot(config: ServeSettings) -> int | None:
             device=preload_device(config.device),
             socket_dir=config.cache_socket_dir,
             restore_timeout=config.restore_timeout,
+            listener=listener.held(),
         )
     )
     if isinstance(result, Restored):
@@ -161,6 +163,8 @@ def serve(config: ServeSettings) -> int:
     from keepwarm_runtime.engine import threads as cpu_threads
     from keepwarm_runtime.snapshot import outcome
 
+    if config.supervise and node_share(config).serves:  # before a restore: server/listener.py
+        listener.bind_early(config.host, config.port)
     if (code := start_from_snapshot(config)) is not None:
         return code
     # Before anything imports torch: OpenMP reads its thread count and wait policy once, at load.
@@ -253,7 +257,7 @@ def supervise(server: ServerStart) -> int:
     share = node_share(config)
     health_port = config.supervisor_port if config.supervisor_port is not None else config.port + 1
     try:  # a node without rank 0 serves no API: only the parent's /health
-        listener = bind_listener(config.host, config.port) if share.serves else None
+        api = listener.take(config.port) or bind_listener(config.host, config.port) if share.serves else None
         health = bind_listener(config.host, health_port, backlog=16)
     except OSError as exc:
         print(
@@ -278,12 +282,12 @@ def supervise(server: ServerStart) -> int:
         started_at = time.time()  # the fork: this worker's start
         start = server if meet_at is None else server.for_rank(rank, meet_at, rank - share.first)
         if rank > 0:  # follows rank 0's steps; serves no HTTP
-            if listener is not None:
-                listener.close()
+            if api is not None:
+                api.close()
             return start.follow()
         prefetch = start.prefetch()  # the EngineConfig the parent built, inherited by the fork
         # A restarted worker loads before it accepts: requests wait in the backlog, never see a 503.
-        return start.run(started_at, prefetch, listener, load_first=sum(RESTARTS.by_cause.values()) > 0)
+        return start.run(started_at, prefetch, api, load_first=sum(RESTARTS.by_cause.values()) > 0)
 
     supervisor = Supervisor(
         SupervisorConfig(
@@ -295,7 +299,7 @@ def supervise(server: ServerStart) -> int:
         worker,
         health,
         close_in_worker=[health],
-        listener=listener,
+        listener=api,
         ranks=share.local,
         rendezvous=rendezvous if ranks > 1 else None,
         first_rank=share.first,
@@ -321,8 +325,8 @@ def supervise(server: ServerStart) -> int:
     try:
         return supervisor.run()
     finally:
-        if listener is not None:
-            listener.close()
+        if api is not None:
+            api.close()
         health.close()
         if directory is not None:
             shutil.rmtree(directory, ignore_errors=True)

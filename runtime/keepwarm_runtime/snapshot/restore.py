@@ -30,6 +30,7 @@ import logging
 import os
 import select
 import signal
+import socket
 import stat
 import sys
 import tempfile
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from keepwarm_runtime.process_start import process_start_time
+from keepwarm_runtime.server import listener
 from keepwarm_runtime.snapshot import client, criu, fresh
 from keepwarm_runtime.snapshot.key import snapshot_key, this_process_user
 from keepwarm_runtime.snapshot.outcome import BROKEN, Reason, Source, StartupSource
@@ -61,6 +63,7 @@ class LaunchSettings:
     device: str  # "cuda" or "cpu" (key.preload_device of --device)
     socket_dir: str | None  # the node cache's socket directory (the agent's snapshot service)
     restore_timeout: float  # seconds CRIU may take, and then the restored parent to resume
+    listener: socket.socket | None = None  # the API socket bound at start, handed to the restored parent
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,7 @@ def launch(settings: LaunchSettings) -> Restored | StartupSource:
         failed = found.reason.value if found.reason in BROKEN else None
         client.ask_for_snapshot(settings.socket_dir, key, config_json, dict(os.environ), failed)
         return StartupSource(Source.IMPORTS, found.reason, key_digest=key.digest())
-    result = restore(found, criu_path, started_at, settings.restore_timeout)
+    result = restore(found, criu_path, started_at, settings.restore_timeout, settings.listener)
     if isinstance(result, Miss):
         log.warning("snapshots: importing (%s): %s", result.reason, result.detail)
         if result.reason in BROKEN:  # the pages did not hash to their digests: have the agent check
@@ -110,12 +113,15 @@ def launch(settings: LaunchSettings) -> Restored | StartupSource:
     return Restored(result, StartupSource(Source.SNAPSHOT, Reason.HIT, now - started_at, key.digest()))
 
 
-def restore(found: Found, criu_path: str, started_at: float, timeout: float) -> int | Miss:
-    """Restore ``found`` and hand it its context: the restored parent's pid, or the Miss saying why
-    not (then every child of this process, whatever the restore left, is killed and reaped)."""
+def restore(
+    found: Found, criu_path: str, started_at: float, timeout: float, api: socket.socket | None = None
+) -> int | Miss:
+    """Restore ``found`` and hand it its context (and ``api``, the listening socket, when given): the
+    restored parent's pid, or the Miss saying why not (then every child of this process, whatever the
+    restore left, is killed and reaped)."""
     _become_subreaper()
     try:
-        result = _restore(found, criu_path, started_at, timeout)
+        result = _restore(found, criu_path, started_at, timeout, api)
     except BaseException:
         kill_children()
         raise
@@ -124,7 +130,9 @@ def restore(found: Found, criu_path: str, started_at: float, timeout: float) -> 
     return result
 
 
-def _restore(found: Found, criu_path: str, started_at: float, timeout: float) -> int | Miss:
+def _restore(
+    found: Found, criu_path: str, started_at: float, timeout: float, api: socket.socket | None
+) -> int | Miss:
     restore_started = time.time()
     fds = _Pipes.open()
     pipes = found.manifest.pipes
@@ -149,6 +157,7 @@ def _restore(found: Found, criu_path: str, started_at: float, timeout: float) ->
         if run.code != 0 or pid is None:
             why = "timed out" if run.timed_out else f"exited {run.code}"
             return Miss(Reason.RESTORE_FAILED, f"criu restore {why} after {run.seconds:.2f}s: {run.log_tail}")
+        offer = listener.Offer() if api is not None else None
         context = Context(
             argv=tuple(sys.argv),
             env=dict(os.environ),
@@ -159,12 +168,17 @@ def _restore(found: Found, criu_path: str, started_at: float, timeout: float) ->
             key_digest=found.path.name,
             log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
             rlimits=fresh.current_rlimits(),
+            listener=offer.address if offer is not None else None,
         )
         try:
             write_all(fds.control_w, context.encode())
         except OSError as exc:
+            if offer is not None:
+                offer.close()
             return Miss(Reason.RESUME_FAILED, f"the restored parent took no context: {exc}")
         fds.close_control()
+        if offer is not None and api is not None and offer.hand_over(api, pid, timeout, fds.ready_r):
+            listener.give_up()  # the restored parent holds it now; this init keeps no copy
         if not _resumed(fds.ready_r, timeout):
             return Miss(Reason.RESUME_FAILED, f"the restored parent did not resume within {timeout:g}s")
         fds.start_relays()

@@ -74,6 +74,7 @@ class Context:
     key_digest: str  # the snapshot restored (store directory name)
     log_level: str = "INFO"  # keepwarm's --log-level, for logging's set-up after the restore
     rlimits: dict[str, list[int]] = field(default_factory=dict)  # resource limit name -> [soft, hard]
+    listener: str | None = None  # where the launcher hands over the API socket (server/listener.py)
 
     def encode(self) -> bytes:
         data = json.dumps(asdict(self)).encode()
@@ -97,6 +98,7 @@ class Context:
                 tuple(argv), env, str(obj["cwd"]), int(obj["umask"]), float(obj["started_at"]),
                 float(obj["restore_started_at"]), str(obj["key_digest"]), str(obj.get("log_level", "INFO")),
                 {str(k): [int(v[0]), int(v[1])] for k, v in dict(obj.get("rlimits") or {}).items()},
+                None if obj.get("listener") is None else str(obj["listener"]),
             )  # fmt: skip
         except (KeyError, TypeError, ValueError) as exc:
             raise WireError(f"not a restore context: {exc}") from None

@@ -60,6 +60,7 @@ def test_a_restored_pod_serves_the_same_tokens_and_reports_its_start(
     imported = _complete(first_pods[0].server, request)
     assert restored == imported and restored
     assert "snapshots: restored " in pod.server.log_text()
+    assert "API socket: the launcher's" in pod.server.log_text()  # bound at the pod's start, handed over
     assert sum(e.usage.restores for e in Store(node.store).entries()) >= 1  # the node counted it
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 import pytest
 
@@ -27,6 +28,7 @@ CONTEXT = Context(
     key_digest="ab" * 16,
     log_level="DEBUG",
     rlimits={"RLIMIT_NOFILE": [1024, 4096]},
+    listener="keepwarm-listener-00ff",
 )
 
 
@@ -34,6 +36,8 @@ def test_ready_and_context_round_trip() -> None:
     ready = Ready(41, 3.5, (MappedFile("/usr/lib/libc.so.6", 10, 20),))
     assert Ready.decode(ready.encode()) == ready
     assert Context.decode(CONTEXT.encode()) == CONTEXT
+    without = replace(CONTEXT, listener=None)  # a launcher that bound no API socket
+    assert Context.decode(without.encode()) == without
 
 
 @pytest.mark.parametrize(
