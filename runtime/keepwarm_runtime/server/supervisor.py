@@ -2,8 +2,9 @@
 
 Python, not the weights, bounds a restart: importing torch, transformers and the server costs seconds
 while a warm node cache hands the weights over in a fraction of one. So the parent pays the imports
-once, opens the listening socket, and forks workers that inherit both; a worker attaches the weights,
-allocates its KV cache, warms up and serves on the inherited socket. The parent never runs a torch
+once, holds the listening socket (bound by `keepwarm serve` as it started: listener.py), and forks
+workers that inherit both; a worker attaches the weights, allocates its KV cache, warms up and serves
+on the inherited socket. The parent never runs a torch
 op, never touches CUDA and starts no thread before forking (a fork of a process whose OpenMP or CUDA
 state is live is unsafe): it is one thread with a select loop.
 
