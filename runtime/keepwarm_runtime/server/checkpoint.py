@@ -102,8 +102,11 @@ def resume(context: Context, control_fd: int, ready_fd: int) -> int:
     api = "bound here"
     if context.listener is not None:  # the API socket the launcher bound at the pod's start
         from keepwarm_runtime.server import listener
+        from keepwarm_runtime.snapshot import handover
 
-        api = "the launcher's" if listener.receive(context.listener) else api
+        if (sock := handover.receive(context.listener)) is not None:
+            listener.adopt(sock)
+            api = "the launcher's"
     reseeded = fresh.reseed()
     logging.getLogger().setLevel(context.log_level.upper())
     restore_s = max(0.0, time.time() - context.started_at)

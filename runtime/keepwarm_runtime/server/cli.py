@@ -144,6 +144,7 @@ def start_from_snapshot(config: ServeSettings) -> int | None:
         )
     )
     if isinstance(result, Restored):
+        listener.give_up()  # handed to the restored parent (or never bound): this init holds no copy
         outcome.record(result.outcome)
         ended = stay_init(result.pid)
         if not ended.unasked:

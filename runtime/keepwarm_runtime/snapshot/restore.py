@@ -40,8 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from keepwarm_runtime.process_start import process_start_time
-from keepwarm_runtime.server import listener
-from keepwarm_runtime.snapshot import client, criu, fresh
+from keepwarm_runtime.snapshot import client, criu, fresh, handover
 from keepwarm_runtime.snapshot.key import snapshot_key, this_process_user
 from keepwarm_runtime.snapshot.outcome import BROKEN, Reason, Source, StartupSource
 from keepwarm_runtime.snapshot.store import Found, Miss, lookup, verify_pages
@@ -157,7 +156,7 @@ def _restore(
         if run.code != 0 or pid is None:
             why = "timed out" if run.timed_out else f"exited {run.code}"
             return Miss(Reason.RESTORE_FAILED, f"criu restore {why} after {run.seconds:.2f}s: {run.log_tail}")
-        offer = listener.Offer() if api is not None else None
+        offer = handover.Offer() if api is not None else None
         context = Context(
             argv=tuple(sys.argv),
             env=dict(os.environ),
@@ -178,7 +177,7 @@ def _restore(
             return Miss(Reason.RESUME_FAILED, f"the restored parent took no context: {exc}")
         fds.close_control()
         if offer is not None and api is not None and offer.hand_over(api, pid, timeout, fds.ready_r):
-            listener.give_up()  # the restored parent holds it now; this init keeps no copy
+            api.close()  # the restored parent holds it now; this init keeps no copy
         if not _resumed(fds.ready_r, timeout):
             return Miss(Reason.RESUME_FAILED, f"the restored parent did not resume within {timeout:g}s")
         fds.start_relays()

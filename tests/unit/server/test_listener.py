@@ -1,11 +1,9 @@
-"""server/listener.py: the API socket bound at start is the one served on, in the same process or in
-a restored parent it is handed to; no other process gets it, and a wait for one ends when told."""
+"""server/listener.py: the API socket bound as `keepwarm serve` starts is the one served on; a port in
+use leaves the bind (and its error) to the supervising parent."""
 
 from __future__ import annotations
 
-import os
 import socket
-import threading
 from collections.abc import Iterator
 
 import pytest
@@ -49,47 +47,11 @@ def test_a_port_in_use_leaves_the_bind_to_the_supervisor(caplog) -> None:
     assert listener.held() is None and "the API port is bound later" in caplog.text
 
 
-def test_the_socket_handed_over_is_the_one_bound_and_queued_connections_survive() -> None:
-    bound = socket.socket()  # the launcher's early socket (launcher and parent: one process here)
-    bound.bind(("127.0.0.1", 0))
-    bound.listen()
-    port = bound.getsockname()[1]
-    client = socket.create_connection(("127.0.0.1", port))  # queued before the hand-over, as a probe
-    offer = listener.Offer()
-    went: list[bool] = []
-    sender = threading.Thread(target=lambda: went.append(offer.hand_over(bound, os.getpid(), 30)))
-    sender.start()
-    assert listener.receive(offer.address)
-    sender.join(30)
-    bound.close()  # the launcher keeps no copy once it went
-    received = listener.take(port)
-    assert went == [True] and received is not None and received.getsockname() == ("127.0.0.1", port)
-    conn, _ = received.accept()  # the connection made before the hand-over
-    client.sendall(b"ping")
-    assert conn.recv(4) == b"ping"
-    for s in (conn, client, received):
-        s.close()
-
-
-def test_no_other_process_gets_the_socket() -> None:
-    with socket.socket() as api:
-        api.bind(("127.0.0.1", 0))
-        api.listen()
-        offer = listener.Offer()
-        went: list[bool] = []
-        sender = threading.Thread(target=lambda: went.append(offer.hand_over(api, os.getpid() + 1, 1)))
-        sender.start()
-        assert not listener.receive(offer.address)  # this pid is not the one offered to
-        sender.join(30)
-    assert went == [False] and listener.held() is None
-
-
-def test_a_readable_stop_descriptor_ends_the_wait() -> None:
-    read_end, write_end = os.pipe()
-    os.write(write_end, b"x")  # the restored parent answered, or died, without asking
-    with socket.socket() as api:
-        api.bind(("127.0.0.1", 0))
-        api.listen()
-        assert listener.Offer().hand_over(api, os.getpid(), 600, stop_fd=read_end) is False
-    os.close(read_end)
-    os.close(write_end)
+def test_an_adopted_socket_replaces_the_one_held() -> None:
+    listener.bind_early("127.0.0.1", _port())
+    first = listener.held()
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        listener.adopt(other)
+        assert first.fileno() == -1 and listener.take(other.getsockname()[1]) is other
