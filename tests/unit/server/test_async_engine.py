@@ -16,7 +16,8 @@ from keepwarm_runtime.server.async_engine import AsyncEngine, EngineRequestError
 
 
 class ScriptedEngine:
-    """Emits one token per step per request; prompt [666] makes step() raise, [13] fails that request."""
+    """Emits one token per step per request; prompt [666] makes step() raise, [13] fails that request,
+    [7] never finishes (one token, again and again, until it is aborted)."""
 
     def __init__(self) -> None:
         self.requests: dict[str, dict] = {}
@@ -44,7 +45,7 @@ class ScriptedEngine:
             if state["prompt"] == [666]:
                 state["prompt"] = [0]
                 raise RuntimeError("boom")
-            state["done"] += 1
+            state["done"] = 1 if state["prompt"] == [7] else state["done"] + 1
             error = "sampling failed: overflow" if state["prompt"] == [13] else None
             finished = state["done"] >= state["max"] or error is not None
             if finished:
@@ -142,7 +143,9 @@ def test_cancelled_consumer_aborts_its_request(engine_pair):
 
     async def main():
         async def consume():
-            async for _ in async_engine.generate("slow", [1], params(10_000)):
+            # Endless: a request that could finish might do so before this loop sees it, on a box
+            # that leaves the event loop's thread off the CPU while the engine thread steps.
+            async for _ in async_engine.generate("slow", [7], params(2)):
                 pass
 
         task = asyncio.create_task(consume())
