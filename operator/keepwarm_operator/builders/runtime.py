@@ -388,7 +388,8 @@ def runtime_deployment(
         "httpGet": {"path": ready_long_poll(STARTUP_POLL_S), "port": "http"},
         "periodSeconds": 1,
         "timeoutSeconds": STARTUP_POLL_S + 1,  # the kubelet must not cut the long poll short
-        # At least startupTimeoutSeconds: an attempt refused before the port listens takes 1 s.
+        # At least startupTimeoutSeconds: every attempt takes at least 1 s (`keepwarm serve` binds the
+        # port as it starts, so an attempt waits in its queue up to timeoutSeconds before it fails).
         "failureThreshold": max(1, spec.startup_timeout_seconds),
     }
     container: dict[str, Any] = {
