@@ -176,8 +176,10 @@ def _restore(
                 offer.close()
             return Miss(Reason.RESUME_FAILED, f"the restored parent took no context: {exc}")
         fds.close_control()
-        if offer is not None and api is not None and offer.hand_over(api, pid, timeout, fds.ready_r):
-            api.close()  # the restored parent holds it now; this init keeps no copy
+        if offer is not None and api is not None:
+            offer.hand_over(api, pid, timeout, fds.ready_r)
+            # The restored parent holds it now, or binds its own, which this copy would keep in use.
+            api.close()
         if not _resumed(fds.ready_r, timeout):
             return Miss(Reason.RESUME_FAILED, f"the restored parent did not resume within {timeout:g}s")
         fds.start_relays()
