@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/step.py [--params 10M,100M] [--batches 1,16,64,256] [--dtype float32]
         [--device cpu] [--threads 1] [--steps 16] [--warmup 3] [--attention-backend auto]
-        [--dir DIR] [--no-cpu-fused-ops] [--json-out FILE]
+        [--dir DIR] [--no-cpu-fused-ops] [--output-kind cumulative] [--json-out FILE]
 
 For each generated Llama (--params, made once per run, or kept in --dir) one engine serves each batch
 size in turn: that many greedy requests (prompts of 16..47 tokens, EOS ignored) are admitted and
@@ -15,6 +15,10 @@ prefilled, then --warmup decode steps run untimed and two timed passes of --step
   synchronise the device before and after it; ``host_ms`` is the rest of the step (scheduling, inputs,
   sampling, detokenising, outputs), both as medians. On CUDA the synchronisation serialises what an
   overlapped loop would hide, so ``step_ms`` may be less than their sum (``overlap_ms``).
+* ``--output-kind``: the requests' RequestOutputKind: ``cumulative`` (an output at every step, as a
+  streaming request has) or ``final_only`` (an output when a request finishes, as a request that
+  does not stream has; no timed step finishes one, so a timed step builds no output and detokenises
+  nothing).
 * ``*_cpu_ms``: the same medians in this process's CPU time (all its threads). On a shared machine the
   wall times grow with the neighbours' load while CPU time mostly does not, so compare CPU times
   between runs at different loads, wall times within one run.
@@ -62,6 +66,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         dest="cpu_fused_ops",
         action="store_false",
         help="without keepwarm's fused CPU kernels (engine/cpu_fused.py): the figures before them",
+    )
+    p.add_argument(
+        "--output-kind",
+        default="cumulative",
+        choices=("cumulative", "final_only"),
+        help="the requests' RequestOutputKind (final_only: what the server asks for when not streaming)",
     )
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
@@ -123,11 +133,16 @@ def measure_batch(engine, batch: int, args: argparse.Namespace, sync) -> dict:
     """Admit ``batch`` requests, prefill them, then time decode steps as the module docstring says."""
     import torch
 
-    from keepwarm_runtime import SamplingParams
+    from keepwarm_runtime import RequestOutputKind, SamplingParams
 
     g = torch.Generator().manual_seed(batch)
     # Enough tokens that none finishes: the first admitted decode while later ones are still prefilled.
-    params = SamplingParams(temperature=0, max_tokens=engine.max_model_len - PROMPT_MAX, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=engine.max_model_len - PROMPT_MAX,
+        ignore_eos=True,
+        output_kind=RequestOutputKind(args.output_kind),
+    )
     ids = [f"step-{batch}-{i}" for i in range(batch)]
     for i, request_id in enumerate(ids):
         prompt = torch.randint(10, 8000, (PROMPT_MIN + i % (PROMPT_MAX - PROMPT_MIN),), generator=g).tolist()
@@ -247,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "steps": args.steps,
         "cpu_fused_ops": args.cpu_fused_ops,
+        "output_kind": args.output_kind,
         "machine": machine(),
     }
     with tempfile.TemporaryDirectory(prefix="keepwarm-step-") as tmp:

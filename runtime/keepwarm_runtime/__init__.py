@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "keepwarm_runtime.engine.llm",
     "SamplingParams": "keepwarm_runtime.engine.sampling_params",
+    "RequestOutputKind": "keepwarm_runtime.engine.sampling_params",
     "EngineConfig": "keepwarm_runtime.engine.config",
     "LLMEngine": "keepwarm_runtime.engine.llm_engine",
     "RequestOutput": "keepwarm_runtime.engine.outputs",

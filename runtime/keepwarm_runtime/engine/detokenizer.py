@@ -1,4 +1,8 @@
-"""Incremental detokenization and stop-string matching for one sequence."""
+"""Incremental detokenization and stop-string matching for one sequence.
+
+A sequence's text is the concatenation of what ``step`` returns for each of its tokens in turn, whether
+the steps run as the tokens are sampled or later, in one ``catch_up`` (a request that reads its text
+only when it finishes: RequestOutputKind.FINAL_ONLY): the same calls in the same order, the same text."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ class IncrementalDetokenizer:
 
     __slots__ = (
         "backend",
+        "fed",
         "ids",
         "prefix_offset",
         "read_offset",
@@ -27,11 +32,13 @@ class IncrementalDetokenizer:
 
             self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.ids: list[int] = []
+        self.fed = 0  # tokens stepped through so far
         self.prefix_offset = 0
         self.read_offset = 0
 
     def step(self, token_id: int) -> str:
         """Text added by `token_id` ("" while a multi-byte character is incomplete)."""
+        self.fed += 1
         if self.stream is not None:
             return self.stream.step(self.backend, token_id) or ""
         self.ids.append(token_id)
@@ -42,6 +49,12 @@ class IncrementalDetokenizer:
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             return full[len(prefix) :]
         return ""
+
+    def catch_up(self, output_ids: list[int]) -> str:
+        """The text added by the tokens of ``output_ids`` (a sequence's generated ids) not yet stepped
+        through, stepped through now, one by one: the text ``step`` would have returned for them."""
+        step = self.step
+        return "".join([step(tid) for tid in output_ids[self.fed :]])
 
 
 def find_stop(text: str, new_chars: int, stops: list[str]) -> tuple[int, str] | None:

@@ -14,6 +14,7 @@ llm.close()  # stops them (also done when the LLM is garbage collected, or at ex
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import weakref
@@ -29,7 +30,7 @@ from keepwarm_runtime.engine.llm_engine import LLMEngine
 from keepwarm_runtime.engine.outputs import RequestOutput
 from keepwarm_runtime.engine.parallel import group as parallel_group
 from keepwarm_runtime.engine.parallel import launch
-from keepwarm_runtime.engine.sampling_params import SamplingParams
+from keepwarm_runtime.engine.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | dict[str, Any]  # text, {"prompt": text} or {"prompt_token_ids": [...]}
 Messages = list[dict[str, Any]]
@@ -177,7 +178,9 @@ class LLM:
         self, text: str | None, tokens: list[int], params: SamplingParams, lora: str | None = None
     ) -> str:
         request_id = str(next(self._ids))
-        self.engine.add_request(request_id, tokens, params, prompt=text, lora_name=lora)
+        # Only its last output is read (wait_for_completion): none is built on the steps before.
+        final_only = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+        self.engine.add_request(request_id, tokens, final_only, prompt=text, lora_name=lora)
         self._pending.append(request_id)
         return request_id
 

@@ -9,6 +9,10 @@ are stored as each prefill chunk computes them (engine/prompt_logprobs.py); a re
 (``AudioFeatures``) has its audio encoded at the start of the next step, before it can be scheduled;
 an encoder fault fails that request alone, as ``internal_error`` words it.
 
+A request's ``output_kind`` (RequestOutputKind) says which outputs it gets: one at every step that
+samples it (CUMULATIVE), or one when it finishes or fails (FINAL_ONLY: no output is built on the steps
+before, and its text is detokenised once it finishes unless stop strings need it as it grows).
+
 With ``enable_lora`` a request may name a registered PEFT adapter (``add_lora``); requests for
 different adapters and the base share batches (engine/lora). Adapters come through the node cache
 when the engine has a cache socket, as its weights do.
@@ -21,6 +25,7 @@ each step with the others, which build the same engine and only follow.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -52,7 +57,7 @@ from keepwarm_runtime.engine.parallel.runner import ParallelRunner
 from keepwarm_runtime.engine.prefetch import WeightPrefetch
 from keepwarm_runtime.engine.prompt_logprobs import PromptChunk, store
 from keepwarm_runtime.engine.sampler import SampledToken, Sampler
-from keepwarm_runtime.engine.sampling_params import SamplingParams
+from keepwarm_runtime.engine.sampling_params import RequestOutputKind, SamplingParams
 from keepwarm_runtime.engine.scheduler import Scheduler
 from keepwarm_runtime.engine.sequence import Sequence, SequenceStatus
 from keepwarm_runtime.engine.startup import StartupProfile
@@ -68,6 +73,9 @@ class _Request:
     seqs: list[Sequence]
     detokenizers: list[IncrementalDetokenizer] = field(default_factory=list)
     audio: AudioFeatures | None = None  # until the step encodes it (engine/multimodal.py)
+    final_only: bool = False  # RequestOutputKind.FINAL_ONLY: an output only once finished or failed
+    text_each_step: bool = True  # detokenise as tokens come (outputs or stop strings read the text)
+    first_token_time: float | None = None  # time.perf_counter() when its first token was sampled
 
 
 class LLMEngine:
@@ -224,7 +232,9 @@ class LLMEngine:
         seqs = [self._new_sequence(request_id, i, ids, params, priority) for i in range(params.n)]
         for seq in seqs:
             seq.lora_name, seq.lora_id = lora_name, self.lora.ids[lora_name] if lora_name is not None else 0
-        request = _Request(request_id, prompt, ids, seqs, audio=audio)
+        final_only = params.output_kind is RequestOutputKind.FINAL_ONLY
+        request = _Request(request_id, prompt, ids, seqs, audio=audio, final_only=final_only)
+        request.text_each_step = not final_only or bool(params.stop)
         request.detokenizers = [
             IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) for _ in seqs
         ]
@@ -414,7 +424,9 @@ class LLMEngine:
         """Append each row's token (``sampled``, when given, carries its logprobs or its error) and
         build the outputs of the requests touched, in the order first touched. A request of one
         sequence has its output built at once; one of several once all its rows are in, since one
-        failing row fails them all. Runs for every sequence of every step: plain locals."""
+        failing row fails them all. A FINAL_ONLY request has one only once finished or failed, and
+        its text detokenised as each sequence finishes, unless it needed it at every step. Runs for
+        every sequence of every step: plain locals."""
         requests = self.requests
         outputs: list[RequestOutput] = []
         pending: dict[str, tuple[_Request, int]] = {}  # several sequences: outputs before its output
@@ -424,24 +436,40 @@ class LLMEngine:
             request = requests.get(rid)
             if request is None or seq.status is SequenceStatus.FINISHED or (failed and rid in failed):
                 continue
+            if request.first_token_time is None:
+                request.first_token_time = time.perf_counter()
             token = sampled[row] if sampled is not None else None
             error = token.error if token is not None else None
             if error is None:
                 try:
-                    self._append(seq, tokens[row], token, request.detokenizers[seq.index])
+                    self._append_token(request, seq, tokens[row], token)
                 except Exception as exc:
                     log.exception("post-processing request %s failed; failing it alone", rid)
                     error = f"{type(exc).__name__}: {exc}"
             if error is not None:
                 failed[rid] = error
             if len(request.seqs) == 1:
-                outputs.append(self._settle(request, error))
+                if error is not None or not request.final_only or seq.status is SequenceStatus.FINISHED:
+                    outputs.append(self._settle(request, error))
             elif rid not in pending:
                 pending[rid] = (request, len(outputs))
         # Last place first, so each insertion leaves the places before it as they were.
         for rid, (request, place) in reversed(pending.items()):
-            outputs.insert(place, self._settle(request, failed.get(rid)))
+            error = failed.get(rid)
+            if error is not None or not request.final_only or _all_finished(request.seqs):
+                outputs.insert(place, self._settle(request, error))
         return outputs
+
+    def _append_token(self, request: _Request, seq: Sequence, tid: int, token: SampledToken | None) -> None:
+        """``_append`` with the sequence's detokeniser when its text is read at every step; otherwise
+        its text is detokenised, by the same calls, once it finishes (RequestOutputKind.FINAL_ONLY)."""
+        detok = request.detokenizers[seq.index]
+        if request.text_each_step:
+            self._append(seq, tid, token, detok)
+            return
+        self._append(seq, tid, token, None)
+        if seq.status is SequenceStatus.FINISHED:
+            seq.text += detok.catch_up(seq.token_ids[len(seq.prompt_token_ids) :])
 
     def _settle(self, request: _Request, error: str | None) -> RequestOutput:
         """A sampled request's output; a failed one is aborted first, a finished one forgotten."""
@@ -453,10 +481,11 @@ class LLMEngine:
         return output
 
     def _append(
-        self, seq: Sequence, tid: int, token: SampledToken | None, detok: IncrementalDetokenizer
+        self, seq: Sequence, tid: int, token: SampledToken | None, detok: IncrementalDetokenizer | None
     ) -> None:
         """Add a sampled token (``token``: its logprobs, when asked) to its sequence and finish the
-        sequence if it should stop (runs for every sequence of every step: plain locals, no properties)."""
+        sequence if it should stop (runs for every sequence of every step: plain locals, no properties).
+        ``detok``: None when the text is detokenised later (never with stop strings, which read it)."""
         p, ids = seq.params, seq.token_ids
         ids.append(tid)
         if token is not None and token.logprobs is not None:
@@ -467,7 +496,7 @@ class LLMEngine:
         constraint = seq.constraint
         if constraint is not None:
             constraint.accept(tid)
-        new_text = detok.step(tid)
+        new_text = detok.step(tid) if detok is not None else ""
         if new_text:
             seq.text += new_text
         num_output = len(ids) - len(seq.prompt_token_ids)
@@ -496,7 +525,7 @@ class LLMEngine:
             finished = first.status is SequenceStatus.FINISHED
         else:
             completions = [_completion(seq) for seq in seqs]
-            finished = all(seq.status is SequenceStatus.FINISHED for seq in seqs)
+            finished = _all_finished(seqs)
         scored = first.prompt_logprobs
         return RequestOutput(
             request.request_id,
@@ -507,7 +536,12 @@ class LLMEngine:
             first.num_cached_tokens,
             list(scored) if scored is not None else None,
             error,
+            request.first_token_time,
         )
+
+
+def _all_finished(seqs: list[Sequence]) -> bool:
+    return all(seq.status is SequenceStatus.FINISHED for seq in seqs)
 
 
 def _completion(seq: Sequence) -> CompletionOutput:

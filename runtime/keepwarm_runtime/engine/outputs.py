@@ -37,6 +37,9 @@ class RequestOutput:
     # When asked: one entry per prompt token (the first None), each the token + top alternatives.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None  # set when this request alone failed (its sequences were aborted)
+    # time.perf_counter() when the request's first token was sampled (None before): a FINAL_ONLY
+    # request's one output still tells the server its time to first token
+    first_token_time: float | None = None
 
 
 def internal_error(exc: BaseException) -> str:

@@ -1,7 +1,9 @@
-"""SamplingParams (vLLM names) and the TokenConstraint hook used by structured outputs."""
+"""SamplingParams (vLLM names), the RequestOutputKind a request asks for, and the TokenConstraint hook
+used by structured outputs."""
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -13,6 +15,20 @@ MAX_TOP_K = 2**31 - 1  # top_k beyond the vocabulary keeps all tokens; past int3
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on one token's logit bias
 MAX_LOGPROBS = 20  # most top alternatives per token (logprobs, prompt_logprobs), as OpenAI and vLLM
+
+
+class RequestOutputKind(enum.Enum):
+    """Which outputs the engine hands back for a request (vLLM's names).
+
+    CUMULATIVE: an output at every step that samples it, with the whole text and token ids so far (a
+    stream reads its deltas from these). FINAL_ONLY: one output, when the request finishes (or fails):
+    no output is built on the steps before, and unless the request has stop strings, which are
+    matched against the text as it grows, its text is detokenised only then, by the same incremental
+    calls, so it is the text a CUMULATIVE request ends with, byte for byte. The server asks for it for
+    requests that do not stream, ``LLM.generate`` for all of its requests."""
+
+    CUMULATIVE = "cumulative"
+    FINAL_ONLY = "final_only"
 
 
 @runtime_checkable
@@ -53,6 +69,7 @@ class SamplingParams:
     skip_special_tokens: bool = True  # drop special tokens from the text
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     constraint_factory: Callable[[], TokenConstraint] | None = None  # one constraint per output sequence
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # which outputs the engine hands back
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

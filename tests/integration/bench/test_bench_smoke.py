@@ -167,10 +167,11 @@ def test_lora_benchmark_reports_load_times_and_ratios(tmp_path: Path) -> None:
 def test_step_benchmark_times_pure_decode_steps_at_each_batch(tmp_path: Path) -> None:
     out = tmp_path / "step.json"
     argv = [sys.executable, "bench/step.py", "--params", "2M", "--batches", "1,3", "--steps", "3"]
-    _run([*argv, "--warmup", "1", "--json-out", str(out)], tmp_path)
+    _run([*argv, "--warmup", "1", "--output-kind", "final_only", "--json-out", str(out)], tmp_path)
     result = json.loads(out.read_text())
 
     assert result["threads"] == 1 and "cpu_flags" in result["machine"] and result["steps"] == 3
+    assert result["output_kind"] == "final_only"
     [model] = result["models"]
     assert model["params"] == "2M" and model["attention_backend"] == "cpu"
     assert [row["batch"] for row in model["batches"]] == [1, 3]

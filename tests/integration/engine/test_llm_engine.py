@@ -13,6 +13,7 @@ from keepwarm_runtime import LLM, SamplingParams
 from keepwarm_runtime.engine.config import EngineConfig
 from keepwarm_runtime.engine.cpu_linear import PackedLinear, packed_weights_supported
 from keepwarm_runtime.engine.llm_engine import LLMEngine
+from keepwarm_runtime.engine.sampling_params import RequestOutputKind
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -127,6 +128,51 @@ def test_plain_greedy_batches_give_the_outputs_of_the_full_sampler(model_dir, ll
     finished = [c for step in fast for o in step for c in o[4] if c[5] is not None]
     assert {c[5] for c in finished} == {"stop", "length"}  # the stops were reached
     assert any(len(o[4]) == 2 for step in fast for o in step)
+
+
+def test_final_only_requests_get_one_output_the_last_a_cumulative_request_gets(model_dir, llm) -> None:
+    """RequestOutputKind.FINAL_ONLY: one output per request, when it finishes, equal to the last output of
+    the same request asked CUMULATIVE (text byte for byte, tokens, logprobs, reasons), through stop
+    strings (read at every step), include_stop_str_in_output, stop ids, n=2 and logprobs; a request
+    without stop strings has its text detokenised only once it finishes."""
+    batch = [p["prompt_token_ids"] for p in prompts(3, length=9, seed=5)]
+    free = llm.generate([{"prompt_token_ids": batch[0]}], GREEDY)[0].outputs[0]
+    stop = free.text[4:7]
+    requests = [
+        (batch[1], dict(temperature=0, max_tokens=10)),
+        (batch[2], dict(n=2, temperature=0.8, seed=3, max_tokens=7, ignore_eos=True, logprobs=2)),
+        (batch[0], dict(temperature=0, max_tokens=12, stop=[stop], ignore_eos=True)),
+        (batch[0], dict(temperature=0, max_tokens=12, stop=[stop], include_stop_str_in_output=True)),
+        (batch[0], dict(temperature=0, max_tokens=12, stop_token_ids=[free.token_ids[5]], ignore_eos=True)),
+    ]
+
+    def run(kind: RequestOutputKind) -> tuple[dict[str, list[tuple]], list[int]]:
+        engine = LLM(model_dir, block_size=4, num_kv_blocks=128).engine  # no prefix hits from the other run
+        for i, (ids, fields) in enumerate(requests):
+            engine.add_request(f"{kind.value}-{i}", ids, SamplingParams(**fields, output_kind=kind))
+        seen: dict[str, list[tuple]] = {}
+        stepped: list[int] = []  # tokens detokenised so far by unfinished requests without stop strings
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                seen.setdefault(output.request_id.split("-")[1], []).append(_seen(output)[1:])
+                assert output.first_token_time is not None
+            stepped += [
+                detok.fed
+                for r in engine.requests.values()
+                if not r.seqs[0].params.stop
+                for detok in r.detokenizers
+            ]
+        return seen, stepped
+
+    (cumulative, detokenised), (final, deferred) = (
+        run(RequestOutputKind.CUMULATIVE),
+        run(RequestOutputKind.FINAL_ONLY),
+    )
+    assert {i: outputs[-1] for i, outputs in cumulative.items()} == {i: o[-1] for i, o in final.items()}
+    assert all(len(outputs) == 1 and outputs[0][0] for outputs in final.values())
+    assert max(detokenised) > 0 and set(deferred) == {0}
+    texts = {i: outputs[-1][3][0][1] for i, outputs in cumulative.items()}
+    assert texts["2"] == free.text[: free.text.index(stop)] and texts["3"].endswith(stop)
 
 
 def _seen(output) -> tuple:

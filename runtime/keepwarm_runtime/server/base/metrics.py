@@ -219,12 +219,15 @@ class RequestTimer:
         self._generated = 0
         metrics.prompt_tokens.inc(prompt_tokens)
 
-    def tokens(self, total_generated: int) -> None:
+    def tokens(self, total_generated: int, first_token_time: float | None = None) -> None:
+        """``first_token_time``: when the engine sampled the request's first token (perf_counter), if it
+        says; a request that gets only its final output (RequestOutputKind.FINAL_ONLY) is first seen
+        here at its end, so its time to first token comes from that, not from now."""
         now = time.perf_counter()
         if total_generated > self._generated:
             if self._first is None:
-                self._first = now
-                self._metrics.ttft.observe(now - self._arrival)
+                self._first = now if first_token_time is None else min(first_token_time, now)
+                self._metrics.ttft.observe(self._first - self._arrival)
             self._metrics.generation_tokens.inc(total_generated - self._generated)
             if self.adapter is not None:
                 self._metrics.lora_generation_tokens.labels(self.adapter).inc(

@@ -13,7 +13,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -251,15 +251,22 @@ class ServingContext:
         priority: int = 0,
         audio: AudioFeatures | None = None,
         lora_name: str | None = None,
+        final_only: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """The engine's cumulative outputs, with metrics (per adapter too); engine rejections become
-        400/500 errors."""
+        400/500 errors. ``final_only``: the caller reads only the last output (a response that does
+        not stream), so the engine builds no other (RequestOutputKind.FINAL_ONLY) and the metrics take
+        the first token's time from it."""
         timer.adapter = lora_name
+        if final_only:
+            from keepwarm_runtime.engine.sampling_params import RequestOutputKind
+
+            params = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
         try:
             async for output in self.async_engine.generate(
                 request_id, prompt_ids, params, priority, audio, lora_name
             ):
-                timer.tokens(sum(len(o.token_ids) for o in output.outputs))
+                timer.tokens(sum(len(o.token_ids) for o in output.outputs), output.first_token_time)
                 yield output
         except EngineRequestError as exc:
             raise (

@@ -149,7 +149,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     request_id = random_id("chatcmpl")
     timer = RequestTimer(ctx.metrics, len(prompt_ids), arrival=arrival)
     lora = ctx.lora_name(req.model)
-    outputs = ctx.stream(request_id, prompt_ids, prepared.params, timer, req.priority, prepared.audio, lora)
+    outputs = ctx.stream(
+        request_id, prompt_ids, prepared.params, timer, req.priority, prepared.audio, lora, not req.stream
+    )
     if req.stream:
         first = await race_disconnect(anext(outputs), raw)
         body = _stream(req, plan, request_id, ctx.response_model(req.model), len(prompt_ids), first, outputs)
