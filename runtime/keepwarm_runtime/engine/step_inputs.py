@@ -11,6 +11,12 @@ table reaches the device in one non-blocking copy.
 
 Buffers are used in turn (``DEPTH`` sets), so the tables one step handed out stay intact while the
 next step is prepared; on CUDA a set is written again only after its copies have completed.
+
+Most steps decode the same sequences as the step before, one token each. Such a step pays for few
+array operations (each one costs several microseconds on a CPU whose caches the forward pass has just
+filled with weights, whatever its size): the packing of one token per sequence is known without
+counting, and the padded block table is kept from step to step (``_BlockTable``), its rows rewritten
+only for the sequences whose block count changed.
 """
 
 from __future__ import annotations
@@ -80,6 +86,7 @@ class _Buffers:
         self.pin = pin
         self.tokens = self.seqs = self.table_size = 0
         self.copied: torch.cuda.Event | None = None  # recorded after this set's copies to the device
+        self.one_each = 0  # B when query_start and query_lens hold a one-token-each step of B sequences
         # (tokens, seqs, blocks) -> the tensors a step of that shape hands on: made once per shape
         self.views: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}
         self.ensure(1, 1, 1)
@@ -91,6 +98,7 @@ class _Buffers:
         if tokens <= self.tokens and seqs <= self.seqs and table_size <= self.table_size:
             return
         self.views = {}
+        self.one_each = 0
         if tokens > self.tokens:
             self.tokens = max(tokens, 2 * self.tokens)
             self.input_ids, self.positions, self.slots = (
@@ -109,6 +117,34 @@ class _Buffers:
         self.np = {name: getattr(self, name).numpy() for name in TABLES}
 
 
+class _BlockTable:
+    """The padded block table of the last step, kept for the next: when that step schedules the same
+    sequences in the same order, only the rows whose block count changed are written again. A
+    scheduled sequence's ``block_ids`` only grow (BlockManager appends; freeing gives it a new, empty
+    list, and a freed sequence is out of the running batch), so an unchanged count is an unchanged row."""
+
+    def __init__(self) -> None:
+        self.seqs: list[Sequence] = []  # the last step's sequences, in its order
+        self.num_blocks = np.zeros(0, dtype=np.int64)  # [B] their block counts then
+        self.table = np.zeros((0, 0), dtype=np.int32)  # [B, columns >= any count], zero-padded
+
+    def update(self, seqs: list[Sequence], num_blocks: np.ndarray, width: int) -> np.ndarray:
+        """The [B, width] table for ``seqs`` (a view of this object's array: read it before the next call)."""
+        if seqs == self.seqs and width <= self.table.shape[1]:  # the same objects, in the same order
+            for b in np.flatnonzero(num_blocks != self.num_blocks).tolist():
+                ids, row = seqs[b].block_ids, self.table[b]
+                row[: len(ids)] = ids
+                row[len(ids) :] = 0
+        else:
+            self.table = np.zeros((len(seqs), 2 * width), dtype=np.int32)
+            self.table[np.arange(2 * width) < num_blocks[:, None]] = np.fromiter(
+                itertools.chain.from_iterable(s.block_ids for s in seqs), np.int32, int(num_blocks.sum())
+            )
+            self.seqs = list(seqs)
+        self.num_blocks = num_blocks
+        return self.table[:, :width]
+
+
 class StepInputs:
     """Builds each step's tables for one device and block size (ModelRunner.prepare)."""
 
@@ -118,47 +154,64 @@ class StepInputs:
         pin = device.type == "cuda"
         self._sets = [_Buffers(pin) for _ in range(DEPTH)]
         self._turn = 0
+        self._table = _BlockTable()
+        self._ones = np.ones(1, dtype=np.int64)  # one token each: the counts and the query starts
+        self._arange = np.arange(2, dtype=np.int64)
 
     def build(self, out: SchedulerOutput) -> StepTables:
         seqs, counts_list = out.seqs, out.num_scheduled_tokens
         batch, bs = len(seqs), self.block_size
-        # One pass over the sequences: [B, 5] of tokens computed, length, blocks, prompt length and
-        # whether it scores its prompt (flattened: fromiter is faster than an array of tuples).
+        # One pass over the sequences: [B, 7] of tokens computed, length, blocks, prompt length,
+        # whether it scores its prompt, and the first token of its chunk and that token's KV slot
+        # (flattened: fromiter is faster than an array of tuples).
         per_seq = np.fromiter(
             itertools.chain.from_iterable(
                 [
                     (
-                        s.num_computed_tokens,
+                        (start := s.num_computed_tokens),
                         len(s.token_ids),
                         len(s.block_ids),
                         len(s.prompt_token_ids),
                         s.prompt_logprobs is not None,
+                        s.token_ids[start],
+                        s.block_ids[start // bs] * bs + start % bs,
                     )
                     for s in seqs
                 ]
             ),
             np.int64,
-            5 * batch,
-        ).reshape(batch, 5)
-        starts, lengths, num_blocks, prompt_lens, scoring = per_seq.T
-        counts = np.array(counts_list, dtype=np.int64)
-        ends = starts + counts
-        tokens, width = int(counts.sum()), int(num_blocks.max())
+            7 * batch,
+        ).reshape(batch, 7)
+        starts, lengths, num_blocks, prompt_lens, scoring, first_ids, first_slots = per_seq.T
+        tokens = sum(counts_list)
+        one_each = tokens == batch  # decodes and one-token chunks: no packing to work out
+        if one_each:
+            counts = self._one_each(batch)
+            ends = starts + 1
+        else:
+            counts = np.array(counts_list, dtype=np.int64)
+            ends = starts + counts
+        width = int(num_blocks.max())
         buf = self._next(tokens, batch, batch * width)
 
         query_start = buf.np["query_start"][: batch + 1]
-        query_start[0] = 0
-        np.cumsum(counts, out=query_start[1:])
+        if not one_each:
+            query_start[0] = 0
+            np.cumsum(counts, out=query_start[1:])
+            buf.np["query_lens"][:batch] = counts
+            buf.one_each = 0
+        elif buf.one_each != batch:  # else they hold these values from this set's last step
+            query_start[:] = self._arange[: batch + 1]
+            buf.np["query_lens"][:batch] = counts
+            buf.one_each = batch
         table = buf.np["block_tables"][: batch * width].reshape(batch, width)
-        table.fill(0)
-        table[np.arange(width) < num_blocks[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(s.block_ids for s in seqs), np.int32, int(num_blocks.sum())
-        )
+        table[:] = self._table.update(seqs, num_blocks, width)
         input_ids, positions = buf.np["input_ids"][:tokens], buf.np["positions"][:tokens]
-        if tokens == batch:  # one token each (decodes, one-token chunks): no packing to work out
-            input_ids[:] = [s.token_ids[p] for s, p in zip(seqs, starts.tolist(), strict=True)]
+        slots = buf.np["slots"][:tokens]
+        if one_each:
+            input_ids[:] = first_ids
             positions[:] = starts
-            owner = np.arange(batch)
+            slots[:] = first_slots
         else:
             input_ids[:] = np.fromiter(
                 itertools.chain.from_iterable(
@@ -169,9 +222,7 @@ class StepInputs:
             )
             owner = np.repeat(np.arange(batch), counts)
             positions[:] = np.arange(tokens) + np.repeat(starts - query_start[:-1], counts)
-        slots = buf.np["slots"][:tokens]
-        slots[:] = table[owner, positions // bs].astype(np.int64) * bs + positions % bs
-        buf.np["query_lens"][:batch] = counts
+            slots[:] = table[owner, positions // bs].astype(np.int64) * bs + positions % bs
         buf.np["context_lens"][:batch] = ends
         buf.np["prompt_lens"][:batch] = prompt_lens
 
@@ -182,7 +233,7 @@ class StepInputs:
             query_lens=dev["query_lens"],
             context_lens=dev["context_lens"],
             block_tables=dev["block_tables"],
-            max_query_len=int(counts.max()),
+            max_query_len=1 if one_each else int(counts.max()),
             max_context_len=int(ends.max()),
             block_size=bs,
             prefill_only=bool((starts == 0).all()),
@@ -198,6 +249,13 @@ class StepInputs:
             meta,
             _rows(seqs, starts, ends, lengths, query_start, scoring),
         )
+
+    def _one_each(self, batch: int) -> np.ndarray:
+        """[batch] ones (kept, grown as needed, with ``_arange``: [batch + 1] of 0, 1, 2, ...)."""
+        if len(self._ones) < batch:
+            self._ones = np.ones(2 * batch, dtype=np.int64)
+            self._arange = np.arange(2 * batch + 1, dtype=np.int64)
+        return self._ones[:batch]
 
     def _next(self, tokens: int, batch: int, table_size: int) -> _Buffers:
         buf = self._sets[self._turn]

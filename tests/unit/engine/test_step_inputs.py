@@ -92,3 +92,44 @@ def test_buffers_grow_for_a_larger_step_and_keep_its_values() -> None:
     assert big.metadata.slot_mapping.tolist() == [i * BS + p for i in range(40) for p in range(3)]
     assert big.metadata.query_start.tolist() == list(range(0, 121, 3))
     assert small.input_ids.tolist() == [1, 2]  # the smaller step's tables were not overwritten
+
+
+def test_decode_steps_of_the_same_sequences_rewrite_only_the_rows_whose_blocks_changed() -> None:
+    """The block table kept from step to step (_BlockTable): a sequence that gains a block, a block
+    table wider than any kept so far, another order of the same sequences and a sequence that leaves
+    the batch all give the table worked out from the sequences themselves, and one-token-each steps
+    after a mixed one have their own query starts and lengths."""
+    inputs = StepInputs(BS, torch.device("cpu"))
+    a = seq([1, 2, 3], 3, [4], generated=[9])  # position 3: the last slot of block 4
+    b = seq([5, 6, 7, 8, 1, 2], 6, [0, 8], generated=[3])
+
+    def decode(*seqs: Sequence) -> list[list[int]]:
+        tables = inputs.build(step(*((s, 1) for s in seqs)))
+        expected = [
+            [*s.block_ids, *[0] * (tables.metadata.block_tables.shape[1] - len(s.block_ids))] for s in seqs
+        ]
+        assert tables.metadata.block_tables.tolist() == expected
+        assert tables.input_ids.tolist() == [s.token_ids[s.num_computed_tokens] for s in seqs]
+        assert tables.metadata.query_start.tolist() == list(range(len(seqs) + 1))
+        assert tables.metadata.query_lens.tolist() == [1] * len(seqs)
+        assert tables.metadata.slot_mapping.tolist() == [
+            s.block_ids[s.num_computed_tokens // BS] * BS + s.num_computed_tokens % BS for s in seqs
+        ]
+        for s in seqs:  # as the scheduler and the engine leave them
+            s.num_computed_tokens += 1
+            s.token_ids.append(7)
+        return tables.metadata.block_tables.tolist()
+
+    assert decode(a, b) == [[4, 0], [0, 8]]
+    a.block_ids.append(11)  # a's next token starts a block
+    assert decode(a, b) == [[4, 11], [0, 8]]
+    b.block_ids.append(12)  # and now b's
+    a.block_ids += [13, 14, 15]  # wider than the table kept
+    assert decode(a, b) == [[4, 11, 13, 14, 15], [0, 8, 12, 0, 0]]
+    assert decode(b, a) == [[0, 8, 12, 0, 0], [4, 11, 13, 14, 15]]
+    assert decode(b) == [[0, 8, 12]]
+    mixed = inputs.build(step((seq([1, 2, 3], 0, [6]), 3), (seq([4, 5], 0, [7]), 2)))  # both buffer sets
+    mixed = inputs.build(step((seq([1, 2, 3], 0, [6]), 3), (seq([4, 5], 0, [7]), 2)))
+    assert mixed.metadata.query_start.tolist() == [0, 3, 5] and mixed.metadata.query_lens.tolist() == [3, 2]
+    b.block_ids, b.num_computed_tokens = [2], 3  # freed, given a new list and recomputed
+    assert decode(a, b) == [[4, 11, 13, 14, 15], [2, 0, 0, 0, 0]]
