@@ -301,7 +301,9 @@ class InferenceDeploymentSpec(KubeModel):
     service_type: ServiceType = ServiceType.CLUSTER_IP
     """Type of the Service in front of the pods."""
     startup_timeout_seconds: int = Field(default=1800, ge=30)
-    """How long a pod may take to load before the kubelet restarts it."""
+    """How long a pod's serving process may take to load before it is restarted as hung (in the pod,
+    by the runtime's supervising parent; the container, by its liveness probe, once restarts keep
+    failing)."""
     pod: PodOverrides = Field(default_factory=PodOverrides, json_schema_extra={"default": {}})
     """Additions to the pods."""
     startup: StartupSettings = Field(default_factory=StartupSettings, json_schema_extra={"default": {}})

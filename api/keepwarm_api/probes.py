@@ -1,9 +1,11 @@
 """The runtime's probe endpoints, as the operator's probes name them and the server answers them.
 
 `/ready?wait=S` long-polls: it answers as soon as the engine is ready, or after S seconds (at most
-READY_WAIT_MAX_S) with 503. A startup probe that long-polls succeeds the moment the weights are in,
-whatever its period; the kubelet then runs the readiness probe at once, so the pod is Ready within
-one probe round trip of the runtime being ready instead of up to a period later.
+READY_WAIT_MAX_S) with 503. A readiness probe that long-polls for its whole period always has an
+attempt waiting while a pod loads, so the kubelet marks the pod Ready within a round trip of the
+runtime being ready, whatever the period. (A startup probe would not: the kubelet runs the readiness
+probe after a startup probe's success only at its next sync of the pod, which waits for its next relist
+of the containers, up to a second later: kubelet v1.37 pod_workers.go, `podCache.GetNewerThan`.)
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ MASTER_ADDR = flag_name("master_addr")  # --master-addr: the leader pod's addres
 HEADLESS = flag_name("headless")  # --headless: a worker pod of the group, serving no API
 SNAPSHOT_STORE = flag_name("snapshot_store")  # --snapshot-store: restore the parent from the node's store
 RESTORE_TIMEOUT = flag_name("restore_timeout")  # --restore-timeout: seconds before importing instead
+WORKER_LOAD_TIMEOUT = flag_name("worker_load_timeout")  # --worker-load-timeout: a load this long is a hang
 
 
 def lora_modules_file(adapters: Mapping[str, str]) -> str:

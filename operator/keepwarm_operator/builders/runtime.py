@@ -41,7 +41,7 @@ from keepwarm_api.paths import (
     SNAPSHOTS_MOUNT,
     snapshot_store_dir,
 )
-from keepwarm_api.probes import HEALTH_PATH, READY_PATH, ready_long_poll
+from keepwarm_api.probes import HEALTH_PATH, ready_long_poll
 from keepwarm_api.shutdown import PRESTOP_SLEEP_S, TERMINATION_GRACE_S
 from keepwarm_api.weightcache import CachedModel, WeightCacheSpec
 
@@ -53,10 +53,12 @@ DEPLOYMENT = ("apps/v1", "Deployment")
 WARM_AFFINITY_WEIGHT = 100
 LORA_LIST_VOLUME = "keepwarm-lora-list"  # never an adapter's: theirs are "lora-<name>"
 SHM_VOLUME = "keepwarm-shm"  # /dev/shm of a pod running tensor-parallel ranks
-# The startup probe long-polls /ready for this long per attempt (keepwarm_api.probes): it succeeds the
-# moment the weights are in, and the kubelet then probes readiness at once, so a pod is Ready within
-# a round trip of its runtime, not up to a period later.
-STARTUP_POLL_S = 10
+# The readiness probe long-polls /ready for this long per attempt (keepwarm_api.probes), once per
+# period: a loading pod always has an attempt waiting, which succeeds the moment the weights are in.
+READY_POLL_S = 5
+# The liveness probe asks the supervising parent's port, which it binds once its imports are done:
+# seconds of grace for those imports (a cold GPU image's take 16 s) before the first attempt.
+LIVENESS_DELAY_S = 60
 SNAPSHOTS_VOLUME = "keepwarm-snapshots"
 # What a restore needs in the runtime container: CRIU's file capabilities (the image's criu carries
 # cap_checkpoint_restore,cap_setpcap+ep) take effect only for capabilities in the bounding set.
@@ -218,6 +220,7 @@ def runtime_command(spec: InferenceDeploymentSpec, model_path: str, model_name: 
     command = ["keepwarm", "serve", model_path, "--host", "0.0.0.0", "--port", str(spec.port)]
     command += ["--supervisor-port", str(supervisor_port(spec))]
     command += ["--served-model-name", model_name]
+    command += [serveflags.WORKER_LOAD_TIMEOUT, str(spec.startup_timeout_seconds)]
     if dtype != "auto":
         command += ["--dtype", dtype]
     if spec.gpus_per_pod:
@@ -275,9 +278,7 @@ def leader_worker_set(deployment: dict[str, Any], spec: InferenceDeploymentSpec)
     worker_rank = [serveflags.NODE_RANK, f"$({lws.WORKER_INDEX_ENV})", serveflags.HEADLESS]
     container["command"] = [*container["command"], *group, *worker_rank]
     container["ports"] = [p for p in container["ports"] if p["name"] != "http"]  # no API on a worker
-    for probe in ("startupProbe", "readinessProbe"):
-        container.pop(probe)
-    container["readinessProbe"] = dict(container["livenessProbe"], periodSeconds=5)
+    container["readinessProbe"] = dict(container["livenessProbe"], periodSeconds=5, initialDelaySeconds=0)
     worker["metadata"]["annotations"] = {
         k: v for k, v in worker["metadata"]["annotations"].items() if not k.startswith("prometheus.io/")
     }
@@ -384,14 +385,6 @@ def runtime_deployment(
     resources = spec.resources.wire() if spec.resources else {}
     if spec.gpus:
         resources.setdefault("limits", {})[GPU_RESOURCE] = spec.gpus
-    startup_probe = {
-        "httpGet": {"path": ready_long_poll(STARTUP_POLL_S), "port": "http"},
-        "periodSeconds": 1,
-        "timeoutSeconds": STARTUP_POLL_S + 1,  # the kubelet must not cut the long poll short
-        # At least startupTimeoutSeconds: every attempt takes at least 1 s (`keepwarm serve` binds the
-        # port as it starts, so an attempt waits in its queue up to timeoutSeconds before it fails).
-        "failureThreshold": max(1, spec.startup_timeout_seconds),
-    }
     container: dict[str, Any] = {
         "name": "runtime",
         "image": spec.image,
@@ -404,16 +397,20 @@ def runtime_deployment(
         ],
         "volumeMounts": mounts,
         "resources": resources,
-        # Loading can take minutes from disk: the startup probe holds liveness off until /ready.
-        "startupProbe": startup_probe,
+        # No startup probe: its success reaches the readiness probe only at the kubelet's next pod
+        # sync, which waits for a relist of the containers (once a second), so every start paid up to
+        # a second of it (docs/pod-restart.md). Liveness asks the parent, which is alive while a
+        # worker loads; the parent restarts a worker that loads longer than startupTimeoutSeconds.
         "readinessProbe": {
-            "httpGet": {"path": READY_PATH, "port": "http"},
-            "periodSeconds": 5,
+            "httpGet": {"path": ready_long_poll(READY_POLL_S), "port": "http"},
+            "periodSeconds": READY_POLL_S,
+            "timeoutSeconds": READY_POLL_S + 1,  # the kubelet must not cut the long poll short
             "failureThreshold": 2,
         },
         # The supervising parent's /health: alive while it can still replace a dead or hung worker.
         "livenessProbe": {
             "httpGet": {"path": HEALTH_PATH, "port": "supervisor"},
+            "initialDelaySeconds": LIVENESS_DELAY_S,
             "periodSeconds": 10,
             "failureThreshold": 3,
         },

@@ -295,6 +295,7 @@ def supervise(server: ServerStart) -> int:
             host=config.host,
             port=config.port,
             health_timeout=config.worker_health_timeout,
+            load_timeout=config.worker_load_timeout,
             max_failed_restarts=config.max_failed_restarts,
         ),
         worker,

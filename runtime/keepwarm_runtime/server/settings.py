@@ -363,6 +363,11 @@ class ServeSettings:
     worker_health_timeout: float = setting(
         10.0, "seconds the worker's /health may go unanswered before the parent restarts it"
     )
+    worker_load_timeout: float = setting(
+        600.0,
+        "seconds a worker may take from its fork to serving (loading its model) before the parent "
+        "restarts it as hung (the operator: spec.startupTimeoutSeconds)",
+    )
     max_failed_restarts: int = setting(
         5, "failed worker restarts in a row after which the parent's /health answers 503"
     )

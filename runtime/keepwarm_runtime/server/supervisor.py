@@ -12,8 +12,10 @@ The parent restarts the worker when it dies (cause ``crash``), when its /health 
 ``health_timeout`` seconds (``hang``: the worker is killed first) or answers 503 (``unhealthy``: the
 engine failed); /health is asked by a non-blocking probe (server/worker_probe.py), so the loop never
 waits on a worker. A worker says over a pipe when it starts accepting (``notify_serving``): silence
-counts from then. While a worker is replaced the listening socket stays open in the parent, so new
-connections wait in its backlog instead of being refused; requests in flight in the dead worker end
+counts from then; one that has not served ``load_timeout`` seconds after its fork (a load stuck on a
+read that never returns) is a hang too, which is how a pod's startupTimeoutSeconds is kept. While a
+worker is replaced the listening socket stays open in the parent, so new connections wait in its
+backlog instead of being refused; requests in flight in the dead worker end
 with an error. The first restart in a row is immediate, later ones back off exponentially; a worker
 that stays ready for ``STABLE_S`` ends the row. The parent's own /health (a port of its own) answers
 200 while it can still recover and 503 once ``max_failed_restarts`` restarts in a row failed, so
@@ -61,9 +63,6 @@ logger = logging.getLogger(__name__)
 
 RESTART_CAUSES = ("crash", "hang", "unhealthy")  # label values of keepwarm_worker_restarts_total
 STABLE_S = 10.0  # a worker ready this long ends a row of failed restarts
-# A restarted worker accepts nothing until it has loaded (server/app.py load_before_serving): until it
-# says it serves (notify_serving, or a first /health answer), silence counts as a hang only after this.
-LOAD_TIMEOUT_S = 600.0
 _PR_SET_PDEATHSIG = 1
 _HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD)  # the parent's handlers
 
@@ -73,6 +72,9 @@ class SupervisorConfig:
     host: str  # where the worker's /health is reached (the listening socket's address)
     port: int
     health_timeout: float  # seconds without a /health answer before the worker counts as hung
+    # A worker accepts nothing until it has loaded (server/app.py load_before_serving): until it says it
+    # serves (notify_serving, or a first /health answer), silence counts as a hang only after this.
+    load_timeout: float
     max_failed_restarts: int  # restarts in a row after which the parent's /health answers 503
     health_interval: float = 1.0  # seconds between /health polls of the worker
     backoff_base_s: float = 0.5  # the second restart in a row waits this long, each later one twice that
@@ -334,12 +336,13 @@ class Supervisor:
         """Start a /health probe when one is due (none in flight); restart a worker silent too long."""
         now = time.monotonic()
         silent = now - self._last_answer
-        allowed = (
-            self.config.health_timeout if self._answered else max(LOAD_TIMEOUT_S, self.config.health_timeout)
-        )
-        if silent > allowed:
+        if self._answered and silent > self.config.health_timeout:
             self._kill_worker()
             self._schedule_restart("hang", f"the worker's /health went unanswered for {silent:.1f}s")
+            return
+        if not self._answered and silent > max(self.config.load_timeout, self.config.health_timeout):
+            self._kill_worker()
+            self._schedule_restart("hang", f"the worker did not serve within {silent:.1f}s of its fork")
             return
         if self._probe is None and now >= self._next_poll:
             self._next_poll = now + self.config.health_interval

@@ -157,6 +157,34 @@ def test_a_hung_worker_is_killed_and_replaced(supervised):
     assert "/health went unanswered" in supervised.log_text()
 
 
+def test_a_worker_whose_load_never_ends_is_restarted_after_the_load_timeout(tiny_llama, tmp_path):
+    """A worker that never gets to serve (here: stuck from its fork, by a hook the server's interpreter
+    loads at start, as a load stuck on a hung network mount would be) is a hang once
+    --worker-load-timeout has passed: the parent kills it, counts it, and fails its /health when
+    restarts keep failing, so the liveness probe acts."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(
+        "import os, time\nos.register_at_fork(after_in_child=lambda: time.sleep(3600))\n"
+    )
+    proc = start_server(
+        tiny_llama, tmp_path / "serve.log",
+        args=[*ARGS, "--worker-load-timeout", "3", "--worker-health-timeout", "1",
+              "--max-failed-restarts", "1"],
+        env={"PYTHONPATH": os.pathsep.join(filter(None, [str(hooks), os.environ.get("PYTHONPATH")]))},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        status, body = 0, {}
+        while time.monotonic() < deadline and status != 503 and proc.proc.poll() is None:
+            time.sleep(0.2)
+            status, body = proc.parent_health()
+        assert status == 503 and body["restarts"]["hang"] >= 1, proc.log_tail()
+        assert re.search(r"the worker did not serve within [\d.]+s of its fork", proc.log_text())
+    finally:
+        proc.stop()
+
+
 def test_a_crash_loop_backs_off_and_fails_the_parents_health(tiny_llama, tmp_path):
     proc = _start(tiny_llama, tmp_path / "serve.log", "--max-failed-restarts", "3")
     try:

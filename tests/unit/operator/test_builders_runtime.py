@@ -51,12 +51,8 @@ def test_cached_model_pods_attach_to_the_cache():
     assert c["command"][c["command"].index("--dtype") + 1] == "float16"  # auto follows the cache
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert c["command"][c["command"].index("--device") + 1] == "cuda"
-    assert c["startupProbe"]["httpGet"]["path"].startswith("/ready?")
-    assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 1800
-    assert (
-        c["readinessProbe"]["httpGet"]["path"] == "/ready"
-        and c["livenessProbe"]["httpGet"]["path"] == "/health"
-    )
+    assert c["readinessProbe"]["httpGet"]["path"].startswith("/ready?")
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
     # Liveness asks the supervising parent, on the port the command gives it.
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert c["livenessProbe"]["httpGet"]["port"] == "supervisor"
@@ -112,23 +108,34 @@ def test_warm_label_keys_are_valid_label_keys():
     assert warm_label_key("c" * 40, "m" * 63) == long and long != warm_label_key("c" * 40, "n" * 63)
 
 
-def test_startup_probe_long_polls_so_ready_follows_the_runtime_at_once():
-    """The startup probe waits on /ready?wait=N (the kubelet's timeout longer than N, so it is not cut
-    short) and retries every second: the pod is Ready when the runtime is, not up to a period later."""
+def test_readiness_long_polls_for_its_whole_period_and_no_startup_probe_delays_it():
+    """Readiness waits on /ready?wait=N, N its period (the kubelet's timeout longer than N, so it is not
+    cut short): a loading pod always has an attempt waiting, so it is Ready when the runtime is. No
+    startup probe: the kubelet would start readiness only at its next relist after one succeeds."""
     from urllib.parse import parse_qs, urlsplit
 
     from keepwarm_api.probes import READY_WAIT_MAX_S, READY_WAIT_PARAM
 
     dep = runtime_deployment("chat", "ns", idep(), BINDING, OWNER)
     (c,) = dep["spec"]["template"]["spec"]["containers"]
-    startup = c["startupProbe"]
-    url = urlsplit(startup["httpGet"]["path"])
+    ready = c["readinessProbe"]
+    url = urlsplit(ready["httpGet"]["path"])
     wait = int(parse_qs(url.query)[READY_WAIT_PARAM][0])
-    assert url.path == c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert url.path == "/ready" and ready["httpGet"]["port"] == "http"
     assert 1 <= wait <= READY_WAIT_MAX_S
-    assert startup["timeoutSeconds"] > wait and startup["periodSeconds"] == 1
-    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert ready["periodSeconds"] <= wait < ready["timeoutSeconds"]
+    assert "startupProbe" not in c
+    # Liveness asks the parent, which binds its port once its imports are done: not before then.
+    liveness = c["livenessProbe"]
+    assert liveness["httpGet"]["path"] == "/health" and liveness["initialDelaySeconds"] >= 30
 
+
+def test_startup_timeout_reaches_the_supervising_parent_as_the_worker_load_timeout():
+    """With no startup probe, the runtime's parent keeps startupTimeoutSeconds: a worker loading longer
+    is restarted as hung (server/supervisor.py). The runtime's own parser reads the rendered command."""
+    dep = runtime_deployment("chat", "ns", idep(startupTimeoutSeconds=900), BINDING, OWNER)
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert serve_settings(c["command"]).worker_load_timeout == 900.0
 
 def test_rolling_update_keeps_every_replica_serving():
     dep = runtime_deployment("chat", "ns", idep(replicas=1), BINDING, OWNER)
@@ -473,8 +480,8 @@ def test_a_group_over_pods_is_a_leader_worker_set_whose_leaders_alone_serve():
         assert settings.headless == (rank == 1)
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 2  # its share of the ranks, one GPU each
     assert {p["name"] for p in worker["ports"]} == {"supervisor"}  # no API on a worker
-    assert worker["readinessProbe"]["httpGet"]["port"] == "supervisor" and "startupProbe" not in worker
-    assert leader["readinessProbe"]["httpGet"]["port"] == "http" and "startupProbe" in leader
+    assert worker["readinessProbe"]["httpGet"]["port"] == "supervisor"
+    assert leader["readinessProbe"]["httpGet"]["port"] == "http"
     service = runtime_service("chat", "ns", spec, OWNER)
     assert service["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
     one = idep(parallelism={"tensor": 4})
