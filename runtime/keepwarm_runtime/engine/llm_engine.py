@@ -442,7 +442,10 @@ class LLMEngine:
             error = token.error if token is not None else None
             if error is None:
                 try:
-                    self._append_token(request, seq, tokens[row], token)
+                    if request.text_each_step:
+                        self._append(seq, tokens[row], token, request.detokenizers[seq.index])
+                    else:
+                        self._append_text_later(request, seq, tokens[row], token)
                 except Exception as exc:
                     log.exception("post-processing request %s failed; failing it alone", rid)
                     error = f"{type(exc).__name__}: {exc}"
@@ -460,16 +463,14 @@ class LLMEngine:
                 outputs.insert(place, self._settle(request, error))
         return outputs
 
-    def _append_token(self, request: _Request, seq: Sequence, tid: int, token: SampledToken | None) -> None:
-        """``_append`` with the sequence's detokeniser when its text is read at every step; otherwise
-        its text is detokenised, by the same calls, once it finishes (RequestOutputKind.FINAL_ONLY)."""
-        detok = request.detokenizers[seq.index]
-        if request.text_each_step:
-            self._append(seq, tid, token, detok)
-            return
+    def _append_text_later(
+        self, request: _Request, seq: Sequence, tid: int, token: SampledToken | None
+    ) -> None:
+        """``_append`` for a sequence whose text nothing reads before it finishes (FINAL_ONLY, no stop
+        strings): its text is detokenised once it finishes, by the same calls as at every step."""
         self._append(seq, tid, token, None)
         if seq.status is SequenceStatus.FINISHED:
-            seq.text += detok.catch_up(seq.token_ids[len(seq.prompt_token_ids) :])
+            seq.text += request.detokenizers[seq.index].catch_up(seq.token_ids[len(seq.prompt_token_ids) :])
 
     def _settle(self, request: _Request, error: str | None) -> RequestOutput:
         """A sampled request's output; a failed one is aborted first, a finished one forgotten."""
