@@ -55,7 +55,9 @@ LORA_LIST_VOLUME = "keepwarm-lora-list"  # never an adapter's: theirs are "lora-
 SHM_VOLUME = "keepwarm-shm"  # /dev/shm of a pod running tensor-parallel ranks
 # The readiness probe long-polls /ready for this long per attempt (keepwarm_api.probes), once per
 # period: a loading pod always has an attempt waiting, which succeeds the moment the weights are in.
-READY_POLL_S = 5
+# A second: a container that restarts in its pod (a crash) gets its first attempt within a second of
+# its start, before a restored runtime is ready; and a hung one is out of its Service in ~6 s.
+READY_POLL_S = 1
 # The liveness probe asks the supervising parent's port, which it binds once its imports are done:
 # seconds of grace for those imports (a cold GPU image's take 16 s) before the first attempt.
 LIVENESS_DELAY_S = 60
@@ -405,7 +407,7 @@ def runtime_deployment(
             "httpGet": {"path": ready_long_poll(READY_POLL_S), "port": "http"},
             "periodSeconds": READY_POLL_S,
             "timeoutSeconds": READY_POLL_S + 1,  # the kubelet must not cut the long poll short
-            "failureThreshold": 2,
+            "failureThreshold": 3,
         },
         # The supervising parent's /health: alive while it can still replace a dead or hung worker.
         "livenessProbe": {
