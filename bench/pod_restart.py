@@ -13,7 +13,8 @@ first pod's snapshot is taken: docs/snapshots.md), `cold` names the same directo
 the page cache (posix_fadvise DONTNEED on each file: a node whose disk cache does not hold the
 weights, while the image's own files stay cached as on a node that ran the image before).
 Per case the clock starts at the action and stops at the new pod's Ready (polled every 50 ms) and at
-its first token (the official `openai` client, polling after Ready). One JSON object:
+its first token (the official `openai` client, polling after Ready; it has served a request before the
+clock starts, so the figure holds no first-use cost of the client library). One JSON object:
   runs[]: size_params, size_gib, case (delete | crash | scale_from_zero), mode (warm | snapshot |
           cold), node
           (where the new pod landed), pod_ready_s, first_token_s, container_start_s (the action to
@@ -25,7 +26,11 @@ its first token (the official `openai` client, polling after Ready). One JSON ob
           ready_lag_s (pod Ready minus the worker's ready instant: what probes and the kubelet add),
           phases (keepwarm_startup_phase_seconds), startup_source (keepwarm_startup_source_total's
           source and reason: snapshot/hit, or imports/why), restore_s (the pod's start until the
-          restored parent resumed: the phase `restore`; null when it imported).
+          restored parent resumed: the phase `restore`; null when it imported),
+          first_request_server_s (the first token's request from its arrival in the server to its
+          end: keepwarm_e2e_request_latency_seconds; the rest of first_token_s - pod_ready_s is the
+          client, the network and the poll), restore_parts (from the launcher's log: launcher_s, its
+          own start and key; criu_s; page_digests_s, beside CRIU's; empty when it imported).
           Instants are on the boot clock, to 10 ms.
 A benchmark, not a test: nothing here asserts speed.
 """
@@ -35,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -118,13 +124,31 @@ def size_gib(model_dir: Path) -> float:
     return round(sum(p.stat().st_size for p in model_dir.glob("*.safetensors")) / 2**30, 3)
 
 
-def runtime_metrics(pod: dict[str, Any]) -> tuple[float, dict[str, float], str]:
-    """The serving worker's fork-to-ready, its startup phases, and how its parent came up."""
+def runtime_metrics(pod: dict[str, Any]) -> tuple[float, dict[str, float], str, float]:
+    """The serving worker's fork-to-ready, its startup phases, how its parent came up, and the time
+    its requests so far (the first token's) spent in it."""
     text = httpx.get(f"http://{pod['status']['podIP']}:8000/metrics", timeout=30).text
     ready_s = samples(text, "keepwarm_process_start_to_ready_seconds")[0].value
     phases = {s.labels["phase"]: round(s.value, 3) for s in samples(text, "keepwarm_startup_phase_seconds")}
     sources = [s.labels for s in samples(text, "keepwarm_startup_source_total") if s.value > 0]
-    return ready_s, phases, ",".join(f"{s['source']}/{s['reason']}" for s in sources)
+    in_server = samples(text, "keepwarm_e2e_request_latency_seconds_sum")[0].value
+    return ready_s, phases, ",".join(f"{s['source']}/{s['reason']}" for s in sources), in_server
+
+
+RESTORED = re.compile(r"snapshots: restored \S+ as pid \d+, [\d.]+s after this process started \(([\d.]+)s")
+CRIU = re.compile(r"snapshots: criu restore ([\d.]+)s, page digests ([\d.]+)s beside it")
+
+
+def restore_parts(cp: ControlPlane, pod: dict[str, Any]) -> dict[str, float]:
+    """What the pod's launcher logged of its restore: its own start and key (``launcher_s``), CRIU's
+    restore and the page digests beside it; empty when it imported."""
+    log = cp.kubectl("logs", "-n", APPS, pod["metadata"]["name"]).stdout
+    parts = {}
+    if found := RESTORED.search(log):
+        parts["launcher_s"] = float(found[1])
+    if found := CRIU.search(log):
+        parts["criu_s"], parts["page_digests_s"] = float(found[1]), float(found[2])
+    return parts
 
 
 def measure(
@@ -134,6 +158,9 @@ def measure(
     (old,) = wait(lambda: [p for p in runtime_pods(cp, name) if ready(p)] or None)
     wait(lambda: len(runtime_pods(cp, name)) == 1)  # and the previous one gone, so cases never overlap
     restarts = old["status"]["containerStatuses"][0]["restartCount"]
+    # A client that has served before, as a user's has: this process's first request pays the
+    # openai package's lazy imports and first connection (0.3-0.4 s here), which no pod causes.
+    first_token(old, "tiny")
     if case == "scale_from_zero":
         cp.kubectl("scale", "-n", APPS, f"inferencedeployment/{name}", "--replicas=0")
         wait(lambda: not runtime_pods(cp, name))
@@ -161,7 +188,7 @@ def measure(
     pod_ready = clock()
     first_token(pod, "tiny")
     token = clock()
-    process_ready_s, phases, source = runtime_metrics(pod)
+    process_ready_s, phases, source, first_request_server_s = runtime_metrics(pod)
     pid1 = cp.nodes.container_pid(pod)
     # The worker reports keepwarm_process_start_to_ready_seconds from its own start (e2e.serving_chain)
     started, serving_started = process_start(pid1), process_start(serving_chain(pid1)[1])
@@ -173,6 +200,7 @@ def measure(
         "parent_imports_s": round(serving_started - started, 3),
         "process_ready_s": round(process_ready_s, 3), "ready_lag_s": round(pod_ready - runtime_ready, 3),
         "phases": phases, "startup_source": source, "restore_s": phases.get("restore"),
+        "first_request_server_s": round(first_request_server_s, 3), "restore_parts": restore_parts(cp, pod),
     }  # fmt: skip
 
 

@@ -43,3 +43,4 @@ def test_pod_restart_bench_runs_every_case_in_a_row(tmp_path: Path) -> None:
         for key in ("parent_imports_s", "process_ready_s", "ready_lag_s"):
             assert isinstance(run[key], float), (key, run)
         assert "weights" in run["phases"], run
+        assert 0 < run["first_request_server_s"] < run["first_token_s"] - run["pod_ready_s"], run
