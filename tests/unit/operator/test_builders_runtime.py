@@ -137,6 +137,7 @@ def test_startup_timeout_reaches_the_supervising_parent_as_the_worker_load_timeo
     (c,) = dep["spec"]["template"]["spec"]["containers"]
     assert serve_settings(c["command"]).worker_load_timeout == 900.0
 
+
 def test_rolling_update_keeps_every_replica_serving():
     dep = runtime_deployment("chat", "ns", idep(replicas=1), BINDING, OWNER)
     assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0}}

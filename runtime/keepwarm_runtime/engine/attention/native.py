@@ -5,9 +5,10 @@ fused RMSNorm, SiLU-and-mul and rotary kernels (csrc/fused_ops.cpp, attached by 
 The kernels are compiled for this machine's CPU (`-march=native`) with the compiler torch's extension
 builder finds, once, into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``); later processes load the cached library in milliseconds. The library
-name carries a hash of the sources, the torch and Python versions and the CPU's instruction-set flags,
-so a cache shared between machines or images never hands one CPU (or torch) another's build, and a
-process finding that build loads it directly, without importing the builder. `make venv` builds it
+name carries a hash of the sources (and csrc/vec16.h, which both include), the torch and Python
+versions and the CPU's instruction-set flags, so a cache shared between machines or images never hands
+one CPU (or torch) another's build, and a process finding that build loads it directly, without
+importing the builder. `make venv` builds it
 ahead (`python -m keepwarm_runtime.engine.attention.native`), so no server or test compiles it; the
 runtime image does not (it has no compiler, and a build is only good for the CPU it was made on), so
 CPU pods of that image run the torch backend.
@@ -41,7 +42,9 @@ from keepwarm_api.settings import add_arguments, resolve, setting
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "fused_ops.cpp"))
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = tuple(CSRC / name for name in ("paged_decode.cpp", "fused_ops.cpp"))
+HEADERS = (CSRC / "vec16.h",)  # included by the sources: part of the build's name, as they are
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 OP_NAMESPACE = "keepwarm_cpu"
 
@@ -57,7 +60,7 @@ def library_name() -> str:
     """Names a build by its sources, the torch and Python it links and this CPU's instruction sets (a
     build is only good for all of them)."""
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     digest.update(" ".join(CFLAGS).encode())
     digest.update(f"torch {torch.__version__} python {sys.version_info[:2]}".encode())

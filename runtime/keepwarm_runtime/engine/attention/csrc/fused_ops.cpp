@@ -8,10 +8,10 @@
 // torch uses Sleef): a result one unit in the last place apart, rarely. In float32 those two differ by a
 // unit in the last place of float32 (engine/cpu_fused.py attaches the kernels for 16-bit dtypes only).
 //
-// Vectorised with GCC's 16-float vector type, as paged_decode.cpp (one zmm register under AVX-512, two
-// ymm under AVX2, scalar code elsewhere); bfloat16 is widened with integer vector operations and rounded
-// (to nearest even) by AVX-512 BF16's conversion where the CPU has it, by integer operations elsewhere;
-// float16 goes through c10::Half. Rows are split over torch's intra-op threads when there are enough of
+// Vectorised with vec16.h's 16-float vector type, as paged_decode.cpp (one zmm register under AVX-512,
+// two ymm under AVX2, scalar code elsewhere); bfloat16 is widened with integer vector operations and
+// rounded (to nearest even) by AVX-512 BF16's conversion where the CPU has it, by integer operations
+// elsewhere; float16 goes through c10::Half. Rows are split over torch's intra-op threads when there are enough of
 // them to pay for it.
 //
 // Registered as torch.ops.keepwarm_cpu.{rms_norm, add_rms_norm, silu_and_mul, rotary_embedding}
@@ -33,13 +33,12 @@
 #include <initializer_list>
 #include <type_traits>
 
+#include "vec16.h"  // vfloat, vint, kLanes, hsum, exp16: shared with paged_decode.cpp
+
 namespace {
 
-typedef float vfloat __attribute__((vector_size(64)));
-typedef int32_t vint __attribute__((vector_size(64)));
 typedef uint32_t vuint __attribute__((vector_size(64)));
 typedef uint16_t vhalfword __attribute__((vector_size(32)));
-constexpr int64_t kLanes = 16;
 
 // Elements per parallel_for grain: below this a kernel stays on the calling thread.
 constexpr int64_t kGrainElements = 1 << 15;
@@ -110,34 +109,6 @@ template <typename T>
 inline float round_to(float v) {
   if constexpr (std::is_same_v<T, float>) asm("" : "+m"(v));
   return static_cast<float>(static_cast<T>(v));
-}
-
-inline float hsum(vfloat v) {
-  v += __builtin_shuffle(v, vint{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  v += __builtin_shuffle(v, vint{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-  v += __builtin_shuffle(v, vint{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-  v += __builtin_shuffle(v, vint{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-  return v[0];
-}
-
-// e^x on [-87.3, 88] (clamped outside it): 2^n * e^r with Cephes' expf polynomial (as paged_decode.cpp).
-inline vfloat exp16(vfloat x) {
-  const vfloat zero{}, one = zero + 1.f;
-  x = x < -87.3f ? zero - 87.3f : x;
-  x = x > 88.f ? zero + 88.f : x;
-  const vfloat y = x * 1.44269504088896341f + 0.5f;
-  vfloat n = __builtin_convertvector(__builtin_convertvector(y, vint), vfloat);
-  n -= n > y ? one : zero;
-  const vfloat r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  vfloat p = zero + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
-  return p * __builtin_bit_cast(vfloat, bits);
 }
 
 // One row of RMSNorm, as LlamaRMSNorm: y = w * T(x * rsqrt(mean(x^2) + eps)), the sum in float32.

@@ -29,6 +29,8 @@
 #include <utility>
 #include <vector>
 
+#include "vec16.h"
+
 namespace {
 
 template <typename T>
@@ -43,50 +45,9 @@ inline void widen(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
 }
 
-// 16 floats (one AVX-512 register; GCC splits it on narrower ISAs): the inner loops of the common head
-// dims (multiples of 16, up to 256) keep a query head or an output head in registers across a block.
-typedef float vfloat __attribute__((vector_size(64)));
-constexpr int64_t kLanes = 16, kMaxChunks = 16;
-
-inline vfloat load(const float* p) {
-  vfloat v;
-  __builtin_memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store(float* p, vfloat v) { __builtin_memcpy(p, &v, sizeof v); }
-
-typedef int32_t vint __attribute__((vector_size(64)));
-
-// A tree of four shuffle-and-adds (a loop over the lanes would be a chain of 15 dependent adds).
-inline float hsum(vfloat v) {
-  v += __builtin_shuffle(v, vint{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  v += __builtin_shuffle(v, vint{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-  v += __builtin_shuffle(v, vint{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-  v += __builtin_shuffle(v, vint{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-  return v[0];
-}
-
-// e^x for x <= 0 (softmax weights after the maximum is subtracted): 2^n * e^r with n = round(x / ln 2)
-// and Cephes' expf polynomial for e^r (relative error ~1e-7, as libm's expf); below -87.3 it returns
-// ~1e-38 rather than 0 (a weight no sum can notice).
-inline vfloat exp_nonpositive(vfloat x) {
-  const vfloat zero{}, one = zero + 1.f;
-  x = x < -87.3f ? zero - 87.3f : x;
-  const vfloat y = x * 1.44269504088896341f + 0.5f;
-  vfloat n = __builtin_convertvector(__builtin_convertvector(y, vint), vfloat);
-  n -= n > y ? one : zero;  // conversion truncates towards zero: floor for negative y
-  const vfloat r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  vfloat p = zero + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
-  return p * __builtin_bit_cast(vfloat, bits);
-}
+// The inner loops of the common head dims (multiples of 16, up to 256, in vec16.h's 16-float vectors)
+// keep a query head or an output head in registers across a block.
+constexpr int64_t kMaxChunks = 16;
 
 // Turns a head's raw scores into unnormalised softmax weights in place; returns their sum (with the
 // sink's term when there is one, which has no value to weigh).
@@ -108,7 +69,7 @@ inline float softmax_weights(float* s, int64_t n, float scale, float cap, const 
   int64_t i = 0;
   vfloat partial{};
   for (; i + kLanes <= n; i += kLanes) {
-    const vfloat w = exp_nonpositive(load(s + i) - top);
+    const vfloat w = exp16(load(s + i) - top);
     store(s + i, w);
     partial += w;
   }
