@@ -519,6 +519,8 @@ class LLMEngine:
         self.scheduler.finish(seq)
 
     def _output(self, request: _Request, error: str | None = None) -> RequestOutput:
+        if error is not None and not request.text_each_step:
+            _catch_up_text(request)  # a failed request's text is the text so far, whatever its kind
         seqs = request.seqs
         first = seqs[0]
         if len(seqs) == 1:  # most requests: no generator to run
@@ -539,6 +541,17 @@ class LLMEngine:
             error,
             request.first_token_time,
         )
+
+
+def _catch_up_text(request: _Request) -> None:
+    """Detokenise the tokens of a request whose text was left for later (FINAL_ONLY) that are not yet:
+    its sequences stopped without finishing (the request failed). A detokeniser that fails too
+    leaves its sequence's text as it was: the request's error is already what its output says."""
+    for seq, detok in zip(request.seqs, request.detokenizers, strict=True):
+        try:
+            seq.text += detok.catch_up(seq.token_ids[len(seq.prompt_token_ids) :])
+        except Exception:
+            log.exception("detokenising the text of failed request %s failed", request.request_id)
 
 
 def _all_finished(seqs: list[Sequence]) -> bool:

@@ -24,8 +24,9 @@ class RequestOutputKind(enum.Enum):
     stream reads its deltas from these). FINAL_ONLY: one output, when the request finishes (or fails):
     no output is built on the steps before, and unless the request has stop strings, which are
     matched against the text as it grows, its text is detokenised only then, by the same incremental
-    calls, so it is the text a CUMULATIVE request ends with, byte for byte. The server asks for it for
-    requests that do not stream, ``LLM.generate`` for all of its requests."""
+    calls, so it is the text a CUMULATIVE request ends with, byte for byte (a failed request's too:
+    the text up to its failure). The server asks for it for requests that do not stream,
+    ``LLM.generate`` for all of its requests."""
 
     CUMULATIVE = "cumulative"
     FINAL_ONLY = "final_only"

@@ -7,7 +7,7 @@ import pytest
 
 from keepwarm_runtime.engine.config import EngineConfig
 from keepwarm_runtime.engine.llm_engine import LLMEngine
-from keepwarm_runtime.engine.sampling_params import SamplingParams
+from keepwarm_runtime.engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -73,3 +73,27 @@ def test_a_constraint_fault_fails_its_request_alone(engine):
     assert finals["innocent"].error is None and len(finals["innocent"].outputs[0].token_ids) == 12
     assert _idle(engine) == (0, 0, 0.0)
     assert finals["innocent"].outputs[0].logprobs is None
+
+
+def test_a_failed_final_only_request_reports_the_text_a_cumulative_one_does(engine):
+    """A FINAL_ONLY request detokenises nothing before it finishes; when it fails instead, its one
+    output still carries the text and tokens up to the fault, as a CUMULATIVE request's last does."""
+    finals = {}
+    for kind in RequestOutputKind:
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=12,
+            ignore_eos=True,
+            constraint_factory=lambda: _AllowAll(4),
+            output_kind=kind,
+        )
+        engine.add_request(kind.value, [5, 6, 7, 8, 9], params)
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                finals.setdefault(output.request_id, []).append(output)
+    [failed] = finals["final_only"]
+    last = finals["cumulative"][-1]
+    assert failed.error and failed.error == last.error and len(finals["cumulative"]) == 4
+    assert failed.outputs[0].token_ids == last.outputs[0].token_ids and len(last.outputs[0].token_ids) == 3
+    assert failed.outputs[0].text == last.outputs[0].text
+    assert _idle(engine) == (0, 0, 0.0)
