@@ -401,7 +401,7 @@ def runtime_deployment(
         "resources": resources,
         # No startup probe: its success reaches the readiness probe only at the kubelet's next pod
         # sync, which waits for a relist of the containers (once a second), so every start paid up to
-        # a second of it (docs/pod-restart.md). Liveness asks the parent, which is alive while a
+        # a second of it (docs/benchmarks/pod-restart.md). Liveness asks the parent, which is alive while a
         # worker loads; the parent restarts a worker that loads longer than startupTimeoutSeconds.
         "readinessProbe": {
             "httpGet": {"path": ready_long_poll(READY_POLL_S), "port": "http"},

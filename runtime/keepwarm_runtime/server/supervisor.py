@@ -336,13 +336,14 @@ class Supervisor:
         """Start a /health probe when one is due (none in flight); restart a worker silent too long."""
         now = time.monotonic()
         silent = now - self._last_answer
-        if self._answered and silent > self.config.health_timeout:
+        if self._answered:
+            allowed, why = self.config.health_timeout, "the worker's /health went unanswered for {:.1f}s"
+        else:
+            allowed = max(self.config.load_timeout, self.config.health_timeout)
+            why = "the worker did not serve within {:.1f}s of its fork"
+        if silent > allowed:
             self._kill_worker()
-            self._schedule_restart("hang", f"the worker's /health went unanswered for {silent:.1f}s")
-            return
-        if not self._answered and silent > max(self.config.load_timeout, self.config.health_timeout):
-            self._kill_worker()
-            self._schedule_restart("hang", f"the worker did not serve within {silent:.1f}s of its fork")
+            self._schedule_restart("hang", why.format(silent))
             return
         if self._probe is None and now >= self._next_poll:
             self._next_poll = now + self.config.health_interval
