@@ -470,7 +470,7 @@ class LLMEngine:
         strings): its text is detokenised once it finishes, by the same calls as at every step."""
         self._append(seq, tid, token, None)
         if seq.status is SequenceStatus.FINISHED:
-            seq.text += request.detokenizers[seq.index].catch_up(seq.token_ids[len(seq.prompt_token_ids) :])
+            _catch_up(seq, request.detokenizers[seq.index])
 
     def _settle(self, request: _Request, error: str | None) -> RequestOutput:
         """A sampled request's output; a failed one is aborted first, a finished one forgotten."""
@@ -549,9 +549,14 @@ def _catch_up_text(request: _Request) -> None:
     leaves its sequence's text as it was: the request's error is already what its output says."""
     for seq, detok in zip(request.seqs, request.detokenizers, strict=True):
         try:
-            seq.text += detok.catch_up(seq.token_ids[len(seq.prompt_token_ids) :])
+            _catch_up(seq, detok)
         except Exception:
             log.exception("detokenising the text of failed request %s failed", request.request_id)
+
+
+def _catch_up(seq: Sequence, detok: IncrementalDetokenizer) -> None:
+    """Add to the sequence's text what its generated tokens not yet detokenised make."""
+    seq.text += detok.catch_up(seq.token_ids[len(seq.prompt_token_ids) :])
 
 
 def _all_finished(seqs: list[Sequence]) -> bool:
