@@ -48,42 +48,51 @@ def reference(query, k_cache, v_cache, tables, starts, ends, scale):
 
 
 # (key dim, value dim): the unrolled widths, a width vectorised with a runtime count, MLA's wider keys,
-# and widths the scalar loops take.
-DIMS = [(64, 64), (128, 128), (80, 80), (192, 128), (24, 8)]
+# widths the scalar loops take (and, on AVX-512, the in-place 16-bit loops' partial vectors), and keys
+# wider than those loops take (16-bit blocks widened into a buffer first).
+DIMS = [(64, 64), (128, 128), (80, 80), (192, 128), (24, 8), (288, 32)]
+
+
+# (query heads, KV heads): groups of 3 (the accumulators' runs of 2 and 1), 8 (two runs of 4) and 1.
+GROUPS = [(12, 4), (16, 2), (4, 4)]
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("contexts", [[1500], [3, 700], [17, 1, 640, 33, 129, 1023, 256, 64, 5]])
 @pytest.mark.parametrize("dims", DIMS)
-def test_kernel_matches_sdpa_over_the_gathered_cache(dtype, contexts, dims) -> None:
+@pytest.mark.parametrize("groups", GROUPS)
+def test_kernel_matches_sdpa_over_the_gathered_cache(dtype, contexts, dims, groups) -> None:
     native.load()
-    query, k_cache, v_cache, tables = paged_case(contexts, dtype, dk=dims[0], dv=dims[1])
+    heads, kv_heads = groups
+    query, k_cache, v_cache, tables = paged_case(contexts, dtype, heads, kv_heads, dk=dims[0], dv=dims[1])
     ends = torch.tensor(contexts)
     starts = torch.zeros_like(ends)
     starts[0] = contexts[0] // 3  # a window on the first sequence
     out = torch.empty(query.shape[0], query.shape[1], v_cache.shape[-1], dtype=dtype)
     native.paged_decode_attention(out, query, k_cache, v_cache, tables, starts, ends, 0.125, None, None)
     want = reference(query, k_cache, v_cache, tables, starts, ends, 0.125)
-    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
-    torch.testing.assert_close(out.float(), want, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(out.float(), want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 
-def test_softcap_and_sinks_match_the_eager_formula() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_softcap_and_sinks_match_the_eager_formula(dtype) -> None:
     native.load()
     contexts = [70, 300, 5, 129, 1, 64, 16, 900]
-    query, k_cache, v_cache, tables = paged_case(contexts, torch.float32)
+    query, k_cache, v_cache, tables = paged_case(contexts, dtype)
     ends = torch.tensor(contexts)
     sinks = torch.randn(query.shape[1])
     out = torch.empty_like(query)
     native.paged_decode_attention(out, query, k_cache, v_cache, tables, ends * 0, ends, 0.2, 3.0, sinks)
     for b, n in enumerate(contexts):
         ids = tables[b].long()
-        k = k_cache[ids].flatten(0, 1)[:n].repeat_interleave(3, dim=1)  # [n, H, D]: 12 heads over 4
-        v = v_cache[ids].flatten(0, 1)[:n].repeat_interleave(3, dim=1)
-        s = torch.einsum("hd,nhd->hn", query[b], k) * 0.2
+        k = k_cache[ids].flatten(0, 1)[:n].repeat_interleave(3, dim=1).float()  # [n, H, D]: 12 heads over 4
+        v = v_cache[ids].flatten(0, 1)[:n].repeat_interleave(3, dim=1).float()
+        s = torch.einsum("hd,nhd->hn", query[b].float(), k) * 0.2
         s = torch.tanh(s / 3.0) * 3.0
         p = torch.softmax(torch.cat([s, sinks[:, None]], dim=1), dim=1)[:, :-1]
-        torch.testing.assert_close(out[b], torch.einsum("hn,nhd->hd", p, v), rtol=1e-5, atol=1e-5)
+        want = torch.einsum("hn,nhd->hd", p, v)
+        torch.testing.assert_close(out[b].float(), want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 
 def test_first_keys_bound_the_window_as_the_mask_does() -> None:

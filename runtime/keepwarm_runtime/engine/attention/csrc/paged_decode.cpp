@@ -5,7 +5,8 @@
 // walks its block table once for the scores and once for the weighted values, reading each cached
 // token's row of all KV heads front to back, so the cache is read twice and never copied. Scores
 // accumulate in float32 whatever the cache dtype; the query heads that share a KV head are scored
-// against the same loaded key.
+// against the same loaded key. On AVX-512, bfloat16 and float16 rows are widened in registers as they
+// are loaded (elsewhere a block is widened into a float32 buffer first).
 //
 // Per sequence, keys [start, end) are attended (end = context length; start > 0 for sliding windows).
 // Optional tanh softcapping and per-head sink logits (an extra softmax term with no value) follow
@@ -22,6 +23,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <optional>
+#include <type_traits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -30,6 +33,10 @@
 #include <vector>
 
 #include "vec16.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -153,6 +160,137 @@ std::pair<ScoreFn, AccumulateFn> kernels(int64_t dim) {
   return pick<1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, kMaxChunks>(dim);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// ---- 16-bit caches read where they lie (AVX-512) ----
+//
+// The loops above read float32 rows, so a bfloat16 or float16 block is first widened into a buffer:
+// a store and a reload of every element, which made a bfloat16 cache no faster to attend than a float32
+// one of twice its bytes. Here each key and value row is loaded and widened in registers, once for all
+// the query heads of its group. bfloat16 keys are scored by AVX-512 BF16's pair dot products where the
+// CPU has them (the products are exact in float32, as are the widened ones; the sums run in another
+// order). The weighted values are accumulated as above, the same fused multiply-adds in the same order.
+#define KEEPWARM_IN_PLACE_16BIT 1
+
+constexpr __mmask16 kAll16 = 0xFFFF;
+constexpr __mmask32 kAll32 = 0xFFFFFFFFu;
+
+inline __mmask16 lanes_mask(int64_t left) { return left >= 16 ? kAll16 : __mmask16((1u << left) - 1); }
+
+// 16 cache elements (the first lanes of `mask`, zeros elsewhere) widened to float32.
+inline __m512 load16(const c10::BFloat16* p, __mmask16 mask) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p, __mmask16 mask) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p)); }
+
+// The lane sums of 16 vectors, as one vector (lane i: the sum of v[i]'s lanes): four rounds that each
+// halve the vectors, pairing lanes by two-source permutes, 15 adds in all instead of 16 reductions.
+inline __m512 sum16(__m512* v) {
+  static const __m512i lo[4] = {
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+      _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27),
+      _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29),
+      _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)};
+  static const __m512i hi[4] = {
+      _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31),
+      _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31),
+      _mm512_setr_epi32(2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31),
+      _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31)};
+  for (int round = 0, count = 16; count > 1; ++round, count /= 2)
+    for (int i = 0; i < count / 2; ++i)
+      v[i] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * i], lo[round], v[2 * i + 1]),
+                           _mm512_permutex2var_ps(v[2 * i], hi[round], v[2 * i + 1]));
+  return v[0];
+}
+
+// scores[j * n + t] = the lane sum of dot(t, j), for `count` keys and `group` query heads: runs of 16
+// keys summed together, the rest one by one.
+template <typename Dot>
+inline void score_keys(int64_t group, int64_t count, float* scores, int64_t n, Dot&& dot) {
+  int64_t t = 0;
+  for (; t + 16 <= count; t += 16)
+    for (int64_t j = 0; j < group; ++j) {
+      __m512 partial[16];
+      for (int i = 0; i < 16; ++i) partial[i] = dot(t + i, j);
+      _mm512_storeu_ps(scores + j * n + t, sum16(partial));
+    }
+  for (; t < count; ++t)
+    for (int64_t j = 0; j < group; ++j) scores[j * n + t] = _mm512_reduce_add_ps(dot(t, j));
+}
+
+// Scores of one KV head's `count` keys (rows `stride` elements apart) for its `group` query heads:
+// q holds them widened, C * 16 floats each (zeros past the head dim).
+template <typename T, int C>
+void score_in_place(const float* q, int64_t group, int64_t dim, const T* keys, int64_t stride, int64_t count,
+                  float* scores, int64_t n) {
+  const __mmask16 tail = lanes_mask(dim - (C - 1) * 16);
+  score_keys(group, count, scores, n, [&](int64_t t, int64_t j) {
+    const T* k = keys + t * stride;
+    const float* qj = q + j * C * 16;
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qj), load16(k, C == 1 ? tail : kAll16));
+    for (int c = 1; c < C; ++c)
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(qj + c * 16), load16(k + c * 16, c == C - 1 ? tail : kAll16),
+                            acc);
+    return acc;
+  });
+}
+
+#if defined(__AVX512BF16__)
+// The same for bfloat16 keys by pair dot products: q holds the heads as bfloat16, C2 * 32 each.
+template <int C2>
+void score_dot_bf16(const c10::BFloat16* q, int64_t group, int64_t dim, const c10::BFloat16* keys, int64_t stride,
+                    int64_t count, float* scores, int64_t n) {
+  const int64_t left = dim - (C2 - 1) * 32;
+  const __mmask32 tail = left >= 32 ? kAll32 : __mmask32((1ull << left) - 1);
+  score_keys(group, count, scores, n, [&](int64_t t, int64_t j) {
+    const c10::BFloat16* k = keys + t * stride;
+    const c10::BFloat16* qj = q + j * C2 * 32;
+    __m512 acc = _mm512_setzero_ps();
+    for (int c = 0; c < C2; ++c)
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qj + c * 32),
+                             (__m512bh)_mm512_maskz_loadu_epi16(c == C2 - 1 ? tail : kAll32, k + c * 32));
+    return acc;
+  });
+}
+#endif
+
+// out_j += sum_t weights[j * n + t] * v_t for H query heads at once (their accumulators in registers);
+// out holds C * 16 floats per head.
+template <typename T, int C, int H>
+void accumulate_heads(const float* weights, int64_t dim, const T* values, int64_t stride, int64_t count, float* out,
+                      int64_t n) {
+  const __mmask16 tail = lanes_mask(dim - (C - 1) * 16);
+  __m512 acc[H][C];
+  for (int j = 0; j < H; ++j)
+    for (int c = 0; c < C; ++c) acc[j][c] = _mm512_loadu_ps(out + (j * C + c) * 16);
+  for (int64_t t = 0; t < count; ++t) {
+    const T* v = values + t * stride;
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load16(v + c * 16, c == C - 1 ? tail : kAll16);
+    for (int j = 0; j < H; ++j) {
+      const __m512 w = _mm512_set1_ps(weights[j * n + t]);
+      for (int c = 0; c < C; ++c) acc[j][c] = _mm512_fmadd_ps(w, vv[c], acc[j][c]);
+    }
+  }
+  for (int j = 0; j < H; ++j)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + (j * C + c) * 16, acc[j][c]);
+}
+
+// The group's heads in runs of 4, 2 and 1, as many accumulators as the registers hold.
+template <typename T, int C>
+void accumulate_in_place(const float* weights, int64_t group, int64_t dim, const T* values, int64_t stride,
+                       int64_t count, float* out, int64_t n) {
+  int64_t j = 0;
+  if constexpr (C <= 4)
+    for (; j + 4 <= group; j += 4)
+      accumulate_heads<T, C, 4>(weights + j * n, dim, values, stride, count, out + j * C * 16, n);
+  if constexpr (C <= 8)
+    for (; j + 2 <= group; j += 2)
+      accumulate_heads<T, C, 2>(weights + j * n, dim, values, stride, count, out + j * C * 16, n);
+  for (; j < group; ++j) accumulate_heads<T, C, 1>(weights + j * n, dim, values, stride, count, out + j * C * 16, n);
+}
+#endif
+
 // Calls fn(first token, token count, offset of the first one's row in elements) for each run of keys
 // in [first, last) that lies in one cache block, walking the block table.
 template <typename Fn>
@@ -186,60 +324,65 @@ std::vector<int64_t> balanced_cuts(const int64_t* starts, const int64_t* ends, i
   return cuts;
 }
 
-template <typename scalar_t>
-void decode_kernel(
-    at::Tensor& out,                // [B, H, Dv]
-    const at::Tensor& query,        // [B, H, Dk]
-    const at::Tensor& k_cache,      // [num_blocks, block_size, Hkv, Dk]
-    const at::Tensor& v_cache,      // [num_blocks, block_size, Hkv, Dv]
-    const at::Tensor& block_tables, // [B, max_blocks] int32
-    const at::Tensor& starts,       // [B] int64: first key attended
-    const at::Tensor& ends,         // [B] int64: one past the last key attended
-    double scale,
-    double softcap,                 // <= 0: none
-    const std::optional<at::Tensor>& sinks) {  // [H] float32
-  const int64_t B = query.size(0), H = query.size(1), Dk = query.size(2);
-  const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2), Dv = v_cache.size(3);
-  const int64_t group = H / Hkv;
-  const int64_t max_blocks = block_tables.size(1);
-  const int64_t k_row = Hkv * Dk, v_row = Hkv * Dv;  // elements per cached token
+// How a kernel reads a cache's rows (R) and holds the query heads (Q): its two inner loops, and the
+// elements each query head and each output head take in the per-thread buffers (the head dims,
+// padded to whole vectors where the loops load whole vectors).
+template <typename R, typename Q>
+struct RowKernels {
+  void (*score)(const Q* q, int64_t group, int64_t dim, const R* rows, int64_t stride, int64_t count, float* scores,
+                int64_t n);
+  void (*accumulate)(const float* weights, int64_t group, int64_t dim, const R* rows, int64_t stride, int64_t count,
+                     float* out, int64_t n);
+  int64_t q_width, out_width;
+};
+
+struct Problem {
+  int64_t B, H, Dk, Dv, block_size, Hkv, max_blocks;
+  float scale, cap;
+};
+
+// Copies (Q = T) or widens (Q = float) n elements.
+template <typename T, typename Q>
+inline void fill(const T* src, Q* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, Q>)
+    std::memcpy(dst, src, n * sizeof(T));
+  else
+    widen(src, dst, n);
+}
+
+template <typename scalar_t, typename R, typename Q>
+void decode_items(const Problem& p, const RowKernels<R, Q>& kernels, scalar_t* o_ptr, const scalar_t* q_ptr,
+                  const scalar_t* k_ptr, const scalar_t* v_ptr, const int32_t* tables, const int64_t* start_ptr,
+                  const int64_t* end_ptr, const float* sink_ptr) {
+  const int64_t group = p.H / p.Hkv, Dk = p.Dk, Dv = p.Dv, block_size = p.block_size;
+  const int64_t k_row = p.Hkv * Dk, v_row = p.Hkv * Dv;  // elements per cached token
   // One work item is a sequence and a run of its KV heads: all of them when there are sequences
   // enough to keep every thread busy (a block's rows of all heads are then read front to back), one
   // when there are few (a lone long decode still uses every thread).
-  const int64_t heads_per_item = B >= 2 * at::get_num_threads() ? Hkv : 1;
-  const int64_t items_per_seq = Hkv / heads_per_item;
-  const ScoreFn score = kernels(Dk).first;
-  const AccumulateFn accumulate = kernels(Dv).second;
+  const int64_t heads_per_item = p.B >= 2 * at::get_num_threads() ? p.Hkv : 1;
+  const int64_t items_per_seq = p.Hkv / heads_per_item;
+  // Rows read where they lie, or first widened to float32 (R = float for a cache of another dtype).
+  constexpr bool in_place = std::is_same_v<R, scalar_t>;
 
-  const scalar_t* q_ptr = query.data_ptr<scalar_t>();
-  const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
-  const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
-  scalar_t* o_ptr = out.data_ptr<scalar_t>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int64_t* start_ptr = starts.data_ptr<int64_t>();
-  const int64_t* end_ptr = ends.data_ptr<int64_t>();
-  const float* sink_ptr = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
-  const float cap = static_cast<float>(softcap), fscale = static_cast<float>(scale);
-  constexpr bool is_float = std::is_same_v<scalar_t, float>;
-
-  const std::vector<int64_t> cuts = balanced_cuts(start_ptr, end_ptr, B, items_per_seq, at::get_num_threads());
+  const std::vector<int64_t> cuts = balanced_cuts(start_ptr, end_ptr, p.B, items_per_seq, at::get_num_threads());
 
   at::parallel_for(0, int64_t(cuts.size()) - 1, 1, [&](int64_t first_part, int64_t last_part) {
     const int64_t heads = heads_per_item * group;  // query heads of one item
-    std::vector<float> q(heads * Dk), acc(heads * Dv), total(heads), scores;
-    // A block's rows of the item's heads, widened to float32 (caches of other dtypes only).
-    std::vector<float> widened(is_float ? 0 : block_size * heads_per_item * std::max(Dk, Dv));
+    std::vector<Q> q(heads * kernels.q_width, Q(0.f));
+    std::vector<float> acc(heads * kernels.out_width), total(heads), scores;
+    std::vector<float> widened(in_place ? 0 : block_size * heads_per_item * std::max(Dk, Dv));
     for (int64_t item = cuts[first_part]; item < cuts[last_part]; ++item) {
       const int64_t b = item / items_per_seq, h0 = (item % items_per_seq) * heads_per_item;
       const int64_t first = start_ptr[b], last = end_ptr[b], n = std::max<int64_t>(last - first, 0);
-      const int32_t* table = tables + b * max_blocks;
-      widen(q_ptr + (b * H + h0 * group) * Dk, q.data(), heads * Dk);  // its heads are adjacent
+      const int32_t* table = tables + b * p.max_blocks;
+      for (int64_t j = 0; j < heads; ++j)  // the item's heads are adjacent in the query
+        fill(q_ptr + (b * p.H + h0 * group + j) * Dk, q.data() + j * kernels.q_width, Dk);
       scores.resize(heads * std::max<int64_t>(n, 1));
 
       // The rows of head h0 + h of a run of `count` tokens, and the distance between them.
       auto rows = [&](const scalar_t* base, int64_t offset, int64_t count, int64_t row, int64_t dim)
-          -> std::pair<const float*, int64_t> {
-        if constexpr (is_float) {
+          -> std::pair<const R*, int64_t> {
+        if constexpr (in_place) {
           return {base + offset + h0 * dim, row};
         } else {
           for (int64_t t = 0; t < count; ++t)
@@ -253,13 +396,13 @@ void decode_kernel(
       for_each_block(table, block_size, k_row, first, last, [&](int64_t t, int64_t count, int64_t offset) {
         const auto [keys, stride] = rows(k_ptr, offset, count, k_row, Dk);
         for (int64_t h = 0; h < heads_per_item; ++h)
-          score(q.data() + h * group * Dk, group, Dk, keys + h * Dk, stride, count,
-                scores.data() + h * group * n + (t - first), n);
+          kernels.score(q.data() + h * group * kernels.q_width, group, Dk, keys + h * Dk, stride, count,
+                        scores.data() + h * group * n + (t - first), n);
       });
 
       // Softmax weights, unnormalised.
       for (int64_t j = 0; j < heads; ++j)
-        total[j] = softmax_weights(scores.data() + j * n, n, fscale, cap,
+        total[j] = softmax_weights(scores.data() + j * n, n, p.scale, p.cap,
                                    sink_ptr != nullptr ? sink_ptr + h0 * group + j : nullptr);
 
       // Weighted values.
@@ -267,16 +410,87 @@ void decode_kernel(
       for_each_block(table, block_size, v_row, first, last, [&](int64_t t, int64_t count, int64_t offset) {
         const auto [values, stride] = rows(v_ptr, offset, count, v_row, Dv);
         for (int64_t h = 0; h < heads_per_item; ++h)
-          accumulate(scores.data() + h * group * n + (t - first), group, Dv, values + h * Dv, stride,
-                       count, acc.data() + h * group * Dv, n);
+          kernels.accumulate(scores.data() + h * group * n + (t - first), group, Dv, values + h * Dv, stride, count,
+                             acc.data() + h * group * kernels.out_width, n);
       });
       for (int64_t j = 0; j < heads; ++j) {
         const float inv = total[j] > 0.f ? 1.f / total[j] : 0.f;
-        scalar_t* o = o_ptr + (b * H + h0 * group + j) * Dv;
-        for (int64_t d = 0; d < Dv; ++d) o[d] = static_cast<scalar_t>(acc[j * Dv + d] * inv);
+        scalar_t* o = o_ptr + (b * p.H + h0 * group + j) * Dv;
+        for (int64_t d = 0; d < Dv; ++d) o[d] = static_cast<scalar_t>(acc[j * kernels.out_width + d] * inv);
       }
     }
   });
+}
+
+#ifdef KEEPWARM_IN_PLACE_16BIT
+// The in-place loops for a 16-bit cache whose head dims fit them (up to 256); nullopt otherwise.
+constexpr int64_t kMaxInPlaceChunks = 16;
+
+template <typename T, int... Cs>
+void pick_in_place(int64_t dk, int64_t dv, RowKernels<T, float>& k, int& found) {
+  ((dk <= Cs * 16 && dk > (Cs - 1) * 16 ? (void)(k.score = &score_in_place<T, Cs>, k.q_width = Cs * 16, ++found)
+                                        : (void)0),
+   ...);
+  ((dv <= Cs * 16 && dv > (Cs - 1) * 16
+        ? (void)(k.accumulate = &accumulate_in_place<T, Cs>, k.out_width = Cs * 16, ++found)
+        : (void)0),
+   ...);
+}
+
+template <typename T>
+std::optional<RowKernels<T, float>> in_place_kernels(int64_t dk, int64_t dv) {
+  RowKernels<T, float> k{};
+  int found = 0;
+  pick_in_place<T, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, kMaxInPlaceChunks>(dk, dv, k, found);
+  if (found != 2) return std::nullopt;
+  return k;
+}
+
+#ifdef __AVX512BF16__
+// bfloat16 keys scored by pair dot products, the query heads kept as bfloat16.
+template <int... Cs>
+std::optional<RowKernels<c10::BFloat16, c10::BFloat16>> dot_kernels(int64_t dk, int64_t dv) {
+  const auto in_place = in_place_kernels<c10::BFloat16>(dk, dv);
+  if (!in_place) return std::nullopt;
+  RowKernels<c10::BFloat16, c10::BFloat16> k{nullptr, in_place->accumulate, 0, in_place->out_width};
+  ((dk <= Cs * 32 && dk > (Cs - 1) * 32 ? (void)(k.score = &score_dot_bf16<Cs>, k.q_width = Cs * 32) : (void)0),
+   ...);
+  if (k.score == nullptr) return std::nullopt;
+  return k;
+}
+#endif
+#endif
+
+template <typename scalar_t>
+void decode_kernel(
+    at::Tensor& out,                // [B, H, Dv]
+    const at::Tensor& query,        // [B, H, Dk]
+    const at::Tensor& k_cache,      // [num_blocks, block_size, Hkv, Dk]
+    const at::Tensor& v_cache,      // [num_blocks, block_size, Hkv, Dv]
+    const at::Tensor& block_tables, // [B, max_blocks] int32
+    const at::Tensor& starts,       // [B] int64: first key attended
+    const at::Tensor& ends,         // [B] int64: one past the last key attended
+    double scale,
+    double softcap,                 // <= 0: none
+    const std::optional<at::Tensor>& sinks) {  // [H] float32
+  const Problem p{query.size(0), query.size(1), query.size(2), v_cache.size(3), k_cache.size(1), k_cache.size(2),
+                  block_tables.size(1), static_cast<float>(scale), static_cast<float>(softcap)};
+  const auto run = [&](const auto& kernels) {
+    decode_items(p, kernels, out.data_ptr<scalar_t>(), query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                 v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(), starts.data_ptr<int64_t>(),
+                 ends.data_ptr<int64_t>(), sinks.has_value() ? sinks->data_ptr<float>() : nullptr);
+  };
+#ifdef KEEPWARM_IN_PLACE_16BIT
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>) {
+#ifdef __AVX512BF16__
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+      if (const auto dot = dot_kernels<1, 2, 3, 4, 5, 6, 7, 8>(p.Dk, p.Dv)) return run(*dot);
+    }
+#endif
+    if (const auto in_place = in_place_kernels<scalar_t>(p.Dk, p.Dv)) return run(*in_place);
+  }
+#endif
+  run(RowKernels<float, float>{kernels(p.Dk).first, kernels(p.Dv).second, p.Dk, p.Dv});
 }
 
 void paged_decode_attention(
