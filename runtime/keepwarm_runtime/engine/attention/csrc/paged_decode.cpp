@@ -291,15 +291,30 @@ void accumulate_in_place(const float* weights, int64_t group, int64_t dim, const
 }
 #endif
 
-// Calls fn(first token, token count, offset of the first one's row in elements) for each run of keys
-// in [first, last) that lies in one cache block, walking the block table.
+// Calls fn(first token, token count, offset of the first one's row in elements, the next run's offset
+// or -1, its token count) for each run of keys in [first, last) that lies in one cache block, walking
+// the block table.
 template <typename Fn>
 inline void for_each_block(const int32_t* table, int64_t block_size, int64_t row, int64_t first, int64_t last,
                            Fn&& fn) {
   for (int64_t t = first; t < last;) {
     const int64_t block = t / block_size, end = std::min(last, (block + 1) * block_size);
-    fn(t, end - t, (int64_t(table[block]) * block_size + t % block_size) * row);
+    const int64_t next = end < last ? int64_t(table[block + 1]) * block_size * row : -1;
+    fn(t, end - t, (int64_t(table[block]) * block_size + t % block_size) * row, next,
+       std::min(last, end + block_size) - end);
     t = end;
+  }
+}
+
+// Asks for `count` rows of `dim` elements, `row` elements apart, ahead of their use. A sequence's blocks
+// lie anywhere in the cache, so no hardware prefetcher sees where its walk goes next, and a decode
+// step's caches have left the CPU's caches by the time the next step comes back to a layer.
+template <typename T>
+inline void fetch_ahead(const T* first, int64_t count, int64_t row, int64_t dim) {
+  const int64_t bytes = dim * int64_t(sizeof(T));
+  for (int64_t t = 0; t < count; ++t) {
+    const char* p = reinterpret_cast<const char*>(first + t * row);
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(p + at);
   }
 }
 
@@ -393,11 +408,15 @@ void decode_items(const Problem& p, const RowKernels<R, Q>& kernels, scalar_t* o
       };
 
       // Scores, head-major ([heads, n]).
-      for_each_block(table, block_size, k_row, first, last, [&](int64_t t, int64_t count, int64_t offset) {
+      // While a block's rows of a head are read, the same head's rows of the next block are fetched.
+      for_each_block(table, block_size, k_row, first, last,
+                     [&](int64_t t, int64_t count, int64_t offset, int64_t next, int64_t next_count) {
         const auto [keys, stride] = rows(k_ptr, offset, count, k_row, Dk);
-        for (int64_t h = 0; h < heads_per_item; ++h)
+        for (int64_t h = 0; h < heads_per_item; ++h) {
+          if (next >= 0) fetch_ahead(k_ptr + next + (h0 + h) * Dk, next_count, k_row, Dk);
           kernels.score(q.data() + h * group * kernels.q_width, group, Dk, keys + h * Dk, stride, count,
                         scores.data() + h * group * n + (t - first), n);
+        }
       });
 
       // Softmax weights, unnormalised.
@@ -407,11 +426,14 @@ void decode_items(const Problem& p, const RowKernels<R, Q>& kernels, scalar_t* o
 
       // Weighted values.
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_block(table, block_size, v_row, first, last, [&](int64_t t, int64_t count, int64_t offset) {
+      for_each_block(table, block_size, v_row, first, last,
+                     [&](int64_t t, int64_t count, int64_t offset, int64_t next, int64_t next_count) {
         const auto [values, stride] = rows(v_ptr, offset, count, v_row, Dv);
-        for (int64_t h = 0; h < heads_per_item; ++h)
+        for (int64_t h = 0; h < heads_per_item; ++h) {
+          if (next >= 0) fetch_ahead(v_ptr + next + (h0 + h) * Dv, next_count, v_row, Dv);
           kernels.accumulate(scores.data() + h * group * n + (t - first), group, Dv, values + h * Dv, stride, count,
                              acc.data() + h * group * kernels.out_width, n);
+        }
       });
       for (int64_t j = 0; j < heads; ++j) {
         const float inv = total[j] > 0.f ? 1.f / total[j] : 0.f;
