@@ -182,6 +182,25 @@ def test_step_benchmark_times_pure_decode_steps_at_each_batch(tmp_path: Path) ->
         assert row["tokens_per_s"] > 0 and row["mean_context_tokens"] > 16
 
 
+def test_cpu_attention_benchmark_times_the_kernel_warm_and_cold_per_dtype(tmp_path: Path) -> None:
+    out = tmp_path / "attention.json"
+    argv = [sys.executable, "-m", "bench.cpu_attention", "--dtypes", "bfloat16,float32", "--contexts", "5,40"]
+    small = ["--batch", "3", "--layers", "2", "--rounds", "2", "--flush-mb", "2"]
+    _run([*argv, *small, "--json-out", str(out)], tmp_path)
+    result = json.loads(out.read_text())
+
+    assert result["kernel"].startswith("keepwarm_cpu_") and "cpu_flags" in result["machine"]
+    assert [(row["dtype"], row["context"]) for row in result["rows"]] == [
+        ("bfloat16", 5),
+        ("bfloat16", 40),
+        ("float32", 5),
+        ("float32", 40),
+    ]
+    for row in result["rows"]:
+        assert min(row["warm_us"], row["cold_us"], row["cold_gb_s"], row["read_gb_s"]) > 0, row
+    assert result["rows"][3]["kv_bytes"] == 2 * result["rows"][1]["kv_bytes"]  # float32 against bfloat16
+
+
 def test_throughput_names_why_the_vllm_peer_did_not_run(tmp_path: Path) -> None:
     out = tmp_path / "throughput.json"
     argv = [sys.executable, "bench/throughput.py", "--params", "2M", "--prompts", "2", "--output-tokens", "3"]

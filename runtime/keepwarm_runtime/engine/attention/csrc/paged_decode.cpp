@@ -222,7 +222,7 @@ inline void score_keys(int64_t group, int64_t count, float* scores, int64_t n, D
 // q holds them widened, C * 16 floats each (zeros past the head dim).
 template <typename T, int C>
 void score_in_place(const float* q, int64_t group, int64_t dim, const T* keys, int64_t stride, int64_t count,
-                  float* scores, int64_t n) {
+                    float* scores, int64_t n) {
   const __mmask16 tail = lanes_mask(dim - (C - 1) * 16);
   score_keys(group, count, scores, n, [&](int64_t t, int64_t j) {
     const T* k = keys + t * stride;
@@ -279,7 +279,7 @@ void accumulate_heads(const float* weights, int64_t dim, const T* values, int64_
 // The group's heads in runs of 4, 2 and 1, as many accumulators as the registers hold.
 template <typename T, int C>
 void accumulate_in_place(const float* weights, int64_t group, int64_t dim, const T* values, int64_t stride,
-                       int64_t count, float* out, int64_t n) {
+                         int64_t count, float* out, int64_t n) {
   int64_t j = 0;
   if constexpr (C <= 4)
     for (; j + 4 <= group; j += 4)
