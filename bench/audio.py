@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
+
+from keepwarm_runtime.bench_cli import publish
 
 FORMATS = {  # soundfile (format, subtype) per --format
     "wav": ("WAV", "PCM_16"),
@@ -134,10 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         "throughput": results,
         "torchcodec_over_pyav": ratio,
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json_out:
-        Path(args.json_out).write_text(text + "\n")
+    publish(report, args.json_out)
     return 0
 
 

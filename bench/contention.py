@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from keepwarm_runtime.bench_cli import publish
+
 CONFIGS = ("keepwarm", "torch_default", "keepwarm_passive", "keepwarm_one_thread")
 DEFAULT_CONFIGS = "keepwarm,torch_default"
 OPENMP_VARS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "KMP_BLOCKTIME", "GOMP_SPINCOUNT")
@@ -73,10 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         for config in configs:
             result[config] = _run_worker(config, model_dir, args)
         result["load_average_1m_after"] = round(os.getloadavg()[0], 2)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json_out:
-        Path(args.json_out).write_text(text + "\n")
+    publish(result, args.json_out)
     return 0
 
 

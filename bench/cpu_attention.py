@@ -29,7 +29,8 @@ import statistics
 import sys
 import time
 from datetime import UTC, datetime
-from pathlib import Path
+
+from keepwarm_runtime.bench_cli import publish
 
 BLOCK = 16  # tokens per cache block, the engine's default (EngineConfig.block_size)
 
@@ -154,10 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             result["rows"].append(measure(dtype_name, context, args))
             print(json.dumps(result["rows"][-1]), file=sys.stderr, flush=True)
     result["load_average_1m_after"] = round(os.getloadavg()[0], 2)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json_out:
-        Path(args.json_out).write_text(text + "\n")
+    publish(result, args.json_out)
     return 0
 
 

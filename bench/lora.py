@@ -29,12 +29,12 @@ fp32, greedy, EOS ignored, every request asks for --output-tokens tokens. A benc
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from keepwarm_runtime.bench_cli import publish
 from keepwarm_runtime.engine import threads
 
 # As `keepwarm serve` does, before torch is imported: OpenMP threads that spin a bounded while, then
@@ -210,10 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         "load_from_cache_ms": from_cache,
         **(rates or dict.fromkeys(RATES)),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json_out:
-        args.json_out.write_text(text + "\n")
+    publish(result, args.json_out)
 
 
 if __name__ == "__main__":

@@ -15,9 +15,10 @@ test.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
+
+from keepwarm_runtime.bench_cli import publish
 
 BATCHES = (1, 16, 256)
 
@@ -148,11 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
         "fp8_over_bf16_bytes": round(fp8_bytes / bf16_bytes, 4),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            f.write(text + "\n")
+    publish(result, args.json_out)
     return 0
 
 

@@ -49,6 +49,7 @@ import httpx
 
 from keepwarm_api.kube import AGENT_FIELD_MANAGER, connect
 from keepwarm_runtime.agent.kubernetes import NodeAgent
+from keepwarm_runtime.bench_cli import publish
 from keepwarm_runtime.cache.snapshot import DaemonSnapshot, ModelSnapshot
 from keepwarm_testing.controlplane.build import build_control_plane
 from keepwarm_testing.controlplane.cluster import ControlPlane
@@ -437,10 +438,7 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.copytree(cp.logs, args.keep_logs, dirs_exist_ok=True)
     result["machine"] = f"{os.cpu_count()}-core CPU, shared with other work"
     result["load_average"] = [round(x, 2) for x in os.getloadavg()]
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json_out:
-        args.json_out.write_text(text + "\n")
+    publish(result, args.json_out)
     return 0 if result.get("deployment_latency_s", {}).get("n") == args.crs else 1
 
 

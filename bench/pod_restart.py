@@ -52,6 +52,7 @@ import httpx
 import openai
 import yaml
 
+from keepwarm_runtime.bench_cli import publish
 from keepwarm_testing.controlplane.build import build_control_plane
 from keepwarm_testing.controlplane.cluster import ControlPlane
 from keepwarm_testing.e2e import (
@@ -287,10 +288,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("bench/pod_restart.py runs pods for real: it needs root")
     sizes = [run(params, args.cases.split(","), args.modes.split(",")) for params in args.params.split(",")]
     result = {**sizes[-1], "runs": [r for size in sizes for r in size["runs"]]}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json_out:
-        args.json_out.write_text(text + "\n")
+    publish(result, args.json_out)
 
 
 if __name__ == "__main__":

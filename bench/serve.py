@@ -58,6 +58,7 @@ from pathlib import Path
 
 import openai
 
+from keepwarm_runtime.bench_cli import publish
 from keepwarm_runtime.server.launcher import ServerStartError, free_port, http_get, start_server
 
 REPO = Path(__file__).resolve().parents[1]
@@ -374,10 +375,7 @@ def main(argv: list[str] | None = None) -> int:
             summary["keepwarm"]["sustained_rate"] / summary["transformers"]["sustained_rate"], 2
         )
     report["summary"] = summary
-    text = json.dumps(report, indent=2)
-    if args.json_out:
-        args.json_out.write_text(text + "\n")
-    print(text)
+    publish(report, args.json_out)
     return 0
 
 

@@ -41,6 +41,8 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from keepwarm_runtime.bench_cli import publish
+
 BATCHES = (1, 16, 64, 256)
 PROMPT_MIN, PROMPT_MAX = 16, 48  # prompt lengths, as bench/throughput.py's fixed workload
 PARAMS = ("10M", "100M")
@@ -269,10 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(args.dir).expanduser() if args.dir else Path(tmp)
         result["models"] = [measure_model(params, args, root) for params in args.params]
     result["load_average_1m_after"] = round(os.getloadavg()[0], 2)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json_out:
-        Path(args.json_out).write_text(text + "\n")
+    publish(result, args.json_out)
     return 0
 
 

@@ -50,6 +50,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from keepwarm_runtime.bench_cli import publish
+
 # keepwarm itself with one CPU speed-up turned off, asked for by name: the engine settings it runs with
 KEEPWARM_VARIANTS = {
     "keepwarm_unpacked": {"cpu_packed_weights": False},  # --no-cpu-packed-weights (engine/cpu_linear.py)
@@ -246,10 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         engines["vllm"].close()
         result["speedup_vs_vllm"] = round(result["vllm"]["seconds"] / result["keepwarm"]["seconds"], 2)
     result["load_average_1m_after"] = round(os.getloadavg()[0], 2)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json_out:
-        Path(args.json_out).write_text(text + "\n")
+    publish(result, args.json_out)
     if tmp is not None:
         tmp.cleanup()
     return 0

@@ -7,12 +7,14 @@ their settings are declared here (keepwarm_api.settings), so that `keepwarm --he
 without importing the benchmark, and the parsed settings object, not argv, reaches the benchmark.
 The others (FORWARDED) keep their own argparse flags: `keepwarm bench NAME ARGS` hands ARGS to
 their ``main`` unread (`keepwarm bench NAME --help` prints the benchmark's own help).
+Every benchmark ends with ``publish``: its JSON on stdout, and in --json-out's file when given.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -122,6 +124,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         forwarded = sub.add_parser(name, help=help_text, add_help=False, prefix_chars="+")
         forwarded.add_argument("bench_argv", nargs=argparse.REMAINDER)
         forwarded.set_defaults(handler=run_forwarded)
+
+
+def publish(result: dict, json_out: str | Path | None) -> None:
+    """Print a benchmark's result as indented JSON, and write it to ``json_out`` when one is given."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if json_out:
+        Path(json_out).write_text(text + "\n")
 
 
 def _import_bench(name: str):
