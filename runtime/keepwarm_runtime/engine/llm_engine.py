@@ -39,6 +39,7 @@ from keepwarm_runtime.engine.cpu_fused import FusedModules, use_fused_ops
 from keepwarm_runtime.engine.cpu_linear import (
     LinearPacker,
     packed_weights_supported,
+    use_amx_linear,
     use_packed_linear,
     use_weight_major_linear,
 )
@@ -100,9 +101,13 @@ class LLMEngine:
         cpu = self.device.type == "cpu"  # engine/cpu_linear.py
         if cpu:
             use_weight_major_linear(self.model)  # float32: few-token steps weight-major
-        packs = cpu and config.cpu_packed_weights and packed_weights_supported()
-        # bfloat16: oneDNN's packed weights, made in the background once the engine is built
-        self.linear_packer = LinearPacker(use_packed_linear(self.model) if packs else [])
+        # bfloat16 where oneDNN runs it natively: steps of up to 64 tokens on AMX tiles where the CPU
+        # has them, the others on oneDNN's packed weights, made in the background once the engine is built
+        wanted = config.cpu_packed_weights or config.cpu_amx_linear
+        bf16_layers = use_packed_linear(self.model) if cpu and wanted and packed_weights_supported() else []
+        amx_layers = bf16_layers if config.cpu_amx_linear else []
+        self.amx_linear_layers = use_amx_linear(amx_layers, config.kernel_cache)
+        self.linear_packer = LinearPacker(bf16_layers if config.cpu_packed_weights else [])
         # bfloat16/float16: fused norm, activation and rotary kernels (engine/cpu_fused.py)
         fuses = cpu and config.cpu_fused_ops
         self.fused_ops = (

@@ -202,6 +202,11 @@ class ServeSettings:
         "CPU bfloat16 on AVX-512 BF16/AMX: keep oneDNN's packed copy of each linear weight, made in the "
         "background after load (faster steps, as much memory again as the linear layers; engine: on)",
     )
+    cpu_amx_linear: bool | None = engine(
+        None,
+        "CPU bfloat16 on AMX: steps of up to 64 tokens multiply by the weights where they lie, on AMX tiles, "
+        "instead of oneDNN (results may differ from it by one bfloat16 ulp; engine: on)",
+    )
     cpu_fused_ops: bool | None = engine(
         None,
         "CPU bfloat16/float16: fused RMSNorm, SiLU-and-mul and rotary kernels on Llama-family modules "

@@ -106,16 +106,34 @@ def test_throughput_benchmark_runs_keepwarm_packed_beside_unpacked_in_bfloat16(t
     assert (result["keepwarm"]["packed_linears"] > 0) == packed_weights_supported()
 
 
-def test_throughput_benchmark_runs_keepwarm_fused_beside_unfused_in_bfloat16(tmp_path: Path) -> None:
+def test_throughput_benchmark_runs_keepwarm_fused_beside_unfused_and_without_amx_in_bfloat16(
+    tmp_path: Path,
+) -> None:
     out = tmp_path / "fused.json"
     argv = [sys.executable, "bench/throughput.py", "--params", "2M", "--prompts", "4", "--output-tokens", "6"]
-    argv += ["--dtype", "bfloat16", "--threads", "1", "--peers", "keepwarm_unfused", "--rounds", "1"]
+    argv += [
+        "--dtype",
+        "bfloat16",
+        "--threads",
+        "1",
+        "--peers",
+        "keepwarm_unfused,keepwarm_no_amx",
+        "--rounds",
+        "1",
+    ]
     _run([*argv, "--json-out", str(out)], tmp_path)
     result = json.loads(out.read_text())
 
     assert result["keepwarm"]["tokens_per_s"] > 0 and result["keepwarm_unfused"]["tokens_per_s"] > 0
+    assert result["keepwarm_no_amx"]["tokens_per_s"] > 0
     assert result["keepwarm"]["fused_modules"]["rms_norm"] > 0  # the CPU library builds here
-    assert result["keepwarm_unfused"]["sequences_identical"] == 4  # within one bfloat16 ulp: no near-ties
+    # within one bfloat16 ulp: no near-ties at this size
+    assert result["keepwarm_unfused"]["sequences_identical"] == 4
+    assert result["keepwarm_no_amx"]["sequences_identical"] == 4
+    from keepwarm_runtime.engine.attention import native
+
+    native.load()
+    assert (result["keepwarm"]["amx_linears"] > 0) == native.amx_linear_available()
 
 
 def test_mixed_workload_runs_every_peer_on_its_own_lengths(tmp_path: Path) -> None:

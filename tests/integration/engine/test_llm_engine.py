@@ -1,6 +1,7 @@
 """LLMEngine behaviour on a real tiny checkpoint: stops, n, logprobs, abort, preemption, prefix cache,
 chat, weights from the node cache giving the same tokens as weights from disk, and packed bfloat16
-weights giving the same tokens and logprobs as unpacked ones, through a sleep and a wake."""
+weights giving the same tokens and logprobs as unpacked ones, through a sleep and a wake, and the AMX
+linear kernel within its tolerance of oneDNN."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from keepwarm_runtime import LLM, SamplingParams
+from keepwarm_runtime.engine.attention import native
 from keepwarm_runtime.engine.config import EngineConfig
 from keepwarm_runtime.engine.cpu_linear import PackedLinear, packed_weights_supported
 from keepwarm_runtime.engine.llm_engine import LLMEngine
@@ -277,7 +279,8 @@ def test_packed_bfloat16_weights_give_the_tokens_and_logprobs_of_unpacked_ones(m
     from keepwarm_runtime.engine.sleep import sleep, wake
 
     model_dir = make_tiny("llama", "bfloat16")
-    kwargs = {"dtype": "bfloat16", "block_size": 4, "num_kv_blocks": 256}
+    # the AMX kernel off on both sides: it rounds otherwise (its own test below)
+    kwargs = {"dtype": "bfloat16", "block_size": 4, "num_kv_blocks": 256, "cpu_amx_linear": False}
     plain = LLM(model_dir, cpu_packed_weights=False, **kwargs)
     packed = LLM(model_dir, **kwargs)
     assert not plain.engine.linear_packer.layers
@@ -299,3 +302,37 @@ def test_packed_bfloat16_weights_give_the_tokens_and_logprobs_of_unpacked_ones(m
     packer.thread.join(timeout=120)
     assert all(layer._packed is not None for layer in packer.layers)
     assert tokens(packed.generate(batch, params)) == tokens(want)
+
+
+def _amx_runs() -> bool:
+    try:
+        native.load()
+    except native.KernelUnavailable:
+        return False
+    return native.amx_linear_available()
+
+
+@pytest.mark.skipif(not _amx_runs(), reason="no AMX bfloat16 tiles in this CPU, kernel build or process")
+def test_amx_linear_layers_give_bfloat16_tokens_and_logprobs_within_their_tolerance(make_tiny) -> None:
+    """Steps of up to 64 tokens on the AMX kernel (engine/cpu_linear.py) against the same engine on
+    oneDNN: an output may move by one bfloat16 ulp (the sums' order), so a logprob may move by what that
+    moves it (stated tolerance 0.05 nats, as for the fused kernels) and greedy tokens are the same, with
+    and without packed weights for the larger steps; --no-cpu-amx-linear leaves every layer on oneDNN."""
+    model_dir = make_tiny("llama", "bfloat16")
+    kwargs = {"dtype": "bfloat16", "block_size": 4, "num_kv_blocks": 256}
+    onednn = LLM(model_dir, cpu_amx_linear=False, **kwargs)
+    assert onednn.engine.amx_linear_layers == 0
+    layers = onednn.engine.model.config.num_hidden_layers
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True)
+    batch = prompts(6, length=9, seed=7)  # prefill and decode steps of several rows, and single rows
+    want = onednn.generate(batch, params)
+    for packed in (True, False):
+        amx = LLM(model_dir, cpu_packed_weights=packed, **kwargs)
+        assert amx.engine.amx_linear_layers == 7 * layers + 1  # every projection and the LM head
+        assert bool(amx.engine.linear_packer.layers) is packed
+        got = amx.generate(batch, params)
+        assert tokens(got) == tokens(want)
+        for g, w in zip(got, want, strict=True):
+            for g_step, w_step in zip(g.outputs[0].logprobs, w.outputs[0].logprobs, strict=True):
+                for token, logprob in w_step.items():
+                    assert abs(g_step[token].logprob - logprob.logprob) <= 0.05

@@ -1,5 +1,7 @@
 """engine/cpu_linear.py: the weight-major product equals nn.Linear's, and only plain float32 layers
-change; a packed bfloat16 layer computes nn.Linear's result bit for bit, packed or not."""
+change; a packed bfloat16 layer computes nn.Linear's result bit for bit, packed or not; the AMX kernel
+(csrc/amx_linear.cpp) is within one bfloat16 ulp of the exact product, and takes only the steps and
+shapes it is for."""
 
 from __future__ import annotations
 
@@ -11,13 +13,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from keepwarm_runtime.engine.attention import native
 from keepwarm_runtime.engine.cpu_linear import (
+    AMX_MAX_ROWS,
     MAX_ROWS,
     PACKER_NICE,
     LinearPacker,
     PackedLinear,
     WeightMajorLinear,
     packed_weights_supported,
+    use_amx_linear,
     use_packed_linear,
     use_weight_major_linear,
 )
@@ -25,6 +30,17 @@ from keepwarm_runtime.engine.cpu_linear import (
 native_bf16 = pytest.mark.skipif(
     not packed_weights_supported(), reason="oneDNN has no native bfloat16 here (needs AVX-512 BF16 or AMX)"
 )
+
+
+def _amx_runs() -> bool:
+    try:
+        native.load()
+    except native.KernelUnavailable:
+        return False
+    return native.amx_linear_available()
+
+
+amx = pytest.mark.skipif(not _amx_runs(), reason="no AMX bfloat16 tiles in this CPU, kernel build or process")
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -143,3 +159,123 @@ def test_one_row_stays_nn_linear_where_the_packed_product_rounds_otherwise() -> 
     for rows in (1, 2):
         x = torch.randn(rows, 2048, dtype=torch.bfloat16)
         assert torch.equal(layer(x), F.linear(x, weight))
+
+
+def _within_one_ulp(
+    got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> None:
+    """Outputs within one bfloat16 ulp of the exact (float64) product, bar the float32 sums' own error
+    (at most K * 2^-24 * sum|x * w|, textbook bound), which a few outputs in 1,000 may show."""
+    exact = x.double() @ weight.double().T + (bias.double() if bias is not None else 0.0)
+    ulp = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(2.0**-100))) - 7)
+    sums = x.shape[-1] * 2.0**-24 * (x.double().abs() @ weight.double().abs().T)
+    error = (got.double() - exact).abs()
+    assert got.dtype == torch.bfloat16 and got.shape == exact.shape
+    assert (error <= ulp + sums).all()
+    assert (error <= ulp).double().mean() >= 0.999
+
+
+@amx
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(
+    "rows, out_features, in_features",
+    # one and many token blocks (16 tokens each), both kernel forms (<= 32 and 33..64 rows) and the
+    # pairs loop beyond, feature counts with and without a half block (N % 32 == 16), deep K
+    [
+        (1, 16, 32),
+        (5, 48, 96),
+        (16, 384, 768),
+        (17, 64, 64),
+        (32, 96, 256),
+        (33, 48, 128),
+        (48, 2048, 768),
+        (64, 768, 2048),
+        (65, 80, 64),
+        (200, 384, 160),
+    ],
+)
+def test_the_amx_kernel_is_within_one_ulp_of_the_exact_product(
+    rows: int, out_features: int, in_features: int, bias: bool, threads: int
+) -> None:
+    torch.manual_seed(rows * 7 + out_features)
+    x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+    weight = (torch.randn(out_features, in_features) / in_features**0.5).to(torch.bfloat16)
+    b = torch.randn(out_features, dtype=torch.bfloat16) if bias else None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = native.amx_linear(x, weight, b)
+    finally:
+        torch.set_num_threads(before)
+    _within_one_ulp(got, x, weight, b)
+    want = F.linear(x, weight, b)  # the same rounding but for the sums' order: nearly every output equal
+    assert (got == want).float().mean() >= 0.99
+
+
+@amx
+def test_the_amx_kernel_keeps_leading_dims_and_reads_strided_activations() -> None:
+    torch.manual_seed(1)
+    weight = torch.randn(64, 96, dtype=torch.bfloat16)
+    x = torch.randn(96, 3, 5, dtype=torch.bfloat16).permute(1, 2, 0)  # [3, 5, 96], not contiguous
+    got = native.amx_linear(x, weight, None)
+    assert got.shape == (3, 5, 64) and got.is_contiguous()
+    _within_one_ulp(got.reshape(15, 64), x.reshape(15, 96), weight, None)
+    assert native.amx_linear(x[:0], weight, None).shape == (0, 5, 64)
+
+
+@amx
+def test_the_amx_kernel_carries_nan_and_infinity_as_the_product_does() -> None:
+    weight = torch.ones(16, 32, dtype=torch.bfloat16)
+    x = torch.ones(3, 32, dtype=torch.bfloat16)
+    x[0, 5] = float("nan")
+    x[1, 0] = float("inf")
+    x[2] = 3e38  # each product finite, their float32 sum not
+    got = native.amx_linear(x, weight, None)
+    assert got[0].isnan().all() and (got[1] == float("inf")).all() and (got[2] == float("inf")).all()
+
+
+@amx
+@pytest.mark.parametrize(
+    "x, weight, match",
+    [
+        (torch.ones(2, 48, dtype=torch.bfloat16), torch.ones(16, 48, dtype=torch.bfloat16), "multiple of 32"),
+        (
+            torch.ones(2, 32, dtype=torch.bfloat16),
+            torch.ones(24, 32, dtype=torch.bfloat16),
+            "multiple of 32 and N of 16",
+        ),
+        (torch.ones(2, 32), torch.ones(16, 32), "bfloat16 only"),
+        (torch.ones(2, 64, dtype=torch.bfloat16), torch.ones(16, 32, dtype=torch.bfloat16), "64 features"),
+        (
+            torch.ones(2, 32, dtype=torch.bfloat16),
+            torch.ones(32, 16, dtype=torch.bfloat16).T,
+            "contiguous weight",
+        ),
+    ],
+)
+def test_the_amx_kernel_refuses_what_it_does_not_take_by_name(x, weight, match: str) -> None:
+    with pytest.raises(RuntimeError, match=match):
+        native.amx_linear(x, weight, None)
+
+
+@amx
+def test_amx_takes_fitting_layers_up_to_its_rows_and_onednn_the_rest() -> None:
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(256, 384), nn.Linear(384, 40), nn.Linear(40, 64)).to(torch.bfloat16)
+    weights = [layer.weight.detach().clone() for layer in model]
+    layers = use_packed_linear(model)
+    assert use_amx_linear(layers) == 1  # 384 x 256 fits; 40 out (N % 16) and 40 in (K % 32) do not
+    assert [layer._amx for layer in layers] == [True, False, False]
+    first = model[0]
+    first.pack()
+    for rows in (1, 7, AMX_MAX_ROWS, AMX_MAX_ROWS + 1, 200):
+        x = torch.randn(rows, 256, dtype=torch.bfloat16)
+        got = first(x)
+        if rows <= AMX_MAX_ROWS:
+            assert torch.equal(got, native.amx_linear(x, weights[0], first.bias))
+        else:  # oneDNN's packed weight: F.linear's result bit for bit
+            assert torch.equal(got, F.linear(x, weights[0], first.bias))
+        x2 = torch.randn(rows, 384, dtype=torch.bfloat16)
+        assert torch.equal(model[1](x2), F.linear(x2, weights[1], model[1].bias))
+    assert use_amx_linear([]) == 0

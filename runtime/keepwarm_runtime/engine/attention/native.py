@@ -1,7 +1,8 @@
 """keepwarm's compiled CPU kernels (csrc/): built on first use, cached, loaded into torch.ops.
 
-One library, ``torch.ops.keepwarm_cpu``: the paged decode attention (csrc/paged_decode.cpp) and the
-fused RMSNorm, SiLU-and-mul and rotary kernels (csrc/fused_ops.cpp, attached by engine/cpu_fused.py).
+One library, ``torch.ops.keepwarm_cpu``: the paged decode attention (csrc/paged_decode.cpp), the
+fused RMSNorm, SiLU-and-mul and rotary kernels (csrc/fused_ops.cpp, attached by engine/cpu_fused.py)
+and the bfloat16 linear layer on AMX tiles (csrc/amx_linear.cpp, used by engine/cpu_linear.py).
 The kernels are compiled for this machine's CPU (`-march=native`) with the compiler torch's extension
 builder finds, once, into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``); later processes load the cached library in milliseconds. The library
@@ -43,7 +44,7 @@ from keepwarm_api.settings import add_arguments, resolve, setting
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(CSRC / name for name in ("paged_decode.cpp", "fused_ops.cpp"))
+SOURCES = tuple(CSRC / name for name in ("paged_decode.cpp", "fused_ops.cpp", "amx_linear.cpp"))
 HEADERS = (CSRC / "vec16.h",)  # included by the sources: part of the build's name, as they are
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 OP_NAMESPACE = "keepwarm_cpu"
@@ -180,6 +181,17 @@ def write_kv(
     rows: torch.Tensor,  # [T, Hkv, D], the last dim contiguous
 ) -> None:
     getattr(torch.ops, OP_NAMESPACE).write_kv(cache, slots, rows)
+
+
+def amx_linear_available() -> bool:
+    """The loaded build has the AMX linear kernel and Linux granted this process the tile state."""
+    return bool(getattr(torch.ops, OP_NAMESPACE).amx_linear_available())
+
+
+def amx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for bfloat16 on AMX, the weight read in place (csrc/amx_linear.cpp);
+    needs K % 32 == 0 and N % 16 == 0."""
+    return getattr(torch.ops, OP_NAMESPACE).amx_linear(x, weight, bias)
 
 
 @dataclass(frozen=True)

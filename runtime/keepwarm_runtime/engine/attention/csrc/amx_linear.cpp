@@ -1,0 +1,275 @@
+// A bfloat16 linear layer on AMX tiles, reading the weight where it lies: out = x @ weight^T (+ bias).
+//
+// A decode step multiplies a few dozen rows by every weight of the model once, so its linear layers
+// are bound by how fast the weights stream from memory. oneDNN's bfloat16 kernels wanted the weight
+// reordered into their blocked layout (a private copy as large as the layers, made in the background:
+// engine/cpu_linear.py) and still read it at half of one thread's sequential rate at 64 rows.
+//
+// Here the operands swap places: the weight is AMX's left operand, whose tiles are 16 rows of 32
+// consecutive elements, exactly a [N, K] row-major weight's layout, so it is loaded in place (the
+// attached, shared weights of the node cache, no copy, nothing to pack). The activation, a few rows,
+// is the right operand, rearranged per call into AMX's pair-interleaved layout (M x K elements,
+// against N x K of weight). A tile product then gives 16 output features x 16 tokens in float32; they
+// are transposed into the output as they are rounded to bfloat16 (round to nearest even).
+//
+// Blocking, all eight tiles: up to 32 tokens, 32 features at a time (two weight tiles, two activation
+// tiles, four accumulators); 33 to 64 tokens, 16 features at a time over four accumulators, so each
+// weight tile is read from memory once and feeds four tile products (more tokens loop over pairs of
+// token blocks, the weight block then read again from the cache; engine/cpu_linear.py sends steps of
+// over 64 tokens to oneDNN, as fast there). While a block computes, the next block's weight rows are
+// prefetched into L2: the weight is read once per call, so the tile loads would otherwise wait on
+// memory. Feature blocks are split over torch's intra-op threads. Sums accumulate in float32 in the
+// tile unit's own order, so a result may differ from oneDNN's by a unit in the last place of
+// bfloat16; AMX treats bfloat16 subnormal inputs as zero, as oneDNN's AMX kernels do.
+//
+// Needs K a multiple of 32 and N of 16 (every layer of the models keepwarm generates and of the usual
+// checkpoints; engine/cpu_linear.py sends other shapes to torch). Built where the compiler targets AMX
+// (-march=native on a CPU with amx_bf16); the process asks Linux for the tile state once
+// (arch_prctl ARCH_REQ_XCOMP_PERM), and amx_linear_available says whether both held.
+//
+// Registered as torch.ops.keepwarm_cpu.{amx_linear, amx_linear_available} (attention/native.py builds
+// it into one library with the attention and fused kernels).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#define KEEPWARM_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace {
+
+#if defined(KEEPWARM_AMX)
+
+
+constexpr int kArchReqXcompPerm = 0x1023;  // arch_prctl: ask for an extended state component
+constexpr int kXfeatureXtiledata = 18;     // the AMX tile data component
+
+// Tile numbers: accumulators (feature block f, token block t), weight tiles, activation tiles.
+#define C00 0
+#define C10 1
+#define C01 2
+#define C11 3
+#define W0 4
+#define W1 5
+#define X0 6
+#define X1 7
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool tiles_granted() {
+  static const bool granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  return granted;
+}
+
+// Every tile 16 rows x 64 bytes: accumulators 16 features x 16 float32 tokens, weight tiles 16
+// features x 32 bfloat16, activation tiles 16 pairs of k x 16 tokens x 2 bfloat16.
+void configure_tiles() {
+  TileConfig config;
+  for (int tile = 0; tile < 8; ++tile) config.colsb[tile] = 64, config.rows[tile] = 16;
+  _tile_loadconfig(&config);
+}
+
+// The activation's rows in AMX's right-operand layout: per block of 16 tokens, per pair of k, the 16
+// tokens' two elements side by side; tokens past M are zeros.
+void interleave(const uint32_t* x, int64_t M, int64_t pairs, uint32_t* packed) {
+  const int64_t blocks = (M + 15) / 16;
+  for (int64_t b = 0; b < blocks; ++b) {
+    uint32_t* block = packed + b * pairs * 16;
+    for (int64_t t = 0; t < 16; ++t) {
+      const int64_t row = b * 16 + t;
+      if (row < M) {
+        const uint32_t* src = x + row * pairs;
+        for (int64_t p = 0; p < pairs; ++p) block[p * 16 + t] = src[p];
+      } else {
+        for (int64_t p = 0; p < pairs; ++p) block[p * 16 + t] = 0;
+      }
+    }
+  }
+}
+
+// Accumulator tile (16 features x 16 tokens, float32, stored at `sums`) into out's rows: token t's 16
+// features are the column t of the tile.
+inline void store_block(const float* sums, const float* bias, int64_t tokens, c10::BFloat16* out, int64_t N) {
+  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(16));
+  const __m512 b = bias != nullptr ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int64_t t = 0; t < tokens; ++t) {
+    const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(column, sums + t, 4), b);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + t * N), (__m256i)_mm512_cvtneps_pbh(v));
+  }
+}
+
+// Features [f0, f0 + 32) (or 16) for every token, 32 tokens at a time.
+void feature_block(const c10::BFloat16* w, const uint32_t* xs, const float* bias, c10::BFloat16* out, int64_t M,
+                   int64_t N, int64_t K, int64_t f0, bool two_features) {
+  const int64_t steps = K / 32, w_stride = K * 2, token_blocks = (M + 15) / 16;
+  const c10::BFloat16* w0 = w + f0 * K;
+  const c10::BFloat16* w1 = w0 + 16 * K;
+  alignas(64) float sums[4][256];
+  for (int64_t tb = 0; tb < token_blocks; tb += 2) {
+    const bool two_tokens = tb + 1 < token_blocks;
+    // The next block's weight rows, fetched into L2 while this one computes (during the first pass over
+    // the tokens only: later passes find this block's rows in the cache).
+    const c10::BFloat16* ahead = tb == 0 && f0 + 64 <= N ? w + (f0 + 32) * K : nullptr;
+    const uint32_t* x0 = xs + tb * (K / 2) * 16;
+    const uint32_t* x1 = x0 + (K / 2) * 16;
+    _tile_zero(C00);
+    _tile_zero(C10);
+    _tile_zero(C01);
+    _tile_zero(C11);
+    for (int64_t s = 0; s < steps; ++s) {
+      if (ahead != nullptr) {  // a step's share of the next block's lines (it has K lines in all)
+        const char* lines = reinterpret_cast<const char*>(ahead) + s * 32 * 64;
+        for (int line = 0; line < 32; ++line) _mm_prefetch(lines + line * 64, _MM_HINT_T1);
+      }
+      _tile_loadd(W0, w0 + s * 32, w_stride);
+      _tile_loadd(X0, x0 + s * 256, 64);
+      _tile_dpbf16ps(C00, W0, X0);
+      if (two_features) {
+        _tile_loadd(W1, w1 + s * 32, w_stride);
+        _tile_dpbf16ps(C10, W1, X0);
+      }
+      if (two_tokens) {
+        _tile_loadd(X1, x1 + s * 256, 64);
+        _tile_dpbf16ps(C01, W0, X1);
+        if (two_features) _tile_dpbf16ps(C11, W1, X1);
+      }
+    }
+    _tile_stored(C00, sums[0], 64);
+    _tile_stored(C10, sums[1], 64);
+    _tile_stored(C01, sums[2], 64);
+    _tile_stored(C11, sums[3], 64);
+    for (int tokens_half = 0; tokens_half < (two_tokens ? 2 : 1); ++tokens_half) {
+      const int64_t t0 = (tb + tokens_half) * 16;
+      const int64_t tokens = std::min<int64_t>(16, M - t0);
+      for (int features_half = 0; features_half < (two_features ? 2 : 1); ++features_half) {
+        const int64_t f = f0 + features_half * 16;
+        store_block(sums[tokens_half * 2 + features_half], bias != nullptr ? bias + f : nullptr, tokens,
+                    out + t0 * N + f, N);
+      }
+    }
+  }
+}
+
+// 16 features x 33..64 tokens in one pass: four accumulators over one weight tile, so each weight
+// tile is read from memory once and feeds four tile products.
+void feature_tile_wide(const c10::BFloat16* w, const uint32_t* xs, const float* bias, c10::BFloat16* out,
+                       int64_t M, int64_t N, int64_t K, int64_t f0) {
+  const int64_t steps = K / 32, w_stride = K * 2, token_blocks = (M + 15) / 16, xb = (K / 2) * 16;
+  const c10::BFloat16* w0 = w + f0 * K;
+  const char* ahead = f0 + 32 <= N ? reinterpret_cast<const char*>(w + (f0 + 16) * K) : nullptr;
+  const bool four = token_blocks == 4;
+  alignas(64) float sums[4][256];
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    if (ahead != nullptr) {
+      const char* lines = ahead + s * 16 * 64;
+      for (int line = 0; line < 16; ++line) _mm_prefetch(lines + line * 64, _MM_HINT_T1);
+    }
+    _tile_loadd(4, w0 + s * 32, w_stride);
+    _tile_loadd(5, xs + s * 256, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, xs + xb + s * 256, 64);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(7, xs + 2 * xb + s * 256, 64);
+    _tile_dpbf16ps(2, 4, 7);
+    if (four) {
+      _tile_loadd(5, xs + 3 * xb + s * 256, 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  _tile_stored(0, sums[0], 64);
+  _tile_stored(1, sums[1], 64);
+  _tile_stored(2, sums[2], 64);
+  _tile_stored(3, sums[3], 64);
+  for (int64_t tb = 0; tb < token_blocks; ++tb) {
+    const int64_t t0 = tb * 16;
+    store_block(sums[tb], bias != nullptr ? bias + f0 : nullptr, std::min<int64_t>(16, M - t0), out + t0 * N + f0, N);
+  }
+}
+
+#endif  // KEEPWARM_AMX
+
+bool amx_linear_available() {
+#if defined(KEEPWARM_AMX)
+  return tiles_granted();
+#else
+  return false;
+#endif
+}
+
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(amx_linear_available(), "amx_linear: this build or CPU has no AMX bfloat16 tiles");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "amx_linear: bfloat16 only");
+  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 2 && weight.is_contiguous(),
+              "amx_linear: x [..., K] and a contiguous weight [N, K]");
+  const int64_t K = x.size(-1), N = weight.size(0);
+  TORCH_CHECK(weight.size(1) == K, "amx_linear: x has ", K, " features, the weight ", weight.size(1));
+  TORCH_CHECK(K % 32 == 0 && N % 16 == 0, "amx_linear: K must be a multiple of 32 and N of 16, got K=", K, " N=", N);
+  std::optional<at::Tensor> bias32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "amx_linear: bias [N]");
+    bias32 = bias->to(at::kFloat).contiguous();
+  }
+  const at::Tensor rows = x.contiguous();
+  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
+  sizes.back() = N;
+  at::Tensor out = x.new_empty(sizes);
+  const int64_t M = K == 0 ? 0 : rows.numel() / K;
+  if (M == 0) return out;
+#if defined(KEEPWARM_AMX)
+  const int64_t pairs = K / 2;
+  thread_local std::vector<uint32_t> packed;  // kept between calls: a step's layers reuse it
+  packed.resize((M + 15) / 16 * 16 * pairs);
+  uint32_t* xs = packed.data();
+  interleave(reinterpret_cast<const uint32_t*>(rows.data_ptr<c10::BFloat16>()), M, pairs, xs);
+  const c10::BFloat16* w = weight.data_ptr<c10::BFloat16>();
+  const float* b = bias32.has_value() ? bias32->data_ptr<float>() : nullptr;
+  c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
+  const int64_t feature_blocks = (N + 31) / 32;
+  at::parallel_for(0, feature_blocks, 4, [&](int64_t first, int64_t last) {
+    configure_tiles();
+    for (int64_t fb = first; fb < last; ++fb) {
+      const int64_t f0 = fb * 32;
+      if (M > 32 && M <= 64) {
+        feature_tile_wide(w, xs, b, o, M, N, K, f0);
+        if (f0 + 32 <= N) feature_tile_wide(w, xs, b, o, M, N, K, f0 + 16);
+        continue;
+      }
+      feature_block(w, xs, b, o, M, N, K, f0, f0 + 32 <= N);
+    }
+    _tile_release();
+  });
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(keepwarm_cpu, m) {
+  m.def("amx_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("amx_linear_available() -> bool", &amx_linear_available);  // no tensors: one kernel for every key
+}
+
+TORCH_LIBRARY_IMPL(keepwarm_cpu, CPU, m) { m.impl("amx_linear", &amx_linear); }
