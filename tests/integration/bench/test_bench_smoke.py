@@ -219,6 +219,35 @@ def test_cpu_attention_benchmark_times_the_kernel_warm_and_cold_per_dtype(tmp_pa
     assert result["rows"][3]["kv_bytes"] == 2 * result["rows"][1]["kv_bytes"]  # float32 against bfloat16
 
 
+def test_cpu_linear_benchmark_times_every_way_per_step_size(tmp_path: Path) -> None:
+    out = tmp_path / "linear.json"
+    argv = [
+        sys.executable,
+        "-m",
+        "bench.cpu_linear",
+        "--rows",
+        "1,40",
+        "--hidden",
+        "64",
+        "--intermediate",
+        "96",
+    ]
+    small = ["--heads", "2", "--kv-heads", "1", "--head-dim", "32", "--layers", "2", "--rounds", "2"]
+    _run([*argv, *small, "--json-out", str(out)], tmp_path)
+    result = json.loads(out.read_text())
+
+    assert result["projections"] == [[64, 64], [32, 64], [32, 64], [64, 64], [96, 64], [96, 64], [64, 96]]
+    assert result["weight_bytes"] == 2 * 2 * sum(o * i for o, i in result["projections"])
+    assert [row["rows"] for row in result["rows"]] == [1, 40]
+    from keepwarm_runtime.engine.attention import native
+
+    native.load()
+    ways = {"f_linear"} | ({"amx"} if native.amx_linear_available() else set())
+    for row in result["rows"]:
+        assert ways <= set(row) and all(row[way]["ms"] > 0 and row[way]["gb_s"] > 0 for way in ways), row
+    assert ("amx" in result["skipped"]) != native.amx_linear_available()
+
+
 def test_throughput_names_why_the_vllm_peer_did_not_run(tmp_path: Path) -> None:
     out = tmp_path / "throughput.json"
     argv = [sys.executable, "bench/throughput.py", "--params", "2M", "--prompts", "2", "--output-tokens", "3"]

@@ -1,0 +1,146 @@
+"""bfloat16 linear layers on CPU, per step size: keepwarm's AMX kernel beside oneDNN, weights from memory.
+
+    .venv/bin/python -m bench.cpu_linear [--rows 1,8,32,64,128] [--hidden 768] [--intermediate 2048]
+        [--heads 12] [--kv-heads 6] [--head-dim 64] [--layers 40] [--rounds 9] [--json-out FILE]
+
+One thread. A Llama decoder layer's seven projections (q, k, v, o, gate, up, down; default: the 100M
+Llama that `bench/throughput.py` generates) in --layers copies, more bytes than the CPU's last-level
+cache by default (40 x 13 MB), as a decode step reads them: each layer once, from memory. For each
+number of rows (tokens in the step), every layer is run once in turn with each way to multiply, in
+rotating order per round, and the median round is reported:
+
+* ``amx``: ``torch.ops.keepwarm_cpu.amx_linear`` (engine/attention/csrc/amx_linear.cpp), the weight
+  read where it lies; absent, with the reason, where the CPU or the build has no AMX;
+* ``onednn_packed``: oneDNN on the weight reordered once into its blocked layout (PackedLinear's path,
+  engine/cpu_linear.py);
+* ``f_linear``: ``torch.nn.functional.linear``, oneDNN reordering the weight on every call.
+
+Each as milliseconds for all the layers and as the weights' bytes over that time (GB/s), beside the
+machine's CPU flags and load (a shared VM's memory moves from run to run: compare within one run).
+Prints one JSON document. A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from datetime import UTC, datetime
+
+from keepwarm_runtime.bench_cli import publish
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", default="1,8,32,64,128", help="tokens per step, comma-separated")
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--intermediate", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--kv-heads", type=int, default=6)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=40, help="decoder layers' weights, each read once a round")
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--json-out")
+    args = p.parse_args(argv)
+    try:
+        args.rows = [int(r) for r in args.rows.split(",") if r]
+    except ValueError:
+        p.error("--rows: comma-separated whole numbers")
+    sizes = (
+        args.hidden,
+        args.intermediate,
+        args.heads,
+        args.kv_heads,
+        args.head_dim,
+        args.layers,
+        args.rounds,
+    )
+    if not args.rows or min(args.rows) < 1 or min(sizes) < 1:
+        p.error("--rows and every size must be at least 1")
+    return args
+
+
+def projections(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """(out_features, in_features) of a Llama decoder layer's q, k, v, o, gate, up and down."""
+    q, kv, h, i = args.heads * args.head_dim, args.kv_heads * args.head_dim, args.hidden, args.intermediate
+    return [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from keepwarm_runtime.engine import threads
+
+    choice = threads.ThreadChoice(1, "one thread")
+    threads.prepare_openmp(choice)  # before torch is imported, as `keepwarm serve` does
+    threads.apply(choice)
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    from bench.step import machine
+    from keepwarm_runtime.engine.attention import native
+
+    native.load()
+    shapes = projections(args)
+    g = torch.Generator().manual_seed(0)
+    weights = [
+        [(torch.randn(o, i, generator=g) / i**0.5).to(torch.bfloat16) for o, i in shapes]
+        for _ in range(args.layers)
+    ]
+    ways = {"f_linear": lambda x, w, packed: F.linear(x, w)}
+    skipped: dict[str, str] = {}
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        packed = [[torch.ops.mkldnn._reorder_linear_weight(w) for w in layer] for layer in weights]
+        ways["onednn_packed"] = lambda x, w, p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+    else:
+        packed = [[None] * len(shapes) for _ in weights]
+        skipped["onednn_packed"] = "oneDNN has no native bfloat16 on this CPU"
+    fits = all(i % 32 == 0 and o % 16 == 0 for o, i in shapes)
+    if native.amx_linear_available() and fits:
+        ways["amx"] = lambda x, w, p: native.amx_linear(x, w, None)
+    else:
+        skipped["amx"] = "shapes need K % 32 == 0 and N % 16 == 0" if fits is False else "no AMX tiles here"
+    weight_bytes = sum(o * i * 2 for o, i in shapes) * args.layers
+
+    rows_out = []
+    for rows in args.rows:
+        inputs = {i: torch.randn(rows, i, generator=g).to(torch.bfloat16) for i in {i for _, i in shapes}}
+        names = list(ways)
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for round_ in range(args.rounds + 1):  # the first round warms up, uncounted
+            for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+                way = ways[name]
+                started = time.perf_counter()
+                for layer, layer_packed in zip(weights, packed, strict=True):
+                    for (_, i), w, p in zip(shapes, layer, layer_packed, strict=True):
+                        way(inputs[i], w, p)
+                if round_:
+                    times[name].append(time.perf_counter() - started)
+        row: dict = {"rows": rows}
+        for name in names:
+            seconds = statistics.median(times[name])
+            row[name] = {"ms": round(seconds * 1e3, 3), "gb_s": round(weight_bytes / seconds / 1e9, 2)}
+        if "amx" in row and "onednn_packed" in row:
+            row["amx_speedup_vs_onednn_packed"] = round(row["onednn_packed"]["ms"] / row["amx"]["ms"], 3)
+        rows_out.append(row)
+        print(row, file=sys.stderr, flush=True)
+    result = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "kernel": native.library_name(),
+        "projections": [list(shape) for shape in shapes],
+        "layers": args.layers,
+        "weight_bytes": weight_bytes,
+        "skipped": skipped,
+        "machine": machine(),
+        "rows": rows_out,
+        "load_average_1m_after": round(os.getloadavg()[0], 2),
+    }
+    publish(result, args.json_out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
