@@ -87,20 +87,48 @@ void configure_tiles() {
   _tile_loadconfig(&config);
 }
 
+// r[i][j] <- r[j][i] for 16 vectors of 16 32-bit lanes: unpack within 128-bit lanes, then exchange
+// 128-bit lanes, in four rounds of sixteen shuffles.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
 // The activation's rows in AMX's right-operand layout: per block of 16 tokens, per pair of k, the 16
 // tokens' two elements side by side; tokens past M are zeros.
 void interleave(const uint32_t* x, int64_t M, int64_t pairs, uint32_t* packed) {
   const int64_t blocks = (M + 15) / 16;
   for (int64_t b = 0; b < blocks; ++b) {
     uint32_t* block = packed + b * pairs * 16;
-    for (int64_t t = 0; t < 16; ++t) {
-      const int64_t row = b * 16 + t;
-      if (row < M) {
-        const uint32_t* src = x + row * pairs;
-        for (int64_t p = 0; p < pairs; ++p) block[p * 16 + t] = src[p];
-      } else {
-        for (int64_t p = 0; p < pairs; ++p) block[p * 16 + t] = 0;
-      }
+    const int64_t tokens = std::min<int64_t>(16, M - b * 16);
+    const uint32_t* rows = x + b * 16 * pairs;
+    // 16 pairs of 16 tokens at a time: a 16 x 16 transpose of 32-bit elements in registers
+    for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
+      const int64_t width = std::min<int64_t>(16, pairs - p0);
+      const __mmask16 lanes = static_cast<__mmask16>((1u << width) - 1);
+      __m512i r[16];
+      for (int t = 0; t < 16; ++t)
+        r[t] = t < tokens ? _mm512_maskz_loadu_epi32(lanes, rows + t * pairs + p0) : _mm512_setzero_si512();
+      transpose16(r);
+      for (int64_t p = 0; p < width; ++p) _mm512_storeu_si512(block + (p0 + p) * 16, r[p]);
     }
   }
 }
