@@ -133,14 +133,15 @@ void interleave(const uint32_t* x, int64_t M, int64_t pairs, uint32_t* packed) {
   }
 }
 
-// Accumulator tile (16 features x 16 tokens, float32, stored at `sums`) into out's rows: token t's 16
-// features are the column t of the tile.
+// Accumulator tile (16 features x 16 tokens, float32, stored at `sums`) into out's rows: transposed in
+// registers, so that each token's 16 features are one vector to round and store.
 inline void store_block(const float* sums, const float* bias, int64_t tokens, c10::BFloat16* out, int64_t N) {
-  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(16));
+  __m512i r[16];
+  for (int f = 0; f < 16; ++f) r[f] = _mm512_load_si512(sums + f * 16);
+  transpose16(r);
   const __m512 b = bias != nullptr ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
   for (int64_t t = 0; t < tokens; ++t) {
-    const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(column, sums + t, 4), b);
+    const __m512 v = _mm512_add_ps(_mm512_castsi512_ps(r[t]), b);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + t * N), (__m256i)_mm512_cvtneps_pbh(v));
   }
 }
