@@ -124,9 +124,16 @@ def test_a_build_that_fails_is_a_named_error(tmp_path, monkeypatch) -> None:
     broken.write_text("this is not C++;\n")
     monkeypatch.setattr(native, "SOURCES", (broken, *native.SOURCES[1:]))
     monkeypatch.setattr(native, "_loaded", None)
+    monkeypatch.setattr(native, "_failed", None)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
-    with pytest.raises(native.KernelUnavailable, match="Error"):
+    with pytest.raises(native.KernelUnavailable, match="Error") as first:
         native.load()
+    # asked again (the attention backend, the fused kernels, the AMX linears), the same error without
+    # another build: the builder is not called
+    monkeypatch.setattr("torch.utils.cpp_extension.load", lambda **kwargs: pytest.fail("built again"))
+    with pytest.raises(native.KernelUnavailable) as again:
+        native.load()
+    assert again.value is first.value
 
 
 @pytest.mark.parametrize("extensions_dir", [None, "ext"])

@@ -57,6 +57,9 @@ class KernelUnavailable(RuntimeError):
     """The CPU kernel cannot be built or loaded here; the message says why."""
 
 
+_failed: KernelUnavailable | None = None  # why the build failed in this process, once it has
+
+
 def library_name() -> str:
     """Names a build by its sources, the torch and Python it links and this CPU's instruction sets (a
     build is only good for all of them)."""
@@ -118,11 +121,16 @@ def load(kernel_cache: str | Path | None = None) -> str:
     """Build (when this CPU has no cached build) and load the kernel; idempotent, thread-safe.
 
     ``kernel_cache``: a read-only folder of builds (the node agent's) tried first.
-    Returns the library name. Raises KernelUnavailable with the compiler's last lines on failure."""
-    global _loaded
+    Returns the library name. Raises KernelUnavailable with the compiler's last lines on failure, and
+    the same error again on later calls without building again: the engine asks from several places
+    (attention backend, fused kernels, AMX linears), and in an image without a compiler each failed
+    build would cost the start its time once more."""
+    global _loaded, _failed
     with _lock:
         if _loaded is not None:
             return _loaded
+        if _failed is not None:
+            raise _failed
         name = library_name()
         started = time.perf_counter()
         for built in (_node_build(name, kernel_cache), _built_library(name)):
@@ -152,7 +160,8 @@ def load(kernel_cache: str | Path | None = None) -> str:
             )
         except Exception as exc:  # a missing compiler, an unwritable cache, a failed build
             lines = [line for line in str(exc).splitlines() if line.strip()]
-            raise KernelUnavailable(f"{type(exc).__name__}: {' | '.join(lines[-3:])[:400]}") from exc
+            _failed = KernelUnavailable(f"{type(exc).__name__}: {' | '.join(lines[-3:])[:400]}")
+            raise _failed from exc
         log.info("CPU attention kernel %s loaded in %.2fs", name, time.perf_counter() - started)
         _loaded = name
         return name
