@@ -29,11 +29,11 @@ packed kernels did at about half of one thread's sequential rate. On a CPU with 
 AMX_MAX_ROWS tokens take keepwarm's kernel instead (csrc/amx_linear.cpp): it loads the weight's tiles
 where the weight lies (the attached, shared copy: nothing to pack, so the first step after a start is
 as fast as the rest) and prefetches the next rows while the tiles multiply. The 100M Llama's seven
-bfloat16 layers of 40 layers' worth of weights (more than the L3 cache, as in a step), one thread,
-Xeon with amx_bf16: 1.25x oneDNN's packed time at 1-32 rows, 1.05x at 64, slower above about 40 rows
-in the 2x2-tile form (hence the four-accumulator form for 33-64); steps of over 64 rows (prefill) are
-compute-bound and stay on oneDNN. Sums run in float32 in another order than oneDNN's, so an output may
-differ from ``F.linear``'s by one bfloat16 ulp (1 in 10,000 outputs on the tests' shapes).
+projections in 40 copies (more than the L3 cache, as in a step; `bench/cpu_linear.py`), one thread,
+Xeon with amx_bf16: 1.27-1.39x faster than oneDNN on its packed weight at 1-32 rows, 1.08-1.14x at
+48-64, the same at 128; steps of over AMX_MAX_ROWS rows (prefill chunks) are compute-bound and stay on
+oneDNN. Sums run in float32 in another order than oneDNN's, so an output may differ from
+``F.linear``'s by one bfloat16 ulp (about 1 in 10,000 on the tests' shapes).
 ``--no-cpu-amx-linear`` turns it off.
 """
 
