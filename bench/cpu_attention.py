@@ -125,9 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from keepwarm_runtime.engine import threads
 
-    choice = threads.ThreadChoice(1, "one thread")
-    threads.prepare_openmp(choice)  # before torch is imported, as `keepwarm serve` does
-    threads.apply(choice)
+    threads.use_threads(threads.ThreadChoice(1, "one thread"))  # before torch is imported, as serve does
     import torch
 
     from bench.step import machine

@@ -251,9 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from keepwarm_runtime.engine import threads
 
-    choice = threads.ThreadChoice(args.threads, "--threads")
-    threads.prepare_openmp(choice)  # before torch is imported, as `keepwarm serve` does
-    threads.apply(choice)
+    threads.use_threads(threads.ThreadChoice(args.threads, "--threads"))  # before torch, as serve does
     import torch
 
     result: dict = {

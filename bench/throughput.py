@@ -127,9 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # As `keepwarm serve` does, before torch is imported: --threads threads, and OpenMP threads that
     # sleep while they wait. Both engines run in this process, so both get the same settings.
-    choice = threads.ThreadChoice(args.threads, "--threads")
-    threads.prepare_openmp(choice)
-    threads.apply(choice)
+    threads.use_threads(threads.ThreadChoice(args.threads, "--threads"))
     import torch
 
     from keepwarm_runtime import LLM

@@ -113,19 +113,26 @@ class PackedLinear(nn.Linear):
 PLAIN_LINEARS = (nn.Linear, WeightMajorLinear, PackedLinear)
 
 
+def amx_unavailable(kernel_cache: str | None = None) -> str | None:
+    """Why the AMX kernel cannot run in this process, or None where it can (loads keepwarm's CPU
+    library: ``kernel_cache``, the node's builds, tried first)."""
+    try:
+        native.load(kernel_cache)
+    except native.KernelUnavailable as exc:
+        return f"keepwarm's CPU library did not load ({exc})"
+    if not native.amx_linear_available():
+        return "no AMX tiles in this CPU, kernel build or process"
+    return None
+
+
 def use_amx_linear(layers: list[PackedLinear], kernel_cache: str | None = None) -> int:
     """Send the decode-size steps of those layers whose shape the AMX kernel takes (K % 32, N % 16) to
     it, where keepwarm's CPU library loads (``kernel_cache``: the node's builds, tried first) and has
     it; returns how many layers take it (0, with the reason in the log, where it cannot run)."""
     if not layers:
         return 0
-    try:
-        native.load(kernel_cache)
-    except native.KernelUnavailable as exc:
-        log.info("bfloat16 linear layers stay on oneDNN: keepwarm's CPU library did not load (%s)", exc)
-        return 0
-    if not native.amx_linear_available():
-        log.info("bfloat16 linear layers stay on oneDNN: no AMX tiles in this CPU, kernel build or process")
+    if (why := amx_unavailable(kernel_cache)) is not None:
+        log.info("bfloat16 linear layers stay on oneDNN: %s", why)
         return 0
     taken = 0
     for layer in layers:

@@ -181,3 +181,10 @@ def apply(choice: ThreadChoice) -> int:
 
     torch.set_num_threads(choice.threads)
     return torch.get_num_threads()
+
+
+def use_threads(choice: ThreadChoice) -> int:
+    """Both steps at once, for a process that sets its threads before it imports torch (benchmarks):
+    OpenMP's environment, then torch's count; returns what torch reports back."""
+    prepare_openmp(choice)
+    return apply(choice)

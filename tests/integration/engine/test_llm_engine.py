@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from keepwarm_runtime import LLM, SamplingParams
-from keepwarm_runtime.engine.attention import native
 from keepwarm_runtime.engine.config import EngineConfig
-from keepwarm_runtime.engine.cpu_linear import PackedLinear, packed_weights_supported
+from keepwarm_runtime.engine.cpu_linear import PackedLinear, amx_unavailable, packed_weights_supported
 from keepwarm_runtime.engine.llm_engine import LLMEngine
 from keepwarm_runtime.engine.sampling_params import RequestOutputKind
 
@@ -39,6 +38,15 @@ def prompts(n: int, length: int = 20, seed: int = 0) -> list[dict]:
 
 def tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
+
+
+def assert_same_tokens_and_close_logprobs(got, want, tolerance: float) -> None:
+    """The same greedy tokens, and each logprob `want` reports within `tolerance` nats in `got`."""
+    assert tokens(got) == tokens(want)
+    for g, w in zip(got, want, strict=True):
+        for g_step, w_step in zip(g.outputs[0].logprobs, w.outputs[0].logprobs, strict=True):
+            for token, logprob in w_step.items():
+                assert abs(g_step[token].logprob - logprob.logprob) <= tolerance
 
 
 def test_weights_from_the_cache_match_weights_from_disk(model_dir, llm, tmp_path) -> None:
@@ -267,11 +275,7 @@ def test_fused_cpu_kernels_give_bfloat16_tokens_and_logprobs_within_their_tolera
     batch = prompts(6, length=9, seed=5)
     want = plain.generate(batch, params)
     got = fused.generate(batch, params)
-    assert tokens(got) == tokens(want)
-    for g, w in zip(got, want, strict=True):
-        for g_step, w_step in zip(g.outputs[0].logprobs, w.outputs[0].logprobs, strict=True):
-            for token, logprob in w_step.items():
-                assert abs(g_step[token].logprob - logprob.logprob) <= 0.05
+    assert_same_tokens_and_close_logprobs(got, want, tolerance=0.05)
 
 
 @pytest.mark.skipif(not packed_weights_supported(), reason="oneDNN has no native bfloat16 here")
@@ -304,15 +308,7 @@ def test_packed_bfloat16_weights_give_the_tokens_and_logprobs_of_unpacked_ones(m
     assert tokens(packed.generate(batch, params)) == tokens(want)
 
 
-def _amx_runs() -> bool:
-    try:
-        native.load()
-    except native.KernelUnavailable:
-        return False
-    return native.amx_linear_available()
-
-
-@pytest.mark.skipif(not _amx_runs(), reason="no AMX bfloat16 tiles in this CPU, kernel build or process")
+@pytest.mark.skipif(amx_unavailable() is not None, reason="the AMX kernel cannot run here")
 def test_amx_linear_layers_give_bfloat16_tokens_and_logprobs_within_their_tolerance(make_tiny) -> None:
     """Steps of up to 64 tokens on the AMX kernel (engine/cpu_linear.py) against the same engine on
     oneDNN: an output may move by one bfloat16 ulp (the sums' order), so a logprob may move by what that
@@ -331,8 +327,4 @@ def test_amx_linear_layers_give_bfloat16_tokens_and_logprobs_within_their_tolera
         assert amx.engine.amx_linear_layers == 7 * layers + 1  # every projection and the LM head
         assert bool(amx.engine.linear_packer.layers) is packed
         got = amx.generate(batch, params)
-        assert tokens(got) == tokens(want)
-        for g, w in zip(got, want, strict=True):
-            for g_step, w_step in zip(g.outputs[0].logprobs, w.outputs[0].logprobs, strict=True):
-                for token, logprob in w_step.items():
-                    assert abs(g_step[token].logprob - logprob.logprob) <= 0.05
+        assert_same_tokens_and_close_logprobs(got, want, tolerance=0.05)

@@ -21,6 +21,7 @@ from keepwarm_runtime.engine.cpu_linear import (
     LinearPacker,
     PackedLinear,
     WeightMajorLinear,
+    amx_unavailable,
     packed_weights_supported,
     use_amx_linear,
     use_packed_linear,
@@ -32,15 +33,8 @@ native_bf16 = pytest.mark.skipif(
 )
 
 
-def _amx_runs() -> bool:
-    try:
-        native.load()
-    except native.KernelUnavailable:
-        return False
-    return native.amx_linear_available()
-
-
-amx = pytest.mark.skipif(not _amx_runs(), reason="no AMX bfloat16 tiles in this CPU, kernel build or process")
+_no_amx = amx_unavailable()
+amx = pytest.mark.skipif(_no_amx is not None, reason=f"the AMX kernel cannot run here: {_no_amx}")
 
 
 @pytest.mark.parametrize("bias", [False, True])
