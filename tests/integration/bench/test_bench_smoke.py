@@ -368,8 +368,11 @@ def test_handoff_benchmark_reports_the_restarts_and_that_only_a_reload_imports_t
     assert result["machine"]["cpus"] >= 1 and isinstance(result["machine"]["cpu_features"], list)
     assert len(result["loadavg_before"]) == len(result["loadavg_after"]) == 3
     (run,) = result["runs"]
-    for key in ("initial_load_s", "handoff_s", "crash_recovery_s", "reload_s", "adopt_s", "crash_adopt_s"):
+    for key in ("initial_load_s", "handoff_s", "crash_recovery_s", "reload_s"):
         assert run[key] > 0, key
+    # The daemons' own adopt times, read from their logs (milliseconds: a quick adopt logs 0.000)
+    for key in ("adopt_s", "crash_adopt_s"):
+        assert run[key] is not None and run[key] >= 0, key
     assert run["fallbacks_during_upgrade"] == 0 and run["attaches_during_upgrade"] > 0
     assert not run["successor_loaded_from_disk"] and not run["crash_restart_loaded_from_disk"]
     # The successor and the crash restart served everything without importing torch; the daemon that
