@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.step import machine
     from keepwarm_runtime.engine.attention import native
+    from keepwarm_runtime.engine.cpu_linear import amx_takes
 
     native.load()
     shapes = projections(args)
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         packed = [[None] * len(shapes) for _ in weights]
         skipped["onednn_packed"] = "oneDNN has no native bfloat16 on this CPU"
-    fits = all(i % 32 == 0 and o % 16 == 0 for o, i in shapes)
+    fits = all(amx_takes(o, i) for o, i in shapes)
     if native.amx_linear_available() and fits:
         ways["amx"] = lambda x, w, p: native.amx_linear(x, w, None)
     else:

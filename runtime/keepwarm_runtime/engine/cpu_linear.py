@@ -113,6 +113,11 @@ class PackedLinear(nn.Linear):
 PLAIN_LINEARS = (nn.Linear, WeightMajorLinear, PackedLinear)
 
 
+def amx_takes(out_features: int, in_features: int) -> bool:
+    """The AMX kernel's shapes: whole tiles of 32 input features and 16 outputs, neither empty."""
+    return in_features > 0 and in_features % 32 == 0 and out_features > 0 and out_features % 16 == 0
+
+
 def amx_unavailable(kernel_cache: str | None = None) -> str | None:
     """Why the AMX kernel cannot run in this process, or None where it can (loads keepwarm's CPU
     library: ``kernel_cache``, the node's builds, tried first)."""
@@ -136,7 +141,7 @@ def use_amx_linear(layers: list[PackedLinear], kernel_cache: str | None = None) 
         return 0
     taken = 0
     for layer in layers:
-        layer._amx = layer.in_features % 32 == 0 and layer.out_features % 16 == 0
+        layer._amx = amx_takes(layer.out_features, layer.in_features)
         taken += layer._amx
     return taken
 

@@ -21,6 +21,7 @@ from keepwarm_runtime.engine.cpu_linear import (
     LinearPacker,
     PackedLinear,
     WeightMajorLinear,
+    amx_takes,
     amx_unavailable,
     packed_weights_supported,
     use_amx_linear,
@@ -239,6 +240,7 @@ def test_the_amx_kernel_carries_nan_and_infinity_as_the_product_does() -> None:
             torch.ones(24, 32, dtype=torch.bfloat16),
             "multiple of 32 and N of 16",
         ),
+        (torch.ones(2, 0, dtype=torch.bfloat16), torch.ones(16, 0, dtype=torch.bfloat16), "multiple of 32"),
         (torch.ones(2, 32), torch.ones(16, 32), "bfloat16 only"),
         (torch.ones(2, 64, dtype=torch.bfloat16), torch.ones(16, 32, dtype=torch.bfloat16), "64 features"),
         (
@@ -273,3 +275,4 @@ def test_amx_takes_fitting_layers_up_to_its_rows_and_onednn_the_rest() -> None:
         x2 = torch.randn(rows, 384, dtype=torch.bfloat16)
         assert torch.equal(model[1](x2), F.linear(x2, weights[1], model[1].bias))
     assert use_amx_linear([]) == 0
+    assert amx_takes(16, 32) and not amx_takes(16, 0) and not amx_takes(0, 32) and not amx_takes(24, 32)

@@ -52,7 +52,6 @@ namespace {
 
 #if defined(KEEPWARM_AMX)
 
-
 constexpr int kArchReqXcompPerm = 0x1023;  // arch_prctl: ask for an extended state component
 constexpr int kXfeatureXtiledata = 18;     // the AMX tile data component
 
@@ -255,7 +254,8 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const std::
               "amx_linear: x [..., K] and a contiguous weight [N, K]");
   const int64_t K = x.size(-1), N = weight.size(0);
   TORCH_CHECK(weight.size(1) == K, "amx_linear: x has ", K, " features, the weight ", weight.size(1));
-  TORCH_CHECK(K % 32 == 0 && N % 16 == 0, "amx_linear: K must be a multiple of 32 and N of 16, got K=", K, " N=", N);
+  TORCH_CHECK(K > 0 && K % 32 == 0 && N > 0 && N % 16 == 0,
+              "amx_linear: K must be a multiple of 32 and N of 16, got K=", K, " N=", N);
   std::optional<at::Tensor> bias32;
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "amx_linear: bias [N]");
@@ -265,7 +265,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const std::
   std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
   sizes.back() = N;
   at::Tensor out = x.new_empty(sizes);
-  const int64_t M = K == 0 ? 0 : rows.numel() / K;
+  const int64_t M = rows.numel() / K;
   if (M == 0) return out;
 #if defined(KEEPWARM_AMX)
   const int64_t pairs = K / 2;
