@@ -122,15 +122,14 @@ def load(kernel_cache: str | Path | None = None) -> str:
 
     ``kernel_cache``: a read-only folder of builds (the node agent's) tried first.
     Returns the library name. Raises KernelUnavailable with the compiler's last lines on failure, and
-    the same error again on later calls without building again: the engine asks from several places
-    (attention backend, fused kernels, AMX linears), and in an image without a compiler each failed
-    build would cost the start its time once more."""
+    the same error again on later calls that find no build to load, without building again: the engine
+    asks from several places (attention backend, fused kernels, AMX linears), and in an image without a
+    compiler each failed build would cost the start its time once more. A build that is there (a
+    node's, named by a later call's ``kernel_cache``) is still loaded."""
     global _loaded, _failed
     with _lock:
         if _loaded is not None:
             return _loaded
-        if _failed is not None:
-            raise _failed
         name = library_name()
         started = time.perf_counter()
         for built in (_node_build(name, kernel_cache), _built_library(name)):
@@ -149,6 +148,8 @@ def load(kernel_cache: str | Path | None = None) -> str:
                 )
                 _loaded = name
                 return name
+        if _failed is not None:  # the builder already failed in this process
+            raise _failed
         from torch.utils import cpp_extension
 
         try:
