@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     if native.amx_linear_available() and fits:
         ways["amx"] = lambda x, w, p: native.amx_linear(x, w, None)
     else:
-        skipped["amx"] = "shapes need K % 32 == 0 and N % 16 == 0" if fits is False else "no AMX tiles here"
+        skipped["amx"] = "no AMX tiles here" if fits else "shapes need K % 32 == 0 and N % 16 == 0"
     weight_bytes = sum(o * i * 2 for o, i in shapes) * args.layers
 
     rows_out = []
