@@ -148,6 +148,9 @@ def _stream_and_wait(
         log.warning("hand-off to pid=%d without arenas: %s", cred.pid, head["refused"])
     try:
         send_stream(conn, head, items, daemon.handoff_fds())
+    except OSError as exc:  # the successor went away (or stopped reading) during the stream
+        _abandoned(daemon, cred, f"the stream failed: {exc}")
+        return
     finally:
         for _, fd in items:
             os.close(fd)
@@ -156,14 +159,12 @@ def _stream_and_wait(
     try:
         request, fds = protocol.recv_frame(conn, protocol.MAX_REQUEST_BYTES)
     except (protocol.ProtocolError, OSError) as exc:
-        daemon.metrics.handoffs.labels(PREDECESSOR, ABANDONED).inc()
-        log.warning("hand-off to pid=%d abandoned (%s); still serving", cred.pid, exc)
+        _abandoned(daemon, cred, str(exc))
         return
     for fd in fds:
         os.close(fd)
     if request.get("cmd") != "commit":
-        daemon.metrics.handoffs.labels(PREDECESSOR, ABANDONED).inc()
-        log.warning("hand-off to pid=%d abandoned (it sent %r); still serving", cred.pid, request.get("cmd"))
+        _abandoned(daemon, cred, f"it sent {request.get('cmd')!r}")
         return
     daemon.metrics.handoffs.labels(PREDECESSOR, COMMITTED).inc()
     daemon.hand_over()
@@ -171,6 +172,11 @@ def _stream_and_wait(
     with contextlib.suppress(OSError):
         protocol.send_frame(conn, {"ok": True, "committed": True})
     log.info("committed the hand-off to pid=%d: no longer accepting; draining", cred.pid)
+
+
+def _abandoned(daemon: DaemonCore, cred: security.PeerCred, why: str) -> None:
+    daemon.metrics.handoffs.labels(PREDECESSOR, ABANDONED).inc()
+    log.warning("hand-off to pid=%d abandoned (%s); still serving", cred.pid, why)
 
 
 # -- the successor --------------------------------------------------------------------------------

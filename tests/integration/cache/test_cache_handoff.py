@@ -245,6 +245,23 @@ def _ask_handoff(socket_path: Path, formats: list[int]):
             time.sleep(0.05)
 
 
+def _wait_for_abandoned(daemon, port: str, count: int) -> None:
+    """Until the daemon has counted and logged ``count`` abandoned hand-offs; else fail with its log."""
+
+    def counted() -> bool:
+        outcome = _metric(port, "keepwarm_cache_handoffs_total", role="predecessor", outcome="abandoned")
+        return outcome == count and daemon.stderr.count(" abandoned (") == count
+
+    try:
+        _wait_for(counted, timeout_s=60)
+    except AssertionError:
+        tasks = Path(f"/proc/{daemon.proc.pid}/task").iterdir()
+        threads = [f"{(t / 'comm').read_text().strip()}: {(t / 'wchan').read_text()}" for t in tasks]
+        raise AssertionError(
+            f"not {count} abandoned hand-offs; daemon threads waiting in {threads}; its log:\n{daemon.stderr}"
+        ) from None
+
+
 def test_an_abandoned_handoff_leaves_the_daemon_serving_and_nothing_leaked(
     daemon_factory, checkpoint_writer, tmp_path
 ):
@@ -265,11 +282,16 @@ def test_an_abandoned_handoff_leaves_the_daemon_serving_and_nothing_leaked(
     assert [r["name"] for r, _ in stream.items] == ["m"]
     stream.close()
     sock.close()
-    _wait_for(lambda: "abandoned" in first.stderr and first.stderr.count("abandoned") == 2)
+    _wait_for_abandoned(first, port, 2)
+
+    # A successor killed before it read anything: the stream meets a closed socket.
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(str(first.socket))
+        protocol.send_frame(sock, {"cmd": "handoff", "formats": [1]})
+    _wait_for_abandoned(first, port, 3)
     assert attach(model, socket_dir, dtype=torch.bfloat16, fallback=False).source == "cache"
     _wait_for(lambda: _fd_count(first.proc.pid) <= baseline)
     assert _serving_pid(socket_dir) == first.proc.pid
-    assert _metric(port, "keepwarm_cache_handoffs_total", role="predecessor", outcome="abandoned") == 2
     assert _metric(port, "keepwarm_cache_handoffs_total", role="predecessor", outcome="committed") is None
 
     second = daemon_factory(socket_dir, [model]).wait_ready()  # a real successor still takes over
