@@ -167,7 +167,12 @@ def test_a_leaderworkerset_worker_finds_its_leader_by_dns_on_another_node(cluste
     except TimeoutError as exc:
         raise AssertionError(f"{exc}\nworker log:\n{log_of(cp, worker)}\n{cp.explain_pods()}") from None
 
-    pods = {name: pod_of(cp, name) for name in (leader, worker)}
+    def both_with_addresses() -> dict[str, dict[str, Any]] | None:
+        # The kubelet reports a pod's address in its own time: a container may log before it does.
+        pods = {name: pod_of(cp, name) for name in (leader, worker)}
+        return pods if all(p["status"].get("podIP") for p in pods.values()) else None
+
+    pods = cp.wait_for(both_with_addresses, timeout_s=120, what="both pods' addresses in their status")
     # Made by the LWS controller: the leader by the LWS's StatefulSet, the worker by the group's.
     owners = {name: pod["metadata"]["ownerReferences"][0] for name, pod in pods.items()}
     assert (owners[leader]["kind"], owners[leader]["name"]) == ("StatefulSet", LWS)
