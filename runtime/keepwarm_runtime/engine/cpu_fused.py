@@ -9,7 +9,10 @@ exactly what the kernels do, checked against their source by a test), never by n
 
 - ``*RMSNorm``: the module's class becomes a subclass whose forward calls ``keepwarm_cpu.rms_norm``.
 - ``*MLP`` whose ``act_fn`` is SiLU: ``down_proj(silu_and_mul(gate_proj(x), up_proj(x)))``; the
-  projections stay the modules they are (packed, LoRA's hooks, tensor-parallel shards).
+  projections stay the modules they are (packed, LoRA's hooks, tensor-parallel shards). Where both
+  would take the AMX kernel and no hook watches them, their products and the activation are one
+  operator (``cpu_linear.gate_up_silu``: the same bits, the activation rearranged once, no
+  intermediate written and read again).
 - ``*Attention``: its forward, the same code, runs with ``apply_rotary_pos_emb`` bound to the fused
   kernel (a copy of the function with its own globals, so transformers' module and every other model
   in the process keep the original). The copy is of the innermost forward, under the decorators
@@ -45,6 +48,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from keepwarm_runtime.engine.cpu_linear import gate_up_silu
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +129,8 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    if (fused := gate_up_silu(self.gate_proj, self.up_proj, x)) is not None:  # one pass on AMX tiles
+        return self.down_proj(fused)
     gate, up = self.gate_proj(x), self.up_proj(x)
     if not _takes(gate, up) or gate.shape != up.shape:
         return self.down_proj(self.act_fn(gate) * up)

@@ -82,15 +82,20 @@ class PackedLinear(nn.Linear):
     _packed: tuple[int, torch.Tensor] | None = None
     _amx = False  # this layer's shape takes the AMX kernel, and the kernel runs here (use_amx_linear)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed, weight = self._packed, self.weight
-        if (
+    def amx_takes(self, x: torch.Tensor) -> bool:
+        """This step's ``x`` goes to the AMX kernel."""
+        weight = self.weight
+        return (
             self._amx
             and x.dtype == weight.dtype
             and 0 < x.numel() <= AMX_MAX_ROWS * x.shape[-1]
             and weight.is_contiguous()
             and x.device.type == "cpu"
-        ):
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed, weight = self._packed, self.weight
+        if self.amx_takes(x):
             return native.amx_linear(x, weight, self.bias)
         if packed is None or x.dtype != weight.dtype or x.numel() == x.shape[-1]:
             return F.linear(x, weight, self.bias)
@@ -116,6 +121,33 @@ PLAIN_LINEARS = (nn.Linear, WeightMajorLinear, PackedLinear)
 def amx_takes(out_features: int, in_features: int) -> bool:
     """The AMX kernel's shapes: whole tiles of 32 input features and 16 outputs, neither empty."""
     return in_features > 0 and in_features % 32 == 0 and out_features > 0 and out_features % 16 == 0
+
+
+def gate_up_silu(gate: nn.Module, up: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """``silu(gate(x)) * up(x)`` in one AMX pass (the same bits as the two layers and SiLU-and-mul),
+    where both layers would send ``x`` to the kernel, have no bias and nothing watches them one at a
+    time (a LoRA slot's or a tensor-parallel shard's hooks); None where the caller must run them."""
+    if type(gate) is not PackedLinear or type(up) is not PackedLinear:
+        return None
+    if not (gate.amx_takes(x) and up.amx_takes(x)):
+        return None
+    if gate.bias is not None or up.bias is not None or gate.weight.shape != up.weight.shape:
+        return None
+    if _hooked(gate) or _hooked(up) or (torch.is_grad_enabled() and x.requires_grad):
+        return None
+    return native.amx_gate_up_silu(x, gate.weight, up.weight)
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Forward hooks would see this layer's call: its own or torch's global ones."""
+    from torch.nn.modules import module as torch_module
+
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or torch_module._global_forward_hooks
+        or torch_module._global_forward_pre_hooks
+    )
 
 
 def amx_unavailable(kernel_cache: str | None = None) -> str | None:

@@ -326,5 +326,8 @@ def test_amx_linear_layers_give_bfloat16_tokens_and_logprobs_within_their_tolera
         amx = LLM(model_dir, cpu_packed_weights=packed, **kwargs)
         assert amx.engine.amx_linear_layers == 7 * layers + 1  # every projection and the LM head
         assert bool(amx.engine.linear_packer.layers) is packed
-        got = amx.generate(batch, params)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as ran:
+            got = amx.generate(batch, params)
         assert_same_tokens_and_close_logprobs(got, want, tolerance=0.05)
+        ops = {event.key: event.count for event in ran.key_averages()}
+        assert ops.get("keepwarm_cpu::amx_gate_up_silu", 0) >= layers  # the MLPs' gate and up as one

@@ -23,6 +23,7 @@ from keepwarm_runtime.engine.cpu_linear import (
     WeightMajorLinear,
     amx_takes,
     amx_unavailable,
+    gate_up_silu,
     packed_weights_supported,
     use_amx_linear,
     use_packed_linear,
@@ -276,3 +277,72 @@ def test_amx_takes_fitting_layers_up_to_its_rows_and_onednn_the_rest() -> None:
         assert torch.equal(model[1](x2), F.linear(x2, weights[1], model[1].bias))
     assert use_amx_linear([]) == 0
     assert amx_takes(16, 32) and not amx_takes(16, 0) and not amx_takes(0, 32) and not amx_takes(24, 32)
+
+
+def _silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(gate)
+    getattr(torch.ops, native.OP_NAMESPACE).silu_and_mul(out, gate, up)
+    return out
+
+
+@amx
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 48, 64, 65, 100])
+@pytest.mark.parametrize("out_in", [(2048, 768), (48, 64), (16, 32)])
+def test_the_gate_up_kernel_is_the_two_layers_and_silu_and_mul_bit_for_bit(
+    rows: int, out_in: tuple[int, int], threads: int
+) -> None:
+    torch.manual_seed(rows)
+    n, k = out_in
+    gate, up = ((torch.randn(n, k) / k**0.5).to(torch.bfloat16) for _ in range(2))
+    x = torch.randn(rows, k, dtype=torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = native.amx_gate_up_silu(x, gate, up)
+        want = _silu_and_mul(native.amx_linear(x, gate, None), native.amx_linear(x, up, None))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, want)
+    exact = F.silu(x.float() @ gate.float().T) * (x.float() @ up.float().T)  # and near the exact value
+    assert torch.allclose(got.float(), exact, rtol=0.05, atol=0.05)
+
+
+@amx
+def test_the_gate_up_kernel_keeps_leading_dims_and_refuses_by_name() -> None:
+    gate, up = torch.ones(32, 64, dtype=torch.bfloat16), torch.ones(32, 64, dtype=torch.bfloat16)
+    x = torch.randn(64, 2, 3, dtype=torch.bfloat16).permute(1, 2, 0)  # [2, 3, 64], not contiguous
+    got = native.amx_gate_up_silu(x, gate, up)
+    assert got.shape == (2, 3, 32) and torch.equal(got, native.amx_gate_up_silu(x.contiguous(), gate, up))
+    assert native.amx_gate_up_silu(x[:0], gate, up).shape == (0, 3, 32)
+    with pytest.raises(RuntimeError, match=r"amx_gate_up_silu: gate .* and up .* differ"):
+        native.amx_gate_up_silu(x, gate, up[:16])
+    with pytest.raises(RuntimeError, match="amx_gate_up_silu: K must be a multiple of 32"):
+        native.amx_gate_up_silu(*(torch.ones(n, 48, dtype=torch.bfloat16) for n in (2, 32, 32)))
+    with pytest.raises(RuntimeError, match="amx_gate_up_silu: bfloat16 only"):
+        native.amx_gate_up_silu(x.float(), gate, up)
+
+
+@amx
+def test_gate_up_silu_takes_the_pair_only_where_nothing_watches_the_layers_one_at_a_time() -> None:
+    torch.manual_seed(3)
+    gate, up, odd = (nn.Linear(64, n, bias=False).to(torch.bfloat16) for n in (32, 32, 40))
+    layers = use_packed_linear(nn.ModuleList([gate, up, odd]))
+    use_amx_linear(layers)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want = _silu_and_mul(gate(x), up(x))
+        assert torch.equal(gate_up_silu(gate, up, x), want)
+        assert gate_up_silu(gate, odd, x) is None  # shapes differ (and 40 outputs do not take the kernel)
+        assert gate_up_silu(gate, up, torch.randn(AMX_MAX_ROWS + 1, 64, dtype=torch.bfloat16)) is None
+        assert gate_up_silu(gate, up, x.float()) is None
+        handle = up.register_forward_hook(lambda module, args, out: out * 2)  # as a LoRA slot's hook adds
+        assert gate_up_silu(gate, up, x) is None
+        handle.remove()
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: None)
+        assert gate_up_silu(gate, up, x) is None
+        handle.remove()
+        plain = nn.Linear(64, 32, bias=False).to(torch.bfloat16)
+        assert gate_up_silu(plain, up, x) is None  # not a PackedLinear
+        gate.bias = nn.Parameter(torch.zeros(32, dtype=torch.bfloat16))
+        assert gate_up_silu(gate, up, x) is None

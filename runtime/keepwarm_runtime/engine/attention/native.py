@@ -2,11 +2,12 @@
 
 One library, ``torch.ops.keepwarm_cpu``: the paged decode attention (csrc/paged_decode.cpp), the
 fused RMSNorm, SiLU-and-mul and rotary kernels (csrc/fused_ops.cpp, attached by engine/cpu_fused.py)
-and the bfloat16 linear layer on AMX tiles (csrc/amx_linear.cpp, used by engine/cpu_linear.py).
+and the bfloat16 linear layer on AMX tiles with its gated-MLP form (csrc/amx_linear.cpp, used by
+engine/cpu_linear.py and engine/cpu_fused.py).
 The kernels are compiled for this machine's CPU (`-march=native`) with the compiler torch's extension
 builder finds, once, into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``); later processes load the cached library in milliseconds. The library
-name carries a hash of the sources (and csrc/vec16.h, which both include), the torch and Python
+name carries a hash of the sources (and csrc/vec16.h, which they include), the torch and Python
 versions and the CPU's instruction-set flags, so a cache shared between machines or images never hands
 one CPU (or torch) another's build, and a process finding that build loads it directly, without
 importing the builder. `make venv` builds it
@@ -202,6 +203,12 @@ def amx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     """``F.linear(x, weight, bias)`` for bfloat16 on AMX, the weight read in place (csrc/amx_linear.cpp);
     needs K % 32 == 0 and N % 16 == 0."""
     return getattr(torch.ops, OP_NAMESPACE).amx_linear(x, weight, bias)
+
+
+def amx_gate_up_silu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu_and_mul(F.linear(x, gate), F.linear(x, up))`` on AMX in one pass, the same bits as those
+    three (csrc/amx_linear.cpp); gate and up [N, K] with K % 32 == 0 and N % 16 == 0."""
+    return getattr(torch.ops, OP_NAMESPACE).amx_gate_up_silu(x, gate, up)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,8 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #define KEEPWARM_AMX 1
 #include <immintrin.h>
+
+#include "vec16.h"  // silu16: the SiLU-and-mul kernel's (fused_ops.cpp), for the gate/up epilogue
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -144,6 +146,33 @@ inline void store_block(const float* sums, const float* bias, int64_t tokens, c1
   }
 }
 
+// A float32 vector rounded to bfloat16 and widened again (round to nearest even).
+inline __m512 round_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+// A gate tile and an up tile (16 features x 16 tokens each) into out's rows as T(silu(T(gate))) *
+// T(up), rounded as the separate layers and the SiLU-and-mul kernel round (the same bits).
+inline void store_silu_block(const float* gate, const float* up, int64_t tokens, c10::BFloat16* out, int64_t N) {
+  __m512i g[16], u[16];
+  for (int f = 0; f < 16; ++f) g[f] = _mm512_load_si512(gate + f * 16), u[f] = _mm512_load_si512(up + f * 16);
+  transpose16(g);
+  transpose16(u);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const __m512 gt = round_bf16(_mm512_castsi512_ps(g[t]));
+    const vfloat silu = silu16(__builtin_bit_cast(vfloat, gt));
+    const __m512 v = _mm512_mul_ps(round_bf16(__builtin_bit_cast(__m512, silu)), round_bf16(_mm512_castsi512_ps(u[t])));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + t * N), (__m256i)_mm512_cvtneps_pbh(v));
+  }
+}
+
+// `lines` lines of the next block's weight rows per k step, fetched into L2 while this block computes.
+inline void prefetch_share(const char* ahead, int64_t s, int lines) {
+  if (ahead == nullptr) return;
+  const char* at = ahead + s * lines * 64;
+  for (int line = 0; line < lines; ++line) _mm_prefetch(at + line * 64, _MM_HINT_T1);
+}
+
 // Features [f0, f0 + 32) (or 16) for every token, 32 tokens at a time.
 void feature_block(const c10::BFloat16* w, const uint32_t* xs, const float* bias, c10::BFloat16* out, int64_t M,
                    int64_t N, int64_t K, int64_t f0, bool two_features) {
@@ -163,10 +192,7 @@ void feature_block(const c10::BFloat16* w, const uint32_t* xs, const float* bias
     _tile_zero(C01);
     _tile_zero(C11);
     for (int64_t s = 0; s < steps; ++s) {
-      if (ahead != nullptr) {  // a step's share of the next block's lines (it has K lines in all)
-        const char* lines = reinterpret_cast<const char*>(ahead) + s * 32 * 64;
-        for (int line = 0; line < 32; ++line) _mm_prefetch(lines + line * 64, _MM_HINT_T1);
-      }
+      prefetch_share(reinterpret_cast<const char*>(ahead), s, 32);  // a step's share (K lines in all)
       _tile_loadd(W0, w0 + s * 32, w_stride);
       _tile_loadd(X0, x0 + s * 256, 64);
       _tile_dpbf16ps(C00, W0, X0);
@@ -196,24 +222,18 @@ void feature_block(const c10::BFloat16* w, const uint32_t* xs, const float* bias
   }
 }
 
-// 16 features x 33..64 tokens in one pass: four accumulators over one weight tile, so each weight
-// tile is read from memory once and feeds four tile products.
-void feature_tile_wide(const c10::BFloat16* w, const uint32_t* xs, const float* bias, c10::BFloat16* out,
-                       int64_t M, int64_t N, int64_t K, int64_t f0) {
-  const int64_t steps = K / 32, w_stride = K * 2, token_blocks = (M + 15) / 16, xb = (K / 2) * 16;
-  const c10::BFloat16* w0 = w + f0 * K;
-  const char* ahead = f0 + 32 <= N ? reinterpret_cast<const char*>(w + (f0 + 16) * K) : nullptr;
+// The sums of 16 weight rows (from w0) x 33..64 tokens in one pass: four accumulators over one weight
+// tile, so each weight tile is read from memory once and feeds four tile products.
+void wide_sums(const c10::BFloat16* w0, const uint32_t* xs, int64_t K, int64_t token_blocks, const char* ahead,
+               float (*sums)[256]) {
+  const int64_t steps = K / 32, w_stride = K * 2, xb = (K / 2) * 16;
   const bool four = token_blocks == 4;
-  alignas(64) float sums[4][256];
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t s = 0; s < steps; ++s) {
-    if (ahead != nullptr) {
-      const char* lines = ahead + s * 16 * 64;
-      for (int line = 0; line < 16; ++line) _mm_prefetch(lines + line * 64, _MM_HINT_T1);
-    }
+    prefetch_share(ahead, s, 16);
     _tile_loadd(4, w0 + s * 32, w_stride);
     _tile_loadd(5, xs + s * 256, 64);
     _tile_dpbf16ps(0, 4, 5);
@@ -230,9 +250,70 @@ void feature_tile_wide(const c10::BFloat16* w, const uint32_t* xs, const float* 
   _tile_stored(1, sums[1], 64);
   _tile_stored(2, sums[2], 64);
   _tile_stored(3, sums[3], 64);
+}
+
+// 16 features x 33..64 tokens.
+void feature_tile_wide(const c10::BFloat16* w, const uint32_t* xs, const float* bias, c10::BFloat16* out,
+                       int64_t M, int64_t N, int64_t K, int64_t f0) {
+  const int64_t token_blocks = (M + 15) / 16;
+  const char* ahead = f0 + 32 <= N ? reinterpret_cast<const char*>(w + (f0 + 16) * K) : nullptr;
+  alignas(64) float sums[4][256];
+  wide_sums(w + f0 * K, xs, K, token_blocks, ahead, sums);
   for (int64_t tb = 0; tb < token_blocks; ++tb) {
     const int64_t t0 = tb * 16;
     store_block(sums[tb], bias != nullptr ? bias + f0 : nullptr, std::min<int64_t>(16, M - t0), out + t0 * N + f0, N);
+  }
+}
+
+// silu(x @ gate[f0, f0 + 16)^T) * (x @ up[f0, f0 + 16)^T) for every token: the MLP's two projections
+// and its activation in one pass over the activation's interleaved rows, the output written once.
+// Up to 32 tokens (and past 64), the gate and up rows are the two weight tiles of a 2 x 2 block; for
+// 33..64 tokens, each takes the four-accumulator pass in turn.
+void gate_up_block(const c10::BFloat16* gate, const c10::BFloat16* up, const uint32_t* xs, c10::BFloat16* out,
+                   int64_t M, int64_t N, int64_t K, int64_t f0) {
+  const int64_t steps = K / 32, w_stride = K * 2, token_blocks = (M + 15) / 16, xb = (K / 2) * 16;
+  const c10::BFloat16* g0 = gate + f0 * K;
+  const c10::BFloat16* u0 = up + f0 * K;
+  const bool more = f0 + 32 <= N;  // a next block, to fetch ahead
+  const char* gate_ahead = more ? reinterpret_cast<const char*>(g0 + 16 * K) : nullptr;
+  const char* up_ahead = more ? reinterpret_cast<const char*>(u0 + 16 * K) : nullptr;
+  alignas(64) float sums[8][256];
+  if (M > 32 && M <= 64) {
+    wide_sums(g0, xs, K, token_blocks, gate_ahead, sums);
+    wide_sums(u0, xs, K, token_blocks, up_ahead, sums + 4);
+    for (int64_t tb = 0; tb < token_blocks; ++tb)
+      store_silu_block(sums[tb], sums[4 + tb], std::min<int64_t>(16, M - tb * 16), out + tb * 16 * N + f0, N);
+    return;
+  }
+  for (int64_t tb = 0; tb < token_blocks; tb += 2) {
+    const bool two_tokens = tb + 1 < token_blocks;
+    const uint32_t* x0 = xs + tb * xb;
+    const uint32_t* x1 = x0 + xb;
+    _tile_zero(C00);
+    _tile_zero(C10);
+    _tile_zero(C01);
+    _tile_zero(C11);
+    for (int64_t s = 0; s < steps; ++s) {
+      if (tb == 0) prefetch_share(gate_ahead, s, 16), prefetch_share(up_ahead, s, 16);
+      _tile_loadd(W0, g0 + s * 32, w_stride);
+      _tile_loadd(W1, u0 + s * 32, w_stride);
+      _tile_loadd(X0, x0 + s * 256, 64);
+      _tile_dpbf16ps(C00, W0, X0);
+      _tile_dpbf16ps(C10, W1, X0);
+      if (two_tokens) {
+        _tile_loadd(X1, x1 + s * 256, 64);
+        _tile_dpbf16ps(C01, W0, X1);
+        _tile_dpbf16ps(C11, W1, X1);
+      }
+    }
+    _tile_stored(C00, sums[0], 64);
+    _tile_stored(C10, sums[1], 64);
+    _tile_stored(C01, sums[2], 64);
+    _tile_stored(C11, sums[3], 64);
+    for (int half = 0; half < (two_tokens ? 2 : 1); ++half) {
+      const int64_t t0 = (tb + half) * 16;
+      store_silu_block(sums[half * 2], sums[half * 2 + 1], std::min<int64_t>(16, M - t0), out + t0 * N + f0, N);
+    }
   }
 }
 
@@ -246,32 +327,51 @@ bool amx_linear_available() {
 #endif
 }
 
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(amx_linear_available(), "amx_linear: this build or CPU has no AMX bfloat16 tiles");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "amx_linear: bfloat16 only");
-  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 2 && weight.is_contiguous(),
-              "amx_linear: x [..., K] and a contiguous weight [N, K]");
+// The checks both operators make: bfloat16, x [..., K], contiguous weights [N, K] with whole tiles.
+void check_operands(const char* op, const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(amx_linear_available(), op, ": this build or CPU has no AMX bfloat16 tiles");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, op, ": bfloat16 only");
+  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 2 && weight.is_contiguous(), op,
+              ": x [..., K] and a contiguous weight [N, K]");
   const int64_t K = x.size(-1), N = weight.size(0);
-  TORCH_CHECK(weight.size(1) == K, "amx_linear: x has ", K, " features, the weight ", weight.size(1));
-  TORCH_CHECK(K > 0 && K % 32 == 0 && N > 0 && N % 16 == 0,
-              "amx_linear: K must be a multiple of 32 and N of 16, got K=", K, " N=", N);
+  TORCH_CHECK(weight.size(1) == K, op, ": x has ", K, " features, the weight ", weight.size(1));
+  TORCH_CHECK(K > 0 && K % 32 == 0 && N > 0 && N % 16 == 0, op,
+              ": K must be a multiple of 32 and N of 16, got K=", K, " N=", N);
+}
+
+// An empty output shaped as x with its last dimension N.
+at::Tensor output_for(const at::Tensor& x, int64_t N) {
+  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
+  sizes.back() = N;
+  return x.new_empty(sizes);
+}
+
+#if defined(KEEPWARM_AMX)
+// The M rows of the contiguous activation in the right-operand layout, in a buffer of the calling
+// thread's kept between calls (a step's layers reuse it).
+const uint32_t* interleaved_rows(const at::Tensor& rows, int64_t M, int64_t K) {
+  const int64_t pairs = K / 2;
+  thread_local std::vector<uint32_t> packed;
+  packed.resize((M + 15) / 16 * 16 * pairs);
+  interleave(reinterpret_cast<const uint32_t*>(rows.data_ptr<c10::BFloat16>()), M, pairs, packed.data());
+  return packed.data();
+}
+#endif
+
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  check_operands("amx_linear", x, weight);
+  const int64_t K = x.size(-1), N = weight.size(0);
   std::optional<at::Tensor> bias32;
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "amx_linear: bias [N]");
     bias32 = bias->to(at::kFloat).contiguous();
   }
   const at::Tensor rows = x.contiguous();
-  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
-  sizes.back() = N;
-  at::Tensor out = x.new_empty(sizes);
+  at::Tensor out = output_for(x, N);
   const int64_t M = rows.numel() / K;
   if (M == 0) return out;
 #if defined(KEEPWARM_AMX)
-  const int64_t pairs = K / 2;
-  thread_local std::vector<uint32_t> packed;  // kept between calls: a step's layers reuse it
-  packed.resize((M + 15) / 16 * 16 * pairs);
-  uint32_t* xs = packed.data();
-  interleave(reinterpret_cast<const uint32_t*>(rows.data_ptr<c10::BFloat16>()), M, pairs, xs);
+  const uint32_t* xs = interleaved_rows(rows, M, K);
   const c10::BFloat16* w = weight.data_ptr<c10::BFloat16>();
   const float* b = bias32.has_value() ? bias32->data_ptr<float>() : nullptr;
   c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
@@ -293,11 +393,41 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const std::
   return out;
 }
 
+// silu(x @ gate^T) * (x @ up^T), rounded where the two layers and SiLU-and-mul would round: a gated
+// MLP's first half in one operator (engine/cpu_fused.py), the activation interleaved once.
+at::Tensor amx_gate_up_silu(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up) {
+  check_operands("amx_gate_up_silu", x, gate);
+  check_operands("amx_gate_up_silu", x, up);
+  TORCH_CHECK(gate.sizes() == up.sizes(), "amx_gate_up_silu: gate ", gate.sizes(), " and up ", up.sizes(),
+              " differ");
+  const int64_t K = x.size(-1), N = gate.size(0);
+  const at::Tensor rows = x.contiguous();
+  at::Tensor out = output_for(x, N);
+  const int64_t M = rows.numel() / K;
+  if (M == 0) return out;
+#if defined(KEEPWARM_AMX)
+  const uint32_t* xs = interleaved_rows(rows, M, K);
+  const c10::BFloat16* g = gate.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* u = up.data_ptr<c10::BFloat16>();
+  c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, N / 16, 4, [&](int64_t first, int64_t last) {
+    configure_tiles();
+    for (int64_t fb = first; fb < last; ++fb) gate_up_block(g, u, xs, o, M, N, K, fb * 16);
+    _tile_release();
+  });
+#endif
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(keepwarm_cpu, m) {
   m.def("amx_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("amx_gate_up_silu(Tensor x, Tensor gate, Tensor up) -> Tensor");
   m.def("amx_linear_available() -> bool", &amx_linear_available);  // no tensors: one kernel for every key
 }
 
-TORCH_LIBRARY_IMPL(keepwarm_cpu, CPU, m) { m.impl("amx_linear", &amx_linear); }
+TORCH_LIBRARY_IMPL(keepwarm_cpu, CPU, m) {
+  m.impl("amx_linear", &amx_linear);
+  m.impl("amx_gate_up_silu", &amx_gate_up_silu);
+}

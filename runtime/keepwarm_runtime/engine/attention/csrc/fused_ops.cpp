@@ -144,12 +144,8 @@ inline void add_row(const T* x, const T* residual, T* sum, int64_t n) {
 // One row of T(silu(gate)) * up, silu(g) = g / (1 + e^-g) as torch computes it.
 template <typename T>
 inline void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
-  const vfloat one = vfloat{} + 1.f;
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    const vfloat g = load16(gate + i);
-    store16(out + i, round_to<T>(g / (one + exp16(-g))) * load16(up + i));
-  }
+  for (; i + kLanes <= n; i += kLanes) store16(out + i, round_to<T>(silu16(load16(gate + i))) * load16(up + i));
   for (; i < n; ++i) {
     const float g = static_cast<float>(gate[i]);
     out[i] = static_cast<T>(round_to<T>(g / (1.f + std::exp(-g))) * static_cast<float>(up[i]));

@@ -1,5 +1,5 @@
 // What keepwarm's CPU kernels share: a vector of 16 float32 lanes and the few operations on it that
-// both paged_decode.cpp and fused_ops.cpp need (load, store, a horizontal sum, e^x).
+// paged_decode.cpp, fused_ops.cpp and amx_linear.cpp need (load, store, a horizontal sum, e^x, SiLU).
 //
 // One AVX-512 register under -march of a CPU that has it; GCC splits the type into two ymm registers
 // on AVX2, scalar code elsewhere. The functions are static inline: each kernel file gets its own copy,
@@ -52,3 +52,7 @@ static inline vfloat exp16(vfloat x) {
   const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
   return p * __builtin_bit_cast(vfloat, bits);
 }
+
+// silu(g) = g / (1 + e^-g), as torch computes it: the SiLU-and-mul kernel and the AMX gate/up kernel
+// share it, so that their results are the same bits.
+static inline vfloat silu16(vfloat g) { return g / (1.f + exp16(-g)); }
