@@ -75,6 +75,28 @@ def test_kernel_matches_sdpa_over_the_gathered_cache(dtype, contexts, dims, grou
     torch.testing.assert_close(out.float(), want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_nan_key_spoils_only_its_heads_and_huge_scores_stay_finite(dtype) -> None:
+    """The softmax's max is taken lane by lane: a NaN score never becomes the max, so it spoils the
+    heads that read it (NaN, as SDPA gives) and no other; scores far beyond exp's range (keys of 1e4)
+    are shifted by the max and weigh as SDPA weighs them."""
+    native.load()
+    contexts = [40, 37, 16]
+    query, k_cache, v_cache, tables = paged_case(contexts, dtype, heads=8, kv_heads=2)
+    k_cache[tables[1, 1], 5, 0, 3] = float("nan")  # sequence 1, token 21, KV head 0 (query heads 0-3)
+    k_cache[tables[2, 0]] *= 1e4  # sequence 2: scores of about 1e5
+    ends = torch.tensor(contexts)
+    starts = torch.zeros_like(ends)
+    out = torch.empty_like(query)
+    native.paged_decode_attention(out, query, k_cache, v_cache, tables, starts, ends, 0.125, None, None)
+    want = reference(query, k_cache, v_cache, tables, starts, ends, 0.125)
+    assert out[1, :4].isnan().all() and want[1, :4].isnan().all()
+    assert out[2].isfinite().all()
+    torch.testing.assert_close(out[1, 4:].float(), want[1, 4:], rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    for b in (0, 2):
+        torch.testing.assert_close(out[b].float(), want[b], rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_softcap_and_sinks_match_the_eager_formula(dtype) -> None:
     native.load()

@@ -66,8 +66,18 @@ inline float softmax_weights(float* s, int64_t n, float scale, float cap, const 
       top = std::max(top, s[i]);
     }
   } else {
-#pragma omp simd reduction(max : top)
-    for (int64_t i = 0; i < n; ++i) {
+    // In vectors: a scalar running max is a chain of dependent instructions, a twentieth of a decode
+    // call's time. Lane by lane as std::max (a NaN score never becomes the max); the max of the lanes'
+    // maxima is the same number (at most a zero's sign differs, which no s - top can tell).
+    vfloat lanes = vfloat{} + top;
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) {
+      const vfloat v = load(s + i) * scale;
+      store(s + i, v);
+      lanes = lanes < v ? v : lanes;
+    }
+    for (int64_t lane = 0; lane < kLanes; ++lane) top = std::max(top, lanes[lane]);
+    for (; i < n; ++i) {
       s[i] *= scale;
       top = std::max(top, s[i]);
     }
