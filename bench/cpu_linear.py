@@ -13,7 +13,10 @@ rotating order per round, and the median round is reported:
   read where it lies; absent, with the reason, where the CPU or the build has no AMX;
 * ``onednn_packed``: oneDNN on the weight reordered once into its blocked layout (PackedLinear's path,
   engine/cpu_linear.py);
-* ``f_linear``: ``torch.nn.functional.linear``, oneDNN reordering the weight on every call.
+* ``f_linear``: ``torch.nn.functional.linear``, oneDNN reordering the weight on every call;
+* ``amx_mlp_separate`` and ``amx_mlp_as_one``: the layer as the engine runs it with AMX, the MLP's
+  SiLU-and-mul included: gate and up as two ``amx_linear`` calls and the SiLU-and-mul kernel, or as
+  one ``amx_gate_up_silu`` (engine/cpu_fused.py takes the second; the same bits).
 
 Each as milliseconds for all the layers and as the weights' bytes over that time (GB/s), beside the
 machine's CPU flags and load (a shared VM's memory moves from run to run: compare within one run).
@@ -67,6 +70,42 @@ def projections(args: argparse.Namespace) -> list[tuple[int, int]]:
     return [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)]
 
 
+def each_projection(shapes: list[tuple[int, int]], way):
+    """A layer's run: ``way(x, weight, packed)`` for each projection, on the input of its width."""
+
+    def run(inputs, layer, layer_packed) -> None:
+        for (_, i), w, p in zip(shapes, layer, layer_packed, strict=True):
+            way(inputs[i], w, p)
+
+    return run
+
+
+def amx_layer(shapes: list[tuple[int, int]], gate_up_as_one: bool):
+    """A layer's run on AMX as the engine's fused MLP takes it (q, k, v, o, gate, up, down)."""
+    import torch
+
+    from keepwarm_runtime.engine.attention import native
+
+    silu_and_mul = getattr(torch.ops, native.OP_NAMESPACE).silu_and_mul
+    hidden = shapes[4][1]
+
+    def run(inputs, layer, layer_packed) -> None:
+        q, k, v, o, gate, up, down = layer
+        x = inputs[hidden]
+        for w in (q, k, v):
+            native.amx_linear(x, w, None)
+        native.amx_linear(inputs[o.shape[1]], o, None)
+        if gate_up_as_one:
+            act = native.amx_gate_up_silu(x, gate, up)
+        else:
+            g, u = native.amx_linear(x, gate, None), native.amx_linear(x, up, None)
+            act = torch.empty_like(g)
+            silu_and_mul(act, g, u)
+        native.amx_linear(act, down, None)
+
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from keepwarm_runtime.engine import threads
@@ -88,19 +127,25 @@ def main(argv: list[str] | None = None) -> int:
         [(torch.randn(o, i, generator=g) / i**0.5).to(torch.bfloat16) for o, i in shapes]
         for _ in range(args.layers)
     ]
-    ways = {"f_linear": lambda x, w, packed: F.linear(x, w)}
+    per_projection = {"f_linear": lambda x, w, packed: F.linear(x, w)}
     skipped: dict[str, str] = {}
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():
         packed = [[torch.ops.mkldnn._reorder_linear_weight(w) for w in layer] for layer in weights]
-        ways["onednn_packed"] = lambda x, w, p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+        per_projection["onednn_packed"] = lambda x, w, p: torch.ops.mkldnn._linear_pointwise(
+            x, p, None, "none", [], ""
+        )
     else:
         packed = [[None] * len(shapes) for _ in weights]
         skipped["onednn_packed"] = "oneDNN has no native bfloat16 on this CPU"
     fits = all(amx_takes(o, i) for o, i in shapes)
     if native.amx_linear_available() and fits:
-        ways["amx"] = lambda x, w, p: native.amx_linear(x, w, None)
+        per_projection["amx"] = lambda x, w, p: native.amx_linear(x, w, None)
     else:
         skipped["amx"] = "no AMX tiles here" if fits else "shapes need K % 32 == 0 and N % 16 == 0"
+    ways = {name: each_projection(shapes, way) for name, way in per_projection.items()}
+    if "amx" in per_projection:
+        ways["amx_mlp_separate"] = amx_layer(shapes, gate_up_as_one=False)
+        ways["amx_mlp_as_one"] = amx_layer(shapes, gate_up_as_one=True)
     weight_bytes = sum(o * i * 2 for o, i in shapes) * args.layers
 
     rows_out = []
@@ -113,8 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                 way = ways[name]
                 started = time.perf_counter()
                 for layer, layer_packed in zip(weights, packed, strict=True):
-                    for (_, i), w, p in zip(shapes, layer, layer_packed, strict=True):
-                        way(inputs[i], w, p)
+                    way(inputs, layer, layer_packed)
                 if round_:
                     times[name].append(time.perf_counter() - started)
         row: dict = {"rows": rows}
@@ -123,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
             row[name] = {"ms": round(seconds * 1e3, 3), "gb_s": round(weight_bytes / seconds / 1e9, 2)}
         if "amx" in row and "onednn_packed" in row:
             row["amx_speedup_vs_onednn_packed"] = round(row["onednn_packed"]["ms"] / row["amx"]["ms"], 3)
+        if "amx_mlp_as_one" in row:
+            separate, as_one = row["amx_mlp_separate"]["ms"], row["amx_mlp_as_one"]["ms"]
+            row["mlp_as_one_speedup"] = round(separate / as_one, 3)
         rows_out.append(row)
         print(row, file=sys.stderr, flush=True)
     result = {

@@ -34,6 +34,9 @@ Xeon with amx_bf16: 1.27-1.39x faster than oneDNN on its packed weight at 1-32 r
 48-64, the same at 128; steps of over AMX_MAX_ROWS rows (prefill chunks) are compute-bound and stay on
 oneDNN. Sums run in float32 in another order than oneDNN's, so an output may differ from
 ``F.linear``'s by one bfloat16 ulp (about 1 in 10,000 on the tests' shapes).
+A gated MLP's gate and up projections and its SiLU-and-mul are one AMX operator where both layers
+would take the kernel and no hook watches them (``gate_up_silu``, called by engine/cpu_fused.py): the
+same bits, the activation rearranged once and no intermediate written out and read back.
 ``--no-cpu-amx-linear`` turns it off.
 """
 

@@ -242,9 +242,11 @@ def test_cpu_linear_benchmark_times_every_way_per_step_size(tmp_path: Path) -> N
     from keepwarm_runtime.engine.attention import native
 
     native.load()
-    ways = {"f_linear"} | ({"amx"} if native.amx_linear_available() else set())
+    amx = {"amx", "amx_mlp_separate", "amx_mlp_as_one"} if native.amx_linear_available() else set()
+    ways = {"f_linear"} | amx
     for row in result["rows"]:
         assert ways <= set(row) and all(row[way]["ms"] > 0 and row[way]["gb_s"] > 0 for way in ways), row
+        assert ("mlp_as_one_speedup" in row) == bool(amx), row
     assert ("amx" in result["skipped"]) != native.amx_linear_available()
 
 

@@ -27,8 +27,13 @@
 // (-march=native on a CPU with amx_bf16); the process asks Linux for the tile state once
 // (arch_prctl ARCH_REQ_XCOMP_PERM), and amx_linear_available says whether both held.
 //
-// Registered as torch.ops.keepwarm_cpu.{amx_linear, amx_linear_available} (attention/native.py builds
-// it into one library with the attention and fused kernels).
+// A gated MLP's first half, silu(x @ gate^T) * (x @ up^T), is one operator (amx_gate_up_silu): the
+// gate and up rows of a feature block are the two weight tiles of the same loops, the activation is
+// interleaved once for both, and the epilogue rounds each product to bfloat16 and applies SiLU-and-mul
+// as fused_ops.cpp does (silu16 from vec16.h), so its bits are those of the three separate calls.
+//
+// Registered as torch.ops.keepwarm_cpu.{amx_linear, amx_gate_up_silu, amx_linear_available}
+// (attention/native.py builds it into one library with the attention and fused kernels).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
