@@ -178,43 +178,52 @@ inline void prefetch_share(const char* ahead, int64_t s, int lines) {
   for (int line = 0; line < lines; ++line) _mm_prefetch(at + line * 64, _MM_HINT_T1);
 }
 
+// The 2 x 2 block's four accumulators into sums: weight rows w0 (and w1 when two_features, 16 each)
+// times the token blocks at x0 (and x1 when two_tokens), over K; per k step, `lines` lines of each of
+// ahead0 and ahead1 (either may be null: nothing to fetch) are fetched into L2.
+void pair_sums(const c10::BFloat16* w0, const c10::BFloat16* w1, bool two_features, const uint32_t* x0,
+               const uint32_t* x1, bool two_tokens, int64_t K, const char* ahead0, const char* ahead1, int lines,
+               float (*sums)[256]) {
+  const int64_t steps = K / 32, w_stride = K * 2;
+  _tile_zero(C00);
+  _tile_zero(C10);
+  _tile_zero(C01);
+  _tile_zero(C11);
+  for (int64_t s = 0; s < steps; ++s) {
+    prefetch_share(ahead0, s, lines);
+    prefetch_share(ahead1, s, lines);
+    _tile_loadd(W0, w0 + s * 32, w_stride);
+    _tile_loadd(X0, x0 + s * 256, 64);
+    _tile_dpbf16ps(C00, W0, X0);
+    if (two_features) {
+      _tile_loadd(W1, w1 + s * 32, w_stride);
+      _tile_dpbf16ps(C10, W1, X0);
+    }
+    if (two_tokens) {
+      _tile_loadd(X1, x1 + s * 256, 64);
+      _tile_dpbf16ps(C01, W0, X1);
+      if (two_features) _tile_dpbf16ps(C11, W1, X1);
+    }
+  }
+  _tile_stored(C00, sums[0], 64);
+  _tile_stored(C10, sums[1], 64);
+  _tile_stored(C01, sums[2], 64);
+  _tile_stored(C11, sums[3], 64);
+}
+
 // Features [f0, f0 + 32) (or 16) for every token, 32 tokens at a time.
 void feature_block(const c10::BFloat16* w, const uint32_t* xs, const float* bias, c10::BFloat16* out, int64_t M,
                    int64_t N, int64_t K, int64_t f0, bool two_features) {
-  const int64_t steps = K / 32, w_stride = K * 2, token_blocks = (M + 15) / 16;
+  const int64_t token_blocks = (M + 15) / 16, xb = (K / 2) * 16;
   const c10::BFloat16* w0 = w + f0 * K;
-  const c10::BFloat16* w1 = w0 + 16 * K;
   alignas(64) float sums[4][256];
   for (int64_t tb = 0; tb < token_blocks; tb += 2) {
     const bool two_tokens = tb + 1 < token_blocks;
-    // The next block's weight rows, fetched into L2 while this one computes (during the first pass over
-    // the tokens only: later passes find this block's rows in the cache).
-    const c10::BFloat16* ahead = tb == 0 && f0 + 64 <= N ? w + (f0 + 32) * K : nullptr;
-    const uint32_t* x0 = xs + tb * (K / 2) * 16;
-    const uint32_t* x1 = x0 + (K / 2) * 16;
-    _tile_zero(C00);
-    _tile_zero(C10);
-    _tile_zero(C01);
-    _tile_zero(C11);
-    for (int64_t s = 0; s < steps; ++s) {
-      prefetch_share(reinterpret_cast<const char*>(ahead), s, 32);  // a step's share (K lines in all)
-      _tile_loadd(W0, w0 + s * 32, w_stride);
-      _tile_loadd(X0, x0 + s * 256, 64);
-      _tile_dpbf16ps(C00, W0, X0);
-      if (two_features) {
-        _tile_loadd(W1, w1 + s * 32, w_stride);
-        _tile_dpbf16ps(C10, W1, X0);
-      }
-      if (two_tokens) {
-        _tile_loadd(X1, x1 + s * 256, 64);
-        _tile_dpbf16ps(C01, W0, X1);
-        if (two_features) _tile_dpbf16ps(C11, W1, X1);
-      }
-    }
-    _tile_stored(C00, sums[0], 64);
-    _tile_stored(C10, sums[1], 64);
-    _tile_stored(C01, sums[2], 64);
-    _tile_stored(C11, sums[3], 64);
+    // The next block's weight rows (K lines), fetched into L2 while this one computes, during the first
+    // pass over the tokens only: later passes find this block's rows in the cache.
+    const char* ahead = tb == 0 && f0 + 64 <= N ? reinterpret_cast<const char*>(w + (f0 + 32) * K) : nullptr;
+    pair_sums(w0, w0 + 16 * K, two_features, xs + tb * xb, xs + (tb + 1) * xb, two_tokens, K, ahead, nullptr, 32,
+              sums);
     for (int tokens_half = 0; tokens_half < (two_tokens ? 2 : 1); ++tokens_half) {
       const int64_t t0 = (tb + tokens_half) * 16;
       const int64_t tokens = std::min<int64_t>(16, M - t0);
@@ -276,7 +285,7 @@ void feature_tile_wide(const c10::BFloat16* w, const uint32_t* xs, const float* 
 // 33..64 tokens, each takes the four-accumulator pass in turn.
 void gate_up_block(const c10::BFloat16* gate, const c10::BFloat16* up, const uint32_t* xs, c10::BFloat16* out,
                    int64_t M, int64_t N, int64_t K, int64_t f0) {
-  const int64_t steps = K / 32, w_stride = K * 2, token_blocks = (M + 15) / 16, xb = (K / 2) * 16;
+  const int64_t token_blocks = (M + 15) / 16, xb = (K / 2) * 16;
   const c10::BFloat16* g0 = gate + f0 * K;
   const c10::BFloat16* u0 = up + f0 * K;
   const bool more = f0 + 32 <= N;  // a next block, to fetch ahead
@@ -292,29 +301,9 @@ void gate_up_block(const c10::BFloat16* gate, const c10::BFloat16* up, const uin
   }
   for (int64_t tb = 0; tb < token_blocks; tb += 2) {
     const bool two_tokens = tb + 1 < token_blocks;
-    const uint32_t* x0 = xs + tb * xb;
-    const uint32_t* x1 = x0 + xb;
-    _tile_zero(C00);
-    _tile_zero(C10);
-    _tile_zero(C01);
-    _tile_zero(C11);
-    for (int64_t s = 0; s < steps; ++s) {
-      if (tb == 0) prefetch_share(gate_ahead, s, 16), prefetch_share(up_ahead, s, 16);
-      _tile_loadd(W0, g0 + s * 32, w_stride);
-      _tile_loadd(W1, u0 + s * 32, w_stride);
-      _tile_loadd(X0, x0 + s * 256, 64);
-      _tile_dpbf16ps(C00, W0, X0);
-      _tile_dpbf16ps(C10, W1, X0);
-      if (two_tokens) {
-        _tile_loadd(X1, x1 + s * 256, 64);
-        _tile_dpbf16ps(C01, W0, X1);
-        _tile_dpbf16ps(C11, W1, X1);
-      }
-    }
-    _tile_stored(C00, sums[0], 64);
-    _tile_stored(C10, sums[1], 64);
-    _tile_stored(C01, sums[2], 64);
-    _tile_stored(C11, sums[3], 64);
+    const bool first = tb == 0;  // later passes find the rows in the cache
+    pair_sums(g0, u0, true, xs + tb * xb, xs + (tb + 1) * xb, two_tokens, K, first ? gate_ahead : nullptr,
+              first ? up_ahead : nullptr, 16, sums);
     for (int half = 0; half < (two_tokens ? 2 : 1); ++half) {
       const int64_t t0 = (tb + half) * 16;
       store_silu_block(sums[half * 2], sums[half * 2 + 1], std::min<int64_t>(16, M - t0), out + t0 * N + f0, N);
@@ -344,11 +333,19 @@ void check_operands(const char* op, const at::Tensor& x, const at::Tensor& weigh
               ": K must be a multiple of 32 and N of 16, got K=", K, " N=", N);
 }
 
-// An empty output shaped as x with its last dimension N.
-at::Tensor output_for(const at::Tensor& x, int64_t N) {
+// A call's operands as the loops take them: x's M rows of K, contiguous, and an empty output shaped
+// as x with its last dimension N.
+struct RowsAndOutput {
+  at::Tensor rows, out;
+  int64_t M;
+};
+
+RowsAndOutput rows_and_output(const at::Tensor& x, int64_t N) {
   std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
   sizes.back() = N;
-  return x.new_empty(sizes);
+  at::Tensor rows = x.contiguous();
+  const int64_t M = rows.numel() / x.size(-1);
+  return {rows, x.new_empty(sizes), M};
 }
 
 #if defined(KEEPWARM_AMX)
@@ -366,6 +363,16 @@ const uint32_t* interleaved_rows(const at::Tensor& rows, int64_t M, int64_t K) {
   interleave(reinterpret_cast<const uint32_t*>(rows.data_ptr<c10::BFloat16>()), M, pairs, start);
   return start;
 }
+
+// fn(first, last) over the blocks [0, count) on torch's intra-op threads, each with its tiles configured.
+template <typename Fn>
+void on_tiles(int64_t count, Fn&& fn) {
+  at::parallel_for(0, count, 4, [&](int64_t first, int64_t last) {
+    configure_tiles();
+    fn(first, last);
+    _tile_release();
+  });
+}
 #endif
 
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
@@ -376,18 +383,15 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const std::
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "amx_linear: bias [N]");
     bias32 = bias->to(at::kFloat).contiguous();
   }
-  const at::Tensor rows = x.contiguous();
-  at::Tensor out = output_for(x, N);
-  const int64_t M = rows.numel() / K;
-  if (M == 0) return out;
+  const RowsAndOutput call = rows_and_output(x, N);
+  const int64_t M = call.M;
+  if (M == 0) return call.out;
 #if defined(KEEPWARM_AMX)
-  const uint32_t* xs = interleaved_rows(rows, M, K);
+  const uint32_t* xs = interleaved_rows(call.rows, M, K);
   const c10::BFloat16* w = weight.data_ptr<c10::BFloat16>();
   const float* b = bias32.has_value() ? bias32->data_ptr<float>() : nullptr;
-  c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
-  const int64_t feature_blocks = (N + 31) / 32;
-  at::parallel_for(0, feature_blocks, 4, [&](int64_t first, int64_t last) {
-    configure_tiles();
+  c10::BFloat16* o = call.out.data_ptr<c10::BFloat16>();
+  on_tiles((N + 31) / 32, [&](int64_t first, int64_t last) {
     for (int64_t fb = first; fb < last; ++fb) {
       const int64_t f0 = fb * 32;
       if (M > 32 && M <= 64) {
@@ -397,10 +401,9 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const std::
       }
       feature_block(w, xs, b, o, M, N, K, f0, f0 + 32 <= N);
     }
-    _tile_release();
   });
 #endif
-  return out;
+  return call.out;
 }
 
 // silu(x @ gate^T) * (x @ up^T), rounded where the two layers and SiLU-and-mul would round: a gated
@@ -411,22 +414,19 @@ at::Tensor amx_gate_up_silu(const at::Tensor& x, const at::Tensor& gate, const a
   TORCH_CHECK(gate.sizes() == up.sizes(), "amx_gate_up_silu: gate ", gate.sizes(), " and up ", up.sizes(),
               " differ");
   const int64_t K = x.size(-1), N = gate.size(0);
-  const at::Tensor rows = x.contiguous();
-  at::Tensor out = output_for(x, N);
-  const int64_t M = rows.numel() / K;
-  if (M == 0) return out;
+  const RowsAndOutput call = rows_and_output(x, N);
+  const int64_t M = call.M;
+  if (M == 0) return call.out;
 #if defined(KEEPWARM_AMX)
-  const uint32_t* xs = interleaved_rows(rows, M, K);
+  const uint32_t* xs = interleaved_rows(call.rows, M, K);
   const c10::BFloat16* g = gate.data_ptr<c10::BFloat16>();
   const c10::BFloat16* u = up.data_ptr<c10::BFloat16>();
-  c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, N / 16, 4, [&](int64_t first, int64_t last) {
-    configure_tiles();
+  c10::BFloat16* o = call.out.data_ptr<c10::BFloat16>();
+  on_tiles(N / 16, [&](int64_t first, int64_t last) {
     for (int64_t fb = first; fb < last; ++fb) gate_up_block(g, u, xs, o, M, N, K, fb * 16);
-    _tile_release();
   });
 #endif
-  return out;
+  return call.out;
 }
 
 }  // namespace
