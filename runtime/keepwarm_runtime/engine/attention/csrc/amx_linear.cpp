@@ -377,7 +377,7 @@ void on_tiles(int64_t count, Fn&& fn) {
 
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   check_operands("amx_linear", x, weight);
-  const int64_t K = x.size(-1), N = weight.size(0);
+  const int64_t N = weight.size(0);
   std::optional<at::Tensor> bias32;
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "amx_linear: bias [N]");
@@ -387,6 +387,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const std::
   const int64_t M = call.M;
   if (M == 0) return call.out;
 #if defined(KEEPWARM_AMX)
+  const int64_t K = x.size(-1);
   const uint32_t* xs = interleaved_rows(call.rows, M, K);
   const c10::BFloat16* w = weight.data_ptr<c10::BFloat16>();
   const float* b = bias32.has_value() ? bias32->data_ptr<float>() : nullptr;
@@ -413,11 +414,12 @@ at::Tensor amx_gate_up_silu(const at::Tensor& x, const at::Tensor& gate, const a
   check_operands("amx_gate_up_silu", x, up);
   TORCH_CHECK(gate.sizes() == up.sizes(), "amx_gate_up_silu: gate ", gate.sizes(), " and up ", up.sizes(),
               " differ");
-  const int64_t K = x.size(-1), N = gate.size(0);
+  const int64_t N = gate.size(0);
   const RowsAndOutput call = rows_and_output(x, N);
   const int64_t M = call.M;
   if (M == 0) return call.out;
 #if defined(KEEPWARM_AMX)
+  const int64_t K = x.size(-1);
   const uint32_t* xs = interleaved_rows(call.rows, M, K);
   const c10::BFloat16* g = gate.data_ptr<c10::BFloat16>();
   const c10::BFloat16* u = up.data_ptr<c10::BFloat16>();
