@@ -42,6 +42,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -49,7 +50,7 @@
 #define KEEPWARM_AMX 1
 #include <immintrin.h>
 
-#include "vec16.h"  // silu16: the SiLU-and-mul kernel's (fused_ops.cpp), for the gate/up epilogue
+#include "vec16.h"  // silu16, round_bf16, to_bfloat16: the gate/up epilogue rounds as fused_ops.cpp
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -151,11 +152,6 @@ inline void store_block(const float* sums, const float* bias, int64_t tokens, c1
   }
 }
 
-// A float32 vector rounded to bfloat16 and widened again (round to nearest even).
-inline __m512 round_bf16(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
-
 // A gate tile and an up tile (16 features x 16 tokens each) into out's rows as T(silu(T(gate))) *
 // T(up), rounded as the separate layers and the SiLU-and-mul kernel round (the same bits).
 inline void store_silu_block(const float* gate, const float* up, int64_t tokens, c10::BFloat16* out, int64_t N) {
@@ -164,10 +160,9 @@ inline void store_silu_block(const float* gate, const float* up, int64_t tokens,
   transpose16(g);
   transpose16(u);
   for (int64_t t = 0; t < tokens; ++t) {
-    const __m512 gt = round_bf16(_mm512_castsi512_ps(g[t]));
-    const vfloat silu = silu16(__builtin_bit_cast(vfloat, gt));
-    const __m512 v = _mm512_mul_ps(round_bf16(__builtin_bit_cast(__m512, silu)), round_bf16(_mm512_castsi512_ps(u[t])));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + t * N), (__m256i)_mm512_cvtneps_pbh(v));
+    const vfloat gate_t = round_bf16(__builtin_bit_cast(vfloat, g[t]));
+    const vhalfword h = to_bfloat16(round_bf16(silu16(gate_t)) * round_bf16(__builtin_bit_cast(vfloat, u[t])));
+    std::memcpy(out + t * N, &h, sizeof h);
   }
 }
 

@@ -33,12 +33,9 @@
 #include <initializer_list>
 #include <type_traits>
 
-#include "vec16.h"  // vfloat, vint, kLanes, hsum, exp16: shared with paged_decode.cpp
+#include "vec16.h"  // vfloat, kLanes, hsum, exp16, silu16, to_bfloat16, round_bf16: shared
 
 namespace {
-
-typedef uint32_t vuint __attribute__((vector_size(64)));
-typedef uint16_t vhalfword __attribute__((vector_size(32)));
 
 // Elements per parallel_for grain: below this a kernel stays on the calling thread.
 constexpr int64_t kGrainElements = 1 << 15;
@@ -60,18 +57,6 @@ inline vfloat load16(const T* p) {
     for (int64_t i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
     return v;
   }
-}
-
-// float32 to bfloat16 bits, rounded to nearest even, NaN kept a NaN: one instruction with AVX-512 BF16
-// (which also reads a float32 subnormal, below 1.2e-38, as zero), integer operations elsewhere.
-inline vhalfword to_bfloat16(vfloat v) {
-#ifdef __AVX512BF16__
-  return __builtin_bit_cast(vhalfword, _mm512_cvtneps_pbh(__builtin_bit_cast(__m512, v)));
-#else
-  const vuint bits = __builtin_bit_cast(vuint, v);
-  const vuint rounded = (bits + (((bits >> 16) & 1u) + 0x7fffu)) >> 16;
-  return __builtin_convertvector(v != v ? vuint{} + 0x7fc0u : rounded, vhalfword);
-#endif
 }
 
 template <typename T>
@@ -97,7 +82,7 @@ inline vfloat round_to(vfloat v) {
     asm("" : "+m"(v));
     return v;
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    return __builtin_bit_cast(vfloat, __builtin_convertvector(to_bfloat16(v), vuint) << 16);
+    return round_bf16(v);
   } else {
     alignas(64) T tmp[kLanes];
     store16(tmp, v);

@@ -1,5 +1,6 @@
 // What keepwarm's CPU kernels share: a vector of 16 float32 lanes and the few operations on it that
-// paged_decode.cpp, fused_ops.cpp and amx_linear.cpp need (load, store, a horizontal sum, e^x, SiLU).
+// paged_decode.cpp, fused_ops.cpp and amx_linear.cpp need (load, store, a horizontal sum, e^x, SiLU,
+// rounding to bfloat16).
 //
 // One AVX-512 register under -march of a CPU that has it; GCC splits the type into two ymm registers
 // on AVX2, scalar code elsewhere. The functions are static inline: each kernel file gets its own copy,
@@ -10,8 +11,14 @@
 
 #include <cstdint>
 
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
+
 typedef float vfloat __attribute__((vector_size(64)));
 typedef int32_t vint __attribute__((vector_size(64)));
+typedef uint32_t vuint __attribute__((vector_size(64)));
+typedef uint16_t vhalfword __attribute__((vector_size(32)));
 constexpr int64_t kLanes = 16;
 
 static inline vfloat load(const float* p) {
@@ -56,3 +63,20 @@ static inline vfloat exp16(vfloat x) {
 // silu(g) = g / (1 + e^-g), as torch computes it: the SiLU-and-mul kernel and the AMX gate/up kernel
 // share it, so that their results are the same bits.
 static inline vfloat silu16(vfloat g) { return g / (1.f + exp16(-g)); }
+
+// float32 to bfloat16 bits, rounded to nearest even, NaN kept a NaN: one instruction with AVX-512 BF16
+// (which also reads a float32 subnormal, below 1.2e-38, as zero), integer operations elsewhere.
+static inline vhalfword to_bfloat16(vfloat v) {
+#ifdef __AVX512BF16__
+  return __builtin_bit_cast(vhalfword, _mm512_cvtneps_pbh(__builtin_bit_cast(__m512, v)));
+#else
+  const vuint bits = __builtin_bit_cast(vuint, v);
+  const vuint rounded = (bits + (((bits >> 16) & 1u) + 0x7fffu)) >> 16;
+  return __builtin_convertvector(v != v ? vuint{} + 0x7fc0u : rounded, vhalfword);
+#endif
+}
+
+// v rounded to bfloat16 and widened again: where a bfloat16 model stores an intermediate.
+static inline vfloat round_bf16(vfloat v) {
+  return __builtin_bit_cast(vfloat, __builtin_convertvector(to_bfloat16(v), vuint) << 16);
+}
