@@ -1,13 +1,15 @@
-"""bfloat16 linear layers on CPU, per step size: keepwarm's AMX kernel beside oneDNN, weights from memory.
+"""Linear layers on CPU, per step size: keepwarm's AMX kernel beside oneDNN (bfloat16) and its AVX-512
+kernel beside MKL (float32), weights from memory.
 
-    .venv/bin/python -m bench.cpu_linear [--rows 1,8,32,64,128] [--hidden 768] [--intermediate 2048]
-        [--heads 12] [--kv-heads 6] [--head-dim 64] [--layers 40] [--rounds 9] [--json-out FILE]
+    .venv/bin/python -m bench.cpu_linear [--dtype bfloat16] [--rows 1,8,32,64,128] [--hidden 768]
+        [--intermediate 2048] [--heads 12] [--kv-heads 6] [--head-dim 64] [--layers 40] [--rounds 9]
+        [--json-out FILE]
 
 One thread. A Llama decoder layer's seven projections (q, k, v, o, gate, up, down; default: the 100M
 Llama that `bench/throughput.py` generates) in --layers copies, more bytes than the CPU's last-level
 cache by default (40 x 13 MB), as a decode step reads them: each layer once, from memory. For each
 number of rows (tokens in the step), every layer is run once in turn with each way to multiply, in
-rotating order per round, and the median round is reported:
+rotating order per round, and the median round is reported. bfloat16 (``--dtype bfloat16``):
 
 * ``amx``: ``torch.ops.keepwarm_cpu.amx_linear`` (engine/attention/csrc/amx_linear.cpp), the weight
   read where it lies; absent, with the reason, where the CPU or the build has no AMX;
@@ -17,6 +19,14 @@ rotating order per round, and the median round is reported:
 * ``amx_mlp_separate`` and ``amx_mlp_as_one``: the layer as the engine runs it with AMX, the MLP's
   SiLU-and-mul included: gate and up as two ``amx_linear`` calls and the SiLU-and-mul kernel, or as
   one ``amx_gate_up_silu`` (engine/cpu_fused.py takes the second; the same bits).
+
+float32 (``--dtype float32``; the weights twice the bytes):
+
+* ``f32_kernel``: ``torch.ops.keepwarm_cpu.f32_linear`` (engine/attention/csrc/f32_linear.cpp), the
+  weight read where it lies, the output written in rows; absent, with the reason, without AVX-512;
+* ``weight_major``: MKL's ``(W @ x.T).T`` made contiguous, WeightMajorLinear's path without the kernel
+  (engine/cpu_linear.py);
+* ``f_linear``: ``torch.nn.functional.linear``, MKL's sgemm with the rows as its left operand.
 
 Each as milliseconds for all the layers and as the weights' bytes over that time (GB/s), beside the
 machine's CPU flags and load (a shared VM's memory moves from run to run: compare within one run).
@@ -31,11 +41,15 @@ import statistics
 import sys
 from datetime import UTC, datetime
 
+from keepwarm_api.values import DType
 from keepwarm_runtime.bench_cli import publish
+
+LINEAR_DTYPES = (DType.BFLOAT16.value, DType.FLOAT32.value)  # the dtypes keepwarm's linear kernels serve
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtype", default=DType.BFLOAT16.value, choices=LINEAR_DTYPES)
     p.add_argument("--rows", default="1,8,32,64,128", help="tokens per step, comma-separated")
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--intermediate", type=int, default=2048)
@@ -118,39 +132,47 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.step import machine
     from keepwarm_runtime.engine.attention import native
-    from keepwarm_runtime.engine.cpu_linear import amx_takes
+    from keepwarm_runtime.engine.cpu_linear import amx_takes, f32_kernel_takes
 
     native.load()
     shapes = projections(args)
+    dtype = getattr(torch, args.dtype)
     g = torch.Generator().manual_seed(0)
     weights = [
-        [(torch.randn(o, i, generator=g) / i**0.5).to(torch.bfloat16) for o, i in shapes]
-        for _ in range(args.layers)
+        [(torch.randn(o, i, generator=g) / i**0.5).to(dtype) for o, i in shapes] for _ in range(args.layers)
     ]
+    packed = [[None] * len(shapes) for _ in weights]
     per_projection = {"f_linear": lambda x, w, packed: F.linear(x, w)}
     skipped: dict[str, str] = {}
-    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        packed = [[torch.ops.mkldnn._reorder_linear_weight(w) for w in layer] for layer in weights]
-        per_projection["onednn_packed"] = lambda x, w, p: torch.ops.mkldnn._linear_pointwise(
-            x, p, None, "none", [], ""
-        )
+    ways = {}
+    if dtype == torch.float32:
+        per_projection["weight_major"] = lambda x, w, p: torch.mm(w, x.t()).t().contiguous()
+        if native.f32_linear_available() and all(f32_kernel_takes(o) for o, _ in shapes):
+            per_projection["f32_kernel"] = lambda x, w, p: native.f32_linear(x, w, None)
+        else:
+            skipped["f32_kernel"] = "no AVX-512 here" if native.f32_linear_available() else "N % 4 != 0"
     else:
-        packed = [[None] * len(shapes) for _ in weights]
-        skipped["onednn_packed"] = "oneDNN has no native bfloat16 on this CPU"
-    fits = all(amx_takes(o, i) for o, i in shapes)
-    if native.amx_linear_available() and fits:
-        per_projection["amx"] = lambda x, w, p: native.amx_linear(x, w, None)
-    else:
-        skipped["amx"] = "no AMX tiles here" if fits else "shapes need K % 32 == 0 and N % 16 == 0"
-    ways = {name: each_projection(shapes, way) for name, way in per_projection.items()}
-    if "amx" in per_projection:
-        ways["amx_mlp_separate"] = amx_layer(shapes, gate_up_as_one=False)
-        ways["amx_mlp_as_one"] = amx_layer(shapes, gate_up_as_one=True)
-    weight_bytes = sum(o * i * 2 for o, i in shapes) * args.layers
+        if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            packed = [[torch.ops.mkldnn._reorder_linear_weight(w) for w in layer] for layer in weights]
+            per_projection["onednn_packed"] = lambda x, w, p: torch.ops.mkldnn._linear_pointwise(
+                x, p, None, "none", [], ""
+            )
+        else:
+            skipped["onednn_packed"] = "oneDNN has no native bfloat16 on this CPU"
+        fits = all(amx_takes(o, i) for o, i in shapes)
+        if native.amx_linear_available() and fits:
+            per_projection["amx"] = lambda x, w, p: native.amx_linear(x, w, None)
+        else:
+            skipped["amx"] = "no AMX tiles here" if fits else "shapes need K % 32 == 0 and N % 16 == 0"
+        if "amx" in per_projection:
+            ways["amx_mlp_separate"] = amx_layer(shapes, gate_up_as_one=False)
+            ways["amx_mlp_as_one"] = amx_layer(shapes, gate_up_as_one=True)
+    ways = {name: each_projection(shapes, way) for name, way in per_projection.items()} | ways
+    weight_bytes = sum(o * i for o, i in shapes) * dtype.itemsize * args.layers
 
     rows_out = []
     for rows in args.rows:
-        inputs = {i: torch.randn(rows, i, generator=g).to(torch.bfloat16) for i in {i for _, i in shapes}}
+        inputs = {i: torch.randn(rows, i, generator=g).to(dtype) for i in {i for _, i in shapes}}
         names = list(ways)
         times: dict[str, list[float]] = {name: [] for name in names}
         for round_ in range(args.rounds + 1):  # the first round warms up, uncounted
@@ -167,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             row[name] = {"ms": round(seconds * 1e3, 3), "gb_s": round(weight_bytes / seconds / 1e9, 2)}
         if "amx" in row and "onednn_packed" in row:
             row["amx_speedup_vs_onednn_packed"] = round(row["onednn_packed"]["ms"] / row["amx"]["ms"], 3)
+        if "f32_kernel" in row:
+            row["f32_speedup_vs_weight_major"] = round(row["weight_major"]["ms"] / row["f32_kernel"]["ms"], 3)
         if "amx_mlp_as_one" in row:
             separate, as_one = row["amx_mlp_separate"]["ms"], row["amx_mlp_as_one"]["ms"]
             row["mlp_as_one_speedup"] = round(separate / as_one, 3)
@@ -175,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "torch": torch.__version__,
+        "dtype": args.dtype,
         "kernel": native.library_name(),
         "projections": [list(shape) for shape in shapes],
         "layers": args.layers,

@@ -65,6 +65,9 @@ class EngineConfig:
     # CPU bfloat16 on AMX: steps of up to 64 tokens on keepwarm's AMX kernel, the weights read in place
     # (engine/cpu_linear.py, csrc/amx_linear.cpp); results may differ from oneDNN's by one bfloat16 ulp
     cpu_amx_linear: bool = True
+    # CPU float32 on AVX-512: steps of up to 128 tokens on keepwarm's kernel, the weights read in place
+    # (engine/cpu_linear.py, csrc/f32_linear.cpp); results may differ from MKL's by float32 rounding
+    cpu_f32_linear: bool = True
     # CPU bfloat16/float16: fused RMSNorm, SiLU-and-mul and rotary kernels on Llama-family modules
     # (engine/cpu_fused.py)
     cpu_fused_ops: bool = True

@@ -1,15 +1,25 @@
-"""Linear layers on CPU: float32 steps of few tokens taken weight-major, bfloat16 on AMX tiles or a
-packed weight.
+"""Linear layers on CPU: float32 steps of few tokens on keepwarm's AVX-512 kernel or taken
+weight-major, bfloat16 on AMX tiles or a packed weight.
 
-**float32, weight-major.**
-``F.linear(x, W)`` with ``x`` [M, in] and ``W`` [out, in] reaches MKL's sgemm with the few rows of
-``x`` as the left operand; for M from 2 to about 128 (a short prompt's prefill, a decode step of a
-handful of sequences) that call was 1.2-2.5x slower on a 2-core AVX2 VM than the same product
-taken weight-major, ``(W @ x.T).T``, which streams ``W`` once as a tall-skinny GEMM (5632x2048, M=4:
-8.0 ms vs 3.2 ms; at M=1 both run as a GEMV). bfloat16 was slower that way, so only float32 layers
-change. The sums are the same up to fp32 rounding order (about 1e-6 relative), as between any two
-batch sizes of ``F.linear`` itself. Layers keep their class's behaviour otherwise: LoRA's forward
-hooks, ``isinstance(m, nn.Linear)`` and state dicts see an ``nn.Linear``.
+**float32, AVX-512.** A decode step's few rows make each layer a pass over its weight, which MKL's
+sgemm streamed from memory at about a third of one thread's sequential rate once the weights left the
+caches (the 100M Llama's projections, one thread, Xeon with AVX-512: 7 GB/s at 16 rows). Where
+keepwarm's CPU library has it (a build for a CPU with AVX-512), steps of 1 to MAX_ROWS tokens take
+keepwarm's kernel (csrc/f32_linear.cpp): dot products along the weight's rows as they lie, the next
+rows prefetched while a block computes, the output written in rows. The 100M Llama's seven
+projections, more of them than the L3 cache holds: 1.5-2.3x faster than the weight-major product at
+2-16 rows, 1.2x at 64 (`bench/cpu_linear.py`). Its sums run in a fixed order that depends only on the
+layer's input width, so a token's result does not depend on the other tokens of its step; it differs
+from MKL's by float32 rounding (about 1e-6 relative). ``--no-cpu-f32-linear`` turns it off.
+
+**float32, weight-major.** Without the kernel, ``F.linear(x, W)`` with ``x`` [M, in] and ``W``
+[out, in] reaches MKL's sgemm with the few rows of ``x`` as the left operand; for M from 2 to about 128
+(a short prompt's prefill, a decode step of a handful of sequences) that call was 1.2-2.5x slower on a
+2-core AVX2 VM than the same product taken weight-major, ``(W @ x.T).T``, which streams ``W`` once as a
+tall-skinny GEMM (5632x2048, M=4: 8.0 ms vs 3.2 ms; at M=1 both run as a GEMV). bfloat16 was slower
+that way, so only float32 layers change. The sums are the same up to fp32 rounding order (about 1e-6
+relative), as between any two batch sizes of ``F.linear`` itself. Layers keep their class's behaviour
+otherwise: LoRA's forward hooks, ``isinstance(m, nn.Linear)`` and state dicts see an ``nn.Linear``.
 
 **bfloat16, packed.** On a CPU with native bfloat16 (AVX-512 BF16, AMX), ``F.linear`` reaches oneDNN,
 which reorders the weight into its blocked layout on every call. Reordered once and kept (oneDNN's
@@ -55,8 +65,14 @@ from keepwarm_runtime.engine.attention import native
 
 log = logging.getLogger(__name__)
 
-# Rows (tokens in the step) for which the weight-major product won in the measurements above.
+# Rows (tokens in the step) for which the weight-major product and the float32 kernel won in the
+# measurements above (the kernel from 1 row: as fast as MKL's GEMV there); larger steps are prefill
+# chunks, compute-bound, where MKL's blocking is as fast.
 MIN_ROWS, MAX_ROWS = 2, 128
+# Short rows (fewer input features than this) over more tokens than that: MKL's own F.linear was faster
+# than the float32 kernel (a small model's weights stay in cache, and the kernel's total of each output
+# across its vector lanes is a larger share of a short row: 10M Llama's layers at 64 tokens, 1.0-1.15x).
+F32_SHORT_ROW, F32_SHORT_ROW_TOKENS = 512, 32
 # Rows up to which a bfloat16 step takes the AMX kernel rather than oneDNN's packed weight (measured
 # above); larger steps (prefill chunks) are compute-bound, where oneDNN's kernels are as fast or faster.
 AMX_MAX_ROWS = 64
@@ -64,16 +80,32 @@ PACKER_NICE = 19  # the packing thread's nice value: it runs when no step wants 
 
 
 class WeightMajorLinear(nn.Linear):
-    """An ``nn.Linear`` whose float32 steps of MIN_ROWS..MAX_ROWS tokens run weight-major."""
+    """An ``nn.Linear`` whose float32 steps of up to MAX_ROWS tokens take keepwarm's AVX-512 kernel
+    where ``use_f32_linear`` enabled it, else run weight-major from MIN_ROWS tokens."""
+
+    _kernel = False  # this layer's shape takes the float32 kernel, and the kernel runs here (use_f32_linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if not MIN_ROWS <= rows <= MAX_ROWS or x.dtype != torch.float32 or self.weight.dtype != torch.float32:
-            return F.linear(x, self.weight, self.bias)
-        out = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()
+        if rows > MAX_ROWS or x.dtype != torch.float32 or weight.dtype != torch.float32:
+            return F.linear(x, weight, self.bias)
+        if self._kernel and weight.is_contiguous() and x.device.type == "cpu" and not _grad(x, self):
+            if x.shape[-1] < F32_SHORT_ROW and rows > F32_SHORT_ROW_TOKENS:
+                return F.linear(x, weight, self.bias)
+            if rows:
+                return native.f32_linear(x, weight, self.bias)
+        if rows < MIN_ROWS:
+            return F.linear(x, weight, self.bias)
+        out = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()
         if self.bias is not None:
             out += self.bias
         return out.view(*x.shape[:-1], self.out_features)
+
+
+def _grad(x: torch.Tensor, layer: nn.Module) -> bool:
+    """Autograd would record this call (the kernels have no backward: torch's ops must run)."""
+    return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in layer.parameters()))
 
 
 class PackedLinear(nn.Linear):
@@ -243,12 +275,45 @@ def _lower_this_threads_priority() -> int | None:
         return None
 
 
-def use_weight_major_linear(model: nn.Module) -> int:
+def use_weight_major_linear(model: nn.Module) -> list[WeightMajorLinear]:
     """Turn the model's plain float32 ``nn.Linear`` layers into WeightMajorLinear (subclasses such as
-    FP8 layers stay as they are); returns how many changed."""
-    changed = 0
+    FP8 layers stay as they are); returns those that changed."""
+    layers = []
     for module in model.modules():
         if type(module) is nn.Linear and module.weight.dtype == torch.float32:
             module.__class__ = WeightMajorLinear
-            changed += 1
-    return changed
+            layers.append(module)
+    return layers
+
+
+def f32_kernel_takes(out_features: int) -> bool:
+    """The float32 kernel's shapes: whole groups of 4 output features (it stores 4 at a time)."""
+    return out_features > 0 and out_features % 4 == 0
+
+
+def f32_unavailable(kernel_cache: str | None = None) -> str | None:
+    """Why the float32 kernel cannot run in this process, or None where it can (loads keepwarm's CPU
+    library: ``kernel_cache``, the node's builds, tried first)."""
+    try:
+        native.load(kernel_cache)
+    except native.KernelUnavailable as exc:
+        return f"keepwarm's CPU library did not load ({exc})"
+    if not native.f32_linear_available():
+        return "no AVX-512 in this CPU or kernel build"
+    return None
+
+
+def use_f32_linear(layers: list[WeightMajorLinear], kernel_cache: str | None = None) -> int:
+    """Send the steps of up to MAX_ROWS tokens of those layers whose shape the float32 kernel takes to
+    it, where keepwarm's CPU library loads (``kernel_cache`` tried first) and has it; returns how many
+    layers take it (0, with the reason in the log, where it cannot run)."""
+    if not layers:
+        return 0
+    if (why := f32_unavailable(kernel_cache)) is not None:
+        log.info("float32 linear layers stay on MKL: %s", why)
+        return 0
+    taken = 0
+    for layer in layers:
+        layer._kernel = f32_kernel_takes(layer.out_features)
+        taken += layer._kernel
+    return taken

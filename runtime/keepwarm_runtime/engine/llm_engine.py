@@ -40,6 +40,7 @@ from keepwarm_runtime.engine.cpu_linear import (
     LinearPacker,
     packed_weights_supported,
     use_amx_linear,
+    use_f32_linear,
     use_packed_linear,
     use_weight_major_linear,
 )
@@ -99,8 +100,11 @@ class LLMEngine:
             keep_freed_memory()  # a step's large temporaries reuse heap memory (engine/host_memory.py)
         self.model, info = load_model(config, profile, prefetch)
         cpu = self.device.type == "cpu"  # engine/cpu_linear.py
-        if cpu:
-            use_weight_major_linear(self.model)  # float32: few-token steps weight-major
+        # float32: steps of few tokens on the AVX-512 kernel where the CPU has it, else weight-major
+        f32_layers = use_weight_major_linear(self.model) if cpu else []
+        self.f32_linear_layers = use_f32_linear(
+            f32_layers if config.cpu_f32_linear else [], config.kernel_cache
+        )
         # bfloat16 where oneDNN runs it natively: steps of up to 64 tokens on AMX tiles where the CPU
         # has them, the others on oneDNN's packed weights, made in the background once the engine is built
         wanted = config.cpu_packed_weights or config.cpu_amx_linear

@@ -250,6 +250,27 @@ def test_cpu_linear_benchmark_times_every_way_per_step_size(tmp_path: Path) -> N
     assert ("amx" in result["skipped"]) != native.amx_linear_available()
 
 
+def test_cpu_linear_benchmark_times_the_float32_ways(tmp_path: Path) -> None:
+    out = tmp_path / "linear32.json"
+    argv = [sys.executable, "-m", "bench.cpu_linear", "--dtype", "float32", "--rows", "3,40"]
+    small = ["--hidden", "64", "--intermediate", "96", "--heads", "2", "--kv-heads", "1", "--head-dim", "32"]
+    _run([*argv, *small, "--layers", "2", "--rounds", "2", "--json-out", str(out)], tmp_path)
+    result = json.loads(out.read_text())
+
+    assert result["dtype"] == "float32"
+    assert result["weight_bytes"] == 2 * 4 * sum(o * i for o, i in result["projections"])
+    from keepwarm_runtime.engine.attention import native
+
+    native.load()
+    kernel = native.f32_linear_available()
+    ways = {"f_linear", "weight_major"} | ({"f32_kernel"} if kernel else set())
+    for row in result["rows"]:
+        assert ways <= set(row) and all(row[way]["ms"] > 0 and row[way]["gb_s"] > 0 for way in ways), row
+        assert not {"amx", "onednn_packed"} & set(row), row  # bfloat16's ways only
+        assert ("f32_speedup_vs_weight_major" in row) == kernel, row
+    assert ("f32_kernel" in result["skipped"]) != kernel
+
+
 def test_throughput_names_why_the_vllm_peer_did_not_run(tmp_path: Path) -> None:
     out = tmp_path / "throughput.json"
     argv = [sys.executable, "bench/throughput.py", "--params", "2M", "--prompts", "2", "--output-tokens", "3"]

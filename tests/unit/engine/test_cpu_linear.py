@@ -1,5 +1,7 @@
 """engine/cpu_linear.py: the weight-major product equals nn.Linear's, and only plain float32 layers
-change; a packed bfloat16 layer computes nn.Linear's result bit for bit, packed or not; the AMX kernel
+change; the float32 kernel (csrc/f32_linear.cpp) is within float32 rounding of the exact product,
+gives each row the same bits whatever rows share its call, and takes the steps it is for; a packed
+bfloat16 layer computes nn.Linear's result bit for bit, packed or not; the AMX kernel
 (csrc/amx_linear.cpp) is within one bfloat16 ulp of the exact product, and takes only the steps and
 shapes it is for."""
 
@@ -16,6 +18,8 @@ from torch import nn
 from keepwarm_runtime.engine.attention import native
 from keepwarm_runtime.engine.cpu_linear import (
     AMX_MAX_ROWS,
+    F32_SHORT_ROW,
+    F32_SHORT_ROW_TOKENS,
     MAX_ROWS,
     PACKER_NICE,
     LinearPacker,
@@ -23,9 +27,12 @@ from keepwarm_runtime.engine.cpu_linear import (
     WeightMajorLinear,
     amx_takes,
     amx_unavailable,
+    f32_kernel_takes,
+    f32_unavailable,
     gate_up_silu,
     packed_weights_supported,
     use_amx_linear,
+    use_f32_linear,
     use_packed_linear,
     use_weight_major_linear,
 )
@@ -37,6 +44,8 @@ native_bf16 = pytest.mark.skipif(
 
 _no_amx = amx_unavailable()
 amx = pytest.mark.skipif(_no_amx is not None, reason=f"the AMX kernel cannot run here: {_no_amx}")
+_no_f32 = f32_unavailable()
+f32_kernel = pytest.mark.skipif(_no_f32 is not None, reason=f"the float32 kernel cannot run here: {_no_f32}")
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -62,7 +71,7 @@ def test_only_plain_float32_linears_change() -> None:
         pass
 
     model = nn.Sequential(nn.Linear(4, 4), Other(4, 4), nn.Linear(4, 4).to(torch.bfloat16), nn.ReLU())
-    assert use_weight_major_linear(model) == 1
+    assert use_weight_major_linear(model) == [model[0]]
     assert [type(m).__name__ for m in model] == ["WeightMajorLinear", "Other", "Linear", "ReLU"]
     assert list(model[0].state_dict()) == ["weight", "bias"]
 
@@ -74,6 +83,95 @@ def test_a_bfloat16_input_is_refused_as_nn_linear_refuses_it() -> None:
     assert torch.equal(layer(x.float()), layer(x.float()))
     with pytest.raises(RuntimeError):  # F.linear's own refusal of mixed dtypes, not a silent cast
         layer(x)
+
+
+@f32_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    ("rows", "k", "n"),
+    [(1, 96, 160), (5, 17, 4), (6, 16, 36), (7, 1, 8), (13, 1023, 68), (64, 1025, 96), (128, 2048 + 40, 32)],
+)
+def test_the_float32_kernel_is_the_product_and_each_row_keeps_its_bits(rows, k, n, threads) -> None:
+    """Against the float64 product: within float32 rounding of a sum of k terms. Every row alone gives
+    the bits it gets among the others (the sums' order depends on k only): tokens that sample alike in
+    a step of 1 or 128 sequences. Odd k (a tail under a mask, chunks of 1024 added in the output),
+    token counts past a tile's 6, features past a block's 32, a bias."""
+    torch.manual_seed(rows * 1000 + k)
+    x, weight, bias = torch.randn(rows, k), torch.randn(n, k) / k**0.5, torch.randn(n)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = native.f32_linear(x, weight, bias)
+        alone = torch.cat([native.f32_linear(x[i : i + 1], weight, bias) for i in range(rows)])
+    finally:
+        torch.set_num_threads(before)
+    exact = F.linear(x.double(), weight.double(), bias.double())
+    bound = 4 * torch.finfo(torch.float32).eps * (x.double().abs() @ weight.double().abs().t() + bias.abs())
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    assert bool(((got.double() - exact).abs() <= bound + 1e-30).all())
+    assert torch.equal(got, alone)
+
+
+@f32_kernel
+def test_the_float32_kernel_takes_any_layout_of_x_and_refuses_what_it_cannot_do() -> None:
+    x = torch.randn(4, 3, 64).transpose(0, 1)  # not contiguous: copied, as F.linear would read it
+    weight = torch.randn(8, 64)
+    torch.testing.assert_close(native.f32_linear(x, weight, None), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    assert native.f32_linear(torch.randn(0, 64), weight, None).shape == (0, 8)
+    empty_rows = native.f32_linear(torch.randn(2, 0), torch.randn(4, 0), torch.ones(4))
+    assert torch.equal(empty_rows, torch.ones(2, 4))  # K = 0: the bias alone
+    for x, weight, bias, match in [
+        (torch.randn(2, 64), torch.randn(6, 64), None, "multiple of 4"),
+        (torch.randn(2, 64), torch.randn(8, 32), None, "64 features, the weight 32"),
+        (torch.randn(2, 64).double(), torch.randn(8, 64).double(), None, "float32 only"),
+        (torch.randn(2, 64), torch.randn(64, 8).t(), None, "contiguous weight"),
+        (torch.randn(2, 64), torch.randn(8, 64), torch.randn(4), r"bias \[N\]"),
+    ]:
+        with pytest.raises(RuntimeError, match=match):
+            native.f32_linear(x, weight, bias)
+
+
+@f32_kernel
+def test_float32_layers_take_the_kernel_for_the_steps_it_is_for() -> None:
+    """Steps of 1..MAX_ROWS tokens go to the kernel (its bits exactly), but short rows (a small model's)
+    over more than F32_SHORT_ROW_TOKENS tokens and anything larger stay with MKL; N % 4 != 0 never takes
+    it; use_f32_linear([]) takes nothing."""
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(F32_SHORT_ROW, 36), nn.Linear(36, 64), nn.Linear(64, 30))
+    assert use_f32_linear(use_weight_major_linear(model)) == 2
+    wide, short, odd = model
+    assert (wide._kernel, short._kernel, odd._kernel) == (True, True, False)
+    with torch.no_grad():
+        for rows in (1, 2, F32_SHORT_ROW_TOKENS, F32_SHORT_ROW_TOKENS + 1, MAX_ROWS, MAX_ROWS + 1):
+            x = torch.randn(rows, F32_SHORT_ROW)
+            kernel = native.f32_linear(x, wide.weight, wide.bias)
+            assert torch.equal(wide(x), kernel) == (rows <= MAX_ROWS), rows
+            x = torch.randn(rows, 36)
+            on_kernel = rows <= F32_SHORT_ROW_TOKENS
+            assert torch.equal(short(x), native.f32_linear(x, short.weight, short.bias)) == on_kernel, rows
+            if not on_kernel and rows <= MAX_ROWS:
+                assert torch.equal(short(x), F.linear(x, short.weight, short.bias))
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(odd(x), F.linear(x, odd.weight, odd.bias), rtol=1e-5, atol=1e-5)
+    x = torch.randn(3, F32_SHORT_ROW, requires_grad=True)  # autograd: torch's ops, which have a backward
+    wide(x).sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+    assert use_f32_linear([]) == 0
+    assert f32_kernel_takes(4) and f32_kernel_takes(8192)
+    assert not f32_kernel_takes(30) and not f32_kernel_takes(0)
+
+
+def test_without_the_library_float32_layers_stay_on_mkl_and_the_log_says_why(monkeypatch, caplog) -> None:
+    def unavailable(kernel_cache=None):
+        raise native.KernelUnavailable("no compiler")
+
+    monkeypatch.setattr(native, "load", unavailable)
+    layers = use_weight_major_linear(nn.Sequential(nn.Linear(8, 8)))
+    with caplog.at_level("INFO", logger="keepwarm_runtime.engine.cpu_linear"):
+        assert use_f32_linear(layers) == 0
+    assert not layers[0]._kernel
+    why = "float32 linear layers stay on MKL: keepwarm's CPU library did not load (no compiler)"
+    assert why in caplog.text
 
 
 def _bf16_pair(bias: bool, seed: int = 0) -> tuple[nn.Linear, nn.Linear]:

@@ -1,9 +1,10 @@
 """keepwarm's compiled CPU kernels (csrc/): built on first use, cached, loaded into torch.ops.
 
 One library, ``torch.ops.keepwarm_cpu``: the paged decode attention (csrc/paged_decode.cpp), the
-fused RMSNorm, SiLU-and-mul and rotary kernels (csrc/fused_ops.cpp, attached by engine/cpu_fused.py)
-and the bfloat16 linear layer on AMX tiles with its gated-MLP form (csrc/amx_linear.cpp, used by
-engine/cpu_linear.py and engine/cpu_fused.py).
+fused RMSNorm, SiLU-and-mul and rotary kernels (csrc/fused_ops.cpp, attached by engine/cpu_fused.py),
+the bfloat16 linear layer on AMX tiles with its gated-MLP form (csrc/amx_linear.cpp, used by
+engine/cpu_linear.py and engine/cpu_fused.py) and the float32 linear layer on AVX-512 for steps of few
+tokens (csrc/f32_linear.cpp, used by engine/cpu_linear.py).
 The kernels are compiled for this machine's CPU (`-march=native`) with the compiler torch's extension
 builder finds, once, into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``); later processes load the cached library in milliseconds. The library
@@ -45,7 +46,9 @@ from keepwarm_api.settings import add_arguments, resolve, setting
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(CSRC / name for name in ("paged_decode.cpp", "fused_ops.cpp", "amx_linear.cpp"))
+SOURCES = tuple(
+    CSRC / name for name in ("paged_decode.cpp", "fused_ops.cpp", "amx_linear.cpp", "f32_linear.cpp")
+)
 HEADERS = (CSRC / "vec16.h",)  # included by the sources: part of the build's name, as they are
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 OP_NAMESPACE = "keepwarm_cpu"
@@ -209,6 +212,17 @@ def amx_gate_up_silu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> t
     """``silu_and_mul(F.linear(x, gate), F.linear(x, up))`` on AMX in one pass, the same bits as those
     three (csrc/amx_linear.cpp); gate and up [N, K] with K % 32 == 0 and N % 16 == 0."""
     return getattr(torch.ops, OP_NAMESPACE).amx_gate_up_silu(x, gate, up)
+
+
+def f32_linear_available() -> bool:
+    """The loaded build has the float32 AVX-512 linear kernel (it was compiled for a CPU with AVX-512)."""
+    return bool(getattr(torch.ops, OP_NAMESPACE).f32_linear_available())
+
+
+def f32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for float32 on AVX-512, the weight read in place and the output
+    written in rows (csrc/f32_linear.cpp); needs N % 4 == 0."""
+    return getattr(torch.ops, OP_NAMESPACE).f32_linear(x, weight, bias)
 
 
 @dataclass(frozen=True)
