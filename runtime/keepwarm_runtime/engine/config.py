@@ -68,8 +68,7 @@ class EngineConfig:
     # CPU float32 on AVX-512: steps of up to 128 tokens on keepwarm's kernel, the weights read in place
     # (engine/cpu_linear.py, csrc/f32_linear.cpp); results may differ from MKL's by float32 rounding
     cpu_f32_linear: bool = True
-    # CPU bfloat16/float16: fused RMSNorm, SiLU-and-mul and rotary kernels on Llama-family modules
-    # (engine/cpu_fused.py)
+    # CPU: fused RMSNorm, SiLU-and-mul and rotary kernels on Llama-family modules (engine/cpu_fused.py)
     cpu_fused_ops: bool = True
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of total memory weights + KV cache may use
     max_prompt_logprobs_len: int = count(32768)  # longest prompt whose prompt logprobs a request may ask for

@@ -214,8 +214,8 @@ class ServeSettings:
     )
     cpu_fused_ops: bool | None = engine(
         None,
-        "CPU bfloat16/float16: fused RMSNorm, SiLU-and-mul and rotary kernels on Llama-family modules "
-        "(engine: on)",
+        "CPU: fused RMSNorm, SiLU-and-mul and rotary kernels on Llama-family modules (in float32 results "
+        "may differ by float32 rounding; engine: on)",
     )
     gpu_memory_utilization: float | None = engine(
         None, "CUDA: fraction of GPU memory for weights + KV cache", shared=True

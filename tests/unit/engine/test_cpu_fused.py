@@ -4,7 +4,7 @@ modules, and their attachment to modules (engine/cpu_fused.py).
 Tolerance, bfloat16 and float16: the kernels round where the modules round, so an output may differ
 from the module's by one unit in the last place of the 16-bit dtype (RMSNorm's sum of squares is
 summed in another order, SiLU's exp is another float32 polynomial) and only rarely: at most 1 in 500
-outputs here. float32 (not attached; the kernels take it): within 4 float32 ulps. Rotary is exact in
+outputs here. float32: within 4 float32 ulps. Rotary is exact in
 every dtype (the same products and sums, rounded at the same places)."""
 
 from __future__ import annotations
@@ -215,20 +215,18 @@ def test_inputs_the_kernels_do_not_take_go_to_the_modules_own_forward(monkeypatc
     assert mlp(x).requires_grad  # autograd: the module's own
 
 
-@pytest.mark.parametrize(
-    ("dtype", "act"), [(torch.float32, "silu"), (torch.bfloat16, "gelu")], ids=["float32", "gelu"]
-)
-def test_float32_models_and_other_activations_keep_their_modules(dtype, act) -> None:
+def test_float32_models_take_the_kernels_and_other_activations_keep_their_mlps() -> None:
     from transformers.models.llama import modeling_llama
 
-    model = tiny_llama(dtype, act=act)
-    attached = cpu_fused.use_fused_ops(model, dtype)
-    if dtype == torch.float32:
-        assert attached.total == 0
-        assert type(model.model.norm) is modeling_llama.LlamaRMSNorm
-    else:
-        assert "mlp" not in attached.counts and attached.counts["rms_norm"] == 5
-        assert type(model.model.layers[0].mlp) is modeling_llama.LlamaMLP
+    model = tiny_llama(torch.float32)
+    attached = cpu_fused.use_fused_ops(model, torch.float32)
+    assert attached.counts == {"rms_norm": 5, "mlp": 2, "attention": 2, "decoder_layer": 2}
+    assert type(model.model.norm) is not modeling_llama.LlamaRMSNorm
+    model = tiny_llama(torch.bfloat16, act="gelu")
+    attached = cpu_fused.use_fused_ops(model, torch.bfloat16)
+    assert "mlp" not in attached.counts and attached.counts["rms_norm"] == 5
+    assert type(model.model.layers[0].mlp) is modeling_llama.LlamaMLP
+    assert cpu_fused.use_fused_ops(tiny_llama(torch.float64), torch.float64).total == 0  # not a kernel dtype
 
 
 def test_without_the_library_nothing_changes_and_the_log_says_why(monkeypatch, caplog) -> None:

@@ -6,7 +6,7 @@
 // They round where transformers' modules round, so in bfloat16 and float16 the only differences left
 // are the order of RMSNorm's sum of squares and SiLU's exp (a float32 polynomial, ~1e-7 relative, where
 // torch uses Sleef): a result one unit in the last place apart, rarely. In float32 those two differ by a
-// unit in the last place of float32 (engine/cpu_fused.py attaches the kernels for 16-bit dtypes only).
+// few units in the last place of float32 (engine/cpu_fused.py says what that does to a model's output).
 //
 // Vectorised with vec16.h's 16-float vector type, as paged_decode.cpp (one zmm register under AVX-512,
 // two ymm under AVX2, scalar code elsewhere); bfloat16 is widened with integer vector operations and
