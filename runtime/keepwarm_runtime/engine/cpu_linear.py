@@ -7,8 +7,8 @@ caches (the 100M Llama's projections, one thread, Xeon with AVX-512: 7 GB/s at 1
 keepwarm's CPU library has it (a build for a CPU with AVX-512), steps of 1 to MAX_ROWS tokens take
 keepwarm's kernel (csrc/f32_linear.cpp): dot products along the weight's rows as they lie, the next
 rows prefetched while a block computes, the output written in rows. The 100M Llama's seven
-projections, more of them than the L3 cache holds: 1.5-2.3x faster than the weight-major product at
-2-16 rows, 1.2x at 64 (`bench/cpu_linear.py`). Its sums run in a fixed order that depends only on the
+projections, more of them than the L3 cache holds: 1.6-2.4x faster than the weight-major product at
+2-16 rows, 1.3x at 32-64, 1.08x at 128 (`bench/cpu_linear.py --dtype float32`). Its sums run in a fixed order that depends only on the
 layer's input width, so a token's result does not depend on the other tokens of its step; it differs
 from MKL's by float32 rounding (about 1e-6 relative). ``--no-cpu-f32-linear`` turns it off.
 
@@ -56,6 +56,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -185,32 +186,50 @@ def _hooked(module: nn.Module) -> bool:
     )
 
 
-def amx_unavailable(kernel_cache: str | None = None) -> str | None:
-    """Why the AMX kernel cannot run in this process, or None where it can (loads keepwarm's CPU
-    library: ``kernel_cache``, the node's builds, tried first)."""
+def _library_unavailable(
+    kernel_cache: str | None, has_kernel: Callable[[], bool], missing: str
+) -> str | None:
+    """Why a kernel of keepwarm's CPU library cannot run in this process (the library does not load:
+    ``kernel_cache``, the node's builds, tried first; or ``has_kernel()`` says no: ``missing``)."""
     try:
         native.load(kernel_cache)
     except native.KernelUnavailable as exc:
         return f"keepwarm's CPU library did not load ({exc})"
-    if not native.amx_linear_available():
-        return "no AMX tiles in this CPU, kernel build or process"
-    return None
+    return None if has_kernel() else missing
+
+
+def _send_to_kernel(
+    layers: list, why_not: Callable[[], str | None], stays: str, takes: Callable[[nn.Linear], bool], flag: str
+) -> int:
+    """Set ``flag`` on each of ``layers`` whose shape the kernel ``takes``; returns how many (0, with
+    ``why_not()`` in the log after ``stays``, where the kernel cannot run)."""
+    if not layers:
+        return 0
+    if (why := why_not()) is not None:
+        log.info("%s: %s", stays, why)
+        return 0
+    for layer in layers:
+        setattr(layer, flag, takes(layer))
+    return sum(getattr(layer, flag) for layer in layers)
+
+
+def amx_unavailable(kernel_cache: str | None = None) -> str | None:
+    """Why the AMX kernel cannot run in this process, or None where it can."""
+    missing = "no AMX tiles in this CPU, kernel build or process"
+    return _library_unavailable(kernel_cache, native.amx_linear_available, missing)
 
 
 def use_amx_linear(layers: list[PackedLinear], kernel_cache: str | None = None) -> int:
     """Send the decode-size steps of those layers whose shape the AMX kernel takes (K % 32, N % 16) to
     it, where keepwarm's CPU library loads (``kernel_cache``: the node's builds, tried first) and has
     it; returns how many layers take it (0, with the reason in the log, where it cannot run)."""
-    if not layers:
-        return 0
-    if (why := amx_unavailable(kernel_cache)) is not None:
-        log.info("bfloat16 linear layers stay on oneDNN: %s", why)
-        return 0
-    taken = 0
-    for layer in layers:
-        layer._amx = amx_takes(layer.out_features, layer.in_features)
-        taken += layer._amx
-    return taken
+    return _send_to_kernel(
+        layers,
+        lambda: amx_unavailable(kernel_cache),
+        "bfloat16 linear layers stay on oneDNN",
+        lambda layer: amx_takes(layer.out_features, layer.in_features),
+        "_amx",
+    )
 
 
 def packed_weights_supported() -> bool:
@@ -292,28 +311,19 @@ def f32_kernel_takes(out_features: int) -> bool:
 
 
 def f32_unavailable(kernel_cache: str | None = None) -> str | None:
-    """Why the float32 kernel cannot run in this process, or None where it can (loads keepwarm's CPU
-    library: ``kernel_cache``, the node's builds, tried first)."""
-    try:
-        native.load(kernel_cache)
-    except native.KernelUnavailable as exc:
-        return f"keepwarm's CPU library did not load ({exc})"
-    if not native.f32_linear_available():
-        return "no AVX-512 in this CPU or kernel build"
-    return None
+    """Why the float32 kernel cannot run in this process, or None where it can."""
+    missing = "no AVX-512 in this CPU or kernel build"
+    return _library_unavailable(kernel_cache, native.f32_linear_available, missing)
 
 
 def use_f32_linear(layers: list[WeightMajorLinear], kernel_cache: str | None = None) -> int:
     """Send the steps of up to MAX_ROWS tokens of those layers whose shape the float32 kernel takes to
     it, where keepwarm's CPU library loads (``kernel_cache`` tried first) and has it; returns how many
     layers take it (0, with the reason in the log, where it cannot run)."""
-    if not layers:
-        return 0
-    if (why := f32_unavailable(kernel_cache)) is not None:
-        log.info("float32 linear layers stay on MKL: %s", why)
-        return 0
-    taken = 0
-    for layer in layers:
-        layer._kernel = f32_kernel_takes(layer.out_features)
-        taken += layer._kernel
-    return taken
+    return _send_to_kernel(
+        layers,
+        lambda: f32_unavailable(kernel_cache),
+        "float32 linear layers stay on MKL",
+        lambda layer: f32_kernel_takes(layer.out_features),
+        "_kernel",
+    )
