@@ -8,9 +8,11 @@ keepwarm's CPU library has it (a build for a CPU with AVX-512), steps of 1 to MA
 keepwarm's kernel (csrc/f32_linear.cpp): dot products along the weight's rows as they lie, the next
 rows prefetched while a block computes, the output written in rows. The 100M Llama's seven
 projections, more of them than the L3 cache holds: 1.6-2.4x faster than the weight-major product at
-2-16 rows, 1.3x at 32-64, 1.08x at 128 (`bench/cpu_linear.py --dtype float32`). Its sums run in a fixed order that depends only on the
-layer's input width, so a token's result does not depend on the other tokens of its step; it differs
-from MKL's by float32 rounding (about 1e-6 relative). ``--no-cpu-f32-linear`` turns it off.
+2-16 rows, 1.3x at 32-64, 1.08x at 128 (`bench/cpu_linear.py --dtype float32`). Its sums run in a
+fixed order that depends only on the layer's input width, so a token's result does not depend on the
+other tokens of its step; it differs from MKL's by float32 rounding (about 1e-6 relative). Short rows
+(under F32_SHORT_ROW input features) over more than F32_SHORT_ROW_TOKENS tokens stay with MKL's
+``F.linear`` (below). ``--no-cpu-f32-linear`` turns it off.
 
 **float32, weight-major.** Without the kernel, ``F.linear(x, W)`` with ``x`` [M, in] and ``W``
 [out, in] reaches MKL's sgemm with the few rows of ``x`` as the left operand; for M from 2 to about 128
