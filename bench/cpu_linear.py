@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         if native.f32_linear_available() and all(f32_kernel_takes(o) for o, _ in shapes):
             per_projection["f32_kernel"] = lambda x, w, p: native.f32_linear(x, w, None)
         else:
-            skipped["f32_kernel"] = "no AVX-512 here" if native.f32_linear_available() else "N % 4 != 0"
+            skipped["f32_kernel"] = "N % 4 != 0" if native.f32_linear_available() else "no AVX-512 here"
     else:
         if torch.ops.mkldnn._is_mkldnn_bf16_supported():
             packed = [[torch.ops.mkldnn._reorder_linear_weight(w) for w in layer] for layer in weights]
