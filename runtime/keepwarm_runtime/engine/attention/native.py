@@ -8,7 +8,7 @@ tokens (csrc/f32_linear.cpp, used by engine/cpu_linear.py).
 The kernels are compiled for this machine's CPU (`-march=native`) with the compiler torch's extension
 builder finds, once, into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``); later processes load the cached library in milliseconds. The library
-name carries a hash of the sources (and csrc/vec16.h, which they include), the torch and Python
+name carries a hash of the sources (and the csrc/*.h they include), the torch and Python
 versions and the CPU's instruction-set flags, so a cache shared between machines or images never hands
 one CPU (or torch) another's build, and a process finding that build loads it directly, without
 importing the builder. `make venv` builds it
@@ -49,7 +49,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(
     CSRC / name for name in ("paged_decode.cpp", "fused_ops.cpp", "amx_linear.cpp", "f32_linear.cpp")
 )
-HEADERS = (CSRC / "vec16.h",)  # included by the sources: part of the build's name, as they are
+HEADERS = (CSRC / "vec16.h", CSRC / "linear_operands.h")  # included by the sources: in the build's name
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 OP_NAMESPACE = "keepwarm_cpu"
 

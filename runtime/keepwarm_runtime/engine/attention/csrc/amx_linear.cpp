@@ -46,6 +46,8 @@
 #include <optional>
 #include <vector>
 
+#include "linear_operands.h"  // check_linear_shapes, float_bias, rows_and_output: shared with f32_linear.cpp
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #define KEEPWARM_AMX 1
 #include <immintrin.h>
@@ -320,27 +322,10 @@ bool amx_linear_available() {
 void check_operands(const char* op, const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(amx_linear_available(), op, ": this build or CPU has no AMX bfloat16 tiles");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, op, ": bfloat16 only");
-  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 2 && weight.is_contiguous(), op,
-              ": x [..., K] and a contiguous weight [N, K]");
+  check_linear_shapes(op, x, weight);
   const int64_t K = x.size(-1), N = weight.size(0);
-  TORCH_CHECK(weight.size(1) == K, op, ": x has ", K, " features, the weight ", weight.size(1));
   TORCH_CHECK(K > 0 && K % 32 == 0 && N > 0 && N % 16 == 0, op,
               ": K must be a multiple of 32 and N of 16, got K=", K, " N=", N);
-}
-
-// A call's operands as the loops take them: x's M rows of K, contiguous, and an empty output shaped
-// as x with its last dimension N.
-struct RowsAndOutput {
-  at::Tensor rows, out;
-  int64_t M;
-};
-
-RowsAndOutput rows_and_output(const at::Tensor& x, int64_t N) {
-  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
-  sizes.back() = N;
-  at::Tensor rows = x.contiguous();
-  const int64_t M = rows.numel() / x.size(-1);
-  return {rows, x.new_empty(sizes), M};
 }
 
 #if defined(KEEPWARM_AMX)
@@ -373,11 +358,7 @@ void on_tiles(int64_t count, Fn&& fn) {
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   check_operands("amx_linear", x, weight);
   const int64_t N = weight.size(0);
-  std::optional<at::Tensor> bias32;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "amx_linear: bias [N]");
-    bias32 = bias->to(at::kFloat).contiguous();
-  }
+  const std::optional<at::Tensor> bias32 = float_bias("amx_linear", bias, N);
   const RowsAndOutput call = rows_and_output(x, N);
   const int64_t M = call.M;
   if (M == 0) return call.out;

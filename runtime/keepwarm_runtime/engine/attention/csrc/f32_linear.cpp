@@ -33,7 +33,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
-#include <vector>
+
+#include "linear_operands.h"  // check_linear_shapes, float_bias, rows_and_output: shared with amx_linear.cpp
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 #define KEEPWARM_F32_LINEAR 1
@@ -156,25 +157,17 @@ bool f32_linear_available() {
 at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(f32_linear_available(), "f32_linear: this build or CPU has no AVX-512");
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "f32_linear: float32 only");
-  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 2 && weight.is_contiguous(),
-              "f32_linear: x [..., K] and a contiguous weight [N, K]");
+  check_linear_shapes("f32_linear", x, weight);
   const int64_t K = x.size(-1), N = weight.size(0);
-  TORCH_CHECK(weight.size(1) == K, "f32_linear: x has ", K, " features, the weight ", weight.size(1));
   TORCH_CHECK(N > 0 && N % 4 == 0, "f32_linear: N must be a positive multiple of 4, got ", N);
-  std::optional<at::Tensor> bias32;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "f32_linear: bias [N]");
-    bias32 = bias->to(at::kFloat).contiguous();
-  }
-  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
-  sizes.back() = N;
-  at::Tensor out = x.new_empty(sizes);
-  const at::Tensor rows = x.contiguous();
-  const int64_t M = out.numel() / N;
+  const std::optional<at::Tensor> bias32 = float_bias("f32_linear", bias, N);
+  const RowsAndOutput call = rows_and_output(x, N);
+  at::Tensor out = call.out;
+  const int64_t M = call.M;
   if (M == 0) return out;
-  if (K == 0) return bias32.has_value() ? out.copy_(bias32->expand(sizes)) : out.zero_();
+  if (K == 0) return bias32.has_value() ? out.copy_(bias32->expand_as(out)) : out.zero_();
 #if defined(KEEPWARM_F32_LINEAR)
-  const float* xs = rows.data_ptr<float>();
+  const float* xs = call.rows.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   const float* b = bias32.has_value() ? bias32->data_ptr<float>() : nullptr;
   float* o = out.data_ptr<float>();
