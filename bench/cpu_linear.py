@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.step import machine
     from keepwarm_runtime.engine.attention import native
-    from keepwarm_runtime.engine.cpu_linear import amx_takes, f32_kernel_takes
+    from keepwarm_runtime.engine.cpu_linear import amx_takes, f32_kernel_takes, weight_major
 
     native.load()
     shapes = projections(args)
@@ -144,9 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     packed = [[None] * len(shapes) for _ in weights]
     per_projection = {"f_linear": lambda x, w, packed: F.linear(x, w)}
     skipped: dict[str, str] = {}
-    ways = {}
+    layer_ways = {}  # ways that run a whole layer, beside the per-projection ones
     if dtype == torch.float32:
-        per_projection["weight_major"] = lambda x, w, p: torch.mm(w, x.t()).t().contiguous()
+        per_projection["weight_major"] = lambda x, w, p: weight_major(x, w)
         if native.f32_linear_available() and all(f32_kernel_takes(o) for o, _ in shapes):
             per_projection["f32_kernel"] = lambda x, w, p: native.f32_linear(x, w, None)
         else:
@@ -165,9 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             skipped["amx"] = "no AMX tiles here" if fits else "shapes need K % 32 == 0 and N % 16 == 0"
         if "amx" in per_projection:
-            ways["amx_mlp_separate"] = amx_layer(shapes, gate_up_as_one=False)
-            ways["amx_mlp_as_one"] = amx_layer(shapes, gate_up_as_one=True)
-    ways = {name: each_projection(shapes, way) for name, way in per_projection.items()} | ways
+            layer_ways["amx_mlp_separate"] = amx_layer(shapes, gate_up_as_one=False)
+            layer_ways["amx_mlp_as_one"] = amx_layer(shapes, gate_up_as_one=True)
+    ways = {name: each_projection(shapes, way) for name, way in per_projection.items()} | layer_ways
     weight_bytes = sum(o * i for o, i in shapes) * dtype.itemsize * args.layers
 
     rows_out = []

@@ -100,10 +100,15 @@ class WeightMajorLinear(nn.Linear):
                 return native.f32_linear(x, weight, self.bias)
         if rows < MIN_ROWS:
             return F.linear(x, weight, self.bias)
-        out = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()
+        out = weight_major(x.reshape(rows, x.shape[-1]), weight)
         if self.bias is not None:
             out += self.bias
         return out.view(*x.shape[:-1], self.out_features)
+
+
+def weight_major(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for x [M, in] taken weight-major, ``(weight @ x.T).T``, copied into rows."""
+    return torch.mm(weight, x.t()).t().contiguous()
 
 
 def _grad(x: torch.Tensor, layer: nn.Module) -> bool:
