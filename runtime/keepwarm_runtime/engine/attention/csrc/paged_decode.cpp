@@ -206,26 +206,34 @@ inline __m512 sum16(__m512* v) {
       _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31),
       _mm512_setr_epi32(2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31),
       _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31)};
+#pragma GCC unroll 4
   for (int round = 0, count = 16; count > 1; ++round, count /= 2)
+#pragma GCC unroll 8
     for (int i = 0; i < count / 2; ++i)
       v[i] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * i], lo[round], v[2 * i + 1]),
                            _mm512_permutex2var_ps(v[2 * i], hi[round], v[2 * i + 1]));
   return v[0];
 }
 
-// scores[j * n + t] = the lane sum of dot(t, j), for `count` keys and `group` query heads: runs of 16
-// keys summed together, the rest one by one.
-template <typename Dot>
-inline void score_keys(int64_t group, int64_t count, float* scores, int64_t n, Dot&& dot) {
-  int64_t t = 0;
-  for (; t + 16 <= count; t += 16)
-    for (int64_t j = 0; j < group; ++j) {
+// scores[j * n + t] = the lane sum of dot_for(j)(row t), for `count` rows `stride` apart and `group`
+// query heads: dot_for(j) holds head j's query in registers; runs of 16 rows' products unrolled into 16
+// registers and summed together by sum16, the rest one by one. (Through a lambda of (t, j) called in a
+// loop, the products went to memory and back: a fifth of a bfloat16 decode call in cache.)
+template <typename T, typename DotFor>
+inline void score_keys(int64_t group, const T* rows, int64_t stride, int64_t count, float* scores, int64_t n,
+                       DotFor&& dot_for) {
+  for (int64_t j = 0; j < group; ++j) {
+    const auto dot = dot_for(j);
+    float* s = scores + j * n;
+    int64_t t = 0;
+    for (; t + 16 <= count; t += 16) {
       __m512 partial[16];
-      for (int i = 0; i < 16; ++i) partial[i] = dot(t + i, j);
-      _mm512_storeu_ps(scores + j * n + t, sum16(partial));
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) partial[i] = dot(rows + (t + i) * stride);
+      _mm512_storeu_ps(s + t, sum16(partial));
     }
-  for (; t < count; ++t)
-    for (int64_t j = 0; j < group; ++j) scores[j * n + t] = _mm512_reduce_add_ps(dot(t, j));
+    for (; t < count; ++t) s[t] = _mm512_reduce_add_ps(dot(rows + t * stride));
+  }
 }
 
 // Scores of one KV head's `count` keys (rows `stride` elements apart) for its `group` query heads:
@@ -234,14 +242,15 @@ template <typename T, int C>
 void score_in_place(const float* q, int64_t group, int64_t dim, const T* keys, int64_t stride, int64_t count,
                     float* scores, int64_t n) {
   const __mmask16 tail = lanes_mask(dim - (C - 1) * 16);
-  score_keys(group, count, scores, n, [&](int64_t t, int64_t j) {
-    const T* k = keys + t * stride;
-    const float* qj = q + j * C * 16;
-    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qj), load16(k, C == 1 ? tail : kAll16));
-    for (int c = 1; c < C; ++c)
-      acc = _mm512_fmadd_ps(_mm512_loadu_ps(qj + c * 16), load16(k + c * 16, c == C - 1 ? tail : kAll16),
-                            acc);
-    return acc;
+  score_keys(group, keys, stride, count, scores, n, [&](int64_t j) {
+    __m512 qv[C];
+    for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + (j * C + c) * 16);
+    return [=](const T* k) {
+      __m512 acc = _mm512_mul_ps(qv[0], load16(k, C == 1 ? tail : kAll16));
+#pragma GCC unroll 16
+      for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[c], load16(k + c * 16, c == C - 1 ? tail : kAll16), acc);
+      return acc;
+    };
   });
 }
 
@@ -252,14 +261,16 @@ void score_dot_bf16(const c10::BFloat16* q, int64_t group, int64_t dim, const c1
                     int64_t count, float* scores, int64_t n) {
   const int64_t left = dim - (C2 - 1) * 32;
   const __mmask32 tail = left >= 32 ? kAll32 : __mmask32((1ull << left) - 1);
-  score_keys(group, count, scores, n, [&](int64_t t, int64_t j) {
-    const c10::BFloat16* k = keys + t * stride;
-    const c10::BFloat16* qj = q + j * C2 * 32;
-    __m512 acc = _mm512_setzero_ps();
-    for (int c = 0; c < C2; ++c)
-      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qj + c * 32),
-                             (__m512bh)_mm512_maskz_loadu_epi16(c == C2 - 1 ? tail : kAll32, k + c * 32));
-    return acc;
+  score_keys(group, keys, stride, count, scores, n, [&](int64_t j) {
+    __m512bh qv[C2];
+    for (int c = 0; c < C2; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + (j * C2 + c) * 32);
+    return [=](const c10::BFloat16* k) {
+      __m512 acc = _mm512_setzero_ps();
+#pragma GCC unroll 8
+      for (int c = 0; c < C2; ++c)
+        acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_maskz_loadu_epi16(c == C2 - 1 ? tail : kAll32, k + c * 32));
+      return acc;
+    };
   });
 }
 #endif
