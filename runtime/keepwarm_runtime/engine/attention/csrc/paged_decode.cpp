@@ -327,8 +327,9 @@ inline void for_each_block(const int32_t* table, int64_t block_size, int64_t row
   }
 }
 
-// The offset of the first row of keys [first, last) (first < last) in elements and the token count of
-// the run of them in that row's block: what for_each_block's first call is given.
+// The offset in elements of the first of a sequence's cache rows [first, last) (first < last), keys or
+// values alike, and the token count of the run of them in that row's block: what for_each_block's
+// first call is given.
 inline std::pair<int64_t, int64_t> first_run(const int32_t* table, int64_t block_size, int64_t row, int64_t first,
                                              int64_t last) {
   const int64_t block = first / block_size;
