@@ -22,7 +22,7 @@ rotating order per round, and the median round is reported. bfloat16 (``--dtype 
 
 float32 (``--dtype float32``; the weights twice the bytes):
 
-* ``f32_kernel``: ``torch.ops.keepwarm_cpu.f32_linear`` (engine/attention/csrc/f32_linear.cpp), the
+* ``f32_kernel``: ``torch.ops.keepwarm_cpu.f32_linear`` (engine/attention/csrc/avx512_linear.cpp), the
   weight read where it lies, the output written in rows; absent, with the reason, without AVX-512;
 * ``weight_major``: MKL's ``(W @ x.T).T`` made contiguous, WeightMajorLinear's path without the kernel
   (engine/cpu_linear.py);
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.step import machine
     from keepwarm_runtime.engine.attention import native
-    from keepwarm_runtime.engine.cpu_linear import amx_takes, f32_kernel_takes, weight_major
+    from keepwarm_runtime.engine.cpu_linear import amx_takes, avx512_kernel_takes, weight_major
 
     native.load()
     shapes = projections(args)
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     layer_ways = {}  # ways that run a whole layer, beside the per-projection ones
     if dtype == torch.float32:
         per_projection["weight_major"] = lambda x, w, p: weight_major(x, w)
-        if native.f32_linear_available() and all(f32_kernel_takes(o) for o, _ in shapes):
+        if native.f32_linear_available() and all(avx512_kernel_takes(o) for o, _ in shapes):
             per_projection["f32_kernel"] = lambda x, w, p: native.f32_linear(x, w, None)
         else:
             skipped["f32_kernel"] = "N % 4 != 0" if native.f32_linear_available() else "no AVX-512 here"

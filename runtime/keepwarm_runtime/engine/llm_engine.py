@@ -40,6 +40,7 @@ from keepwarm_runtime.engine.cpu_linear import (
     LinearPacker,
     packed_weights_supported,
     use_amx_linear,
+    use_bf16_linear,
     use_f32_linear,
     use_packed_linear,
     use_weight_major_linear,
@@ -106,11 +107,15 @@ class LLMEngine:
             f32_layers if config.cpu_f32_linear else [], config.kernel_cache
         )
         # bfloat16 where oneDNN runs it natively: steps of up to 64 tokens on AMX tiles where the CPU
-        # has them, the others on oneDNN's packed weights, made in the background once the engine is built
-        wanted = config.cpu_packed_weights or config.cpu_amx_linear
+        # has them, else up to 128 on the AVX-512 BF16 kernel, the others on oneDNN's packed weights, made
+        # in the background once the engine is built
+        wanted = config.cpu_packed_weights or config.cpu_amx_linear or config.cpu_bf16_linear
         bf16_layers = use_packed_linear(self.model) if cpu and wanted and packed_weights_supported() else []
         amx_layers = bf16_layers if config.cpu_amx_linear else []
         self.amx_linear_layers = use_amx_linear(amx_layers, config.kernel_cache)
+        self.bf16_linear_layers = use_bf16_linear(
+            bf16_layers if config.cpu_bf16_linear else [], config.kernel_cache
+        )
         self.linear_packer = LinearPacker(bf16_layers if config.cpu_packed_weights else [])
         # bfloat16/float16: fused norm, activation and rotary kernels (engine/cpu_fused.py)
         fuses = cpu and config.cpu_fused_ops

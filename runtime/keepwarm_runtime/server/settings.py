@@ -207,6 +207,12 @@ class ServeSettings:
         "CPU bfloat16 on AMX: steps of up to 64 tokens multiply by the weights where they lie, on AMX tiles, "
         "instead of oneDNN (results may differ from it by one bfloat16 ulp; engine: on)",
     )
+    cpu_bf16_linear: bool | None = engine(
+        None,
+        "CPU bfloat16 on AVX-512 BF16 without AMX: steps of up to 128 tokens multiply by the weights where "
+        "they lie, on keepwarm's kernel instead of oneDNN (results may differ by one bfloat16 ulp; "
+        "engine: on)",
+    )
     cpu_f32_linear: bool | None = engine(
         None,
         "CPU float32 on AVX-512: steps of up to 128 tokens multiply by the weights where they lie, on "

@@ -1,9 +1,10 @@
 """engine/cpu_linear.py: the weight-major product equals nn.Linear's, and only plain float32 layers
-change; the float32 kernel (csrc/f32_linear.cpp) is within float32 rounding of the exact product,
+change; the float32 kernel (csrc/avx512_linear.cpp) is within float32 rounding of the exact product,
 gives each row the same bits whatever rows share its call, and takes the steps it is for; a packed
 bfloat16 layer computes nn.Linear's result bit for bit, packed or not; the AMX kernel
-(csrc/amx_linear.cpp) is within one bfloat16 ulp of the exact product, and takes only the steps and
-shapes it is for."""
+(csrc/amx_linear.cpp) and the AVX-512 BF16 kernel (csrc/avx512_linear.cpp) are within one bfloat16 ulp
+of the exact product, and take only the steps and shapes they are for (the second only where the
+first does not)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from torch import nn
 from keepwarm_runtime.engine.attention import native
 from keepwarm_runtime.engine.cpu_linear import (
     AMX_MAX_ROWS,
+    BF16_MAX_ROWS,
     F32_SHORT_ROW,
     F32_SHORT_ROW_TOKENS,
     MAX_ROWS,
@@ -27,11 +29,13 @@ from keepwarm_runtime.engine.cpu_linear import (
     WeightMajorLinear,
     amx_takes,
     amx_unavailable,
-    f32_kernel_takes,
+    avx512_kernel_takes,
+    bf16_unavailable,
     f32_unavailable,
     gate_up_silu,
     packed_weights_supported,
     use_amx_linear,
+    use_bf16_linear,
     use_f32_linear,
     use_packed_linear,
     use_weight_major_linear,
@@ -46,6 +50,10 @@ _no_amx = amx_unavailable()
 amx = pytest.mark.skipif(_no_amx is not None, reason=f"the AMX kernel cannot run here: {_no_amx}")
 _no_f32 = f32_unavailable()
 f32_kernel = pytest.mark.skipif(_no_f32 is not None, reason=f"the float32 kernel cannot run here: {_no_f32}")
+_no_bf16 = bf16_unavailable()
+bf16_kernel = pytest.mark.skipif(
+    _no_bf16 is not None, reason=f"the AVX-512 BF16 kernel cannot run here: {_no_bf16}"
+)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -157,8 +165,8 @@ def test_float32_layers_take_the_kernel_for_the_steps_it_is_for() -> None:
     wide(x).sum().backward()
     assert x.grad is not None and x.grad.shape == x.shape
     assert use_f32_linear([]) == 0
-    assert f32_kernel_takes(4) and f32_kernel_takes(8192)
-    assert not f32_kernel_takes(30) and not f32_kernel_takes(0)
+    assert avx512_kernel_takes(4) and avx512_kernel_takes(8192)
+    assert not avx512_kernel_takes(30) and not avx512_kernel_takes(0)
 
 
 def test_without_the_library_float32_layers_stay_on_mkl_and_the_log_says_why(monkeypatch, caplog) -> None:
@@ -444,3 +452,113 @@ def test_gate_up_silu_takes_the_pair_only_where_nothing_watches_the_layers_one_a
         assert gate_up_silu(plain, up, x) is None  # not a PackedLinear
         gate.bias = nn.Parameter(torch.zeros(32, dtype=torch.bfloat16))
         assert gate_up_silu(gate, up, x) is None
+
+
+@bf16_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(
+    ("rows", "k", "n"),
+    # a tile's 6 tokens and past them, K tails under a mask (odd K too: VDPBF16PS takes pairs) and
+    # chunks of 2048 added in float32, features past a block's 32 and not a multiple of 16
+    [(1, 96, 160), (5, 17, 4), (6, 32, 36), (7, 1, 8), (13, 1023, 68), (32, 2048 + 40, 32), (64, 4096, 100)],
+)
+def test_the_bf16_kernel_is_within_one_ulp_and_each_row_keeps_its_bits(rows, k, n, bias, threads) -> None:
+    """Against the float64 product: within one bfloat16 ulp (bar the float32 sums' own error). Every row
+    alone gives the bits it gets among the others (the sums' order depends on K only), and nearly every
+    output equals F.linear's (the same rounding but for the sums' order)."""
+    torch.manual_seed(rows * 1000 + k + bias)
+    x = torch.randn(rows, k, dtype=torch.bfloat16)
+    weight = (torch.randn(n, k) / k**0.5).to(torch.bfloat16)
+    b = torch.randn(n, dtype=torch.bfloat16) if bias else None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = native.bf16_linear(x, weight, b)
+        alone = torch.cat([native.bf16_linear(x[i : i + 1], weight, b) for i in range(rows)])
+    finally:
+        torch.set_num_threads(before)
+    _within_one_ulp(got, x, weight, b)
+    assert torch.equal(got, alone)
+    assert (got == F.linear(x, weight, b)).float().mean() >= 0.99
+
+
+@bf16_kernel
+def test_the_bf16_kernel_takes_any_layout_of_x_carries_nan_and_refuses_by_name() -> None:
+    torch.manual_seed(5)
+    weight = torch.randn(8, 64, dtype=torch.bfloat16)
+    x = torch.randn(4, 3, 64, dtype=torch.bfloat16).transpose(0, 1)  # not contiguous: copied
+    got = native.bf16_linear(x, weight, None)
+    assert got.shape == (3, 4, 8) and torch.equal(got, native.bf16_linear(x.contiguous(), weight, None))
+    assert native.bf16_linear(x[:0], weight, None).shape == (0, 4, 8)
+    empty_rows = native.bf16_linear(
+        torch.ones(2, 0, dtype=torch.bfloat16), torch.ones(4, 0, dtype=torch.bfloat16), torch.ones(4)
+    )
+    assert empty_rows.dtype == torch.bfloat16 and torch.equal(
+        empty_rows, torch.ones(2, 4, dtype=torch.bfloat16)
+    )
+    special = torch.ones(3, 64, dtype=torch.bfloat16)
+    special[0, 5], special[1, 0], special[2] = (
+        float("nan"),
+        float("inf"),
+        3e38,
+    )  # the last: a float32 overflow
+    out = native.bf16_linear(special, torch.ones(8, 64, dtype=torch.bfloat16), None)
+    assert out[0].isnan().all() and (out[1] == float("inf")).all() and (out[2] == float("inf")).all()
+    bf = torch.bfloat16
+    for x, weight, bias, match in [
+        (torch.ones(2, 64, dtype=bf), torch.ones(6, 64, dtype=bf), None, "multiple of 4"),
+        (torch.ones(2, 64, dtype=bf), torch.ones(8, 32, dtype=bf), None, "64 features, the weight 32"),
+        (torch.ones(2, 64), torch.ones(8, 64), None, "bfloat16 only"),
+        (torch.ones(2, 64, dtype=bf), torch.ones(8, 64), None, "bfloat16 only"),
+        (torch.ones(2, 64, dtype=bf), torch.ones(64, 8, dtype=bf).t(), None, "contiguous weight"),
+        (torch.ones(2, 64, dtype=bf), torch.ones(8, 64, dtype=bf), torch.ones(4), r"bias \[N\]"),
+    ]:
+        with pytest.raises(RuntimeError, match=match):
+            native.bf16_linear(x, weight, bias)
+
+
+@bf16_kernel
+def test_bf16_layers_take_the_kernel_up_to_its_rows_where_amx_does_not() -> None:
+    """Steps of 1..BF16_MAX_ROWS tokens of the layers AMX does not take go to the kernel (its bits
+    exactly), larger ones to oneDNN's packed weight (F.linear's bits); N % 4 != 0 never takes it;
+    use_bf16_linear([]) takes nothing. On a CPU with AMX, the layers AMX takes stay with it."""
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(256, 384), nn.Linear(384, 36), nn.Linear(36, 30)).to(torch.bfloat16)
+    weights = [layer.weight.detach().clone() for layer in model]
+    layers = use_packed_linear(model)
+    amx_layers = use_amx_linear(layers)  # 0 without AMX; the first layer with it (36: N % 16, K % 32)
+    assert use_bf16_linear(layers) == 2 - amx_layers
+    assert [layer._bf16 for layer in layers] == [not layers[0]._amx, True, False]
+    for layer in layers:
+        layer.pack()
+    with torch.no_grad():
+        for rows in (1, 2, BF16_MAX_ROWS, BF16_MAX_ROWS + 1, 100):
+            on_kernel = rows <= BF16_MAX_ROWS
+            x, x_odd = (
+                torch.randn(rows, 384, dtype=torch.bfloat16),
+                torch.randn(rows, 36, dtype=torch.bfloat16),
+            )
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as ran:
+                got, got_odd = model[1](x), model[2](x_odd)
+            calls = {event.key: event.count for event in ran.key_averages()}
+            assert calls.get("keepwarm_cpu::bf16_linear", 0) == on_kernel, rows  # never for N % 4 != 0
+            kernel = native.bf16_linear if on_kernel else F.linear  # else oneDNN's packed weight: its bits
+            assert torch.equal(got, kernel(x, weights[1], model[1].bias)), rows
+            assert torch.equal(got_odd, F.linear(x_odd, weights[2], model[2].bias)), rows
+    assert use_bf16_linear([]) == 0
+
+
+def test_without_the_library_bf16_layers_stay_on_onednn_and_the_log_says_why(monkeypatch, caplog) -> None:
+    def unavailable(kernel_cache=None):
+        raise native.KernelUnavailable("no compiler")
+
+    monkeypatch.setattr(native, "load", unavailable)
+    layers = use_packed_linear(nn.Sequential(nn.Linear(8, 8).to(torch.bfloat16)))
+    with caplog.at_level("INFO", logger="keepwarm_runtime.engine.cpu_linear"):
+        assert use_bf16_linear(layers) == 0
+    assert not layers[0]._bf16
+    why = (
+        "bfloat16 linear layers without AMX stay on oneDNN: keepwarm's CPU library did not load (no compiler)"
+    )
+    assert why in caplog.text

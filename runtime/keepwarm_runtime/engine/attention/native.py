@@ -3,8 +3,8 @@
 One library, ``torch.ops.keepwarm_cpu``: the paged decode attention (csrc/paged_decode.cpp), the
 fused RMSNorm, SiLU-and-mul and rotary kernels (csrc/fused_ops.cpp, attached by engine/cpu_fused.py),
 the bfloat16 linear layer on AMX tiles with its gated-MLP form (csrc/amx_linear.cpp, used by
-engine/cpu_linear.py and engine/cpu_fused.py) and the float32 linear layer on AVX-512 for steps of few
-tokens (csrc/f32_linear.cpp, used by engine/cpu_linear.py).
+engine/cpu_linear.py and engine/cpu_fused.py) and the float32 and bfloat16 linear layers on AVX-512 for
+steps of few tokens (csrc/avx512_linear.cpp, used by engine/cpu_linear.py).
 The kernels are compiled for this machine's CPU (`-march=native`) with the compiler torch's extension
 builder finds, once, into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``); later processes load the cached library in milliseconds. The library
@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(
-    CSRC / name for name in ("paged_decode.cpp", "fused_ops.cpp", "amx_linear.cpp", "f32_linear.cpp")
+    CSRC / name for name in ("paged_decode.cpp", "fused_ops.cpp", "amx_linear.cpp", "avx512_linear.cpp")
 )
 HEADERS = (CSRC / "vec16.h", CSRC / "linear_operands.h")  # included by the sources: in the build's name
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
@@ -221,8 +221,19 @@ def f32_linear_available() -> bool:
 
 def f32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for float32 on AVX-512, the weight read in place and the output
-    written in rows (csrc/f32_linear.cpp); needs N % 4 == 0."""
+    written in rows (csrc/avx512_linear.cpp); needs N % 4 == 0."""
     return getattr(torch.ops, OP_NAMESPACE).f32_linear(x, weight, bias)
+
+
+def bf16_linear_available() -> bool:
+    """The loaded build has the bfloat16 AVX-512 linear kernel (compiled for a CPU with AVX-512 BF16)."""
+    return bool(getattr(torch.ops, OP_NAMESPACE).bf16_linear_available())
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for bfloat16 on AVX-512 BF16 without AMX tiles, the weight read in
+    place (csrc/avx512_linear.cpp); needs N % 4 == 0."""
+    return getattr(torch.ops, OP_NAMESPACE).bf16_linear(x, weight, bias)
 
 
 @dataclass(frozen=True)

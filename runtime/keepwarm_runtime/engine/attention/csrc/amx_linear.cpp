@@ -46,7 +46,7 @@
 #include <optional>
 #include <vector>
 
-#include "linear_operands.h"  // check_linear_shapes, float_bias, rows_and_output: shared with f32_linear.cpp
+#include "linear_operands.h"  // check_linear_shapes, float_bias, rows_and_output: shared with avx512_linear.cpp
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #define KEEPWARM_AMX 1

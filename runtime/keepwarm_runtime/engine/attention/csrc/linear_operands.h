@@ -1,4 +1,4 @@
-// What keepwarm's two linear operators (amx_linear.cpp, f32_linear.cpp) share before their loops: the
+// What keepwarm's two linear operators (amx_linear.cpp, avx512_linear.cpp) share before their loops: the
 // shape checks of x [..., K] against a contiguous weight [N, K], the bias as float32, and the
 // operands as the loops take them (x's M rows, contiguous, and an empty output shaped as x with its
 // last dimension N). Messages name the operator. static inline, as vec16.h: each file its own copy.
