@@ -1,5 +1,5 @@
-"""Linear layers on CPU, per step size: keepwarm's AMX kernel beside oneDNN (bfloat16) and its AVX-512
-kernel beside MKL (float32), weights from memory.
+"""Linear layers on CPU, per step size: keepwarm's AMX and AVX-512 kernels beside oneDNN (bfloat16) and
+its AVX-512 kernel beside MKL (float32), weights from memory.
 
     .venv/bin/python -m bench.cpu_linear [--dtype bfloat16] [--rows 1,8,32,64,128] [--hidden 768]
         [--intermediate 2048] [--heads 12] [--kv-heads 6] [--head-dim 64] [--layers 40] [--rounds 9]
@@ -13,6 +13,9 @@ rotating order per round, and the median round is reported. bfloat16 (``--dtype 
 
 * ``amx``: ``torch.ops.keepwarm_cpu.amx_linear`` (engine/attention/csrc/amx_linear.cpp), the weight
   read where it lies; absent, with the reason, where the CPU or the build has no AMX;
+* ``bf16_kernel``: ``torch.ops.keepwarm_cpu.bf16_linear`` (engine/attention/csrc/avx512_linear.cpp),
+  the weight read where it lies and widened to float32, PackedLinear's path where the CPU has AVX-512
+  BF16 and no AMX; absent, with the reason, without AVX-512 BF16;
 * ``onednn_packed``: oneDNN on the weight reordered once into its blocked layout (PackedLinear's path,
   engine/cpu_linear.py);
 * ``f_linear``: ``torch.nn.functional.linear``, oneDNN reordering the weight on every call;
@@ -159,6 +162,12 @@ def main(argv: list[str] | None = None) -> int:
             )
         else:
             skipped["onednn_packed"] = "oneDNN has no native bfloat16 on this CPU"
+        if native.bf16_linear_available() and all(avx512_kernel_takes(o) for o, _ in shapes):
+            per_projection["bf16_kernel"] = lambda x, w, p: native.bf16_linear(x, w, None)
+        else:
+            skipped["bf16_kernel"] = (
+                "N % 4 != 0" if native.bf16_linear_available() else "no AVX-512 BF16 here"
+            )
         fits = all(amx_takes(o, i) for o, i in shapes)
         if native.amx_linear_available() and fits:
             per_projection["amx"] = lambda x, w, p: native.amx_linear(x, w, None)
@@ -189,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
             row[name] = {"ms": round(seconds * 1e3, 3), "gb_s": round(weight_bytes / seconds / 1e9, 2)}
         if "amx" in row and "onednn_packed" in row:
             row["amx_speedup_vs_onednn_packed"] = round(row["onednn_packed"]["ms"] / row["amx"]["ms"], 3)
+        if "bf16_kernel" in row and "onednn_packed" in row:
+            speedup = row["onednn_packed"]["ms"] / row["bf16_kernel"]["ms"]
+            row["bf16_kernel_speedup_vs_onednn_packed"] = round(speedup, 3)
         if "f32_kernel" in row:
             row["f32_speedup_vs_weight_major"] = round(row["weight_major"]["ms"] / row["f32_kernel"]["ms"], 3)
         if "amx_mlp_as_one" in row:

@@ -106,7 +106,7 @@ def test_throughput_benchmark_runs_keepwarm_packed_beside_unpacked_in_bfloat16(t
     assert (result["keepwarm"]["packed_linears"] > 0) == packed_weights_supported()
 
 
-def test_throughput_benchmark_runs_keepwarm_fused_beside_unfused_and_without_amx_in_bfloat16(
+def test_throughput_benchmark_runs_keepwarm_fused_beside_unfused_and_without_its_kernels_in_bfloat16(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "fused.json"
@@ -117,7 +117,7 @@ def test_throughput_benchmark_runs_keepwarm_fused_beside_unfused_and_without_amx
         "--threads",
         "1",
         "--peers",
-        "keepwarm_unfused,keepwarm_no_amx",
+        "keepwarm_unfused,keepwarm_no_amx,keepwarm_no_bf16_kernel",
         "--rounds",
         "1",
     ]
@@ -126,6 +126,7 @@ def test_throughput_benchmark_runs_keepwarm_fused_beside_unfused_and_without_amx
 
     assert result["keepwarm"]["tokens_per_s"] > 0 and result["keepwarm_unfused"]["tokens_per_s"] > 0
     assert result["keepwarm_no_amx"]["tokens_per_s"] > 0
+    assert result["keepwarm_no_bf16_kernel"]["tokens_per_s"] > 0
     assert result["keepwarm"]["fused_modules"]["rms_norm"] > 0  # the CPU library builds here
     # within one bfloat16 ulp: no near-ties at this size
     assert result["keepwarm_unfused"]["sequences_identical"] == 4
@@ -134,6 +135,8 @@ def test_throughput_benchmark_runs_keepwarm_fused_beside_unfused_and_without_amx
 
     native.load()
     assert (result["keepwarm"]["amx_linears"] > 0) == native.amx_linear_available()
+    bf16_kernel = native.bf16_linear_available() and not native.amx_linear_available()
+    assert (result["keepwarm"]["bf16_kernel_linears"] > 0) == bf16_kernel
 
 
 def test_mixed_workload_runs_every_peer_on_its_own_lengths(tmp_path: Path) -> None:
@@ -243,11 +246,14 @@ def test_cpu_linear_benchmark_times_every_way_per_step_size(tmp_path: Path) -> N
 
     native.load()
     amx = {"amx", "amx_mlp_separate", "amx_mlp_as_one"} if native.amx_linear_available() else set()
-    ways = {"f_linear"} | amx
+    bf16 = {"bf16_kernel"} if native.bf16_linear_available() else set()
+    ways = {"f_linear"} | amx | bf16
     for row in result["rows"]:
         assert ways <= set(row) and all(row[way]["ms"] > 0 and row[way]["gb_s"] > 0 for way in ways), row
         assert ("mlp_as_one_speedup" in row) == bool(amx), row
+        assert ("bf16_kernel_speedup_vs_onednn_packed" in row) == bool(bf16 and "onednn_packed" in row), row
     assert ("amx" in result["skipped"]) != native.amx_linear_available()
+    assert ("bf16_kernel" in result["skipped"]) != native.bf16_linear_available()
 
 
 @pytest.mark.parametrize("head_dim", [32, 30])  # 30: a k/v projection of 30 features, N % 4 != 0
