@@ -349,51 +349,50 @@ def test_amx_linear_layers_give_bfloat16_tokens_and_logprobs_within_their_tolera
         assert ops.get("keepwarm_cpu::amx_gate_up_silu", 0) >= layers  # the MLPs' gate and up as one
 
 
-@pytest.mark.skipif(
-    amx_unavailable() is None or bf16_unavailable() is not None,
-    reason="the AVX-512 BF16 kernel cannot run here, or AMX takes its layers",
-)
-def test_the_bf16_kernel_gives_bfloat16_tokens_and_logprobs_within_their_tolerance(make_tiny) -> None:
-    """On a CPU with AVX-512 BF16 and no AMX, steps of up to 128 tokens on the AVX-512 BF16 kernel
-    (engine/cpu_linear.py) against the same engine on oneDNN (--no-cpu-bf16-linear): an output may move
-    by one bfloat16 ulp, so a logprob by what that moves it (stated tolerance 0.05 nats, as for the AMX
-    kernel) and greedy tokens are the same. Prefill and decode steps, several rows and one; every
-    decode step's layers on the kernel (profiler count)."""
-    model_dir = make_tiny("llama", "bfloat16")
-    kwargs = {"dtype": "bfloat16", "block_size": 4, "num_kv_blocks": 256}
-    onednn = LLM(model_dir, cpu_bf16_linear=False, **kwargs)
-    assert onednn.engine.bf16_linear_layers == 0
+@pytest.mark.parametrize(
+    ("dtype", "switch", "layers_on_it", "op", "tolerance"),
+    [
+        # float32: the sums run in another order than MKL's, so outputs move by float32 rounding and a
+        # logprob by what that moves it (stated tolerance 1e-4 nats, as for tensor-parallel ranks;
+        # 3.3e-6 measured)
+        pytest.param(
+            "float32", "cpu_f32_linear", "f32_linear_layers", "f32_linear", 1e-4,
+            marks=pytest.mark.skipif(
+                f32_unavailable() is not None, reason="the float32 kernel cannot run here"
+            ),
+            id="float32",
+        ),
+        # bfloat16 without AMX: an output may move by one bfloat16 ulp, a logprob by what that moves it
+        # (stated tolerance 0.05 nats, as for the AMX kernel)
+        pytest.param(
+            "bfloat16", "cpu_bf16_linear", "bf16_linear_layers", "bf16_linear", 0.05,
+            marks=pytest.mark.skipif(
+                amx_unavailable() is None or bf16_unavailable() is not None,
+                reason="the AVX-512 BF16 kernel cannot run here, or AMX takes its layers",
+            ),
+            id="bfloat16",
+        ),
+    ],
+)  # fmt: skip
+def test_the_avx512_kernels_give_the_tokens_and_logprobs_of_torch_within_their_tolerance(
+    make_tiny, dtype: str, switch: str, layers_on_it: str, op: str, tolerance: float
+) -> None:
+    """Steps of up to 128 tokens on keepwarm's AVX-512 linear kernels (engine/cpu_linear.py) against the
+    same engine with the kernel switched off (--no-cpu-f32-linear: MKL; --no-cpu-bf16-linear: oneDNN):
+    the same greedy tokens, logprobs within the kernel's tolerance. Prefill and decode steps, several
+    rows and one; every decode step's layers on the kernel (profiler count)."""
+    model_dir = make_tiny("llama", dtype)
+    kwargs = {"dtype": dtype, "block_size": 4, "num_kv_blocks": 256}
+    torch_only = LLM(model_dir, **{switch: False}, **kwargs)
+    assert getattr(torch_only.engine, layers_on_it) == 0
     kernel = LLM(model_dir, **kwargs)
     layers = kernel.engine.model.config.num_hidden_layers
-    assert kernel.engine.bf16_linear_layers == 7 * layers + 1  # every projection and the LM head
-    params = SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True)
-    batch = prompts(6, length=9, seed=13)
-    want = onednn.generate(batch, params)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as ran:
-        got = kernel.generate(batch, params)
-    assert_same_tokens_and_close_logprobs(got, want, tolerance=0.05)
-    ops = {event.key: event.count for event in ran.key_averages()}
-    assert ops.get("keepwarm_cpu::bf16_linear", 0) >= 9 * (7 * layers + 1)  # the 9 decode steps, every layer
-
-
-@pytest.mark.skipif(f32_unavailable() is not None, reason="the float32 kernel cannot run here")
-def test_the_float32_kernel_gives_mkls_tokens_and_logprobs_within_float32_rounding(make_tiny) -> None:
-    """Steps of up to 128 tokens on the float32 kernel (engine/cpu_linear.py) against the same engine on
-    MKL (--no-cpu-f32-linear): the sums run in another order, so outputs move by float32 rounding and a
-    logprob by what that moves it (stated tolerance 1e-4 nats, as for tensor-parallel ranks; 3.3e-6
-    measured here), and greedy tokens are the same. Prefill and decode steps, several rows and one."""
-    model_dir = make_tiny("llama", "float32")
-    kwargs = {"dtype": "float32", "block_size": 4, "num_kv_blocks": 256}
-    mkl = LLM(model_dir, cpu_f32_linear=False, **kwargs)
-    assert mkl.engine.f32_linear_layers == 0
-    kernel = LLM(model_dir, **kwargs)
-    layers = kernel.engine.model.config.num_hidden_layers
-    assert kernel.engine.f32_linear_layers == 7 * layers + 1  # every projection and the LM head
+    assert getattr(kernel.engine, layers_on_it) == 7 * layers + 1  # every projection and the LM head
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True)
     batch = prompts(6, length=9, seed=11)
-    want = mkl.generate(batch, params)
+    want = torch_only.generate(batch, params)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as ran:
         got = kernel.generate(batch, params)
-    assert_same_tokens_and_close_logprobs(got, want, tolerance=1e-4)
+    assert_same_tokens_and_close_logprobs(got, want, tolerance=tolerance)
     ops = {event.key: event.count for event in ran.key_averages()}
-    assert ops.get("keepwarm_cpu::f32_linear", 0) >= 9 * (7 * layers + 1)  # the 9 decode steps, every layer
+    assert ops.get(f"keepwarm_cpu::{op}", 0) >= 9 * (7 * layers + 1)  # the 9 decode steps, every layer

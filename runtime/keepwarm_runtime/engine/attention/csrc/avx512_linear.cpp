@@ -252,11 +252,13 @@ bool bf16_linear_available() {
 #endif
 }
 
-// The checks and operands both operators share.
+// The checks and operands both operators share; `done` where the output is already whole (no rows,
+// or K == 0: the bias, or zeros).
 struct Call {
   RowsAndOutput operands;
   std::optional<at::Tensor> bias;  // float32
-  int64_t K, N;
+  int64_t M, K, N;
+  bool done;
 };
 
 // x and weight in `dtype` (called `dtype_name` in the message).
@@ -266,23 +268,22 @@ Call prepare(const char* op, const at::Tensor& x, const at::Tensor& weight, cons
   check_linear_shapes(op, x, weight);
   const int64_t K = x.size(-1), N = weight.size(0);
   TORCH_CHECK(N > 0 && N % 4 == 0, op, ": N must be a positive multiple of 4, got ", N);
-  std::optional<at::Tensor> bias32 = float_bias(op, bias, N);
-  return {rows_and_output(x, N), std::move(bias32), K, N};
-}
-
-// The output of K == 0: the bias, or zeros.
-at::Tensor bias_only(const Call& call) {
-  at::Tensor out = call.operands.out;
-  return call.bias.has_value() ? out.copy_(call.bias->expand_as(out)) : out.zero_();
+  Call call{rows_and_output(x, N), float_bias(op, bias, N), 0, K, N, false};
+  call.M = call.operands.M;
+  call.done = call.M == 0 || K == 0;
+  if (call.M > 0 && K == 0) {
+    at::Tensor out = call.operands.out;
+    call.bias.has_value() ? out.copy_(call.bias->expand_as(out)) : out.zero_();
+  }
+  return call;
 }
 
 at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(f32_linear_available(), "f32_linear: this build or CPU has no AVX-512");
   const Call call = prepare("f32_linear", x, weight, bias, at::kFloat, "float32");
   at::Tensor out = call.operands.out;
-  const int64_t M = call.operands.M, K = call.K, N = call.N;
-  if (M == 0) return out;
-  if (K == 0) return bias_only(call);
+  if (call.done) return out;
+  const int64_t M = call.M, K = call.K, N = call.N;
 #if defined(KEEPWARM_F32_LINEAR)
   const float* xs = call.operands.rows.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
@@ -302,9 +303,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const std:
   TORCH_CHECK(bf16_linear_available(), "bf16_linear: this build or CPU has no AVX-512 BF16");
   const Call call = prepare("bf16_linear", x, weight, bias, at::kBFloat16, "bfloat16");
   at::Tensor out = call.operands.out;
-  const int64_t M = call.operands.M, K = call.K, N = call.N;
-  if (M == 0) return out;
-  if (K == 0) return bias_only(call);
+  if (call.done) return out;
+  const int64_t M = call.M, K = call.K, N = call.N;
 #if defined(KEEPWARM_BF16_LINEAR)
   using bf16 = c10::BFloat16;
   const int64_t x_stride = (K + 31) / 32 * 32;
