@@ -56,7 +56,8 @@ AMX, AMD Zen 4 and 5) left decode steps to oneDNN's packed weight, read at 9-10 
 from 16 rows, held to VDPBF16PS's rate (about 75 GFLOPS, where float32 FMAs make 175 on the Xeon
 measured). Steps of up to BF16_MAX_ROWS tokens take keepwarm's AVX-512 kernel there instead
 (csrc/avx512_linear.cpp, the float32 kernel's loops): the weight read where it lies, each line widened
-to float32 in registers and multiplied with FMAs, the next rows prefetched. The 100M Llama's
+to float32 in registers and multiplied with FMAs, the next rows prefetched. On a CPU with AMX,
+bfloat16 stays with the AMX kernel and oneDNN (this kernel was measured without AMX only). The 100M Llama's
 projections in 40 copies, one thread, Xeon with avx512_bf16 and no AMX: 1.24-1.25x faster than oneDNN
 on its packed weight at 1-2 rows, 1.37-1.52x at 8-128 (`bench/cpu_linear.py`). Sums run in float32 in
 an order that depends only on K, so a token's outputs do not depend on the other tokens of its step
@@ -133,9 +134,10 @@ def _grad(x: torch.Tensor, layer: nn.Module) -> bool:
 
 class PackedLinear(nn.Linear):
     """An ``nn.Linear`` whose bfloat16 steps of up to AMX_MAX_ROWS rows run on the AMX kernel where
-    ``use_amx_linear`` enabled it, else those of up to BF16_MAX_ROWS on the AVX-512 BF16 kernel where
-    ``use_bf16_linear`` did, and larger ones (or all, without either) of two rows or more on oneDNN's
-    packed weight once ``pack`` has made it; otherwise, and for other dtypes, exactly ``nn.Linear``."""
+    ``use_amx_linear`` enabled it, those of up to BF16_MAX_ROWS on the AVX-512 BF16 kernel where
+    ``use_bf16_linear`` did (CPUs without AMX), and larger ones (or all, without either) of two rows
+    or more on oneDNN's packed weight once ``pack`` has made it; otherwise, and for other dtypes,
+    exactly ``nn.Linear``."""
 
     # (the weight's data pointer it was packed from, the packed weight); None until packed
     _packed: tuple[int, torch.Tensor] | None = None
@@ -269,15 +271,23 @@ def bf16_unavailable(kernel_cache: str | None = None) -> str | None:
 
 
 def use_bf16_linear(layers: list[PackedLinear], kernel_cache: str | None = None) -> int:
-    """Send the steps of up to BF16_MAX_ROWS tokens of those layers that do not take the AMX kernel
-    (``use_amx_linear`` first) and whose shape the AVX-512 BF16 kernel takes (N % 4) to it, where
-    keepwarm's CPU library loads and has it; returns how many layers take it (0, with the reason in the
-    log, where it cannot run)."""
+    """Send the steps of up to BF16_MAX_ROWS tokens of those layers whose shape the AVX-512 BF16 kernel
+    takes (N % 4) to it, where keepwarm's CPU library loads and has it and the CPU has no AMX tiles
+    (there bfloat16 stays with the AMX kernel and oneDNN's AMX kernels: this one was measured without
+    AMX only); returns how many layers take it (0, with the reason in the log, where it does not run)."""
+
+    def why_not() -> str | None:
+        if (why := bf16_unavailable(kernel_cache)) is not None:
+            return why
+        return (
+            "AMX tiles here: the AMX kernel and oneDNN take them" if native.amx_linear_available() else None
+        )
+
     return _send_to_kernel(
         layers,
-        lambda: bf16_unavailable(kernel_cache),
-        "bfloat16 linear layers without AMX stay on oneDNN",
-        lambda layer: not layer._amx and avx512_kernel_takes(layer.out_features),
+        why_not,
+        "bfloat16 linear layers stay off the AVX-512 BF16 kernel",
+        lambda layer: avx512_kernel_takes(layer.out_features),
         "_bf16",
     )
 

@@ -340,7 +340,7 @@ def test_amx_linear_layers_give_bfloat16_tokens_and_logprobs_within_their_tolera
     for packed in (True, False):
         amx = LLM(model_dir, cpu_packed_weights=packed, **kwargs)
         assert amx.engine.amx_linear_layers == 7 * layers + 1  # every projection and the LM head
-        assert amx.engine.bf16_linear_layers == 0  # where AMX takes a layer, the AVX-512 kernel does not
+        assert amx.engine.bf16_linear_layers == 0  # with AMX tiles, the AVX-512 BF16 kernel takes none
         assert bool(amx.engine.linear_packer.layers) is packed
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as ran:
             got = amx.generate(batch, params)

@@ -3,8 +3,8 @@ change; the float32 kernel (csrc/avx512_linear.cpp) is within float32 rounding o
 gives each row the same bits whatever rows share its call, and takes the steps it is for; a packed
 bfloat16 layer computes nn.Linear's result bit for bit, packed or not; the AMX kernel
 (csrc/amx_linear.cpp) and the AVX-512 BF16 kernel (csrc/avx512_linear.cpp) are within one bfloat16 ulp
-of the exact product, and take only the steps and shapes they are for (the second only where the
-first does not)."""
+of the exact product, and take only the steps and shapes they are for (the second only on a CPU
+without AMX)."""
 
 from __future__ import annotations
 
@@ -519,21 +519,23 @@ def test_the_bf16_kernel_takes_any_layout_of_x_carries_nan_and_refuses_by_name()
 
 
 @bf16_kernel
-def test_bf16_layers_take_the_kernel_up_to_its_rows_where_amx_does_not() -> None:
-    """Steps of 1..BF16_MAX_ROWS tokens of the layers AMX does not take go to the kernel (its bits
-    exactly), larger ones to oneDNN's packed weight (F.linear's bits); N % 4 != 0 never takes it;
-    use_bf16_linear([]) takes nothing. On a CPU with AMX, the layers AMX takes stay with it."""
+def test_bf16_layers_take_the_kernel_up_to_its_rows_on_a_cpu_without_amx() -> None:
+    """Steps of 1..BF16_MAX_ROWS tokens go to the kernel (its bits exactly), larger ones to oneDNN's
+    packed weight (F.linear's bits); N % 4 != 0 never takes it; use_bf16_linear([]) takes nothing. On
+    a CPU with AMX no layer takes it (the next test)."""
     torch.manual_seed(6)
     model = nn.Sequential(nn.Linear(256, 384), nn.Linear(384, 36), nn.Linear(36, 30)).to(torch.bfloat16)
     weights = [layer.weight.detach().clone() for layer in model]
     layers = use_packed_linear(model)
-    amx_layers = use_amx_linear(layers)  # 0 without AMX; the first layer with it (36: N % 16, K % 32)
-    assert use_bf16_linear(layers) == 2 - amx_layers
-    assert [layer._bf16 for layer in layers] == [not layers[0]._amx, True, False]
+    if native.amx_linear_available():
+        assert use_bf16_linear(layers) == 0 and not any(layer._bf16 for layer in layers)
+        return
+    assert use_bf16_linear(layers) == 2
+    assert [layer._bf16 for layer in layers] == [True, True, False]
     for layer in layers:
         layer.pack()
     with torch.no_grad():
-        for rows in (1, 2, BF16_MAX_ROWS, BF16_MAX_ROWS + 1, 100):
+        for rows in (1, 2, BF16_MAX_ROWS, BF16_MAX_ROWS + 1, 200):
             on_kernel = rows <= BF16_MAX_ROWS
             x, x_odd = (
                 torch.randn(rows, 384, dtype=torch.bfloat16),
@@ -549,6 +551,21 @@ def test_bf16_layers_take_the_kernel_up_to_its_rows_where_amx_does_not() -> None
     assert use_bf16_linear([]) == 0
 
 
+def test_with_amx_tiles_bf16_layers_stay_off_the_avx512_kernel_and_the_log_says_why(
+    monkeypatch, caplog
+) -> None:
+    monkeypatch.setattr(native, "load", lambda kernel_cache=None: "loaded")
+    monkeypatch.setattr(native, "bf16_linear_available", lambda: True)
+    monkeypatch.setattr(native, "amx_linear_available", lambda: True)
+    layers = use_packed_linear(nn.Sequential(nn.Linear(8, 8).to(torch.bfloat16)))
+    with caplog.at_level("INFO", logger="keepwarm_runtime.engine.cpu_linear"):
+        assert use_bf16_linear(layers) == 0
+    assert not layers[0]._bf16
+    assert (
+        "stay off the AVX-512 BF16 kernel: AMX tiles here: the AMX kernel and oneDNN take them" in caplog.text
+    )
+
+
 def test_without_the_library_bf16_layers_stay_on_onednn_and_the_log_says_why(monkeypatch, caplog) -> None:
     def unavailable(kernel_cache=None):
         raise native.KernelUnavailable("no compiler")
@@ -558,7 +575,5 @@ def test_without_the_library_bf16_layers_stay_on_onednn_and_the_log_says_why(mon
     with caplog.at_level("INFO", logger="keepwarm_runtime.engine.cpu_linear"):
         assert use_bf16_linear(layers) == 0
     assert not layers[0]._bf16
-    why = (
-        "bfloat16 linear layers without AMX stay on oneDNN: keepwarm's CPU library did not load (no compiler)"
-    )
+    why = "stay off the AVX-512 BF16 kernel: keepwarm's CPU library did not load (no compiler)"
     assert why in caplog.text
