@@ -56,12 +56,12 @@ AMX, AMD Zen 4 and 5) left decode steps to oneDNN's packed weight, read at 9-10 
 from 16 rows, held to VDPBF16PS's rate (about 75 GFLOPS, where float32 FMAs make 175 on the Xeon
 measured). Steps of up to BF16_MAX_ROWS tokens take keepwarm's AVX-512 kernel there instead
 (csrc/avx512_linear.cpp, the float32 kernel's loops): the weight read where it lies, each line widened
-to float32 in registers and multiplied with FMAs, the next rows prefetched. On a CPU with AMX,
-bfloat16 stays with the AMX kernel and oneDNN (this kernel was measured without AMX only). The 100M Llama's
+to float32 in registers and multiplied with FMAs, the next rows prefetched. The 100M Llama's
 projections in 40 copies, one thread, Xeon with avx512_bf16 and no AMX: 1.24-1.25x faster than oneDNN
 on its packed weight at 1-2 rows, 1.37-1.52x at 8-128 (`bench/cpu_linear.py`). Sums run in float32 in
 an order that depends only on K, so a token's outputs do not depend on the other tokens of its step
-and may differ from ``F.linear``'s by one bfloat16 ulp, as the AMX kernel's may.
+and may differ from ``F.linear``'s by one bfloat16 ulp, as the AMX kernel's may. On a CPU with AMX,
+bfloat16 stays with the AMX kernel and oneDNN (this kernel was measured without AMX only).
 ``--no-cpu-bf16-linear`` turns it off.
 """
 
