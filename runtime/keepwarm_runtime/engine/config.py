@@ -65,8 +65,8 @@ class EngineConfig:
     # CPU bfloat16 on AMX: steps of up to 64 tokens on keepwarm's AMX kernel, the weights read in place
     # (engine/cpu_linear.py, csrc/amx_linear.cpp); results may differ from oneDNN's by one bfloat16 ulp
     cpu_amx_linear: bool = True
-    # CPU bfloat16 on AVX-512 BF16 without AMX: steps of up to 128 tokens on keepwarm's kernel, the weights
-    # read in place (engine/cpu_linear.py, csrc/avx512_linear.cpp); results may differ by one bfloat16 ulp
+    # CPU bfloat16 on AVX-512 BF16 without AMX: every step on keepwarm's kernel, the weights read in
+    # place, none packed (engine/cpu_linear.py, csrc/avx512_linear.cpp); results may differ by one ulp
     cpu_bf16_linear: bool = True
     # CPU float32 on AVX-512: steps of up to 128 tokens on keepwarm's kernel, the weights read in place
     # (engine/cpu_linear.py, csrc/avx512_linear.cpp); results may differ from MKL's by float32 rounding

@@ -54,11 +54,12 @@ same bits, the activation rearranged once and no intermediate written out and re
 **bfloat16, AVX-512 BF16.** A CPU with AVX-512 BF16 but no AMX tiles (a Xeon whose hypervisor hides
 AMX, AMD Zen 4 and 5) left decode steps to oneDNN's packed weight, read at 9-10 GB/s for one row and,
 from 16 rows, held to VDPBF16PS's rate (about 75 GFLOPS, where float32 FMAs make 175 on the Xeon
-measured). Steps of up to BF16_MAX_ROWS tokens take keepwarm's AVX-512 kernel there instead
-(csrc/avx512_linear.cpp, the float32 kernel's loops): the weight read where it lies, each line widened
-to float32 in registers and multiplied with FMAs, the next rows prefetched. The 100M Llama's
-projections in 40 copies, one thread, Xeon with avx512_bf16 and no AMX: 1.24-1.25x faster than oneDNN
-on its packed weight at 1-2 rows, 1.37-1.52x at 8-128 (`bench/cpu_linear.py`). Sums run in float32 in
+measured). Every bfloat16 step takes keepwarm's AVX-512 kernel there instead (csrc/avx512_linear.cpp,
+the float32 kernel's loops): the weight read where it lies, each line widened to float32 in registers
+and multiplied with FMAs, the next rows prefetched. The 100M Llama's projections, one thread, Xeon with
+avx512_bf16 and no AMX: 1.24-1.25x faster than oneDNN on its packed weight at 1-2 rows, 1.37-1.52x at
+8-128, 1.13-1.34x at 256-2,048 (prefill chunks; `bench/cpu_linear.py`), so those layers keep no packed
+copy (as much private memory again as the linear layers). Sums run in float32 in
 an order that depends only on K, so a token's outputs do not depend on the other tokens of its step
 and may differ from ``F.linear``'s by one bfloat16 ulp, as the AMX kernel's may. On a CPU with AMX,
 bfloat16 stays with the AMX kernel and oneDNN (this kernel was measured without AMX only).
@@ -92,9 +93,6 @@ F32_SHORT_ROW, F32_SHORT_ROW_TOKENS = 512, 32
 # Rows up to which a bfloat16 step takes the AMX kernel rather than oneDNN's packed weight (measured
 # above); larger steps (prefill chunks) are compute-bound, where oneDNN's kernels are as fast or faster.
 AMX_MAX_ROWS = 64
-# Rows up to which a bfloat16 step takes the AVX-512 BF16 kernel where there is no AMX (measured above:
-# as for float32, larger steps are prefill chunks, where oneDNN's packed weight keeps its place).
-BF16_MAX_ROWS = 128
 PACKER_NICE = 19  # the packing thread's nice value: it runs when no step wants the CPU
 
 
@@ -134,23 +132,24 @@ def _grad(x: torch.Tensor, layer: nn.Module) -> bool:
 
 class PackedLinear(nn.Linear):
     """An ``nn.Linear`` whose bfloat16 steps of up to AMX_MAX_ROWS rows run on the AMX kernel where
-    ``use_amx_linear`` enabled it, those of up to BF16_MAX_ROWS on the AVX-512 BF16 kernel where
-    ``use_bf16_linear`` did (CPUs without AMX), and larger ones (or all, without either) of two rows
-    or more on oneDNN's packed weight once ``pack`` has made it; otherwise, and for other dtypes,
-    exactly ``nn.Linear``."""
+    ``use_amx_linear`` enabled it, all of them on the AVX-512 BF16 kernel where ``use_bf16_linear``
+    did (CPUs without AMX), and otherwise those of two rows or more on oneDNN's packed weight once
+    ``pack`` has made it; otherwise, and for other dtypes, exactly ``nn.Linear``."""
 
     # (the weight's data pointer it was packed from, the packed weight); None until packed
     _packed: tuple[int, torch.Tensor] | None = None
     _amx = False  # this layer's shape takes the AMX kernel, and the kernel runs here (use_amx_linear)
     _bf16 = False  # ... the AVX-512 BF16 kernel, and it runs here (use_bf16_linear)
 
-    def _kernel_step(self, x: torch.Tensor, max_rows: int) -> bool:
-        """``x`` is a step a kernel that reads this layer's weight in place can take: of up to
-        ``max_rows`` rows, in the weight's dtype, on the CPU, the weight contiguous."""
+    def _kernel_step(self, x: torch.Tensor, max_rows: int | None) -> bool:
+        """``x`` is a step a kernel that reads this layer's weight in place can take: of at least one
+        row and at most ``max_rows`` (None: any number), in the weight's dtype, on the CPU, the weight
+        contiguous."""
         weight = self.weight
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         return (
             x.dtype == weight.dtype
-            and 0 < x.numel() <= max_rows * x.shape[-1]
+            and 0 < rows <= (rows if max_rows is None else max_rows)
             and weight.is_contiguous()
             and x.device.type == "cpu"
         )
@@ -163,7 +162,7 @@ class PackedLinear(nn.Linear):
         packed, weight = self._packed, self.weight
         if self.amx_takes(x):
             return native.amx_linear(x, weight, self.bias)
-        if self._bf16 and self._kernel_step(x, BF16_MAX_ROWS):
+        if self._bf16 and self._kernel_step(x, None):
             return native.bf16_linear(x, weight, self.bias)
         if packed is None or x.dtype != weight.dtype or x.numel() == x.shape[-1]:
             return F.linear(x, weight, self.bias)
@@ -271,10 +270,10 @@ def bf16_unavailable(kernel_cache: str | None = None) -> str | None:
 
 
 def use_bf16_linear(layers: list[PackedLinear], kernel_cache: str | None = None) -> int:
-    """Send the steps of up to BF16_MAX_ROWS tokens of those layers whose shape the AVX-512 BF16 kernel
-    takes (N % 4) to it, where keepwarm's CPU library loads and has it and the CPU has no AMX tiles
-    (there bfloat16 stays with the AMX kernel and oneDNN's AMX kernels: this one was measured without
-    AMX only); returns how many layers take it (0, with the reason in the log, where it does not run)."""
+    """Send every step of those layers whose shape the AVX-512 BF16 kernel takes (N % 4) to it, where
+    keepwarm's CPU library loads and has it and the CPU has no AMX tiles (there bfloat16 stays with
+    the AMX kernel and oneDNN's AMX kernels: this one was measured without AMX only); returns how many
+    layers take it (0, with the reason in the log, where it does not run)."""
 
     def why_not() -> str | None:
         if (why := bf16_unavailable(kernel_cache)) is not None:

@@ -107,7 +107,7 @@ class LLMEngine:
             f32_layers if config.cpu_f32_linear else [], config.kernel_cache
         )
         # bfloat16 where oneDNN runs it natively: steps of up to 64 tokens on AMX tiles where the CPU
-        # has them, else up to 128 on the AVX-512 BF16 kernel, the others on oneDNN's packed weights, made
+        # has them, else all of them on the AVX-512 BF16 kernel, the others on oneDNN's packed weights, made
         # in the background once the engine is built
         wanted = config.cpu_packed_weights or config.cpu_amx_linear or config.cpu_bf16_linear
         bf16_layers = use_packed_linear(self.model) if cpu and wanted and packed_weights_supported() else []
@@ -116,7 +116,9 @@ class LLMEngine:
         self.bf16_linear_layers = use_bf16_linear(
             bf16_layers if config.cpu_bf16_linear else [], config.kernel_cache
         )
-        self.linear_packer = LinearPacker(bf16_layers if config.cpu_packed_weights else [])
+        # layers on the AVX-512 BF16 kernel take it for every step: no packed copy for them
+        unpacked = [layer for layer in bf16_layers if not layer._bf16]
+        self.linear_packer = LinearPacker(unpacked if config.cpu_packed_weights else [])
         # bfloat16/float16: fused norm, activation and rotary kernels (engine/cpu_fused.py)
         fuses = cpu and config.cpu_fused_ops
         self.fused_ops = (

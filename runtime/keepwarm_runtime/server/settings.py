@@ -209,9 +209,9 @@ class ServeSettings:
     )
     cpu_bf16_linear: bool | None = engine(
         None,
-        "CPU bfloat16 on AVX-512 BF16 without AMX: steps of up to 128 tokens multiply by the weights where "
-        "they lie, on keepwarm's kernel instead of oneDNN (results may differ by one bfloat16 ulp; "
-        "engine: on)",
+        "CPU bfloat16 on AVX-512 BF16 without AMX: every step multiplies by the weights where "
+        "they lie, on keepwarm's kernel instead of oneDNN's packed copy (results may differ by one "
+        "bfloat16 ulp; engine: on)",
     )
     cpu_f32_linear: bool | None = engine(
         None,

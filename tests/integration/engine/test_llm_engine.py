@@ -377,10 +377,11 @@ def test_amx_linear_layers_give_bfloat16_tokens_and_logprobs_within_their_tolera
 def test_the_avx512_kernels_give_the_tokens_and_logprobs_of_torch_within_their_tolerance(
     make_tiny, dtype: str, switch: str, layers_on_it: str, op: str, tolerance: float
 ) -> None:
-    """Steps of up to 128 tokens on keepwarm's AVX-512 linear kernels (engine/cpu_linear.py) against the
-    same engine with the kernel switched off (--no-cpu-f32-linear: MKL; --no-cpu-bf16-linear: oneDNN):
-    the same greedy tokens, logprobs within the kernel's tolerance. Prefill and decode steps, several
-    rows and one; every decode step's layers on the kernel (profiler count)."""
+    """Steps of up to 128 tokens (float32), every step (bfloat16, no AMX) on keepwarm's AVX-512 linear
+    kernels (engine/cpu_linear.py) against the same engine with the kernel switched off
+    (--no-cpu-f32-linear: MKL; --no-cpu-bf16-linear: oneDNN): the same greedy tokens, logprobs within
+    the kernel's tolerance. Prefill and decode steps, several rows and one; every decode step's layers
+    on the kernel (profiler count)."""
     model_dir = make_tiny("llama", dtype)
     kwargs = {"dtype": dtype, "block_size": 4, "num_kv_blocks": 256}
     torch_only = LLM(model_dir, **{switch: False}, **kwargs)

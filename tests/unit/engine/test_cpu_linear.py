@@ -19,7 +19,6 @@ from torch import nn
 from keepwarm_runtime.engine.attention import native
 from keepwarm_runtime.engine.cpu_linear import (
     AMX_MAX_ROWS,
-    BF16_MAX_ROWS,
     F32_SHORT_ROW,
     F32_SHORT_ROW_TOKENS,
     MAX_ROWS,
@@ -519,10 +518,10 @@ def test_the_bf16_kernel_takes_any_layout_of_x_carries_nan_and_refuses_by_name()
 
 
 @bf16_kernel
-def test_bf16_layers_take_the_kernel_up_to_its_rows_on_a_cpu_without_amx() -> None:
-    """Steps of 1..BF16_MAX_ROWS tokens go to the kernel (its bits exactly), larger ones to oneDNN's
-    packed weight (F.linear's bits); N % 4 != 0 never takes it; use_bf16_linear([]) takes nothing. On
-    a CPU with AMX no layer takes it (the next test)."""
+def test_bf16_layers_take_the_kernel_for_every_step_on_a_cpu_without_amx() -> None:
+    """Every step, one row to a prefill chunk of several slabs of 256, goes to the kernel (its bits
+    exactly); N % 4 != 0 never takes it and stays on oneDNN's packed weight (F.linear's bits);
+    use_bf16_linear([]) takes nothing. On a CPU with AMX no layer takes it (the next test)."""
     torch.manual_seed(6)
     model = nn.Sequential(nn.Linear(256, 384), nn.Linear(384, 36), nn.Linear(36, 30)).to(torch.bfloat16)
     weights = [layer.weight.detach().clone() for layer in model]
@@ -535,8 +534,7 @@ def test_bf16_layers_take_the_kernel_up_to_its_rows_on_a_cpu_without_amx() -> No
     for layer in layers:
         layer.pack()
     with torch.no_grad():
-        for rows in (1, 2, BF16_MAX_ROWS, BF16_MAX_ROWS + 1, 200):
-            on_kernel = rows <= BF16_MAX_ROWS
+        for rows in (1, 2, 128, 129, 600):
             x, x_odd = (
                 torch.randn(rows, 384, dtype=torch.bfloat16),
                 torch.randn(rows, 36, dtype=torch.bfloat16),
@@ -544,10 +542,14 @@ def test_bf16_layers_take_the_kernel_up_to_its_rows_on_a_cpu_without_amx() -> No
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as ran:
                 got, got_odd = model[1](x), model[2](x_odd)
             calls = {event.key: event.count for event in ran.key_averages()}
-            assert calls.get("keepwarm_cpu::bf16_linear", 0) == on_kernel, rows  # never for N % 4 != 0
-            kernel = native.bf16_linear if on_kernel else F.linear  # else oneDNN's packed weight: its bits
-            assert torch.equal(got, kernel(x, weights[1], model[1].bias)), rows
+            assert calls.get("keepwarm_cpu::bf16_linear", 0) == 1, rows  # never for N % 4 != 0
+            assert torch.equal(got, native.bf16_linear(x, weights[1], model[1].bias)), rows
             assert torch.equal(got_odd, F.linear(x_odd, weights[2], model[2].bias)), rows
+            if rows > 1:  # the slabs of 256 rows: each row the bits it has alone
+                alone = torch.cat(
+                    [native.bf16_linear(x[i : i + 1], weights[1], model[1].bias) for i in (0, rows - 1)]
+                )
+                assert torch.equal(got[[0, rows - 1]], alone), rows
     assert use_bf16_linear([]) == 0
 
 

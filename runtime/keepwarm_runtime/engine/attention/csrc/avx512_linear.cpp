@@ -64,6 +64,10 @@ namespace {
 constexpr int kFeatures = 4;            // weight rows per tile
 constexpr int64_t kBlockFeatures = 32;  // weight rows per block (and per unit of work between threads)
 constexpr int64_t kChunkBytes = 4096;   // bytes of a weight row's K per pass over a block
+// bfloat16: tokens staged as float32 at a time (a slab's activations, 256 x K x 4 bytes, stay a few MB
+// for the largest layers; each slab reads the weight again, which from 16 tokens costs less than the
+// arithmetic)
+constexpr int64_t kSlabTokens = 256;
 
 // The totals of four 16-lane sums, in lanes 0..3: pairs of lanes, then pairs of pairs, within each
 // 128-bit lane, then the four 128-bit lanes.
@@ -308,25 +312,28 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const std:
 #if defined(KEEPWARM_BF16_LINEAR)
   using bf16 = c10::BFloat16;
   const int64_t x_stride = (K + 31) / 32 * 32;
-  const std::vector<float> xs = stage_bf16(call.operands.rows.data_ptr<bf16>(), M, K, x_stride);
   const bf16* w = weight.data_ptr<bf16>();
   const float* b = call.bias.has_value() ? call.bias->data_ptr<float>() : nullptr;
-  bf16* o = out.data_ptr<bf16>();
-  at::parallel_for(0, (N + kBlockFeatures - 1) / kBlockFeatures, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> sums(M * kBlockFeatures);  // a block's float32 sums, token-major
-    for (int64_t block = first; block < last; ++block) {
-      const int64_t n0 = block * kBlockFeatures, width = std::min(N, n0 + kBlockFeatures) - n0;
-      feature_block(w, xs.data(), x_stride, b, sums.data(), kBlockFeatures, M, N, K, n0, n0 + width);
-      const __mmask16 low = __mmask16((1u << std::min<int64_t>(16, width)) - 1);
-      const __mmask16 high = width > 16 ? __mmask16((1u << (width - 16)) - 1) : 0;
-      for (int64_t m = 0; m < M; ++m) {  // rounded to bfloat16 into the output's row
-        const float* s = sums.data() + m * kBlockFeatures;
-        bf16* row = o + m * N + n0;
-        _mm256_mask_storeu_epi16(row, low, __builtin_bit_cast(__m256i, to_bfloat16(load(s))));
-        if (high) _mm256_mask_storeu_epi16(row + 16, high, __builtin_bit_cast(__m256i, to_bfloat16(load(s + 16))));
+  for (int64_t m0 = 0; m0 < M; m0 += kSlabTokens) {  // a prefill chunk's rows a slab at a time
+    const int64_t rows = std::min(kSlabTokens, M - m0);
+    const std::vector<float> xs = stage_bf16(call.operands.rows.data_ptr<bf16>() + m0 * K, rows, K, x_stride);
+    bf16* o = out.data_ptr<bf16>() + m0 * N;
+    at::parallel_for(0, (N + kBlockFeatures - 1) / kBlockFeatures, 1, [&](int64_t first, int64_t last) {
+      std::vector<float> sums(rows * kBlockFeatures);  // a block's float32 sums, token-major
+      for (int64_t block = first; block < last; ++block) {
+        const int64_t n0 = block * kBlockFeatures, width = std::min(N, n0 + kBlockFeatures) - n0;
+        feature_block(w, xs.data(), x_stride, b, sums.data(), kBlockFeatures, rows, N, K, n0, n0 + width);
+        const __mmask16 low = __mmask16((1u << std::min<int64_t>(16, width)) - 1);
+        const __mmask16 high = width > 16 ? __mmask16((1u << (width - 16)) - 1) : 0;
+        for (int64_t m = 0; m < rows; ++m) {  // rounded to bfloat16 into the output's row
+          const float* s = sums.data() + m * kBlockFeatures;
+          bf16* row = o + m * N + n0;
+          _mm256_mask_storeu_epi16(row, low, __builtin_bit_cast(__m256i, to_bfloat16(load(s))));
+          if (high) _mm256_mask_storeu_epi16(row + 16, high, __builtin_bit_cast(__m256i, to_bfloat16(load(s + 16))));
+        }
       }
-    }
-  });
+    });
+  }
 #endif
   return out;
 }
