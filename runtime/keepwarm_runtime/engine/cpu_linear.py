@@ -149,7 +149,8 @@ class PackedLinear(nn.Linear):
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         return (
             x.dtype == weight.dtype
-            and 0 < rows <= (rows if max_rows is None else max_rows)
+            and rows > 0
+            and (max_rows is None or rows <= max_rows)
             and weight.is_contiguous()
             and x.device.type == "cpu"
         )

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -39,6 +41,18 @@ from keepwarm_runtime.engine.cpu_linear import (
     use_packed_linear,
     use_weight_major_linear,
 )
+
+
+@contextmanager
+def intra_op_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op thread count set to ``threads`` for the block, then set back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
 
 native_bf16 = pytest.mark.skipif(
     not packed_weights_supported(), reason="oneDNN has no native bfloat16 here (needs AVX-512 BF16 or AMX)"
@@ -105,13 +119,9 @@ def test_the_float32_kernel_is_the_product_and_each_row_keeps_its_bits(rows, k, 
     token counts past a tile's 6, features past a block's 32, a bias."""
     torch.manual_seed(rows * 1000 + k)
     x, weight, bias = torch.randn(rows, k), torch.randn(n, k) / k**0.5, torch.randn(n)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with intra_op_threads(threads):
         got = native.f32_linear(x, weight, bias)
         alone = torch.cat([native.f32_linear(x[i : i + 1], weight, bias) for i in range(rows)])
-    finally:
-        torch.set_num_threads(before)
     exact = F.linear(x.double(), weight.double(), bias.double())
     bound = 4 * torch.finfo(torch.float32).eps * (x.double().abs() @ weight.double().abs().t() + bias.abs())
     assert got.dtype == torch.float32 and got.shape == (rows, n)
@@ -303,12 +313,8 @@ def test_the_amx_kernel_is_within_one_ulp_of_the_exact_product(
     x = torch.randn(rows, in_features, dtype=torch.bfloat16)
     weight = (torch.randn(out_features, in_features) / in_features**0.5).to(torch.bfloat16)
     b = torch.randn(out_features, dtype=torch.bfloat16) if bias else None
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with intra_op_threads(threads):
         got = native.amx_linear(x, weight, b)
-    finally:
-        torch.set_num_threads(before)
     _within_one_ulp(got, x, weight, b)
     want = F.linear(x, weight, b)  # the same rounding but for the sums' order: nearly every output equal
     assert (got == want).float().mean() >= 0.99
@@ -401,13 +407,9 @@ def test_the_gate_up_kernel_is_the_two_layers_and_silu_and_mul_bit_for_bit(
     n, k = out_in
     gate, up = ((torch.randn(n, k) / k**0.5).to(torch.bfloat16) for _ in range(2))
     x = torch.randn(rows, k, dtype=torch.bfloat16)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with intra_op_threads(threads):
         got = native.amx_gate_up_silu(x, gate, up)
         want = _silu_and_mul(native.amx_linear(x, gate, None), native.amx_linear(x, up, None))
-    finally:
-        torch.set_num_threads(before)
     assert torch.equal(got, want)
     exact = F.silu(x.float() @ gate.float().T) * (x.float() @ up.float().T)  # and near the exact value
     assert torch.allclose(got.float(), exact, rtol=0.05, atol=0.05)
@@ -470,13 +472,9 @@ def test_the_bf16_kernel_is_within_one_ulp_and_each_row_keeps_its_bits(rows, k, 
     x = torch.randn(rows, k, dtype=torch.bfloat16)
     weight = (torch.randn(n, k) / k**0.5).to(torch.bfloat16)
     b = torch.randn(n, dtype=torch.bfloat16) if bias else None
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with intra_op_threads(threads):
         got = native.bf16_linear(x, weight, b)
         alone = torch.cat([native.bf16_linear(x[i : i + 1], weight, b) for i in range(rows)])
-    finally:
-        torch.set_num_threads(before)
     _within_one_ulp(got, x, weight, b)
     assert torch.equal(got, alone)
     assert (got == F.linear(x, weight, b)).float().mean() >= 0.99

@@ -114,6 +114,13 @@ struct Dot<float> {
 // way. A line of 32 weights becomes its even elements (shifted up) and its odd ones (masked), and each
 // token's activations are staged as float32 in the same order (stage_bf16), so the products are exact
 // and their sums float32.
+// A line of 32 bfloat16 as float32: its 16 even elements shifted up, its 16 odd ones with the even
+// bits masked off. The weights' tiles and the staged activations (stage_bf16) both take this order.
+inline void widen(__m512i line, __m512& even, __m512& odd) {
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(line, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(line, _mm512_set1_epi32(int(0xffff0000u))));
+}
+
 template <>
 struct Dot<c10::BFloat16> {
   static constexpr int64_t kStep = 32;
@@ -122,14 +129,11 @@ struct Dot<c10::BFloat16> {
   template <int T, bool Tail>
   static void step(const c10::BFloat16* w, const float* x, int64_t K, int64_t x_stride, int64_t tail,
                    __m512 (&acc)[T][kFeatures]) {
-    const __m512i high = _mm512_set1_epi32(int(0xffff0000u));
     __m512 even[kFeatures], odd[kFeatures];
-    for (int f = 0; f < kFeatures; ++f) {
-      const __m512i line = Tail ? _mm512_maskz_loadu_epi16(__mmask32((uint64_t(1) << tail) - 1), w + f * K)
-                                : _mm512_loadu_si512(w + f * K);
-      even[f] = _mm512_castsi512_ps(_mm512_slli_epi32(line, 16));
-      odd[f] = _mm512_castsi512_ps(_mm512_and_si512(line, high));
-    }
+    for (int f = 0; f < kFeatures; ++f)
+      widen(Tail ? _mm512_maskz_loadu_epi16(__mmask32((uint64_t(1) << tail) - 1), w + f * K)
+                 : _mm512_loadu_si512(w + f * K),
+            even[f], odd[f]);
     for (int t = 0; t < T; ++t) {
       const __m512 x_even = _mm512_loadu_ps(x + t * x_stride), x_odd = _mm512_loadu_ps(x + t * x_stride + 16);
       for (int f = 0; f < kFeatures; ++f)
@@ -142,14 +146,14 @@ struct Dot<c10::BFloat16> {
 // (the widened weight's order), K padded with zeros to whole lines: rows of x_stride elements.
 std::vector<float> stage_bf16(const c10::BFloat16* x, int64_t M, int64_t K, int64_t x_stride) {
   std::vector<float> staged(M * x_stride);
-  const __m512i high = _mm512_set1_epi32(int(0xffff0000u));
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t k = 0; k < K; k += 32) {
       const __mmask32 lanes = K - k >= 32 ? ~__mmask32(0) : __mmask32((uint64_t(1) << (K - k)) - 1);
-      const __m512i line = _mm512_maskz_loadu_epi16(lanes, x + m * K + k);
+      __m512 even, odd;
+      widen(_mm512_maskz_loadu_epi16(lanes, x + m * K + k), even, odd);
       float* to = staged.data() + m * x_stride + k;
-      _mm512_storeu_ps(to, _mm512_castsi512_ps(_mm512_slli_epi32(line, 16)));
-      _mm512_storeu_ps(to + 16, _mm512_castsi512_ps(_mm512_and_si512(line, high)));
+      _mm512_storeu_ps(to, even);
+      _mm512_storeu_ps(to + 16, odd);
     }
   }
   return staged;
