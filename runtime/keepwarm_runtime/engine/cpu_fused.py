@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from keepwarm_runtime.engine.attention import native
 from keepwarm_runtime.engine.cpu_linear import gate_up_silu
 
 log = logging.getLogger(__name__)
@@ -103,16 +104,10 @@ class FusedModules:
         return sum(self.counts.values())
 
 
-def _ops():
-    from keepwarm_runtime.engine.attention.native import OP_NAMESPACE
-
-    return getattr(torch.ops, OP_NAMESPACE)
-
-
 def _takes(*tensors: torch.Tensor) -> bool:
     """The kernels take these: CPU, one of FUSED_DTYPES, contiguous, no autograd."""
     first = tensors[0]
-    if first.device.type != "cpu" or first.dtype not in FUSED_DTYPES:
+    if not first.is_cpu or first.dtype not in FUSED_DTYPES:
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
@@ -121,7 +116,7 @@ def _takes(*tensors: torch.Tensor) -> bool:
 
 def rms_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(x)
-    _ops().rms_norm(out, x, module.weight, module.variance_epsilon)
+    native.op("rms_norm")(out, x, module.weight, module.variance_epsilon)
     return out
 
 
@@ -138,7 +133,7 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     if not _takes(gate, up) or gate.shape != up.shape:
         return self.down_proj(self.act_fn(gate) * up)
     out = torch.empty_like(gate)
-    _ops().silu_and_mul(out, gate, up)
+    native.op("silu_and_mul")(out, gate, up)
     return self.down_proj(out)
 
 
@@ -169,7 +164,7 @@ def _decoder_layer_forward(
     norm = self.post_attention_layernorm
     if _takes(hidden_states, residual, norm.weight) and hidden_states.shape == residual.shape:
         summed, normed = torch.empty_like(residual), torch.empty_like(residual)
-        _ops().add_rms_norm(normed, summed, hidden_states, residual, norm.weight, norm.variance_epsilon)
+        native.op("add_rms_norm")(normed, summed, hidden_states, residual, norm.weight, norm.variance_epsilon)
         residual, hidden_states = summed, normed
     else:
         residual = residual + hidden_states
@@ -201,7 +196,7 @@ def fused_rotary(original: Callable) -> Callable:
         ):
             return original(q, k, cos, sin, unsqueeze_dim)
         q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-        _ops().rotary_embedding(q_out, k_out, q, k, cos, sin)
+        native.op("rotary_embedding")(q_out, k_out, q, k, cos, sin)
         return q_out, k_out
 
     return apply_rotary_pos_emb
@@ -249,8 +244,6 @@ def _kind(module: nn.Module, known: tuple[Family, ...]) -> str | None:
 def use_fused_ops(model: nn.Module, dtype: torch.dtype, kernel_cache: str | None = None) -> FusedModules:
     """Give ``model``'s modules of the families above their fused forwards, when ``dtype`` is one the
     kernels serve and keepwarm's CPU library loads (``kernel_cache``: the node's builds, tried first)."""
-    from keepwarm_runtime.engine.attention import native
-
     fused = FusedModules()
     if dtype not in FUSED_DTYPES:
         return fused

@@ -107,7 +107,7 @@ class WeightMajorLinear(nn.Linear):
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if rows > MAX_ROWS or x.dtype != torch.float32 or weight.dtype != torch.float32:
             return F.linear(x, weight, self.bias)
-        if self._kernel and weight.is_contiguous() and x.device.type == "cpu" and not _grad(x, self):
+        if self._kernel and weight.is_contiguous() and x.is_cpu and not _grad(x, self):
             if x.shape[-1] < F32_SHORT_ROW and rows > F32_SHORT_ROW_TOKENS:
                 return F.linear(x, weight, self.bias)
             if rows:
@@ -152,7 +152,7 @@ class PackedLinear(nn.Linear):
             and rows > 0
             and (max_rows is None or rows <= max_rows)
             and weight.is_contiguous()
-            and x.device.type == "cpu"
+            and x.is_cpu
         )
 
     def amx_takes(self, x: torch.Tensor) -> bool:

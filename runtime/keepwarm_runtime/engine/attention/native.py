@@ -30,6 +30,7 @@ intra-op threads, under the same count and spin settings (engine/threads.py).
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import logging
 import os
@@ -172,6 +173,15 @@ def load(kernel_cache: str | Path | None = None) -> str:
         return name
 
 
+@functools.cache
+def op(name: str) -> torch._ops.OpOverload:
+    """The loaded library's operator ``name`` (its one overload), looked up once: a decode step calls
+    these kernels hundreds of times, and each lookup through ``torch.ops`` and the overload packet cost
+    about 1 us of Python (10M Llama, one token a step: some 60 linear layers). A lookup before
+    ``load`` raises, and is not cached."""
+    return getattr(getattr(torch.ops, OP_NAMESPACE), name).default
+
+
 def paged_decode_attention(
     out: torch.Tensor,  # [B, H, Dv], written
     query: torch.Tensor,  # [B, H, Dk]
@@ -184,7 +194,7 @@ def paged_decode_attention(
     softcap: float | None,
     sinks: torch.Tensor | None,  # [H] float32 sink logits
 ) -> None:
-    getattr(torch.ops, OP_NAMESPACE).paged_decode_attention(
+    op("paged_decode_attention")(
         out, query, k_cache, v_cache, block_tables, starts, ends, scale, softcap or 0.0, sinks
     )
 
@@ -194,7 +204,7 @@ def write_kv(
     slots: torch.Tensor,  # [T] int64
     rows: torch.Tensor,  # [T, Hkv, D], the last dim contiguous
 ) -> None:
-    getattr(torch.ops, OP_NAMESPACE).write_kv(cache, slots, rows)
+    op("write_kv")(cache, slots, rows)
 
 
 def amx_linear_available() -> bool:
@@ -205,13 +215,13 @@ def amx_linear_available() -> bool:
 def amx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for bfloat16 on AMX, the weight read in place (csrc/amx_linear.cpp);
     needs K % 32 == 0 and N % 16 == 0."""
-    return getattr(torch.ops, OP_NAMESPACE).amx_linear(x, weight, bias)
+    return op("amx_linear")(x, weight, bias)
 
 
 def amx_gate_up_silu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu_and_mul(F.linear(x, gate), F.linear(x, up))`` on AMX in one pass, the same bits as those
     three (csrc/amx_linear.cpp); gate and up [N, K] with K % 32 == 0 and N % 16 == 0."""
-    return getattr(torch.ops, OP_NAMESPACE).amx_gate_up_silu(x, gate, up)
+    return op("amx_gate_up_silu")(x, gate, up)
 
 
 def f32_linear_available() -> bool:
@@ -222,7 +232,7 @@ def f32_linear_available() -> bool:
 def f32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for float32 on AVX-512, the weight read in place and the output
     written in rows (csrc/avx512_linear.cpp); needs N % 4 == 0."""
-    return getattr(torch.ops, OP_NAMESPACE).f32_linear(x, weight, bias)
+    return op("f32_linear")(x, weight, bias)
 
 
 def bf16_linear_available() -> bool:
@@ -233,7 +243,7 @@ def bf16_linear_available() -> bool:
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for bfloat16 on AVX-512 BF16 without AMX tiles, the weight read in
     place (csrc/avx512_linear.cpp); needs N % 4 == 0."""
-    return getattr(torch.ops, OP_NAMESPACE).bf16_linear(x, weight, bias)
+    return op("bf16_linear")(x, weight, bias)
 
 
 @dataclass(frozen=True)
