@@ -54,6 +54,19 @@ class BlockManager:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
+    def reserve(self) -> int:
+        """Take a free block out of circulation for good (never given to a sequence, never a prefix
+        hit): the padding rows of decode graphs write their keys and values there."""
+        if not self.free_queue:
+            raise RuntimeError("no free KV block to reserve")
+        block_id, _ = self.free_queue.popitem()  # the most recently freed: the last to be handed out
+        block = self.blocks[block_id]
+        if block.hash is not None:
+            del self.cached[block.hash]
+            block.hash, block.tokens = None, None
+        block.ref_count = 1
+        return block_id
+
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks already holding this sequence's leading full blocks. At least one token is left to
         compute, so the last prompt position still produces logits."""

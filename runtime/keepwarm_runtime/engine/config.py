@@ -74,6 +74,8 @@ class EngineConfig:
     # CPU: fused RMSNorm, SiLU-and-mul and rotary kernels on Llama-family modules (engine/cpu_fused.py)
     cpu_fused_ops: bool = True
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of total memory weights + KV cache may use
+    # CUDA: no decode graphs (engine/decode_graphs.py), every step launched from Python (vLLM's flag)
+    enforce_eager: bool = False
     max_prompt_logprobs_len: int = count(32768)  # longest prompt whose prompt logprobs a request may ask for
     enable_lora: bool = False  # serve PEFT LoRA adapters per request (engine/lora)
     max_loras: int = count(4)  # adapter slots on the device: most distinct adapters in one batch

@@ -63,15 +63,20 @@ def bytes_per_block(specs: list[KVSpec], block_size: int, dtype: torch.dtype) ->
 
 
 def num_blocks_for(
-    config: EngineConfig, specs: list[KVSpec], max_model_len: int, device: torch.device
+    config: EngineConfig,
+    specs: list[KVSpec],
+    max_model_len: int,
+    device: torch.device,
+    reserved_bytes: int = 0,
 ) -> int:
+    """``reserved_bytes``: CUDA memory kept out of the cache's budget (the decode graphs' pool)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     per_block = bytes_per_block(specs, config.block_size, config.torch_dtype)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
-        budget = max(int(total * config.gpu_memory_utilization) - used, 0)
+        budget = max(int(total * config.gpu_memory_utilization) - used - reserved_bytes, 0)
     else:
         budget = int(config.kv_cache_memory_gib * (1 << 30))
     # Never more than every sequence at full length needs.

@@ -32,7 +32,7 @@ import torch
 
 from keepwarm_runtime.engine.attention.fuser import fuse_attention
 from keepwarm_runtime.engine.attention.select import select_backend
-from keepwarm_runtime.engine.block_manager import BlockManager
+from keepwarm_runtime.engine.block_manager import BlockManager, cdiv
 from keepwarm_runtime.engine.capabilities import EngineCapabilities
 from keepwarm_runtime.engine.config import EngineConfig
 from keepwarm_runtime.engine.cpu_fused import FusedModules, use_fused_ops
@@ -45,6 +45,7 @@ from keepwarm_runtime.engine.cpu_linear import (
     use_packed_linear,
     use_weight_major_linear,
 )
+from keepwarm_runtime.engine.decode_graphs import DecodeGraphs, capture_sizes, graph_bytes
 from keepwarm_runtime.engine.detokenizer import IncrementalDetokenizer, find_stop
 from keepwarm_runtime.engine.host_memory import keep_freed_memory
 from keepwarm_runtime.engine.kv_cache import allocate_kv_cache, num_blocks_for, probe_kv_specs
@@ -141,7 +142,9 @@ class LLMEngine:
         model_len = getattr(text_config, "max_position_embeddings", None) or 2048
         max_len = min(config.max_model_len or model_len, model_len)
         specs = probe_kv_specs(self.model, self.layers, self.device)
-        num_blocks = parallel_group.fewest(num_blocks_for(config, specs, max_len, self.device))
+        graphs = self._graphs_wanted(backend)
+        pool = self._graph_bytes(text_config, max_len) if graphs else 0
+        num_blocks = parallel_group.fewest(num_blocks_for(config, specs, max_len, self.device, pool))
         allocate_kv_cache(self.layers, specs, num_blocks, config.block_size, config.torch_dtype, self.device)
         self.kv_specs, self.num_kv_blocks = (
             specs,
@@ -175,6 +178,9 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._unencoded: list[_Request] = []  # arrived with audio; step() encodes it first
         self._token_text: dict[int, str] = {}  # decoded single tokens, for logprob alternatives
+        self.graph_capture: bool | None = None  # decode graphs: captured (CUDA), the CPU twin, or none
+        if graphs:
+            self.use_decode_graphs()
         profile.mark("kv_alloc")
         self.linear_packer.start()  # in the background: steps use each layer once it is packed
         log.info(
@@ -185,6 +191,45 @@ class LLMEngine:
             num_blocks,
             config.block_size,
             backend.name,
+        )
+
+    def _graphs_wanted(self, backend) -> bool:
+        """Decode steps from CUDA graphs: on CUDA, unless --enforce-eager, with a backend that plans
+        them (FlashInfer), one process, no LoRA and no multimodal inputs (engine/decode_graphs.py)."""
+        return (
+            self.device.type == "cuda"
+            and not self.config.enforce_eager
+            and hasattr(backend, "graph_metadata")
+            and not self.parallel
+            and not self.config.enable_lora
+            and audio_spec(self.model.config) is None
+        )
+
+    def _graph_bytes(self, text_config, max_len: int) -> int:
+        hidden = text_config.hidden_size
+        intermediate = getattr(text_config, "intermediate_size", None) or 4 * hidden
+        sizes = capture_sizes(self.config.max_num_seqs)
+        blocks = cdiv(max_len, self.config.block_size)
+        itemsize = self.config.torch_dtype.itemsize
+        return graph_bytes(hidden, intermediate, text_config.vocab_size, itemsize, sizes, blocks)
+
+    def use_decode_graphs(self, capture: bool = True) -> None:
+        """Decode steps replayed from per-bucket graphs over static buffers, their padding rows
+        writing to a KV block taken out of circulation here; ``capture=False``: the CPU twin, the same
+        padded steps run eagerly (tests). Again after a wake: the graphs read the KV cache's memory."""
+        if self.block_manager.num_free_blocks < 2:  # the reserved block would leave no sequence one
+            log.info("decode graphs off: %d KV block(s) free", self.block_manager.num_free_blocks)
+            return
+        self.graph_capture = capture
+        self.runner.graphs = DecodeGraphs(
+            self.runner.forward,
+            self.runner.backend(),
+            self.device,
+            self.config.max_num_seqs,
+            cdiv(self.max_model_len, self.config.block_size) + 1,  # a sequence's longest block table
+            self.config.block_size,
+            self.block_manager.reserve(),
+            capture,
         )
 
     def warm_up(self) -> None:
@@ -210,8 +255,12 @@ class LLMEngine:
         text_ids = self.tokenizer.encode("keep the weights warm", add_special_tokens=False) or [0]
         prompt = text_ids[: max(1, min(self.config.block_size - 2, self.max_model_len - 2))]
         self.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
-        while request_id in self.requests:
-            self.step()
+        graphs, self.runner.graphs = self.runner.graphs, None  # captured on first use once ready, not here
+        try:
+            while request_id in self.requests:
+                self.step()
+        finally:
+            self.runner.graphs = graphs
 
     def add_request(
         self,

@@ -8,7 +8,9 @@ sequence scores for prompt logprobs (engine/prompt_logprobs.py); a step without 
 exactly one row per sampled sequence. With LoRA adapters (engine/lora) each token's adapter slot
 is set around the pass, so one pass serves any mix of adapters and the base. A tensor-parallel rank
 0 shares each step's inputs with the other ranks just before the pass (``share``:
-engine/parallel/runner.py), which run the same ``text_logits``.
+engine/parallel/runner.py), which run the same ``text_logits``. With ``graphs`` set (CUDA:
+engine/decode_graphs.py) a step where every sequence decodes one token and is sampled replays its
+bucket's graph instead; any other step, or one the graphs turn down, runs eagerly.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 
 from keepwarm_runtime.engine.attention.layer import KeepwarmAttention
 from keepwarm_runtime.engine.attention.metadata import AttentionMetadata, use_metadata
+from keepwarm_runtime.engine.decode_graphs import DecodeGraphs
 from keepwarm_runtime.engine.lora import LoraSlots
 from keepwarm_runtime.engine.lora.slots import use_step
 from keepwarm_runtime.engine.multimodal import forward_with_embeds, place
@@ -47,6 +50,7 @@ class ModelRunner:
         self.device = device
         self._backend = None  # the attached layers' attention backend, found on the first step
         self.inputs = StepInputs(block_size, device)  # the step's host tables, in buffers kept between steps
+        self.graphs: DecodeGraphs | None = None  # decode steps' CUDA graphs (LLMEngine.use_decode_graphs)
 
     def backend(self):
         """The one backend every attached layer uses: its build() runs once per step, for all layers."""
@@ -69,6 +73,8 @@ class ModelRunner:
         """The step's forward pass: logits of the sequences that get a new token, and of the prompt
         positions scored for prompt logprobs."""
         ids, pos, meta, rows = self.prepare(out)
+        if (logits := self._replayed(out, ids, pos, meta, rows)) is not None:
+            return StepLogits(sample_seqs=rows.sample_seqs, logits=logits.float())
         keep = torch.from_numpy(rows.kept()).to(self.device)
         self.share(ids, pos, meta, keep)
         with use_metadata(meta), use_step(self._lora_step(out)):
@@ -85,6 +91,29 @@ class ModelRunner:
             prompt_chunks=rows.prompt_chunks,
             prompt_logits=logits[n:] if rows.prompt_index else None,
         )
+
+    def _replayed(
+        self,
+        out: SchedulerOutput,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        meta: AttentionMetadata,
+        rows: StepRows,
+    ) -> torch.Tensor | None:
+        """The step's logits from its bucket's graph, when it is a decode step the graphs take (the
+        engine gives no graphs to models with LoRA adapters or multimodal inputs)."""
+        if (
+            self.graphs is None
+            or meta.max_query_len != 1
+            or len(rows.sample_index) != len(out.seqs)  # a one-token prompt chunk before the last
+            or rows.prompt_index
+        ):
+            return None
+        return self.graphs.run(ids, pos, meta)
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """A text pass over this runner's model (what the decode graphs capture)."""
+        return text_logits(self.model, ids, pos, keep)
 
     def share(
         self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata, keep: torch.Tensor

@@ -11,7 +11,9 @@ Waking re-attaches through the same ``attach()`` request the loader made (engine
 ``attach_request``) and points the parameters at the arena again (``fill_parameters``): no copy.
 Only weights the engine uses as attached can be let go: an engine that converted tensors at load
 (FP8 preparation, expert layouts, MoE repacks: ``LoadInfo.copied_tensors``) refuses to sleep past
-level 1's KV part by name, rather than serving weights it could not restore.
+level 1's KV part by name, rather than serving weights it could not restore. Decode graphs
+(engine/decode_graphs.py) go with the KV cache, whose memory they read, and wake makes them again
+(each bucket captured anew on its first step).
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ def sleep(engine: LLMEngine, level: int) -> SleepReport:
     started = time.perf_counter()
     for layer in engine.layers:
         layer.k_cache = layer.v_cache = None
+    engine.runner.graphs = None  # they replay reads of the KV cache's (and the weights') memory
     # The block manager stays (stats read it; every block is free): wake replaces it, since the
     # prefix cache it indexes is gone with the KV cache.
     if release:
@@ -110,6 +113,8 @@ def wake(engine: LLMEngine, weights_released: bool) -> float:
     engine.block_manager = engine.scheduler.block_manager = BlockManager(
         engine.num_kv_blocks, config.block_size, config.enable_prefix_caching
     )
+    if engine.graph_capture is not None:  # captured again over the new cache, as steps need them
+        engine.use_decode_graphs(engine.graph_capture)
     return time.perf_counter() - started
 
 

@@ -100,7 +100,11 @@ VLLM_FOREIGN_FLAGS: tuple[Foreign, ...] = (
     refused(
         "--lora-dtype", "--fully-sharded-loras", "--enable-lora-bias", instead="adapters compute in --dtype"
     ),
-    refused("--compilation-config", "-O", instead="keepwarm runs eagerly (no torch.compile, no CUDA graphs)"),
+    refused(
+        "--compilation-config",
+        "-O",
+        instead="no torch.compile; CUDA graphs for decode steps are on (--enforce-eager turns them off)",
+    ),
     refused("--hf-overrides", "--rope-scaling", instead="edit the checkpoint's config.json"),
     refused(
         "--ssl-keyfile",
@@ -123,7 +127,6 @@ VLLM_FOREIGN_FLAGS: tuple[Foreign, ...] = (
     ),
     refused("--config", instead="flags or KEEPWARM_* variables (one per flag)"),
     refused("--api-server-count", "-asc", instead=SAME_NODE),
-    accepted("--enforce-eager", why="keepwarm always runs eagerly (no CUDA graphs, no torch.compile)"),
     accepted("--enable-chunked-prefill", why="prompts are always prefilled in chunks"),
     accepted("--disable-log-requests", why="request contents are never logged"),
     accepted("--disable-log-stats", why="no periodic stats are logged; /metrics has them"),
@@ -225,6 +228,12 @@ class ServeSettings:
     )
     gpu_memory_utilization: float | None = engine(
         None, "CUDA: fraction of GPU memory for weights + KV cache", shared=True
+    )
+    enforce_eager: bool | None = engine(
+        None,
+        "CUDA: launch every decode step from Python, no CUDA graphs (engine: graphs for decode steps "
+        "with FlashInfer, captured per batch size on first use)",
+        shared=True,
     )
     enable_prefix_caching: bool | None = engine(
         None, "share KV blocks between requests with a common prompt prefix (engine: on)", shared=True

@@ -94,10 +94,15 @@ def test_every_refused_vllm_flag_is_refused_by_name_with_what_to_use_instead(ent
 
 def test_accepted_vllm_flags_change_nothing_keepwarm_does_not_already_do(monkeypatch):
     plain = parse(["/m"])
-    same = parse(
-        ["/m", "--enforce-eager", "--enable-chunked-prefill", "--disable-log-requests", "--disable-log-stats"]
-    )
+    same = parse(["/m", "--enable-chunked-prefill", "--disable-log-requests", "--disable-log-stats"])
     assert same == plain
+
+
+def test_enforce_eager_is_vllms_flag_for_keepwarms_setting(monkeypatch):
+    assert parse(["/m"]).enforce_eager is None  # the engine's default: decode graphs on CUDA
+    assert parse(["/m", "--enforce-eager"]).enforce_eager is True
+    monkeypatch.setenv("KEEPWARM_ENFORCE_EAGER", "true")
+    assert parse(["/m"]).enforce_eager is True
 
 
 def test_vllm_access_log_switch_stands_for_keepwarms_setting(monkeypatch):

@@ -93,6 +93,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
         groups = [build_group(meta, plan, starts, whole) for plan in plans]
         return CpuStepMetadata(meta, starts[-1], groups, _decode_batch(meta, decodes, starts))
 
+    def graph_metadata(self, meta: AttentionMetadata, size: int) -> CpuStepMetadata:
+        """A decode step padded to a graph bucket (engine/decode_graphs.py's CPU twin: no graph is
+        captured on a CPU, the padded step is built and run like any other)."""
+        return self.build(meta)
+
     def forward(
         self,
         layer: KeepwarmAttention,

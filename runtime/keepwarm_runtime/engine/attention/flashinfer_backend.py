@@ -7,7 +7,11 @@ lists, so nothing is copied back from the device. Each pass plans once per disti
 softcap, head dims) and reuses the plan for every layer that shares it; a batch of single-token
 queries uses the decode wrapper, anything else the prefill wrapper (which handles chunked prefill
 and prefix hits mixed with decodes). Sinks, and a window that differs between prompt and generated
-positions, are refused at load (`check_layer`): use the torch backend. Importing this module fails
+positions, are refused at load (`check_layer`): use the torch backend. Decode steps replayed from
+CUDA graphs (engine/decode_graphs.py) run on a CUDA-graph decode wrapper per bucket, whose page-table
+buffers stay where the graph reads them, planned before each replay (`graph_metadata`) with the plan
+the bucket's first pass made; a pass that needs a second plan (Gemma 2's alternating windows) is no
+graph's (`GraphUnsupported`: those steps run eagerly). Importing this module fails
 without flashinfer-python (extra `keepwarm-runtime[gpu]`). Untested on GPU in CI: scripts/gpu-check
 runs it.
 """
@@ -24,6 +28,7 @@ from keepwarm_runtime.engine.attention.layer import KeepwarmAttention, write_kv
 from keepwarm_runtime.engine.attention.metadata import AttentionMetadata
 from keepwarm_runtime.engine.attention.page_table import page_table
 from keepwarm_runtime.engine.attention.window import Window, effective_window
+from keepwarm_runtime.engine.decode_graphs import GraphUnsupported
 
 WORKSPACE_BYTES = 256 << 20
 
@@ -36,7 +41,8 @@ class FlashInferStepMetadata:
     indices: torch.Tensor  # [pages] int32, host: the KV blocks (pages) of every sequence, in order
     last_page_len: torch.Tensor  # [B] int32, host: tokens in each sequence's last page
     planned: tuple | None = None  # the (scale, window, softcap, dims) the wrappers are planned for
-    wrapper: Any = None  # the planned wrapper (prefill or decode)
+    wrapper: Any = None  # the planned wrapper (prefill or decode); a graph step's: its bucket's
+    graph: bool = False  # a decode step padded to a graph bucket (graph_metadata)
 
 
 class FlashInferAttentionBackend:
@@ -49,6 +55,8 @@ class FlashInferAttentionBackend:
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=True
         )
+        self._graph_wrappers: dict[int, Any] = {}  # bucket size -> its CUDA-graph decode wrapper
+        self._graph_plan: tuple | None = None  # (key, plan's arguments) of a graph bucket's first pass
 
     def check_layer(self, layer: KeepwarmAttention) -> None:
         """Refuse, at load, layers with sinks or a window that differs between prompt and generated
@@ -75,6 +83,34 @@ class FlashInferAttentionBackend:
         return FlashInferStepMetadata(
             meta, *(torch.tensor(v, dtype=torch.int32) for v in (query_start, *astuple(table)))
         )
+
+    def graph_metadata(self, meta: AttentionMetadata, size: int) -> FlashInferStepMetadata:
+        """A decode step padded to a graph bucket, on the bucket's CUDA-graph wrapper, planned here,
+        outside the graph, once a first pass has made the plan (``_plan``, before the capture)."""
+        step = self.build(meta)
+        step.graph, step.wrapper = True, self._graph_wrapper(size, meta.block_tables.shape[1])
+        if self._graph_plan is not None:
+            key, args, common = self._graph_plan
+            step.wrapper.plan(step.indptr, step.indices, step.last_page_len, *args, **common)
+            step.planned = key
+        return step
+
+    def _graph_wrapper(self, size: int, max_pages_per_seq: int):
+        wrapper = self._graph_wrappers.get(size)
+        if wrapper is None:
+            device = self.workspace.device
+            wrapper = self._graph_wrappers[size] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=True,
+                paged_kv_indptr_buffer=torch.zeros(size + 1, dtype=torch.int32, device=device),
+                paged_kv_indices_buffer=torch.zeros(
+                    size * max_pages_per_seq, dtype=torch.int32, device=device
+                ),
+                paged_kv_last_page_len_buffer=torch.zeros(size, dtype=torch.int32, device=device),
+            )
+        return wrapper
 
     def forward(
         self,
@@ -115,6 +151,14 @@ class FlashInferAttentionBackend:
             "kv_data_type": layer.k_cache.dtype,
         }
         pages = (step.indptr, step.indices, step.last_page_len)
+        if step.graph:  # planned once, before the capture: one plan for every layer of the pass
+            if step.planned is not None or dk != dv:
+                raise GraphUnsupported(f"{layer.owner}: the pass needs more than one attention plan")
+            args = (heads, kv_heads, dk, meta.block_size)
+            step.wrapper.plan(*pages, *args, **common)
+            self._graph_plan = (key, args, common)
+            step.planned = key
+            return step.wrapper
         if meta.max_query_len == 1 and dk == dv:
             self.decode.plan(*pages, heads, kv_heads, dk, meta.block_size, **common)
             wrapper = self.decode
