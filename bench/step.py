@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/step.py [--params 10M,100M] [--batches 1,16,64,256] [--dtype float32]
         [--device cpu] [--threads 1] [--steps 16] [--warmup 3] [--attention-backend auto]
-        [--dir DIR] [--no-cpu-fused-ops] [--output-kind cumulative] [--json-out FILE]
+        [--dir DIR] [--no-cpu-fused-ops] [--enforce-eager] [--output-kind cumulative] [--json-out FILE]
 
 For each generated Llama (--params, made once per run, or kept in --dir) one engine serves each batch
 size in turn: that many greedy requests (prompts of 16..47 tokens, EOS ignored) are admitted and
@@ -70,6 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="without keepwarm's fused CPU kernels (engine/cpu_fused.py): the figures before them",
     )
     p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="CUDA: no decode graphs (engine/decode_graphs.py), every step launched from Python",
+    )
+    p.add_argument(
         "--output-kind",
         default="cumulative",
         choices=("cumulative", "final_only"),
@@ -102,26 +107,55 @@ def machine() -> dict:
 
 
 class ForwardTimer:
-    """Times the model's forward pass by hooks, synchronising the device around it when one is given."""
+    """Times the model's forward pass by hooks, synchronising the device around it when one is given;
+    a step replayed from a decode graph (engine/decode_graphs.py), which runs no module, is timed around
+    the replay instead."""
 
-    def __init__(self, model, sync) -> None:
+    def __init__(self, runner, sync) -> None:
         self.sync = sync  # a no-op on CPU, torch.cuda.synchronize on CUDA
         self.seconds: list[float] = []
         self.cpu_seconds: list[float] = []
         self.tokens: list[int] = []  # tokens in each forward pass
         self._started = self._cpu_started = 0.0
+        self._replaying = False
+        model = runner.model
         self._hooks = [
             model.register_forward_pre_hook(self._before, with_kwargs=True),
             model.register_forward_hook(self._after, with_kwargs=True),
         ]
+        self._graphs = runner.graphs
+        if self._graphs is not None:
+            self._graphs.run = self._replay(self._graphs.run)  # shadows the method until remove()
+
+    def _replay(self, run):
+        def timed(ids, positions, meta):
+            self.sync()
+            started, cpu_started = time.perf_counter(), time.process_time()
+            self._replaying = True  # the CPU twin runs the model inside: its hooks stay quiet
+            try:
+                logits = run(ids, positions, meta)
+            finally:
+                self._replaying = False
+            if logits is not None:  # None: the step runs eagerly, timed by the hooks
+                self.sync()
+                self.tokens.append(int(ids.shape[0]))
+                self.seconds.append(time.perf_counter() - started)
+                self.cpu_seconds.append(time.process_time() - cpu_started)
+            return logits
+
+        return timed
 
     def _before(self, module, args, kwargs) -> None:
+        if self._replaying:
+            return
         ids = kwargs.get("input_ids", args[0] if args else None)
         self.tokens.append(int(ids.shape[-1]) if ids is not None else -1)
         self.sync()
         self._started, self._cpu_started = time.perf_counter(), time.process_time()
 
     def _after(self, module, args, kwargs, output) -> None:
+        if self._replaying:
+            return
         self.sync()
         self.seconds.append(time.perf_counter() - self._started)
         self.cpu_seconds.append(time.process_time() - self._cpu_started)
@@ -129,6 +163,8 @@ class ForwardTimer:
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
+        if self._graphs is not None:
+            del self._graphs.run
 
 
 def measure_batch(engine, batch: int, args: argparse.Namespace, sync) -> dict:
@@ -163,7 +199,7 @@ def measure_batch(engine, batch: int, args: argparse.Namespace, sync) -> dict:
         cpu.append(time.process_time() - c)
     sync()
     wall = time.perf_counter() - started
-    timer = ForwardTimer(engine.runner.model, sync)
+    timer = ForwardTimer(engine.runner, sync)
     synced, synced_cpu = [], []
     try:
         for _ in range(args.steps):
@@ -228,6 +264,7 @@ def measure_model(params: str, args: argparse.Namespace, root: Path) -> dict:
         max_model_len=longest,
         num_kv_blocks=max(args.batches) * -(-longest // block) + 1,
         cpu_fused_ops=args.cpu_fused_ops,
+        enforce_eager=args.enforce_eager,
     )
     started = time.perf_counter()
     engine = LLMEngine(config)
@@ -242,9 +279,19 @@ def measure_model(params: str, args: argparse.Namespace, root: Path) -> dict:
     return {
         "params": params,
         "attention_backend": engine.attention_backend,
+        "decode_graphs": _graphs(engine),
         "engine_start_s": round(load_s, 2),
         "batches": rows,
     }
+
+
+def _graphs(engine) -> dict | None:
+    """The decode graphs the steps used (CUDA): buckets captured and buckets that fell back to eager."""
+    graphs = engine.runner.graphs
+    if graphs is None:
+        return None
+    captured = sorted(size for size, entry in graphs.buckets.items() if entry.graph is not None)
+    return {"captured": captured, "eager": sorted(graphs.eager), "replays": graphs.replays}
 
 
 def main(argv: list[str] | None = None) -> int:

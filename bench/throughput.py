@@ -61,6 +61,7 @@ KEEPWARM_VARIANTS = {
     "keepwarm_no_amx": {"cpu_amx_linear": False},  # --no-cpu-amx-linear (engine/cpu_linear.py)
     "keepwarm_no_bf16_kernel": {"cpu_bf16_linear": False},  # --no-cpu-bf16-linear (engine/cpu_linear.py)
     "keepwarm_no_f32_kernel": {"cpu_f32_linear": False},  # --no-cpu-f32-linear (engine/cpu_linear.py)
+    "keepwarm_eager": {"enforce_eager": True},  # --enforce-eager: no decode graphs (engine/decode_graphs.py)
 }
 PEERS = ("generate", "generate_batch", "vllm", *KEEPWARM_VARIANTS)
 DEFAULT_PEERS = ("generate", "generate_batch", "vllm")
@@ -210,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         "bf16_kernel_linears": llm.engine.bf16_linear_layers,
         "f32_kernel_linears": llm.engine.f32_linear_layers,
         "fused_modules": llm.engine.fused_ops.counts,
+        "decode_graphs": llm.engine.graph_capture is not None,
     }
     # Rounds rotate which engine goes first, and the best round of each is compared: on a shared
     # machine the speed drifts by tens of percent over minutes, and one pass each would measure the drift.
