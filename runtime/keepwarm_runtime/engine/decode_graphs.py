@@ -43,7 +43,8 @@ from keepwarm_runtime.log_once import warning_once
 log = logging.getLogger(__name__)
 
 LARGEST_BUCKET = 256  # batches above this (or above max_num_seqs) run eagerly
-POOL_SLACK_BYTES = 64 << 20  # beyond the activation estimate: the graphs' own allocations, page tables
+POOL_SLACK_BYTES = 64 << 20  # beyond the activation estimate: the graphs' own allocations
+PLANNER_BYTES = 8 << 20  # a bucket's attention planner workspace (FlashInfer's int workspace a wrapper)
 
 
 class GraphUnsupported(RuntimeError):
@@ -69,10 +70,10 @@ def graph_bytes(
     """What the graphs may hold, counted out of the KV cache's budget: their shared pool (the largest
     bucket's activations, a few hidden- and intermediate-size rows a token live at once, and its logits
     in the model's dtype and in float32), each bucket's page-table buffers (int32, every sequence at
-    full length) and some slack."""
+    full length) and planner workspace, and some slack."""
     per_row = (8 * hidden + 3 * intermediate) * itemsize + vocab * (itemsize + 4)
     page_tables = 4 * sum(sizes) * (max_blocks_per_seq + 2)
-    return sizes[-1] * per_row + page_tables + POOL_SLACK_BYTES
+    return sizes[-1] * per_row + page_tables + len(sizes) * PLANNER_BYTES + POOL_SLACK_BYTES
 
 
 @dataclass

@@ -20,25 +20,7 @@ from tests.integration.engine.reference import transformers_greedy
 
 ARCHS = ["llama", "gemma2", "deepseek_v3"]
 FLASHINFER_ARCHS = ["llama", "gemma2"]
-PARAMS = "6M"  # hidden 256 → head_dim 64 (the 1M preset's head_dim 16 is no FlashInfer kernel shape)
 NEW_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def gpu_model(tmp_path_factory):
-    from keepwarm_runtime.modelgen import make_model
-
-    made = {}
-
-    def make(arch: str):
-        if arch not in made:
-            out = tmp_path_factory.mktemp(f"gpu-{arch}")
-            made[arch] = make_model(
-                out, arch=arch, params=PARAMS, dtype="float32", vocab_size=2048, initializer_range=0.15
-            )
-        return made[arch]
-
-    return make
 
 
 def prompts() -> list[list[int]]:

@@ -15,25 +15,6 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-PARAMS = "6M"
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    from keepwarm_runtime.modelgen import make_model
-
-    made = {}
-
-    def make(arch: str):
-        if arch not in made:
-            out = tmp_path_factory.mktemp(f"graphs-{arch}")
-            made[arch] = make_model(
-                out, arch=arch, params=PARAMS, dtype="float32", vocab_size=2048, initializer_range=0.15
-            )
-        return made[arch]
-
-    return make
-
 
 def run(model_dir, eager: bool, batch: int):
     from keepwarm_runtime import LLM, SamplingParams
@@ -59,8 +40,8 @@ def run(model_dir, eager: bool, batch: int):
 
 
 @pytest.mark.parametrize("batch", [5, 8])
-def test_flashinfer_decode_graphs_give_the_eager_tokens(model, batch) -> None:
-    model_dir = model("llama")
+def test_flashinfer_decode_graphs_give_the_eager_tokens(gpu_model, batch) -> None:
+    model_dir = gpu_model("llama")
     want, none = run(model_dir, eager=True, batch=batch)
     assert none is None
     got, graphs = run(model_dir, eager=False, batch=batch)
@@ -70,8 +51,8 @@ def test_flashinfer_decode_graphs_give_the_eager_tokens(model, batch) -> None:
     assert got == want
 
 
-def test_gemma2_alternating_windows_run_eagerly_with_the_same_tokens(model) -> None:
-    model_dir = model("gemma2")
+def test_gemma2_alternating_windows_run_eagerly_with_the_same_tokens(gpu_model) -> None:
+    model_dir = gpu_model("gemma2")
     want, _ = run(model_dir, eager=True, batch=4)
     got, graphs = run(model_dir, eager=False, batch=4)
     assert graphs.eager == set(graphs.sizes) and graphs.replays == 0
