@@ -16,12 +16,13 @@ one per bucket, its page-table buffers fixed).
 
 Only steps where every sequence decodes one token and is sampled take a graph; prefills, chunks,
 prompt logprobs, LoRA and multimodal steps, batches over the largest bucket, tensor-parallel ranks and
-``--enforce-eager`` run eagerly as before. A bucket whose capture fails (out of memory, an operator
-that cannot be captured, a model whose layers need several attention plans a pass, such as Gemma 2's
-alternating windows) runs eagerly from then on, logged once, never a failed request: the step in
-hand runs eagerly (the forward pass is a function of its inputs and the cache, and a step's keys and
-values written twice are the same bytes). Buckets are captured on first use, after the server is
-ready, so a start (warm or restored) captures nothing.
+``--enforce-eager`` run eagerly as before. A capture that runs out of memory leaves its bucket eager
+from then on; any other failure (an operator that syncs or cannot be captured, a model whose layers
+need several attention plans a pass, such as Gemma 2's alternating windows: ``GraphUnsupported``)
+every bucket. It is logged once and never fails a request: the step in hand runs eagerly (the
+forward pass is a function of its inputs and the cache, and a step's keys and values written twice
+are the same bytes). Buckets are captured on first use, after the server is ready, so a start (warm
+or restored) captures nothing.
 
 CPU twin: ``capture=False`` runs the same padded static-buffer steps eagerly (a CPU has no graph to
 replay), so the buckets, the padding, the reserved block and the rows handed back are tested in CI;
@@ -166,8 +167,9 @@ class DecodeGraphs:
         return _Bucket(size, logits, graph)
 
     def _give_up(self, size: int, exc: Exception) -> None:
-        # a pass no graph can hold fails every bucket alike; anything else (memory) this one
-        self.eager.update(self.sizes if isinstance(exc, GraphUnsupported) else (size,))
+        # out of memory: a smaller bucket may still fit; anything else (a second attention plan, an
+        # operator that syncs or cannot be captured, as a MoE's routing) fails every bucket alike
+        self.eager.update((size,) if isinstance(exc, torch.OutOfMemoryError) else self.sizes)
         self.buckets.pop(size, None)
         message = "decode steps of %d sequences run eagerly, their CUDA graph failed: %s"
         if not warning_once(log, "decode graph failed", message, size, exc):  # news once a process
