@@ -289,11 +289,15 @@ def time_box(step: Step, left_s: float) -> float | None:
 # CPU twins of the benchmark steps for `--dry-run --smoke`: the same code paths at toy size, under the
 # GPU image's package set, so an import made lazily inside a function fails here, not on the GPU.
 SMOKE_PYTEST = ["-p", "no:cacheprovider", "tests/integration/engine/test_llm.py"]
+SMOKE_PYTEST += ["tests/integration/engine/test_decode_graphs.py"]  # tests-decode-graphs' twin
 SMOKE_RESTART = ["--size-gib", "0.02", "--serving-dtype", "float32", "--device", "cpu", "--repeats", "1"]
+# the GPU step's peers: vLLM's CPU build, where this machine has one, is no part of the GPU run
 SMOKE_THROUGHPUT = ["--params", "1M", "--prompts", "4", "--output-tokens", "4", "--rounds", "1"]
+SMOKE_THROUGHPUT += ["--peers", "generate,keepwarm_eager"]
 SMOKE_STEP = ["--params", "1M", "--batches", "1,4", "--steps", "2", "--warmup", "1", "--device", "cpu"]
 SMOKE_STEPS: list[Step] = [
-    # tests/gpu/engine's CPU twin: greedy parity with transformers on every tested architecture
+    # tests/gpu/engine's CPU twin: greedy parity with transformers on every tested architecture, and
+    # tests/gpu/graphs': the padded decode steps the graphs replay, run eagerly
     Step("smoke-engine-parity-cpu", [PY, "-m", "pytest", "-q", *SMOKE_PYTEST], 300, "pytest"),
     # restart-1gib-bf16-serve's twin: two whole `keepwarm serve` processes (from disk, attached from the
     # cache) started and timed to /ready under the image's packages plus the carried web stack.
