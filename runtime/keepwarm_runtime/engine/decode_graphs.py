@@ -84,9 +84,8 @@ class _Bucket:
     graph: torch.cuda.CUDAGraph | None = None
 
 
-Forward = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
-]  # (ids, positions, keep) -> logits
+# A text pass of the model, the attention metadata set by the caller: (ids, positions, kept rows) -> logits
+Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class DecodeGraphs:

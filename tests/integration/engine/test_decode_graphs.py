@@ -1,7 +1,7 @@
 """Decode graphs' CPU twin (engine/decode_graphs.py): the padded, static-buffer decode steps a CUDA graph
 replays, run eagerly on a real engine, against the same engine without them.
 
-What a GPU adds (the capture, the replay, FlashInfer's CUDA-graph wrapper) runs in tests/gpu/engine
+What a GPU adds (the capture, the replay, FlashInfer's CUDA-graph wrapper) runs in tests/gpu/graphs
 through scripts/gpu-check; everything before it (buckets, padding rows on a reserved block, the rows
 handed back, the page table FlashInfer would plan, the eager fallback) is exercised here.
 """
