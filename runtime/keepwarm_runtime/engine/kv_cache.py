@@ -3,7 +3,8 @@
 Shapes come from a probe pass (one token through the model with no metadata set: each layer records
 what it was handed and the window it was called with; the backend then accepts or refuses each
 layer), so MLA's separate key/value widths and per-layer head counts need no model knowledge here.
-Sizing: an explicit block count, else a memory budget (CPU) or what is left of the GPU after the weights.
+Sizing: an explicit block count, else a memory budget (CPU) or what is left of the GPU after the weights
+(and the decode graphs' estimate: engine/decode_graphs.py).
 On CPU the tensors live in fresh anonymous mappings, which the kernel zero-fills page by page on first
 touch: allocating is free, and only blocks a sequence ever writes cost memory (torch.zeros wrote every
 byte up front: 1.1 GiB took 0.4-1.7 s on a 2-core VM, a large part of a warm restart).

@@ -20,6 +20,9 @@ when the engine has a cache socket, as its weights do.
 With ``tensor_parallel_size`` > 1 the engine is one rank of a group (engine/parallel): it joins the
 group before loading its shard, the ranks agree on one KV-cache size, and rank 0's runner shares
 each step with the others, which build the same engine and only follow.
+
+On CUDA, decode steps replay a CUDA graph per batch-size bucket (engine/decode_graphs.py; one KV block
+is kept for their padding rows) unless ``enforce_eager``; any step they do not take runs eagerly.
 """
 
 from __future__ import annotations
