@@ -79,8 +79,7 @@ def graph_bytes(
 
 @dataclass
 class _Bucket:
-    size: int
-    logits: torch.Tensor | None = None  # the graph's output, [size, vocab]; None in the CPU twin
+    logits: torch.Tensor | None = None  # the graph's output, [bucket size, vocab]; None in the CPU twin
     graph: torch.cuda.CUDAGraph | None = None
 
 
@@ -109,6 +108,7 @@ class DecodeGraphs:
         self.block_size = block_size
         self.scratch_block = scratch_block
         self.pad_position = min(1, block_size - 1)  # two keys in the scratch block where it holds two
+        self.pad_keys = self.pad_position + 1  # the keys a padding row attends to (its context length)
         n = self.sizes[-1]
         longs = {"dtype": torch.long, "device": device}
         self.input_ids = torch.zeros(n, **longs)
@@ -155,7 +155,7 @@ class DecodeGraphs:
         """The bucket's graph (CUDA), or its twin's empty entry. An eager pass first, on the same
         buffers: it loads the kernels and plans the attention outside the graph."""
         if not self.capture:
-            return _Bucket(size)
+            return _Bucket()
         with use_metadata(static):
             self._pass(size)
         torch.cuda.synchronize()
@@ -163,7 +163,7 @@ class DecodeGraphs:
         with use_metadata(static), torch.cuda.graph(graph, pool=self.pool):
             logits = self._pass(size)
         log.info("decode graph captured for %d sequences", size)
-        return _Bucket(size, logits, graph)
+        return _Bucket(logits, graph)
 
     def _give_up(self, size: int, exc: Exception) -> None:
         # out of memory: a smaller bucket may still fit; anything else (a second attention plan, an
@@ -192,8 +192,8 @@ class DecodeGraphs:
             self.input_ids[batch:size].fill_(0)
             self.positions[batch:size].fill_(pad)
             self.slots[batch:size].fill_(self.scratch_block * self.block_size + pad)
-            self.context_lens[batch:size].fill_(pad + 1)
-            self.prompt_lens[batch:size].fill_(pad + 1)
+            self.context_lens[batch:size].fill_(self.pad_keys)
+            self.prompt_lens[batch:size].fill_(self.pad_keys)
             self.block_tables[batch:size, 0].fill_(self.scratch_block)
         return replace(
             meta,
@@ -203,15 +203,15 @@ class DecodeGraphs:
             context_lens=self.context_lens[:size],
             block_tables=self.block_tables[:size],
             max_query_len=1,
-            max_context_len=max(meta.max_context_len, self.pad_position + 1),
+            max_context_len=max(meta.max_context_len, self.pad_keys),
             prefill_only=False,
             prompt_lens=self.prompt_lens[:size],
             prompt_lens_list=[
                 *(meta.prompt_lens_list or meta.context_lens_list),
-                *[self.pad_position + 1] * pads,
+                *[self.pad_keys] * pads,
             ],
             query_lens_list=[1] * size,
-            context_lens_list=[*meta.context_lens_list, *[self.pad_position + 1] * pads],
+            context_lens_list=[*meta.context_lens_list, *[self.pad_keys] * pads],
             block_tables_list=[*meta.block_tables_list, *[[self.scratch_block]] * pads],
             backend_metadata=None,
         )

@@ -151,17 +151,16 @@ class FlashInferAttentionBackend:
             "kv_data_type": layer.k_cache.dtype,
         }
         pages = (step.indptr, step.indices, step.last_page_len)
+        args = (heads, kv_heads, dk, meta.block_size)
         if step.graph:  # planned once, before the capture: one plan for every layer of the pass
-            if step.planned is not None or dk != dv:
+            if step.planned is not None:
                 raise GraphUnsupported(f"{layer.owner}: the pass needs more than one attention plan")
-            args = (heads, kv_heads, dk, meta.block_size)
-            step.wrapper.plan(*pages, *args, **common)
+            if dk != dv:
+                raise GraphUnsupported(f"{layer.owner}: key and value widths differ ({dk}, {dv})")
             self._graph_plan = (key, args, common)
-            step.planned = key
-            return step.wrapper
-        if meta.max_query_len == 1 and dk == dv:
-            self.decode.plan(*pages, heads, kv_heads, dk, meta.block_size, **common)
-            wrapper = self.decode
+        if step.graph or (meta.max_query_len == 1 and dk == dv):
+            wrapper = step.wrapper if step.graph else self.decode
+            wrapper.plan(*pages, *args, **common)
         else:
             self.prefill.plan(
                 step.query_start,
