@@ -112,9 +112,10 @@ class BlockManager:
         return True
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register the blocks that `seq.num_computed_tokens` has just filled."""
+        """Register the blocks that `seq.num_computed_tokens` has just filled and whose tokens are all
+        known (a token sampled by a step still running is not yet in ``token_ids``)."""
         bs = self.block_size
-        num_full = min(seq.num_computed_tokens // bs, len(seq.block_ids))
+        num_full = min(min(seq.num_computed_tokens, len(seq.token_ids)) // bs, len(seq.block_ids))
         if num_full <= len(seq.block_hashes):
             return  # no block filled since the last call (most decode steps)
         while len(seq.block_hashes) < num_full:

@@ -76,6 +76,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of total memory weights + KV cache may use
     # CUDA: no decode graphs (engine/decode_graphs.py), every step launched from Python (vLLM's flag)
     enforce_eager: bool = False
+    # the next step launched before this one's tokens are landed (engine/overlap.py; vLLM's flag).
+    # None: on CUDA, off on CPU (where a step's pass runs where it is launched: nothing would overlap)
+    async_scheduling: bool | None = None
     max_prompt_logprobs_len: int = count(32768)  # longest prompt whose prompt logprobs a request may ask for
     enable_lora: bool = False  # serve PEFT LoRA adapters per request (engine/lora)
     max_loras: int = count(4)  # adapter slots on the device: most distinct adapters in one batch

@@ -58,6 +58,7 @@ from keepwarm_runtime.engine.lora.adapter import AdapterCache, LoraWeights
 from keepwarm_runtime.engine.model_runner import ModelRunner, StepLogits
 from keepwarm_runtime.engine.multimodal import AudioFeatures, audio_spec, encode, placeholder_mismatch
 from keepwarm_runtime.engine.outputs import CompletionOutput, EngineStats, RequestOutput, internal_error
+from keepwarm_runtime.engine.overlap import Launched, greedy_ahead, sampled_ahead, sources_of
 from keepwarm_runtime.engine.parallel import group as parallel_group
 from keepwarm_runtime.engine.parallel.layers import output_vocab_size
 from keepwarm_runtime.engine.parallel.runner import ParallelRunner
@@ -65,9 +66,10 @@ from keepwarm_runtime.engine.prefetch import WeightPrefetch
 from keepwarm_runtime.engine.prompt_logprobs import PromptChunk, store
 from keepwarm_runtime.engine.sampler import SampledToken, Sampler
 from keepwarm_runtime.engine.sampling_params import RequestOutputKind, SamplingParams
-from keepwarm_runtime.engine.scheduler import Scheduler
+from keepwarm_runtime.engine.scheduler import Scheduler, SchedulerOutput
 from keepwarm_runtime.engine.sequence import Sequence, SequenceStatus
 from keepwarm_runtime.engine.startup import StartupProfile
+from keepwarm_runtime.engine.step_inputs import StepTables
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +184,9 @@ class LLMEngine:
         self._unencoded: list[_Request] = []  # arrived with audio; step() encodes it first
         self._token_text: dict[int, str] = {}  # decoded single tokens, for logprob alternatives
         self.graph_capture: bool | None = None  # decode graphs: captured (CUDA), the CPU twin, or none
+        self._running: Launched | None = None  # a step that ran ahead, to land (engine/overlap.py)
+        self._held: list[RequestOutput] = []  # outputs landed between steps (settle), for the next step
+        self.async_scheduling = self._overlap_wanted()  # steps overlapped (engine/overlap.py)
         if graphs:
             self.use_decode_graphs()
         profile.mark("kv_alloc")
@@ -207,6 +212,12 @@ class LLMEngine:
             and not self.config.enable_lora
             and audio_spec(self.model.config) is None
         )
+
+    def _overlap_wanted(self) -> bool:
+        """Overlapped steps (engine/overlap.py): on CUDA unless --no-async-scheduling, on CPU only when
+        asked (nothing overlaps there); never on a tensor-parallel rank."""
+        wanted = self.config.async_scheduling
+        return (self.device.type == "cuda" if wanted is None else wanted) and not self.parallel
 
     def _graph_bytes(self, text_config, max_len: int) -> int:
         hidden = text_config.hidden_size
@@ -262,6 +273,7 @@ class LLMEngine:
         try:
             while request_id in self.requests:
                 self.step()
+            self.settle()  # a step that ran ahead of its end
         finally:
             self.runner.graphs = graphs
 
@@ -406,7 +418,10 @@ class LLMEngine:
                 self.scheduler.finish(seq)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests to run, or outputs landed but not yet handed out. A step still running for
+        sequences that have all finished or been aborted since it was launched is not work: its
+        outputs would be dropped, and the next step (or ``settle``) lands it."""
+        return self.scheduler.has_unfinished() or bool(self._held)
 
     def stats(self) -> EngineStats:
         s = self.scheduler
@@ -418,18 +433,73 @@ class LLMEngine:
         return stats
 
     def step(self) -> list[RequestOutput]:
-        unencoded = [self._report(rid, why) for rid, why in self._encode_audio().items()]
+        """Schedule and launch a step, then land the step before it if that one ran ahead, and this
+        one unless it runs ahead (engine/overlap.py)."""
+        outputs, self._held = self._held, []
+        outputs += [self._report(rid, why) for rid, why in self._encode_audio().items()]
         batch = self.scheduler.schedule()
-        if batch.is_empty():
-            return unencoded
-        step = self.runner.run(batch)
+        launched = None if batch.is_empty() else self._launch(batch)
+        running, self._running = self._running, None
+        if running is not None:
+            outputs += self._land(running)
+        if launched is not None and launched.tokens is not None:
+            self._running = launched
+        elif launched is not None:
+            outputs += self._land(launched)
+        return outputs
+
+    def settle(self) -> None:
+        """Land the step still running, if any; its outputs come with the next ``step()`` (sleep)."""
+        running, self._running = self._running, None
+        if running is not None:
+            self._held += self._land(running)
+
+    def _launch(self, batch: SchedulerOutput) -> Launched:
+        """Run (CPU) or launch (CUDA) the batch's pass; sample it now if it may run ahead."""
+        tables = self.runner.prepare(batch)
+        pending = None
+        if len(tables.pending_seqs):  # their tokens: from the step not yet landed, on the device
+            running = self._running
+            sources = sources_of(tables.pending_seqs, batch.seqs, running.step.sample_seqs)
+            pending = running.tokens.device
+            if sources is not None:
+                pending = pending[torch.from_numpy(sources).to(pending.device)]
+        step = self.runner.execute(batch, tables, pending)
         self.scheduler.update_after_step(batch)
+        if not (self.async_scheduling and self._runs_ahead(tables)):
+            return Launched(step)
+        for seq in step.sample_seqs:
+            seq.num_pending += 1
+        if self.sampler.all_plain_greedy(step.sample_seqs):
+            return Launched(step, greedy_ahead(step.logits))
+        return Launched(step, sampled_ahead(self.sampler(step.sample_seqs, step.logits), self.device))
+
+    @staticmethod
+    def _runs_ahead(tables: StepTables) -> bool:
+        """Whether the next step may be launched before this one lands (engine/overlap.py)."""
+        rows = tables.rows
+        return (
+            bool(rows.sample_seqs)
+            and not rows.prompt_index
+            and all(s.samples_ahead for s in rows.sample_seqs)
+        )
+
+    def _land(self, launched: Launched) -> list[RequestOutput]:
+        """A launched step's outputs: its tokens appended (sampled now unless it ran ahead), stops
+        checked, prompt logprobs stored."""
+        step, ahead = launched.step, launched.tokens
+        if ahead is not None:
+            for seq in step.sample_seqs:
+                seq.num_pending -= 1
+            outputs = self._postprocess(step.sample_seqs, ahead.tolist(), ahead.sampled)
+            self.scheduler.cache_landed(step.sample_seqs)
+            return outputs
         failed = self._score_prompts(step.prompt_chunks, step.prompt_logits)
         seqs, logits, scored_only = self._to_sample(step, failed)
         outputs = self._sample_and_append(seqs, logits) if seqs else []
         unsampled = (scored_only | set(failed)) - {o.request_id for o in outputs}
         reported = [self._report(rid, failed.get(rid)) for rid in unsampled if rid in self.requests]
-        return unencoded + outputs + reported
+        return outputs + reported
 
     def _to_sample(
         self, step: StepLogits, failed: dict[str, str]

@@ -10,7 +10,10 @@ is set around the pass, so one pass serves any mix of adapters and the base. A t
 0 shares each step's inputs with the other ranks just before the pass (``share``:
 engine/parallel/runner.py), which run the same ``text_logits``. With ``graphs`` set (CUDA:
 engine/decode_graphs.py) a step where every sequence decodes one token and is sampled replays its
-bucket's graph instead; any other step, or one the graphs turn down, runs eagerly.
+bucket's graph instead; any other step, or one the graphs turn down, runs eagerly. ``prepare`` and
+``execute`` are a step's two halves (``run`` is both): between them the engine finds the step's
+pending input tokens, sampled by the step before and not yet landed (engine/overlap.py), which
+``execute`` writes on the device.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from keepwarm_runtime.engine.multimodal import forward_with_embeds, place
 from keepwarm_runtime.engine.prompt_logprobs import PromptChunk
 from keepwarm_runtime.engine.scheduler import SchedulerOutput
 from keepwarm_runtime.engine.sequence import Sequence
-from keepwarm_runtime.engine.step_inputs import StepInputs, StepRows
+from keepwarm_runtime.engine.step_inputs import StepInputs, StepRows, StepTables
 
 
 @dataclass
@@ -63,16 +66,28 @@ class ModelRunner:
             self._backend = next(iter(backends.values()))
         return self._backend
 
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, StepRows]:
+    def prepare(self, out: SchedulerOutput) -> StepTables:
         """The step's token ids, positions, attention metadata and kept rows (engine/step_inputs.py)."""
-        tables = self.inputs.build(out)
-        return tables.input_ids, tables.positions, tables.metadata, tables.rows
+        return self.inputs.build(out)
 
-    @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> StepLogits:
         """The step's forward pass: logits of the sequences that get a new token, and of the prompt
         positions scored for prompt logprobs."""
-        ids, pos, meta, rows = self.prepare(out)
+        return self.execute(out, self.prepare(out))
+
+    @torch.inference_mode()
+    def execute(
+        self, out: SchedulerOutput, tables: StepTables, pending: torch.Tensor | None = None
+    ) -> StepLogits:
+        """``run`` on tables already prepared; ``pending``: the tokens of ``tables.pending_rows`` (on the
+        device), sampled by a step not yet landed when the tables were made (engine/overlap.py)."""
+        ids, pos, meta, rows = tables.input_ids, tables.positions, tables.metadata, tables.rows
+        if pending is not None:
+            at = tables.pending_rows
+            if at[-1] == len(at) - 1:  # the first rows, as on most decode steps
+                ids[: len(at)].copy_(pending)
+            else:
+                ids[torch.from_numpy(at).to(ids.device)] = pending
         if (logits := self._replayed(out, ids, pos, meta, rows)) is not None:
             return StepLogits(sample_seqs=rows.sample_seqs, logits=logits.float())
         keep = torch.from_numpy(rows.kept()).to(self.device)

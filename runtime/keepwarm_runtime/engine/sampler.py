@@ -42,12 +42,16 @@ class Sampler:
         self.eos_token_ids = set(eos_token_ids)
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
+    @staticmethod
+    def all_plain_greedy(seqs: list[Sequence]) -> bool:
+        """Whether the argmax alone serves every row (no ``SampledToken`` needed)."""
+        return all(seq.plain_greedy and seq.constraint is None for seq in seqs)
+
     def greedy_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int] | None:
         """Every row's token when all rows are plain greedy with no constraint, else None (then
         ``__call__`` samples them). None too if the argmax raises, so ``__call__`` isolates the fault."""
-        for seq in seqs:
-            if not seq.plain_greedy or seq.constraint is not None:
-                return None
+        if not self.all_plain_greedy(seqs):
+            return None
         try:
             return argmax_rows(logits)
         except Exception:

@@ -16,6 +16,11 @@ A sequence with a LoRA adapter is admitted only once its adapter holds a slot (e
 while every slot is pinned by other adapters it stays queued and the base-model sequences behind it
 go ahead, but no later adapter sequence does (so pins drain and it gets the next slot: FCFS among
 adapter requests). Running sequences pin their adapter's slot until they finish or are preempted.
+
+While a step runs, the next may be scheduled (engine/overlap.py): a sequence's pending token (sampled
+by the running step, ``num_pending``) counts towards its length, and the step's tokens count as
+computed from when it is launched (later steps run after it). A block is registered in the prefix
+cache only once its tokens are known as well (``cache_landed`` after the pending ones land).
 """
 
 from __future__ import annotations
@@ -78,7 +83,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:  # every running sequence, every step: plain locals
             seq = self.running[i]
             computed = seq.num_computed_tokens
-            n = min(len(seq.token_ids) - computed, budget)
+            n = min(len(seq.token_ids) + seq.num_pending - computed, budget)
             scoring = seq.prompt_logprobs is not None and seq.needs_prompt_logits
             if scoring:
                 n = min(n, scoring_budget)
@@ -146,6 +151,14 @@ class Scheduler:
         for seq, n in zip(out.seqs, out.num_scheduled_tokens, strict=True):
             seq.num_computed_tokens += n
             # cache_full_blocks has nothing to do unless a block filled (most decode steps)
+            if seq.num_computed_tokens // block_size > len(seq.block_hashes):
+                self.block_manager.cache_full_blocks(seq)
+
+    def cache_landed(self, seqs: list[Sequence]) -> None:
+        """Register the blocks that the tokens just landed for ``seqs`` complete: their keys and values
+        were computed (or are being, by a step launched before any that could read them)."""
+        block_size = self.block_manager.block_size
+        for seq in seqs:
             if seq.num_computed_tokens // block_size > len(seq.block_hashes):
                 self.block_manager.cache_full_blocks(seq)
 

@@ -2,7 +2,8 @@
 
 Field ownership (so no two classes fight over the same state): the scheduler owns status,
 num_computed_tokens, block_ids and block_hashes; the engine's postprocessing owns token_ids and the
-output fields (finish/stop reason, logprobs, prompt logprobs, text).
+output fields (finish/stop reason, logprobs, prompt logprobs, text), and the engine's step loop
+num_pending (tokens sampled by a step still running: engine/overlap.py).
 """
 
 from __future__ import annotations
@@ -57,11 +58,25 @@ class Sequence:
     # logprobs: the sampler's argmax alone serves it (Sampler.greedy_tokens). Read from the params
     # once, here: the engine never changes a request's params after add_request.
     plain_greedy: bool = field(init=False, default=False)
+    # Nothing the sampler does for it reads its tokens (no penalties, bad words, min_tokens or
+    # constraint) and it samples at least one: its next step may run, and be sampled, before its last
+    # token is known (engine/overlap.py).
+    samples_ahead: bool = field(init=False, default=False)
+    # Tokens sampled for it by a step still running (0 or 1 when a step is scheduled): they count
+    # towards its length for the scheduler, and the step that reads one takes it from that step's output.
+    num_pending: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         p = self.params
         self.plain_greedy = p.greedy and not p.needs_masks and p.logprobs is None and not p.min_tokens
+        self.samples_ahead = not (
+            p.needs_penalties
+            or p.bad_words_token_ids
+            or p.min_tokens
+            or p.constraint_factory is not None
+            or p.max_tokens == 0
+        )
         if self.params.logprobs is not None:
             self.logprobs = []
         if self.params.prompt_logprobs is not None and self.index == 0:

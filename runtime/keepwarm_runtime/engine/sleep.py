@@ -66,6 +66,7 @@ def sleep(engine: LLMEngine, level: int) -> SleepReport:
     """Free the KV cache and, per ``level``, the weights; SleepError if busy or impossible."""
     if level not in LEVELS:
         raise SleepError(f"level must be one of {LEVELS}, got {level}")
+    engine.settle()  # a step still running reads the cache and the weights
     if engine.has_unfinished_requests():
         raise SleepError("requests are running")
     release = level == 2 or engine.load_info.source == "cache"

@@ -77,6 +77,9 @@ class StepTables:
     positions: torch.Tensor  # [T] int64 on the device
     metadata: AttentionMetadata
     rows: StepRows
+    # the sequences (batch indices) whose input token is pending, and that token's packed row
+    pending_seqs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    pending_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 class _Buffers:
@@ -161,28 +164,31 @@ class StepInputs:
     def build(self, out: SchedulerOutput) -> StepTables:
         seqs, counts_list = out.seqs, out.num_scheduled_tokens
         batch, bs = len(seqs), self.block_size
-        # One pass over the sequences: [B, 7] of tokens computed, length, blocks, prompt length,
-        # whether it scores its prompt, and the first token of its chunk and that token's KV slot
-        # (flattened: fromiter is faster than an array of tuples).
+        # One pass over the sequences: [B, 8] of tokens computed, length, blocks, prompt length,
+        # whether it scores its prompt, the first token of its chunk and that token's KV slot, and its
+        # pending tokens (flattened: fromiter is faster than an array of tuples). A pending token (sampled
+        # by a step still running) is not in token_ids yet: its place holds the token before it, a
+        # stand-in the step overwrites from the running step's output (engine/overlap.py).
         per_seq = np.fromiter(
             itertools.chain.from_iterable(
                 [
                     (
                         (start := s.num_computed_tokens),
-                        len(s.token_ids),
+                        len(s.token_ids) + (pending := s.num_pending),
                         len(s.block_ids),
                         len(s.prompt_token_ids),
                         s.prompt_logprobs is not None,
-                        s.token_ids[start],
+                        s.token_ids[start - pending],
                         s.block_ids[start // bs] * bs + start % bs,
+                        pending,
                     )
                     for s in seqs
                 ]
             ),
             np.int64,
-            7 * batch,
-        ).reshape(batch, 7)
-        starts, lengths, num_blocks, prompt_lens, scoring, first_ids, first_slots = per_seq.T
+            8 * batch,
+        ).reshape(batch, 8)
+        starts, lengths, num_blocks, prompt_lens, scoring, first_ids, first_slots, pending = per_seq.T
         tokens = sum(counts_list)
         one_each = tokens == batch  # decodes and one-token chunks: no packing to work out
         if one_each:
@@ -215,7 +221,8 @@ class StepInputs:
         else:
             input_ids[:] = np.fromiter(
                 itertools.chain.from_iterable(
-                    s.token_ids[p : p + n] for s, p, n in zip(seqs, starts.tolist(), counts_list, strict=True)
+                    s.token_ids[p - s.num_pending : p - s.num_pending + n]
+                    for s, p, n in zip(seqs, starts.tolist(), counts_list, strict=True)
                 ),
                 np.int64,
                 tokens,
@@ -243,11 +250,14 @@ class StepInputs:
             context_lens_list=ends.tolist(),
             block_tables_list=[s.block_ids for s in seqs],  # the sequences' own: read within the step
         )
+        waiting_on = np.flatnonzero(pending)
         return StepTables(
             dev["input_ids"],
             dev["positions"],
             meta,
             _rows(seqs, starts, ends, lengths, query_start, scoring),
+            waiting_on,
+            waiting_on if one_each else query_start[waiting_on].astype(np.int64),
         )
 
     def _one_each(self, batch: int) -> np.ndarray:

@@ -235,6 +235,13 @@ class ServeSettings:
         "with FlashInfer, captured per batch size on first use)",
         shared=True,
     )
+    async_scheduling: bool | None = engine(
+        None,
+        "launch the next step before this one's tokens are landed, landing them while it runs (engine: on "
+        "CUDA, off on CPU, where nothing overlaps; steps sampling with penalties, bad words, min_tokens, a "
+        "constraint or prompt logprobs run one at a time)",
+        shared=True,
+    )
     enable_prefix_caching: bool | None = engine(
         None, "share KV blocks between requests with a common prompt prefix (engine: on)", shared=True
     )

@@ -105,6 +105,14 @@ def test_enforce_eager_is_vllms_flag_for_keepwarms_setting(monkeypatch):
     assert parse(["/m"]).enforce_eager is True
 
 
+def test_async_scheduling_is_vllms_flag_both_ways(monkeypatch):
+    assert parse(["/m"]).async_scheduling is None  # the engine's default: on CUDA only
+    assert parse(["/m", "--async-scheduling"]).async_scheduling is True
+    assert parse(["/m", "--no-async-scheduling"]).async_scheduling is False
+    monkeypatch.setenv("KEEPWARM_ASYNC_SCHEDULING", "false")
+    assert parse(["/m"]).async_scheduling is False
+
+
 def test_vllm_access_log_switch_stands_for_keepwarms_setting(monkeypatch):
     monkeypatch.setenv("KEEPWARM_ACCESS_LOG", "true")
     assert parse(["/m"]).access_log is True
