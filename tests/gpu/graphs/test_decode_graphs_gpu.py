@@ -4,8 +4,9 @@
 Captured buckets must give the eager engine's greedy tokens (the same kernels, replayed); a batch of 5
 pads to the bucket of 8 (its padding rows on the reserved KV block), and batches shrink through the
 buckets as sequences finish. Gemma 2's alternating windows need two attention plans a pass, which no
-graph holds: every bucket falls back to eager, and the tokens are still the eager engine's. The CPU
-twin of all of it runs in tests/integration/engine/test_decode_graphs.py.
+graph holds: every bucket falls back to eager, and the tokens are still the eager engine's. Steps are
+overlapped by default on CUDA (engine/overlap.py): the same tokens as steps one at a time, greedy
+and seeded. The CPU twins run in tests/integration/engine/test_decode_graphs.py and test_overlap.py.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def run(model_dir, eager: bool, batch: int):
+def run(model_dir, eager: bool, batch: int, overlap: bool | None = None, temperature: float = 0.0):
+    """Tokens of ``batch`` requests of different lengths, and the engine's graphs; ``overlap``: the
+    engine's async_scheduling (None: its default, on for CUDA: engine/overlap.py)."""
     from keepwarm_runtime import LLM, SamplingParams
 
     llm = LLM(
@@ -28,27 +31,41 @@ def run(model_dir, eager: bool, batch: int):
         num_kv_blocks=128,
         max_num_seqs=16,
         enforce_eager=eager,
+        async_scheduling=overlap,
     )
     g = torch.Generator().manual_seed(batch)
     prompts = [
         {"prompt_token_ids": torch.randint(10, 2000, (3 + 5 * i,), generator=g).tolist()}
         for i in range(batch)
     ]
-    params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(batch)]
+    params = [
+        SamplingParams(temperature=temperature, seed=i, max_tokens=6 + 3 * i, ignore_eos=True)
+        for i in range(batch)
+    ]
     tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     return tokens, llm.engine.runner.graphs
 
 
 @pytest.mark.parametrize("batch", [5, 8])
 def test_flashinfer_decode_graphs_give_the_eager_tokens(gpu_model, batch) -> None:
+    """Eager steps one at a time against graphs with overlapped steps (the default) and graphs one at a
+    time: an overlapped decode reads its input token on the device from the step not yet landed."""
     model_dir = gpu_model("llama")
-    want, none = run(model_dir, eager=True, batch=batch)
+    want, none = run(model_dir, eager=True, batch=batch, overlap=False)
     assert none is None
     got, graphs = run(model_dir, eager=False, batch=batch)
     assert graphs is not None and not graphs.eager, graphs and graphs.eager
     captured = {size for size, entry in graphs.buckets.items() if entry.graph is not None}
     assert 8 in captured and graphs.replays > 0
     assert got == want
+    assert run(model_dir, eager=False, batch=batch, overlap=False)[0] == want
+
+
+def test_seeded_sampling_overlapped_gives_the_tokens_of_steps_one_at_a_time(gpu_model) -> None:
+    """The full sampler's path ahead of landing (its tokens copied to the device for the next step)."""
+    model_dir = gpu_model("llama")
+    want, _ = run(model_dir, eager=True, batch=5, overlap=False, temperature=0.8)
+    assert run(model_dir, eager=False, batch=5, temperature=0.8)[0] == want
 
 
 def test_gemma2_alternating_windows_run_eagerly_with_the_same_tokens(gpu_model) -> None:

@@ -189,9 +189,13 @@ def test_lora_benchmark_reports_load_times_and_ratios(tmp_path: Path) -> None:
     assert result["rounds"] == 2
 
 
-def test_step_benchmark_times_pure_decode_steps_at_each_batch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlap", [None, "--async-scheduling"])
+def test_step_benchmark_times_pure_decode_steps_at_each_batch(tmp_path: Path, overlap: str | None) -> None:
+    """One step at a time (the CPU's default), and overlapped (engine/overlap.py), whose second pass
+    lands each step before the next to time its parts."""
     out = tmp_path / "step.json"
     argv = [sys.executable, "bench/step.py", "--params", "2M", "--batches", "1,3", "--steps", "3"]
+    argv += [overlap] if overlap else []
     _run([*argv, "--warmup", "1", "--output-kind", "final_only", "--json-out", str(out)], tmp_path)
     result = json.loads(out.read_text())
 
@@ -199,6 +203,7 @@ def test_step_benchmark_times_pure_decode_steps_at_each_batch(tmp_path: Path) ->
     assert result["output_kind"] == "final_only"
     [model] = result["models"]
     assert model["params"] == "2M" and model["attention_backend"] == "cpu"
+    assert model["async_scheduling"] is bool(overlap)
     assert [row["batch"] for row in model["batches"]] == [1, 3]
     for row in model["batches"]:
         assert row["tokens_per_forward"] == row["batch"]  # the timed steps decoded the batch, nothing else
