@@ -177,13 +177,14 @@ def _moe(flashinfer: bool, ceiling_s: int) -> Step:
 # both 1 GiB restarts, tests-engine-torch) and the larger restarts, run when time is left or by name.
 STEPS: list[Step] = [
     Step("env", [PY, ENV_SCRIPT], 25, "json", ["torch", "transformers", "flashinfer"], gate=True),
-    # Decode steps from CUDA graphs (issue 35), never run on a GPU yet (written without one): capture and
-    # replay on FlashInfer's CUDA-graph decode wrapper against --enforce-eager, Gemma 2's eager fallback.
-    # A guess: FlashInfer's JIT for float16 (about 27 s a module) and six small engines.
+    # Decode steps from CUDA graphs and overlapped steps (issue 35), never run on a GPU yet (written
+    # without one): capture (on a step and while idle) and replay on FlashInfer's CUDA-graph decode
+    # wrapper against --enforce-eager, steps overlapped against one at a time, Gemma 2's eager fallback.
+    # A guess: FlashInfer's JIT for float16 (about 27 s a module) and twelve small engines.
     _pytest(
         "tests-decode-graphs",
         "tests/gpu/graphs",
-        150,
+        165,
         ENGINE_MODULES,
         per_test_s=120,
     ),

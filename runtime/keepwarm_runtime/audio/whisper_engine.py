@@ -187,6 +187,10 @@ class WhisperEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._waiting or self._cohorts)
 
+    def work_while_idle(self) -> bool:
+        """Nothing to prepare between requests (no decode graphs)."""
+        return False
+
     def stats(self) -> EngineStats:
         running = sum(len(c.rows) for c in self._cohorts)
         return EngineStats(

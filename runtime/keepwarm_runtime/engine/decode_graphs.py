@@ -21,8 +21,10 @@ from then on; any other failure (an operator that syncs or cannot be captured, a
 need several attention plans a pass, such as Gemma 2's alternating windows: ``GraphUnsupported``)
 every bucket. It is logged once and never fails a request: the step in hand runs eagerly (the
 forward pass is a function of its inputs and the cache, and a step's keys and values written twice
-are the same bytes). Buckets are captured on first use, after the server is ready, so a start (warm
-or restored) captures nothing.
+are the same bytes). A start (warm or restored) captures nothing: once the server is ready, an idle
+engine captures the buckets one at a time, smallest first, on a step of padding rows alone
+(``capture_next``: they write the reserved block only), checking for requests between captures; a
+bucket a step needs before then is captured on that step.
 
 CPU twin: ``capture=False`` runs the same padded static-buffer steps eagerly (a CPU has no graph to
 replay), so the buckets, the padding, the reserved block and the rows handed back are tested in CI;
@@ -148,16 +150,51 @@ class DecodeGraphs:
         entry.graph.replay()
         return entry.logits[:batch]
 
+    def capture_next(self) -> int | None:
+        """Capture the smallest bucket not yet captured nor fallen back, on a step of padding rows
+        alone (for an idle engine: no sequence's cache is touched); its size, or None when every
+        bucket is done. A failure falls back as on a step (``_give_up``)."""
+        size = next((s for s in self.sizes if s not in self.buckets and s not in self.eager), None)
+        if size is None:
+            return None
+        static = self._fill(*self._no_rows(), 0, size)
+        try:
+            static.backend_metadata = self.backend.graph_metadata(static, size)
+            self.buckets[size] = self._capture(size, static)
+        except Exception as exc:
+            self._give_up(size, exc)
+        return size
+
+    def _no_rows(self) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """A step of no sequence (ids, positions, metadata), for ``_fill`` to pad up to a bucket."""
+        meta = AttentionMetadata(
+            slot_mapping=self.slots[:0],
+            query_start=self.query_start[:1],
+            query_lens=self.query_lens[:0],
+            context_lens=self.context_lens[:0],
+            block_tables=self.block_tables[:0, :1],
+            max_query_len=1,
+            max_context_len=0,
+            block_size=self.block_size,
+            prefill_only=False,
+            query_lens_list=[],
+            context_lens_list=[],
+            block_tables_list=[],
+            prompt_lens=self.prompt_lens[:0],
+            prompt_lens_list=[],
+        )
+        return self.input_ids[:0], self.positions[:0], meta
+
     def _pass(self, size: int) -> torch.Tensor:
         return self.forward(self.input_ids[:size], self.positions[:size], self.keep[:size])
 
     def _capture(self, size: int, static: AttentionMetadata) -> _Bucket:
         """The bucket's graph (CUDA), or its twin's empty entry. An eager pass first, on the same
-        buffers: it loads the kernels and plans the attention outside the graph."""
-        if not self.capture:
-            return _Bucket()
+        buffers (the twin's too): it loads the kernels and plans the attention outside the graph."""
         with use_metadata(static):
             self._pass(size)
+        if not self.capture:
+            return _Bucket()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with use_metadata(static), torch.cuda.graph(graph, pool=self.pool):

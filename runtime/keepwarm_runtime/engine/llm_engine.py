@@ -269,7 +269,7 @@ class LLMEngine:
         text_ids = self.tokenizer.encode("keep the weights warm", add_special_tokens=False) or [0]
         prompt = text_ids[: max(1, min(self.config.block_size - 2, self.max_model_len - 2))]
         self.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
-        graphs, self.runner.graphs = self.runner.graphs, None  # captured on first use once ready, not here
+        graphs, self.runner.graphs = self.runner.graphs, None  # captured once ready (work_while_idle)
         try:
             while request_id in self.requests:
                 self.step()
@@ -416,6 +416,16 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
+
+    def work_while_idle(self) -> bool:
+        """One piece of what an idle engine does ahead of its requests: the next decode graph's capture
+        (engine/decode_graphs.py), so no request waits for one. False when nothing is left to do, or
+        while there are requests."""
+        graphs = self.runner.graphs
+        if graphs is None or self.has_unfinished_requests():
+            return False
+        self.settle()  # a step left running for sequences since finished
+        return graphs.capture_next() is not None
 
     def has_unfinished_requests(self) -> bool:
         """Requests to run, or outputs landed but not yet handed out. A step still running for

@@ -2,7 +2,9 @@
 
 The thread builds the engine (loading weights while the HTTP server already answers /health), then
 loops: apply queued adds and aborts, ``step()``, hand each output to its request's asyncio queue via
-``loop.call_soon_threadsafe``. Only that thread touches the engine, so the engine needs no locks.
+``loop.call_soon_threadsafe``; with no request running, it gives the engine its idle work one piece at
+a time (``work_while_idle``: decode graphs captured), looking at the queue between pieces. Only that
+thread touches the engine, so the engine needs no locks.
 
 Failure containment: ``add_request`` errors (prompt too long, bad params) go to that request alone,
 and so do the faults the engine pins on one request (``RequestOutput.error``: a constraint or sampling
@@ -178,7 +180,8 @@ class AsyncEngine:
         finally:
             self.ready_event.set()
         while not self._stop:
-            self._wake.wait()
+            if not self._wake.is_set() and not self._work_while_idle():
+                self._wake.wait()
             self._wake.clear()
             self._drain_inbox()
             while self.engine.has_unfinished_requests() and not self._stop:
@@ -188,6 +191,17 @@ class AsyncEngine:
             self._report_stats()
         if self.state != "failed":
             self.state = "stopped"
+
+    def _work_while_idle(self) -> bool:
+        """One piece of the engine's idle work (a decode graph's capture), while no request runs; False
+        when there is none left or it failed (logged: requests are served as before)."""
+        if self.state != "ready":
+            return False
+        try:
+            return self.engine.work_while_idle()
+        except Exception:
+            logger.exception("the engine's work between requests failed; serving goes on without it")
+            return False
 
     def _drain_inbox(self) -> None:
         while self._inbox:

@@ -46,6 +46,11 @@ class EngineClient(Protocol):
 
     def has_unfinished_requests(self) -> bool: ...
 
+    def work_while_idle(self) -> bool:
+        """One piece of the work an engine does between requests (capturing a decode graph); False
+        when there is none left. The server calls it while no request runs, checking for new ones
+        between pieces."""
+
     def step(self) -> list[RequestOutput]: ...
 
     def stats(self) -> EngineStats: ...

@@ -232,7 +232,7 @@ class ServeSettings:
     enforce_eager: bool | None = engine(
         None,
         "CUDA: launch every decode step from Python, no CUDA graphs (engine: graphs for decode steps "
-        "with FlashInfer, captured per batch size on first use)",
+        "with FlashInfer, captured per batch size while idle once ready, or on first use)",
         shared=True,
     )
     async_scheduling: bool | None = engine(

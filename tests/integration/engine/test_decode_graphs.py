@@ -213,7 +213,7 @@ def test_the_step_benchmark_times_a_replayed_step_as_its_forward_pass(tmp_path) 
 
 def test_the_warm_up_request_captures_nothing(make_tiny) -> None:
     """A start pays for no capture: the warm-up request's decode step runs eagerly (buckets are captured
-    on first use once the server is ready), and the graphs are back for the steps after it."""
+    once the server is ready), and the graphs are back for the steps after it."""
     twin = engine(make_tiny("llama"), twin=True)
     graphs = twin.engine.runner.graphs
     twin.engine.run_warm_up_request()
@@ -226,3 +226,44 @@ def test_an_engine_with_one_kv_block_keeps_it_for_its_sequences(make_tiny) -> No
     llm.engine.use_decode_graphs(capture=False)
     assert llm.engine.runner.graphs is None and llm.engine.block_manager.num_free_blocks == 1
     assert len(llm.generate(prompts(1), PARAMS)[0].outputs[0].token_ids) == PARAMS.max_tokens
+
+
+def test_an_idle_engine_captures_the_buckets_smallest_first_touching_no_sequences_cache(make_tiny) -> None:
+    """``work_while_idle`` captures one bucket a call, smallest first, on a step of padding rows alone
+    (the twin runs that pass): none while requests run, none left after the last. The prompts served
+    before, asked again, hit the prefix cache on blocks those passes must not have written, and give
+    the outputs of an engine without graphs."""
+    model_dir = make_tiny("llama")
+    want = outputs(engine(model_dir, twin=False), 5) * 2
+    twin = engine(model_dir, twin=True)
+    graphs = twin.engine.runner.graphs
+    got = outputs(twin, 5)
+    twin.engine.add_request("busy", prompts(1)[0]["prompt_token_ids"], PARAMS)
+    assert not twin.engine.work_while_idle()  # a request is waiting
+    twin.engine.abort_request("busy")
+    assert set(graphs.buckets) == {8}  # five sequences' decode steps
+    captured = []
+    while twin.engine.work_while_idle():
+        captured += sorted(set(graphs.buckets) - {8, *captured})
+    assert captured == [1, 2, 4, 12] and not graphs.eager
+    got += outputs(twin, 5)
+    close(got, want)
+    assert max(o.num_cached_tokens for o in twin.generate(prompts(5), PARAMS)) > 0  # hits were read
+
+
+def test_an_idle_capture_out_of_memory_leaves_that_bucket_eager(make_tiny) -> None:
+    twin = engine(make_tiny("llama"), twin=True)
+    graphs = twin.engine.runner.graphs
+    backend = twin.engine.runner.backend()
+    original = backend.graph_metadata
+
+    def graph_metadata(meta, size):
+        if size == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (stand-in: no GPU here)")
+        return original(meta, size)
+
+    backend.graph_metadata = graph_metadata
+    while twin.engine.work_while_idle():
+        pass
+    assert graphs.eager == {2} and set(graphs.buckets) == set(graphs.sizes) - {2}
+    close(outputs(twin, 2), outputs(engine(make_tiny("llama"), twin=False), 2))

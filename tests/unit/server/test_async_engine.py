@@ -38,6 +38,9 @@ class ScriptedEngine:
     def has_unfinished_requests(self):
         return bool(self.requests)
 
+    def work_while_idle(self):
+        return False
+
     def step(self):
         self.thread_ids.add(threading.get_ident())
         outputs = []
@@ -180,3 +183,58 @@ def test_failed_load_reports_state_and_rejects_requests():
     asyncio.run(main())
     with pytest.raises(EngineRequestError, match="engine is failed"):  # no engine to read from either
         async_engine.loaded_engine()
+
+
+class IdleWorkEngine(ScriptedEngine):
+    """Has ``pieces`` of idle work (as decode graphs to capture); each piece notes whether a request was
+    running then, and the first ``failures`` pieces raise."""
+
+    def __init__(self, pieces: int, failures: int = 0) -> None:
+        super().__init__()
+        self.pieces, self.failures = pieces, failures
+        self.done: list[bool] = []  # per piece: was a request unfinished while it ran
+        self.first_done = threading.Event()
+
+    def work_while_idle(self):
+        self.thread_ids.add(threading.get_ident())
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("capture exploded")
+        if len(self.done) == self.pieces:
+            return False
+        self.done.append(self.has_unfinished_requests())
+        self.first_done.set()
+        threading.Event().wait(0.01)  # a piece takes a while, as a capture does
+        return True
+
+
+def test_idle_work_runs_between_requests_one_piece_at_a_time():
+    """The engine's idle work (decode graph captures) runs only while no request runs, on the engine
+    thread, and a request that arrives meanwhile is served after at most one piece."""
+    engine = IdleWorkEngine(pieces=30)
+    async_engine = AsyncEngine(lambda: engine)
+    async_engine.start()
+    try:
+        assert async_engine.ready_event.wait(5) and engine.first_done.wait(5)
+        outputs = asyncio.run(_collect(async_engine, "mid", [1, 2], 3))
+        assert outputs[-1].finished and len(engine.done) < 30  # served before the idle work was over
+        deadline = threading.Event()
+        while len(engine.done) < 30 and not deadline.wait(0.05):
+            pass
+        assert len(engine.done) == 30 and not any(engine.done)
+        assert engine.thread_ids == {async_engine._thread.ident}
+    finally:
+        async_engine.shutdown()
+
+
+def test_idle_work_that_fails_is_logged_and_serving_goes_on(caplog):
+    engine = IdleWorkEngine(pieces=2, failures=1)
+    async_engine = AsyncEngine(lambda: engine)
+    async_engine.start()
+    try:
+        assert async_engine.ready_event.wait(5)
+        assert asyncio.run(_collect(async_engine, "after", [1], 2))[-1].finished
+        assert async_engine.state == "ready"
+        assert any("work between requests failed" in r.getMessage() for r in caplog.records)
+    finally:
+        async_engine.shutdown()
