@@ -15,9 +15,11 @@ device runs N+1. What makes that possible:
   step N sampled (``ModelRunner.execute``'s ``pending``: no round trip through the host).
 - A step's tokens count as computed once it is launched (the device runs steps in order), but a block
   enters the prefix cache only once its tokens are all known (``Scheduler.cache_landed``).
-- A sequence that finishes on step N was already scheduled for N+1: that row is computed and dropped
-  (its key and value are those of its real last token, so the cache holds nothing wrong). Preempted or
-  aborted meanwhile, it gets its token or is skipped when N lands.
+- A sequence that finishes on step N by a stop (EOS, a stop token or string) was already scheduled for
+  N+1: that row is computed and dropped (its key and value are those of its real last token, so the
+  cache holds nothing wrong). One whose token from N is its last by max_tokens is not scheduled for
+  N+1 (``Sequence.ends_when_pending_lands``). Preempted or aborted meanwhile, it gets its token or is
+  skipped when N lands.
 
 Only steps whose sampling reads nothing that landing the step before changes run ahead: every
 sampled sequence ``samples_ahead`` (no penalties, bad words, min_tokens or constraint) and no prompt

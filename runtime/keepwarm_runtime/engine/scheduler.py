@@ -20,7 +20,9 @@ adapter requests). Running sequences pin their adapter's slot until they finish 
 While a step runs, the next may be scheduled (engine/overlap.py): a sequence's pending token (sampled
 by the running step, ``num_pending``) counts towards its length, and the step's tokens count as
 computed from when it is launched (later steps run after it). A block is registered in the prefix
-cache only once its tokens are known as well (``cache_landed`` after the pending ones land).
+cache only once its tokens are known as well (``cache_landed`` after the pending ones land). A
+sequence whose pending token is its last by ``max_tokens`` is not scheduled again: that pass would be
+dropped, and its block could cost another sequence a preemption.
 """
 
 from __future__ import annotations
@@ -82,6 +84,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:  # every running sequence, every step: plain locals
             seq = self.running[i]
+            if seq.num_pending and seq.ends_when_pending_lands():  # no pass may follow its last token
+                i += 1
+                continue
             computed = seq.num_computed_tokens
             n = min(len(seq.token_ids) + seq.num_pending - computed, budget)
             scoring = seq.prompt_logprobs is not None and seq.needs_prompt_logits

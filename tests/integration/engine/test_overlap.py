@@ -230,10 +230,12 @@ def test_a_row_whose_sampling_fails_fails_its_request_alone(model_dir) -> None:
 
 def test_sleep_lands_the_step_running_ahead(model_dir) -> None:
     """Sleep needs the cache: it lands a step left ahead (the outputs come with the next step)."""
-    _, ahead = engines(model_dir)
+    one, ahead = engines(model_dir)
+    first = completions(one, prompts(1), SamplingParams(temperature=0, max_tokens=1))[0][0][0]
     engine = ahead.engine
-    engine.add_request("z", prompts(1)[0], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
-    finished = [o for _ in range(3) for o in engine.step() if o.finished]
+    # a stop token no step can see coming: the step after it is launched before it lands
+    engine.add_request("z", prompts(1)[0], SamplingParams(temperature=0, stop_token_ids=[first]))
+    finished = [o for _ in range(2) for o in engine.step() if o.finished]
     assert finished and engine._running is not None  # the finished sequence's extra step
     sleep(engine, 1)
     assert engine._running is None
@@ -270,3 +272,19 @@ def test_a_block_completed_by_a_landed_token_is_a_prefix_hit_before_the_next_sch
     while engine.has_unfinished_requests():
         outputs |= {o.request_id: o for o in engine.step()}
     assert outputs["b"].num_cached_tokens == 2 * BLOCK
+
+
+def test_a_sequence_whose_last_token_is_pending_is_not_scheduled_again(model_dir) -> None:
+    """A token that brings a sequence to max_tokens ends it when it lands, so no pass follows it: the
+    overlapped engine runs as many forward passes as the one-at-a-time engine (a prefill and
+    max_tokens - 1 decodes) and leaves no step running."""
+    passes = {}
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    for name, llm in zip(("one", "ahead"), engines(model_dir), strict=True):
+        count = []
+        hook = llm.engine.model.register_forward_hook(lambda *_, c=count: c.append(1))
+        outs = completions(llm, prompts(3, length=8), params)
+        hook.remove()
+        passes[name] = (len(count), [c[0] for c in outs])
+        assert llm.engine._running is None
+    assert passes["ahead"] == passes["one"] and passes["one"][0] == 5
