@@ -478,11 +478,14 @@ class LLMEngine:
         self.scheduler.update_after_step(batch)
         if not (self.async_scheduling and self._runs_ahead(tables)):
             return Launched(step)
-        for seq in step.sample_seqs:
+        seqs = step.sample_seqs
+        for seq in seqs:
             seq.num_pending += 1
-        if self.sampler.all_plain_greedy(step.sample_seqs):
-            return Launched(step, greedy_ahead(step.logits))
-        return Launched(step, sampled_ahead(self.sampler(step.sample_seqs, step.logits), self.device))
+        if self.sampler.all_plain_greedy(seqs):
+            tokens = greedy_ahead(step.logits)
+        else:
+            tokens = sampled_ahead(self.sampler(seqs, step.logits), self.device)
+        return Launched(StepLogits(sample_seqs=seqs), tokens)  # its logits freed: only tokens land
 
     @staticmethod
     def _runs_ahead(tables: StepTables) -> bool:
