@@ -48,6 +48,19 @@ def close(got, want, tol: float = 1e-4) -> None:
                 assert abs(g.logprob - w_step[token].logprob) <= tol
 
 
+def out_of_memory_at(twin: LLM, bucket_size: int) -> None:
+    """The twin's attention backend runs out of memory planning that bucket (a stand-in: no GPU here)."""
+    backend = twin.engine.runner.backend()
+    original = backend.graph_metadata
+
+    def graph_metadata(meta, size):
+        if size == bucket_size:
+            raise torch.OutOfMemoryError("CUDA out of memory (stand-in: no GPU here)")
+        return original(meta, size)
+
+    backend.graph_metadata = graph_metadata
+
+
 def test_buckets_are_a_ladder_up_to_the_batch_cap() -> None:
     assert capture_sizes(256) == (1, 2, 4, 8, *range(16, 257, 16))
     assert capture_sizes(12) == (1, 2, 4, 8, 12)
@@ -131,15 +144,7 @@ def test_a_bucket_that_cannot_be_captured_runs_eagerly_logged_once(make_tiny, ca
     want = outputs(engine(model_dir, twin=False), 3)
     twin = engine(model_dir, twin=True)
     graphs = twin.engine.runner.graphs
-    backend = twin.engine.runner.backend()
-    original = backend.graph_metadata
-
-    def graph_metadata(meta, size):
-        if size == 4:
-            raise torch.OutOfMemoryError("CUDA out of memory (stand-in: no GPU here)")
-        return original(meta, size)
-
-    backend.graph_metadata = graph_metadata
+    out_of_memory_at(twin, 4)
     clear_once_cache()
     with caplog.at_level(logging.DEBUG, logger="keepwarm_runtime.engine.decode_graphs"):
         close(outputs(twin, 3), want)
@@ -254,15 +259,7 @@ def test_an_idle_engine_captures_the_buckets_smallest_first_touching_no_sequence
 def test_an_idle_capture_out_of_memory_leaves_that_bucket_eager(make_tiny) -> None:
     twin = engine(make_tiny("llama"), twin=True)
     graphs = twin.engine.runner.graphs
-    backend = twin.engine.runner.backend()
-    original = backend.graph_metadata
-
-    def graph_metadata(meta, size):
-        if size == 2:
-            raise torch.OutOfMemoryError("CUDA out of memory (stand-in: no GPU here)")
-        return original(meta, size)
-
-    backend.graph_metadata = graph_metadata
+    out_of_memory_at(twin, 2)
     while twin.engine.work_while_idle():
         pass
     assert graphs.eager == {2} and set(graphs.buckets) == set(graphs.sizes) - {2}
