@@ -11,9 +11,9 @@ is set around the pass, so one pass serves any mix of adapters and the base. A t
 engine/parallel/runner.py), which run the same ``text_logits``. With ``graphs`` set (CUDA:
 engine/decode_graphs.py) a step where every sequence decodes one token and is sampled replays its
 bucket's graph instead; any other step, or one the graphs turn down, runs eagerly. ``prepare`` and
-``execute`` are a step's two halves (``run`` is both): between them the engine finds the step's
-pending input tokens, sampled by the step before and not yet landed (engine/overlap.py), which
-``execute`` writes on the device.
+``execute`` are a step's two halves: between them the engine finds the step's pending input tokens,
+sampled by the step before and not yet landed (engine/overlap.py), which ``execute`` writes on the
+device.
 """
 
 from __future__ import annotations
@@ -70,17 +70,14 @@ class ModelRunner:
         """The step's token ids, positions, attention metadata and kept rows (engine/step_inputs.py)."""
         return self.inputs.build(out)
 
-    def run(self, out: SchedulerOutput) -> StepLogits:
-        """The step's forward pass: logits of the sequences that get a new token, and of the prompt
-        positions scored for prompt logprobs."""
-        return self.execute(out, self.prepare(out))
-
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, tables: StepTables, pending: torch.Tensor | None = None
     ) -> StepLogits:
-        """``run`` on tables already prepared; ``pending``: the tokens of ``tables.pending_rows`` (on the
-        device), sampled by a step not yet landed when the tables were made (engine/overlap.py)."""
+        """The step's forward pass on its prepared tables: logits of the sequences that get a new token,
+        and of the prompt positions scored for prompt logprobs. ``pending``: the tokens of
+        ``tables.pending_rows`` (on the device), sampled by a step not yet landed when the tables were
+        made (engine/overlap.py)."""
         ids, pos, meta, rows = tables.input_ids, tables.positions, tables.metadata, tables.rows
         if pending is not None:
             at = tables.pending_rows
