@@ -221,8 +221,8 @@ class StepInputs:
         else:
             input_ids[:] = np.fromiter(
                 itertools.chain.from_iterable(
-                    s.token_ids[p - s.num_pending : p - s.num_pending + n]
-                    for s, p, n in zip(seqs, starts.tolist(), counts_list, strict=True)
+                    s.token_ids[p : p + n]  # from the stand-in where its first token is pending
+                    for s, p, n in zip(seqs, (starts - pending).tolist(), counts_list, strict=True)
                 ),
                 np.int64,
                 tokens,
