@@ -15,7 +15,7 @@ prefilled, then --warmup decode steps run untimed and two timed passes of --step
 * ``forward_ms`` and ``host_ms``: the second pass, one step at a time (each step landed before the next
   is scheduled: ``LLMEngine.settle``), with the model's forward pass timed by hooks that synchronise the
   device before and after it; ``host_ms`` is the rest of the step (scheduling, inputs, sampling,
-  detokenising, outputs, and with overlapped steps the hand-over to the step thread), both as medians.
+  detokenising, outputs), both as medians.
   ``overlap_ms`` is what the first pass hid of their sum (``--no-async-scheduling``: steps one at a
   time in both passes; the engine's default overlaps on CUDA only).
 * ``--output-kind``: the requests' RequestOutputKind: ``cumulative`` (an output at every step, as a
