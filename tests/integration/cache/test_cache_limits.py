@@ -94,13 +94,15 @@ def test_dripping_client_is_cut_at_the_request_deadline(model, daemon_factory, t
         s.connect(str(daemon.socket))
         started, sent = time.monotonic(), 0
         reply = None
+        s.settimeout(0.3)  # one byte every 0.3 s: each read alone is well inside any timeout
         while sent < len(frame):
             try:
                 s.send(frame[sent : sent + 1])
-            except OSError:  # the daemon closed on us
+            except OSError:  # the daemon replied and closed between our reads: its reply is buffered
+                s.settimeout(5)
+                reply, _ = protocol.recv_frame(s)
                 break
             sent += 1
-            s.settimeout(0.3)  # one byte every 0.3 s: each read alone is well inside any timeout
             try:
                 reply, _ = protocol.recv_frame(s)
                 break
