@@ -234,7 +234,7 @@ def answer(pod: dict[str, Any]) -> str:
     return out.choices[0].message.content or ""
 
 
-def metric(pod: dict[str, Any], name: str) -> dict[str, float]:
-    """The samples of `name` on a runtime pod's /metrics, by their `source` label."""
+def metric(pod: dict[str, Any], name: str, label: str = "source") -> dict[str, float]:
+    """The samples of `name` on a runtime pod's /metrics, by their `label` label."""
     text = httpx.get(f"http://{pod['status']['podIP']}:8000/metrics", timeout=30).text
-    return {s.labels.get("source", ""): s.value for s in samples(text, name)}
+    return {s.labels.get(label, ""): s.value for s in samples(text, name)}
