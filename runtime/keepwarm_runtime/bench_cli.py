@@ -104,6 +104,7 @@ FORWARDED: dict[str, str] = {
     "step": "one decode step taken apart: the whole step, its forward pass and the host's share, per batch",
     "cpu_attention": "the CPU decode attention kernel alone, warm and cold, per dtype and context length",
     "cpu_linear": "bfloat16 linear layers per step size: the AMX kernel beside oneDNN, weights from memory",
+    "cpu_compile": "torch.compile of the CPU forward pass beside the eager engine (a probe, not a feature)",
     "serve": "`keepwarm serve` vs `transformers serve` under the same open-loop load",
     "contention": "engine tokens/s alone vs beside a CPU hog, keepwarm's thread settings vs torch's",
     "handoff": "how long the node's cache is cold when its daemon is upgraded or killed",

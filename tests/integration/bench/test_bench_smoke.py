@@ -212,6 +212,23 @@ def test_step_benchmark_times_pure_decode_steps_at_each_batch(tmp_path: Path, ov
         assert row["tokens_per_s"] > 0 and row["mean_context_tokens"] > 16
 
 
+def test_cpu_compile_benchmark_compiles_the_whole_pass_and_keeps_the_tokens(tmp_path: Path) -> None:
+    """The probe traces the whole forward pass (attention opaque, the kernels faked) and its compiled
+    engine generates the eager engine's greedy tokens."""
+    out = tmp_path / "compile.json"
+    argv = [sys.executable, "bench/cpu_compile.py", "--params", "1M", "--batches", "1,3"]
+    _run([*argv, "--steps", "2", "--rounds", "1", "--dir", str(tmp_path), "--json-out", str(out)], tmp_path)
+    result = json.loads(out.read_text())
+
+    assert result["params"] == "1M" and result["threads"] == 1 and result["mode"] == "default"
+    assert [row["batch"] for row in result["batches"]] == [1, 3]
+    for row in result["batches"]:
+        assert row["tokens_equal"] is True, row
+        assert row["eager_over_compiled"] > 0 and "compile_s" in row
+        for rounds in row["rounds"].values():
+            assert len(rounds) == 1 and 0 < rounds[0]["min_ms"] <= rounds[0]["median_ms"], row
+
+
 def test_cpu_attention_benchmark_times_the_kernel_warm_and_cold_per_dtype(tmp_path: Path) -> None:
     out = tmp_path / "attention.json"
     argv = [sys.executable, "-m", "bench.cpu_attention", "--dtypes", "bfloat16,float32", "--contexts", "5,40"]
