@@ -113,8 +113,8 @@ class Sequence:
 
     def ends_when_pending_lands(self) -> bool:
         """Its pending tokens bring it to max_tokens: it finishes when they land (engine/overlap.py)."""
-        limit, outputs = self.params.max_tokens, len(self.token_ids) - len(self.prompt_token_ids)
-        return limit is not None and outputs + self.num_pending >= limit
+        limit = self.params.max_tokens
+        return limit is not None and self.num_output_tokens + self.num_pending >= limit
 
     @property
     def is_finished(self) -> bool:
