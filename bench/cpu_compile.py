@@ -1,6 +1,6 @@
 """What torch.compile of a CPU decode step's forward pass would give, beside the eager engine.
 
-    .venv/bin/python bench/cpu_compile.py [--params 10M] [--batches 1,64] [--dtype float32]
+    .venv/bin/python -m bench.cpu_compile [--params 10M] [--batches 1,64] [--dtype float32]
         [--steps 60] [--rounds 3] [--threads 1] [--mode default] [--dir DIR] [--json-out FILE]
 
 keepwarm runs its CPU forward pass eagerly (docs/performance.md, "torch.compile on CPU: measured, not
@@ -37,9 +37,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from bench.step import PROMPT_MAX, admit, machine
 from keepwarm_runtime.bench_cli import publish
 
-PROMPT_MIN, PROMPT_MAX = 16, 48  # as bench/step.py
 WARM_STEPS = 8  # compiled engine: the steps that trace and compile (decode shapes 1 and > 1 tokens)
 
 
@@ -61,14 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-_FAKES_REGISTERED = False
-
-
 def _register_fakes() -> None:
-    """Shapes-only implementations of keepwarm's CPU kernels, so that Dynamo traces through them."""
-    global _FAKES_REGISTERED
-    if _FAKES_REGISTERED:
-        return
+    """Shapes-only implementations of keepwarm's CPU kernels, so that Dynamo traces through them (once
+    a process, as the probe's custom op is defined)."""
     import torch
 
     def linear(x, weight, bias=None):
@@ -91,7 +86,6 @@ def _register_fakes() -> None:
         "rotary_embedding": writes,
     }.items():
         torch.library.register_fake(f"keepwarm_cpu::{name}")(fake)
-    _FAKES_REGISTERED = True
 
 
 @contextlib.contextmanager
@@ -158,28 +152,6 @@ def engine_for(model_dir: Path, args: argparse.Namespace):
     return engine
 
 
-def admit(engine, batch: int, tag: str) -> list[str]:
-    """``batch`` greedy requests, the same prompts for every engine, prefilled; their ids."""
-    import torch
-
-    from keepwarm_runtime import RequestOutputKind, SamplingParams
-
-    g = torch.Generator().manual_seed(batch)
-    params = SamplingParams(
-        temperature=0,
-        max_tokens=engine.max_model_len - PROMPT_MAX,
-        ignore_eos=True,
-        output_kind=RequestOutputKind.FINAL_ONLY,
-    )
-    ids = [f"{tag}-{batch}-{i}" for i in range(batch)]
-    for i, request_id in enumerate(ids):
-        prompt = torch.randint(10, 8000, (PROMPT_MIN + i % (PROMPT_MAX - PROMPT_MIN),), generator=g).tolist()
-        engine.add_request(request_id, prompt, params)
-    while any(not engine.requests[r].seqs[0].output_token_ids for r in ids):
-        engine.step()
-    return ids
-
-
 def timed_steps(engine, steps: int) -> list[float]:
     times = []
     for _ in range(steps):
@@ -190,7 +162,10 @@ def timed_steps(engine, steps: int) -> list[float]:
 
 
 def measure_batch(eager, compiled, batch: int, args: argparse.Namespace) -> dict:
-    eager_ids, compiled_ids = admit(eager, batch, "eager"), admit(compiled, batch, "compiled")
+    from keepwarm_runtime import RequestOutputKind
+
+    final = RequestOutputKind.FINAL_ONLY
+    eager_ids, compiled_ids = admit(eager, batch, final, "eager"), admit(compiled, batch, final, "compiled")
     compile_times = timed_steps(compiled, WARM_STEPS)
     warm = timed_steps(eager, WARM_STEPS)
     rounds: dict[str, list[dict]] = {"eager": [], "compiled": []}
@@ -239,9 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "mode": args.mode,
         "steps": args.steps,
-        "cpu_flags": sorted(f for f in native.cpu_flags() if f.startswith(("avx", "amx"))),
-        "cpus": os.cpu_count(),
-        "load_average_1m": round(os.getloadavg()[0], 2),
+        "machine": machine(),
     }
     with tempfile.TemporaryDirectory(prefix="keepwarm-compile-") as tmp, traceable_attention() as register:
         root = Path(args.dir).expanduser() if args.dir else Path(tmp)

@@ -176,26 +176,32 @@ class ForwardTimer:
             del self._graphs.run
 
 
-def measure_batch(engine, batch: int, args: argparse.Namespace, sync) -> dict:
-    """Admit ``batch`` requests, prefill them, then time decode steps as the module docstring says."""
+def admit(engine, batch: int, output_kind, tag: str = "step") -> list[str]:
+    """``batch`` greedy requests that outlast the timed steps (prompts of PROMPT_MIN..PROMPT_MAX - 1
+    random token ids, seeded by ``batch``, EOS ignored), admitted and prefilled; their ids."""
     import torch
 
-    from keepwarm_runtime import RequestOutputKind, SamplingParams
+    from keepwarm_runtime import SamplingParams
 
     g = torch.Generator().manual_seed(batch)
     # Enough tokens that none finishes: the first admitted decode while later ones are still prefilled.
     params = SamplingParams(
-        temperature=0,
-        max_tokens=engine.max_model_len - PROMPT_MAX,
-        ignore_eos=True,
-        output_kind=RequestOutputKind(args.output_kind),
+        temperature=0, max_tokens=engine.max_model_len - PROMPT_MAX, ignore_eos=True, output_kind=output_kind
     )
-    ids = [f"step-{batch}-{i}" for i in range(batch)]
+    ids = [f"{tag}-{batch}-{i}" for i in range(batch)]
     for i, request_id in enumerate(ids):
         prompt = torch.randint(10, 8000, (PROMPT_MIN + i % (PROMPT_MAX - PROMPT_MIN),), generator=g).tolist()
         engine.add_request(request_id, prompt, params)
     while any(not engine.requests[r].seqs[0].output_token_ids for r in ids):  # prefill (chunks) first
         engine.step()
+    return ids
+
+
+def measure_batch(engine, batch: int, args: argparse.Namespace, sync) -> dict:
+    """Admit ``batch`` requests, prefill them, then time decode steps as the module docstring says."""
+    from keepwarm_runtime import RequestOutputKind
+
+    ids = admit(engine, batch, RequestOutputKind(args.output_kind))
     for _ in range(args.warmup):
         engine.step()
     sync()

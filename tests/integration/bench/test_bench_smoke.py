@@ -216,7 +216,7 @@ def test_cpu_compile_benchmark_compiles_the_whole_pass_and_keeps_the_tokens(tmp_
     """The probe traces the whole forward pass (attention opaque, the kernels faked) and its compiled
     engine generates the eager engine's greedy tokens."""
     out = tmp_path / "compile.json"
-    argv = [sys.executable, "bench/cpu_compile.py", "--params", "1M", "--batches", "1,3"]
+    argv = [sys.executable, "-m", "bench.cpu_compile", "--params", "1M", "--batches", "1,3"]
     _run([*argv, "--steps", "2", "--rounds", "1", "--dir", str(tmp_path), "--json-out", str(out)], tmp_path)
     result = json.loads(out.read_text())
 
