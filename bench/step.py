@@ -3,7 +3,7 @@
     .venv/bin/python bench/step.py [--params 10M,100M] [--batches 1,16,64,256] [--dtype float32]
         [--device cpu] [--threads 1] [--steps 16] [--warmup 3] [--attention-backend auto]
         [--dir DIR] [--no-cpu-fused-ops] [--enforce-eager] [--[no-]async-scheduling]
-        [--output-kind cumulative] [--json-out FILE]
+        [--output-kind delta] [--json-out FILE]
 
 For each generated Llama (--params, made once per run, or kept in --dir) one engine serves each batch
 size in turn: that many greedy requests (prompts of 16..47 tokens, EOS ignored) are admitted and
@@ -18,10 +18,11 @@ prefilled, then --warmup decode steps run untimed and two timed passes of --step
   detokenising, outputs), both as medians.
   ``overlap_ms`` is what the first pass hid of their sum (``--no-async-scheduling``: steps one at a
   time in both passes; the engine's default overlaps on CUDA only).
-* ``--output-kind``: the requests' RequestOutputKind: ``cumulative`` (an output at every step, as a
-  streaming request has) or ``final_only`` (an output when a request finishes, as a request that
-  does not stream has; no timed step finishes one, so a timed step builds no output and detokenises
-  nothing).
+* ``--output-kind``: the requests' RequestOutputKind: ``delta`` (an output at every step holding
+  what it added, as the server's streams ask for), ``cumulative`` (an output at every step with
+  everything so far, as ``LLMEngine`` gives by default) or ``final_only`` (an output when a request
+  finishes, as a request that does not stream has; no timed step finishes one, so a timed step
+  builds no output and detokenises nothing).
 * ``*_cpu_ms``: the same medians in this process's CPU time (all its threads). On a shared machine the
   wall times grow with the neighbours' load while CPU time mostly does not, so compare CPU times
   between runs at different loads, wall times within one run.
@@ -85,9 +86,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--output-kind",
-        default="cumulative",
-        choices=("cumulative", "final_only"),
-        help="the requests' RequestOutputKind (final_only: what the server asks for when not streaming)",
+        default="delta",
+        choices=("delta", "cumulative", "final_only"),
+        help="the requests' RequestOutputKind (what the server asks for: delta for streams, final_only "
+        "for responses that do not stream)",
     )
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)

@@ -10,8 +10,10 @@ are stored as each prefill chunk computes them (engine/prompt_logprobs.py); a re
 an encoder fault fails that request alone, as ``internal_error`` words it.
 
 A request's ``output_kind`` (RequestOutputKind) says which outputs it gets: one at every step that
-samples it (CUMULATIVE), or one when it finishes or fails (FINAL_ONLY: no output is built on the steps
-before, and its text is detokenised once it finishes unless stop strings need it as it grows).
+samples it, with everything so far (CUMULATIVE) or only what is new (DELTA), or one when it finishes or
+fails (FINAL_ONLY: no output is built on the steps before, and its text is detokenised once it finishes
+unless stop strings need it as it grows). While a request with stop strings runs, the end of its text
+that could be the start of one is held back from its outputs.
 
 With ``enable_lora`` a request may name a registered PEFT adapter (``add_lora``); requests for
 different adapters and the base share batches (engine/lora). Adapters come through the node cache
@@ -83,6 +85,9 @@ class _Request:
     detokenizers: list[IncrementalDetokenizer] = field(default_factory=list)
     audio: AudioFeatures | None = None  # until the step encodes it (engine/multimodal.py)
     final_only: bool = False  # RequestOutputKind.FINAL_ONLY: an output only once finished or failed
+    delta: bool = False  # RequestOutputKind.DELTA: each output only what is new since the last
+    hold: int = 0  # characters of a running sequence's text held back (a stop string may start there)
+    prompt_logprobs_sent: bool = False  # DELTA: the first output carried them
     text_each_step: bool = True  # detokenise as tokens come (outputs or stop strings read the text)
     first_token_time: float | None = None  # time.perf_counter() when its first token was sampled
 
@@ -314,6 +319,8 @@ class LLMEngine:
             seq.lora_name, seq.lora_id = lora_name, self.lora.ids[lora_name] if lora_name is not None else 0
         final_only = params.output_kind is RequestOutputKind.FINAL_ONLY
         request = _Request(request_id, prompt, ids, seqs, audio=audio, final_only=final_only)
+        request.delta = params.output_kind is RequestOutputKind.DELTA
+        request.hold = stop_hold(params)
         request.text_each_step = not final_only or bool(params.stop)
         request.detokenizers = [
             IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) for _ in seqs
@@ -674,13 +681,18 @@ class LLMEngine:
             _catch_up_text(request)  # a failed request's text is the text so far, whatever its kind
         seqs = request.seqs
         first = seqs[0]
+        hold = 0 if error is not None else request.hold  # a failed request's text: all there is
+        completion = _delta if request.delta else _completion
         if len(seqs) == 1:  # most requests: no generator to run
-            completions = [_completion(first)]
+            completions = [completion(first, hold)]
             finished = first.status is SequenceStatus.FINISHED
         else:
-            completions = [_completion(seq) for seq in seqs]
+            completions = [completion(seq, hold) for seq in seqs]
             finished = _all_finished(seqs)
         scored = first.prompt_logprobs
+        if request.delta and scored is not None:
+            scored = None if request.prompt_logprobs_sent else scored
+            request.prompt_logprobs_sent = True
         return RequestOutput(
             request.request_id,
             request.prompt,
@@ -714,15 +726,53 @@ def _all_finished(seqs: list[Sequence]) -> bool:
     return all(seq.status is SequenceStatus.FINISHED for seq in seqs)
 
 
-def _completion(seq: Sequence) -> CompletionOutput:
-    """The sequence as its request's output reports it now (copies: the sequence goes on growing)."""
+def stop_hold(params: SamplingParams) -> int:
+    """How many characters at the end of a running sequence's text its outputs hold back: a stop
+    string may be starting there, and the text up to a stop string is all a client may see of it."""
+    if not params.stop or params.include_stop_str_in_output:
+        return 0  # with the stop string kept, the text before it is the client's whatever follows
+    return max(map(len, params.stop)) - 1
+
+
+def _text_end(seq: Sequence, hold: int) -> int:
+    """Where the text its output shows ends: all of it once the sequence finished, else ``hold``
+    characters short (never short of what an output already showed)."""
+    text_len = len(seq.text)
+    if not hold or seq.status is SequenceStatus.FINISHED:
+        return text_len
+    return max(seq.num_sent_chars, text_len - hold)
+
+
+def _completion(seq: Sequence, hold: int) -> CompletionOutput:
+    """The sequence as its request's CUMULATIVE output reports it now (copies: the sequence goes on
+    growing)."""
     logprobs = seq.logprobs
+    end = _text_end(seq, hold)
+    seq.num_sent_chars = end
     return CompletionOutput(
         seq.index,
-        seq.text,
+        seq.text if end == len(seq.text) else seq.text[:end],
         seq.token_ids[len(seq.prompt_token_ids) :],
         seq.cumulative_logprob if logprobs is not None else None,
         list(logprobs) if logprobs is not None else None,
+        seq.finish_reason,
+        seq.stop_reason,
+    )
+
+
+def _delta(seq: Sequence, hold: int) -> CompletionOutput:
+    """What the sequence added since its request's last output (RequestOutputKind.DELTA): slices of
+    the new part alone, so an output costs the same however long the sequence has grown."""
+    logprobs, sent = seq.logprobs, seq.num_sent_tokens
+    end = _text_end(seq, hold)
+    text = seq.text[seq.num_sent_chars : end]
+    seq.num_sent_chars, seq.num_sent_tokens = end, seq.num_output_tokens
+    return CompletionOutput(
+        seq.index,
+        text,
+        seq.token_ids[len(seq.prompt_token_ids) + sent :],
+        seq.cumulative_logprob if logprobs is not None else None,
+        logprobs[sent:] if logprobs is not None else None,
         seq.finish_reason,
         seq.stop_reason,
     )

@@ -20,15 +20,24 @@ MAX_LOGPROBS = 20  # most top alternatives per token (logprobs, prompt_logprobs)
 class RequestOutputKind(enum.Enum):
     """Which outputs the engine hands back for a request (vLLM's names).
 
-    CUMULATIVE: an output at every step that samples it, with the whole text and token ids so far (a
-    stream reads its deltas from these). FINAL_ONLY: one output, when the request finishes (or fails):
-    no output is built on the steps before, and unless the request has stop strings, which are
-    matched against the text as it grows, its text is detokenised only then, by the same incremental
-    calls, so it is the text a CUMULATIVE request ends with, byte for byte (a failed request's too:
-    the text up to its failure). The server asks for it for requests that do not stream,
-    ``LLM.generate`` for all of its requests."""
+    CUMULATIVE: an output at every step that samples it, with the whole text and token ids so far.
+    DELTA: an output at every step that samples it, with only the text, token ids and logprobs added
+    since the request's last output (``cumulative_logprob`` stays the running sum; prompt logprobs come
+    with the first output alone), so building one costs the same at the ten-thousandth token as at the
+    first; the server's streams ask for it and put the deltas together themselves. FINAL_ONLY: one
+    output, when the request finishes (or fails): no output is built on the steps before, and unless
+    the request has stop strings, which are matched against the text as it grows, its text is
+    detokenised only then, by the same incremental calls, so it is the text a CUMULATIVE request ends
+    with, byte for byte (a failed request's too: the text up to its failure). The server asks for it
+    for requests that do not stream, ``LLM.generate`` for all of its requests.
+
+    While a request with stop strings runs (and drops them from its text: no
+    ``include_stop_str_in_output``), the last ``longest stop - 1`` characters of its text are held back
+    from its outputs, as vLLM holds them: a stop string that starts in one step's text and ends in the
+    next is never half sent. Its last output has the text whole."""
 
     CUMULATIVE = "cumulative"
+    DELTA = "delta"
     FINAL_ONLY = "final_only"
 
 

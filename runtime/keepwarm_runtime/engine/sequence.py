@@ -65,6 +65,9 @@ class Sequence:
     # Tokens sampled for it by a step still running (0 or 1 when a step is scheduled): they count
     # towards its length for the scheduler, and the step that reads one takes it from that step's output.
     num_pending: int = 0
+    # How much of its output its request's DELTA outputs have handed back (RequestOutputKind.DELTA).
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

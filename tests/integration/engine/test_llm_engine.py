@@ -5,6 +5,8 @@ and AVX-512 BF16 linear kernels within their tolerance of oneDNN."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import threading
 
 import pytest
@@ -195,6 +197,79 @@ def test_final_only_requests_get_one_output_the_last_a_cumulative_request_gets(m
     assert max(detokenised) > 0 and set(deferred) == {0}
     texts = {i: outputs[-1][3][0][1] for i, outputs in cumulative.items()}
     assert texts["2"] == free.text[: free.text.index(stop)] and texts["3"].endswith(stop)
+
+
+def test_delta_outputs_put_together_are_the_cumulative_outputs_and_never_show_half_a_stop(model_dir) -> None:
+    """RequestOutputKind.DELTA: each output holds what its step added (text, tokens, logprobs; the
+    prompt's logprobs on the first alone) and, put together, they are the CUMULATIVE outputs step by
+    step, through stop strings, include_stop_str_in_output, stop ids, n=2, logprobs and a scoring-only
+    request. A stop string that starts in one step's text and ends in the next is never half shown:
+    every output of either kind is a prefix of the request's last text."""
+    ids = prompts(1, length=9, seed=5)[0]["prompt_token_ids"]
+    free = _texts_by_step(LLM(model_dir, block_size=4, num_kv_blocks=128).engine, ids)
+    whole = free[-1]
+    # Two characters that first occur across a step boundary: the last of one step's text, the first
+    # of the next one's.
+    stop = next(
+        whole[len(a) - 1 : len(a) + 1]
+        for a, b in itertools.pairwise(free)
+        if a and len(b) > len(a) and whole.find(whole[len(a) - 1 : len(a) + 1]) == len(a) - 1
+    )
+    requests = [
+        dict(temperature=0, max_tokens=12, stop=[stop], ignore_eos=True),
+        dict(temperature=0, max_tokens=12, stop=[stop, "not in it"], include_stop_str_in_output=True),
+        dict(n=2, temperature=0.8, seed=3, max_tokens=7, ignore_eos=True, logprobs=2, prompt_logprobs=1),
+        dict(temperature=0, max_tokens=9, stop=["zzz-no-such-text"], ignore_eos=True),
+        dict(temperature=0, max_tokens=0, prompt_logprobs=2),
+    ]
+
+    def run(kind: RequestOutputKind) -> dict[str, list]:
+        engine = LLM(model_dir, block_size=4, num_kv_blocks=128).engine
+        for i, fields in enumerate(requests):
+            engine.add_request(f"{kind.value}-{i}", ids, SamplingParams(**fields, output_kind=kind))
+        seen: dict[str, list] = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                seen.setdefault(output.request_id.split("-")[1], []).append(output)
+        return seen
+
+    cumulative, deltas = run(RequestOutputKind.CUMULATIVE), run(RequestOutputKind.DELTA)
+    assert cumulative["0"][-1].outputs[0].text == whole[: whole.index(stop)]
+    for i, outputs in cumulative.items():
+        assert [_seen(o)[1:] for o in _put_together(deltas[i])] == [_seen(o)[1:] for o in outputs]
+        for o in outputs:  # never more of the text than the request ends with
+            assert all(outputs[-1].outputs[c.index].text.startswith(c.text) for c in o.outputs)
+        assert [o.prompt_logprobs is None for o in deltas[i]][1:] == [True] * (len(deltas[i]) - 1)
+        assert deltas[i][0].prompt_logprobs == outputs[0].prompt_logprobs
+    assert max(len(d.outputs[0].token_ids) for d in deltas["3"]) == 1  # one token a step, not all so far
+
+
+def _texts_by_step(engine: LLMEngine, ids: list[int]) -> list[str]:
+    engine.add_request("free", ids, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    texts: list[str] = []
+    while engine.has_unfinished_requests():
+        texts += [o.outputs[0].text for o in engine.step()]
+    return texts
+
+
+def _put_together(deltas: list) -> list:
+    """Each DELTA output as the cumulative one it stands for: everything up to it joined."""
+    joined, so_far = [], {}
+    for d in deltas:
+        completions = []
+        for c in d.outputs:
+            before = so_far.get(c.index)
+            if before is not None:
+                c = dataclasses.replace(
+                    c,
+                    text=before.text + c.text,
+                    token_ids=before.token_ids + c.token_ids,
+                    logprobs=None if c.logprobs is None else before.logprobs + c.logprobs,
+                )
+            so_far[c.index] = c
+            completions.append(c)
+        joined.append(dataclasses.replace(d, outputs=completions))
+    return joined
 
 
 def _seen(output) -> tuple:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import httpx
@@ -161,6 +162,32 @@ def test_stop_string_cuts_the_output(client):
     assert stop.strip(), full
     cut = client.completions.create(**greedy, stop=[stop]).choices[0]
     assert cut.finish_reason == "stop" and cut.text == full[: full.index(stop)]
+
+
+def test_a_streamed_stop_string_is_never_half_sent(client):
+    """A stop string whose first character ends one chunk's text and whose last starts the next one's:
+    the stream holds the end of its text back while a stop string may be starting there, so what it
+    sends is the text the same request gets without streaming, in chat and completions alike."""
+    greedy = dict(model="tiny", prompt="return", max_tokens=16, temperature=0)
+    stop = _across_chunks([c.choices[0].text for c in client.completions.create(**greedy, stream=True)])
+    cut = client.completions.create(**greedy, stop=[stop]).choices[0].text
+    streamed = client.completions.create(**greedy, stop=[stop], stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == cut
+
+    chat = dict(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0)
+    stop = _across_chunks(
+        [c.choices[0].delta.content for c in client.chat.completions.create(**chat, stream=True)]
+    )
+    cut = client.chat.completions.create(**chat, stop=[stop]).choices[0].message.content
+    streamed = client.chat.completions.create(**chat, stop=[stop], stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == cut
+
+
+def _across_chunks(pieces: list[str | None]) -> str:
+    """Two characters that first occur across a chunk boundary of a stream's text."""
+    whole = "".join(p or "" for p in pieces)
+    ends = list(itertools.accumulate(len(p) for p in pieces if p))[:-1]
+    return next(whole[end - 1 : end + 1] for end in ends if whole.find(whole[end - 1 : end + 1]) == end - 1)
 
 
 def test_openai_error_shapes(served, client):

@@ -1,15 +1,58 @@
-"""Per-choice stream bookkeeping shared by chat and completions: what is new since the last chunk.
+"""Per-choice stream bookkeeping shared by chat, completions and responses: what is new since the
+last chunk.
 
-The engine hands back cumulative outputs; a stream must send each choice's new text, new tokens (and
-their logprobs) once, its finish once, and nothing after that.
+A streamed request asks the engine for DELTA outputs (what each step added: the engine's step then
+copies nothing that grows with the output, and a slow client's queue holds small deltas, not a copy
+of everything so far per step); ``Accumulated`` puts them back together, in place, into the cumulative
+view the streams read (tool calls are parsed from the whole text at the end). ``DeltaTracker`` then
+says, per choice, what a chunk must send: new text, new tokens (and their logprobs) once, its finish
+once, and nothing after that.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from keepwarm_runtime.engine.outputs import CompletionOutput, Logprob
+from keepwarm_runtime.engine.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+class Accumulated:
+    """One request's DELTA outputs put together: ``add`` appends a delta to a single RequestOutput
+    (and its choices' CompletionOutputs) and returns it, the same object every time, so a consumer
+    reads it before asking for the next. Appending costs what the delta holds, not the output so far."""
+
+    def __init__(self) -> None:
+        self.output: RequestOutput | None = None
+
+    def add(self, delta: RequestOutput) -> RequestOutput:
+        out = self.output
+        if out is None:  # the first: its lists copied, so appending never touches the engine's
+            choices = [
+                replace(d, token_ids=list(d.token_ids), logprobs=_copy(d.logprobs)) for d in delta.outputs
+            ]
+            self.output = replace(delta, outputs=choices, prompt_logprobs=_copy(delta.prompt_logprobs))
+            return self.output
+        by_index = {o.index: o for o in out.outputs}
+        for d in delta.outputs:
+            o = by_index[d.index]
+            o.text += d.text
+            o.token_ids += d.token_ids
+            if d.logprobs is not None and o.logprobs is not None:
+                o.logprobs += d.logprobs
+            o.cumulative_logprob, o.finish_reason, o.stop_reason = (
+                d.cumulative_logprob,
+                d.finish_reason,
+                d.stop_reason,
+            )
+        out.finished, out.error = delta.finished, delta.error
+        if out.first_token_time is None:
+            out.first_token_time = delta.first_token_time
+        return out
+
+
+def _copy(items: list | None) -> list | None:
+    return None if items is None else list(items)
 
 
 @dataclass

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import Request
 
 from keepwarm_runtime.server.async_engine import AsyncEngine, EngineRequestError
+from keepwarm_runtime.server.base.deltas import Accumulated
 from keepwarm_runtime.server.base.errors import (
     APIError,
     BadRequest,
@@ -251,21 +252,27 @@ class ServingContext:
         priority: int = 0,
         audio: AudioFeatures | None = None,
         lora_name: str | None = None,
-        final_only: bool = False,
+        streaming: bool | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """The engine's cumulative outputs, with metrics (per adapter too); engine rejections become
-        400/500 errors. ``final_only``: the caller reads only the last output (a response that does
-        not stream), so the engine builds no other (RequestOutputKind.FINAL_ONLY) and the metrics take
-        the first token's time from it."""
+        """The request's cumulative outputs, with metrics (per adapter too); engine rejections become
+        400/500 errors. ``streaming`` False: the caller reads only the last output (a response that
+        does not stream), so the engine builds no other (RequestOutputKind.FINAL_ONLY) and the metrics
+        take the first token's time from it. True: the engine hands back deltas (DELTA), put together
+        here (deltas.Accumulated: one output object, updated in place before each yield). None: the
+        params' own kind (a transcription's)."""
         timer.adapter = lora_name
-        if final_only:
+        together = None
+        if streaming is not None:
             from keepwarm_runtime.engine.sampling_params import RequestOutputKind
 
-            params = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+            kind = RequestOutputKind.DELTA if streaming else RequestOutputKind.FINAL_ONLY
+            params = replace(params, output_kind=kind)
+            together = Accumulated() if streaming else None
         try:
-            async for output in self.async_engine.generate(
+            async for engine_output in self.async_engine.generate(
                 request_id, prompt_ids, params, priority, audio, lora_name
             ):
+                output = engine_output if together is None else together.add(engine_output)
                 timer.tokens(sum(len(o.token_ids) for o in output.outputs), output.first_token_time)
                 yield output
         except EngineRequestError as exc:

@@ -150,7 +150,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     timer = RequestTimer(ctx.metrics, len(prompt_ids), arrival=arrival)
     lora = ctx.lora_name(req.model)
     outputs = ctx.stream(
-        request_id, prompt_ids, prepared.params, timer, req.priority, prepared.audio, lora, not req.stream
+        request_id, prompt_ids, prepared.params, timer, req.priority, prepared.audio, lora, req.stream
     )
     if req.stream:
         first = await race_disconnect(anext(outputs), raw)

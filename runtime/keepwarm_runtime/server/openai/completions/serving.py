@@ -67,7 +67,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
             RequestTimer(ctx.metrics, len(ids), arrival=arrival),
             req.priority,
             lora_name=ctx.lora_name(req.model),
-            final_only=not req.stream,
+            streaming=req.stream,
         )
         for i, ids in enumerate(prompt_ids)
     ]

@@ -187,7 +187,7 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Reque
     timer = RequestTimer(ctx.metrics, len(prepared.prompt_ids), arrival=arrival)
     lora = ctx.lora_name(req.model)
     outputs = ctx.stream(
-        response_id, prepared.prompt_ids, prepared.params, timer, lora_name=lora, final_only=not req.stream
+        response_id, prepared.prompt_ids, prepared.params, timer, lora_name=lora, streaming=req.stream
     )
     if req.stream:
         first = await race_disconnect(anext(outputs), raw)
