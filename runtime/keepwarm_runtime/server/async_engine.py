@@ -1,10 +1,10 @@
 """The engine behind asyncio: one background thread owns the LLMEngine, requests talk through queues.
 
 The thread builds the engine (loading weights while the HTTP server already answers /health), then
-loops: apply queued adds and aborts, ``step()``, hand each output to its request's asyncio queue via
-``loop.call_soon_threadsafe``; with no request running, it gives the engine its idle work one piece at
-a time (``work_while_idle``: decode graphs captured), looking at the queue between pieces. Only that
-thread touches the engine, so the engine needs no locks.
+loops: apply queued adds and aborts, ``step()``, hand each output to its request's asyncio queue (one
+``loop.call_soon_threadsafe`` a step for all of them); with no request running, it gives the engine
+its idle work one piece at a time (``work_while_idle``: decode graphs captured), looking at the queue
+between pieces. Only that thread touches the engine, so the engine needs no locks.
 
 Failure containment: ``add_request`` errors (prompt too long, bad params) go to that request alone,
 and so do the faults the engine pins on one request (``RequestOutput.error``: a constraint or sampling
@@ -261,8 +261,7 @@ class AsyncEngine:
                 del self._streams[output.request_id]
             item = output if output.error is None else EngineRequestError(output.error, bad_request=False)
             by_stream.setdefault(id(stream), (stream, []))[1].append(item)
-        for stream, items in by_stream.values():
-            self._send(stream, items)
+        self._send_all(list(by_stream.values()))
         self._report_stats()
         return True
 
@@ -280,11 +279,24 @@ class AsyncEngine:
         except Exception:
             logger.exception("reporting engine stats failed")
 
-    @staticmethod
-    def _send(stream: _Stream, items: list[Any]) -> None:
-        def put_all() -> None:
-            for item in items:
-                stream.queue.put_nowait(item)
+    @classmethod
+    def _send(cls, stream: _Stream, items: list[Any]) -> None:
+        cls._send_all([(stream, items)])
 
-        with contextlib.suppress(RuntimeError):  # the event loop is closed (shutdown)
-            stream.loop.call_soon_threadsafe(put_all)
+    @staticmethod
+    def _send_all(deliveries: list[tuple[_Stream, list[Any]]]) -> None:
+        """Hand each stream its items with one ``call_soon_threadsafe`` per event loop (the server has
+        one), not one per stream: each call wakes the loop through its self-pipe, and a step of 64
+        streams would write it 64 times from this thread and run 64 callbacks there."""
+        by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list[tuple[_Stream, list[Any]]]]] = {}
+        for stream, items in deliveries:
+            by_loop.setdefault(id(stream.loop), (stream.loop, []))[1].append((stream, items))
+
+        def put_all(batch: list[tuple[_Stream, list[Any]]]) -> None:
+            for stream, items in batch:
+                for item in items:
+                    stream.queue.put_nowait(item)
+
+        for loop, batch in by_loop.values():
+            with contextlib.suppress(RuntimeError):  # the event loop is closed (shutdown)
+                loop.call_soon_threadsafe(put_all, batch)

@@ -100,6 +100,39 @@ def test_concurrent_requests_stream_to_their_own_queues(engine_pair):
     assert stats and stats[-1].num_running == 0
 
 
+def test_a_step_wakes_the_event_loop_once_for_all_its_streams(engine_pair):
+    """Each call_soon_threadsafe writes the loop's self-pipe from the engine thread: a step hands
+    every stream its output in one."""
+    async_engine, scripted, _ = engine_pair
+    calls: list[int] = []
+    steps: list[int] = []  # outputs of each step that had any
+    step = scripted.step
+
+    def counted_step():
+        outputs = step()
+        if outputs:
+            steps.append(len(outputs))
+        return outputs
+
+    scripted.step = counted_step
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        real = loop.call_soon_threadsafe
+
+        def counted(callback, *args, **kwargs):
+            calls.append(threading.get_ident())
+            return real(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        return await asyncio.gather(*(_collect(async_engine, f"w{i}", [1, 2], 4) for i in range(8)))
+
+    results = asyncio.run(main())
+    assert all([len(o.outputs[0].token_ids) for o in outputs] == [1, 2, 3, 4] for outputs in results)
+    from_engine = [c for c in calls if c == async_engine._thread.ident]
+    assert sum(steps) == 32 and len(from_engine) == len(steps) < 32  # one a step, not one an output
+
+
 def test_add_error_fails_only_that_request(engine_pair):
     async_engine, _, _ = engine_pair
 
