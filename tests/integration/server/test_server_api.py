@@ -68,6 +68,12 @@ def test_startup_phases_are_logged_and_exported_and_add_up_to_start_to_ready(ser
     assert "s (disk; attached in the background in " in log
 
 
+def test_the_server_runs_uvicorn_on_uvloop_and_httptools(served):
+    """Both are runtime dependencies; without them uvicorn falls back to asyncio and h11, and a stream's
+    chunks cost the event loop more. The log names what it runs."""
+    assert "event loop uvloop, HTTP httptools)" in served.proc.log_text()
+
+
 def test_threads_follow_the_cpus_this_process_may_use(served):
     from keepwarm_runtime.engine.threads import choose_threads
 
