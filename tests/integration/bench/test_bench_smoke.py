@@ -453,3 +453,17 @@ def test_operator_scale_benchmark_converges_a_few_deployments_on_the_control_pla
     assert result["crs"] == 3 and result["deployment_latency_s"]["n"] == 3
     assert result["status_latency_s"]["n"] == 3 and result["operator_peak_rss_mib"] > 0
     assert "operator_steady_state" in result and "agent_steady_state" in result
+
+
+def test_streams_benchmark_runs_both_kinds_against_one_server(tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "keepwarm_runtime.cli", "bench", "streams", "--params", "1M"]
+    out = tmp_path / "streams.json"
+    argv += ["--requests", "4", "--output-tokens", "8", "--rounds", "2", "--json-out", str(out)]
+    _run(argv, tmp_path)
+    result = json.loads(out.read_text())
+    assert result["server_io"] == {"event_loop": "uvloop", "http": "httptools"}
+    for first, second in result["rounds"]:
+        assert (first["stream"], second["stream"]) == (True, False)
+        assert first["messages"] == 4 * 8 and second["messages"] == 4  # a chunk a token; a response each
+        for run in (first, second):
+            assert run["tokens_per_s"] > 0 and min(run["cpu_s"].values()) >= 0
