@@ -128,6 +128,22 @@ def test_streaming_chat_matches_the_non_streaming_answer(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
 
 
+def test_a_stream_of_several_choices_with_logprobs_matches_the_non_streaming_answer(client):
+    """Each choice's chunks (put together from the engine's deltas) carry its text and one logprob
+    entry a token, as the same request unstreamed returns them, and its usage counts every token."""
+    kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=12, n=3, seed=11, logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**kwargs)
+    stream = client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    for choice in whole.choices:
+        mine = [c for chunk in chunks for c in chunk.choices if c.index == choice.index]
+        assert "".join(c.delta.content or "" for c in mine) == choice.message.content
+        streamed = [(e.token, e.logprob) for c in mine if c.logprobs for e in c.logprobs.content]
+        assert streamed == [(e.token, e.logprob) for e in choice.logprobs.content]
+        assert [c.finish_reason for c in mine if c.finish_reason] == [choice.finish_reason]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
 def test_n_choices_and_logprobs_in_chat(client):
     response = client.chat.completions.create(
         model="tiny", messages=MESSAGES, max_tokens=5, n=3, seed=11, logprobs=True, top_logprobs=3
