@@ -133,19 +133,44 @@ class AsyncEngine:
         audio: AudioFeatures | None = None,
         lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative RequestOutputs until finished; abort the request if the consumer goes away.
+        """Yield the request's RequestOutputs (of its params' output kind) until finished; abort the
+        request if the consumer goes away.
         ``audio``: features for the prompt's placeholder tokens, encoded in the engine's step
         (engine/multimodal.py), or None;
         ``lora_name``: the LoRA adapter it runs with (engine/lora), or None for the base model."""
+        async for outputs in self.generate_batches(
+            request_id, prompt_token_ids, params, priority, audio, lora_name
+        ):
+            for output in outputs:
+                yield output
+
+    async def generate_batches(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        audio: AudioFeatures | None = None,
+        lora_name: str | None = None,
+    ) -> AsyncIterator[list[RequestOutput]]:
+        """``generate``, each time with every output queued for the request by then (at least one,
+        in order): a consumer that fell behind the engine (the event loop busy, a client slow to
+        read) takes its backlog in one piece and can send it as one chunk. An error raises once the
+        outputs before it are given."""
         stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
         self._post(("add", (request_id, prompt_token_ids, params, priority, audio, lora_name, stream)))
         try:
             while True:
-                item = await stream.queue.get()
-                if isinstance(item, EngineRequestError):
-                    raise item
-                yield item
-                if item.finished:
+                items = [await stream.queue.get()]
+                while not stream.queue.empty():
+                    items.append(stream.queue.get_nowait())
+                errors = [i for i, item in enumerate(items) if isinstance(item, EngineRequestError)]
+                if errors:  # the last item the engine sends a request
+                    if errors[0]:
+                        yield items[: errors[0]]
+                    raise items[errors[0]]
+                yield items
+                if items[-1].finished:
                     return
         finally:
             if not stream.finished:  # cancelled (client gone) or closed early: free the sequence

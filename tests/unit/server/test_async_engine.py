@@ -133,6 +133,22 @@ def test_a_step_wakes_the_event_loop_once_for_all_its_streams(engine_pair):
     assert sum(steps) == 32 and len(from_engine) == len(steps) < 32  # one a step, not one an output
 
 
+def test_a_consumer_behind_the_engine_takes_its_backlog_in_one_batch(engine_pair):
+    """generate_batches gives everything queued for the request by then, in order, nothing lost."""
+    async_engine, _, _ = engine_pair
+
+    async def main():
+        batches = []
+        async for batch in async_engine.generate_batches("slow", [1, 2], params(6)):
+            batches.append([len(o.outputs[0].token_ids) for o in batch])
+            await asyncio.sleep(0.2)  # the engine runs on meanwhile
+        return batches
+
+    batches = asyncio.run(main())
+    assert [n for batch in batches for n in batch] == [1, 2, 3, 4, 5, 6]
+    assert max(len(batch) for batch in batches) > 1
+
+
 def test_add_error_fails_only_that_request(engine_pair):
     async_engine, _, _ = engine_pair
 

@@ -20,16 +20,17 @@ from keepwarm_runtime.server.base.serving import ServingContext, ServingOptions
 
 
 class _Engine:
-    """Stands in for AsyncEngine.generate: one finished output whose first token came 0.25 s ago."""
+    """Stands in for AsyncEngine.generate_batches: one finished output whose first token came 0.25 s
+    ago."""
 
     def __init__(self) -> None:
         self.params: list[SamplingParams] = []
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *_: Any):
+    async def generate_batches(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *_: Any):
         self.params.append(params)
         completion = CompletionOutput(0, "four tokens", [5, 6, 7, 8], None, None, "length")
         first = time.perf_counter() - 0.25
-        yield RequestOutput(request_id, None, prompt_ids, [completion], True, first_token_time=first)
+        yield [RequestOutput(request_id, None, prompt_ids, [completion], True, first_token_time=first)]
 
 
 def _run(streaming: bool | None, engine: Any = None) -> tuple[Any, ServerMetrics, SamplingParams]:
@@ -75,21 +76,34 @@ def test_a_transcription_keeps_its_own_output_kind() -> None:
 
 
 class _DeltaEngine:
-    """Stands in for AsyncEngine.generate as the engine answers a DELTA request: three deltas of one
-    choice, with logprobs, the prompt's logprobs on the first alone."""
+    """Stands in for AsyncEngine.generate_batches as the engine answers a DELTA request: three deltas
+    of one choice, with logprobs, the prompt's logprobs on the first alone; ``batches`` says how many
+    came queued together each time (as for a consumer behind the engine)."""
 
-    def __init__(self) -> None:
+    def __init__(self, batches: tuple[int, ...] = (1, 1, 1)) -> None:
         self.params: list[SamplingParams] = []
         self.seen: list[tuple[int, str, list[int]]] = []
+        self.batches = batches
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *_: Any):
+    async def generate_batches(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *_: Any):
         self.params.append(params)
-        steps = [("He", [5], None), ("llo", [6, 7], None), ("!", [8], "stop")]
-        for i, (text, ids, reason) in enumerate(steps):
-            logprobs = [{t: Logprob(-0.5, 1)} for t in ids]
-            completion = CompletionOutput(0, text, ids, -0.5 * (i + 1), logprobs, reason)
-            scored = [None, {2: Logprob(-1.0, 1)}] if i == 0 else None
-            yield RequestOutput(request_id, None, prompt_ids, [completion], reason is not None, 0, scored)
+        outputs = list(deltas(request_id, prompt_ids))
+        for size in self.batches:
+            yield outputs[:size]
+            outputs = outputs[size:]
+
+
+def deltas(request_id: str, prompt_ids: list[int]) -> list[RequestOutput]:
+    steps = [("He", [5], None), ("llo", [6, 7], None), ("!", [8], "stop")]
+    outputs = []
+    for i, (text, ids, reason) in enumerate(steps):
+        logprobs = [{t: Logprob(-0.5, 1)} for t in ids]
+        completion = CompletionOutput(0, text, ids, -0.5 * (i + 1), logprobs, reason)
+        scored = [None, {2: Logprob(-1.0, 1)}] if i == 0 else None
+        outputs.append(
+            RequestOutput(request_id, None, prompt_ids, [completion], reason is not None, 0, scored)
+        )
+    return outputs
 
 
 def test_a_stream_asks_for_deltas_and_reads_them_put_together() -> None:
@@ -104,18 +118,20 @@ def test_a_stream_asks_for_deltas_and_reads_them_put_together() -> None:
     assert _sample(metrics, "keepwarm_generation_tokens_total") == 4
 
 
+def test_a_stream_behind_the_engine_reads_its_backlog_as_one_output() -> None:
+    engine, metrics, _ = _run(streaming=True, engine=_DeltaEngine(batches=(1, 2)))
+    assert [(text, ids) for _, text, ids in engine.seen] == [("He", [5]), ("Hello!", [5, 6, 7, 8])]
+    assert _sample(metrics, "keepwarm_generation_tokens_total") == 4
+
+
 def test_put_together_keeps_the_first_prompt_logprobs_and_every_token_logprob() -> None:
     together = Accumulated()
-
-    async def outputs() -> list[RequestOutput]:
-        return [o async for o in _DeltaEngine().generate("r", [1, 2], SamplingParams())]
-
-    deltas = asyncio.run(outputs())
-    first_logprobs = deltas[0].outputs[0].logprobs
-    for delta in deltas:
+    steps = deltas("r", [1, 2])
+    first_logprobs = steps[0].outputs[0].logprobs
+    for delta in steps:
         out = together.add(delta)
     choice = out.outputs[0]
     assert out.finished and choice.finish_reason == "stop" and choice.cumulative_logprob == -1.5
     assert [list(lp) for lp in choice.logprobs] == [[5], [6], [7], [8]]
     assert out.prompt_logprobs == [None, {2: Logprob(-1.0, 1)}]
-    assert deltas[0].outputs[0].logprobs is first_logprobs and len(first_logprobs) == 1  # not appended to
+    assert steps[0].outputs[0].logprobs is first_logprobs and len(first_logprobs) == 1  # not appended to

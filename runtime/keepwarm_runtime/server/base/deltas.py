@@ -4,7 +4,8 @@ last chunk.
 A streamed request asks the engine for DELTA outputs (what each step added: the engine's step then
 copies nothing that grows with the output, and a slow client's queue holds small deltas, not a copy
 of everything so far per step); ``Accumulated`` puts them back together, in place, into the cumulative
-view the streams read (tool calls are parsed from the whole text at the end). ``DeltaTracker`` then
+view the streams read (tool calls are parsed from the whole text at the end), all those queued at
+once together, so a stream behind the engine sends its backlog as one chunk. ``DeltaTracker`` then
 says, per choice, what a chunk must send: new text, new tokens (and their logprobs) once, its finish
 once, and nothing after that.
 """

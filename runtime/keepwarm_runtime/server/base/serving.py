@@ -258,8 +258,9 @@ class ServingContext:
         400/500 errors. ``streaming`` False: the caller reads only the last output (a response that
         does not stream), so the engine builds no other (RequestOutputKind.FINAL_ONLY) and the metrics
         take the first token's time from it. True: the engine hands back deltas (DELTA), put together
-        here (deltas.Accumulated: one output object, updated in place before each yield). None: the
-        params' own kind (a transcription's)."""
+        here (deltas.Accumulated: one output object, updated in place before each yield), all that
+        is queued at once: a stream that fell behind the engine catches up in one chunk, not one a
+        token. None: the params' own kind (a transcription's)."""
         timer.adapter = lora_name
         together = None
         if streaming is not None:
@@ -269,12 +270,16 @@ class ServingContext:
             params = replace(params, output_kind=kind)
             together = Accumulated() if streaming else None
         try:
-            async for engine_output in self.async_engine.generate(
+            async for batch in self.async_engine.generate_batches(
                 request_id, prompt_ids, params, priority, audio, lora_name
             ):
-                output = engine_output if together is None else together.add(engine_output)
-                timer.tokens(sum(len(o.token_ids) for o in output.outputs), output.first_token_time)
-                yield output
+                if together is not None:
+                    for delta in batch:
+                        output = together.add(delta)
+                    batch = [output]
+                for output in batch:
+                    timer.tokens(sum(len(o.token_ids) for o in output.outputs), output.first_token_time)
+                    yield output
         except EngineRequestError as exc:
             raise (
                 BadRequest(str(exc), code="invalid_value") if exc.bad_request else APIError(str(exc))
