@@ -6,9 +6,11 @@
 One ``keepwarm serve`` of a generated Llama (--params, made once, or kept in --dir) gets --requests
 completions at once (token-id prompts of 32 tokens, greedy, EOS ignored, --output-tokens each), sent
 by httpx's async client from this process, in --rounds rounds of two runs each: streamed
-(``stream: true``, a chunk a token a request, which the server's streams build from DELTA outputs) and
-not streamed (one response a request), the order alternating between rounds. Per run: output
-tokens/s and the serving process's CPU seconds by thread over the run (/proc): ``event_loop`` (the
+(``stream: true``, a chunk a token a request while the stream keeps up with the engine, built from
+DELTA outputs) and not streamed (one response a request), the order alternating between rounds. Per
+run: output tokens/s, the chunks (``messages``; responses when not streamed), the requests whose
+usage did not count --output-tokens (``length_mismatches``, 0 unless something is wrong) and the
+serving process's CPU seconds by thread over the run (/proc): ``event_loop`` (the
 main thread, which parses requests and writes every chunk), ``engine`` (the busiest other thread:
 the engine's, whose steps wait for the interpreter lock while the event loop holds it) and
 ``event_loop_us_per_token``; ``server_io`` is the event loop and HTTP parser the server's log
@@ -74,8 +76,9 @@ def cpu_by_role(pid: int, before: dict[int, float], after: dict[int, float]) -> 
     return {"event_loop": round(loop, 2), "engine": round(engine, 2), "other": round(sum(spent.values()), 2)}
 
 
-async def one_request(client, url: str, index: int, tokens: int, stream: bool) -> int:
-    """Send one completion; the chunks (or responses) that carried text or a finish."""
+async def one_request(client, url: str, index: int, tokens: int, stream: bool) -> tuple[int, int]:
+    """Send one completion: (chunks or responses that carried text or a finish, the tokens its usage
+    counts). A stream behind the engine sends several tokens in a chunk, so the two may differ."""
     body = {
         "model": "bench",
         "prompt": [10 + (index * 7 + i) % 8000 for i in range(PROMPT_TOKENS)],
@@ -84,13 +87,20 @@ async def one_request(client, url: str, index: int, tokens: int, stream: bool) -
         "ignore_eos": True,
         "stream": stream,
     }
-    chunks = 0
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    messages, generated = 0, 0
     async with client.stream("POST", url + "/v1/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
         async for line in response.aiter_lines():
-            chunks += line.startswith("data: {") or line.startswith("{")
-    return chunks
+            payload = line.removeprefix("data: ")
+            if not payload.startswith("{"):
+                continue
+            message = json.loads(payload)
+            messages += bool(message["choices"])
+            generated += (message.get("usage") or {}).get("completion_tokens", 0)
+    return messages, generated
 
 
 async def run_once(url: str, pid: int, args: argparse.Namespace, stream: bool) -> dict:
@@ -100,7 +110,7 @@ async def run_once(url: str, pid: int, args: argparse.Namespace, stream: bool) -
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         await one_request(client, url, 10_000, 4, stream)  # a connection and the route warmed
         before, started = thread_cpu(pid), time.perf_counter()
-        chunks = await asyncio.gather(
+        answers = await asyncio.gather(
             *(one_request(client, url, i, args.output_tokens, stream) for i in range(args.requests))
         )
         seconds, after = time.perf_counter() - started, thread_cpu(pid)
@@ -109,7 +119,8 @@ async def run_once(url: str, pid: int, args: argparse.Namespace, stream: bool) -
         "stream": stream,
         "tokens_per_s": round(args.requests * args.output_tokens / seconds, 1),
         "seconds": round(seconds, 2),
-        "messages": sum(chunks),  # chunks streamed, or responses
+        "messages": sum(m for m, _ in answers),  # chunks streamed (with text or a finish), or responses
+        "length_mismatches": sum(generated != args.output_tokens for _, generated in answers),
         "cpu_s": cpu,
         "event_loop_us_per_token": round(cpu["event_loop"] / (args.requests * args.output_tokens) * 1e6, 1),
     }

@@ -464,6 +464,8 @@ def test_streams_benchmark_runs_both_kinds_against_one_server(tmp_path: Path) ->
     assert result["server_io"] == {"event_loop": "uvloop", "http": "httptools"}
     for first, second in result["rounds"]:
         assert (first["stream"], second["stream"]) == (True, False)
-        assert first["messages"] == 4 * 8 and second["messages"] == 4  # a chunk a token; a response each
+        # A chunk a token, or fewer when a stream fell behind the engine; a response each.
+        assert 4 <= first["messages"] <= 4 * 8 and second["messages"] == 4
         for run in (first, second):
-            assert run["tokens_per_s"] > 0 and min(run["cpu_s"].values()) >= 0
+            assert run["length_mismatches"] == 0 and run["tokens_per_s"] > 0
+            assert min(run["cpu_s"].values()) >= 0

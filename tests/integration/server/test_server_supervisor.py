@@ -205,14 +205,20 @@ def test_sigterm_drains_the_request_in_flight_then_stops(tiny_llama, tmp_path):
     proc = _start(tiny_llama, tmp_path / "serve.log")
     worker = proc.worker_pid()
     stream = _client(proc).completions.create(
-        model="tiny", prompt="go", max_tokens=64, stream=True, extra_body={"ignore_eos": True}
+        model="tiny",
+        prompt="go",
+        max_tokens=64,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
     )
     chunks = []
     for chunk in stream:
         if not chunks:
             os.kill(proc.proc.pid, signal.SIGTERM)  # the parent only, as Kubernetes sends it
         chunks.append(chunk)
-    assert len(chunks) >= 64 and chunks[-1].choices[0].finish_reason == "length"  # every token, a normal end
+    # every token (a chunk may carry several), a normal end
+    assert chunks[-1].usage.completion_tokens == 64 and chunks[-2].choices[0].finish_reason == "length"
     assert proc.proc.wait(30) == 0
     with pytest.raises(ProcessLookupError):
         os.kill(worker, 0)
@@ -236,7 +242,12 @@ def test_after_sigterm_new_connections_are_refused_while_the_stream_in_flight_fi
     proc = _start(tiny_llama, tmp_path / "serve.log")
     host, port = urlsplit(proc.url).hostname, urlsplit(proc.url).port
     stream = _client(proc).completions.create(
-        model="tiny", prompt="go", max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+        model="tiny",
+        prompt="go",
+        max_tokens=200,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
     )
     chunks, attempts = [], []
     for chunk in stream:
@@ -251,6 +262,6 @@ def test_after_sigterm_new_connections_are_refused_while_the_stream_in_flight_fi
             except OSError as exc:
                 attempts.append(type(exc).__name__)
         chunks.append(chunk)
-    assert len(chunks) >= 200 and chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 200 and chunks[-2].choices[0].finish_reason == "length"
     assert "refused" in attempts, (attempts, proc.log_text()[-2000:])
     assert proc.proc.wait(60) == 0
