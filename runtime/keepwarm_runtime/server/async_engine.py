@@ -132,31 +132,15 @@ class AsyncEngine:
         priority: int = 0,
         audio: AudioFeatures | None = None,
         lora_name: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's RequestOutputs (of its params' output kind) until finished; abort the
-        request if the consumer goes away.
+    ) -> AsyncIterator[list[RequestOutput]]:
+        """Yield the request's RequestOutputs (of its params' output kind) until finished, each time
+        every output queued by then (at least one, in order): a consumer that fell behind the engine
+        (the event loop busy, a client slow to read) takes its backlog in one piece and can send it
+        as one chunk. An error raises once the outputs before it are given. The request is aborted
+        if the consumer goes away.
         ``audio``: features for the prompt's placeholder tokens, encoded in the engine's step
         (engine/multimodal.py), or None;
         ``lora_name``: the LoRA adapter it runs with (engine/lora), or None for the base model."""
-        async for outputs in self.generate_batches(
-            request_id, prompt_token_ids, params, priority, audio, lora_name
-        ):
-            for output in outputs:
-                yield output
-
-    async def generate_batches(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        audio: AudioFeatures | None = None,
-        lora_name: str | None = None,
-    ) -> AsyncIterator[list[RequestOutput]]:
-        """``generate``, each time with every output queued for the request by then (at least one,
-        in order): a consumer that fell behind the engine (the event loop busy, a client slow to
-        read) takes its backlog in one piece and can send it as one chunk. An error raises once the
-        outputs before it are given."""
         stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
         self._post(("add", (request_id, prompt_token_ids, params, priority, audio, lora_name, stream)))
         try:

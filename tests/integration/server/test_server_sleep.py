@@ -29,6 +29,10 @@ ARGS = [
 ARGS += ["--dtype", "float32"]
 
 
+USAGE = {"include_usage": True}  # a stream's tokens are counted by its usage, not its chunks
+NO_EOS = {"ignore_eos": True}
+
+
 @pytest.fixture(scope="module")
 def cached(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """A server whose weights come from a running cache daemon (no fallback), asleep only on request."""
@@ -106,12 +110,7 @@ def test_sleep_answers_503_and_wake_restores_the_same_weights_from_the_cache(cac
 
 def test_sleep_while_a_request_runs_is_a_409(cached):
     stream = _client(cached).completions.create(
-        model="tiny",
-        prompt="go",
-        max_tokens=200,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
+        model="tiny", prompt="go", max_tokens=200, stream=True, stream_options=USAGE, extra_body=NO_EOS
     )
     chunks = iter(stream)
     next(chunks)
@@ -126,12 +125,7 @@ def test_a_drained_sleep_lets_running_requests_finish_and_refuses_new_ones(cache
     """drain=true: the running stream reaches its end, a request sent meanwhile is a 503
     model_sleeping, /ready is 503, and the engine sleeps once the stream is done."""
     stream = _client(cached).completions.create(
-        model="tiny",
-        prompt="go",
-        max_tokens=200,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
+        model="tiny", prompt="go", max_tokens=200, stream=True, stream_options=USAGE, extra_body=NO_EOS
     )
     chunks = iter(stream)
     next(chunks)

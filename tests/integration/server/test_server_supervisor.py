@@ -34,6 +34,10 @@ ARGS = [
 ]
 
 
+USAGE = {"include_usage": True}  # a stream's tokens are counted by its usage, not its chunks
+NO_EOS = {"ignore_eos": True}
+
+
 def _start(model: Path, log: Path, *extra: str) -> ServerProcess:
     proc = start_server(model, log, args=[*ARGS, *extra])
     proc.wait("/ready", timeout=240)
@@ -205,12 +209,7 @@ def test_sigterm_drains_the_request_in_flight_then_stops(tiny_llama, tmp_path):
     proc = _start(tiny_llama, tmp_path / "serve.log")
     worker = proc.worker_pid()
     stream = _client(proc).completions.create(
-        model="tiny",
-        prompt="go",
-        max_tokens=64,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
+        model="tiny", prompt="go", max_tokens=64, stream=True, stream_options=USAGE, extra_body=NO_EOS
     )
     chunks = []
     for chunk in stream:
@@ -242,12 +241,7 @@ def test_after_sigterm_new_connections_are_refused_while_the_stream_in_flight_fi
     proc = _start(tiny_llama, tmp_path / "serve.log")
     host, port = urlsplit(proc.url).hostname, urlsplit(proc.url).port
     stream = _client(proc).completions.create(
-        model="tiny",
-        prompt="go",
-        max_tokens=200,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
+        model="tiny", prompt="go", max_tokens=200, stream=True, stream_options=USAGE, extra_body=NO_EOS
     )
     chunks, attempts = [], []
     for chunk in stream:

@@ -83,7 +83,7 @@ def engine_pair():
 
 
 async def _collect(async_engine, request_id, prompt, max_tokens):
-    return [o async for o in async_engine.generate(request_id, prompt, params(max_tokens))]
+    return [o async for batch in async_engine.generate(request_id, prompt, params(max_tokens)) for o in batch]
 
 
 def test_concurrent_requests_stream_to_their_own_queues(engine_pair):
@@ -134,12 +134,12 @@ def test_a_step_wakes_the_event_loop_once_for_all_its_streams(engine_pair):
 
 
 def test_a_consumer_behind_the_engine_takes_its_backlog_in_one_batch(engine_pair):
-    """generate_batches gives everything queued for the request by then, in order, nothing lost."""
+    """generate gives everything queued for the request by then, in order, nothing lost."""
     async_engine, _, _ = engine_pair
 
     async def main():
         batches = []
-        async for batch in async_engine.generate_batches("slow", [1, 2], params(6)):
+        async for batch in async_engine.generate("slow", [1, 2], params(6)):
             batches.append([len(o.outputs[0].token_ids) for o in batch])
             await asyncio.sleep(0.2)  # the engine runs on meanwhile
         return batches

@@ -20,13 +20,13 @@ from keepwarm_runtime.server.base.serving import ServingContext, ServingOptions
 
 
 class _Engine:
-    """Stands in for AsyncEngine.generate_batches: one finished output whose first token came 0.25 s
+    """Stands in for AsyncEngine.generate: one finished output whose first token came 0.25 s
     ago."""
 
     def __init__(self) -> None:
         self.params: list[SamplingParams] = []
 
-    async def generate_batches(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *_: Any):
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *_: Any):
         self.params.append(params)
         completion = CompletionOutput(0, "four tokens", [5, 6, 7, 8], None, None, "length")
         first = time.perf_counter() - 0.25
@@ -76,7 +76,7 @@ def test_a_transcription_keeps_its_own_output_kind() -> None:
 
 
 class _DeltaEngine:
-    """Stands in for AsyncEngine.generate_batches as the engine answers a DELTA request: three deltas
+    """Stands in for AsyncEngine.generate as the engine answers a DELTA request: three deltas
     of one choice, with logprobs, the prompt's logprobs on the first alone; ``batches`` says how many
     came queued together each time (as for a consumer behind the engine)."""
 
@@ -85,7 +85,7 @@ class _DeltaEngine:
         self.seen: list[tuple[int, str, list[int]]] = []
         self.batches = batches
 
-    async def generate_batches(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *_: Any):
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *_: Any):
         self.params.append(params)
         outputs = list(deltas(request_id, prompt_ids))
         for size in self.batches:

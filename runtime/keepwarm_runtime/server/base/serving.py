@@ -270,7 +270,7 @@ class ServingContext:
             params = replace(params, output_kind=kind)
             together = Accumulated() if streaming else None
         try:
-            async for batch in self.async_engine.generate_batches(
+            async for batch in self.async_engine.generate(
                 request_id, prompt_ids, params, priority, audio, lora_name
             ):
                 if together is not None:
