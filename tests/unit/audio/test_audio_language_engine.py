@@ -169,7 +169,7 @@ def test_the_engine_thread_encodes_and_contains_a_fault(model_dir: Path, hf) -> 
 
     async def final(request_id: str, inputs: dict, audio: AudioFeatures) -> RequestOutput:
         outputs = runner.generate(request_id, inputs["input_ids"][0].tolist(), _greedy(), audio=audio)
-        return [o async for o in outputs][-1]
+        return [o async for batch in outputs for o in batch][-1]
 
     async def both() -> list:
         return await asyncio.gather(
