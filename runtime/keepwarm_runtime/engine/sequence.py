@@ -65,7 +65,8 @@ class Sequence:
     # Tokens sampled for it by a step still running (0 or 1 when a step is scheduled): they count
     # towards its length for the scheduler, and the step that reads one takes it from that step's output.
     num_pending: int = 0
-    # How much of its output its request's DELTA outputs have handed back (RequestOutputKind.DELTA).
+    # How much of its output its request's outputs have shown: the text's characters (any kind: a
+    # stop string's hold-back never takes back what was shown) and the tokens (DELTA outputs).
     num_sent_tokens: int = 0
     num_sent_chars: int = 0
 

@@ -34,9 +34,7 @@ class Accumulated:
             ]
             self.output = replace(delta, outputs=choices, prompt_logprobs=_copy(delta.prompt_logprobs))
             return self.output
-        by_index = {o.index: o for o in out.outputs}
-        for d in delta.outputs:
-            o = by_index[d.index]
+        for o, d in zip(out.outputs, delta.outputs, strict=True):  # every choice, in index order, each time
             o.text += d.text
             o.token_ids += d.token_ids
             if d.logprobs is not None and o.logprobs is not None:
