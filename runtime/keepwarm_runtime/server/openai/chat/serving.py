@@ -29,7 +29,7 @@ from keepwarm_runtime.server.base.serving import (
     structured_params,
     truncate_prompt,
 )
-from keepwarm_runtime.server.base.sse import sse_done, sse_event
+from keepwarm_runtime.server.base.sse import StreamHead, sse_done, sse_event
 from keepwarm_runtime.server.openai.chat.audio import audio_chat_prompt, has_audio_parts
 from keepwarm_runtime.server.openai.chat.protocol import (
     ChatChoice,
@@ -291,6 +291,9 @@ async def _stream(
     created = int(time.time())
     top_n = (req.top_logprobs or 0) if req.logprobs else None
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+    # One choice, no logprobs, no usage a chunk: a chunk that only adds text is written from the head.
+    plain = req.n == 1 and top_n is None and not continuous
+    head = StreamHead(request_id, "chat.completion.chunk", created, model)
     tracker = DeltaTracker()
 
     def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
@@ -311,6 +314,9 @@ async def _stream(
             for o in output.outputs:
                 d = tracker.delta(o.index, o, hold_back=held_back(plan, o.text))
                 if d is None:
+                    continue
+                if plain and d.finish_reason is None:  # most chunks: the choice's new text alone
+                    yield head.content(o.index, d.text)
                     continue
                 logprobs = None
                 if top_n is not None and d.logprobs is not None:

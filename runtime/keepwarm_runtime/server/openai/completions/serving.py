@@ -23,7 +23,7 @@ from keepwarm_runtime.server.base.metrics import RequestTimer
 from keepwarm_runtime.server.base.protocol import CompletionLogprobs, PromptLogprobs, UsageInfo, random_id
 from keepwarm_runtime.server.base.routes import Route
 from keepwarm_runtime.server.base.serving import ServingContext, race_disconnect, truncate_prompt
-from keepwarm_runtime.server.base.sse import sse_done, sse_event
+from keepwarm_runtime.server.base.sse import StreamHead, sse_done, sse_event
 from keepwarm_runtime.server.openai.completions.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -186,6 +186,8 @@ async def _stream(
     merged: AsyncIterator[tuple[int, RequestOutput]],
 ) -> AsyncIterator[str]:
     created, model = int(time.time()), ctx.response_model(req.model)
+    plain = req.n == 1 and req.logprobs is None  # a chunk that only adds text is written from the head
+    head = StreamHead(request_id, "text_completion", created, model)
     tracker = DeltaTracker()
     sent_chars: dict[int, int] = {}  # choice index -> characters of generated text sent (for offsets)
     completion_tokens: dict[int, int] = {}
@@ -199,16 +201,21 @@ async def _stream(
                 d = tracker.delta(index, o)
                 if d is None:
                     continue
+                sent = sent_chars.get(index, 0)
+                sent_chars[index] = sent + len(d.text)
+                completion_tokens[index] = d.total_tokens
+                text = (echo[i] if d.first else "") + d.text
+                if plain and d.finish_reason is None:  # most chunks: one choice's new text alone
+                    yield head.text(index, text)
+                    continue
                 logprobs = None
                 if req.logprobs is not None and d.logprobs is not None:
-                    offset = len(echo[i]) + sent_chars.get(index, 0)
+                    offset = len(echo[i]) + sent
                     logprobs = _logprobs(ctx, req, output, d.token_ids, d.logprobs, offset, d.first)
-                sent_chars[index] = sent_chars.get(index, 0) + len(d.text)
-                completion_tokens[index] = d.total_tokens
                 choices.append(
                     CompletionChoice(
                         index=index,
-                        text=(echo[i] if d.first else "") + d.text,
+                        text=text,
                         logprobs=logprobs,
                         finish_reason=d.finish_reason,
                         stop_reason=d.stop_reason,
