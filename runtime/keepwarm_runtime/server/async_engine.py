@@ -1,7 +1,7 @@
 """The engine behind asyncio: one background thread owns the LLMEngine, requests talk through queues.
 
 The thread builds the engine (loading weights while the HTTP server already answers /health), then
-loops: apply queued adds and aborts, ``step()``, hand each output to its request's asyncio queue (one
+loops: apply queued adds and aborts, ``step()``, hand each output to its request's stream (one
 ``loop.call_soon_threadsafe`` a step for all of them); with no request running, it gives the engine
 its idle work one piece at a time (``work_while_idle``: decode graphs captured), looking at the queue
 between pieces. Only that thread touches the engine, so the engine needs no locks.
@@ -24,7 +24,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -44,13 +44,35 @@ class EngineRequestError(Exception):
         self.bad_request = bad_request
 
 
-@dataclass
+@dataclass(eq=False)
 class _Stream:
-    """One request's channel from the engine thread to its coroutine."""
+    """One request's channel from the engine thread to its coroutine: what the engine sent, put there
+    on the event loop (``put``), and the future the coroutine waits on while nothing is. A list and a
+    future, not an ``asyncio.Queue``: the coroutine takes everything at once, and the queue's getters,
+    putters and per-item calls cost a stream some microseconds a token on the event loop."""
 
-    queue: asyncio.Queue  # RequestOutput | EngineRequestError items, in order
     loop: asyncio.AbstractEventLoop
-    finished: bool = False
+    items: list[Any] = field(default_factory=list)  # RequestOutput | EngineRequestError, in order
+    waiter: asyncio.Future | None = None  # set while the coroutine waits for items
+    finished: bool = False  # the engine sent its last item (engine thread)
+
+    def put(self, items: list[Any]) -> None:
+        """Add ``items`` and wake the coroutine (on the event loop's thread)."""
+        self.items += items
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take(self) -> list[Any]:
+        """Everything put since the last take: at least one item, waited for."""
+        while not self.items:
+            self.waiter = self.loop.create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        items, self.items = self.items, []
+        return items
 
 
 class AsyncEngine:
@@ -141,18 +163,16 @@ class AsyncEngine:
         ``audio``: features for the prompt's placeholder tokens, encoded in the engine's step
         (engine/multimodal.py), or None;
         ``lora_name``: the LoRA adapter it runs with (engine/lora), or None for the base model."""
-        stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
+        stream = _Stream(asyncio.get_running_loop())
         self._post(("add", (request_id, prompt_token_ids, params, priority, audio, lora_name, stream)))
         try:
             while True:
-                items = [await stream.queue.get()]
-                while not stream.queue.empty():
-                    items.append(stream.queue.get_nowait())
-                errors = [i for i, item in enumerate(items) if isinstance(item, EngineRequestError)]
-                if errors:  # the last item the engine sends a request
-                    if errors[0]:
-                        yield items[: errors[0]]
-                    raise items[errors[0]]
+                items = await stream.take()
+                for i, item in enumerate(items):
+                    if isinstance(item, EngineRequestError):  # the last item the engine sends a request
+                        if i:
+                            yield items[:i]
+                        raise item
                 yield items
                 if items[-1].finished:
                     return
@@ -303,8 +323,7 @@ class AsyncEngine:
 
         def put_all(batch: list[tuple[_Stream, list[Any]]]) -> None:
             for stream, items in batch:
-                for item in items:
-                    stream.queue.put_nowait(item)
+                stream.put(items)
 
         for loop, batch in by_loop.values():
             with contextlib.suppress(RuntimeError):  # the event loop is closed (shutdown)

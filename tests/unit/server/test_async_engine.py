@@ -16,8 +16,8 @@ from keepwarm_runtime.server.async_engine import AsyncEngine, EngineRequestError
 
 
 class ScriptedEngine:
-    """Emits one token per step per request; prompt [666] makes step() raise, [13] fails that request,
-    [7] never finishes (one token, again and again, until it is aborted)."""
+    """Emits one token per step per request; prompt [666] makes step() raise, [13] fails that request
+    (at its first token, [14] at its third), [7] never finishes (one token, again and again, until it is aborted)."""
 
     def __init__(self) -> None:
         self.requests: dict[str, dict] = {}
@@ -49,7 +49,8 @@ class ScriptedEngine:
                 state["prompt"] = [0]
                 raise RuntimeError("boom")
             state["done"] = 1 if state["prompt"] == [7] else state["done"] + 1
-            error = "sampling failed: overflow" if state["prompt"] == [13] else None
+            failing = state["prompt"] == [13] or (state["prompt"] == [14] and state["done"] == 3)
+            error = "sampling failed: overflow" if failing else None
             finished = state["done"] >= state["max"] or error is not None
             if finished:
                 del self.requests[request_id]
@@ -174,6 +175,22 @@ def test_a_request_the_engine_pins_a_fault_on_fails_alone(engine_pair):
 
     assert asyncio.run(main())[-1].finished
     assert async_engine.state == "ready"
+
+
+def test_a_consumer_behind_the_engine_gets_the_outputs_before_its_error_first(engine_pair):
+    """Outputs queued with the error after them (however the steps fall, in one batch or several):
+    every output comes, in order, then the error raises."""
+    async_engine, _, _ = engine_pair
+
+    async def main():
+        batches = []
+        with pytest.raises(EngineRequestError, match="overflow"):
+            async for batch in async_engine.generate("late-fault", [14], params(6)):
+                batches.append([len(o.outputs[0].token_ids) for o in batch])
+                await asyncio.sleep(0.3)  # the engine's next steps queue more items meanwhile
+        return batches
+
+    assert [n for batch in asyncio.run(main()) for n in batch] == [1, 2]
 
 
 def test_step_exception_fails_in_flight_requests_and_marks_the_engine_failed(engine_pair):
