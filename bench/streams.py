@@ -1,10 +1,12 @@
 """The server's streams beside the same requests unstreamed: what writing a chunk per token costs.
 
     .venv/bin/python -m bench.streams [--params 10M] [--dtype float32] [--requests 64]
-        [--output-tokens 128] [--rounds 3] [--threads 1] [--dir DIR] [--json-out FILE]
+        [--output-tokens 128] [--rounds 3] [--threads 1] [--endpoint completions] [--dir DIR]
+        [--json-out FILE]
 
 One ``keepwarm serve`` of a generated Llama (--params, made once, or kept in --dir) gets --requests
-completions at once (token-id prompts of 32 tokens, greedy, EOS ignored, --output-tokens each), sent
+requests at once (``--endpoint completions``: token-id prompts of 32 tokens; ``chat``: a user message
+of 16 words through the chat template; greedy, EOS ignored, --output-tokens each), sent
 by httpx's async client from this process, in --rounds rounds of two runs each: streamed
 (``stream: true``, a chunk a token a request while the stream keeps up with the engine, built from
 DELTA outputs) and not streamed (one response a request), the order alternating between rounds. Per
@@ -35,6 +37,8 @@ from pathlib import Path
 from keepwarm_runtime.bench_cli import publish
 
 PROMPT_TOKENS = 32
+PROMPT_WORDS = 16
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -46,6 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="the server's intra-op threads")
+    p.add_argument("--endpoint", default="completions", choices=sorted(ENDPOINTS))
     p.add_argument("--dir", default=None, help="where the generated model is kept (default: a temporary one)")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
@@ -76,12 +81,19 @@ def cpu_by_role(pid: int, before: dict[int, float], after: dict[int, float]) -> 
     return {"event_loop": round(loop, 2), "engine": round(engine, 2), "other": round(sum(spent.values()), 2)}
 
 
-async def one_request(client, url: str, index: int, tokens: int, stream: bool) -> tuple[int, int]:
-    """Send one completion: (chunks or responses that carried text or a finish, the tokens its usage
+async def one_request(
+    client, url: str, index: int, tokens: int, stream: bool, endpoint: str = "completions"
+) -> tuple[int, int]:
+    """Send one request: (chunks or responses that carried text or a finish, the tokens its usage
     counts). A stream behind the engine sends several tokens in a chunk, so the two may differ."""
+    if endpoint == "chat":
+        words = " ".join(f"w{(index * 7 + i) % 997}" for i in range(PROMPT_WORDS))
+        prompt: dict = {"messages": [{"role": "user", "content": words}]}
+    else:
+        prompt = {"prompt": [10 + (index * 7 + i) % 8000 for i in range(PROMPT_TOKENS)]}
     body = {
         "model": "bench",
-        "prompt": [10 + (index * 7 + i) % 8000 for i in range(PROMPT_TOKENS)],
+        **prompt,
         "max_tokens": tokens,
         "temperature": 0,
         "ignore_eos": True,
@@ -90,7 +102,7 @@ async def one_request(client, url: str, index: int, tokens: int, stream: bool) -
     if stream:
         body["stream_options"] = {"include_usage": True}
     messages, generated = 0, 0
-    async with client.stream("POST", url + "/v1/completions", json=body) as response:
+    async with client.stream("POST", url + ENDPOINTS[endpoint], json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
         async for line in response.aiter_lines():
@@ -108,11 +120,11 @@ async def run_once(url: str, pid: int, args: argparse.Namespace, stream: bool) -
 
     limits = httpx.Limits(max_connections=args.requests + 8)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        await one_request(client, url, 10_000, 4, stream)  # a connection and the route warmed
+        await one_request(client, url, 10_000, 4, stream, args.endpoint)  # a connection and the route warmed
         before, started = thread_cpu(pid), time.perf_counter()
-        answers = await asyncio.gather(
-            *(one_request(client, url, i, args.output_tokens, stream) for i in range(args.requests))
-        )
+        tokens, endpoint = args.output_tokens, args.endpoint
+        sends = (one_request(client, url, i, tokens, stream, endpoint) for i in range(args.requests))
+        answers = await asyncio.gather(*sends)
         seconds, after = time.perf_counter() - started, thread_cpu(pid)
     cpu = cpu_by_role(pid, before, after)
     return {
@@ -157,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             "benchmark": "streams",
             "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "model": {"arch": "llama", "params": args.params, "dtype": args.dtype},
+            "endpoint": args.endpoint,
             "requests": args.requests,
             "output_tokens": args.output_tokens,
             "server_threads": args.threads,

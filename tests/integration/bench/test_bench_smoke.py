@@ -455,17 +455,22 @@ def test_operator_scale_benchmark_converges_a_few_deployments_on_the_control_pla
     assert "operator_steady_state" in result and "agent_steady_state" in result
 
 
-def test_streams_benchmark_runs_both_kinds_against_one_server(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("endpoint", "rounds"), [("completions", 2), ("chat", 1)])
+def test_streams_benchmark_runs_both_kinds_against_one_server(
+    tmp_path: Path, endpoint: str, rounds: int
+) -> None:
     argv = [sys.executable, "-m", "keepwarm_runtime.cli", "bench", "streams", "--params", "1M"]
     out = tmp_path / "streams.json"
-    argv += ["--requests", "4", "--output-tokens", "8", "--rounds", "2", "--json-out", str(out)]
-    _run(argv, tmp_path)
+    argv += ["--requests", "4", "--output-tokens", "8", "--rounds", str(rounds), "--json-out", str(out)]
+    _run([*argv, "--endpoint", endpoint], tmp_path)
     result = json.loads(out.read_text())
     assert result["server_io"] == {"event_loop": "uvloop", "http": "httptools"}
+    assert result["endpoint"] == endpoint and len(result["rounds"]) == rounds
+    role_chunks = endpoint == "chat"  # a chat stream opens with a chunk naming the role
     for first, second in result["rounds"]:
         assert (first["stream"], second["stream"]) == (True, False)
         # A chunk a token, or fewer when a stream fell behind the engine; a response each.
-        assert 4 <= first["messages"] <= 4 * 8 and second["messages"] == 4
+        assert 4 <= first["messages"] <= 4 * (8 + role_chunks) and second["messages"] == 4
         for run in (first, second):
             assert run["length_mismatches"] == 0 and run["tokens_per_s"] > 0
             assert min(run["cpu_s"].values()) >= 0
