@@ -51,7 +51,7 @@ from keepwarm_runtime.engine.cpu_linear import (
     use_weight_major_linear,
 )
 from keepwarm_runtime.engine.decode_graphs import DecodeGraphs, capture_sizes, graph_bytes
-from keepwarm_runtime.engine.detokenizer import IncrementalDetokenizer, find_stop
+from keepwarm_runtime.engine.detokenizer import IncrementalDetokenizer, StandaloneTexts, find_stop
 from keepwarm_runtime.engine.host_memory import keep_freed_memory
 from keepwarm_runtime.engine.kv_cache import allocate_kv_cache, num_blocks_for, probe_kv_specs
 from keepwarm_runtime.engine.loader import LoadInfo, load_model
@@ -140,6 +140,7 @@ class LLMEngine:
         self.model_name = config.model_dir
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
         self.eos_token_ids = set(_eos_ids(config.model_dir, self.tokenizer, GenerationConfig))
+        self._standalone = StandaloneTexts.for_tokenizer(self.tokenizer)  # detokenizing's tables
         profile.mark("tokenizer")
         self.layers = fuse_attention(self.model.get_decoder())
         backend = select_backend(config.attention_backend, self.device, kernel_cache=config.kernel_cache)
@@ -322,9 +323,9 @@ class LLMEngine:
         request.delta = params.output_kind is RequestOutputKind.DELTA
         request.hold = stop_hold(params)
         request.text_each_step = not final_only or bool(params.stop)
-        request.detokenizers = [
-            IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) for _ in seqs
-        ]
+        skip = params.skip_special_tokens
+        standalone = self._standalone[skip] if self._standalone is not None else None
+        request.detokenizers = [IncrementalDetokenizer(self.tokenizer, skip, standalone) for _ in seqs]
         for seq in seqs:  # nothing below can fail: the request is complete
             self.scheduler.add(seq)
         self.requests[request_id] = request
