@@ -17,7 +17,8 @@ from keepwarm_runtime.server.async_engine import AsyncEngine, EngineRequestError
 
 class ScriptedEngine:
     """Emits one token per step per request; prompt [666] makes step() raise, [13] fails that request
-    (at its first token, [14] at its third), [7] never finishes (one token, again and again, until it is aborted)."""
+    (at its first token, [14] at its third), [7] never finishes (one token, again and again, until it
+    is aborted)."""
 
     def __init__(self) -> None:
         self.requests: dict[str, dict] = {}
