@@ -238,3 +238,14 @@ def metric(pod: dict[str, Any], name: str, label: str = "source") -> dict[str, f
     """The samples of `name` on a runtime pod's /metrics, by their `label` label."""
     text = httpx.get(f"http://{pod['status']['podIP']}:8000/metrics", timeout=30).text
     return {s.labels.get(label, ""): s.value for s in samples(text, name)}
+
+
+def agent_metrics(pod: dict[str, Any]) -> str:
+    """An agent pod's /metrics (its cache daemon's), on the port its container names ``metrics``."""
+    port = next(p["containerPort"] for p in pod["spec"]["containers"][0]["ports"] if p["name"] == "metrics")
+    return httpx.get(f"http://{pod['status']['podIP']}:{port}/metrics", timeout=30).text
+
+
+def sample_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples in a /metrics text that carry every one of ``labels``."""
+    return sum(s.value for s in samples(text, name) if labels.items() <= s.labels.items())

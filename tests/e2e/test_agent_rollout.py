@@ -26,6 +26,7 @@ import pytest
 
 from keepwarm_testing.e2e import (
     RUNTIME_IMAGE,
+    agent_metrics,
     agent_selector,
     answer,
     apply,
@@ -40,8 +41,9 @@ from keepwarm_testing.e2e import (
     ready_pods,
     resident_node,
     runtime_selector,
+    sample_sum,
 )
-from keepwarm_testing.operator import GROUP_PATH, NAMESPACE, get, samples
+from keepwarm_testing.operator import GROUP_PATH, NAMESPACE, get
 from tests.running_pods import ON_REAL_NODES
 
 pytestmark = ON_REAL_NODES
@@ -144,15 +146,6 @@ def running_agents(cp: Any) -> frozenset[str]:
     return frozenset(running)
 
 
-def agent_metrics(pod: dict[str, Any]) -> str:
-    port = next(p["containerPort"] for p in pod["spec"]["containers"][0]["ports"] if p["name"] == "metrics")
-    return httpx.get(f"http://{pod['status']['podIP']}:{port}/metrics", timeout=30).text
-
-
-def value(text: str, name: str, **labels: str) -> float:
-    return sum(s.value for s in samples(text, name) if labels.items() <= s.labels.items())
-
-
 def the_runtime_pod(cp: Any) -> dict[str, Any]:
     (pod,) = ready_pods(cp, APPS, RUNTIME, 1) or [None]
     assert pod is not None
@@ -214,9 +207,9 @@ def test_agent_rollout_hands_off_and_keeps_the_node_warm(rollout: SimpleNamespac
     assert overlap, f"old and new agent never ran side by side: {sorted(set(agents.seen), key=len)}"
     assert asks.seen and all(asks.seen) and not asks.errors, (asks.errors[:3], asks.seen.count(False))
     text = agent_metrics(new)
-    assert value(text, "keepwarm_cache_handoffs_total", role="successor", outcome="committed") == 1
-    assert value(text, "keepwarm_cache_adopted_arenas_total", source="predecessor") == 1
-    assert value(text, "keepwarm_cache_start_arenas", source="disk") == 0
+    assert sample_sum(text, "keepwarm_cache_handoffs_total", role="successor", outcome="committed") == 1
+    assert sample_sum(text, "keepwarm_cache_adopted_arenas_total", source="predecessor") == 1
+    assert sample_sum(text, "keepwarm_cache_start_arenas", source="disk") == 0
     rollout.agent = new
 
 
@@ -266,7 +259,7 @@ def test_killed_agent_restarts_warm_through_the_holder(rollout: SimpleNamespace)
     assert statuses["agent"]["lastState"]["terminated"]["exitCode"] == 137
     assert statuses["holder"]["restartCount"] == 0
     text = agent_metrics(again)
-    assert value(text, "keepwarm_cache_adopted_arenas_total", source="holder") == 1
-    assert value(text, "keepwarm_cache_start_arenas", source="disk") == 0
+    assert sample_sum(text, "keepwarm_cache_adopted_arenas_total", source="holder") == 1
+    assert sample_sum(text, "keepwarm_cache_start_arenas", source="disk") == 0
     (fresh,) = pods(cp, APPS, RUNTIME)
     assert fresh["metadata"]["uid"] == runtime["metadata"]["uid"] and answer(fresh) == rollout.answer

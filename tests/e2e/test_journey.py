@@ -40,6 +40,7 @@ from keepwarm_testing.e2e import (
     MODEL,
     MODEL_DIR,
     PROMPT,
+    agent_metrics,
     answer,
     apply,
     children,
@@ -54,6 +55,7 @@ from keepwarm_testing.e2e import (
     pods,
     ready_pods,
     resident_node,
+    sample_sum,
     serving_chain,
 )
 from keepwarm_testing.hub import LocalHub
@@ -380,6 +382,13 @@ def test_a_restarted_agent_leaves_serving_pods_serving(journey: SimpleNamespace)
         )
         assert fresh_agent["metadata"]["uid"] != agent["metadata"]["uid"]
         cp.wait_for(lambda: resident_node(cp, WC), timeout_s=240, what="the model resident again")
+        # The node's status may still be the old agent's record (an unchanged status is not written
+        # again), so the new agent's daemon is asked itself: the next step's pod attaches to it.
+        cp.wait_for(
+            lambda: sample_sum(agent_metrics(fresh_agent), "keepwarm_cache_resident_bytes", model=MODEL) > 0,
+            timeout_s=240,
+            what="the new agent's daemon holding the model",
+        )
         served = traffic.count(uid)
         cp.wait_for(lambda: traffic.count(uid) >= served + 3, timeout_s=120, what="the pod still serving")
     finally:
