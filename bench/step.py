@@ -1,11 +1,12 @@
 """One decode step, taken apart: the whole step, the model's forward pass and the host's share of it.
 
-    .venv/bin/python bench/step.py [--params 10M,100M] [--batches 1,16,64,256] [--dtype float32]
-        [--device cpu] [--threads 1] [--steps 16] [--warmup 3] [--attention-backend auto]
+    .venv/bin/python bench/step.py [--params 10M,100M] [--arch llama] [--batches 1,16,64,256]
+        [--dtype float32] [--device cpu] [--threads 1] [--steps 16] [--warmup 3] [--attention-backend auto]
         [--dir DIR] [--no-cpu-fused-ops] [--enforce-eager] [--[no-]async-scheduling]
         [--output-kind delta] [--json-out FILE]
 
-For each generated Llama (--params, made once per run, or kept in --dir) one engine serves each batch
+For each generated model (--arch, a Llama by default, of each --params size, made once per run, or
+kept in --dir) one engine serves each batch
 size in turn: that many greedy requests (prompts of 16..47 tokens, EOS ignored) are admitted and
 prefilled, then --warmup decode steps run untimed and two timed passes of --steps decode steps each:
 
@@ -46,6 +47,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from keepwarm_runtime.bench_cli import publish
+from keepwarm_runtime.modelgen.architectures import ARCHITECTURES
 
 BATCHES = (1, 16, 64, 256)
 PROMPT_MIN, PROMPT_MAX = 16, 48  # prompt lengths, as bench/throughput.py's fixed workload
@@ -57,6 +59,9 @@ FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--params", default=",".join(PARAMS), help="comma-separated model sizes")
+    p.add_argument(
+        "--arch", default="llama", choices=sorted(ARCHITECTURES), help="the generated model's architecture"
+    )
     p.add_argument("--batches", default=",".join(map(str, BATCHES)), help="comma-separated batch sizes")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
@@ -267,9 +272,9 @@ def measure_model(params: str, args: argparse.Namespace, root: Path) -> dict:
     from keepwarm_runtime.engine.llm_engine import LLMEngine
     from keepwarm_runtime.modelgen import make_model
 
-    model_dir = root / f"llama-{params}-{args.dtype}"
+    model_dir = root / f"{args.arch}-{params}-{args.dtype}"
     if not (model_dir / "config.json").exists():
-        make_model(model_dir, arch="llama", params=params, dtype=args.dtype)
+        make_model(model_dir, arch=args.arch, params=params, dtype=args.dtype)
     # Room for the decode steps while the batch is prefilled (chunks of max_num_batched_tokens) and timed.
     prefill_steps = -(-max(args.batches) * PROMPT_MAX // EngineConfig.max_num_batched_tokens) + 1
     longest = PROMPT_MAX + prefill_steps + args.warmup + 2 * args.steps + 2
@@ -331,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "cpu_fused_ops": args.cpu_fused_ops,
         "output_kind": args.output_kind,
+        "arch": args.arch,
         "machine": machine(),
     }
     with tempfile.TemporaryDirectory(prefix="keepwarm-step-") as tmp:

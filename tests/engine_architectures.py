@@ -11,4 +11,6 @@ ENGINE_ARCHS = [
     "opt",
     "qwen3_moe",
     "mistral",
+    "qwen2",
+    "qwen3",
 ]

@@ -74,9 +74,14 @@ class Family:
 # The model families whose modules are Llama's: RMSNorm ``w * T(x * rsqrt(mean(x^2) + eps))``, MLP
 # ``down(act(gate(x)) * up(x))``, rotary in the rotate-half layout and a pre-norm decoder layer
 # (tests/unit/engine/test_cpu_fused.py compares their sources with Llama's): modelling module, prefix.
+# Their attention may differ around the rotary call (Qwen2's biases and window, Qwen3's per-head
+# RMSNorm of queries and keys, which are this RMSNorm too); only that call is fused.
 FAMILY_MODULES = (
     ("transformers.models.llama.modeling_llama", "Llama"),
     ("transformers.models.mistral.modeling_mistral", "Mistral"),
+    ("transformers.models.qwen2.modeling_qwen2", "Qwen2"),
+    ("transformers.models.qwen3.modeling_qwen3", "Qwen3"),
+    ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3Moe"),
 )
 
 

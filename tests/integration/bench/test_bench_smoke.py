@@ -189,18 +189,22 @@ def test_lora_benchmark_reports_load_times_and_ratios(tmp_path: Path) -> None:
     assert result["rounds"] == 2
 
 
-@pytest.mark.parametrize("overlap", [None, "--async-scheduling"])
-def test_step_benchmark_times_pure_decode_steps_at_each_batch(tmp_path: Path, overlap: str | None) -> None:
+@pytest.mark.parametrize(("overlap", "arch"), [(None, "llama"), ("--async-scheduling", "qwen3")])
+def test_step_benchmark_times_pure_decode_steps_at_each_batch(
+    tmp_path: Path, overlap: str | None, arch: str
+) -> None:
     """One step at a time (the CPU's default), and overlapped (engine/overlap.py), whose second pass
-    lands each step before the next to time its parts."""
+    lands each step before the next to time its parts; a Llama, and a Qwen3 (--arch)."""
     out = tmp_path / "step.json"
     argv = [sys.executable, "bench/step.py", "--params", "2M", "--batches", "1,3", "--steps", "3"]
     argv += [overlap] if overlap else []
+    argv += ["--arch", arch, "--dir", str(tmp_path)]
     _run([*argv, "--warmup", "1", "--output-kind", "final_only", "--json-out", str(out)], tmp_path)
     result = json.loads(out.read_text())
 
     assert result["threads"] == 1 and "cpu_flags" in result["machine"] and result["steps"] == 3
-    assert result["output_kind"] == "final_only"
+    assert result["output_kind"] == "final_only" and result["arch"] == arch
+    assert json.loads((tmp_path / f"{arch}-2M-float32" / "config.json").read_text())["model_type"] == arch
     [model] = result["models"]
     assert model["params"] == "2M" and model["attention_backend"] == "cpu"
     assert model["async_scheduling"] is bool(overlap)

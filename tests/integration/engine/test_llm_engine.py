@@ -344,20 +344,24 @@ def test_bad_requests_are_rejected_clearly(model_dir) -> None:
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), [("bfloat16", 0.05), ("float32", 1e-4)])
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"])
 def test_fused_cpu_kernels_give_tokens_and_logprobs_within_their_tolerance(make_tiny, arch, dtype, tolerance):
     """Fused RMSNorm, SiLU-and-mul and rotary (engine/cpu_fused.py) against the same engine without
     them: the kernels round where the modules do, so a logprob may move by what one bfloat16 ulp in
     an activation moves it (stated tolerance 0.05 nats; at this size none moved), or in float32 a few
     float32 ulps (1e-4 nats), and greedy tokens are the same. Prefill and decode steps of several rows
-    and one row."""
+    and one row. Qwen3's queries and keys take the RMSNorm kernel too (per head); Qwen3-MoE's sparse
+    blocks are not MLPs (engine/moe runs them)."""
     model_dir = make_tiny(arch, dtype)
     kwargs = {"dtype": dtype, "block_size": 4, "num_kv_blocks": 256}
     plain = LLM(model_dir, cpu_fused_ops=False, **kwargs)
     fused = LLM(model_dir, **kwargs)
     assert plain.engine.fused_ops.total == 0
     layers = fused.engine.model.config.num_hidden_layers
-    want_counts = {"rms_norm": 2 * layers + 1, "mlp": layers, "attention": layers, "decoder_layer": layers}
+    # each layer's two (and Qwen3's of queries and keys), and the last
+    norms = (4 if arch.startswith("qwen3") else 2) * layers + 1
+    mlps = {} if arch == "qwen3_moe" else {"mlp": layers}
+    want_counts = {"rms_norm": norms, **mlps, "attention": layers, "decoder_layer": layers}
     assert fused.engine.fused_ops.counts == want_counts
 
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True)
