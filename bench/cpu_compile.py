@@ -81,6 +81,7 @@ def _register_fakes() -> None:
         "amx_linear": linear,
         "amx_gate_up_silu": gate_up,
         "rms_norm": writes,
+        "gemma_rms_norm": writes,
         "add_rms_norm": writes,
         "silu_and_mul": writes,
         "rotary_embedding": writes,

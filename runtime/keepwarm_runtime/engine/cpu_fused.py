@@ -5,9 +5,12 @@ A decode step of a small model in bfloat16 spends a fifth of its CPU time in ele
 over the whole activation. keepwarm's compiled CPU library (engine/attention/native.py,
 csrc/fused_ops.cpp) does each module's chain in one pass per row. This module is the one place that
 decides where they apply: by module type (``families()``: the model classes whose modules compute
-exactly what the kernels do, checked against their source by a test), never by names.
+exactly what the kernels do, checked against their source by a test), never by names: Llama,
+Mistral, Qwen2, Qwen3 and Qwen3-MoE take all four below; Gemma, Gemma 2 and Gemma 3 their RMSNorm
+and rotary (their MLPs are GELU-tanh, their layers' norms Gemma's).
 
-- ``*RMSNorm``: the module's class becomes a subclass whose forward calls ``keepwarm_cpu.rms_norm``.
+- ``*RMSNorm``: the module's class becomes a subclass whose forward calls ``keepwarm_cpu.rms_norm``
+  (Gemma's, which scales by ``1 + w`` in float32 and rounds once: ``keepwarm_cpu.gemma_rms_norm``).
 - ``*MLP`` whose ``act_fn`` is SiLU: ``down_proj(silu_and_mul(gate_proj(x), up_proj(x)))``; the
   projections stay the modules they are (packed, LoRA's hooks, tensor-parallel shards). Where both
   would take the AMX kernel and no hook watches them, their products and the activation are one
@@ -63,39 +66,50 @@ ROTARY_NAME = "apply_rotary_pos_emb"  # the global a family's attention forward 
 
 @dataclass(frozen=True)
 class Family:
-    """One architecture's module classes (from its transformers modelling module)."""
+    """One architecture's module classes that take a fused forward (from its transformers modelling
+    module), by kind."""
 
-    rms_norm: type[nn.Module]
-    mlp: type[nn.Module]
-    attention: type[nn.Module]
-    decoder_layer: type[nn.Module]
+    classes: dict[str, type[nn.Module]]  # kind -> class
 
 
-# The model families whose modules are Llama's: RMSNorm ``w * T(x * rsqrt(mean(x^2) + eps))``, MLP
-# ``down(act(gate(x)) * up(x))``, rotary in the rotate-half layout and a pre-norm decoder layer
-# (tests/unit/engine/test_cpu_fused.py compares their sources with Llama's): modelling module, prefix.
-# Their attention may differ around the rotary call (Qwen2's biases and window, Qwen3's per-head
-# RMSNorm of queries and keys, which are this RMSNorm too); only that call is fused.
+# Kinds a family's classes take, and the class name after the family's prefix. LLAMA: the modules are
+# Llama's: RMSNorm ``w * T(x * rsqrt(mean(x^2) + eps))``, MLP ``down(act(gate(x)) * up(x))``, rotary in
+# the rotate-half layout and a pre-norm decoder layer. GEMMA: Gemma's RMSNorm (``T(norm(x) * (1 + w))``
+# in float32) and Llama's rotary; its MLP is GELU-tanh and Gemma 2's and 3's layers add norms.
+LLAMA_KINDS = (
+    ("rms_norm", "RMSNorm"),
+    ("mlp", "MLP"),
+    ("attention", "Attention"),
+    ("decoder_layer", "DecoderLayer"),
+)
+GEMMA_KINDS = (("gemma_rms_norm", "RMSNorm"), ("attention", "Attention"))
+
+# The families (tests/unit/engine/test_cpu_fused.py compares their sources with Llama's and Gemma's):
+# modelling module, prefix, kinds. Their attention may differ around the rotary call (Qwen2's biases
+# and window, Qwen3's and Gemma 3's per-head RMSNorm of queries and keys, which are the family's
+# RMSNorm too, Gemma 2's softcapping); only that call is fused.
 FAMILY_MODULES = (
-    ("transformers.models.llama.modeling_llama", "Llama"),
-    ("transformers.models.mistral.modeling_mistral", "Mistral"),
-    ("transformers.models.qwen2.modeling_qwen2", "Qwen2"),
-    ("transformers.models.qwen3.modeling_qwen3", "Qwen3"),
-    ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3Moe"),
+    ("transformers.models.llama.modeling_llama", "Llama", LLAMA_KINDS),
+    ("transformers.models.mistral.modeling_mistral", "Mistral", LLAMA_KINDS),
+    ("transformers.models.qwen2.modeling_qwen2", "Qwen2", LLAMA_KINDS),
+    ("transformers.models.qwen3.modeling_qwen3", "Qwen3", LLAMA_KINDS),
+    ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3Moe", LLAMA_KINDS),
+    ("transformers.models.gemma.modeling_gemma", "Gemma", GEMMA_KINDS),
+    ("transformers.models.gemma2.modeling_gemma2", "Gemma2", GEMMA_KINDS),
+    ("transformers.models.gemma3.modeling_gemma3", "Gemma3", GEMMA_KINDS),
 )
 
 
 def families() -> tuple[Family, ...]:
     """The families whose modelling module is imported (a loaded model's is), so a start never pays
     for importing another architecture's."""
-    return tuple(family(name, prefix) for name, prefix in FAMILY_MODULES if name in sys.modules)
+    return tuple(family(*entry) for entry in FAMILY_MODULES if entry[0] in sys.modules)
 
 
 @functools.cache
-def family(module_name: str, prefix: str) -> Family:
+def family(module_name: str, prefix: str, kinds: tuple[tuple[str, str], ...]) -> Family:
     m = importlib.import_module(module_name)
-    kinds = ("RMSNorm", "MLP", "Attention", "DecoderLayer")
-    return Family(*(getattr(m, f"{prefix}{kind}") for kind in kinds))
+    return Family({kind: getattr(m, f"{prefix}{name}") for kind, name in kinds})
 
 
 @dataclass
@@ -129,6 +143,14 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     if not _takes(hidden_states, self.weight):
         return super(type(self), self).forward(hidden_states)
     return rms_norm(self, hidden_states)
+
+
+def _gemma_rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    if not _takes(x, self.weight):
+        return super(type(self), self).forward(x)
+    out = torch.empty_like(x)
+    native.op("gemma_rms_norm")(out, x, self.weight, self.eps)
+    return out
 
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -213,6 +235,8 @@ def fused_class(cls: type[nn.Module], kind: str) -> type[nn.Module] | None:
     (an attention forward that does not call ``apply_rotary_pos_emb`` by its global name)."""
     if kind == "rms_norm":
         forward = _rms_norm_forward
+    elif kind == "gemma_rms_norm":
+        forward = _gemma_rms_norm_forward
     elif kind == "mlp":
         forward = _mlp_forward
     elif kind == "decoder_layer":
@@ -235,14 +259,11 @@ def _kind(module: nn.Module, known: tuple[Family, ...]) -> str | None:
 
     cls = type(module)
     for members in known:
-        if cls is members.rms_norm:
-            return "rms_norm"
-        if cls is members.mlp:
-            return "mlp" if type(getattr(module, "act_fn", None)) in (SiLUActivation, nn.SiLU) else None
-        if cls is members.attention:
-            return "attention"
-        if cls is members.decoder_layer:
-            return "decoder_layer"
+        for kind, member in members.classes.items():
+            if cls is member:
+                if kind == "mlp" and type(getattr(module, "act_fn", None)) not in (SiLUActivation, nn.SiLU):
+                    return None
+                return kind
     return None
 
 

@@ -343,25 +343,38 @@ def test_bad_requests_are_rejected_clearly(model_dir) -> None:
         engine.add_request("c", [10**9], SamplingParams())
 
 
+# Per architecture: the RMSNorms a layer has (Gemma 2's and 3's four, Qwen3's and Gemma 3's of queries
+# and keys), its RMSNorm kind, and whether its MLP and decoder layer are Llama's.
+FUSED_ARCHS = {
+    "llama": (2, "rms_norm", True),
+    "mistral": (2, "rms_norm", True),
+    "qwen2": (2, "rms_norm", True),
+    "qwen3": (4, "rms_norm", True),
+    "qwen3_moe": (4, "rms_norm", True),  # its sparse blocks are not MLPs (engine/moe runs them)
+    "gemma": (2, "gemma_rms_norm", False),  # GELU-tanh MLP; the layer's norms are Gemma's
+    "gemma2": (4, "gemma_rms_norm", False),
+    "gemma3": (6, "gemma_rms_norm", False),
+}
+
+
 @pytest.mark.parametrize(("dtype", "tolerance"), [("bfloat16", 0.05), ("float32", 1e-4)])
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", sorted(FUSED_ARCHS))
 def test_fused_cpu_kernels_give_tokens_and_logprobs_within_their_tolerance(make_tiny, arch, dtype, tolerance):
     """Fused RMSNorm, SiLU-and-mul and rotary (engine/cpu_fused.py) against the same engine without
     them: the kernels round where the modules do, so a logprob may move by what one bfloat16 ulp in
     an activation moves it (stated tolerance 0.05 nats; at this size none moved), or in float32 a few
     float32 ulps (1e-4 nats), and greedy tokens are the same. Prefill and decode steps of several rows
-    and one row. Qwen3's queries and keys take the RMSNorm kernel too (per head); Qwen3-MoE's sparse
-    blocks are not MLPs (engine/moe runs them)."""
+    and one row."""
     model_dir = make_tiny(arch, dtype)
     kwargs = {"dtype": dtype, "block_size": 4, "num_kv_blocks": 256}
     plain = LLM(model_dir, cpu_fused_ops=False, **kwargs)
     fused = LLM(model_dir, **kwargs)
     assert plain.engine.fused_ops.total == 0
     layers = fused.engine.model.config.num_hidden_layers
-    # each layer's two (and Qwen3's of queries and keys), and the last
-    norms = (4 if arch.startswith("qwen3") else 2) * layers + 1
-    mlps = {} if arch == "qwen3_moe" else {"mlp": layers}
-    want_counts = {"rms_norm": norms, **mlps, "attention": layers, "decoder_layer": layers}
+    norms, norm_kind, llama_layers = FUSED_ARCHS[arch]
+    want_counts = {norm_kind: norms * layers + 1, "attention": layers}
+    if llama_layers:
+        want_counts |= {"decoder_layer": layers} | ({} if arch == "qwen3_moe" else {"mlp": layers})
     assert fused.engine.fused_ops.counts == want_counts
 
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True)

@@ -68,6 +68,25 @@ def test_rms_norm_matches_llamas_module(ops, dtype, rows, size) -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("size", SIZES)
+def test_gemma_rms_norm_matches_gemmas_module(ops, dtype, rows, size) -> None:
+    """Gemma's RMSNorm scales by ``1 + w`` in float32 and rounds once (Gemma 2's and 3's are it);
+    weights near -1 make ``1 + w`` small, where the float32 steps show."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    g = torch.Generator().manual_seed(size * rows + 3)
+    x = (torch.randn(rows, size, generator=g) * 3).to(dtype)
+    weight = (torch.randn(size, generator=g) - 1).to(dtype)
+    norm = GemmaRMSNorm(size, eps=1e-6).to(dtype)
+    norm.weight.data.copy_(weight)
+    out = torch.empty_like(x)
+    ops.gemma_rms_norm(out, x, weight, 1e-6)
+    agree(out, norm(x))
+    assert not torch.equal(out, llama_rms_norm(x, weight, 1e-6)) or size == 1  # not Llama's
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("size", SIZES)
 def test_add_rms_norm_matches_the_add_then_the_module(ops, dtype, rows, size) -> None:
     g = torch.Generator().manual_seed(size + rows)
     x, residual = (torch.randn(2, rows, size, generator=g) * 2).to(dtype)
@@ -137,6 +156,10 @@ def test_inputs_the_kernels_cannot_take_are_named_refusals(ops) -> None:
         ops.rms_norm(torch.empty_like(x), x, weight.float(), 1e-6)
     with pytest.raises(RuntimeError, match="weight"):
         ops.rms_norm(torch.empty_like(x), x, weight[:16], 1e-6)
+    with pytest.raises(RuntimeError, match="weight"):
+        ops.gemma_rms_norm(torch.empty_like(x), x, weight[:16], 1e-6)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        ops.gemma_rms_norm(torch.empty_like(x), x, weight.float(), 1e-6)
     with pytest.raises(RuntimeError, match="one shape"):
         ops.silu_and_mul(torch.empty_like(x), x, x[:2])
     q, k, cos, sin = rotary_case(torch.bfloat16, 3, 4, 2, 16)
@@ -256,19 +279,34 @@ def _forward_source(cls: type) -> str:
     return inspect.getsource(inspect.unwrap(cls.forward))
 
 
-@pytest.mark.parametrize(("module", "prefix"), cpu_fused.FAMILY_MODULES[1:])
-def test_every_family_computes_what_llamas_modules_do(module, prefix) -> None:
-    """A family is fused only while its modules' forwards are Llama's, names aside: a transformers
-    release that changes one fails here rather than computing something else."""
-    llama, other = cpu_fused.family(*cpu_fused.FAMILY_MODULES[0]), cpu_fused.family(module, prefix)
-    for kind in ("rms_norm", "mlp", "decoder_layer"):
-        want = _forward_source(getattr(llama, kind)).replace("Llama", prefix)
-        assert _forward_source(getattr(other, kind)) == want, f"{prefix} {kind}"
+def _reference(kind: str) -> tuple[type, str]:
+    """The module class whose computation ``kind``'s kernel reproduces, and its family's prefix."""
+    name, prefix, kinds = next(e for e in cpu_fused.FAMILY_MODULES if dict(e[2]).get(kind))
+    return cpu_fused.family(name, prefix, kinds).classes[kind], prefix
+
+
+def _computation(cls: type, kind: str) -> str:
+    """The source that says what a module of ``kind`` computes: its forward, or the whole class for
+    Gemma's RMSNorm (whose forward calls its ``_norm``)."""
+    return inspect.getsource(cls) if kind == "gemma_rms_norm" else _forward_source(cls)
+
+
+@pytest.mark.parametrize(("module", "prefix", "kinds"), cpu_fused.FAMILY_MODULES, ids=lambda v: str(v)[:12])
+def test_every_family_computes_what_the_kernels_do(module, prefix, kinds) -> None:
+    """A family is fused only while its modules compute what Llama's (or Gemma's RMSNorm) do, names
+    aside: a transformers release that changes one fails here rather than computing something else."""
+    llama_attention = _reference("attention")[0]
+    other = cpu_fused.family(module, prefix, kinds)
+    for kind, cls in other.classes.items():
+        if kind != "attention":
+            reference, reference_prefix = _reference(kind)
+            want = _computation(reference, kind)
+            assert _computation(cls, kind).replace(prefix, reference_prefix) == want, f"{prefix} {kind}"
     # attention: only its rotary is fused, the function its forward calls by name
-    assert _rotary_source(other.attention) == _rotary_source(llama.attention)
+    assert _rotary_source(other.classes["attention"]) == _rotary_source(llama_attention)
     call = "query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)"
-    assert call in _forward_source(other.attention)
-    llama_layer = _forward_source(llama.decoder_layer)
+    assert call in _forward_source(other.classes["attention"])
+    llama_layer = _forward_source(_reference("decoder_layer")[0])
     assert "hidden_states = residual + hidden_states" in llama_layer
     assert "self.post_attention_layernorm(hidden_states)" in llama_layer
 
@@ -276,10 +314,10 @@ def test_every_family_computes_what_llamas_modules_do(module, prefix) -> None:
 def test_the_fused_attention_keeps_the_source_the_attention_fuser_reads() -> None:
     from keepwarm_runtime.engine.attention.fuser import analyze_class
 
-    llama = cpu_fused.family(*cpu_fused.FAMILY_MODULES[0])
-    fused = cpu_fused.fused_class(llama.attention, "attention")
+    attention = _reference("attention")[0]
+    fused = cpu_fused.fused_class(attention, "attention")
     assert fused is not None
-    got, want = analyze_class(fused), analyze_class(llama.attention)
+    got, want = analyze_class(fused), analyze_class(attention)
     assert (
         (got.scaling_kind, got.scaling_value)
         == (want.scaling_kind, want.scaling_value)
@@ -290,10 +328,10 @@ def test_the_fused_attention_keeps_the_source_the_attention_fuser_reads() -> Non
 def test_only_imported_families_are_looked_at(monkeypatch) -> None:
     import sys
 
-    llama, *others = (name for name, _ in cpu_fused.FAMILY_MODULES)
+    llama, *others = (entry[0] for entry in cpu_fused.FAMILY_MODULES)
     for name in others:
         monkeypatch.delitem(sys.modules, name, raising=False)
-    assert [f.rms_norm.__name__ for f in cpu_fused.families()] == ["LlamaRMSNorm"]
+    assert [f.classes["rms_norm"].__name__ for f in cpu_fused.families()] == ["LlamaRMSNorm"]
     assert llama in sys.modules and not any(name in sys.modules for name in others)
 
 

@@ -1,5 +1,6 @@
 // Fused elementwise kernels for a decoder layer on CPU: RMSNorm (alone and after a residual add),
-// SiLU-and-mul (a gated MLP's act(gate) * up) and rotary position embedding.
+// Gemma's RMSNorm (scaled by 1 + w in float32, rounded once), SiLU-and-mul (a gated MLP's
+// act(gate) * up) and rotary position embedding.
 //
 // Each replaces a chain of torch operators that read and write the whole activation once per operator
 // (RMSNorm alone is a cast, pow, mean, add, rsqrt, mul, cast and mul) with one pass over each row.
@@ -14,7 +15,8 @@
 // elsewhere; float16 goes through c10::Half. Rows are split over torch's intra-op threads when there are enough of
 // them to pay for it.
 //
-// Registered as torch.ops.keepwarm_cpu.{rms_norm, add_rms_norm, silu_and_mul, rotary_embedding}
+// Registered as torch.ops.keepwarm_cpu.{rms_norm, add_rms_norm, gemma_rms_norm, silu_and_mul,
+// rotary_embedding}
 // (attention/native.py builds it into one library with paged_decode.cpp).
 
 #include <ATen/Dispatch.h>
@@ -118,6 +120,29 @@ inline void rms_norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
     out[i] = static_cast<T>(static_cast<float>(w[i]) * round_to<T>(static_cast<float>(x[i]) * r));
 }
 
+// One row of Gemma's RMSNorm: y = T((float(x) * rsqrt(mean(x^2) + eps)) * (1 + float(w))), every
+// step in float32 and one rounding to T at the end (GemmaRMSNorm, and Gemma 2's and 3's, which are it).
+template <typename T>
+inline void gemma_rms_norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
+  vfloat acc{};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const vfloat v = load16(x + i);
+    acc += v * v;
+  }
+  float sum = hsum(acc);
+  for (; i < n; ++i) {
+    const float v = static_cast<float>(x[i]);
+    sum += v * v;
+  }
+  const float r = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+  i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    store16(out + i, round_to<float>(load16(x + i) * r) * (1.f + load16(w + i)));
+  for (; i < n; ++i)
+    out[i] = static_cast<T>(round_to<float>(static_cast<float>(x[i]) * r) * (1.f + static_cast<float>(w[i])));
+}
+
 // One row of residual + x (rounded to T, stored in `sum`), then RMSNorm of that sum into `out`.
 template <typename T>
 inline void add_row(const T* x, const T* residual, T* sum, int64_t n) {
@@ -184,6 +209,24 @@ void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, dou
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, grain(n), [&](int64_t first, int64_t last) {
       for (int64_t r = first; r < last; ++r) rms_norm_row(xp + r * n, wp, op + r * n, n, float(eps));
+    });
+  });
+}
+
+void gemma_rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n && weight.is_contiguous(), "weight: [hidden], contiguous");
+  TORCH_CHECK(out.sizes() == x.sizes(), "out and x have one shape");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() && out.scalar_type() == x.scalar_type(),
+              "x, weight and out share one dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gemma_rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain(n), [&](int64_t first, int64_t last) {
+      for (int64_t r = first; r < last; ++r) gemma_rms_norm_row(xp + r * n, wp, op + r * n, n, float(eps));
     });
   });
 }
@@ -287,6 +330,7 @@ void rotary_embedding(at::Tensor q_out, at::Tensor k_out, const at::Tensor& q, c
 TORCH_LIBRARY_FRAGMENT(keepwarm_cpu, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) sum, Tensor x, Tensor residual, Tensor weight, float eps) -> ()");
+  m.def("gemma_rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate, Tensor up) -> ()");
   m.def(
       "rotary_embedding(Tensor(a!) q_out, Tensor(b!) k_out, Tensor q, Tensor k, Tensor cos, Tensor sin) -> ()");
@@ -295,6 +339,7 @@ TORCH_LIBRARY_FRAGMENT(keepwarm_cpu, m) {
 TORCH_LIBRARY_IMPL(keepwarm_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("gemma_rms_norm", &gemma_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_embedding", &rotary_embedding);
 }
