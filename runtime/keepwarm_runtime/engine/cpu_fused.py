@@ -6,8 +6,9 @@ over the whole activation. keepwarm's compiled CPU library (engine/attention/nat
 csrc/fused_ops.cpp) does each module's chain in one pass per row. This module is the one place that
 decides where they apply: by module type (``families()``: the model classes whose modules compute
 exactly what the kernels do, checked against their source by a test), never by names: Llama,
-Mistral, Qwen2, Qwen3 and Qwen3-MoE take all four below; Gemma, Gemma 2 and Gemma 3 their RMSNorm
-and rotary (their MLPs are GELU-tanh, their layers' norms Gemma's).
+Mistral, Ministral, Qwen2, Qwen3, their MoE kin, SmolLM3 and OLMoE take all four below; Granite,
+Mixtral, Phi-3 and DeepSeek-V3 the ones that are Llama's (``FAMILY_MODULES``); Gemma, Gemma 2 and
+Gemma 3 their RMSNorm and rotary (their MLPs are GELU-tanh, their layers' norms Gemma's).
 
 - ``*RMSNorm``: the module's class becomes a subclass whose forward calls ``keepwarm_cpu.rms_norm``
   (Gemma's, which scales by ``1 + w`` in float32 and rounds once: ``keepwarm_cpu.gemma_rms_norm``).
@@ -84,16 +85,38 @@ LLAMA_KINDS = (
 )
 GEMMA_KINDS = (("gemma_rms_norm", "RMSNorm"), ("attention", "Attention"))
 
+
+def _only(*kinds: str) -> tuple[tuple[str, str], ...]:
+    """Some of Llama's kinds: a family whose other modules compute something else."""
+    return tuple(entry for entry in LLAMA_KINDS if entry[0] in kinds)
+
+
 # The families (tests/unit/engine/test_cpu_fused.py compares their sources with Llama's and Gemma's):
 # modelling module, prefix, kinds. Their attention may differ around the rotary call (Qwen2's biases
 # and window, Qwen3's and Gemma 3's per-head RMSNorm of queries and keys, which are the family's
-# RMSNorm too, Gemma 2's softcapping); only that call is fused.
+# RMSNorm too, Gemma 2's softcapping, SmolLM3's layers without rotary, Granite's scale); only that
+# call is fused. Left out, what is not Llama's: Mixtral's and Granite's layers (a sparse block, a
+# residual multiplier), Phi-3's MLP (one gate-and-up product) and attention (partial rotary),
+# DeepSeek-V3's attention (MLA).
 FAMILY_MODULES = (
     ("transformers.models.llama.modeling_llama", "Llama", LLAMA_KINDS),
     ("transformers.models.mistral.modeling_mistral", "Mistral", LLAMA_KINDS),
+    ("transformers.models.ministral.modeling_ministral", "Ministral", LLAMA_KINDS),
+    ("transformers.models.ministral3.modeling_ministral3", "Ministral3", LLAMA_KINDS),
     ("transformers.models.qwen2.modeling_qwen2", "Qwen2", LLAMA_KINDS),
+    ("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2Moe", LLAMA_KINDS),
     ("transformers.models.qwen3.modeling_qwen3", "Qwen3", LLAMA_KINDS),
     ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3Moe", LLAMA_KINDS),
+    ("transformers.models.smollm3.modeling_smollm3", "SmolLM3", LLAMA_KINDS),
+    ("transformers.models.olmoe.modeling_olmoe", "Olmoe", LLAMA_KINDS),
+    ("transformers.models.mixtral.modeling_mixtral", "Mixtral", _only("rms_norm", "attention")),
+    ("transformers.models.granite.modeling_granite", "Granite", _only("rms_norm", "mlp", "attention")),
+    ("transformers.models.phi3.modeling_phi3", "Phi3", _only("rms_norm")),
+    (
+        "transformers.models.deepseek_v3.modeling_deepseek_v3",
+        "DeepseekV3",
+        _only("rms_norm", "mlp", "decoder_layer"),
+    ),
     ("transformers.models.gemma.modeling_gemma", "Gemma", GEMMA_KINDS),
     ("transformers.models.gemma2.modeling_gemma2", "Gemma2", GEMMA_KINDS),
     ("transformers.models.gemma3.modeling_gemma3", "Gemma3", GEMMA_KINDS),

@@ -223,8 +223,9 @@ class ServeSettings:
     )
     cpu_fused_ops: bool | None = engine(
         None,
-        "CPU: fused RMSNorm, SiLU-and-mul and rotary kernels on Llama, Mistral, Qwen2, Qwen3 and Gemma "
-        "modules (in float32 results may differ by float32 rounding; engine: on)",
+        "CPU: fused RMSNorm, SiLU-and-mul and rotary kernels where a model's modules compute what they do "
+        "(Llama, Mistral, Qwen, Gemma, SmolLM3, Granite, Phi-3 and kin; in float32 results may differ by "
+        "float32 rounding; engine: on)",
     )
     gpu_memory_utilization: float | None = engine(
         None, "CUDA: fraction of GPU memory for weights + KV cache", shared=True

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -343,38 +344,66 @@ def test_bad_requests_are_rejected_clearly(model_dir) -> None:
         engine.add_request("c", [10**9], SamplingParams())
 
 
-# Per architecture: the RMSNorms a layer has (Gemma 2's and 3's four, Qwen3's and Gemma 3's of queries
-# and keys), its RMSNorm kind, and whether its MLP and decoder layer are Llama's.
+# Per architecture, what each layer fuses (engine/cpu_fused.py), and the model's last norm: Qwen3's,
+# Gemma 3's and OLMoE's query and key norms, Gemma 2's and 3's four around the MLP, DeepSeek-V3's
+# latent norms (its split key latent is a view: the module's own); MoE blocks are not MLPs (engine/moe
+# runs them), Qwen2-MoE's shared expert and DeepSeek-V3's dense and shared MLPs are.
+LLAMA_LAYER = {"rms_norm": 2, "mlp": 1, "attention": 1, "decoder_layer": 1}
 FUSED_ARCHS = {
-    "llama": (2, "rms_norm", True),
-    "mistral": (2, "rms_norm", True),
-    "qwen2": (2, "rms_norm", True),
-    "qwen3": (4, "rms_norm", True),
-    "qwen3_moe": (4, "rms_norm", True),  # its sparse blocks are not MLPs (engine/moe runs them)
-    "gemma": (2, "gemma_rms_norm", False),  # GELU-tanh MLP; the layer's norms are Gemma's
-    "gemma2": (4, "gemma_rms_norm", False),
-    "gemma3": (6, "gemma_rms_norm", False),
+    "llama": LLAMA_LAYER,
+    "mistral": LLAMA_LAYER,
+    "ministral": LLAMA_LAYER,
+    "ministral3": LLAMA_LAYER,
+    "qwen2": LLAMA_LAYER,
+    "qwen2_moe": LLAMA_LAYER,
+    "qwen3": LLAMA_LAYER | {"rms_norm": 4},
+    "qwen3_moe": {"rms_norm": 4, "attention": 1, "decoder_layer": 1},
+    "smollm3": LLAMA_LAYER,
+    "olmoe": {"rms_norm": 4, "attention": 1, "decoder_layer": 1},
+    "mixtral": {"rms_norm": 2, "attention": 1},
+    "granite": {"rms_norm": 2, "mlp": 1, "attention": 1},
+    "phi3": {"rms_norm": 2},
+    "deepseek_v3": {"rms_norm": 4, "mlp": 1, "decoder_layer": 1},
+    "gemma": {"gemma_rms_norm": 2, "attention": 1},
+    "gemma2": {"gemma_rms_norm": 4, "attention": 1},
+    "gemma3": {"gemma_rms_norm": 6, "attention": 1},
 }
+
+
+@pytest.fixture(scope="module")
+def make_fusable(make_tiny, tmp_path_factory):
+    """``make_tiny``'s model where `keepwarm make-model` has the architecture, else the conformance
+    sweep's shrink of transformers' own config (tests/sweep/shrink.py), in float32."""
+    from keepwarm_runtime.modelgen.architectures import ARCHITECTURES
+    from tests.sweep.judge import build_checkpoint
+
+    def make(arch: str, dtype: str) -> Path:
+        if arch in ARCHITECTURES:
+            return make_tiny(arch, dtype)
+        out = tmp_path_factory.mktemp(f"shrunk-{arch}")
+        build_checkpoint(arch, out, make_tiny("llama"))
+        return out
+
+    return make
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), [("bfloat16", 0.05), ("float32", 1e-4)])
 @pytest.mark.parametrize("arch", sorted(FUSED_ARCHS))
-def test_fused_cpu_kernels_give_tokens_and_logprobs_within_their_tolerance(make_tiny, arch, dtype, tolerance):
+def test_fused_cpu_kernels_give_tokens_and_logprobs_within_their_tolerance(
+    make_fusable, arch, dtype, tolerance
+):
     """Fused RMSNorm, SiLU-and-mul and rotary (engine/cpu_fused.py) against the same engine without
     them: the kernels round where the modules do, so a logprob may move by what one bfloat16 ulp in
     an activation moves it (stated tolerance 0.05 nats; at this size none moved), or in float32 a few
     float32 ulps (1e-4 nats), and greedy tokens are the same. Prefill and decode steps of several rows
     and one row."""
-    model_dir = make_tiny(arch, dtype)
+    model_dir = make_fusable(arch, dtype)
     kwargs = {"dtype": dtype, "block_size": 4, "num_kv_blocks": 256}
     plain = LLM(model_dir, cpu_fused_ops=False, **kwargs)
     fused = LLM(model_dir, **kwargs)
     assert plain.engine.fused_ops.total == 0
-    layers = fused.engine.model.config.num_hidden_layers
-    norms, norm_kind, llama_layers = FUSED_ARCHS[arch]
-    want_counts = {norm_kind: norms * layers + 1, "attention": layers}
-    if llama_layers:
-        want_counts |= {"decoder_layer": layers} | ({} if arch == "qwen3_moe" else {"mlp": layers})
+    layers = fused.engine.model.config.get_text_config().num_hidden_layers
+    want_counts = {kind: n * layers + kind.endswith("rms_norm") for kind, n in FUSED_ARCHS[arch].items()}
     assert fused.engine.fused_ops.counts == want_counts
 
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True)
