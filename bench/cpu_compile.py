@@ -84,6 +84,7 @@ def _register_fakes() -> None:
         "gemma_rms_norm": writes,
         "add_rms_norm": writes,
         "silu_and_mul": writes,
+        "silu_and_mul_halves": writes,
         "rotary_embedding": writes,
     }.items():
         torch.library.register_fake(f"keepwarm_cpu::{name}")(fake)

@@ -7,8 +7,9 @@ csrc/fused_ops.cpp) does each module's chain in one pass per row. This module is
 decides where they apply: by module type (``families()``: the model classes whose modules compute
 exactly what the kernels do, checked against their source by a test), never by names: Llama,
 Mistral, Ministral, Qwen2, Qwen3, their MoE kin, SmolLM3 and OLMoE take all four below; Granite,
-Mixtral, Phi-3 and DeepSeek-V3 the ones that are Llama's (``FAMILY_MODULES``); Gemma, Gemma 2 and
-Gemma 3 their RMSNorm and rotary (their MLPs are GELU-tanh, their layers' norms Gemma's).
+Mixtral, Phi-3, GLM and DeepSeek-V3 the ones that are Llama's, Phi-3 and GLM their MLP of one
+gate-and-up product (``FAMILY_MODULES``); Gemma, Gemma 2 and Gemma 3 their RMSNorm and rotary (their
+MLPs are GELU-tanh, their layers' norms Gemma's).
 
 - ``*RMSNorm``: the module's class becomes a subclass whose forward calls ``keepwarm_cpu.rms_norm``
   (Gemma's, which scales by ``1 + w`` in float32 and rounds once: ``keepwarm_cpu.gemma_rms_norm``).
@@ -16,7 +17,8 @@ Gemma 3 their RMSNorm and rotary (their MLPs are GELU-tanh, their layers' norms 
   projections stay the modules they are (packed, LoRA's hooks, tensor-parallel shards). Where both
   would take the AMX kernel and no hook watches them, their products and the activation are one
   operator (``cpu_linear.gate_up_silu``: the same bits, the activation rearranged once, no
-  intermediate written and read again).
+  intermediate written and read again). Phi-3's and GLM's MLP, one ``gate_up_proj`` whose halves are
+  the gate and the up: ``down_proj(silu_and_mul_halves(gate_up_proj(x)))``.
 - ``*Attention``: its forward, the same code, runs with ``apply_rotary_pos_emb`` bound to the fused
   kernel (a copy of the function with its own globals, so transformers' module and every other model
   in the process keep the original). The copy is of the innermost forward, under the decorators
@@ -84,6 +86,7 @@ LLAMA_KINDS = (
     ("decoder_layer", "DecoderLayer"),
 )
 GEMMA_KINDS = (("gemma_rms_norm", "RMSNorm"), ("attention", "Attention"))
+GATE_UP_MLP = (("gate_up_mlp", "MLP"),)  # Phi-3's: one product, the gate's half then the up's
 
 
 def _only(*kinds: str) -> tuple[tuple[str, str], ...]:
@@ -96,8 +99,7 @@ def _only(*kinds: str) -> tuple[tuple[str, str], ...]:
 # and window, Qwen3's and Gemma 3's per-head RMSNorm of queries and keys, which are the family's
 # RMSNorm too, Gemma 2's softcapping, SmolLM3's layers without rotary, Granite's scale); only that
 # call is fused. Left out, what is not Llama's: Mixtral's and Granite's layers (a sparse block, a
-# residual multiplier), Phi-3's MLP (one gate-and-up product) and attention (partial rotary),
-# DeepSeek-V3's attention (MLA).
+# residual multiplier), Phi-3's and GLM's attention (partial rotary), DeepSeek-V3's attention (MLA).
 FAMILY_MODULES = (
     ("transformers.models.llama.modeling_llama", "Llama", LLAMA_KINDS),
     ("transformers.models.mistral.modeling_mistral", "Mistral", LLAMA_KINDS),
@@ -111,7 +113,9 @@ FAMILY_MODULES = (
     ("transformers.models.olmoe.modeling_olmoe", "Olmoe", LLAMA_KINDS),
     ("transformers.models.mixtral.modeling_mixtral", "Mixtral", _only("rms_norm", "attention")),
     ("transformers.models.granite.modeling_granite", "Granite", _only("rms_norm", "mlp", "attention")),
-    ("transformers.models.phi3.modeling_phi3", "Phi3", _only("rms_norm")),
+    ("transformers.models.phi3.modeling_phi3", "Phi3", _only("rms_norm") + GATE_UP_MLP),
+    ("transformers.models.glm.modeling_glm", "Glm", _only("rms_norm", "decoder_layer") + GATE_UP_MLP),
+    ("transformers.models.glm4.modeling_glm4", "Glm4", _only("rms_norm") + GATE_UP_MLP),
     (
         "transformers.models.deepseek_v3.modeling_deepseek_v3",
         "DeepseekV3",
@@ -184,6 +188,16 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(gate) * up)
     out = torch.empty_like(gate)
     native.op("silu_and_mul")(out, gate, up)
+    return self.down_proj(out)
+
+
+def _gate_up_mlp_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    up_states = self.gate_up_proj(hidden_states)
+    if not _takes(up_states) or up_states.shape[-1] % 2:
+        gate, up_states = up_states.chunk(2, dim=-1)
+        return self.down_proj(up_states * self.activation_fn(gate))
+    out = up_states.new_empty(*up_states.shape[:-1], up_states.shape[-1] // 2)
+    native.op("silu_and_mul_halves")(out, up_states)
     return self.down_proj(out)
 
 
@@ -262,6 +276,8 @@ def fused_class(cls: type[nn.Module], kind: str) -> type[nn.Module] | None:
         forward = _gemma_rms_norm_forward
     elif kind == "mlp":
         forward = _mlp_forward
+    elif kind == "gate_up_mlp":
+        forward = _gate_up_mlp_forward
     elif kind == "decoder_layer":
         forward = _decoder_layer_forward
     else:  # attention: its own forward, with the rotary global bound to the kernel
@@ -284,7 +300,8 @@ def _kind(module: nn.Module, known: tuple[Family, ...]) -> str | None:
     for members in known:
         for kind, member in members.classes.items():
             if cls is member:
-                if kind == "mlp" and type(getattr(module, "act_fn", None)) not in (SiLUActivation, nn.SiLU):
+                act = {"mlp": "act_fn", "gate_up_mlp": "activation_fn"}.get(kind)
+                if act is not None and type(getattr(module, act, None)) not in (SiLUActivation, nn.SiLU):
                     return None
                 return kind
     return None

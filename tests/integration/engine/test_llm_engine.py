@@ -347,7 +347,8 @@ def test_bad_requests_are_rejected_clearly(model_dir) -> None:
 # Per architecture, what each layer fuses (engine/cpu_fused.py), and the model's last norm: Qwen3's,
 # Gemma 3's and OLMoE's query and key norms, Gemma 2's and 3's four around the MLP, DeepSeek-V3's
 # latent norms (its split key latent is a view: the module's own); MoE blocks are not MLPs (engine/moe
-# runs them), Qwen2-MoE's shared expert and DeepSeek-V3's dense and shared MLPs are.
+# runs them), Qwen2-MoE's shared expert and DeepSeek-V3's dense and shared MLPs are; Phi-3's and GLM's
+# MLPs are one gate-and-up product.
 LLAMA_LAYER = {"rms_norm": 2, "mlp": 1, "attention": 1, "decoder_layer": 1}
 FUSED_ARCHS = {
     "llama": LLAMA_LAYER,
@@ -362,7 +363,9 @@ FUSED_ARCHS = {
     "olmoe": {"rms_norm": 4, "attention": 1, "decoder_layer": 1},
     "mixtral": {"rms_norm": 2, "attention": 1},
     "granite": {"rms_norm": 2, "mlp": 1, "attention": 1},
-    "phi3": {"rms_norm": 2},
+    "phi3": {"rms_norm": 2, "gate_up_mlp": 1},
+    "glm": {"rms_norm": 2, "gate_up_mlp": 1, "decoder_layer": 1},
+    "glm4": {"rms_norm": 4, "gate_up_mlp": 1},  # two more norms, after the attention and the MLP
     "deepseek_v3": {"rms_norm": 4, "mlp": 1, "decoder_layer": 1},
     "gemma": {"gemma_rms_norm": 2, "attention": 1},
     "gemma2": {"gemma_rms_norm": 4, "attention": 1},

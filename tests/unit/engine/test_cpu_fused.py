@@ -110,6 +110,23 @@ def test_silu_and_mul_matches_silu_times_up(ops, dtype, rows, size) -> None:
     agree(out, F.silu(gate) * up)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("size", SIZES)
+def test_silu_and_mul_halves_matches_phi3s_mlp(ops, dtype, rows, size) -> None:
+    """One gate-and-up product's rows, the gate's half then the up's: ``up * silu(gate)`` as Phi-3's
+    MLP computes it on the chunks (the same bits as ``silu_and_mul`` on the two halves)."""
+    g = torch.Generator().manual_seed(size * 5 + rows)
+    gate_up = (torch.randn(rows, 2 * size, generator=g) * 6).to(dtype)
+    out = torch.empty(rows, size, dtype=dtype)
+    ops.silu_and_mul_halves(out, gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    agree(out, up * F.silu(gate))
+    halves = torch.empty_like(out)
+    ops.silu_and_mul(halves, gate.contiguous(), up.contiguous())
+    assert torch.equal(out, halves)
+
+
 def test_silu_and_mul_at_the_ends_of_the_exp(ops) -> None:
     gate = torch.tensor([-200.0, -90.0, -88.0, -20.0, 0.0, 20.0, 88.0, 90.0, 200.0] * 2, dtype=torch.bfloat16)
     up = torch.ones_like(gate)
@@ -162,6 +179,12 @@ def test_inputs_the_kernels_cannot_take_are_named_refusals(ops) -> None:
         ops.gemma_rms_norm(torch.empty_like(x), x, weight.float(), 1e-6)
     with pytest.raises(RuntimeError, match="one shape"):
         ops.silu_and_mul(torch.empty_like(x), x, x[:2])
+    with pytest.raises(RuntimeError, match="even"):
+        ops.silu_and_mul_halves(torch.empty(4, 16, dtype=torch.bfloat16), torch.randn(4, 31).bfloat16())
+    with pytest.raises(RuntimeError, match="half its last dim"):
+        ops.silu_and_mul_halves(torch.empty_like(x), x)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        ops.silu_and_mul_halves(torch.empty(4, 16), x)
     q, k, cos, sin = rotary_case(torch.bfloat16, 3, 4, 2, 16)
     with pytest.raises(RuntimeError, match="disagree"):
         ops.rotary_embedding(torch.empty_like(q), torch.empty_like(k), q, k, cos[:, :2], sin[:, :2])

@@ -1,6 +1,7 @@
 // Fused elementwise kernels for a decoder layer on CPU: RMSNorm (alone and after a residual add),
 // Gemma's RMSNorm (scaled by 1 + w in float32, rounded once), SiLU-and-mul (a gated MLP's
-// act(gate) * up) and rotary position embedding.
+// act(gate) * up, from two tensors or from the halves of one gate-and-up product) and rotary position
+// embedding.
 //
 // Each replaces a chain of torch operators that read and write the whole activation once per operator
 // (RMSNorm alone is a cast, pow, mean, add, rsqrt, mul, cast and mul) with one pass over each row.
@@ -16,7 +17,7 @@
 // them to pay for it.
 //
 // Registered as torch.ops.keepwarm_cpu.{rms_norm, add_rms_norm, gemma_rms_norm, silu_and_mul,
-// rotary_embedding}
+// silu_and_mul_halves, rotary_embedding}
 // (attention/native.py builds it into one library with paged_decode.cpp).
 
 #include <ATen/Dispatch.h>
@@ -278,6 +279,25 @@ void silu_and_mul(at::Tensor out, const at::Tensor& gate, const at::Tensor& up) 
   });
 }
 
+// gate_up: [..., 2n], each row the gate then the up (Phi-3's and GLM's gate_up_proj); out: [..., n].
+void silu_and_mul_halves(at::Tensor out, const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  check_rows(out, "out");
+  const int64_t n2 = gate_up.size(-1), n = n2 / 2, rows = n2 ? gate_up.numel() / n2 : 0;
+  TORCH_CHECK(n2 % 2 == 0, "gate_up: an even last dim, the gate then the up");
+  TORCH_CHECK(out.dim() == gate_up.dim() && out.size(-1) == n
+                  && out.sizes().slice(0, out.dim() - 1) == gate_up.sizes().slice(0, gate_up.dim() - 1),
+              "out: gate_up's shape with half its last dim");
+  TORCH_CHECK(out.scalar_type() == gate_up.scalar_type(), "gate_up and out share one dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul_halves", [&] {
+    const scalar_t* gp = gate_up.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain(n2), [&](int64_t first, int64_t last) {
+      for (int64_t r = first; r < last; ++r) silu_mul_row(gp + r * n2, gp + r * n2 + n, op + r * n, n);
+    });
+  });
+}
+
 // q, k: [B, H, T, D] (any strides but the last; q and k may have different head counts), cos and sin:
 // [B, T, D] (the last dim contiguous); q_out and k_out: q's and k's shapes, written.
 void rotary_embedding(at::Tensor q_out, at::Tensor k_out, const at::Tensor& q, const at::Tensor& k,
@@ -332,6 +352,7 @@ TORCH_LIBRARY_FRAGMENT(keepwarm_cpu, m) {
   m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) sum, Tensor x, Tensor residual, Tensor weight, float eps) -> ()");
   m.def("gemma_rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate, Tensor up) -> ()");
+  m.def("silu_and_mul_halves(Tensor(a!) out, Tensor gate_up) -> ()");
   m.def(
       "rotary_embedding(Tensor(a!) q_out, Tensor(b!) k_out, Tensor q, Tensor k, Tensor cos, Tensor sin) -> ()");
 }
@@ -341,5 +362,6 @@ TORCH_LIBRARY_IMPL(keepwarm_cpu, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("gemma_rms_norm", &gemma_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("silu_and_mul_halves", &silu_and_mul_halves);
   m.impl("rotary_embedding", &rotary_embedding);
 }
