@@ -99,9 +99,9 @@ inline float round_to(float v) {
   return static_cast<float>(static_cast<T>(v));
 }
 
-// One row of RMSNorm, as LlamaRMSNorm: y = w * T(x * rsqrt(mean(x^2) + eps)), the sum in float32.
+// 1 / sqrt(mean(x^2) + eps) of one row, the sum of squares in float32 (both RMSNorms' scale).
 template <typename T>
-inline void rms_norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
+inline float rms_scale(const T* x, int64_t n, float eps) {
   vfloat acc{};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
@@ -113,8 +113,14 @@ inline void rms_norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
     const float v = static_cast<float>(x[i]);
     sum += v * v;
   }
-  const float r = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
-  i = 0;
+  return 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+}
+
+// One row of RMSNorm, as LlamaRMSNorm: y = w * T(x * rsqrt(mean(x^2) + eps)), the sum in float32.
+template <typename T>
+inline void rms_norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
+  const float r = rms_scale(x, n, eps);
+  int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes)
     store16(out + i, load16(w + i) * round_to<T>(load16(x + i) * r));
   for (; i < n; ++i)
@@ -125,19 +131,8 @@ inline void rms_norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
 // step in float32 and one rounding to T at the end (GemmaRMSNorm, and Gemma 2's and 3's, which are it).
 template <typename T>
 inline void gemma_rms_norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
-  vfloat acc{};
+  const float r = rms_scale(x, n, eps);
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    const vfloat v = load16(x + i);
-    acc += v * v;
-  }
-  float sum = hsum(acc);
-  for (; i < n; ++i) {
-    const float v = static_cast<float>(x[i]);
-    sum += v * v;
-  }
-  const float r = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
-  i = 0;
   for (; i + kLanes <= n; i += kLanes)
     store16(out + i, round_to<float>(load16(x + i) * r) * (1.f + load16(w + i)));
   for (; i < n; ++i)
@@ -196,7 +191,8 @@ void check_rows(const at::Tensor& t, const char* name) {
 
 int64_t grain(int64_t n) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(n, 1)); }
 
-void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+// Both RMSNorms: x's rows into out, Llama's (w * T(norm(x))) or Gemma's (T(norm(x) * (1 + w))).
+void norm_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps, bool gemma) {
   check_rows(x, "x");
   check_rows(out, "out");
   const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
@@ -209,27 +205,22 @@ void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, dou
     const scalar_t* wp = weight.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, grain(n), [&](int64_t first, int64_t last) {
-      for (int64_t r = first; r < last; ++r) rms_norm_row(xp + r * n, wp, op + r * n, n, float(eps));
+      for (int64_t r = first; r < last; ++r) {
+        if (gemma)
+          gemma_rms_norm_row(xp + r * n, wp, op + r * n, n, float(eps));
+        else
+          rms_norm_row(xp + r * n, wp, op + r * n, n, float(eps));
+      }
     });
   });
 }
 
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  norm_rows(out, x, weight, eps, false);
+}
+
 void gemma_rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_rows(x, "x");
-  check_rows(out, "out");
-  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n && weight.is_contiguous(), "weight: [hidden], contiguous");
-  TORCH_CHECK(out.sizes() == x.sizes(), "out and x have one shape");
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type() && out.scalar_type() == x.scalar_type(),
-              "x, weight and out share one dtype");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gemma_rms_norm", [&] {
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    const scalar_t* wp = weight.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, grain(n), [&](int64_t first, int64_t last) {
-      for (int64_t r = first; r < last; ++r) gemma_rms_norm_row(xp + r * n, wp, op + r * n, n, float(eps));
-    });
-  });
+  norm_rows(out, x, weight, eps, true);
 }
 
 void add_rms_norm(at::Tensor out, at::Tensor sum, const at::Tensor& x, const at::Tensor& residual,
