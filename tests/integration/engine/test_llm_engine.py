@@ -380,12 +380,15 @@ def make_fusable(make_tiny, tmp_path_factory):
     from keepwarm_runtime.modelgen.architectures import ARCHITECTURES
     from tests.sweep.judge import build_checkpoint
 
+    shrunk: dict[str, Path] = {}  # one float32 checkpoint an architecture serves both dtypes
+
     def make(arch: str, dtype: str) -> Path:
         if arch in ARCHITECTURES:
             return make_tiny(arch, dtype)
-        out = tmp_path_factory.mktemp(f"shrunk-{arch}")
-        build_checkpoint(arch, out, make_tiny("llama"))
-        return out
+        if arch not in shrunk:
+            shrunk[arch] = tmp_path_factory.mktemp(f"shrunk-{arch}")
+            build_checkpoint(arch, shrunk[arch], make_tiny("llama"))
+        return shrunk[arch]
 
     return make
 
