@@ -87,6 +87,8 @@ LLAMA_KINDS = (
 )
 GEMMA_KINDS = (("gemma_rms_norm", "RMSNorm"), ("attention", "Attention"))
 GATE_UP_MLP = (("gate_up_mlp", "MLP"),)  # Phi-3's: one product, the gate's half then the up's
+# The MLP kinds' activation attribute, which must be SiLU for the kernels to take the module.
+ACTIVATION_ATTRS = {"mlp": "act_fn", "gate_up_mlp": "activation_fn"}
 
 
 def _only(*kinds: str) -> tuple[tuple[str, str], ...]:
@@ -300,7 +302,7 @@ def _kind(module: nn.Module, known: tuple[Family, ...]) -> str | None:
     for members in known:
         for kind, member in members.classes.items():
             if cls is member:
-                act = {"mlp": "act_fn", "gate_up_mlp": "activation_fn"}.get(kind)
+                act = ACTIVATION_ATTRS.get(kind)
                 if act is not None and type(getattr(module, act, None)) not in (SiLUActivation, nn.SiLU):
                     return None
                 return kind
