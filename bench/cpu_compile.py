@@ -85,6 +85,7 @@ def _register_fakes() -> None:
         "add_rms_norm": writes,
         "silu_and_mul": writes,
         "silu_and_mul_halves": writes,
+        "gelu_tanh_and_mul": writes,
         "rotary_embedding": writes,
     }.items():
         torch.library.register_fake(f"keepwarm_cpu::{name}")(fake)

@@ -71,8 +71,8 @@ class EngineConfig:
     # CPU float32 on AVX-512: steps of up to 128 tokens on keepwarm's kernel, the weights read in place
     # (engine/cpu_linear.py, csrc/avx512_linear.cpp); results may differ from MKL's by float32 rounding
     cpu_f32_linear: bool = True
-    # CPU: fused RMSNorm, SiLU-and-mul and rotary kernels where a model's modules compute what they do
-    # (engine/cpu_fused.py FAMILY_MODULES)
+    # CPU: fused RMSNorm, activation-and-mul and rotary kernels where a model's modules compute what they
+    # do (engine/cpu_fused.py REFERENCES)
     cpu_fused_ops: bool = True
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of total memory weights + KV cache may use
     # CUDA: no decode graphs (engine/decode_graphs.py), every step launched from Python (vLLM's flag)

@@ -1,46 +1,54 @@
-"""Fused CPU kernels attached to transformers' modules: RMSNorm, SiLU-and-mul and rotary embedding.
+"""Fused CPU kernels attached to transformers' modules: RMSNorm, the gated MLPs' activation-and-mul and
+rotary embedding.
 
 A decode step of a small model in bfloat16 spends a fifth of its CPU time in elementwise operators
 (RMSNorm's cast, pow, mean, rsqrt and muls; rotary's muls, cat and neg; SiLU and its mul), each a pass
 over the whole activation. keepwarm's compiled CPU library (engine/attention/native.py,
 csrc/fused_ops.cpp) does each module's chain in one pass per row. This module is the one place that
-decides where they apply: by module type (``families()``: the model classes whose modules compute
-exactly what the kernels do, checked against their source by a test), never by names: Llama,
-Mistral, Ministral, Qwen2, Qwen3, their MoE kin, SmolLM3 and OLMoE take all four below; Granite,
-Mixtral, Phi-3, GLM and DeepSeek-V3 the ones that are Llama's, Phi-3 and GLM their MLP of one
-gate-and-up product (``FAMILY_MODULES``); Gemma, Gemma 2 and Gemma 3 their RMSNorm and rotary (their
-MLPs are GELU-tanh, their layers' norms Gemma's).
+decides where they apply: by what a module computes, never by names. Each kind of kernel has a
+reference, the transformers module whose computation it reproduces (``REFERENCES``: Llama's RMSNorm,
+MLP and decoder layer, Gemma's RMSNorm, Phi-3's MLP of one gate-and-up product, and the rotary
+functions of Llama and Phi-3); a model's module takes a kernel when its class's forward is the
+reference's, compared as code (``same_computation``: bytecode, constants, defaults and the globals it
+reads), so Qwen, Mistral, Gemma, Phi-3, Granite, SmolLM3, the Qwen-VL text models and the other
+architectures built from Llama's modules are found without a list, and a transformers release that
+changes one simply stops fusing it.
 
-- ``*RMSNorm``: the module's class becomes a subclass whose forward calls ``keepwarm_cpu.rms_norm``
+- RMSNorm: the module's class becomes a subclass whose forward calls ``keepwarm_cpu.rms_norm``
   (Gemma's, which scales by ``1 + w`` in float32 and rounds once: ``keepwarm_cpu.gemma_rms_norm``).
-- ``*MLP`` whose ``act_fn`` is SiLU: ``down_proj(silu_and_mul(gate_proj(x), up_proj(x)))``; the
-  projections stay the modules they are (packed, LoRA's hooks, tensor-parallel shards). Where both
-  would take the AMX kernel and no hook watches them, their products and the activation are one
-  operator (``cpu_linear.gate_up_silu``: the same bits, the activation rearranged once, no
-  intermediate written and read again). Phi-3's and GLM's MLP, one ``gate_up_proj`` whose halves are
-  the gate and the up: ``down_proj(silu_and_mul_halves(gate_up_proj(x)))``.
-- ``*Attention``: its forward, the same code, runs with ``apply_rotary_pos_emb`` bound to the fused
-  kernel (a copy of the function with its own globals, so transformers' module and every other model
-  in the process keep the original). The copy is of the innermost forward, under the decorators
-  transformers puts on it (the ``past_key_values`` -> ``cache`` renaming, which keepwarm's calls do
-  not need, and the ``kernels`` package's routing of hub kernels, which keepwarm does not use).
-- ``*DecoderLayer``: the residual add after attention and the post-attention RMSNorm are one kernel
+- MLP ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` whose ``act_fn`` is SiLU:
+  ``down_proj(silu_and_mul(gate_proj(x), up_proj(x)))``; GELU's tanh form (Gemma's):
+  ``gelu_tanh_and_mul``. The projections stay the modules they are (packed, LoRA's hooks,
+  tensor-parallel shards). Where both would take the AMX kernel and no hook watches them, a SiLU
+  MLP's products and activation are one operator (``cpu_linear.gate_up_silu``: the same bits, the
+  activation rearranged once, no intermediate written and read again). Phi-3's and GLM's MLP, one
+  ``gate_up_proj`` whose halves are the gate and the up: ``down_proj(silu_and_mul_halves(gate_up_proj(x)))``.
+- Attention whose forward calls an ``apply_rotary_pos_emb`` that is Llama's (the whole head) or
+  Phi-3's (its first dims, the rest passed through): its forward, the same code, runs with that global
+  bound to the fused kernel (a copy of the function with its own globals, so transformers' module and
+  every other model in the process keep the original). The copy is of the innermost forward, under the
+  decorators transformers puts on it (the ``past_key_values`` -> ``cache`` renaming, which keepwarm's
+  calls do not need, and the ``kernels`` package's routing of hub kernels, which keepwarm does not use).
+- Decoder layer: the residual add after attention and the post-attention RMSNorm are one kernel
   (``keepwarm_cpu.add_rms_norm``).
 
 Each fused forward falls back to the module's own for inputs its kernel does not take (another dtype
-or device, a non-contiguous activation, partial rotary, autograd), so no input fails for want of a kernel.
+or device, a non-contiguous activation, a rotary of another shape, autograd), so no input fails for
+want of a kernel.
 
 Only on CPU and only when the library loads (else one line in the log and nothing changes). The
 kernels round where the modules round, so in bfloat16 and float16 a result differs from the module's
-only where RMSNorm's sum of squares (summed in another order) or SiLU's exp (a float32 polynomial,
-where torch uses Sleef) lands a float32 intermediate on the other side of a 16-bit rounding boundary:
-one unit in the last place of the 16-bit result, rarely (28 of 1.9 million RMSNorm outputs over the
-unit tests' shapes, no SiLU-and-mul output). In float32 the same two differ from torch's by a few
-float32 ulps (at most 4 over those shapes; rotary is exact), as the float32 linear kernel's sums do
-(engine/cpu_linear.py): greedy tokens stay the unfused modules' and a logprob moves by float32
-rounding (stated tolerance 1e-4 nats, tested against the unfused engine). In a float32 decode step of
-a small model these chains were a tenth of the time (10M Llama, 64 x 128 tokens: 1.10x over the
-unfused modules in one run).
+only where RMSNorm's sum of squares (summed in another order) or an activation's exp (a float32
+polynomial, where torch uses Sleef) lands a float32 intermediate on the other side of a 16-bit
+rounding boundary: one unit in the last place of the 16-bit result, rarely (28 of 1.9 million RMSNorm
+outputs over the unit tests' shapes, no SiLU-and-mul output). GELU's tanh form is computed as the
+sigmoid it equals, exact where torch's ``1 + tanh`` cancels (inputs below -3, where torch's results
+are up to 100% off and ours agree with float64): there the two differ by up to a few 1e-7 times the
+input. In float32 the others differ from torch's by a few float32 ulps (at most 4 over those shapes;
+rotary is exact), as the float32 linear kernel's sums do (engine/cpu_linear.py): greedy tokens stay
+the unfused modules' and a logprob moves by float32 rounding (stated tolerance 1e-4 nats, tested
+against the unfused engine). In a float32 decode step of a small model these chains were a tenth of
+the time (10M Llama, 64 x 128 tokens: 1.10x over the unfused modules in one run).
 ``--no-cpu-fused-ops`` turns it off.
 """
 
@@ -50,7 +58,6 @@ import functools
 import importlib
 import inspect
 import logging
-import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,81 +71,44 @@ from keepwarm_runtime.engine.cpu_linear import gate_up_silu
 log = logging.getLogger(__name__)
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-ROTARY_NAME = "apply_rotary_pos_emb"  # the global a family's attention forward calls
+ROTARY_NAME = "apply_rotary_pos_emb"  # the global an attention forward calls
+LLAMA = "transformers.models.llama.modeling_llama"
+GEMMA = "transformers.models.gemma.modeling_gemma"
+PHI3 = "transformers.models.phi3.modeling_phi3"
 
 
 @dataclass(frozen=True)
-class Family:
-    """One architecture's module classes that take a fused forward (from its transformers modelling
-    module), by kind."""
+class Reference:
+    """What a kind's kernel computes: a transformers class's methods (the forward, and what it calls on
+    self), and the attributes they read, which a module must have before its class is compared."""
 
-    classes: dict[str, type[nn.Module]]  # kind -> class
-
-
-# Kinds a family's classes take, and the class name after the family's prefix. LLAMA: the modules are
-# Llama's: RMSNorm ``w * T(x * rsqrt(mean(x^2) + eps))``, MLP ``down(act(gate(x)) * up(x))``, rotary in
-# the rotate-half layout and a pre-norm decoder layer. GEMMA: Gemma's RMSNorm (``T(norm(x) * (1 + w))``
-# in float32) and Llama's rotary; its MLP is GELU-tanh and Gemma 2's and 3's layers add norms.
-LLAMA_KINDS = (
-    ("rms_norm", "RMSNorm"),
-    ("mlp", "MLP"),
-    ("attention", "Attention"),
-    ("decoder_layer", "DecoderLayer"),
-)
-GEMMA_KINDS = (("gemma_rms_norm", "RMSNorm"), ("attention", "Attention"))
-GATE_UP_MLP = (("gate_up_mlp", "MLP"),)  # Phi-3's: one product, the gate's half then the up's
-# The MLP kinds' activation attribute, which must be SiLU for the kernels to take the module.
-ACTIVATION_ATTRS = {"mlp": "act_fn", "gate_up_mlp": "activation_fn"}
+    module: str  # modelling module, imported only when a model has a module with ``attrs``
+    cls: str
+    methods: tuple[str, ...]
+    attrs: tuple[str, ...]
 
 
-def _only(*kinds: str) -> tuple[tuple[str, str], ...]:
-    """Some of Llama's kinds: a family whose other modules compute something else."""
-    return tuple(entry for entry in LLAMA_KINDS if entry[0] in kinds)
-
-
-# The families (tests/unit/engine/test_cpu_fused.py compares their sources with Llama's and Gemma's):
-# modelling module, prefix, kinds. Their attention may differ around the rotary call (Qwen2's biases
-# and window, Qwen3's and Gemma 3's per-head RMSNorm of queries and keys, which are the family's
-# RMSNorm too, Gemma 2's softcapping, SmolLM3's layers without rotary, Granite's scale); only that
-# call is fused. Left out, what is not Llama's: Mixtral's and Granite's layers (a sparse block, a
-# residual multiplier), Phi-3's and GLM's attention (partial rotary), DeepSeek-V3's attention (MLA).
-FAMILY_MODULES = (
-    ("transformers.models.llama.modeling_llama", "Llama", LLAMA_KINDS),
-    ("transformers.models.mistral.modeling_mistral", "Mistral", LLAMA_KINDS),
-    ("transformers.models.ministral.modeling_ministral", "Ministral", LLAMA_KINDS),
-    ("transformers.models.ministral3.modeling_ministral3", "Ministral3", LLAMA_KINDS),
-    ("transformers.models.qwen2.modeling_qwen2", "Qwen2", LLAMA_KINDS),
-    ("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2Moe", LLAMA_KINDS),
-    ("transformers.models.qwen3.modeling_qwen3", "Qwen3", LLAMA_KINDS),
-    ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3Moe", LLAMA_KINDS),
-    ("transformers.models.smollm3.modeling_smollm3", "SmolLM3", LLAMA_KINDS),
-    ("transformers.models.olmoe.modeling_olmoe", "Olmoe", LLAMA_KINDS),
-    ("transformers.models.mixtral.modeling_mixtral", "Mixtral", _only("rms_norm", "attention")),
-    ("transformers.models.granite.modeling_granite", "Granite", _only("rms_norm", "mlp", "attention")),
-    ("transformers.models.phi3.modeling_phi3", "Phi3", _only("rms_norm") + GATE_UP_MLP),
-    ("transformers.models.glm.modeling_glm", "Glm", _only("rms_norm", "decoder_layer") + GATE_UP_MLP),
-    ("transformers.models.glm4.modeling_glm4", "Glm4", _only("rms_norm") + GATE_UP_MLP),
-    (
-        "transformers.models.deepseek_v3.modeling_deepseek_v3",
-        "DeepseekV3",
-        _only("rms_norm", "mlp", "decoder_layer"),
+REFERENCES = {
+    "rms_norm": Reference(LLAMA, "LlamaRMSNorm", ("forward",), ("weight", "variance_epsilon")),
+    "gemma_rms_norm": Reference(GEMMA, "GemmaRMSNorm", ("forward", "_norm"), ("weight", "eps")),
+    "mlp": Reference(LLAMA, "LlamaMLP", ("forward",), ("gate_proj", "up_proj", "down_proj", "act_fn")),
+    "gate_up_mlp": Reference(PHI3, "Phi3MLP", ("forward",), ("gate_up_proj", "down_proj", "activation_fn")),
+    "decoder_layer": Reference(
+        LLAMA,
+        "LlamaDecoderLayer",
+        ("forward",),
+        ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"),
     ),
-    ("transformers.models.gemma.modeling_gemma", "Gemma", GEMMA_KINDS),
-    ("transformers.models.gemma2.modeling_gemma2", "Gemma2", GEMMA_KINDS),
-    ("transformers.models.gemma3.modeling_gemma3", "Gemma3", GEMMA_KINDS),
-)
-
-
-def families() -> tuple[Family, ...]:
-    """The families whose modelling module is imported (a loaded model's is), so a start never pays
-    for importing another architecture's."""
-    return tuple(family(*entry) for entry in FAMILY_MODULES if entry[0] in sys.modules)
-
-
-@functools.cache
-def family(module_name: str, prefix: str, kinds: tuple[tuple[str, str], ...]) -> Family:
-    m = importlib.import_module(module_name)
-    return Family({kind: getattr(m, f"{prefix}{name}") for kind, name in kinds})
+}
+# The rotary functions the kernel computes, by attention kind: Llama's rotates the whole head; Phi-3's
+# the first dims of it (cos's width), passing the rest through.
+ROTARY_REFERENCES = {"attention": LLAMA, "partial_rotary_attention": PHI3}
+# The MLP kinds: the activation attribute and, per kernel, the kind it becomes (GELU-tanh: Gemma's).
+MLP_KINDS = {
+    "mlp": ("act_fn", {"silu": "mlp", "gelu_tanh": "gelu_tanh_mlp"}),
+    "gate_up_mlp": ("activation_fn", {"silu": "gate_up_mlp"}),
+}
+_DOCSTRING_FLAG = 0x4000000  # CO_HAS_DOCSTRING (Python 3.14): flags the docstring's own constant
 
 
 @dataclass
@@ -150,6 +120,154 @@ class FusedModules:
     @property
     def total(self) -> int:
         return sum(self.counts.values())
+
+
+def plain_function(obj: object) -> types.FunctionType | None:
+    """The Python function ``obj`` runs: itself, or the one a ``kernels`` hub wrapper (an nn.Module
+    transformers puts around some functions, which calls it while no hub kernel is active, and keepwarm
+    activates none) holds; None for anything else."""
+    if isinstance(obj, types.FunctionType):
+        return obj
+    forward = getattr(type(obj), "forward", None)
+    if isinstance(obj, nn.Module) and isinstance(forward, types.FunctionType) and forward.__closure__:
+        cells = dict(zip(forward.__code__.co_freevars, forward.__closure__, strict=True))
+        if "func" in cells and isinstance(held := cells["func"].cell_contents, types.FunctionType):
+            return held
+    return None
+
+
+def _same_code(a: types.CodeType, b: types.CodeType, doc_a: object = None, doc_b: object = None) -> bool:
+    """One bytecode, names, variables and constants (a function's docstring aside: ``doc_*``)."""
+    if (
+        a.co_code != b.co_code
+        or a.co_names != b.co_names
+        or a.co_varnames != b.co_varnames
+        or a.co_freevars != b.co_freevars
+        or a.co_cellvars != b.co_cellvars
+        or a.co_exceptiontable != b.co_exceptiontable
+        or (a.co_argcount, a.co_posonlyargcount, a.co_kwonlyargcount)
+        != (b.co_argcount, b.co_posonlyargcount, b.co_kwonlyargcount)
+        or (a.co_flags & ~_DOCSTRING_FLAG) != (b.co_flags & ~_DOCSTRING_FLAG)
+    ):
+        return False
+    consts_a, consts_b = list(a.co_consts), list(b.co_consts)
+    for consts, doc in ((consts_a, doc_a), (consts_b, doc_b)):
+        if consts and consts[0] is doc:  # the docstring (None without one, before Python 3.14)
+            consts.pop(0)
+    if len(consts_a) != len(consts_b):
+        return False
+    for x, y in zip(consts_a, consts_b, strict=True):
+        if isinstance(x, types.CodeType) and isinstance(y, types.CodeType):
+            if not _same_code(x, y):
+                return False
+        elif type(x) is not type(y) or x != y:
+            return False
+    return True
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """The names ``code`` and the code nested in it read (globals among them)."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+def same_computation(a: Callable, b: Callable, depth: int = 4) -> bool:
+    """Whether functions ``a`` and ``b`` compute the same, whatever their names, docstrings and
+    modules: one bytecode and constants, the same defaults and closure, and every global they read
+    the same object in both or (functions, ``depth`` deep) the same computation. False when unsure."""
+    a, b = plain_function(a), plain_function(b)
+    if a is None or b is None:
+        return False
+    if a is b:
+        return True
+    if (
+        depth <= 0
+        or a.__defaults__ != b.__defaults__
+        or a.__kwdefaults__ != b.__kwdefaults__
+        or not _same_code(a.__code__, b.__code__, a.__doc__, b.__doc__)
+    ):
+        return False
+    cells_a, cells_b = a.__closure__ or (), b.__closure__ or ()
+    if any(x.cell_contents is not y.cell_contents for x, y in zip(cells_a, cells_b, strict=True)):
+        return False
+    for name in _names(a.__code__):
+        in_a, in_b = name in a.__globals__, name in b.__globals__
+        if in_a != in_b:
+            return False
+        if in_a:
+            x, y = a.__globals__[name], b.__globals__[name]
+            if x is not y and not same_computation(x, y, depth - 1):
+                return False
+    return True
+
+
+def _reference_class(kind: str) -> type:
+    ref = REFERENCES[kind]
+    return getattr(importlib.import_module(ref.module), ref.cls)
+
+
+@functools.cache
+def computes(cls: type[nn.Module], kind: str) -> bool:
+    """Whether ``cls``'s methods are ``kind``'s reference's, as code (under the decorators on them)."""
+    reference = _reference_class(kind)
+    for method in REFERENCES[kind].methods:
+        mine, theirs = getattr(cls, method, None), getattr(reference, method, None)
+        if (
+            mine is None
+            or theirs is None
+            or not same_computation(inspect.unwrap(mine), inspect.unwrap(theirs))
+        ):
+            return False
+    return True
+
+
+@functools.cache
+def rotary_kind(cls: type[nn.Module]) -> str | None:
+    """The attention kind of ``cls``: its forward calls a global ``apply_rotary_pos_emb`` that is Llama's
+    or Phi-3's; None otherwise."""
+    own = plain_function(inspect.unwrap(getattr(cls, "forward", None)))
+    if own is None or ROTARY_NAME not in own.__code__.co_names or ROTARY_NAME not in own.__globals__:
+        return None
+    rotary = own.__globals__[ROTARY_NAME]
+    for kind, module in ROTARY_REFERENCES.items():
+        if same_computation(rotary, getattr(importlib.import_module(module), ROTARY_NAME)):
+            return kind
+    return None
+
+
+def _activation(act: object) -> str | None:
+    """Which kernel computes ``act``: SiLU, GELU's tanh form as torch computes it, or none."""
+    from transformers.activations import GELUTanh, SiLUActivation
+
+    if type(act) in (SiLUActivation, nn.SiLU):
+        return "silu"
+    if type(act) is nn.GELU and act.approximate == "tanh":
+        return "gelu_tanh"
+    partial = getattr(act, "act", None) if type(act) is GELUTanh else None
+    if isinstance(partial, functools.partial) and partial.func is torch.nn.functional.gelu:
+        return "gelu_tanh" if partial.keywords == {"approximate": "tanh"} else None  # not its Python form
+    return None
+
+
+def module_kind(module: nn.Module) -> str | None:
+    """The fused forward ``module`` takes, by what its class computes (and its MLP's activation; and
+    for a decoder layer, whether its post-attention norm is Llama's RMSNorm, which the fused add takes
+    the place of: Gemma's layer is Llama's, its norm is not)."""
+    cls = type(module)
+    if (fused := FUSED_KINDS.get(cls)) is not None:
+        return fused
+    for kind, ref in REFERENCES.items():
+        if all(hasattr(module, attr) for attr in ref.attrs) and computes(cls, kind):
+            if kind in MLP_KINDS:
+                attr, kernels = MLP_KINDS[kind]
+                return kernels.get(_activation(getattr(module, attr)))
+            if kind == "decoder_layer" and module_kind(module.post_attention_layernorm) != "rms_norm":
+                return None
+            return kind
+    return rotary_kind(cls) if callable(getattr(cls, "forward", None)) else None
 
 
 def _takes(*tensors: torch.Tensor) -> bool:
@@ -168,14 +286,26 @@ def rms_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _norm_takes(x: torch.Tensor, norm: nn.Module, eps: object) -> bool:
+    """The norm kernels take ``x`` and ``norm``'s weight: ``_takes``, a weight of x's width, a number eps."""
+    weight = norm.weight
+    return (
+        isinstance(weight, torch.Tensor)
+        and _takes(x, weight)
+        and weight.dim() == 1
+        and weight.shape[0] == x.shape[-1]
+        and isinstance(eps, (float, int))
+    )
+
+
 def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    if not _takes(hidden_states, self.weight):
+    if not _norm_takes(hidden_states, self, self.variance_epsilon):
         return super(type(self), self).forward(hidden_states)
     return rms_norm(self, hidden_states)
 
 
 def _gemma_rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
-    if not _takes(x, self.weight):
+    if not _norm_takes(x, self, self.eps):
         return super(type(self), self).forward(x)
     out = torch.empty_like(x)
     native.op("gemma_rms_norm")(out, x, self.weight, self.eps)
@@ -185,12 +315,20 @@ def _gemma_rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     if (fused := gate_up_silu(self.gate_proj, self.up_proj, x)) is not None:  # one pass on AMX tiles
         return self.down_proj(fused)
-    gate, up = self.gate_proj(x), self.up_proj(x)
+    return _act_and_mul(self, "silu_and_mul", x)
+
+
+def _gelu_tanh_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return _act_and_mul(self, "gelu_tanh_and_mul", x)
+
+
+def _act_and_mul(mlp: nn.Module, op: str, x: torch.Tensor) -> torch.Tensor:
+    gate, up = mlp.gate_proj(x), mlp.up_proj(x)
     if not _takes(gate, up) or gate.shape != up.shape:
-        return self.down_proj(self.act_fn(gate) * up)
+        return mlp.down_proj(mlp.act_fn(gate) * up)
     out = torch.empty_like(gate)
-    native.op("silu_and_mul")(out, gate, up)
-    return self.down_proj(out)
+    native.op(op)(out, gate, up)
+    return mlp.down_proj(out)
 
 
 def _gate_up_mlp_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -228,7 +366,11 @@ def _decoder_layer_forward(
         **kwargs,
     )
     norm = self.post_attention_layernorm
-    if _takes(hidden_states, residual, norm.weight) and hidden_states.shape == residual.shape:
+    if (
+        _norm_takes(hidden_states, norm, norm.variance_epsilon)
+        and _takes(hidden_states, residual)
+        and hidden_states.shape == residual.shape
+    ):
         summed, normed = torch.empty_like(residual), torch.empty_like(residual)
         native.op("add_rms_norm")(normed, summed, hidden_states, residual, norm.weight, norm.variance_epsilon)
         residual, hidden_states = summed, normed
@@ -238,17 +380,19 @@ def _decoder_layer_forward(
     return residual + self.mlp(hidden_states)
 
 
-def fused_rotary(original: Callable) -> Callable:
-    """``apply_rotary_pos_emb`` on the fused kernel, ``original`` for what the kernel does not take."""
+def fused_rotary(original: Callable, partial: bool = False) -> Callable:
+    """``apply_rotary_pos_emb`` on the fused kernel, ``original`` for what the kernel does not take.
+    ``partial``: ``original`` is Phi-3's, which rotates cos's width of each head and passes the rest."""
 
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        rotary_dims = cos.shape[-1] if cos.dim() else 0
         if (
             unsqueeze_dim != 1
             or q.dim() != 4
             or k.dim() != 4
             or cos.dim() != 3
             or cos.shape != sin.shape
-            or cos.shape[-1] != q.shape[-1]  # partial rotary
+            or (rotary_dims > q.shape[-1] or rotary_dims % 2 if partial else rotary_dims != q.shape[-1])
             or cos.shape[0] != q.shape[0]
             or cos.shape[1] != q.shape[2]
             or k.shape[0] != q.shape[0]
@@ -268,50 +412,40 @@ def fused_rotary(original: Callable) -> Callable:
     return apply_rotary_pos_emb
 
 
+FORWARDS = {
+    "rms_norm": _rms_norm_forward,
+    "gemma_rms_norm": _gemma_rms_norm_forward,
+    "mlp": _mlp_forward,
+    "gelu_tanh_mlp": _gelu_tanh_mlp_forward,
+    "gate_up_mlp": _gate_up_mlp_forward,
+    "decoder_layer": _decoder_layer_forward,
+}
+
+
+FUSED_KINDS: dict[type[nn.Module], str] = {}  # each fused class made below -> its kind
+
+
 @functools.cache
-def fused_class(cls: type[nn.Module], kind: str) -> type[nn.Module] | None:
-    """The subclass of ``cls`` with the fused forward for ``kind``; None when ``cls`` cannot take it
-    (an attention forward that does not call ``apply_rotary_pos_emb`` by its global name)."""
-    if kind == "rms_norm":
-        forward = _rms_norm_forward
-    elif kind == "gemma_rms_norm":
-        forward = _gemma_rms_norm_forward
-    elif kind == "mlp":
-        forward = _mlp_forward
-    elif kind == "gate_up_mlp":
-        forward = _gate_up_mlp_forward
-    elif kind == "decoder_layer":
-        forward = _decoder_layer_forward
-    else:  # attention: its own forward, with the rotary global bound to the kernel
-        own = inspect.unwrap(cls.forward)  # under transformers' kwarg renaming and `kernels`' routing
-        if not isinstance(own, types.FunctionType) or ROTARY_NAME not in own.__code__.co_names:
-            return None
+def fused_class(cls: type[nn.Module], kind: str) -> type[nn.Module]:
+    """The subclass of ``cls`` with the fused forward for ``kind`` (one of ``module_kind``'s)."""
+    forward = FORWARDS.get(kind)
+    if forward is None:  # attention: its own forward, with the rotary global bound to the kernel
+        own = plain_function(inspect.unwrap(cls.forward))  # under the kwarg renaming and `kernels`' routing
+        assert own is not None and kind in ROTARY_REFERENCES, (cls, kind)
         scope = dict(own.__globals__)
-        scope[ROTARY_NAME] = fused_rotary(own.__globals__[ROTARY_NAME])
+        scope[ROTARY_NAME] = fused_rotary(own.__globals__[ROTARY_NAME], kind == "partial_rotary_attention")
         forward = types.FunctionType(own.__code__, scope, own.__name__, own.__defaults__, own.__closure__)
         forward.__kwdefaults__ = own.__kwdefaults__
         functools.update_wrapper(forward, own)  # its source, for engine/attention/fuser.py
-    return type(f"KeepwarmFused{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__})
-
-
-def _kind(module: nn.Module, known: tuple[Family, ...]) -> str | None:
-    """Which fused forward ``module`` can take, by its type (and its MLP's activation)."""
-    from transformers.activations import SiLUActivation
-
-    cls = type(module)
-    for members in known:
-        for kind, member in members.classes.items():
-            if cls is member:
-                act = ACTIVATION_ATTRS.get(kind)
-                if act is not None and type(getattr(module, act, None)) not in (SiLUActivation, nn.SiLU):
-                    return None
-                return kind
-    return None
+    fused = type(f"KeepwarmFused{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__})
+    FUSED_KINDS[fused] = kind
+    return fused
 
 
 def use_fused_ops(model: nn.Module, dtype: torch.dtype, kernel_cache: str | None = None) -> FusedModules:
-    """Give ``model``'s modules of the families above their fused forwards, when ``dtype`` is one the
-    kernels serve and keepwarm's CPU library loads (``kernel_cache``: the node's builds, tried first)."""
+    """Give ``model``'s modules that compute what a kernel does their fused forwards, when ``dtype`` is
+    one the kernels serve and keepwarm's CPU library loads (``kernel_cache``: the node's builds, tried
+    first)."""
     fused = FusedModules()
     if dtype not in FUSED_DTYPES:
         return fused
@@ -320,12 +454,10 @@ def use_fused_ops(model: nn.Module, dtype: torch.dtype, kernel_cache: str | None
     except native.KernelUnavailable as exc:
         log.info("fused CPU kernels off, keepwarm's CPU library cannot be built here: %s", exc)
         return fused
-    known = families()
     for module in model.modules():
-        kind = _kind(module, known)
-        subclass = fused_class(type(module), kind) if kind is not None else None
-        if subclass is not None:
-            module.__class__ = subclass
+        kind = module_kind(module)
+        if kind is not None:
+            module.__class__ = fused_class(type(module), kind)
             fused.counts[kind] = fused.counts.get(kind, 0) + 1
     log.info(
         "fused CPU kernels: %s", ", ".join(f"{n} {k}" for k, n in sorted(fused.counts.items())) or "none"

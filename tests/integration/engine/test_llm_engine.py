@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import threading
 from pathlib import Path
 
@@ -346,10 +347,11 @@ def test_bad_requests_are_rejected_clearly(model_dir) -> None:
 
 # Per architecture, what each layer fuses (engine/cpu_fused.py), and the model's last norm: Qwen3's,
 # Gemma 3's and OLMoE's query and key norms, Gemma 2's and 3's four around the MLP, DeepSeek-V3's
-# latent norms (its split key latent is a view: the module's own); MoE blocks are not MLPs (engine/moe
-# runs them), Qwen2-MoE's shared expert and DeepSeek-V3's dense and shared MLPs are; Phi-3's and GLM's
-# MLPs are one gate-and-up product.
+# latent norms; MoE blocks are not MLPs (engine/moe runs them), Qwen2-MoE's shared expert and
+# DeepSeek-V3's dense and shared MLPs are; Phi-3's and GLM's MLPs are one gate-and-up product, Gemma's
+# GELU-tanh; Gemma's layer is Llama's but its norms are not (no fused add).
 LLAMA_LAYER = {"rms_norm": 2, "mlp": 1, "attention": 1, "decoder_layer": 1}
+PHI3_PARTIAL = "phi3-partial-rotary"  # Phi-3 rotating half of each head's dims, as Phi-4-mini does 3/4
 FUSED_ARCHS = {
     "llama": LLAMA_LAYER,
     "mistral": LLAMA_LAYER,
@@ -363,13 +365,16 @@ FUSED_ARCHS = {
     "olmoe": {"rms_norm": 4, "attention": 1, "decoder_layer": 1},
     "mixtral": {"rms_norm": 2, "attention": 1},
     "granite": {"rms_norm": 2, "mlp": 1, "attention": 1},
-    "phi3": {"rms_norm": 2, "gate_up_mlp": 1},
+    "phi3": {"rms_norm": 2, "gate_up_mlp": 1, "partial_rotary_attention": 1},
+    PHI3_PARTIAL: {"rms_norm": 2, "gate_up_mlp": 1, "partial_rotary_attention": 1},  # half of each head
     "glm": {"rms_norm": 2, "gate_up_mlp": 1, "decoder_layer": 1},
     "glm4": {"rms_norm": 4, "gate_up_mlp": 1},  # two more norms, after the attention and the MLP
-    "deepseek_v3": {"rms_norm": 4, "mlp": 1, "decoder_layer": 1},
-    "gemma": {"gemma_rms_norm": 2, "attention": 1},
-    "gemma2": {"gemma_rms_norm": 4, "attention": 1},
-    "gemma3": {"gemma_rms_norm": 6, "attention": 1},
+    "deepseek_v3": {"rms_norm": 4, "mlp": 1, "attention": 1, "decoder_layer": 1},
+    "gemma": {"gemma_rms_norm": 2, "gelu_tanh_mlp": 1, "attention": 1},
+    "gemma2": {"gemma_rms_norm": 4, "gelu_tanh_mlp": 1, "attention": 1},
+    "gemma3": {"gemma_rms_norm": 6, "gelu_tanh_mlp": 1, "attention": 1},
+    "starcoder2": {"attention": 1},  # LayerNorms and a GELU MLP: only its rotary is Llama's
+    "exaone4": {"rms_norm": 4, "mlp": 1, "attention": 1},
 }
 
 
@@ -387,7 +392,12 @@ def make_fusable(make_tiny, tmp_path_factory):
             return make_tiny(arch, dtype)
         if arch not in shrunk:
             shrunk[arch] = tmp_path_factory.mktemp(f"shrunk-{arch}")
-            build_checkpoint(arch, shrunk[arch], make_tiny("llama"))
+            build_checkpoint(arch.split("-")[0], shrunk[arch], make_tiny("llama"))
+            if arch == PHI3_PARTIAL:
+                config_path = shrunk[arch] / "config.json"
+                config = json.loads(config_path.read_text())
+                config["rope_parameters"]["partial_rotary_factor"] = 0.5
+                config_path.write_text(json.dumps(config))
         return shrunk[arch]
 
     return make

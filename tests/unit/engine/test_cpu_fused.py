@@ -9,9 +9,9 @@ every dtype (the same products and sums, rounded at the same places)."""
 
 from __future__ import annotations
 
-import ast
-import inspect
+import functools
 import logging
+import types
 
 import pytest
 import torch
@@ -135,6 +135,56 @@ def test_silu_and_mul_at_the_ends_of_the_exp(ops) -> None:
     assert torch.allclose(out.float(), F.silu(gate.float()), atol=1e-30, rtol=2**-7)
 
 
+def gelu_tanh_exact(x: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh form in float64, as the sigmoid it equals: the truth both sides are held to."""
+    x = x.double()
+    return x * torch.sigmoid(2 * 0.7978845608028654 * (x + 0.044715 * x**3))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("size", SIZES)
+def test_gelu_tanh_and_mul_matches_gemmas_mlp_where_torch_is_exact(ops, dtype, rows, size) -> None:
+    """``gelu(gate, approximate="tanh") * up`` as Gemma's MLP computes it, rounded where torch rounds.
+    Where the gate is below -1 torch's ``1 + tanh`` cancels (1e-5 relative at -3, up to 100% below it:
+    0 for gates below about -5.5); the kernel computes the sigmoid GELU's tanh form equals, so there it
+    is held to float64's value instead (within the dtype's rounding), and torch's to within its
+    cancellation, 2^-23 of the gate."""
+    g = torch.Generator().manual_seed(size * 11 + rows)
+    gate = (torch.randn(rows, size, generator=g) * 3).to(dtype)
+    up = torch.randn(rows, size, generator=g).to(dtype)
+    out = torch.empty_like(gate)
+    ops.gelu_tanh_and_mul(out, gate, up)
+    want = F.gelu(gate, approximate="tanh") * up
+    body = gate.double() >= -1
+    if body.any():
+        agree(out[body], want[body])
+    info = torch.finfo(dtype)
+    eps, step = info.eps, info.smallest_normal * info.eps  # subnormals' spacing: float16's tail is there
+    truth = gelu_tanh_exact(gate)  # the activation, then the product as torch rounds it
+    act = truth.to(dtype).double() if dtype != torch.float32 else truth
+    want_tail, tail = act * up.double(), ~body
+    # float32 forms the exponent, 2k(g + 0.044715 g^3), to a few float32 ulps: e^x moves by |x| times
+    # that; below e^-87.3 it is held at about 1e-38
+    exponent = 2 * 0.7978845608028654 * (gate.double() + 0.044715 * gate.double() ** 3).abs()
+    slack = (2 * eps + 2**-21 * exponent) * want_tail.abs() + 2 * step * (1 + up.double().abs()) + 1e-36
+    assert ((out.double() - want_tail).abs() <= slack)[tail].all()
+    slack = 2**-23 * (gate.double() * up.double()).abs() + 2 * eps * want.double().abs() + slack
+    assert ((out.double() - want.double()).abs() <= slack).all()
+
+
+def test_gelu_tanh_and_mul_is_exact_where_torchs_cancels(ops) -> None:
+    gate = torch.tensor([-200.0, -90.0, -12.0, -6.0, -4.0, -3.0, 0.0, 3.0, 20.0, 90.0, 200.0] * 2)
+    out = torch.empty_like(gate)
+    ops.gelu_tanh_and_mul(out, gate, torch.ones_like(gate))
+    truth = gelu_tanh_exact(gate)
+    exponent = 2 * 0.7978845608028654 * (gate.double() + 0.044715 * gate.double() ** 3).abs()
+    assert (
+        (out.double() - truth).abs() <= (2**-22 + 2**-21 * exponent) * truth.abs() + 1e-35
+    ).all()  # e^-87.3 at least
+    assert F.gelu(gate[2:3], approximate="tanh").item() == 0.0 != out[2].item()  # torch's cancellation
+
+
 def rotary_case(dtype, tokens: int, heads: int, kv_heads: int, dim: int, seed: int = 0):
     """q and k as transformers' attention makes them: [B, T, H, D] projections viewed as [B, H, T, D]."""
     g = torch.Generator().manual_seed(seed)
@@ -160,6 +210,21 @@ def test_rotary_is_transformers_apply_rotary_pos_emb_exactly(ops, dtype, tokens,
     got_q = torch.empty_like(q.contiguous())
     ops.rotary_embedding(got_q, torch.empty_like(k), q.contiguous(), k, cos, sin)
     assert torch.equal(got_q, want_q)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("dim", "rotary_dims"), [(128, 96), (96, 32), (64, 64), (18, 6), (8, 2)])
+def test_partial_rotary_is_phi3s_apply_rotary_pos_emb_exactly(ops, dtype, dim, rotary_dims) -> None:
+    """Phi-3's (Phi-4-mini's: 96 of 128 dims) rotates cos's width of each head and passes the rest."""
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
+
+    q, k, cos, sin = rotary_case(dtype, 7, heads=6, kv_heads=2, dim=rotary_dims, seed=dim)
+    q = torch.randn(1, 7, 6, dim).to(dtype).transpose(1, 2)
+    k = torch.randn(1, 7, 2, dim).to(dtype).transpose(1, 2)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+    got_q, got_k = torch.empty_like(q), torch.empty_like(k)
+    ops.rotary_embedding(got_q, got_k, q, k, cos, sin)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
 
 
 def test_inputs_the_kernels_cannot_take_are_named_refusals(ops) -> None:
@@ -188,9 +253,16 @@ def test_inputs_the_kernels_cannot_take_are_named_refusals(ops) -> None:
     q, k, cos, sin = rotary_case(torch.bfloat16, 3, 4, 2, 16)
     with pytest.raises(RuntimeError, match="disagree"):
         ops.rotary_embedding(torch.empty_like(q), torch.empty_like(k), q, k, cos[:, :2], sin[:, :2])
-    with pytest.raises(RuntimeError, match="even"):
+    with pytest.raises(RuntimeError, match="even and at most the head dim"):
         odd = torch.randn(1, 4, 3, 5, dtype=torch.bfloat16)
         ops.rotary_embedding(torch.empty_like(odd), torch.empty_like(odd), odd, odd, odd[:, 0], odd[:, 0])
+    wide = torch.randn(1, 3, 18, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="even and at most the head dim"):
+        ops.rotary_embedding(torch.empty_like(q), torch.empty_like(k), q, k, wide, wide)
+    with pytest.raises(RuntimeError, match="one shape"):
+        ops.gelu_tanh_and_mul(torch.empty_like(x), x, x[:2])
+    with pytest.raises(RuntimeError, match="one dtype"):
+        ops.gelu_tanh_and_mul(torch.empty_like(x), x, x.float())
 
 
 # The attachment: module forwards against the unfused modules, and where the fused ones step aside.
@@ -274,6 +346,39 @@ def test_float32_models_take_the_kernels_and_other_activations_keep_their_mlps()
     assert cpu_fused.use_fused_ops(tiny_llama(torch.float64), torch.float64).total == 0  # not a kernel dtype
 
 
+def test_a_partial_rotary_model_rotates_on_the_kernel(monkeypatch) -> None:
+    """Phi-3 with half of each head rotated (Phi-4-mini rotates 96 of 128 dims): the kernel takes the
+    rotary, and the model's logits are the unfused model's exactly in float32 (rotary is exact; the
+    norms and the activation round alike here, so within their float32 ulps)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    config = Phi3Config(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    )
+    torch.manual_seed(0)
+    plain = Phi3ForCausalLM(config).eval()
+    fused = Phi3ForCausalLM(config).eval()
+    fused.load_state_dict(plain.state_dict())
+    assert cpu_fused.use_fused_ops(fused, torch.float32).counts["partial_rotary_attention"] == 2
+    calls: list[str] = []
+    real = native.op
+    monkeypatch.setattr(native, "op", lambda name: calls.append(name) or real(name))
+    ids = torch.randint(
+        0, 64, (1, 9), generator=torch.Generator().manual_seed(3)
+    )  # one row, as the engine packs
+    with torch.inference_mode():
+        want, got = plain(ids).logits, fused(ids).logits
+    assert calls.count("rotary_embedding") == 2
+    assert torch.allclose(got, want, rtol=0, atol=1e-5)
+
+
 def test_without_the_library_nothing_changes_and_the_log_says_why(monkeypatch, caplog) -> None:
     def unavailable(kernel_cache=None):
         raise native.KernelUnavailable("no compiler")
@@ -288,61 +393,180 @@ def test_without_the_library_nothing_changes_and_the_log_says_why(monkeypatch, c
     ]
 
 
-def _rotary_source(attention: type) -> str:
-    """The source of the rotary function ``attention``'s module defines (``kernels`` may wrap it in a
-    module object, whose source is not the function's)."""
-    module = inspect.getmodule(attention)
-    tree = ast.parse(inspect.getsource(module))
-    (node,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == cpu_fused.ROTARY_NAME]
-    node.decorator_list = []
-    return ast.unparse(node)
+L4 = ("RMSNorm", "MLP", "Attention", "DecoderLayer")  # Llama's four module classes, by name suffix
+# Architectures people run and what their classes compute, found by code (cpu_fused.module_kind's
+# class part): a transformers release that changes one fails here rather than silently not fusing it.
+KNOWN_ARCHITECTURES = {
+    "llama": ("Llama", dict(zip(L4, ("rms_norm", "mlp", "attention", "decoder_layer"), strict=True))),
+    **{
+        name: (prefix, dict(zip(L4, ("rms_norm", "mlp", "attention", "decoder_layer"), strict=True)))
+        for name, prefix in [
+            ("mistral", "Mistral"),
+            ("ministral", "Ministral"),
+            ("ministral3", "Ministral3"),
+            ("qwen2", "Qwen2"),
+            ("qwen2_moe", "Qwen2Moe"),
+            ("qwen3", "Qwen3"),
+            ("qwen3_moe", "Qwen3Moe"),
+            ("smollm3", "SmolLM3"),
+            ("olmoe", "Olmoe"),
+            ("hunyuan_v1_dense", "HunYuanDenseV1"),
+            ("exaone_moe", "ExaoneMoe"),
+        ]
+    },
+    "mixtral": ("Mixtral", {"RMSNorm": "rms_norm", "Attention": "attention", "DecoderLayer": None}),
+    "granite": (
+        "Granite",
+        {"RMSNorm": "rms_norm", "MLP": "mlp", "Attention": "attention", "DecoderLayer": None},
+    ),
+    "phi3": (
+        "Phi3",
+        {
+            "RMSNorm": "rms_norm",
+            "MLP": "gate_up_mlp",
+            "Attention": "partial_rotary_attention",
+            "DecoderLayer": None,
+        },
+    ),
+    "glm": (
+        "Glm",
+        {"RMSNorm": "rms_norm", "MLP": "gate_up_mlp", "Attention": None, "DecoderLayer": "decoder_layer"},
+    ),
+    "glm4": ("Glm4", {"RMSNorm": "rms_norm", "MLP": "gate_up_mlp", "Attention": None, "DecoderLayer": None}),
+    "deepseek_v3": (
+        "DeepseekV3",
+        dict(zip(L4, ("rms_norm", "mlp", "attention", "decoder_layer"), strict=True)),
+    ),
+    "gemma": ("Gemma", dict(zip(L4, ("gemma_rms_norm", "mlp", "attention", "decoder_layer"), strict=True))),
+    "gemma2": (
+        "Gemma2",
+        {"RMSNorm": "gemma_rms_norm", "MLP": "mlp", "Attention": "attention", "DecoderLayer": None},
+    ),
+    "gemma3": (
+        "Gemma3",
+        {"RMSNorm": "gemma_rms_norm", "MLP": "mlp", "Attention": "attention", "DecoderLayer": None},
+    ),
+    "starcoder2": ("Starcoder2", {"Attention": "attention", "MLP": None}),
+    "qwen2_vl": (
+        "Qwen2VL",
+        {"RMSNorm": "rms_norm", "Attention": "attention", "DecoderLayer": "decoder_layer"},
+    ),
+    "exaone4": (
+        "Exaone4",
+        {"RMSNorm": "rms_norm", "MLP": "mlp", "Attention": "attention", "DecoderLayer": None},
+    ),
+}
 
 
-def _forward_source(cls: type) -> str:
-    return inspect.getsource(inspect.unwrap(cls.forward))
+def class_kind(cls: type) -> str | None:
+    """What ``cls`` computes, by its code alone (no instance: no activation or norm looked at)."""
+    kinds = [kind for kind in cpu_fused.REFERENCES if cpu_fused.computes(cls, kind)]
+    if (rotary := cpu_fused.rotary_kind(cls)) is not None:
+        kinds.append(rotary)
+    assert len(kinds) <= 1, (cls, kinds)
+    return kinds[0] if kinds else None
 
 
-def _reference(kind: str) -> tuple[type, str]:
-    """The module class whose computation ``kind``'s kernel reproduces, and its family's prefix."""
-    name, prefix, kinds = next(e for e in cpu_fused.FAMILY_MODULES if dict(e[2]).get(kind))
-    return cpu_fused.family(name, prefix, kinds).classes[kind], prefix
+@pytest.mark.parametrize("name", sorted(KNOWN_ARCHITECTURES))
+def test_known_architectures_modules_compute_what_the_kernels_do(name) -> None:
+    import importlib
+
+    prefix, kinds = KNOWN_ARCHITECTURES[name]
+    module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    got = {suffix: class_kind(getattr(module, prefix + suffix)) for suffix in kinds}
+    assert got == kinds
 
 
-def _computation(cls: type, kind: str) -> str:
-    """The source that says what a module of ``kind`` computes: its forward, or the whole class for
-    Gemma's RMSNorm (whose forward calls its ``_norm``)."""
-    return inspect.getsource(cls) if kind == "gemma_rms_norm" else _forward_source(cls)
+def test_same_computation_is_the_code_not_the_name_or_docstring() -> None:
+    def norm(x, eps=1e-6):
+        """One docstring."""
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    def other_name(x, eps=1e-6):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    def another_constant(x, eps=1e-6):
+        return x * torch.rsqrt(x.pow(2).mean(-2, keepdim=True) + eps)
+
+    def another_default(x, eps=1e-5):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    assert cpu_fused.same_computation(norm, other_name)
+    assert not cpu_fused.same_computation(norm, another_constant)
+    assert not cpu_fused.same_computation(norm, another_default)
+    assert not cpu_fused.same_computation(norm, torch.rsqrt)  # not a Python function: unsure, so no
+    # a global it reads that computes something else
+    scope = {"torch": types.SimpleNamespace(rsqrt=torch.sqrt)}
+    swapped = types.FunctionType(other_name.__code__, scope, "n", other_name.__defaults__)
+    assert not cpu_fused.same_computation(norm, swapped)
+    scope["torch"] = torch
+    assert cpu_fused.same_computation(norm, swapped)
 
 
-@pytest.mark.parametrize(
-    ("module", "prefix", "kinds"), cpu_fused.FAMILY_MODULES, ids=[e[1] for e in cpu_fused.FAMILY_MODULES]
-)
-def test_every_family_computes_what_the_kernels_do(module, prefix, kinds) -> None:
-    """A family is fused only while its modules compute what Llama's (or Gemma's RMSNorm) do, names
-    aside: a transformers release that changes one fails here rather than computing something else."""
-    llama_attention = _reference("attention")[0]
-    other = cpu_fused.family(module, prefix, kinds)
-    for kind, cls in other.classes.items():
-        if kind != "attention":
-            reference, reference_prefix = _reference(kind)
-            want = _computation(reference, kind)
-            assert _computation(cls, kind).replace(prefix, reference_prefix) == want, f"{prefix} {kind}"
-    # attention: only its rotary is fused, the function its forward calls by name
-    if (attention := other.classes.get("attention")) is not None:
-        assert _rotary_source(attention) == _rotary_source(llama_attention)
-        call = "query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)"
-        assert call in _forward_source(attention)
-    llama_layer = _forward_source(_reference("decoder_layer")[0])
-    assert "hidden_states = residual + hidden_states" in llama_layer
-    assert "self.post_attention_layernorm(hidden_states)" in llama_layer
+def test_a_rotary_whose_helper_differs_is_not_llamas() -> None:
+    from transformers.models.llama import modeling_llama
+
+    rotary = cpu_fused.plain_function(modeling_llama.apply_rotary_pos_emb)
+    assert rotary is not None
+    scope = dict(rotary.__globals__)
+    scope["rotate_half"] = lambda x: torch.cat((x[..., 1::2], -x[..., ::2]), dim=-1)  # interleaved
+    interleaved = types.FunctionType(rotary.__code__, scope, rotary.__name__, rotary.__defaults__)
+    assert cpu_fused.same_computation(rotary, rotary) and not cpu_fused.same_computation(rotary, interleaved)
+    from transformers.models.glm import modeling_glm  # interleaved cos and sin: neither reference
+
+    assert cpu_fused.rotary_kind(modeling_glm.GlmAttention) is None
+
+
+def test_a_module_that_changes_the_computation_is_not_fused() -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    class Offset(LlamaRMSNorm):
+        def forward(self, hidden_states):
+            return super().forward(hidden_states) + 1
+
+    assert cpu_fused.module_kind(LlamaRMSNorm(8)) == "rms_norm"
+    assert cpu_fused.module_kind(Offset(8)) is None
+
+
+def test_gemmas_layer_is_llamas_but_its_norm_is_not_so_it_keeps_its_own() -> None:
+    """Gemma's decoder layer has Llama's forward; the fused add takes the place of a Llama RMSNorm,
+    which Gemma's ``1 + w`` norm is not."""
+    from transformers import GemmaConfig
+    from transformers.models.gemma.modeling_gemma import GemmaDecoderLayer
+
+    config = GemmaConfig(
+        hidden_size=32, intermediate_size=48, num_attention_heads=2, num_key_value_heads=1, head_dim=16
+    )
+    layer = GemmaDecoderLayer(config, 0)
+    assert class_kind(GemmaDecoderLayer) == "decoder_layer"
+    assert cpu_fused.module_kind(layer) is None
+    assert cpu_fused.module_kind(layer.mlp) == "gelu_tanh_mlp"  # its activation: GELU's tanh form
+
+
+def test_the_mlp_kernel_follows_the_activation() -> None:
+    from transformers.activations import ACT2FN
+
+    model = tiny_llama(torch.float32)
+    mlp = model.model.layers[0].mlp
+    for act, kind in [
+        ("silu", "mlp"),
+        ("gelu_pytorch_tanh", "gelu_tanh_mlp"),
+        ("gelu_python_tanh", None),  # its Python form rounds at every operator
+        ("gelu", None),
+        ("relu", None),
+    ]:
+        mlp.act_fn = ACT2FN[act]
+        assert cpu_fused.module_kind(mlp) == kind, act
+    mlp.act_fn = nn.GELU(approximate="tanh")
+    assert cpu_fused.module_kind(mlp) == "gelu_tanh_mlp"
 
 
 def test_the_fused_attention_keeps_the_source_the_attention_fuser_reads() -> None:
+    from transformers.models.llama.modeling_llama import LlamaAttention as attention
+
     from keepwarm_runtime.engine.attention.fuser import analyze_class
 
-    attention = _reference("attention")[0]
     fused = cpu_fused.fused_class(attention, "attention")
-    assert fused is not None
     got, want = analyze_class(fused), analyze_class(attention)
     assert (
         (got.scaling_kind, got.scaling_value)
@@ -351,14 +575,22 @@ def test_the_fused_attention_keeps_the_source_the_attention_fuser_reads() -> Non
     )
 
 
-def test_only_imported_families_are_looked_at(monkeypatch) -> None:
+def test_a_llama_imports_no_other_reference(monkeypatch) -> None:
+    """References are imported only for modules that have their attributes: a Llama needs Llama's."""
     import sys
 
-    llama, *others = (entry[0] for entry in cpu_fused.FAMILY_MODULES)
-    for name in others:
+    for name in (cpu_fused.GEMMA, cpu_fused.PHI3):
         monkeypatch.delitem(sys.modules, name, raising=False)
-    assert [f.classes["rms_norm"].__name__ for f in cpu_fused.families()] == ["LlamaRMSNorm"]
-    assert llama in sys.modules and not any(name in sys.modules for name in others)
+    monkeypatch.setattr(cpu_fused, "computes", functools.cache(cpu_fused.computes.__wrapped__))
+    monkeypatch.setattr(cpu_fused, "rotary_kind", functools.cache(cpu_fused.rotary_kind.__wrapped__))
+    model = tiny_llama(torch.float32)
+    assert {cpu_fused.module_kind(m) for m in model.modules()} >= {
+        "rms_norm",
+        "mlp",
+        "attention",
+        "decoder_layer",
+    }
+    assert cpu_fused.GEMMA not in sys.modules and cpu_fused.PHI3 not in sys.modules
 
 
 def test_a_forward_without_the_rotary_global_is_not_fused() -> None:
@@ -366,4 +598,4 @@ def test_a_forward_without_the_rotary_global_is_not_fused() -> None:
         def forward(self, x):
             return x
 
-    assert cpu_fused.fused_class(NoRotary, "attention") is None
+    assert cpu_fused.rotary_kind(NoRotary) is None and cpu_fused.module_kind(NoRotary()) is None

@@ -1,14 +1,17 @@
 // Fused elementwise kernels for a decoder layer on CPU: RMSNorm (alone and after a residual add),
 // Gemma's RMSNorm (scaled by 1 + w in float32, rounded once), SiLU-and-mul (a gated MLP's
-// act(gate) * up, from two tensors or from the halves of one gate-and-up product) and rotary position
-// embedding.
+// act(gate) * up, from two tensors or from the halves of one gate-and-up product), GELU-tanh-and-mul
+// (Gemma's MLP) and rotary position embedding (over the whole head or its first dims).
 //
 // Each replaces a chain of torch operators that read and write the whole activation once per operator
 // (RMSNorm alone is a cast, pow, mean, add, rsqrt, mul, cast and mul) with one pass over each row.
 // They round where transformers' modules round, so in bfloat16 and float16 the only differences left
-// are the order of RMSNorm's sum of squares and SiLU's exp (a float32 polynomial, ~1e-7 relative, where
-// torch uses Sleef): a result one unit in the last place apart, rarely. In float32 those two differ by a
-// few units in the last place of float32 (engine/cpu_fused.py says what that does to a model's output).
+// are the order of RMSNorm's sum of squares and the activations' exp (a float32 polynomial, ~1e-7
+// relative, where torch uses Sleef): a result one unit in the last place apart, rarely. In float32 those
+// differ by a few units in the last place of float32 (engine/cpu_fused.py says what that does to a
+// model's output); GELU's tanh form is computed as the sigmoid it equals, which is exact where torch's
+// 1 + tanh cancels (large negative inputs), so there its float32 results differ from torch's by the
+// error of torch's form, at most 2e-7 of the input in absolute terms.
 //
 // Vectorised with vec16.h's 16-float vector type, as paged_decode.cpp (one zmm register under AVX-512,
 // two ymm under AVX2, scalar code elsewhere); bfloat16 is widened with integer vector operations and
@@ -17,7 +20,7 @@
 // them to pay for it.
 //
 // Registered as torch.ops.keepwarm_cpu.{rms_norm, add_rms_norm, gemma_rms_norm, silu_and_mul,
-// silu_and_mul_halves, rotary_embedding}
+// silu_and_mul_halves, gelu_tanh_and_mul, rotary_embedding}
 // (attention/native.py builds it into one library with paged_decode.cpp).
 
 #include <ATen/Dispatch.h>
@@ -36,7 +39,7 @@
 #include <initializer_list>
 #include <type_traits>
 
-#include "vec16.h"  // vfloat, kLanes, hsum, exp16, silu16, to_bfloat16, round_bf16: shared
+#include "vec16.h"  // vfloat, kLanes, hsum, exp16, silu16, gelu_tanh16, to_bfloat16, round_bf16: shared
 
 namespace {
 
@@ -147,15 +150,22 @@ inline void add_row(const T* x, const T* residual, T* sum, int64_t n) {
   for (; i < n; ++i) sum[i] = static_cast<T>(static_cast<float>(residual[i]) + static_cast<float>(x[i]));
 }
 
-// One row of T(silu(gate)) * up, silu(g) = g / (1 + e^-g) as torch computes it.
-template <typename T>
-inline void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
+// The gated MLPs' activations, each as a vector and a scalar function of the same formula.
+struct Silu {
+  static vfloat vec(vfloat g) { return silu16(g); }
+  static float one(float g) { return g / (1.f + std::exp(-g)); }
+};
+struct GeluTanh {
+  static vfloat vec(vfloat g) { return gelu_tanh16(g); }
+  static float one(float g) { return g / (1.f + std::exp(-kGeluTanhScale * (g + 0.044715f * g * g * g))); }
+};
+
+// One row of T(act(gate)) * up, rounded where torch's act and mul round.
+template <typename Act, typename T>
+inline void act_mul_row(const T* gate, const T* up, T* out, int64_t n) {
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) store16(out + i, round_to<T>(silu16(load16(gate + i))) * load16(up + i));
-  for (; i < n; ++i) {
-    const float g = static_cast<float>(gate[i]);
-    out[i] = static_cast<T>(round_to<T>(g / (1.f + std::exp(-g))) * static_cast<float>(up[i]));
-  }
+  for (; i + kLanes <= n; i += kLanes) store16(out + i, round_to<T>(Act::vec(load16(gate + i))) * load16(up + i));
+  for (; i < n; ++i) out[i] = static_cast<T>(round_to<T>(Act::one(static_cast<float>(gate[i]))) * static_cast<float>(up[i]));
 }
 
 // One head's row of rotary embedding, as transformers' apply_rotary_pos_emb (rotate_half layout):
@@ -252,7 +262,9 @@ void add_rms_norm(at::Tensor out, at::Tensor sum, const at::Tensor& x, const at:
   });
 }
 
-void silu_and_mul(at::Tensor out, const at::Tensor& gate, const at::Tensor& up) {
+// out = T(act(gate)) * up, row by row.
+template <typename Act>
+void act_and_mul(at::Tensor& out, const at::Tensor& gate, const at::Tensor& up) {
   check_rows(gate, "gate");
   check_rows(up, "up");
   check_rows(out, "out");
@@ -260,14 +272,20 @@ void silu_and_mul(at::Tensor out, const at::Tensor& gate, const at::Tensor& up) 
   TORCH_CHECK(gate.scalar_type() == up.scalar_type() && out.scalar_type() == gate.scalar_type(),
               "gate, up and out share one dtype");
   const int64_t n = gate.size(-1), rows = n ? gate.numel() / n : 0;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(), "silu_and_mul", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(), "act_and_mul", [&] {
     const scalar_t* gp = gate.data_ptr<scalar_t>();
     const scalar_t* up_ = up.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, grain(n), [&](int64_t first, int64_t last) {
-      for (int64_t r = first; r < last; ++r) silu_mul_row(gp + r * n, up_ + r * n, op + r * n, n);
+      for (int64_t r = first; r < last; ++r) act_mul_row<Act>(gp + r * n, up_ + r * n, op + r * n, n);
     });
   });
+}
+
+void silu_and_mul(at::Tensor out, const at::Tensor& gate, const at::Tensor& up) { act_and_mul<Silu>(out, gate, up); }
+
+void gelu_tanh_and_mul(at::Tensor out, const at::Tensor& gate, const at::Tensor& up) {
+  act_and_mul<GeluTanh>(out, gate, up);
 }
 
 // gate_up: [..., 2n], each row the gate then the up (Phi-3's and GLM's gate_up_proj); out: [..., n].
@@ -284,24 +302,25 @@ void silu_and_mul_halves(at::Tensor out, const at::Tensor& gate_up) {
     const scalar_t* gp = gate_up.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, grain(n2), [&](int64_t first, int64_t last) {
-      for (int64_t r = first; r < last; ++r) silu_mul_row(gp + r * n2, gp + r * n2 + n, op + r * n, n);
+      for (int64_t r = first; r < last; ++r) act_mul_row<Silu>(gp + r * n2, gp + r * n2 + n, op + r * n, n);
     });
   });
 }
 
 // q, k: [B, H, T, D] (any strides but the last; q and k may have different head counts), cos and sin:
-// [B, T, D] (the last dim contiguous); q_out and k_out: q's and k's shapes, written.
+// [B, T, R] (the last dim contiguous), R even and at most D: each head's first R dims are rotated, the
+// rest passed through (partial rotary, Phi-3's apply_rotary_pos_emb); q_out and k_out: q's and k's
+// shapes, written.
 void rotary_embedding(at::Tensor q_out, at::Tensor k_out, const at::Tensor& q, const at::Tensor& k,
                       const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && cos.dim() == 3 && sin.dim() == 3,
               "q and k are [B, H, T, D], cos and sin [B, T, D]");
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.strides() == sin.strides(), "cos and sin: one layout");
   TORCH_CHECK(q_out.sizes() == q.sizes() && k_out.sizes() == k.sizes(), "outputs have their inputs' shapes");
-  const int64_t B = q.size(0), T = q.size(2), D = q.size(3);
-  TORCH_CHECK(k.size(0) == B && k.size(2) == T && k.size(3) == D && cos.size(0) == B && cos.size(1) == T
-                  && cos.size(2) == D,
+  const int64_t B = q.size(0), T = q.size(2), D = q.size(3), R = cos.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(2) == T && k.size(3) == D && cos.size(0) == B && cos.size(1) == T,
               "q, k, cos and sin disagree on batch, tokens or head dim");
-  TORCH_CHECK(D % 2 == 0, "the head dim must be even");
+  TORCH_CHECK(R % 2 == 0 && R <= D, "the rotary dims (cos's last) must be even and at most the head dim");
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &cos, &sin, &q_out, &k_out})
     TORCH_CHECK(t->stride(-1) == 1, "the last dim must be contiguous");
   const auto dtype = q.scalar_type();
@@ -329,8 +348,10 @@ void rotary_embedding(at::Tensor q_out, at::Tensor k_out, const at::Tensor& q, c
         const int64_t* is = in_stride[w];
         const int64_t* os = out_stride[w];
         const int64_t cs_at = b * cs_b + t * cs_t;
-        rotary_row(in[w] + b * is[0] + head * is[1] + t * is[2], cp + cs_at, sp + cs_at,
-                   out[w] + b * os[0] + head * os[1] + t * os[2], D);
+        const scalar_t* x = in[w] + b * is[0] + head * is[1] + t * is[2];
+        scalar_t* y = out[w] + b * os[0] + head * os[1] + t * os[2];
+        rotary_row(x, cp + cs_at, sp + cs_at, y, R);
+        if (R < D) std::memcpy(y + R, x + R, (D - R) * sizeof(scalar_t));
       }
     });
   });
@@ -344,6 +365,7 @@ TORCH_LIBRARY_FRAGMENT(keepwarm_cpu, m) {
   m.def("gemma_rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate, Tensor up) -> ()");
   m.def("silu_and_mul_halves(Tensor(a!) out, Tensor gate_up) -> ()");
+  m.def("gelu_tanh_and_mul(Tensor(a!) out, Tensor gate, Tensor up) -> ()");
   m.def(
       "rotary_embedding(Tensor(a!) q_out, Tensor(b!) k_out, Tensor q, Tensor k, Tensor cos, Tensor sin) -> ()");
 }
@@ -354,5 +376,6 @@ TORCH_LIBRARY_IMPL(keepwarm_cpu, CPU, m) {
   m.impl("gemma_rms_norm", &gemma_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("silu_and_mul_halves", &silu_and_mul_halves);
+  m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
   m.impl("rotary_embedding", &rotary_embedding);
 }

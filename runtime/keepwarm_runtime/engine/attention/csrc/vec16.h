@@ -64,6 +64,13 @@ static inline vfloat exp16(vfloat x) {
 // share it, so that their results are the same bits.
 static inline vfloat silu16(vfloat g) { return g / (1.f + exp16(-g)); }
 
+// GELU's tanh form, 0.5 g (1 + tanh(k (g + 0.044715 g^3))) with k = sqrt(2 / pi), written as the
+// sigmoid it equals, g / (1 + e^-2k(g + 0.044715 g^3)): no 1 + tanh to cancel where g is negative.
+constexpr float kGeluTanhScale = 2.f * 0.7978845608028654f;  // 2k
+static inline vfloat gelu_tanh16(vfloat g) {
+  return g / (1.f + exp16(-kGeluTanhScale * (g + 0.044715f * g * g * g)));
+}
+
 // float32 to bfloat16 bits, rounded to nearest even, NaN kept a NaN: one instruction with AVX-512 BF16
 // (which also reads a float32 subnormal, below 1.2e-38, as zero), integer operations elsewhere.
 static inline vhalfword to_bfloat16(vfloat v) {
