@@ -658,7 +658,7 @@ class LLMEngine:
             constraint.accept(tid)
         new_text = detok.step(tid) if detok is not None else ""
         if new_text:
-            seq.text += new_text
+            seq.add_text(new_text)
         num_output = len(ids) - len(seq.prompt_token_ids)
         terminated = constraint is not None and constraint.is_terminated()
         eos = not p.ignore_eos and tid in self.eos_token_ids and num_output >= p.min_tokens
@@ -666,9 +666,9 @@ class LLMEngine:
             self._finish(seq, "stop", None)
         elif p.stop_token_ids and tid in p.stop_token_ids and num_output >= p.min_tokens:
             self._finish(seq, "stop", tid)
-        elif p.stop and new_text and (hit := find_stop(seq.text, len(new_text), p.stop)):
+        elif p.stop and new_text and (hit := _find_stop(seq, len(new_text), p.stop)):
             idx, stop = hit
-            seq.text = seq.text[: idx + (len(stop) if p.include_stop_str_in_output else 0)]
+            seq.cut_text(idx + (len(stop) if p.include_stop_str_in_output else 0))
             self._finish(seq, "stop", stop)
         elif (p.max_tokens is not None and num_output >= p.max_tokens) or len(ids) >= self.max_model_len:
             self._finish(seq, "length", None)
@@ -720,7 +720,15 @@ def _catch_up_text(request: _Request) -> None:
 
 def _catch_up(seq: Sequence, detok: IncrementalDetokenizer) -> None:
     """Add to the sequence's text what its generated tokens not yet detokenised make."""
-    seq.text += detok.catch_up(seq.token_ids[len(seq.prompt_token_ids) :])
+    seq.add_text(detok.catch_up(seq.token_ids[len(seq.prompt_token_ids) :]))
+
+
+def _find_stop(seq: Sequence, new_chars: int, stops: list[str]) -> tuple[int, str] | None:
+    """find_stop over the end of the sequence's text that a stop ending in its new characters can
+    start in (the whole text is not joined for it)."""
+    start = max(0, seq.text_len - new_chars - max(map(len, stops)) + 1)
+    hit = find_stop(seq.text_slice(start, seq.text_len), new_chars, stops)
+    return None if hit is None else (start + hit[0], hit[1])
 
 
 def _all_finished(seqs: list[Sequence]) -> bool:
@@ -738,7 +746,7 @@ def stop_hold(params: SamplingParams) -> int:
 def _text_end(seq: Sequence, hold: int) -> int:
     """Where the text its output shows ends: all of it once the sequence finished, else ``hold``
     characters short (never short of what an output already showed)."""
-    text_len = len(seq.text)
+    text_len = seq.text_len
     if not hold or seq.status is SequenceStatus.FINISHED:
         return text_len
     return max(seq.num_sent_chars, text_len - hold)
@@ -752,7 +760,7 @@ def _completion(seq: Sequence, hold: int) -> CompletionOutput:
     seq.num_sent_chars = end
     return CompletionOutput(
         seq.index,
-        seq.text if end == len(seq.text) else seq.text[:end],
+        seq.text if end == seq.text_len else seq.text[:end],
         seq.token_ids[len(seq.prompt_token_ids) :],
         seq.cumulative_logprob if logprobs is not None else None,
         list(logprobs) if logprobs is not None else None,
@@ -766,7 +774,7 @@ def _delta(seq: Sequence, hold: int) -> CompletionOutput:
     the new part alone, so an output costs the same however long the sequence has grown."""
     logprobs, sent = seq.logprobs, seq.num_sent_tokens
     end = _text_end(seq, hold)
-    text = seq.text[seq.num_sent_chars : end]
+    text = seq.text_slice(seq.num_sent_chars, end)
     seq.num_sent_chars, seq.num_sent_tokens = end, seq.num_output_tokens
     return CompletionOutput(
         seq.index,

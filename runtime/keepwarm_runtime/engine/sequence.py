@@ -17,6 +17,8 @@ from keepwarm_runtime.engine.multimodal import MultimodalInput
 from keepwarm_runtime.engine.outputs import Logprob
 from keepwarm_runtime.engine.sampling_params import SamplingParams, TokenConstraint
 
+TEXT_PIECES = 64  # a sequence's text pieces joined into one when there are more
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -44,7 +46,13 @@ class Sequence:
     # prefill (engine/prompt_logprobs.py); only on completion 0 of a request that asks for them.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     cumulative_logprob: float = 0.0
-    text: str = ""  # detokenized output, stop string already cut
+    # The detokenised output (stop string already cut) in pieces, as steps add them, and its length:
+    # ``text`` joins them. A string attribute grown by += is copied whole at every token (CPython
+    # extends a string in place only when nothing else refers to it), which at tens of thousands of
+    # tokens of output costs some 10 us a token; pieces are joined when a reader needs the whole, and
+    # every TEXT_PIECES into one, so an append is amortised O(1) and the newest text is read alone.
+    text_pieces: list[str] = field(default_factory=list)
+    text_len: int = 0
     constraint: TokenConstraint | None = None
     generator: torch.Generator | None = None  # per-sequence RNG when the request has a seed
     # Multimodal (engine/multimodal.py): embeddings for placeholder tokens, set by the engine's step when
@@ -85,6 +93,38 @@ class Sequence:
             self.logprobs = []
         if self.params.prompt_logprobs is not None and self.index == 0:
             self.prompt_logprobs = [None]
+
+    @property
+    def text(self) -> str:
+        """The whole text (its pieces joined into one, kept as the only piece)."""
+        pieces = self.text_pieces
+        if len(pieces) > 1:
+            pieces[:] = ["".join(pieces)]
+        return pieces[0] if pieces else ""
+
+    def add_text(self, text: str) -> None:
+        pieces = self.text_pieces
+        pieces.append(text)
+        self.text_len += len(text)
+        if len(pieces) > TEXT_PIECES:
+            pieces[:] = ["".join(pieces)]
+
+    def text_slice(self, start: int, end: int) -> str:
+        """``text[start:end]`` for ``0 <= start <= end <= text_len``, joining only the pieces from the
+        one holding ``start`` on (a stream's new text: the last piece or few)."""
+        if start >= end:
+            return ""
+        pieces, i, offset = self.text_pieces, len(self.text_pieces), self.text_len
+        while offset > start:
+            i -= 1
+            offset -= len(pieces[i])
+        tail = pieces[i] if i == len(pieces) - 1 else "".join(pieces[i:])
+        return tail[start - offset : end - offset]
+
+    def cut_text(self, end: int) -> None:
+        """Keep the first ``end`` characters (a stop string found)."""
+        self.text_pieces[:] = [self.text[:end]]
+        self.text_len = end
 
     @property
     def hash_salt(self) -> int | None:
