@@ -437,7 +437,9 @@ def fused_class(cls: type[nn.Module], kind: str) -> type[nn.Module]:
         forward = types.FunctionType(own.__code__, scope, own.__name__, own.__defaults__, own.__closure__)
         forward.__kwdefaults__ = own.__kwdefaults__
         functools.update_wrapper(forward, own)  # its source, for engine/attention/fuser.py
-    fused = type(f"KeepwarmFused{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__})
+    # the model's class name (its refusals, logs and repr name the model's classes), this module's
+    namespace = {"forward": forward, "__module__": __name__, "__qualname__": cls.__qualname__}
+    fused = type(cls.__name__, (cls,), namespace)
     FUSED_KINDS[fused] = kind
     return fused
 
