@@ -8,7 +8,7 @@ csrc/fused_ops.cpp) does each module's chain in one pass per row. This module is
 decides where they apply: by what a module computes, never by names. Each kind of kernel has a
 reference, the transformers module whose computation it reproduces (``REFERENCES``: Llama's RMSNorm,
 MLP and decoder layer, Gemma's RMSNorm, Phi-3's MLP of one gate-and-up product, and the rotary
-functions of Llama and Phi-3); a model's module takes a kernel when its class's forward is the
+functions of Llama, Phi-3 and GLM-4.5); a model's module takes a kernel when its class's forward is the
 reference's, compared as code (``same_computation``: bytecode, constants, defaults and the globals it
 reads), so Qwen, Mistral, Gemma, Phi-3, Granite, SmolLM3, the Qwen-VL text models and the other
 architectures built from Llama's modules are found without a list, and a transformers release that
@@ -23,12 +23,13 @@ changes one simply stops fusing it.
   MLP's products and activation are one operator (``cpu_linear.gate_up_silu``: the same bits, the
   activation rearranged once, no intermediate written and read again). Phi-3's and GLM's MLP, one
   ``gate_up_proj`` whose halves are the gate and the up: ``down_proj(silu_and_mul_halves(gate_up_proj(x)))``.
-- Attention whose forward calls an ``apply_rotary_pos_emb`` that is Llama's (the whole head) or
-  Phi-3's (its first dims, the rest passed through): its forward, the same code, runs with that global
-  bound to the fused kernel (a copy of the function with its own globals, so transformers' module and
-  every other model in the process keep the original). The copy is of the innermost forward, under the
-  decorators transformers puts on it (the ``past_key_values`` -> ``cache`` renaming, which keepwarm's
-  calls do not need, and the ``kernels`` package's routing of hub kernels, which keepwarm does not use).
+- Attention whose forward calls an ``apply_rotary_pos_emb`` that is Llama's (the whole head) or Phi-3's
+  or GLM-4.5's (its first dims, the rest passed through): its forward, the same code, runs with that
+  global bound to the fused kernel (a copy of the function with its own globals, so transformers' module
+  and every other model in the process keep the original). The copy is of the innermost forward, under
+  the decorators transformers puts on it (the ``past_key_values`` -> ``cache`` renaming, which
+  keepwarm's calls do not need, and the ``kernels`` package's routing of hub kernels, which keepwarm
+  does not use).
 - Decoder layer: the residual add after attention and the post-attention RMSNorm are one kernel
   (``keepwarm_cpu.add_rms_norm``).
 
@@ -75,6 +76,7 @@ ROTARY_NAME = "apply_rotary_pos_emb"  # the global an attention forward calls
 LLAMA = "transformers.models.llama.modeling_llama"
 GEMMA = "transformers.models.gemma.modeling_gemma"
 PHI3 = "transformers.models.phi3.modeling_phi3"
+GLM4_MOE = "transformers.models.glm4_moe.modeling_glm4_moe"
 
 
 @dataclass(frozen=True)
@@ -100,9 +102,11 @@ REFERENCES = {
         ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"),
     ),
 }
-# The rotary functions the kernel computes, by attention kind: Llama's rotates the whole head; Phi-3's
-# the first dims of it (cos's width), passing the rest through.
-ROTARY_REFERENCES = {"attention": LLAMA, "partial_rotary_attention": PHI3}
+# The rotary functions the kernel computes, by attention kind, tried in this order: Llama's rotates the
+# whole head; Phi-3's the first dims of it (cos's width), passing the rest through, and GLM-4.5's
+# (GLM-4-MoE's: GPT-NeoX, MiniMax-M2 and others share it) is the same computation in other code.
+PARTIAL_ROTARY = "partial_rotary_attention"
+ROTARY_REFERENCES = (("attention", LLAMA), (PARTIAL_ROTARY, PHI3), (PARTIAL_ROTARY, GLM4_MOE))
 # The MLP kinds: the activation attribute and, per kernel, the kind it becomes (GELU-tanh: Gemma's).
 MLP_KINDS = {
     "mlp": ("act_fn", {"silu": "mlp", "gelu_tanh": "gelu_tanh_mlp"}),
@@ -226,13 +230,13 @@ def computes(cls: type[nn.Module], kind: str) -> bool:
 
 @functools.cache
 def rotary_kind(cls: type[nn.Module]) -> str | None:
-    """The attention kind of ``cls``: its forward calls a global ``apply_rotary_pos_emb`` that is Llama's
-    or Phi-3's; None otherwise."""
+    """The attention kind of ``cls``: its forward calls a global ``apply_rotary_pos_emb`` that computes
+    what one of ``ROTARY_REFERENCES`` does; None otherwise."""
     own = plain_function(inspect.unwrap(getattr(cls, "forward", None)))
     if own is None or ROTARY_NAME not in own.__code__.co_names or ROTARY_NAME not in own.__globals__:
         return None
     rotary = own.__globals__[ROTARY_NAME]
-    for kind, module in ROTARY_REFERENCES.items():
+    for kind, module in ROTARY_REFERENCES:
         if same_computation(rotary, getattr(importlib.import_module(module), ROTARY_NAME)):
             return kind
     return None
@@ -431,9 +435,9 @@ def fused_class(cls: type[nn.Module], kind: str) -> type[nn.Module]:
     forward = FORWARDS.get(kind)
     if forward is None:  # attention: its own forward, with the rotary global bound to the kernel
         own = plain_function(inspect.unwrap(cls.forward))  # under the kwarg renaming and `kernels`' routing
-        assert own is not None and kind in ROTARY_REFERENCES, (cls, kind)
+        assert own is not None and kind in dict(ROTARY_REFERENCES), (cls, kind)
         scope = dict(own.__globals__)
-        scope[ROTARY_NAME] = fused_rotary(own.__globals__[ROTARY_NAME], kind == "partial_rotary_attention")
+        scope[ROTARY_NAME] = fused_rotary(own.__globals__[ROTARY_NAME], kind == PARTIAL_ROTARY)
         forward = types.FunctionType(own.__code__, scope, own.__name__, own.__defaults__, own.__closure__)
         forward.__kwdefaults__ = own.__kwdefaults__
         functools.update_wrapper(forward, own)  # its source, for engine/attention/fuser.py

@@ -374,6 +374,13 @@ FUSED_ARCHS = {
     "gemma2": {"gemma_rms_norm": 4, "gelu_tanh_mlp": 1, "attention": 1},
     "gemma3": {"gemma_rms_norm": 6, "gelu_tanh_mlp": 1, "attention": 1},
     "starcoder2": {"attention": 1},  # LayerNorms and a GELU MLP: only its rotary is Llama's
+    "gpt_neox": {"partial_rotary_attention": 1},  # a quarter of each head, GLM-4.5's code
+    "glm4_moe": {
+        "rms_norm": 2,
+        "mlp": 1,
+        "partial_rotary_attention": 1,
+        "decoder_layer": 1,
+    },  # dense or shared
     "exaone4": {"rms_norm": 4, "mlp": 1, "attention": 1},
 }
 

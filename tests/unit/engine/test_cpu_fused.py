@@ -214,9 +214,16 @@ def test_rotary_is_transformers_apply_rotary_pos_emb_exactly(ops, dtype, tokens,
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("dim", "rotary_dims"), [(128, 96), (96, 32), (64, 64), (18, 6), (8, 2)])
-def test_partial_rotary_is_phi3s_apply_rotary_pos_emb_exactly(ops, dtype, dim, rotary_dims) -> None:
-    """Phi-3's (Phi-4-mini's: 96 of 128 dims) rotates cos's width of each head and passes the rest."""
-    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
+@pytest.mark.parametrize("reference", ["phi3", "glm4_moe"])
+def test_partial_rotary_is_phi3s_and_glm45s_apply_rotary_pos_emb_exactly(
+    ops, dtype, dim, rotary_dims, reference
+) -> None:
+    """Phi-3's and GLM-4.5's (Phi-4-mini: 96 of 128 dims; GLM-4.5: half) rotate cos's width of each head
+    and pass the rest."""
+    import importlib
+
+    module = importlib.import_module(f"transformers.models.{reference}.modeling_{reference}")
+    apply_rotary_pos_emb = module.apply_rotary_pos_emb
 
     q, k, cos, sin = rotary_case(dtype, 7, heads=6, kv_heads=2, dim=rotary_dims, seed=dim)
     q = torch.randn(1, 7, 6, dim).to(dtype).transpose(1, 2)
@@ -394,6 +401,7 @@ def test_without_the_library_nothing_changes_and_the_log_says_why(monkeypatch, c
 
 
 L4 = ("RMSNorm", "MLP", "Attention", "DecoderLayer")  # Llama's four module classes, by name suffix
+PARTIAL = cpu_fused.PARTIAL_ROTARY
 # Architectures people run and what their classes compute, found by code (cpu_fused.module_kind's
 # class part): a transformers release that changes one fails here rather than silently not fusing it.
 KNOWN_ARCHITECTURES = {
@@ -447,6 +455,8 @@ KNOWN_ARCHITECTURES = {
         {"RMSNorm": "gemma_rms_norm", "MLP": "mlp", "Attention": "attention", "DecoderLayer": None},
     ),
     "starcoder2": ("Starcoder2", {"Attention": "attention", "MLP": None}),
+    "glm4_moe": ("Glm4Moe", {**dict(zip(L4, ("rms_norm", "mlp", PARTIAL, "decoder_layer"), strict=True))}),
+    "gpt_neox": ("GPTNeoX", {"Attention": PARTIAL, "MLP": None}),
     "qwen2_vl": (
         "Qwen2VL",
         {"RMSNorm": "rms_norm", "Attention": "attention", "DecoderLayer": "decoder_layer"},
