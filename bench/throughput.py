@@ -156,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     total_tokens = sum(n for _, n in requests)
     result: dict = {
         "workload": args.workload,
-        "model_params": args.params,
+        # a given model is named by its folder and architecture; --params sizes only a generated one
+        "model_params": args.params if args.model_dir is None else None,
+        "model_dir": args.model_dir,
+        "architectures": json.loads((Path(model_dir) / "config.json").read_text()).get("architectures"),
         "prompts": args.prompts,
         "prompt_tokens": sum(len(p) for p, _ in requests),
         "output_tokens_total": total_tokens,
