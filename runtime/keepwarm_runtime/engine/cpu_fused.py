@@ -37,19 +37,19 @@ Each fused forward falls back to the module's own for inputs its kernel does not
 or device, a non-contiguous activation, a rotary of another shape, autograd), so no input fails for
 want of a kernel.
 
-Only on CPU and only when the library loads (else one line in the log and nothing changes). The
-kernels round where the modules round, so in bfloat16 and float16 a result differs from the module's
-only where RMSNorm's sum of squares (summed in another order) or an activation's exp (a float32
-polynomial, where torch uses Sleef) lands a float32 intermediate on the other side of a 16-bit
-rounding boundary: one unit in the last place of the 16-bit result, rarely (28 of 1.9 million RMSNorm
-outputs over the unit tests' shapes, no SiLU-and-mul output). GELU's tanh form is computed as the
-sigmoid it equals, exact where torch's ``1 + tanh`` cancels (inputs below -3, where torch's results
-are up to 100% off and ours agree with float64): there the two differ by up to a few 1e-7 times the
-input. In float32 the others differ from torch's by a few float32 ulps (at most 4 over those shapes;
-rotary is exact), as the float32 linear kernel's sums do (engine/cpu_linear.py): greedy tokens stay
-the unfused modules' and a logprob moves by float32 rounding (stated tolerance 1e-4 nats, tested
-against the unfused engine). In a float32 decode step of a small model these chains were a tenth of
-the time (10M Llama, 64 x 128 tokens: 1.10x over the unfused modules in one run).
+Only on CPU and only when the library loads (else one line in the log and nothing changes). The kernels
+round where the modules round, so in bfloat16 and float16 a result differs from the module's only where
+RMSNorm's sum of squares (summed in another order) or an activation's exp (a float32 polynomial, where
+torch uses Sleef) lands a float32 intermediate on the other side of a 16-bit rounding boundary: one unit
+in the last place of the 16-bit result, rarely (28 of 1.9 million RMSNorm outputs over the unit tests'
+shapes, no SiLU-and-mul output). GELU's tanh form is computed as the sigmoid it equals, exact where
+torch's ``1 + tanh`` cancels (gates below -1: 1e-5 relative at -3, up to 100% below it, where ours agree
+with float64): there the two differ by up to 2^-23 of the gate. In float32 the others differ from
+torch's by a few float32 ulps (at most 4 over those shapes; rotary is exact), as the float32 linear
+kernel's sums do (engine/cpu_linear.py): greedy tokens stay the unfused modules' and a logprob moves by
+float32 rounding (stated tolerance 1e-4 nats, tested against the unfused engine). In a float32 decode
+step of a small model these chains were a tenth of the time (10M Llama, 64 x 128 tokens: 1.10x over the
+unfused modules in one run).
 ``--no-cpu-fused-ops`` turns it off.
 """
 

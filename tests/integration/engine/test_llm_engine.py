@@ -410,16 +410,36 @@ def make_fusable(make_tiny, tmp_path_factory):
     return make
 
 
+# The kernels each fused kind calls (a SiLU MLP's products and activation are one AMX operator where
+# the CPU has AMX): a module counted as fused whose kernel is never called would be falling back.
+KIND_KERNELS = {
+    "rms_norm": {"rms_norm"},
+    "gemma_rms_norm": {"gemma_rms_norm"},
+    "mlp": {"silu_and_mul", "amx_gate_up_silu"},
+    "gelu_tanh_mlp": {"gelu_tanh_and_mul"},
+    "gate_up_mlp": {"silu_and_mul_halves"},
+    "attention": {"rotary_embedding"},
+    "partial_rotary_attention": {"rotary_embedding"},
+    "decoder_layer": {"add_rms_norm"},
+}
+# Fused kinds whose forward never reaches the kernel here: DeepSeek-V3's attention calls Llama's rotary
+# only when its config's rope_interleave is off (on in DeepSeek's configs and the sweep's shrink; the
+# interleaved function is not a reference).
+NOT_REACHED = {"deepseek_v3": {"attention"}}
+
+
 @pytest.mark.parametrize(("dtype", "tolerance"), [("bfloat16", 0.05), ("float32", 1e-4)])
 @pytest.mark.parametrize("arch", sorted(FUSED_ARCHS))
 def test_fused_cpu_kernels_give_tokens_and_logprobs_within_their_tolerance(
-    make_fusable, arch, dtype, tolerance
+    make_fusable, arch, dtype, tolerance, monkeypatch
 ):
-    """Fused RMSNorm, SiLU-and-mul and rotary (engine/cpu_fused.py) against the same engine without
-    them: the kernels round where the modules do, so a logprob may move by what one bfloat16 ulp in
-    an activation moves it (stated tolerance 0.05 nats; at this size none moved), or in float32 a few
-    float32 ulps (1e-4 nats), and greedy tokens are the same. Prefill and decode steps of several rows
-    and one row."""
+    """Fused RMSNorm, activation-and-mul and rotary (engine/cpu_fused.py) against the same engine
+    without them: the kernels round where the modules do, so a logprob may move by what one bfloat16
+    ulp in an activation moves it (stated tolerance 0.05 nats; at this size none moved), or in float32
+    a few float32 ulps (1e-4 nats), and greedy tokens are the same. Prefill and decode steps of several
+    rows and one row; every fused kind's kernel runs."""
+    from keepwarm_runtime.engine.attention import native
+
     model_dir = make_fusable(arch, dtype)
     kwargs = {"dtype": dtype, "block_size": 4, "num_kv_blocks": 256}
     plain = LLM(model_dir, cpu_fused_ops=False, **kwargs)
@@ -432,8 +452,13 @@ def test_fused_cpu_kernels_give_tokens_and_logprobs_within_their_tolerance(
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True)
     batch = prompts(6, length=9, seed=5)
     want = plain.generate(batch, params)
+    called: set[str] = set()
+    real = native.op
+    monkeypatch.setattr(native, "op", lambda name: called.add(name) or real(name))
     got = fused.generate(batch, params)
     assert_same_tokens_and_close_logprobs(got, want, tolerance=tolerance)
+    idle = [kind for kind in want_counts if not KIND_KERNELS[kind] & called]
+    assert idle == sorted(NOT_REACHED.get(arch, ())), called
 
 
 @pytest.mark.skipif(not packed_weights_supported(), reason="oneDNN has no native bfloat16 here")
