@@ -87,6 +87,7 @@ def _register_fakes() -> None:
         "silu_and_mul_halves": writes,
         "gelu_tanh_and_mul": writes,
         "rotary_embedding": writes,
+        "rotary_embedding_pairs": writes,
     }.items():
         torch.library.register_fake(f"keepwarm_cpu::{name}")(fake)
 

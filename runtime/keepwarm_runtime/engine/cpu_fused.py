@@ -8,7 +8,7 @@ csrc/fused_ops.cpp) does each module's chain in one pass per row. This module is
 decides where they apply: by what a module computes, never by names. Each kind of kernel has a
 reference, the transformers module whose computation it reproduces (``REFERENCES``: Llama's RMSNorm,
 MLP and decoder layer, Gemma's RMSNorm, Phi-3's MLP of one gate-and-up product, and the rotary
-functions of Llama, Phi-3 and GLM-4.5); a model's module takes a kernel when its class's forward is the
+functions of Llama, Phi-3, GLM-4.5 and GLM); a model's module takes a kernel when its class's forward is the
 reference's, compared as code (``same_computation``: bytecode, constants, defaults and the globals it
 reads), so Qwen, Mistral, Gemma, Phi-3, Granite, SmolLM3, the Qwen-VL text models and the other
 architectures built from Llama's modules are found without a list, and a transformers release that
@@ -23,8 +23,9 @@ changes one simply stops fusing it.
   MLP's products and activation are one operator (``cpu_linear.gate_up_silu``: the same bits, the
   activation rearranged once, no intermediate written and read again). Phi-3's and GLM's MLP, one
   ``gate_up_proj`` whose halves are the gate and the up: ``down_proj(silu_and_mul_halves(gate_up_proj(x)))``.
-- Attention whose forward calls an ``apply_rotary_pos_emb`` that is Llama's (the whole head) or Phi-3's
-  or GLM-4.5's (its first dims, the rest passed through): its forward, the same code, runs with that
+- Attention whose forward calls an ``apply_rotary_pos_emb`` that is Llama's (the whole head), Phi-3's
+  or GLM-4.5's (its first dims, the rest passed through) or GLM's (its first dims turned in pairs):
+  its forward, the same code, runs with that
   global bound to the fused kernel (a copy of the function with its own globals, so transformers' module
   and every other model in the process keep the original). The copy is of the innermost forward, under
   the decorators transformers puts on it (the ``past_key_values`` -> ``cache`` renaming, which
@@ -77,6 +78,7 @@ LLAMA = "transformers.models.llama.modeling_llama"
 GEMMA = "transformers.models.gemma.modeling_gemma"
 PHI3 = "transformers.models.phi3.modeling_phi3"
 GLM4_MOE = "transformers.models.glm4_moe.modeling_glm4_moe"
+GLM = "transformers.models.glm.modeling_glm"
 
 
 @dataclass(frozen=True)
@@ -102,11 +104,18 @@ REFERENCES = {
         ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"),
     ),
 }
-# The rotary functions the kernel computes, by attention kind, tried in this order: Llama's rotates the
+# The rotary functions the kernels compute, by attention kind, tried in this order: Llama's rotates the
 # whole head; Phi-3's the first dims of it (cos's width), passing the rest through, and GLM-4.5's
-# (GLM-4-MoE's: GPT-NeoX, MiniMax-M2 and others share it) is the same computation in other code.
+# (GLM-4-MoE's: GPT-NeoX, MiniMax-M2 and others share it) is the same computation in other code; GLM's
+# turns its first dims in pairs (x[2i], x[2i + 1]) rather than as two halves.
 PARTIAL_ROTARY = "partial_rotary_attention"
-ROTARY_REFERENCES = (("attention", LLAMA), (PARTIAL_ROTARY, PHI3), (PARTIAL_ROTARY, GLM4_MOE))
+PAIRS_ROTARY = "pairs_rotary_attention"  # GLM's and GLM 4's: the rotary dims turned in pairs
+ROTARY_REFERENCES = (
+    ("attention", LLAMA),
+    (PARTIAL_ROTARY, PHI3),
+    (PARTIAL_ROTARY, GLM4_MOE),
+    (PAIRS_ROTARY, GLM),
+)
 # The MLP kinds: the activation attribute and, per kernel, the kind it becomes (GELU-tanh: Gemma's).
 MLP_KINDS = {
     "mlp": ("act_fn", {"silu": "mlp", "gelu_tanh": "gelu_tanh_mlp"}),
@@ -384,9 +393,12 @@ def _decoder_layer_forward(
     return residual + self.mlp(hidden_states)
 
 
-def fused_rotary(original: Callable, partial: bool = False) -> Callable:
+def fused_rotary(original: Callable, kind: str = "attention") -> Callable:
     """``apply_rotary_pos_emb`` on the fused kernel, ``original`` for what the kernel does not take.
-    ``partial``: ``original`` is Phi-3's, which rotates cos's width of each head and passes the rest."""
+    ``kind``: which reference ``original`` computes (``ROTARY_REFERENCES``); all but Llama's rotate
+    cos's width of each head and pass the rest."""
+    partial = kind != "attention"
+    kernel = "rotary_embedding_pairs" if kind == PAIRS_ROTARY else "rotary_embedding"
 
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         rotary_dims = cos.shape[-1] if cos.dim() else 0
@@ -410,7 +422,7 @@ def fused_rotary(original: Callable, partial: bool = False) -> Callable:
         ):
             return original(q, k, cos, sin, unsqueeze_dim)
         q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-        native.op("rotary_embedding")(q_out, k_out, q, k, cos, sin)
+        native.op(kernel)(q_out, k_out, q, k, cos, sin)
         return q_out, k_out
 
     return apply_rotary_pos_emb
@@ -437,7 +449,7 @@ def fused_class(cls: type[nn.Module], kind: str) -> type[nn.Module]:
         own = plain_function(inspect.unwrap(cls.forward))  # under the kwarg renaming and `kernels`' routing
         assert own is not None and kind in dict(ROTARY_REFERENCES), (cls, kind)
         scope = dict(own.__globals__)
-        scope[ROTARY_NAME] = fused_rotary(own.__globals__[ROTARY_NAME], kind == PARTIAL_ROTARY)
+        scope[ROTARY_NAME] = fused_rotary(own.__globals__[ROTARY_NAME], kind)
         forward = types.FunctionType(own.__code__, scope, own.__name__, own.__defaults__, own.__closure__)
         forward.__kwdefaults__ = own.__kwdefaults__
         functools.update_wrapper(forward, own)  # its source, for engine/attention/fuser.py

@@ -224,7 +224,7 @@ class ServeSettings:
     cpu_fused_ops: bool | None = engine(
         None,
         "CPU: fused RMSNorm, SiLU- and GELU-tanh-and-mul and rotary kernels on the modules whose code is "
-        "Llama's, Gemma's RMSNorm's or Phi-3's (Mistral, Qwen, Gemma, SmolLM3, Granite, Phi-3 and kin, "
+        "Llama's, Gemma's RMSNorm's, Phi-3's or GLM's (Mistral, Qwen, Gemma, SmolLM3, Granite and kin, "
         "found by their code; in float32 results may differ by float32 rounding; engine: on)",
     )
     gpu_memory_utilization: float | None = engine(

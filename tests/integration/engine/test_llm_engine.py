@@ -367,8 +367,12 @@ FUSED_ARCHS = {
     "granite": {"rms_norm": 2, "mlp": 1, "attention": 1},
     "phi3": {"rms_norm": 2, "gate_up_mlp": 1, "partial_rotary_attention": 1},
     PHI3_PARTIAL: {"rms_norm": 2, "gate_up_mlp": 1, "partial_rotary_attention": 1},  # half of each head
-    "glm": {"rms_norm": 2, "gate_up_mlp": 1, "decoder_layer": 1},
-    "glm4": {"rms_norm": 4, "gate_up_mlp": 1},  # two more norms, after the attention and the MLP
+    "glm": {"rms_norm": 2, "gate_up_mlp": 1, "pairs_rotary_attention": 1, "decoder_layer": 1},
+    "glm4": {
+        "rms_norm": 4,
+        "gate_up_mlp": 1,
+        "pairs_rotary_attention": 1,
+    },  # two more norms, after the attention and the MLP
     "deepseek_v3": {"rms_norm": 4, "mlp": 1, "attention": 1, "decoder_layer": 1},
     "gemma": {"gemma_rms_norm": 2, "gelu_tanh_mlp": 1, "attention": 1},
     "gemma2": {"gemma_rms_norm": 4, "gelu_tanh_mlp": 1, "attention": 1},
@@ -420,6 +424,7 @@ KIND_KERNELS = {
     "gate_up_mlp": {"silu_and_mul_halves"},
     "attention": {"rotary_embedding"},
     "partial_rotary_attention": {"rotary_embedding"},
+    "pairs_rotary_attention": {"rotary_embedding_pairs"},
     "decoder_layer": {"add_rms_norm"},
 }
 # Fused kinds whose forward never reaches the kernel here: DeepSeek-V3's attention calls Llama's rotary

@@ -234,6 +234,28 @@ def test_partial_rotary_is_phi3s_and_glm45s_apply_rotary_pos_emb_exactly(
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("dim", "rotary_dims"), [(128, 64), (64, 64), (18, 6), (8, 2)])
+@pytest.mark.parametrize("reference", ["glm", "glm4"])
+def test_pairs_rotary_is_glms_apply_rotary_pos_emb_exactly(ops, dtype, dim, rotary_dims, reference) -> None:
+    """GLM's (and GLM 4's: half of each head) turns its first dims in pairs (x[2i], x[2i + 1]), angle i
+    from cos's first half, and passes the rest."""
+    import importlib
+
+    module = importlib.import_module(f"transformers.models.{reference}.modeling_{reference}")
+    _, _, cos, sin = rotary_case(dtype, 7, heads=6, kv_heads=2, dim=rotary_dims, seed=dim + 1)
+    g = torch.Generator().manual_seed(dim)
+    q = torch.randn(1, 7, 6, dim, generator=g).to(dtype).transpose(1, 2)
+    k = torch.randn(1, 7, 2, dim, generator=g).to(dtype).transpose(1, 2)
+    want_q, want_k = module.apply_rotary_pos_emb(q, k, cos, sin)
+    got_q, got_k = torch.empty_like(q), torch.empty_like(k)
+    ops.rotary_embedding_pairs(got_q, got_k, q, k, cos, sin)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    halves_q = torch.empty_like(q)  # the halves' kernel computes something else (but for one pair)
+    ops.rotary_embedding(halves_q, torch.empty_like(k), q, k, cos, sin)
+    assert torch.equal(halves_q, want_q) == (rotary_dims == 2)
+
+
 def test_inputs_the_kernels_cannot_take_are_named_refusals(ops) -> None:
     x = torch.randn(4, 32, dtype=torch.bfloat16)
     weight = torch.ones(32, dtype=torch.bfloat16)
@@ -402,6 +424,7 @@ def test_without_the_library_nothing_changes_and_the_log_says_why(monkeypatch, c
 
 L4 = ("RMSNorm", "MLP", "Attention", "DecoderLayer")  # Llama's four module classes, by name suffix
 PARTIAL = cpu_fused.PARTIAL_ROTARY
+PAIRS = cpu_fused.PAIRS_ROTARY
 # Architectures people run and what their classes compute, found by code (cpu_fused.module_kind's
 # class part): a transformers release that changes one fails here rather than silently not fusing it.
 KNOWN_ARCHITECTURES = {
@@ -438,9 +461,9 @@ KNOWN_ARCHITECTURES = {
     ),
     "glm": (
         "Glm",
-        {"RMSNorm": "rms_norm", "MLP": "gate_up_mlp", "Attention": None, "DecoderLayer": "decoder_layer"},
+        {"RMSNorm": "rms_norm", "MLP": "gate_up_mlp", "Attention": PAIRS, "DecoderLayer": "decoder_layer"},
     ),
-    "glm4": ("Glm4", {"RMSNorm": "rms_norm", "MLP": "gate_up_mlp", "Attention": None, "DecoderLayer": None}),
+    "glm4": ("Glm4", {"RMSNorm": "rms_norm", "MLP": "gate_up_mlp", "Attention": PAIRS, "DecoderLayer": None}),
     "deepseek_v3": (
         "DeepseekV3",
         dict(zip(L4, ("rms_norm", "mlp", "attention", "decoder_layer"), strict=True)),
@@ -522,9 +545,9 @@ def test_a_rotary_whose_helper_differs_is_not_llamas() -> None:
     scope["rotate_half"] = lambda x: torch.cat((x[..., 1::2], -x[..., ::2]), dim=-1)  # interleaved
     interleaved = types.FunctionType(rotary.__code__, scope, rotary.__name__, rotary.__defaults__)
     assert cpu_fused.same_computation(rotary, rotary) and not cpu_fused.same_computation(rotary, interleaved)
-    from transformers.models.glm import modeling_glm  # interleaved cos and sin: neither reference
+    from transformers.models.glm import modeling_glm  # pairs: a reference of its own, not Llama's
 
-    assert cpu_fused.rotary_kind(modeling_glm.GlmAttention) is None
+    assert cpu_fused.rotary_kind(modeling_glm.GlmAttention) == PAIRS
 
 
 def test_a_module_that_changes_the_computation_is_not_fused() -> None:

@@ -1,7 +1,8 @@
 // Fused elementwise kernels for a decoder layer on CPU: RMSNorm (alone and after a residual add),
 // Gemma's RMSNorm (scaled by 1 + w in float32, rounded once), SiLU-and-mul (a gated MLP's
 // act(gate) * up, from two tensors or from the halves of one gate-and-up product), GELU-tanh-and-mul
-// (Gemma's MLP) and rotary position embedding (over the whole head or its first dims).
+// (Gemma's MLP) and rotary position embedding (over the whole head or its first dims, as halves or, GLM's,
+// as pairs).
 //
 // Each replaces a chain of torch operators that read and write the whole activation once per operator
 // (RMSNorm alone is a cast, pow, mean, add, rsqrt, mul, cast and mul) with one pass over each row.
@@ -20,7 +21,7 @@
 // them to pay for it.
 //
 // Registered as torch.ops.keepwarm_cpu.{rms_norm, add_rms_norm, gemma_rms_norm, silu_and_mul,
-// silu_and_mul_halves, gelu_tanh_and_mul, rotary_embedding}
+// silu_and_mul_halves, gelu_tanh_and_mul, rotary_embedding, rotary_embedding_pairs}
 // (attention/native.py builds it into one library with paged_decode.cpp).
 
 #include <ATen/Dispatch.h>
@@ -193,6 +194,19 @@ inline void rotary_row(const T* x, const T* c, const T* s, T* out, int64_t dim) 
   }
 }
 
+// One head's row whose rotary dims are pairs (x[2i], x[2i + 1]) turned by angle i, as GLM's
+// apply_rotary_pos_emb: cos and sin are cat(freqs, freqs), of which it repeats the first half for each
+// pair; out = T(T(x * cos) + T(rotate_pairs(x) * sin)), rotate_pairs(x)[2i, 2i + 1] = (-x[2i + 1], x[2i]).
+template <typename T>
+inline void rotary_pairs_row(const T* x, const T* c, const T* s, T* out, int64_t dim) {
+  for (int64_t i = 0; i < dim / 2; ++i) {
+    const float x1 = static_cast<float>(x[2 * i]), x2 = static_cast<float>(x[2 * i + 1]);
+    const float ci = static_cast<float>(c[i]), si = static_cast<float>(s[i]);
+    out[2 * i] = static_cast<T>(round_to<T>(x1 * ci) + round_to<T>(-x2 * si));
+    out[2 * i + 1] = static_cast<T>(round_to<T>(x2 * ci) + round_to<T>(x1 * si));
+  }
+}
+
 // Rows of a [rows, n] view: row r starts at r * stride (the last dim contiguous).
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() >= 1 && t.stride(-1) == 1, name, ": the last dim must be contiguous");
@@ -311,8 +325,9 @@ void silu_and_mul_halves(at::Tensor out, const at::Tensor& gate_up) {
 // [B, T, R] (the last dim contiguous), R even and at most D: each head's first R dims are rotated, the
 // rest passed through (partial rotary, Phi-3's apply_rotary_pos_emb); q_out and k_out: q's and k's
 // shapes, written.
-void rotary_embedding(at::Tensor q_out, at::Tensor k_out, const at::Tensor& q, const at::Tensor& k,
-                      const at::Tensor& cos, const at::Tensor& sin) {
+// pairs: the rotary dims are turned in pairs (GLM's), not as halves (Llama's, Phi-3's).
+void rotary_heads(at::Tensor& q_out, at::Tensor& k_out, const at::Tensor& q, const at::Tensor& k,
+                  const at::Tensor& cos, const at::Tensor& sin, bool pairs) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && cos.dim() == 3 && sin.dim() == 3,
               "q and k are [B, H, T, D], cos and sin [B, T, D]");
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.strides() == sin.strides(), "cos and sin: one layout");
@@ -350,11 +365,24 @@ void rotary_embedding(at::Tensor q_out, at::Tensor k_out, const at::Tensor& q, c
         const int64_t cs_at = b * cs_b + t * cs_t;
         const scalar_t* x = in[w] + b * is[0] + head * is[1] + t * is[2];
         scalar_t* y = out[w] + b * os[0] + head * os[1] + t * os[2];
-        rotary_row(x, cp + cs_at, sp + cs_at, y, R);
+        if (pairs)
+          rotary_pairs_row(x, cp + cs_at, sp + cs_at, y, R);
+        else
+          rotary_row(x, cp + cs_at, sp + cs_at, y, R);
         if (R < D) std::memcpy(y + R, x + R, (D - R) * sizeof(scalar_t));
       }
     });
   });
+}
+
+void rotary_embedding(at::Tensor q_out, at::Tensor k_out, const at::Tensor& q, const at::Tensor& k,
+                      const at::Tensor& cos, const at::Tensor& sin) {
+  rotary_heads(q_out, k_out, q, k, cos, sin, false);
+}
+
+void rotary_embedding_pairs(at::Tensor q_out, at::Tensor k_out, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& cos, const at::Tensor& sin) {
+  rotary_heads(q_out, k_out, q, k, cos, sin, true);
 }
 
 }  // namespace
@@ -368,6 +396,8 @@ TORCH_LIBRARY_FRAGMENT(keepwarm_cpu, m) {
   m.def("gelu_tanh_and_mul(Tensor(a!) out, Tensor gate, Tensor up) -> ()");
   m.def(
       "rotary_embedding(Tensor(a!) q_out, Tensor(b!) k_out, Tensor q, Tensor k, Tensor cos, Tensor sin) -> ()");
+  m.def(
+      "rotary_embedding_pairs(Tensor(a!) q_out, Tensor(b!) k_out, Tensor q, Tensor k, Tensor cos, Tensor sin) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(keepwarm_cpu, CPU, m) {
@@ -378,4 +408,5 @@ TORCH_LIBRARY_IMPL(keepwarm_cpu, CPU, m) {
   m.impl("silu_and_mul_halves", &silu_and_mul_halves);
   m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
   m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("rotary_embedding_pairs", &rotary_embedding_pairs);
 }
