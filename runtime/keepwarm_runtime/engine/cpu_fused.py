@@ -473,6 +473,8 @@ def use_fused_ops(model: nn.Module, dtype: torch.dtype, kernel_cache: str | None
         log.info("fused CPU kernels off, keepwarm's CPU library cannot be built here: %s", exc)
         return fused
     for module in model.modules():
+        if type(module) in FUSED_KINDS:  # fused by an earlier call: its forward is already the kernel's
+            continue
         kind = module_kind(module)
         if kind is not None:
             module.__class__ = fused_class(type(module), kind)

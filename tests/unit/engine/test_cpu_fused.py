@@ -408,6 +408,14 @@ def test_a_partial_rotary_model_rotates_on_the_kernel(monkeypatch) -> None:
     assert torch.allclose(got, want, rtol=0, atol=1e-5)
 
 
+def test_fusing_twice_changes_nothing_the_second_time() -> None:
+    model = tiny_llama(torch.bfloat16)
+    assert cpu_fused.use_fused_ops(model, torch.bfloat16).total == 11
+    classes = [type(m) for m in model.modules()]
+    assert cpu_fused.use_fused_ops(model, torch.bfloat16).total == 0
+    assert [type(m) for m in model.modules()] == classes
+
+
 def test_without_the_library_nothing_changes_and_the_log_says_why(monkeypatch, caplog) -> None:
     def unavailable(kernel_cache=None):
         raise native.KernelUnavailable("no compiler")
