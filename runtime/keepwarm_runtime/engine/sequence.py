@@ -17,7 +17,7 @@ from keepwarm_runtime.engine.multimodal import MultimodalInput
 from keepwarm_runtime.engine.outputs import Logprob
 from keepwarm_runtime.engine.sampling_params import SamplingParams, TokenConstraint
 
-TEXT_PIECES = 64  # a sequence's text pieces joined into one when there are more
+TEXT_PIECES = 64  # a sequence's newest text pieces joined into one when there are more
 
 
 class SequenceStatus(enum.Enum):
@@ -50,9 +50,11 @@ class Sequence:
     # ``text`` joins them. A string attribute grown by += is copied whole at every token (CPython
     # extends a string in place only when nothing else refers to it), which at tens of thousands of
     # tokens of output costs some 10 us a token; pieces are joined when a reader needs the whole, and
-    # every TEXT_PIECES into one, so an append is amortised O(1) and the newest text is read alone.
+    # the newest (``text_loose`` of them, added since the last join) into one whenever there are more
+    # than TEXT_PIECES, so each character is copied once by appends and the newest text is read alone.
     text_pieces: list[str] = field(default_factory=list)
     text_len: int = 0
+    text_loose: int = 0
     constraint: TokenConstraint | None = None
     generator: torch.Generator | None = None  # per-sequence RNG when the request has a seed
     # Multimodal (engine/multimodal.py): embeddings for placeholder tokens, set by the engine's step when
@@ -97,17 +99,21 @@ class Sequence:
     @property
     def text(self) -> str:
         """The whole text (its pieces joined into one, kept as the only piece)."""
-        pieces = self.text_pieces
-        if len(pieces) > 1:
-            pieces[:] = ["".join(pieces)]
-        return pieces[0] if pieces else ""
+        self._join_last(len(self.text_pieces))
+        return self.text_pieces[0] if self.text_pieces else ""
 
     def add_text(self, text: str) -> None:
-        pieces = self.text_pieces
-        pieces.append(text)
+        self.text_pieces.append(text)
         self.text_len += len(text)
-        if len(pieces) > TEXT_PIECES:
-            pieces[:] = ["".join(pieces)]
+        self.text_loose += 1
+        if self.text_loose > TEXT_PIECES:
+            self._join_last(self.text_loose)
+
+    def _join_last(self, count: int) -> None:
+        """The last ``count`` pieces as one."""
+        if count > 1:
+            self.text_pieces[-count:] = ["".join(self.text_pieces[-count:])]
+        self.text_loose = 0
 
     def text_slice(self, start: int, end: int) -> str:
         """``text[start:end]`` for ``0 <= start <= end <= text_len``, joining only the pieces from the
@@ -124,7 +130,7 @@ class Sequence:
     def cut_text(self, end: int) -> None:
         """Keep the first ``end`` characters (a stop string found)."""
         self.text_pieces[:] = [self.text[:end]]
-        self.text_len = end
+        self.text_len, self.text_loose = end, 0
 
     @property
     def hash_salt(self) -> int | None:
