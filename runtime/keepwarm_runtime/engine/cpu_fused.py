@@ -121,6 +121,8 @@ MLP_KINDS = {
     "mlp": ("act_fn", {"silu": "mlp", "gelu_tanh": "gelu_tanh_mlp"}),
     "gate_up_mlp": ("activation_fn", {"silu": "gate_up_mlp"}),
 }
+# The norm kinds' epsilon attribute (their forwards read it by name).
+NORM_EPS = {"rms_norm": "variance_epsilon", "gemma_rms_norm": "eps"}
 _DOCSTRING_FLAG = 0x4000000  # CO_HAS_DOCSTRING (Python 3.14): flags the docstring's own constant
 
 
@@ -279,6 +281,8 @@ def module_kind(module: nn.Module) -> str | None:
                 return kernels.get(_activation(getattr(module, attr)))
             if kind == "decoder_layer" and module_kind(module.post_attention_layernorm) != "rms_norm":
                 return None
+            if kind in NORM_EPS and not _norm_fits(module, NORM_EPS[kind]):
+                return None
             return kind
     return rotary_kind(cls) if callable(getattr(cls, "forward", None)) else None
 
@@ -299,26 +303,26 @@ def rms_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _norm_takes(x: torch.Tensor, norm: nn.Module, eps: object) -> bool:
-    """The norm kernels take ``x`` and ``norm``'s weight: ``_takes``, a weight of x's width, a number eps."""
+def _norm_fits(norm: nn.Module, eps: str) -> bool:
+    """A norm module the kernels can serve: a [hidden] weight (not one that broadcasts) and a number
+    eps, looked at once when it is fused (its calls check only what varies: the input)."""
     weight = norm.weight
     return (
         isinstance(weight, torch.Tensor)
-        and _takes(x, weight)
         and weight.dim() == 1
-        and weight.shape[0] == x.shape[-1]
-        and isinstance(eps, (float, int))
+        and weight.numel() > 1
+        and isinstance(getattr(norm, eps), (float, int))
     )
 
 
 def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    if not _norm_takes(hidden_states, self, self.variance_epsilon):
+    if not _takes(hidden_states, self.weight):
         return super(type(self), self).forward(hidden_states)
     return rms_norm(self, hidden_states)
 
 
 def _gemma_rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
-    if not _norm_takes(x, self, self.eps):
+    if not _takes(x, self.weight):
         return super(type(self), self).forward(x)
     out = torch.empty_like(x)
     native.op("gemma_rms_norm")(out, x, self.weight, self.eps)
@@ -379,11 +383,7 @@ def _decoder_layer_forward(
         **kwargs,
     )
     norm = self.post_attention_layernorm
-    if (
-        _norm_takes(hidden_states, norm, norm.variance_epsilon)
-        and _takes(hidden_states, residual)
-        and hidden_states.shape == residual.shape
-    ):
+    if _takes(hidden_states, residual, norm.weight) and hidden_states.shape == residual.shape:
         summed, normed = torch.empty_like(residual), torch.empty_like(residual)
         native.op("add_rms_norm")(normed, summed, hidden_states, residual, norm.weight, norm.variance_epsilon)
         residual, hidden_states = summed, normed

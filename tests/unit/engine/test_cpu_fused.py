@@ -567,6 +567,12 @@ def test_a_module_that_changes_the_computation_is_not_fused() -> None:
 
     assert cpu_fused.module_kind(LlamaRMSNorm(8)) == "rms_norm"
     assert cpu_fused.module_kind(Offset(8)) is None
+    # Llama's code, but a weight that broadcasts or an eps that is not a number: the kernel's [hidden]
+    # weight and float eps do not fit, so the module keeps its own forward
+    assert cpu_fused.module_kind(LlamaRMSNorm(1)) is None
+    tensor_eps = LlamaRMSNorm(8)
+    tensor_eps.variance_epsilon = torch.tensor(1e-6)
+    assert cpu_fused.module_kind(tensor_eps) is None
 
 
 def test_gemmas_layer_is_llamas_but_its_norm_is_not_so_it_keeps_its_own() -> None:
