@@ -211,7 +211,7 @@ class DaemonCore:
             plan = loading.plan_adapter(path, self.dtype)
         else:
             plan = loading.plan_model(path, self.dtype, quantization, self.config.expert_layout, sharding)
-        for victim in self.registry.reserve(plan.size, keep=name, evict=evict):
+        for victim in self.registry.reserve(self._arena_bytes(plan.size), keep=name, evict=evict):
             self._drop(victim, "evicted for --budget")
             self.metrics.evictions.inc()
         started = time.perf_counter()
@@ -334,6 +334,14 @@ class DaemonCore:
             failed=self.failed_models(),
             refusals=self.refusals.latest(),
         )
+
+    def _arena_bytes(self, size: int) -> int:
+        """What an arena for ``size`` bytes of tensors takes on this tier (a host arena whole huge pages)."""
+        if self.tier == "gpu":
+            return size
+        from keepwarm_runtime.cache.backends.host import arena_bytes
+
+        return arena_bytes(size)
 
     def _new_arena(self, name: str, size: int):
         if self.tier == "gpu":

@@ -2,11 +2,15 @@
 
 The daemon writes the arena through a temporary writable mapping, unmaps it and seals the memfd
 (no write, grow or shrink) so nobody — the daemon included — can change weights that clients map.
-Huge pages make a multi-GiB map cheaper (512x fewer page-table entries to fault in); we try
-MFD_HUGETLB first (needs a reserved hugetlb pool: vm.nr_hugepages), then transparent huge pages
-for shmem (needs /sys/kernel/mm/transparent_hugepage/shmem_enabled = always|within_size|advise),
-and otherwise use 4 KiB pages. ``HostArena.page_mode`` says which one this kernel gave us. An arena
-whose seals do not hold is refused (``ArenaSealError``), never served.
+Huge pages make a multi-GiB map cheaper (512x fewer page-table entries to fault in) and a CPU step
+faster (one TLB entry per 2 MiB of weights it reads: weights/huge_pages.py); we try MFD_HUGETLB first
+(needs a reserved hugetlb pool: vm.nr_hugepages), then transparent huge pages for shmem: collapsed
+into them before the arena is written (MADV_COLLAPSE, Linux 6.1, granted whatever
+/sys/kernel/mm/transparent_hugepage/shmem_enabled says except ``deny``), else asked for where that
+setting allows (always|within_size|advise), and otherwise 4 KiB pages. ``HostArena.page_mode`` says
+which one this kernel gave us. Clients map an arena at an address aligned to 2 MiB
+(``map_readonly``), where each of its huge pages takes one page-table entry. An arena whose seals do
+not hold is refused (``ArenaSealError``), never served.
 """
 
 from __future__ import annotations
@@ -19,11 +23,21 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from keepwarm_runtime.weights.huge_pages import (
+    HUGE_PAGE,
+    AlignedMapping,
+    collapse_memfd,
+    map_aligned,
+    round_up,
+)
+
 if TYPE_CHECKING:  # torch only where a tensor is made: holding or adopting an arena needs none
     import torch
 
-HUGE_PAGE = 2 << 20
 SMALL_PAGE = mmap.PAGESIZE
+# Arenas smaller than this stay on 4 KiB pages: whole huge pages would waste up to 2 MiB each (a LoRA
+# adapter's arena is a few MiB), and their map costs little either way (64 MiB: ~2.5 ms on 4 KiB pages)
+HUGE_ARENA_MIN = 32 * HUGE_PAGE
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
 _THP_SHMEM = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
 
@@ -43,7 +57,8 @@ def thp_shmem_mode() -> str:
 
 def page_facts() -> dict[str, str]:
     """The kernel settings that decide a host arena's pages, for benchmark reports: with 4 KiB pages a
-    client's map of a 2 GiB arena costs ~0.15 s of page-table setup, with huge pages ~0.01 s."""
+    client's map of a 2 GiB arena costs ~0.1 s of page-table setup, with huge pages ~0.001 s.
+    ``thp_collapse``: whether this kernel collapses a memfd into huge pages (tried on one)."""
 
     def read(path: str) -> str:
         try:
@@ -51,33 +66,53 @@ def page_facts() -> dict[str, str]:
         except OSError:
             return "unavailable"
 
+    probe = os.memfd_create("keepwarm:probe", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(probe, HUGE_PAGE)
+        collapses = collapse_memfd(probe, HUGE_PAGE)
+    finally:
+        os.close(probe)
     return {
         "thp_enabled": read("/sys/kernel/mm/transparent_hugepage/enabled"),
         "thp_shmem": thp_shmem_mode(),
+        "thp_collapse": "yes" if collapses else "no",
         "hugetlb_pages_total": read("/proc/sys/vm/nr_hugepages"),
     }
 
 
-def _round_up(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
+def arena_bytes(size: int, try_huge: bool = True) -> int:
+    """The memory a HostArena of ``size`` bytes takes: whole huge pages where it asks for them (the
+    daemon's budget counts this, not the tensors' bytes)."""
+    return round_up(max(size, 1), HUGE_PAGE if _asks_huge(size, try_huge) else SMALL_PAGE)
+
+
+def _asks_huge(size: int, try_huge: bool) -> bool:
+    return try_huge and size >= HUGE_ARENA_MIN
 
 
 class HostArena:
-    """A memfd of ``size`` bytes; writable in the daemon until ``seal()``."""
+    """A memfd of ``size`` bytes (``arena_bytes`` of them); writable in the daemon until ``seal()``."""
 
     def __init__(self, name: str, size: int, *, try_huge: bool = True) -> None:
         self.name = name
         self.page_mode = "4k"
         self.fd = -1
         self._map: mmap.mmap | None = None
+        try_huge = _asks_huge(size, try_huge)
         if try_huge:
             self._try_hugetlb(name, size)
         if self.fd < 0:
-            self.size = _round_up(max(size, 1), HUGE_PAGE if thp_shmem_mode() != "never" else SMALL_PAGE)
+            self.size = arena_bytes(size, try_huge)
             self.fd = os.memfd_create(f"keepwarm:{name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             os.ftruncate(self.fd, self.size)
+            if try_huge and collapse_memfd(self.fd, self.size):
+                self.page_mode = "thp"
             self._map = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            if try_huge and thp_shmem_mode() in ("advise", "always", "within_size"):
+            if (
+                self.page_mode == "4k"
+                and try_huge
+                and thp_shmem_mode() in ("advise", "always", "within_size")
+            ):
                 try:
                     self._map.madvise(mmap.MADV_HUGEPAGE)
                     self.page_mode = "thp"
@@ -90,7 +125,7 @@ class HostArena:
             fd = os.memfd_create(f"keepwarm:{name}", flags)
         except OSError:
             return
-        self.size = _round_up(max(size, 1), HUGE_PAGE)
+        self.size = arena_bytes(size)
         try:
             os.ftruncate(fd, self.size)
             # MAP_SHARED reserves the huge pages now; an empty pool fails here with ENOMEM.
@@ -170,14 +205,21 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def map_readonly(fd: int, size: int, populate: bool = True) -> mmap.mmap:
-    """Client side: map an arena read-only; ``populate`` prefaults the page tables in one call
-    (MAP_POPULATE), much cheaper than one fault per page during the first forward pass."""
+def map_readonly(fd: int, size: int, populate: bool = True) -> mmap.mmap | AlignedMapping:
+    """Client side: map an arena read-only at an address aligned to 2 MiB (each of a huge-page arena's
+    pages one page-table entry; Python's own mmap is used only where that cannot be made);
+    ``populate`` prefaults the page tables in one call (MAP_POPULATE), much cheaper than one fault per
+    page during the first forward pass."""
+    aligned = map_aligned(fd, size, populate=populate)
+    if aligned is not None:
+        return aligned
     flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
     return mmap.mmap(fd, size, flags, mmap.PROT_READ)
 
 
-def readonly_tensor(buf: mmap.mmap, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+def readonly_tensor(
+    buf: mmap.mmap | AlignedMapping, offset: int, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
     """A tensor viewing ``buf``; it keeps ``buf`` alive. Writing to it faults (read-only pages)."""
     import torch
 
@@ -186,5 +228,6 @@ def readonly_tensor(buf: mmap.mmap, offset: int, dtype: torch.dtype, shape: tupl
         warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": that is the point
         if count == 0:
             return torch.empty(shape, dtype=dtype)
-        flat = torch.frombuffer(buf, dtype=torch.uint8, count=count, offset=offset)
+        source = buf.array() if isinstance(buf, AlignedMapping) else buf
+        flat = torch.frombuffer(source, dtype=torch.uint8, count=count, offset=offset)
     return flat.view(dtype).view(shape)
