@@ -2,8 +2,8 @@
 
 The daemon writes the arena through a temporary writable mapping, unmaps it and seals the memfd
 (no write, grow or shrink) so nobody — the daemon included — can change weights that clients map.
-Huge pages make a multi-GiB map cheaper (512x fewer page-table entries to fault in) and a CPU step
-faster (one TLB entry per 2 MiB of weights it reads: weights/huge_pages.py); we try MFD_HUGETLB first
+Huge pages make a multi-GiB map cheaper (512x fewer page-table entries to fault in: 2 GiB in 0.001 s
+instead of 0.08-0.16 s, weights/huge_pages.py) for arenas of HUGE_ARENA_MIN or more; we try MFD_HUGETLB first
 (needs a reserved hugetlb pool: vm.nr_hugepages), then transparent huge pages for shmem: collapsed
 into them before the arena is written (MADV_COLLAPSE, Linux 6.1, granted whatever
 /sys/kernel/mm/transparent_hugepage/shmem_enabled says except ``deny``), else asked for where that
