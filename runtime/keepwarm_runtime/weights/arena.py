@@ -47,7 +47,7 @@ from keepwarm_runtime.weights.checkpoint import (
 )
 from keepwarm_runtime.weights.files import FileIdentity
 from keepwarm_runtime.weights.fp8 import E4M3, quantize_blocks
-from keepwarm_runtime.weights.huge_pages import huge_anonymous
+from keepwarm_runtime.weights.huge_pages import huge_anonymous, round_up
 from keepwarm_runtime.weights.quantization import SCALE_SUFFIX, Fp8Settings, QuantizationError
 from keepwarm_runtime.weights.tensor_parallel import WHOLE, Sharding, ShardingError, TensorShard
 
@@ -204,7 +204,7 @@ def pack_entries(
         for dim in shape:
             nbytes *= dim
         entries.append(TensorEntry(name, dtype, tuple(shape), offset, nbytes))
-        offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+        offset += round_up(nbytes, ALIGN)
     return tuple(entries), offset
 
 

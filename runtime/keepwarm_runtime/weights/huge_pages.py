@@ -90,9 +90,6 @@ class AlignedMapping:
     def __del__(self) -> None:
         self.close()
 
-    def __len__(self) -> int:
-        return self.length
-
 
 def map_aligned(
     fd: int, length: int, *, writable: bool = False, populate: bool = False
@@ -133,7 +130,7 @@ def collapse_memfd(fd: int, size: int) -> bool:
     try:
         for offset in range(0, size, HUGE_PAGE):
             ctypes.memset(mapping.address + offset, 0, 1)
-        return mapping._libc.madvise(mapping.address, size, MADV_COLLAPSE) == 0
+        return _libc().madvise(mapping.address, size, MADV_COLLAPSE) == 0
     finally:
         mapping.close()
 
@@ -158,12 +155,12 @@ def _libc() -> ctypes.CDLL | None:
     return libc
 
 
-def pmd_mapped_bytes(address: int, pid: int | str = "self") -> int:
-    """Bytes of the mapping that holds ``address`` mapped by huge-page entries (smaps' AnonHugePages,
-    ShmemPmdMapped and FilePmdMapped): what the benchmarks and tests read to see what the kernel gave."""
+def pmd_mapped_bytes(address: int) -> int:
+    """Bytes of this process's mapping that holds ``address`` mapped by huge-page entries (smaps'
+    AnonHugePages, ShmemPmdMapped and FilePmdMapped): what the tests read to see what the kernel gave."""
     inside = False
     total = 0
-    with open(f"/proc/{pid}/smaps") as smaps:
+    with open("/proc/self/smaps") as smaps:
         for line in smaps:
             head = line.split(maxsplit=1)[0]
             if "-" in head and not head.endswith(":"):

@@ -18,7 +18,6 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
-import re
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,6 +28,7 @@ from keepwarm_runtime.weights.huge_pages import (
     collapse_memfd,
     map_aligned,
     round_up,
+    thp_mode,
 )
 
 if TYPE_CHECKING:  # torch only where a tensor is made: holding or adopting an arena needs none
@@ -48,11 +48,7 @@ class ArenaSealError(OSError):
 
 def thp_shmem_mode() -> str:
     """The kernel's THP policy for shmem/memfd ('never', 'advise', 'always', ...), or 'unavailable'."""
-    try:
-        match = re.search(r"\[(\w[\w-]*)\]", _THP_SHMEM.read_text())
-    except OSError:
-        return "unavailable"
-    return match.group(1) if match else "unavailable"
+    return thp_mode(_THP_SHMEM)
 
 
 def page_facts() -> dict[str, str]:
