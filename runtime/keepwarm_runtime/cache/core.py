@@ -336,9 +336,12 @@ class DaemonCore:
         )
 
     def _arena_bytes(self, size: int) -> int:
-        """What an arena for ``size`` bytes of tensors takes on this tier (a host arena whole huge pages)."""
+        """What an arena for ``size`` bytes of tensors takes on this tier: whole VMM granules on a GPU,
+        whole huge pages for a large host arena."""
         if self.tier == "gpu":
-            return size
+            from keepwarm_runtime.cache.backends.cuda import arena_bytes as gpu_arena_bytes
+
+            return gpu_arena_bytes(size, self.device_ordinal)
         from keepwarm_runtime.cache.backends.host import arena_bytes
 
         return arena_bytes(size)

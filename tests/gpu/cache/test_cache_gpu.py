@@ -157,3 +157,30 @@ def test_killed_gpu_daemon_falls_back(tiny_llama, socket_dir):
     daemon.proc.wait(60)
     res = attach(tiny_llama, socket_dir, dtype=torch.float32, device="cuda:0")
     assert res.source == "disk" and res.reason.startswith("unavailable")
+
+
+def test_budget_counts_whole_vmm_granules(tiny_llama, socket_dir):
+    """--budget counts what a gpu-tier arena takes (whole granules of the VMM allocation), not its
+    tensors' bytes: a budget one byte short of the allocation refuses the model before it allocates."""
+    from keepwarm_runtime.cache.backends.cuda import _granularity
+    from keepwarm_runtime.cache.daemon import CacheDaemon, DaemonConfig
+    from keepwarm_runtime.cache.registry import BudgetExceeded
+
+    def daemon(root: Path, **kw) -> CacheDaemon:
+        return CacheDaemon(DaemonConfig(socket_dir=root, tier="gpu", dtype="float32", device="cuda:0", **kw))
+
+    probe = daemon(socket_dir / "probe")
+    entry = probe.snapshot().models[probe.add_model(tiny_llama)]
+    probe.close()
+    disk = attach(tiny_llama, None, dtype=torch.float32)
+    tensor_bytes = sum(t.numel() * t.element_size() for t in disk.tensors.values())
+    assert entry.nbytes % _granularity(0) == 0, entry.nbytes
+    assert tensor_bytes < entry.nbytes - 1, (entry.nbytes, tensor_bytes)
+    short = daemon(socket_dir / "short", budget=entry.nbytes - 1)
+    with pytest.raises(BudgetExceeded, match="--budget"):
+        short.add_model(tiny_llama)
+    assert short.snapshot().resident_bytes == 0
+    short.close()
+    exact = daemon(socket_dir / "exact", budget=entry.nbytes)
+    assert exact.snapshot().models[exact.add_model(tiny_llama)].nbytes == entry.nbytes
+    exact.close()

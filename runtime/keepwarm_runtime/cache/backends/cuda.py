@@ -25,6 +25,8 @@ import re
 import threading
 from typing import TYPE_CHECKING
 
+from keepwarm_runtime.weights.huge_pages import round_up
+
 if TYPE_CHECKING:
     import torch
 
@@ -167,6 +169,12 @@ def _granularity(ordinal: int) -> int:
     return gran.value
 
 
+def arena_bytes(size: int, ordinal: int) -> int:
+    """The memory a CudaArena of ``size`` bytes takes on GPU ``ordinal``: whole units of the VMM
+    allocation granularity (the daemon's budget counts this, not the tensors' bytes)."""
+    return round_up(max(size, 1), _granularity(ordinal))
+
+
 def _set_access(ptr: int, size: int, ordinal: int, flags: int) -> None:
     desc = CUmemAccessDesc(_location(ordinal), flags)
     _call(
@@ -264,8 +272,7 @@ class CudaArena:
             if not value.value:
                 raise CudaError(f"GPU {ordinal} does not support {what}; use --tier host")
         self.name, self.ordinal = name, ordinal
-        gran = _granularity(ordinal)
-        self.size = max(gran, (size + gran - 1) // gran * gran)
+        self.size = arena_bytes(size, ordinal)
         handle = ctypes.c_uint64()
         prop = _prop(ordinal)
         _call(
