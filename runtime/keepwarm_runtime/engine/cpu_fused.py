@@ -7,12 +7,12 @@ over the whole activation. keepwarm's compiled CPU library (engine/attention/nat
 csrc/fused_ops.cpp) does each module's chain in one pass per row. This module is the one place that
 decides where they apply: by what a module computes, never by names. Each kind of kernel has a
 reference, the transformers module whose computation it reproduces (``REFERENCES``: Llama's RMSNorm,
-MLP and decoder layer, Gemma's RMSNorm, Phi-3's MLP of one gate-and-up product, and the rotary
-functions of Llama, Phi-3, GLM-4.5 and GLM); a model's module takes a kernel when its class's forward is the
-reference's, compared as code (``same_computation``: bytecode, constants, defaults and the globals it
-reads), so Qwen, Mistral, Gemma, Phi-3, Granite, SmolLM3, the Qwen-VL text models and the other
-architectures built from Llama's modules are found without a list, and a transformers release that
-changes one simply stops fusing it.
+MLP and decoder layer, Gemma's RMSNorm, Gemma 2's decoder layer, Phi-3's MLP of one gate-and-up
+product, and the rotary functions of Llama, Phi-3, GLM-4.5 and GLM); a model's module takes a kernel
+when its class's forward is the reference's, compared as code (``same_computation``: bytecode,
+constants, defaults and the globals it reads), so Qwen, Mistral, Gemma, Phi-3, Granite, SmolLM3,
+the Qwen-VL text models and the other architectures built from Llama's modules are found without a
+list, and a transformers release that changes one simply stops fusing it.
 
 - RMSNorm: the module's class becomes a subclass whose forward calls ``keepwarm_cpu.rms_norm``
   (Gemma's, which scales by ``1 + w`` in float32 and rounds once: ``keepwarm_cpu.gemma_rms_norm``).
@@ -32,7 +32,11 @@ changes one simply stops fusing it.
   keepwarm's calls do not need, and the ``kernels`` package's routing of hub kernels, which keepwarm
   does not use).
 - Decoder layer: the residual add after attention and the post-attention RMSNorm are one kernel
-  (``keepwarm_cpu.add_rms_norm``).
+  (``keepwarm_cpu.add_rms_norm``; ``add_gemma_rms_norm`` where that norm is Gemma's, as in Gemma's
+  layer, which is Llama's code). Gemma 2's and 3's layer puts a norm after each sublayer as well
+  (the reference is Gemma 2's): the norm after the attention, the residual add and the norm before the
+  MLP are one kernel (``gemma_norm_add_norm``), the norm after the MLP and its residual add another
+  (``gemma_norm_add``).
 
 Each fused forward falls back to the module's own for inputs its kernel does not take (another dtype
 or device, a non-contiguous activation, a rotary of another shape, autograd), so no input fails for
@@ -76,9 +80,16 @@ FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ROTARY_NAME = "apply_rotary_pos_emb"  # the global an attention forward calls
 LLAMA = "transformers.models.llama.modeling_llama"
 GEMMA = "transformers.models.gemma.modeling_gemma"
+GEMMA2 = "transformers.models.gemma2.modeling_gemma2"
 PHI3 = "transformers.models.phi3.modeling_phi3"
 GLM4_MOE = "transformers.models.glm4_moe.modeling_glm4_moe"
 GLM = "transformers.models.glm.modeling_glm"
+
+
+# The norms around a sandwich layer's sublayers (Gemma 2's and 3's), which its fused forward replaces.
+SANDWICH_NORMS = ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+# The decoder layer kind by its post-attention norm's kind: the residual add and that norm as one kernel.
+LAYER_BY_NORM = {"rms_norm": "decoder_layer", "gemma_rms_norm": "gemma_decoder_layer"}
 
 
 @dataclass(frozen=True)
@@ -102,6 +113,12 @@ REFERENCES = {
         "LlamaDecoderLayer",
         ("forward",),
         ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"),
+    ),
+    "sandwich_layer": Reference(
+        GEMMA2,
+        "Gemma2DecoderLayer",
+        ("forward",),
+        (*SANDWICH_NORMS, "self_attn", "mlp", "input_layernorm"),
     ),
 }
 # The rotary functions the kernels compute, by attention kind, tried in this order: Llama's rotates the
@@ -269,8 +286,8 @@ def _activation(act: object) -> str | None:
 
 def module_kind(module: nn.Module) -> str | None:
     """The fused forward ``module`` takes, by what its class computes (and its MLP's activation; and
-    for a decoder layer, whether its post-attention norm is Llama's RMSNorm, which the fused add takes
-    the place of: Gemma's layer is Llama's, its norm is not)."""
+    for a decoder layer, which RMSNorm its post-attention norm is, which the fused add takes the place
+    of: Gemma's layer is Llama's, its norm Gemma's; a sandwich layer's three norms must be Gemma's)."""
     cls = type(module)
     if (fused := FUSED_KINDS.get(cls)) is not None:
         return fused
@@ -279,8 +296,11 @@ def module_kind(module: nn.Module) -> str | None:
             if kind in MLP_KINDS:
                 attr, kernels = MLP_KINDS[kind]
                 return kernels.get(_activation(getattr(module, attr)))
-            if kind == "decoder_layer" and module_kind(module.post_attention_layernorm) != "rms_norm":
-                return None
+            if kind == "decoder_layer":
+                return LAYER_BY_NORM.get(module_kind(module.post_attention_layernorm))
+            if kind == "sandwich_layer":
+                norms = {module_kind(getattr(module, name)) for name in SANDWICH_NORMS}
+                return kind if norms == {"gemma_rms_norm"} else None
             if kind in NORM_EPS and not _norm_fits(module, NORM_EPS[kind]):
                 return None
             return kind
@@ -358,39 +378,87 @@ def _gate_up_mlp_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return self.down_proj(out)
 
 
-def _decoder_layer_forward(
+def _pre_norm_layer(op: str, eps: str) -> Callable:
+    """Llama's pre-norm layer with ``residual + attention`` and the post-attention norm fused: kernel
+    ``op`` for the norm's kind, whose epsilon attribute is ``eps``."""
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache=None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        if cache is None:  # the name transformers deprecates (its decorator on the layer's own forward)
+            cache = kwargs.pop("past_key_values", None)
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        norm = self.post_attention_layernorm
+        if _takes(hidden_states, residual, norm.weight) and hidden_states.shape == residual.shape:
+            summed, normed = torch.empty_like(residual), torch.empty_like(residual)
+            native.op(op)(normed, summed, hidden_states, residual, norm.weight, getattr(norm, eps))
+            residual, hidden_states = summed, normed
+        else:
+            residual = residual + hidden_states
+            hidden_states = norm(residual)
+        return residual + self.mlp(hidden_states)
+
+    return forward
+
+
+def _sandwich_layer_forward(
     self,
     hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.LongTensor | None = None,
     cache=None,
-    use_cache: bool | None = False,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
     **kwargs,
 ) -> torch.Tensor:
-    """Llama's pre-norm layer with ``residual + attention`` and the post-attention norm fused."""
+    """Gemma 2's and 3's layer: the norm after the attention, the residual add and the norm before the
+    MLP are one kernel, the norm after the MLP and the residual add another (Gemma's RMSNorm, each step
+    rounded where the modules round)."""
     if cache is None:  # the name transformers deprecates (its decorator on the layer's own forward)
         cache = kwargs.pop("past_key_values", None)
     residual = hidden_states
     hidden_states = self.input_layernorm(hidden_states)
     hidden_states, _ = self.self_attn(
         hidden_states=hidden_states,
+        position_embeddings=position_embeddings,
         attention_mask=attention_mask,
         position_ids=position_ids,
         cache=cache,
-        use_cache=use_cache,
-        position_embeddings=position_embeddings,
         **kwargs,
     )
-    norm = self.post_attention_layernorm
-    if _takes(hidden_states, residual, norm.weight) and hidden_states.shape == residual.shape:
+    post, pre = self.post_attention_layernorm, self.pre_feedforward_layernorm
+    if _takes(hidden_states, residual, post.weight, pre.weight) and hidden_states.shape == residual.shape:
         summed, normed = torch.empty_like(residual), torch.empty_like(residual)
-        native.op("add_rms_norm")(normed, summed, hidden_states, residual, norm.weight, norm.variance_epsilon)
+        native.op("gemma_norm_add_norm")(
+            normed, summed, hidden_states, residual, post.weight, post.eps, pre.weight, pre.eps
+        )
         residual, hidden_states = summed, normed
     else:
-        residual = residual + hidden_states
-        hidden_states = norm(residual)
-    return residual + self.mlp(hidden_states)
+        residual = residual + post(hidden_states)
+        hidden_states = pre(residual)
+    hidden_states = self.mlp(hidden_states)
+    last = self.post_feedforward_layernorm
+    if _takes(hidden_states, residual, last.weight) and hidden_states.shape == residual.shape:
+        summed = torch.empty_like(residual)
+        native.op("gemma_norm_add")(summed, hidden_states, residual, last.weight, last.eps)
+        return summed
+    return residual + last(hidden_states)
 
 
 def fused_rotary(original: Callable, kind: str = "attention") -> Callable:
@@ -434,7 +502,9 @@ FORWARDS = {
     "mlp": _mlp_forward,
     "gelu_tanh_mlp": _gelu_tanh_mlp_forward,
     "gate_up_mlp": _gate_up_mlp_forward,
-    "decoder_layer": _decoder_layer_forward,
+    "decoder_layer": _pre_norm_layer("add_rms_norm", NORM_EPS["rms_norm"]),
+    "gemma_decoder_layer": _pre_norm_layer("add_gemma_rms_norm", NORM_EPS["gemma_rms_norm"]),
+    "sandwich_layer": _sandwich_layer_forward,
 }
 
 

@@ -349,7 +349,8 @@ def test_bad_requests_are_rejected_clearly(model_dir) -> None:
 # Gemma 3's and OLMoE's query and key norms, Gemma 2's and 3's four around the MLP, DeepSeek-V3's
 # latent norms; MoE blocks are not MLPs (engine/moe runs them), Qwen2-MoE's shared expert and
 # DeepSeek-V3's dense and shared MLPs are; Phi-3's and GLM's MLPs are one gate-and-up product, Gemma's
-# GELU-tanh; Gemma's layer is Llama's but its norms are not (no fused add).
+# GELU-tanh; Gemma's layer is Llama's with Gemma's norm (its own fused add), Gemma 2's and 3's a
+# sandwich of norms around each sublayer.
 LLAMA_LAYER = {"rms_norm": 2, "mlp": 1, "attention": 1, "decoder_layer": 1}
 PHI3_PARTIAL = "phi3-partial-rotary"  # Phi-3 rotating half of each head's dims, as Phi-4-mini does 3/4
 FUSED_ARCHS = {
@@ -374,9 +375,9 @@ FUSED_ARCHS = {
         "pairs_rotary_attention": 1,
     },  # two more norms, after the attention and the MLP
     "deepseek_v3": {"rms_norm": 4, "mlp": 1, "attention": 1, "decoder_layer": 1},
-    "gemma": {"gemma_rms_norm": 2, "gelu_tanh_mlp": 1, "attention": 1},
-    "gemma2": {"gemma_rms_norm": 4, "gelu_tanh_mlp": 1, "attention": 1},
-    "gemma3": {"gemma_rms_norm": 6, "gelu_tanh_mlp": 1, "attention": 1},
+    "gemma": {"gemma_rms_norm": 2, "gelu_tanh_mlp": 1, "attention": 1, "gemma_decoder_layer": 1},
+    "gemma2": {"gemma_rms_norm": 4, "gelu_tanh_mlp": 1, "attention": 1, "sandwich_layer": 1},
+    "gemma3": {"gemma_rms_norm": 6, "gelu_tanh_mlp": 1, "attention": 1, "sandwich_layer": 1},
     "starcoder2": {"attention": 1},  # LayerNorms and a GELU MLP: only its rotary is Llama's
     "gpt_neox": {"partial_rotary_attention": 1},  # a quarter of each head, GLM-4.5's code
     "glm4_moe": {
@@ -426,6 +427,8 @@ KIND_KERNELS = {
     "partial_rotary_attention": {"rotary_embedding"},
     "pairs_rotary_attention": {"rotary_embedding_pairs"},
     "decoder_layer": {"add_rms_norm"},
+    "gemma_decoder_layer": {"add_gemma_rms_norm"},
+    "sandwich_layer": {"gemma_norm_add_norm", "gemma_norm_add"},
 }
 # Fused kinds whose forward never reaches the kernel here: DeepSeek-V3's attention calls Llama's rotary
 # only when its config's rope_interleave is off (on in DeepSeek's configs and the sweep's shrink; the

@@ -98,6 +98,56 @@ def test_add_rms_norm_matches_the_add_then_the_module(ops, dtype, rows, size) ->
     agree(out, llama_rms_norm(want_sum, weight, 1e-6))
 
 
+def gemma_case(dtype: torch.dtype, rows: int, size: int, seed: int):
+    """x, residual and two weights near -1 (where Gemma's ``1 + w`` is small and its float32 steps show)."""
+    g = torch.Generator().manual_seed(seed)
+    x, residual = (torch.randn(2, rows, size, generator=g) * 2).to(dtype)
+    first, second = (torch.randn(2, size, generator=g) - 1).to(dtype)
+    return x, residual, first, second
+
+
+def gemma_norm_kernel(ops, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    out = torch.empty_like(x)
+    ops.gemma_rms_norm(out, x, weight, eps)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("size", SIZES)
+def test_add_gemma_rms_norm_matches_the_add_then_gemmas_module(ops, dtype, rows, size) -> None:
+    """Gemma's layer (Llama's code): the residual add, then Gemma's RMSNorm of the sum."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    x, residual, weight, _ = gemma_case(dtype, rows, size, seed=size * rows + 7)
+    out, summed = torch.empty_like(x), torch.empty_like(x)
+    ops.add_gemma_rms_norm(out, summed, x, residual, weight, 1e-6)
+    want_sum = residual + x
+    assert torch.equal(summed, want_sum)
+    assert torch.equal(out, gemma_norm_kernel(ops, want_sum, weight, 1e-6))
+    norm = GemmaRMSNorm(size, eps=1e-6).to(dtype)
+    norm.weight.data.copy_(weight)
+    agree(out, norm(want_sum))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("size", SIZES)
+def test_gemma_norm_add_norm_is_the_sandwich_of_gemma2s_layer(ops, dtype, rows, size) -> None:
+    """The norm after a sublayer, the residual add and the norm before the next sublayer (and, without
+    the last, the norm after the MLP and its add), rounded where Gemma 2's layer rounds: bit for bit the
+    Gemma RMSNorm kernel (held to the module above) and torch's add, each eps its own."""
+    x, residual, post, pre = gemma_case(dtype, rows, size, seed=size * rows + 11)
+    out, summed = torch.empty_like(x), torch.empty_like(x)
+    ops.gemma_norm_add_norm(out, summed, x, residual, post, 1e-6, pre, 1e-5)
+    want_sum = residual + gemma_norm_kernel(ops, x, post, 1e-6)
+    assert torch.equal(summed, want_sum)
+    assert torch.equal(out, gemma_norm_kernel(ops, want_sum, pre, 1e-5))
+    alone = torch.empty_like(x)
+    ops.gemma_norm_add(alone, x, residual, post, 1e-6)
+    assert torch.equal(alone, want_sum)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("size", SIZES)
@@ -292,6 +342,15 @@ def test_inputs_the_kernels_cannot_take_are_named_refusals(ops) -> None:
         ops.gelu_tanh_and_mul(torch.empty_like(x), x, x[:2])
     with pytest.raises(RuntimeError, match="one dtype"):
         ops.gelu_tanh_and_mul(torch.empty_like(x), x, x.float())
+    out, summed = torch.empty_like(x), torch.empty_like(x)
+    with pytest.raises(RuntimeError, match="weight"):
+        ops.gemma_norm_add_norm(out, summed, x, x, weight, 1e-6, weight[:16], 1e-6)
+    with pytest.raises(RuntimeError, match="one shape"):
+        ops.gemma_norm_add(summed, x, x[:2], weight, 1e-6)
+    with pytest.raises(RuntimeError, match="share one dtype"):
+        ops.add_gemma_rms_norm(out, summed, x, x.float(), weight, 1e-6)
+    with pytest.raises(RuntimeError, match="out"):
+        ops.gemma_norm_add_norm(out[:2], summed, x, x, weight, 1e-6, weight, 1e-6)
 
 
 # The attachment: module forwards against the unfused modules, and where the fused ones step aside.
@@ -433,6 +492,7 @@ def test_without_the_library_nothing_changes_and_the_log_says_why(monkeypatch, c
 L4 = ("RMSNorm", "MLP", "Attention", "DecoderLayer")  # Llama's four module classes, by name suffix
 PARTIAL = cpu_fused.PARTIAL_ROTARY
 PAIRS = cpu_fused.PAIRS_ROTARY
+SANDWICH = "sandwich_layer"
 # Architectures people run and what their classes compute, found by code (cpu_fused.module_kind's
 # class part): a transformers release that changes one fails here rather than silently not fusing it.
 KNOWN_ARCHITECTURES = {
@@ -479,11 +539,11 @@ KNOWN_ARCHITECTURES = {
     "gemma": ("Gemma", dict(zip(L4, ("gemma_rms_norm", "mlp", "attention", "decoder_layer"), strict=True))),
     "gemma2": (
         "Gemma2",
-        {"RMSNorm": "gemma_rms_norm", "MLP": "mlp", "Attention": "attention", "DecoderLayer": None},
+        {"RMSNorm": "gemma_rms_norm", "MLP": "mlp", "Attention": "attention", "DecoderLayer": SANDWICH},
     ),
     "gemma3": (
         "Gemma3",
-        {"RMSNorm": "gemma_rms_norm", "MLP": "mlp", "Attention": "attention", "DecoderLayer": None},
+        {"RMSNorm": "gemma_rms_norm", "MLP": "mlp", "Attention": "attention", "DecoderLayer": SANDWICH},
     ),
     "starcoder2": ("Starcoder2", {"Attention": "attention", "MLP": None}),
     "glm4_moe": ("Glm4Moe", {**dict(zip(L4, ("rms_norm", "mlp", PARTIAL, "decoder_layer"), strict=True))}),
@@ -575,19 +635,57 @@ def test_a_module_that_changes_the_computation_is_not_fused() -> None:
     assert cpu_fused.module_kind(tensor_eps) is None
 
 
-def test_gemmas_layer_is_llamas_but_its_norm_is_not_so_it_keeps_its_own() -> None:
-    """Gemma's decoder layer has Llama's forward; the fused add takes the place of a Llama RMSNorm,
-    which Gemma's ``1 + w`` norm is not."""
-    from transformers import GemmaConfig
+def test_gemmas_layers_take_the_add_and_norm_kernels_of_gemmas_norm() -> None:
+    """Gemma's decoder layer has Llama's forward with Gemma's ``1 + w`` norm: the fused add takes
+    Gemma's kernel. Gemma 2's and 3's put a norm after each sublayer (the sandwich kind); one whose
+    norm is not Gemma's keeps its own forward."""
+    from transformers import Gemma2Config, Gemma3TextConfig, GemmaConfig
     from transformers.models.gemma.modeling_gemma import GemmaDecoderLayer
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2DecoderLayer
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    config = GemmaConfig(
-        hidden_size=32, intermediate_size=48, num_attention_heads=2, num_key_value_heads=1, head_dim=16
-    )
-    layer = GemmaDecoderLayer(config, 0)
+    sizes = {"hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 2, "num_key_value_heads": 1}
+    layer = GemmaDecoderLayer(GemmaConfig(head_dim=16, **sizes), 0)
     assert class_kind(GemmaDecoderLayer) == "decoder_layer"
-    assert cpu_fused.module_kind(layer) is None
+    assert cpu_fused.module_kind(layer) == "gemma_decoder_layer"
     assert cpu_fused.module_kind(layer.mlp) == "gelu_tanh_mlp"  # its activation: GELU's tanh form
+    for cls, config in [(Gemma2DecoderLayer, Gemma2Config), (Gemma3DecoderLayer, Gemma3TextConfig)]:
+        layer = cls(config(head_dim=16, **sizes), 0)
+        assert cpu_fused.module_kind(layer) == SANDWICH
+        layer.post_feedforward_layernorm = LlamaRMSNorm(32)
+        assert cpu_fused.module_kind(layer) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_fused_sandwich_layer_agrees_with_gemma3s_own(dtype, monkeypatch) -> None:
+    """Gemma 3's layer, fused (its norms and the two sandwich kernels) against its own forward on the
+    same weights: float32 within the kernels' few ulps, 16-bit within a few of its ulps."""
+    from transformers import Gemma3TextConfig
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        hidden_size=64, intermediate_size=96, num_attention_heads=2, num_key_value_heads=1, head_dim=32
+    )
+    config._attn_implementation = "eager"
+    plain = Gemma3DecoderLayer(config, 0).to(dtype).eval()
+    for name in ("input_layernorm", *cpu_fused.SANDWICH_NORMS):
+        getattr(plain, name).weight.data.normal_(0, 0.5)
+    fused = Gemma3DecoderLayer(config, 0).to(dtype).eval()
+    fused.load_state_dict(plain.state_dict())
+    assert cpu_fused.use_fused_ops(fused, dtype).counts.get(SANDWICH) == 1
+    x = torch.randn(1, 5, 64).to(dtype)
+    cos, sin = torch.randn(2, 1, 5, 32).to(dtype)
+    called: set[str] = set()
+    real = native.op
+    monkeypatch.setattr(native, "op", lambda name: called.add(name) or real(name))
+    with torch.no_grad():
+        got = fused(x, position_embeddings=(cos, sin))
+        want = plain(x, position_embeddings=(cos, sin))
+    assert {"gemma_norm_add_norm", "gemma_norm_add"} <= called
+    tolerance = (1e-5 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps) * want.abs().max().item()
+    assert (got.double() - want.double()).abs().max().item() <= tolerance
 
 
 def test_the_mlp_kernel_follows_the_activation() -> None:

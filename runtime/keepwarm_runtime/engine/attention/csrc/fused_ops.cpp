@@ -1,5 +1,6 @@
 // Fused elementwise kernels for a decoder layer on CPU: RMSNorm (alone and after a residual add),
-// Gemma's RMSNorm (scaled by 1 + w in float32, rounded once), SiLU-and-mul (a gated MLP's
+// Gemma's RMSNorm (scaled by 1 + w in float32, rounded once; alone, after a residual add, and Gemma 2's
+// and 3's norm-add-norm sandwich between sublayers), SiLU-and-mul (a gated MLP's
 // act(gate) * up, from two tensors or from the halves of one gate-and-up product), GELU-tanh-and-mul
 // (Gemma's MLP) and rotary position embedding (over the whole head or its first dims, as halves or, GLM's,
 // as pairs).
@@ -20,8 +21,9 @@
 // elsewhere; float16 goes through c10::Half. Rows are split over torch's intra-op threads when there are enough of
 // them to pay for it.
 //
-// Registered as torch.ops.keepwarm_cpu.{rms_norm, add_rms_norm, gemma_rms_norm, silu_and_mul,
-// silu_and_mul_halves, gelu_tanh_and_mul, rotary_embedding, rotary_embedding_pairs}
+// Registered as torch.ops.keepwarm_cpu.{rms_norm, add_rms_norm, gemma_rms_norm, add_gemma_rms_norm,
+// gemma_norm_add, gemma_norm_add_norm, silu_and_mul, silu_and_mul_halves, gelu_tanh_and_mul,
+// rotary_embedding, rotary_embedding_pairs}
 // (attention/native.py builds it into one library with paged_decode.cpp).
 
 #include <ATen/Dispatch.h>
@@ -143,12 +145,37 @@ inline void gemma_rms_norm_row(const T* x, const T* w, T* out, int64_t n, float 
     out[i] = static_cast<T>(round_to<float>(static_cast<float>(x[i]) * r) * (1.f + static_cast<float>(w[i])));
 }
 
+// Either RMSNorm of one row, by the norm's kind.
+template <bool Gemma, typename T>
+inline void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
+  if constexpr (Gemma)
+    gemma_rms_norm_row(x, w, out, n, eps);
+  else
+    rms_norm_row(x, w, out, n, eps);
+}
+
 // One row of residual + x (rounded to T, stored in `sum`), then RMSNorm of that sum into `out`.
 template <typename T>
 inline void add_row(const T* x, const T* residual, T* sum, int64_t n) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) store16(sum + i, load16(residual + i) + load16(x + i));
   for (; i < n; ++i) sum[i] = static_cast<T>(static_cast<float>(residual[i]) + static_cast<float>(x[i]));
+}
+
+// One row of residual + T(gemma_rms_norm(x)) (rounded to T, into `sum`): Gemma 2's and 3's norm after a
+// sublayer and the residual add after it, each rounded where the modules round.
+template <typename T>
+inline void gemma_norm_add_row(const T* x, const T* w, const T* residual, T* sum, int64_t n, float eps) {
+  const float r = rms_scale(x, n, eps);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const vfloat normed = round_to<T>(round_to<float>(load16(x + i) * r) * (1.f + load16(w + i)));
+    store16(sum + i, load16(residual + i) + normed);
+  }
+  for (; i < n; ++i) {
+    const float normed = round_to<T>(round_to<float>(static_cast<float>(x[i]) * r) * (1.f + static_cast<float>(w[i])));
+    sum[i] = static_cast<T>(static_cast<float>(residual[i]) + normed);
+  }
 }
 
 // The gated MLPs' activations, each as a vector and a scalar function of the same formula.
@@ -247,21 +274,34 @@ void gemma_rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weigh
   norm_rows(out, x, weight, eps, true);
 }
 
-void add_rms_norm(at::Tensor out, at::Tensor sum, const at::Tensor& x, const at::Tensor& residual,
-                  const at::Tensor& weight, double eps) {
-  check_rows(out, "out");
+// The tensors of a residual step: x, residual, sum (and out, when given) of one shape and dtype, with
+// [hidden] weights.
+void check_residual_step(const at::Tensor* out, const at::Tensor& sum, const at::Tensor& x,
+                         const at::Tensor& residual, std::initializer_list<const at::Tensor*> weights) {
   check_rows(sum, "sum");
   check_rows(x, "x");
   check_rows(residual, "residual");
-  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n && weight.is_contiguous(), "weight: [hidden], contiguous");
-  TORCH_CHECK(out.sizes() == x.sizes() && sum.sizes() == x.sizes() && residual.sizes() == x.sizes(),
-              "out, sum, x and residual have one shape");
+  const int64_t n = x.size(-1);
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(weight.scalar_type() == dtype && out.scalar_type() == dtype && sum.scalar_type() == dtype
-                  && residual.scalar_type() == dtype,
-              "x, residual, weight, out and sum share one dtype");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "add_rms_norm", [&] {
+  TORCH_CHECK(sum.sizes() == x.sizes() && residual.sizes() == x.sizes(), "sum, x and residual have one shape");
+  TORCH_CHECK(sum.scalar_type() == dtype && residual.scalar_type() == dtype, "x, residual and sum share one dtype");
+  if (out != nullptr) {
+    check_rows(*out, "out");
+    TORCH_CHECK(out->sizes() == x.sizes() && out->scalar_type() == dtype, "out: x's shape and dtype");
+  }
+  for (const at::Tensor* w : weights)
+    TORCH_CHECK(w->dim() == 1 && w->size(0) == n && w->is_contiguous() && w->scalar_type() == dtype,
+                "weight: [hidden], contiguous, x's dtype");
+}
+
+// sum = T(residual + x), then out = RMSNorm(sum): Llama's (or Gemma's, `Gemma`) residual add and the
+// norm after it, in one pass over each row.
+template <bool Gemma>
+void add_norm(at::Tensor& out, at::Tensor& sum, const at::Tensor& x, const at::Tensor& residual,
+              const at::Tensor& weight, double eps) {
+  check_residual_step(&out, sum, x, residual, {&weight});
+  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* rp = residual.data_ptr<scalar_t>();
     const scalar_t* wp = weight.data_ptr<scalar_t>();
@@ -270,10 +310,56 @@ void add_rms_norm(at::Tensor out, at::Tensor sum, const at::Tensor& x, const at:
     at::parallel_for(0, rows, grain(n), [&](int64_t first, int64_t last) {
       for (int64_t r = first; r < last; ++r) {
         add_row(xp + r * n, rp + r * n, sp + r * n, n);
-        rms_norm_row(sp + r * n, wp, op + r * n, n, float(eps));
+        norm_row<Gemma>(sp + r * n, wp, op + r * n, n, float(eps));
       }
     });
   });
+}
+
+void add_rms_norm(at::Tensor out, at::Tensor sum, const at::Tensor& x, const at::Tensor& residual,
+                  const at::Tensor& weight, double eps) {
+  add_norm<false>(out, sum, x, residual, weight, eps);
+}
+
+void add_gemma_rms_norm(at::Tensor out, at::Tensor sum, const at::Tensor& x, const at::Tensor& residual,
+                        const at::Tensor& weight, double eps) {
+  add_norm<true>(out, sum, x, residual, weight, eps);
+}
+
+// sum = T(residual + gemma_rms_norm(x, weight)) and, when `next` is given, out = gemma_rms_norm(sum,
+// next): the sandwich of Gemma 2's and 3's layers (the norm after a sublayer, the residual add, and the
+// norm before the next sublayer), each row read once.
+void gemma_norm_add_rows(at::Tensor* out, at::Tensor& sum, const at::Tensor& x, const at::Tensor& residual,
+                         const at::Tensor& weight, double eps, const at::Tensor* next, double next_eps) {
+  if (next != nullptr)
+    check_residual_step(out, sum, x, residual, {&weight, next});
+  else
+    check_residual_step(nullptr, sum, x, residual, {&weight});
+  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gemma_norm_add", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* rp = residual.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    const scalar_t* np = next != nullptr ? next->data_ptr<scalar_t>() : nullptr;
+    scalar_t* op = next != nullptr ? out->data_ptr<scalar_t>() : nullptr;
+    scalar_t* sp = sum.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain(n), [&](int64_t first, int64_t last) {
+      for (int64_t r = first; r < last; ++r) {
+        gemma_norm_add_row(xp + r * n, wp, rp + r * n, sp + r * n, n, float(eps));
+        if (np != nullptr) gemma_rms_norm_row(sp + r * n, np, op + r * n, n, float(next_eps));
+      }
+    });
+  });
+}
+
+void gemma_norm_add(at::Tensor sum, const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                    double eps) {
+  gemma_norm_add_rows(nullptr, sum, x, residual, weight, eps, nullptr, 0.0);
+}
+
+void gemma_norm_add_norm(at::Tensor out, at::Tensor sum, const at::Tensor& x, const at::Tensor& residual,
+                         const at::Tensor& weight, double eps, const at::Tensor& next_weight, double next_eps) {
+  gemma_norm_add_rows(&out, sum, x, residual, weight, eps, &next_weight, next_eps);
 }
 
 // out = T(act(gate)) * up, row by row.
@@ -391,6 +477,12 @@ TORCH_LIBRARY_FRAGMENT(keepwarm_cpu, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) sum, Tensor x, Tensor residual, Tensor weight, float eps) -> ()");
   m.def("gemma_rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def(
+      "add_gemma_rms_norm(Tensor(a!) out, Tensor(b!) sum, Tensor x, Tensor residual, Tensor weight, float eps) -> ()");
+  m.def("gemma_norm_add(Tensor(a!) sum, Tensor x, Tensor residual, Tensor weight, float eps) -> ()");
+  m.def(
+      "gemma_norm_add_norm(Tensor(a!) out, Tensor(b!) sum, Tensor x, Tensor residual, Tensor weight, float eps, "
+      "Tensor next_weight, float next_eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate, Tensor up) -> ()");
   m.def("silu_and_mul_halves(Tensor(a!) out, Tensor gate_up) -> ()");
   m.def("gelu_tanh_and_mul(Tensor(a!) out, Tensor gate, Tensor up) -> ()");
@@ -404,6 +496,9 @@ TORCH_LIBRARY_IMPL(keepwarm_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("gemma_rms_norm", &gemma_rms_norm);
+  m.impl("add_gemma_rms_norm", &add_gemma_rms_norm);
+  m.impl("gemma_norm_add", &gemma_norm_add);
+  m.impl("gemma_norm_add_norm", &gemma_norm_add_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("silu_and_mul_halves", &silu_and_mul_halves);
   m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
