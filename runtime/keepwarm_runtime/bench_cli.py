@@ -107,6 +107,7 @@ FORWARDED: dict[str, str] = {
     "cpu_compile": "torch.compile of the CPU forward pass beside the eager engine (a probe, not a feature)",
     "serve": "`keepwarm serve` vs `transformers serve` under the same open-loop load",
     "streams": "`keepwarm serve` at saturation, streamed beside unstreamed: tokens/s, event loop CPU a token",
+    "stream_text": "a streamed token's bookkeeping (put together, tool hold-back, new text) as outputs grow",
     "contention": "engine tokens/s alone vs beside a CPU hog, keepwarm's thread settings vs torch's",
     "handoff": "how long the node's cache is cold when its daemon is upgraded or killed",
     "lora": "LoRA adapters: load time per rank, mixed-adapter throughput vs the base and vs PEFT",

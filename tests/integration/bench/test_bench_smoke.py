@@ -233,6 +233,21 @@ def test_cpu_compile_benchmark_compiles_the_whole_pass_and_keeps_the_tokens(tmp_
             assert len(rounds) == 1 and 0 < rounds[0]["min_ms"] <= rounds[0]["median_ms"], row
 
 
+def test_stream_text_benchmark_times_each_plan_at_each_length(tmp_path: Path) -> None:
+    out = tmp_path / "stream_text.json"
+    argv = [sys.executable, "-m", "keepwarm_runtime.cli", "bench", "stream_text", "--lengths", "50,400"]
+    _run([*argv, "--window", "50", "--rounds", "1", "--json-out", str(out)], tmp_path)
+    result = json.loads(out.read_text())
+    assert [(row["plan"], row["tokens"]) for row in result["rows"]] == [
+        ("none", 50),
+        ("none", 400),
+        ("hermes", 50),
+        ("hermes", 400),
+    ]
+    assert all(row["us_per_token"] > 0 for row in result["rows"])
+    assert set(result["growth"]) == {"none", "hermes"}
+
+
 def test_cpu_attention_benchmark_times_the_kernel_warm_and_cold_per_dtype(tmp_path: Path) -> None:
     out = tmp_path / "attention.json"
     argv = [sys.executable, "-m", "bench.cpu_attention", "--dtypes", "bfloat16,float32", "--contexts", "5,40"]

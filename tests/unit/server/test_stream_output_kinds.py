@@ -135,3 +135,19 @@ def test_put_together_keeps_the_first_prompt_logprobs_and_every_token_logprob() 
     assert [list(lp) for lp in choice.logprobs] == [[5], [6], [7], [8]]
     assert out.prompt_logprobs == [None, {2: Logprob(-1.0, 1)}]
     assert steps[0].outputs[0].logprobs is first_logprobs and len(first_logprobs) == 1  # not appended to
+
+
+def test_put_together_text_grows_in_place_and_a_reader_keeps_the_text_it_read() -> None:
+    """The accumulated text is appended to in place (CPython's append to a string one local holds);
+    a reader that still holds an earlier text keeps it as it was, and every choice's text is whole."""
+    pieces = [f"{i:04d}" for i in range(3000)]
+    together = Accumulated()
+    kept: list[tuple[int, str]] = []
+    for i, piece in enumerate(pieces):
+        completion = CompletionOutput(0, piece, [i], None, None, "length" if i == len(pieces) - 1 else None)
+        out = together.add(RequestOutput("r", None, [1], [completion], i == len(pieces) - 1))
+        if i % 997 == 0:
+            kept.append((i, out.outputs[0].text))  # held across the adds that follow
+    assert out.outputs[0].text == "".join(pieces)
+    for i, text in kept:
+        assert text == "".join(pieces[: i + 1])

@@ -57,3 +57,42 @@ def test_mistral_array_after_marker():
 )
 def test_safe_content_length_holds_back_what_may_start_a_call(parser, text, safe):
     assert parser.safe_content_length(text) == safe
+
+
+PARSERS = [HermesParser(), MistralParser(), Llama3JsonParser()]
+
+
+@pytest.mark.parametrize("parser", PARSERS, ids=lambda p: p.name)
+def test_a_stream_that_passes_what_it_sent_holds_back_what_a_whole_search_would(parser) -> None:
+    """Text streamed a few characters at a time, the marker anywhere (split across chunks, at the
+    start, twice, a near miss): the safe length searched from what was sent equals a search of the
+    whole text at every chunk, so the stream sends the same."""
+    import random
+
+    marker = getattr(parser, "start", None) or parser.tag
+    rng = random.Random(7)
+    for trial in range(200):
+        pieces = ["word ", "<b> ", "[TOOL ", marker[:-1], marker, " ", "{", "\n"]
+        text = "".join(rng.choice(pieces) for _ in range(12))
+        sent = 0
+        for end in range(1, len(text) + 1, rng.randint(1, 5)):
+            so_far = text[:end]
+            whole = parser.safe_content_length(so_far)
+            assert parser.safe_content_length(so_far, sent) == whole, (trial, so_far, sent)
+            sent = max(sent, whole)  # what DeltaTracker sends: never takes back what it sent
+
+
+def test_the_held_end_is_the_longest_that_could_begin_the_marker() -> None:
+    """Against the definition, over every end of texts made of the marker's own pieces."""
+    import itertools
+
+    from keepwarm_runtime.server.openai.chat.tool_parsers import _held_suffix
+
+    for marker in ("<tool_call>", "[TOOL_CALLS]", "aab"):
+        alphabet = [*sorted(set(marker)), "x"]
+        for size in range(6):
+            for chars in itertools.product(alphabet, repeat=size):
+                text = "".join(chars)
+                ends = range(min(len(marker) - 1, len(text)) + 1)
+                want = max(n for n in ends if marker.startswith(text[len(text) - n :]))
+                assert _held_suffix(text, marker) == want, (marker, text)

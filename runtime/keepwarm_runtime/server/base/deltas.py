@@ -21,7 +21,8 @@ from keepwarm_runtime.engine.outputs import CompletionOutput, Logprob, RequestOu
 class Accumulated:
     """One request's DELTA outputs put together: ``add`` appends a delta to a single RequestOutput
     (and its choices' CompletionOutputs) and returns it, the same object every time, so a consumer
-    reads it before asking for the next. Appending costs what the delta holds, not the output so far."""
+    reads it before asking for the next. Appending costs what the delta holds, not the output so far
+    (its text included: see ``add``)."""
 
     def __init__(self) -> None:
         self.output: RequestOutput | None = None
@@ -35,7 +36,12 @@ class Accumulated:
             self.output = replace(delta, outputs=choices, prompt_logprobs=_copy(delta.prompt_logprobs))
             return self.output
         for o, d in zip(out.outputs, delta.outputs, strict=True):  # every choice, in index order, each time
-            o.text += d.text
+            # The text taken out of the output first: CPython appends to a string held only by a local
+            # in place (amortised), where ``o.text += ...`` copies it whole at every delta (0.06 us a
+            # token against 4.6 at 32,000 tokens). A reader still holding the old text gets a copy.
+            text, o.text = o.text, ""
+            text += d.text
+            o.text = text
             o.token_ids += d.token_ids
             if d.logprobs is not None and o.logprobs is not None:
                 o.logprobs += d.logprobs
@@ -72,6 +78,10 @@ class DeltaTracker:
         self._chars: dict[Any, int] = {}
         self._tokens: dict[Any, int] = {}
         self._done: set[Any] = set()
+
+    def sent(self, key: Any) -> int:
+        """Characters of choice ``key``'s text sent so far."""
+        return self._chars.get(key, 0)
 
     def delta(self, key: Any, output: CompletionOutput, hold_back: int = 0) -> ChoiceDelta | None:
         """What is new for choice ``key``; None if nothing is. ``hold_back`` keeps the last characters

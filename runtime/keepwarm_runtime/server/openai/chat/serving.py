@@ -270,12 +270,12 @@ def _choice(req: ChatCompletionRequest, plan: ToolPlan, o: CompletionOutput, top
     )
 
 
-def held_back(plan: ToolPlan, text: str) -> int:
-    """Characters at the end of ``text`` a stream must hold back under ``plan``."""
+def held_back(plan: ToolPlan, text: str, sent: int = 0) -> int:
+    """Characters at the end of ``text`` a stream must hold back under ``plan``, having sent ``sent``."""
     if plan.forced:
         return len(text)
     if plan.parser is not None:
-        return len(text) - plan.parser.safe_content_length(text)
+        return len(text) - plan.parser.safe_content_length(text, sent)
     return 0
 
 
@@ -312,7 +312,7 @@ async def _stream(
         while output is not None:
             choices = []
             for o in output.outputs:
-                d = tracker.delta(o.index, o, hold_back=held_back(plan, o.text))
+                d = tracker.delta(o.index, o, hold_back=held_back(plan, o.text, tracker.sent(o.index)))
                 if d is None:
                     continue
                 if plain and d.finish_reason is None:  # most chunks: the choice's new text alone

@@ -236,7 +236,7 @@ async def _stream(
         final = first.outputs[0]
         while output is not None:
             final = output.outputs[0]
-            d = tracker.delta(0, final, hold_back=held_back(plan, final.text))
+            d = tracker.delta(0, final, hold_back=held_back(plan, final.text, tracker.sent(0)))
             if d is not None and d.text and d.finish_reason is None:
                 if not streamed:
                     for text in _open_message(event, message_id):
