@@ -25,12 +25,13 @@ list, and a transformers release that changes one simply stops fusing it.
   ``gate_up_proj`` whose halves are the gate and the up: ``down_proj(silu_and_mul_halves(gate_up_proj(x)))``.
 - Attention whose forward calls an ``apply_rotary_pos_emb`` that is Llama's (the whole head), Phi-3's
   or GLM-4.5's (its first dims, the rest passed through) or GLM's (its first dims turned in pairs):
-  its forward, the same code, runs with that
-  global bound to the fused kernel (a copy of the function with its own globals, so transformers' module
-  and every other model in the process keep the original). The copy is of the innermost forward, under
-  the decorators transformers puts on it (the ``past_key_values`` -> ``cache`` renaming, which
-  keepwarm's calls do not need, and the ``kernels`` package's routing of hub kernels, which keepwarm
-  does not use).
+  its forward, the same code, runs with that global bound to the fused kernel (a copy of the function
+  with its own globals, so transformers' module and every other model in the process keep the
+  original), and DeepSeek-V3's ``apply_rotary_pos_emb_interleave`` (pairs in, halves out), which its
+  attention calls instead where its config's ``rope_interleave`` is on, too. The copy is of the
+  innermost forward, under the decorators transformers puts on it (the ``past_key_values`` ->
+  ``cache`` renaming, which keepwarm's calls do not need, and the ``kernels`` package's routing of hub
+  kernels, which keepwarm does not use).
 - Decoder layer: the residual add after attention and the post-attention RMSNorm are one kernel
   (``keepwarm_cpu.add_rms_norm``; ``add_gemma_rms_norm`` where that norm is Gemma's, as in Gemma's
   layer, which is Llama's code). Gemma 2's and 3's layer puts a norm after each sublayer as well
@@ -84,6 +85,8 @@ GEMMA2 = "transformers.models.gemma2.modeling_gemma2"
 PHI3 = "transformers.models.phi3.modeling_phi3"
 GLM4_MOE = "transformers.models.glm4_moe.modeling_glm4_moe"
 GLM = "transformers.models.glm.modeling_glm"
+DEEPSEEK_V3 = "transformers.models.deepseek_v3.modeling_deepseek_v3"
+INTERLEAVE_NAME = "apply_rotary_pos_emb_interleave"  # DeepSeek-V3's, beside ROTARY_NAME in its attention
 
 
 # The norms around a sandwich layer's sublayers (Gemma 2's and 3's), which its fused forward replaces.
@@ -268,6 +271,15 @@ def rotary_kind(cls: type[nn.Module]) -> str | None:
         if same_computation(rotary, getattr(importlib.import_module(module), ROTARY_NAME)):
             return kind
     return None
+
+
+def interleaves(forward: types.FunctionType) -> bool:
+    """Whether ``forward`` also calls a global ``apply_rotary_pos_emb_interleave`` that computes what
+    DeepSeek-V3's does (its reference is imported only for a forward that names it)."""
+    if INTERLEAVE_NAME not in forward.__code__.co_names or INTERLEAVE_NAME not in forward.__globals__:
+        return False
+    reference = getattr(importlib.import_module(DEEPSEEK_V3), INTERLEAVE_NAME)
+    return same_computation(forward.__globals__[INTERLEAVE_NAME], reference)
 
 
 def _activation(act: object) -> str | None:
@@ -463,10 +475,19 @@ def _sandwich_layer_forward(
 
 def fused_rotary(original: Callable, kind: str = "attention") -> Callable:
     """``apply_rotary_pos_emb`` on the fused kernel, ``original`` for what the kernel does not take.
-    ``kind``: which reference ``original`` computes (``ROTARY_REFERENCES``); all but Llama's rotate
-    cos's width of each head and pass the rest."""
-    partial = kind != "attention"
-    kernel = "rotary_embedding_pairs" if kind == PAIRS_ROTARY else "rotary_embedding"
+    ``kind``: which reference ``original`` computes (``ROTARY_REFERENCES``, or ``INTERLEAVE_NAME`` for
+    DeepSeek-V3's interleaved function); Phi-3's, GLM-4.5's and GLM's rotate cos's width of each head
+    and pass the rest, Llama's and DeepSeek-V3's the whole head."""
+    partial = kind in (PARTIAL_ROTARY, PAIRS_ROTARY)
+    kernel = {PAIRS_ROTARY: "rotary_embedding_pairs", INTERLEAVE_NAME: "rotary_embedding_interleave"}.get(
+        kind, "rotary_embedding"
+    )
+    if kind == INTERLEAVE_NAME:  # its signature: position_ids (unused) before unsqueeze_dim
+
+        def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+            if position_ids is not None:
+                return original(q, k, cos, sin, position_ids, unsqueeze_dim)
+            return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
 
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         rotary_dims = cos.shape[-1] if cos.dim() else 0
@@ -488,12 +509,12 @@ def fused_rotary(original: Callable, kind: str = "attention") -> Callable:
             or k.stride(-1) != 1
             or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
         ):
-            return original(q, k, cos, sin, unsqueeze_dim)
+            return original(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
         q_out, k_out = torch.empty_like(q), torch.empty_like(k)
         native.op(kernel)(q_out, k_out, q, k, cos, sin)
         return q_out, k_out
 
-    return apply_rotary_pos_emb
+    return apply_rotary_pos_emb_interleave if kind == INTERLEAVE_NAME else apply_rotary_pos_emb
 
 
 FORWARDS = {
@@ -520,6 +541,8 @@ def fused_class(cls: type[nn.Module], kind: str) -> type[nn.Module]:
         assert own is not None and kind in dict(ROTARY_REFERENCES), (cls, kind)
         scope = dict(own.__globals__)
         scope[ROTARY_NAME] = fused_rotary(own.__globals__[ROTARY_NAME], kind)
+        if interleaves(own):  # DeepSeek-V3's attention calls it where its config's rope_interleave is on
+            scope[INTERLEAVE_NAME] = fused_rotary(own.__globals__[INTERLEAVE_NAME], INTERLEAVE_NAME)
         forward = types.FunctionType(own.__code__, scope, own.__name__, own.__defaults__, own.__closure__)
         forward.__kwdefaults__ = own.__kwdefaults__
         functools.update_wrapper(forward, own)  # its source, for engine/attention/fuser.py

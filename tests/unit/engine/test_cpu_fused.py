@@ -306,6 +306,28 @@ def test_pairs_rotary_is_glms_apply_rotary_pos_emb_exactly(ops, dtype, dim, rota
     assert torch.equal(halves_q, want_q) == (rotary_dims == 2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", [1, 5, 70])
+@pytest.mark.parametrize("dim", [64, 32, 18, 2])
+def test_interleaved_rotary_is_deepseek_v3s_exactly(ops, dtype, tokens, dim) -> None:
+    """DeepSeek-V3's apply_rotary_pos_emb_interleave: pairs turned by one angle each, written out as
+    halves; its MLA attention's keys are one head ([B, 1, T, D], as its rotary key's view)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
+
+    q, k, cos, sin = rotary_case(dtype, tokens, heads=4, kv_heads=1, dim=dim, seed=tokens * dim + 5)
+    want_q, want_k = apply_rotary_pos_emb_interleave(q, k, cos, sin)
+    got_q, got_k = torch.empty_like(q), torch.empty_like(k)
+    ops.rotary_embedding_interleave(got_q, got_k, q, k, cos, sin)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    fused = cpu_fused.fused_rotary(apply_rotary_pos_emb_interleave, cpu_fused.INTERLEAVE_NAME)
+    assert all(torch.equal(a, b) for a, b in zip(fused(q, k, cos, sin), (want_q, want_k), strict=True))
+    halves_q, _ = cpu_fused.fused_rotary(apply_rotary_pos_emb_interleave, "attention")(q, k, cos, sin)
+    if dim > 2:
+        assert not torch.equal(halves_q, want_q)  # Llama's layout is another computation
+        with pytest.raises(RuntimeError, match="span the head"):
+            ops.rotary_embedding_interleave(got_q, got_k, q, k, cos[..., :2], sin[..., :2])
+
+
 def test_inputs_the_kernels_cannot_take_are_named_refusals(ops) -> None:
     x = torch.randn(4, 32, dtype=torch.bfloat16)
     weight = torch.ones(32, dtype=torch.bfloat16)

@@ -3,7 +3,7 @@
 // and 3's norm-add-norm sandwich between sublayers), SiLU-and-mul (a gated MLP's
 // act(gate) * up, from two tensors or from the halves of one gate-and-up product), GELU-tanh-and-mul
 // (Gemma's MLP) and rotary position embedding (over the whole head or its first dims, as halves or, GLM's,
-// as pairs).
+// as pairs; DeepSeek-V3's pairs written out as halves).
 //
 // Each replaces a chain of torch operators that read and write the whole activation once per operator
 // (RMSNorm alone is a cast, pow, mean, add, rsqrt, mul, cast and mul) with one pass over each row.
@@ -23,7 +23,7 @@
 //
 // Registered as torch.ops.keepwarm_cpu.{rms_norm, add_rms_norm, gemma_rms_norm, add_gemma_rms_norm,
 // gemma_norm_add, gemma_norm_add_norm, silu_and_mul, silu_and_mul_halves, gelu_tanh_and_mul,
-// rotary_embedding, rotary_embedding_pairs}
+// rotary_embedding, rotary_embedding_pairs, rotary_embedding_interleave}
 // (attention/native.py builds it into one library with paged_decode.cpp).
 
 #include <ATen/Dispatch.h>
@@ -234,6 +234,24 @@ inline void rotary_pairs_row(const T* x, const T* c, const T* s, T* out, int64_t
   }
 }
 
+// One head's row whose dims come in pairs (x[2i], x[2i + 1]) turned by angle i and leave as halves
+// (DeepSeek-V3's apply_rotary_pos_emb_interleave: the pairs' first elements turned make the first half
+// of the output, their second elements the second half): out[i] = T(T(x[2i] * cos[i]) - T(x[2i + 1] *
+// sin[i])), out[dim / 2 + i] = T(T(x[2i + 1] * cos[i]) + T(x[2i] * sin[i])), cos's first half alone.
+template <typename T>
+inline void rotary_pairs_to_halves_row(const T* x, const T* c, const T* s, T* out, int64_t dim) {
+  const int64_t half = dim / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = static_cast<float>(x[2 * i]), x2 = static_cast<float>(x[2 * i + 1]);
+    const float ci = static_cast<float>(c[i]), si = static_cast<float>(s[i]);
+    out[i] = static_cast<T>(round_to<T>(x1 * ci) + round_to<T>(-x2 * si));
+    out[half + i] = static_cast<T>(round_to<T>(x2 * ci) + round_to<T>(x1 * si));
+  }
+}
+
+// How a rotary kernel reads and writes a head's rotary dims.
+enum class RotaryLayout { kHalves, kPairs, kPairsToHalves };
+
 // Rows of a [rows, n] view: row r starts at r * stride (the last dim contiguous).
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() >= 1 && t.stride(-1) == 1, name, ": the last dim must be contiguous");
@@ -411,9 +429,10 @@ void silu_and_mul_halves(at::Tensor out, const at::Tensor& gate_up) {
 // [B, T, R] (the last dim contiguous), R even and at most D: each head's first R dims are rotated, the
 // rest passed through (partial rotary, Phi-3's apply_rotary_pos_emb); q_out and k_out: q's and k's
 // shapes, written.
-// pairs: the rotary dims are turned in pairs (GLM's), not as halves (Llama's, Phi-3's).
+// layout: the rotary dims turned as halves (Llama's, Phi-3's), in pairs (GLM's), or in pairs written
+// out as halves (DeepSeek-V3's, whose rotary covers the whole head).
 void rotary_heads(at::Tensor& q_out, at::Tensor& k_out, const at::Tensor& q, const at::Tensor& k,
-                  const at::Tensor& cos, const at::Tensor& sin, bool pairs) {
+                  const at::Tensor& cos, const at::Tensor& sin, RotaryLayout layout) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && cos.dim() == 3 && sin.dim() == 3,
               "q and k are [B, H, T, D], cos and sin [B, T, D]");
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.strides() == sin.strides(), "cos and sin: one layout");
@@ -422,6 +441,7 @@ void rotary_heads(at::Tensor& q_out, at::Tensor& k_out, const at::Tensor& q, con
   TORCH_CHECK(k.size(0) == B && k.size(2) == T && k.size(3) == D && cos.size(0) == B && cos.size(1) == T,
               "q, k, cos and sin disagree on batch, tokens or head dim");
   TORCH_CHECK(R % 2 == 0 && R <= D, "the rotary dims (cos's last) must be even and at most the head dim");
+  TORCH_CHECK(layout != RotaryLayout::kPairsToHalves || R == D, "pairs to halves: cos must span the head");
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &cos, &sin, &q_out, &k_out})
     TORCH_CHECK(t->stride(-1) == 1, "the last dim must be contiguous");
   const auto dtype = q.scalar_type();
@@ -451,8 +471,10 @@ void rotary_heads(at::Tensor& q_out, at::Tensor& k_out, const at::Tensor& q, con
         const int64_t cs_at = b * cs_b + t * cs_t;
         const scalar_t* x = in[w] + b * is[0] + head * is[1] + t * is[2];
         scalar_t* y = out[w] + b * os[0] + head * os[1] + t * os[2];
-        if (pairs)
+        if (layout == RotaryLayout::kPairs)
           rotary_pairs_row(x, cp + cs_at, sp + cs_at, y, R);
+        else if (layout == RotaryLayout::kPairsToHalves)
+          rotary_pairs_to_halves_row(x, cp + cs_at, sp + cs_at, y, R);
         else
           rotary_row(x, cp + cs_at, sp + cs_at, y, R);
         if (R < D) std::memcpy(y + R, x + R, (D - R) * sizeof(scalar_t));
@@ -463,12 +485,17 @@ void rotary_heads(at::Tensor& q_out, at::Tensor& k_out, const at::Tensor& q, con
 
 void rotary_embedding(at::Tensor q_out, at::Tensor k_out, const at::Tensor& q, const at::Tensor& k,
                       const at::Tensor& cos, const at::Tensor& sin) {
-  rotary_heads(q_out, k_out, q, k, cos, sin, false);
+  rotary_heads(q_out, k_out, q, k, cos, sin, RotaryLayout::kHalves);
 }
 
 void rotary_embedding_pairs(at::Tensor q_out, at::Tensor k_out, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& cos, const at::Tensor& sin) {
-  rotary_heads(q_out, k_out, q, k, cos, sin, true);
+  rotary_heads(q_out, k_out, q, k, cos, sin, RotaryLayout::kPairs);
+}
+
+void rotary_embedding_interleave(at::Tensor q_out, at::Tensor k_out, const at::Tensor& q, const at::Tensor& k,
+                                 const at::Tensor& cos, const at::Tensor& sin) {
+  rotary_heads(q_out, k_out, q, k, cos, sin, RotaryLayout::kPairsToHalves);
 }
 
 }  // namespace
@@ -490,6 +517,9 @@ TORCH_LIBRARY_FRAGMENT(keepwarm_cpu, m) {
       "rotary_embedding(Tensor(a!) q_out, Tensor(b!) k_out, Tensor q, Tensor k, Tensor cos, Tensor sin) -> ()");
   m.def(
       "rotary_embedding_pairs(Tensor(a!) q_out, Tensor(b!) k_out, Tensor q, Tensor k, Tensor cos, Tensor sin) -> ()");
+  m.def(
+      "rotary_embedding_interleave(Tensor(a!) q_out, Tensor(b!) k_out, Tensor q, Tensor k, Tensor cos, Tensor sin) "
+      "-> ()");
 }
 
 TORCH_LIBRARY_IMPL(keepwarm_cpu, CPU, m) {
@@ -504,4 +534,5 @@ TORCH_LIBRARY_IMPL(keepwarm_cpu, CPU, m) {
   m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("rotary_embedding_pairs", &rotary_embedding_pairs);
+  m.impl("rotary_embedding_interleave", &rotary_embedding_interleave);
 }
