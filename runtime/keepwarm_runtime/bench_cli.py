@@ -102,6 +102,7 @@ BENCHMARKS: dict[str, tuple[str, type]] = {
 FORWARDED: dict[str, str] = {
     "throughput": "offline throughput: keepwarm's engine vs transformers' own engines and vLLM, same prompts",
     "step": "one decode step taken apart: the whole step, its forward pass and the host's share, per batch",
+    "cpu_table": "issue 35's CPU table in one sitting: each row's keepwarm beside vLLM (or a switch)",
     "cpu_attention": "the CPU decode attention kernel alone, warm and cold, per dtype and context length",
     "cpu_linear": "bfloat16 linear layers per step size: the AMX kernel beside oneDNN, weights from memory",
     "cpu_compile": "torch.compile of the CPU forward pass beside the eager engine (a probe, not a feature)",

@@ -233,6 +233,32 @@ def test_cpu_compile_benchmark_compiles_the_whole_pass_and_keeps_the_tokens(tmp_
             assert len(rounds) == 1 and 0 < rounds[0]["min_ms"] <= rounds[0]["median_ms"], row
 
 
+def test_cpu_table_runs_every_row_and_tabulates_keepwarm_over_each_peer(tmp_path: Path) -> None:
+    """The issue's four rows, each model at 1M and each workload small (vLLM's CPU build takes no head
+    dim of 16, so a switch of keepwarm's own is the peer here)."""
+    out = tmp_path / "table.json"
+    argv = [sys.executable, "-m", "keepwarm_runtime.cli", "bench", "cpu_table", "--params", "1M"]
+    argv += ["--peers", "keepwarm_unfused", "--rounds", "1", "--dir", str(tmp_path)]
+    small = ["--", "--prompts", "6", "--output-tokens", "8", "--max-output-len", "8"]  # every row's workload
+    _run([*argv, "--json-out", str(out), *small], tmp_path, timeout=600)
+    result = json.loads(out.read_text())
+    names = [row["row"] for row in result["rows"]]
+    assert names == [
+        "1M, float32, 64 x 128",
+        "1M, float32, 64 x 128",
+        "1M, bfloat16, 64 x 128",
+        "1M, bfloat16, 32 mixed prompts",
+    ]
+    assert [row["dtype"] for row in result["rows"]] == ["float32", "float32", "bfloat16", "bfloat16"]
+    assert result["rows"][3]["workload"] == "mixed" and result["rows"][0]["output_tokens_total"] == 6 * 8
+    lines = result["table"].splitlines()
+    assert lines[0].startswith("| model, dtype, workload | keepwarm tok/s | keepwarm_unfused tok/s |")
+    assert len(lines) == 2 + len(names)
+    for row, line in zip(result["rows"], lines[2:], strict=True):
+        ratio = row["keepwarm"]["tokens_per_s"] / row["keepwarm_unfused"]["tokens_per_s"]
+        assert f"**{ratio:.2f}**" in line, line
+
+
 def test_stream_text_benchmark_times_each_plan_at_each_length(tmp_path: Path) -> None:
     out = tmp_path / "stream_text.json"
     argv = [sys.executable, "-m", "keepwarm_runtime.cli", "bench", "stream_text", "--lengths", "50,400"]

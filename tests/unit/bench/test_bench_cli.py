@@ -40,3 +40,21 @@ def test_a_forwarded_benchmark_runs_with_its_flags(tmp_path: Path, monkeypatch: 
         torch.set_num_threads(threads)
     result = json.loads(out.read_text())
     assert (result["experts"], result["hidden"], result["threads"]) == (2, 64, 1)
+
+
+def test_cpu_tables_rows_are_the_issues_and_the_families() -> None:
+    from bench import cpu_table
+
+    assert [row.name(row.params) for row in cpu_table.ROWS["issue"]] == [
+        "10M, float32, 64 x 128",
+        "100M, float32, 64 x 128",
+        "100M, bfloat16, 64 x 128",
+        "100M, bfloat16, 32 mixed prompts",
+    ]
+    assert [(row.arch, row.name("1M")) for row in cpu_table.ROWS["families"]] == [
+        ("qwen3", "Qwen3 1M, float32, 64 x 128"),
+        ("qwen3", "Qwen3 1M, bfloat16, 64 x 128"),
+        ("gemma3", "Gemma 3 1M, bfloat16, 64 x 128"),
+    ]
+    with pytest.raises(SystemExit):
+        cpu_table.parse_args(["--rows", "everything"])
