@@ -390,6 +390,16 @@ def _gate_up_mlp_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return self.down_proj(out)
 
 
+def _attend(layer: nn.Module, hidden_states: torch.Tensor, cache, kwargs: dict, **named) -> torch.Tensor:
+    """A pre-norm layer's input norm and attention, called as its reference calls them (``named``);
+    ``cache`` may come under the name transformers deprecates (the layer's own forward renames it)."""
+    if cache is None:
+        cache = kwargs.pop("past_key_values", None)
+    normed = layer.input_layernorm(hidden_states)
+    out, _ = layer.self_attn(hidden_states=normed, cache=cache, **named, **kwargs)
+    return out
+
+
 def _pre_norm_layer(op: str, eps: str) -> Callable:
     """Llama's pre-norm layer with ``residual + attention`` and the post-attention norm fused: kernel
     ``op`` for the norm's kind, whose epsilon attribute is ``eps``."""
@@ -404,18 +414,16 @@ def _pre_norm_layer(op: str, eps: str) -> Callable:
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        if cache is None:  # the name transformers deprecates (its decorator on the layer's own forward)
-            cache = kwargs.pop("past_key_values", None)
         residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
-        hidden_states, _ = self.self_attn(
-            hidden_states=hidden_states,
+        hidden_states = _attend(
+            self,
+            hidden_states,
+            cache,
+            kwargs,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            cache=cache,
             use_cache=use_cache,
             position_embeddings=position_embeddings,
-            **kwargs,
         )
         norm = self.post_attention_layernorm
         if _takes(hidden_states, residual, norm.weight) and hidden_states.shape == residual.shape:
@@ -442,17 +450,15 @@ def _sandwich_layer_forward(
     """Gemma 2's and 3's layer: the norm after the attention, the residual add and the norm before the
     MLP are one kernel, the norm after the MLP and the residual add another (Gemma's RMSNorm, each step
     rounded where the modules round)."""
-    if cache is None:  # the name transformers deprecates (its decorator on the layer's own forward)
-        cache = kwargs.pop("past_key_values", None)
     residual = hidden_states
-    hidden_states = self.input_layernorm(hidden_states)
-    hidden_states, _ = self.self_attn(
-        hidden_states=hidden_states,
+    hidden_states = _attend(
+        self,
+        hidden_states,
+        cache,
+        kwargs,
         position_embeddings=position_embeddings,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        cache=cache,
-        **kwargs,
     )
     post, pre = self.post_attention_layernorm, self.pre_feedforward_layernorm
     if _takes(hidden_states, residual, post.weight, pre.weight) and hidden_states.shape == residual.shape:
