@@ -2,11 +2,14 @@
 
     .venv/bin/python -m bench.cpu_attention [--dtypes bfloat16,float16,float32] [--contexts 96,512]
         [--batch 64] [--heads 12] [--kv-heads 6] [--head-dim 64] [--layers 13] [--rounds 12]
-        [--flush-mb 180] [--json-out FILE]
+        [--flush-mb 180] [--pages engine,small] [--json-out FILE]
 
 One thread. For each dtype and context length, --layers caches of --batch sequences are filled with
 random keys and values, their blocks scattered over the cache as a running engine's are, and
-``torch.ops.keepwarm_cpu.paged_decode_attention`` (engine/attention/native.py) is timed on them:
+``torch.ops.keepwarm_cpu.paged_decode_attention`` (engine/attention/native.py) is timed on them, once
+for each kind of memory in --pages (``engine``: the engine's own cache tensors, engine/kv_cache.py
+``zeros``, on huge pages where they span one and the kernel gives them; ``small``: 4 KiB pages, as
+before), the kinds' cold calls alternating so that the machine's moods fall on each alike:
 
 * ``warm_us``: the median call on one layer's cache called again and again, so that it stays in the
   CPU's caches (what a kernel-only loop measures);
@@ -14,7 +17,8 @@ random keys and values, their blocks scattered over the cache as a running engin
   written before each call, as a decode step does between two visits to a layer (the model's weights
   and the other layers' caches), so the keys and values come from memory;
 * ``cold_gb_s``: the keys' and values' bytes over ``cold_us``; ``read_gb_s`` beside it: one thread's
-  sequential read of the same number of bytes after the same flush, what the memory gives at best.
+  sequential read of the same number of bytes after the same flush, what the memory gives at best;
+* ``huge_page_bytes``: how much of one layer's keys the kernel mapped with huge pages (smaps).
 
 The machine's CPU flags and load go with the figures (a shared VM's memory moves from run to run, so
 compare kernels within one run). Prints one JSON document. A benchmark, not a test.
@@ -33,6 +37,7 @@ from datetime import UTC, datetime
 from keepwarm_runtime.bench_cli import publish
 
 BLOCK = 16  # tokens per cache block, the engine's default (EngineConfig.block_size)
+PAGES = ("engine", "small")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=13, help="caches taken in turn for the cold figure")
     p.add_argument("--rounds", type=int, default=12, help="calls per layer (cold) and per figure (warm)")
     p.add_argument("--flush-mb", type=int, default=180, help="memory read and written before each cold call")
+    p.add_argument("--pages", default="engine", help="the caches' memory, comma-separated: engine, small")
     p.add_argument("--json-out")
     args = p.parse_args(argv)
     try:
@@ -53,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.contexts = [int(c) for c in args.contexts.split(",") if c]
     except ValueError:
         p.error("--contexts: comma-separated whole numbers")
+    args.pages = [k for k in args.pages.split(",") if k]
+    if not args.pages or not set(args.pages) <= set(PAGES) or len(set(args.pages)) != len(args.pages):
+        p.error(f"--pages: one or more of {', '.join(PAGES)}, each once")
     if not args.dtypes or not args.contexts or min(args.contexts) < 1:
         p.error("--dtypes and --contexts need at least one value each; contexts are at least 1")
     if min(args.batch, args.heads, args.kv_heads, args.head_dim, args.layers, args.rounds) < 1:
@@ -62,10 +71,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def measure(dtype_name: str, context: int, args: argparse.Namespace) -> dict:
+def cache_tensor(shape: tuple[int, ...], dtype, pages: str):
+    """Zeros of ``shape`` in the memory ``pages`` names (module docstring)."""
+    import math
+    import mmap
+
+    import torch
+
+    from keepwarm_runtime.engine.kv_cache import zeros
+
+    if pages == "engine":
+        return zeros(shape, dtype, torch.device("cpu"))
+    count = math.prod(shape)
+    memory = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(memory, dtype=dtype, count=count).view(shape)
+
+
+def measure(dtype_name: str, context: int, args: argparse.Namespace) -> list[dict]:
+    """One row per kind of --pages, for one dtype and context."""
     import torch
 
     from keepwarm_runtime.engine.attention import native
+    from keepwarm_runtime.weights.huge_pages import pmd_mapped_bytes
 
     dtype = getattr(torch, dtype_name, None)
     if not isinstance(dtype, torch.dtype):
@@ -74,10 +101,11 @@ def measure(dtype_name: str, context: int, args: argparse.Namespace) -> dict:
     per_seq = -(-context // BLOCK)
     blocks = args.batch * per_seq + 1
     shape = (blocks, BLOCK, args.kv_heads, args.head_dim)
-    caches = [
-        (torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
-        for _ in range(args.layers)
-    ]
+    caches = {pages: [] for pages in args.pages}
+    for _ in range(args.layers):
+        k, v = torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+        for pages, layers in caches.items():
+            layers.append(tuple(cache_tensor(shape, dtype, pages).copy_(t) for t in (k, v)))
     order = torch.randperm(blocks, generator=g)[: args.batch * per_seq]  # scattered, as an engine's are
     tables = order.to(torch.int32).view(args.batch, per_seq)
     query = torch.randn(args.batch, args.heads, args.head_dim, generator=g).to(dtype)
@@ -92,15 +120,17 @@ def measure(dtype_name: str, context: int, args: argparse.Namespace) -> dict:
         native.paged_decode_attention(out, query, k, v, tables, starts, ends, scale, None, None)
         return time.perf_counter() - started
 
-    k, v = caches[0]
-    for _ in range(3):
-        call(k, v)
-    warm = [call(k, v) for _ in range(args.rounds)]
-    cold = []
+    warm: dict[str, list[float]] = {}
+    cold: dict[str, list[float]] = {pages: [] for pages in caches}
+    for pages, layers in caches.items():
+        for _ in range(3):
+            call(*layers[0])
+        warm[pages] = [call(*layers[0]) for _ in range(args.rounds)]
     for _ in range(args.rounds):
-        for k, v in caches:
-            flush.add_(1)
-            cold.append(call(k, v))
+        for layer in range(args.layers):
+            for pages, layers in caches.items():  # the kinds alternate, call by call
+                flush.add_(1)
+                cold[pages].append(call(*layers[layer]))
     kv_bytes = 2 * args.batch * context * args.kv_heads * args.head_dim * dtype.itemsize
     sequential = torch.zeros(kv_bytes // 4, dtype=torch.float32)
     reads = []
@@ -109,16 +139,25 @@ def measure(dtype_name: str, context: int, args: argparse.Namespace) -> dict:
         started = time.perf_counter()
         sequential.sum()
         reads.append(time.perf_counter() - started)
-    cold_s = statistics.median(cold)
-    return {
-        "dtype": dtype_name,
-        "context": context,
-        "kv_bytes": kv_bytes,
-        "warm_us": round(statistics.median(warm) * 1e6, 1),
-        "cold_us": round(cold_s * 1e6, 1),
-        "cold_gb_s": round(kv_bytes / cold_s / 1e9, 2),
-        "read_gb_s": round(kv_bytes / statistics.median(reads) / 1e9, 2),
-    }
+    read_gb_s = round(kv_bytes / statistics.median(reads) / 1e9, 2)
+    rows = []
+    for pages, layers in caches.items():
+        cold_s = statistics.median(cold[pages])
+        k = layers[0][0]
+        rows.append(
+            {
+                "dtype": dtype_name,
+                "context": context,
+                "pages": pages,
+                "huge_page_bytes": pmd_mapped_bytes(k.data_ptr()),  # of one layer's keys
+                "kv_bytes": kv_bytes,
+                "warm_us": round(statistics.median(warm[pages]) * 1e6, 1),
+                "cold_us": round(cold_s * 1e6, 1),
+                "cold_gb_s": round(kv_bytes / cold_s / 1e9, 2),
+                "read_gb_s": read_gb_s,
+            }
+        )
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,8 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     for dtype_name in args.dtypes:
         for context in args.contexts:
-            result["rows"].append(measure(dtype_name, context, args))
-            print(json.dumps(result["rows"][-1]), file=sys.stderr, flush=True)
+            for row in measure(dtype_name, context, args):
+                result["rows"].append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
     result["load_average_1m_after"] = round(os.getloadavg()[0], 2)
     publish(result, args.json_out)
     return 0

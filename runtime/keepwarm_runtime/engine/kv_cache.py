@@ -7,7 +7,11 @@ Sizing: an explicit block count, else a memory budget (CPU) or what is left of t
 (and the decode graphs' estimate: engine/decode_graphs.py).
 On CPU the tensors live in fresh anonymous mappings, which the kernel zero-fills page by page on first
 touch: allocating is free, and only blocks a sequence ever writes cost memory (torch.zeros wrote every
-byte up front: 1.1 GiB took 0.4-1.7 s on a 2-core VM, a large part of a warm restart).
+byte up front: 1.1 GiB took 0.4-1.7 s on a 2-core VM, a large part of a warm restart). A tensor of a
+huge page or more asks for huge pages (weights/huge_pages.py ``huge_anonymous``): a decode step reads
+each sequence's blocks wherever they lie, a TLB miss per block on 4 KiB pages, and the CPU attention
+kernel read cold caches 5-15% faster on 2 MiB pages (docs/performance.md); memory is then taken 2 MiB
+at a time as blocks are first written.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from keepwarm_runtime.engine.attention.metadata import use_metadata
 from keepwarm_runtime.engine.attention.window import cache_windows
 from keepwarm_runtime.engine.block_manager import cdiv
 from keepwarm_runtime.engine.config import EngineConfig
+from keepwarm_runtime.weights.huge_pages import HUGE_PAGE, huge_anonymous
 
 
 @torch.inference_mode()
@@ -103,11 +108,16 @@ def allocate_kv_cache(
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor; on CPU backed by its own anonymous mapping, zeroed lazily by the kernel."""
+    """A zero tensor; on CPU backed by its own anonymous mapping, zeroed lazily by the kernel, on huge
+    pages where it spans one or more and the kernel gives them."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * dtype.itemsize
+    count = math.prod(shape)
+    nbytes = count * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(memory, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
+    memory = huge_anonymous(nbytes) if nbytes >= HUGE_PAGE else None
+    if memory is None:
+        memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # The tensor keeps the mapping alive; a huge one is rounded up to whole huge pages.
+    return torch.frombuffer(memory, dtype=dtype, count=count).view(shape)

@@ -282,15 +282,31 @@ def test_cpu_attention_benchmark_times_the_kernel_warm_and_cold_per_dtype(tmp_pa
     result = json.loads(out.read_text())
 
     assert result["kernel"].startswith("keepwarm_cpu_") and "cpu_flags" in result["machine"]
-    assert [(row["dtype"], row["context"]) for row in result["rows"]] == [
-        ("bfloat16", 5),
-        ("bfloat16", 40),
-        ("float32", 5),
-        ("float32", 40),
+    assert [(row["dtype"], row["context"], row["pages"]) for row in result["rows"]] == [
+        ("bfloat16", 5, "engine"),
+        ("bfloat16", 40, "engine"),
+        ("float32", 5, "engine"),
+        ("float32", 40, "engine"),
     ]
     for row in result["rows"]:
         assert min(row["warm_us"], row["cold_us"], row["cold_gb_s"], row["read_gb_s"]) > 0, row
     assert result["rows"][3]["kv_bytes"] == 2 * result["rows"][1]["kv_bytes"]  # float32 against bfloat16
+
+
+def test_cpu_attention_benchmark_sets_the_engines_pages_beside_small_ones(tmp_path: Path) -> None:
+    from keepwarm_runtime.weights.huge_pages import thp_mode
+
+    out = tmp_path / "attention.json"
+    # 3 sequences of 2,800 float32 keys: each cache is 2.1 MB (a huge page and more).
+    argv = [sys.executable, "-m", "bench.cpu_attention", "--dtypes", "float32", "--contexts", "2800"]
+    small = ["--batch", "3", "--heads", "2", "--kv-heads", "1", "--layers", "1", "--rounds", "1"]
+    _run([*argv, *small, "--flush-mb", "2", "--pages", "small,engine", "--json-out", str(out)], tmp_path)
+    rows = json.loads(out.read_text())["rows"]
+
+    assert [row["pages"] for row in rows] == ["small", "engine"]
+    assert rows[0]["huge_page_bytes"] == 0
+    assert (rows[1]["huge_page_bytes"] > 0) == (thp_mode() in ("always", "madvise"))
+    assert all(row["cold_us"] > 0 for row in rows)
 
 
 def test_cpu_linear_benchmark_times_every_way_per_step_size(tmp_path: Path) -> None:
