@@ -155,6 +155,7 @@ def commit() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from bench.step import cpu_model
     from keepwarm_runtime.engine.attention.native import cpu_flags
 
     rows = [row for name in args.rows.split(",") for row in ROWS[name]]
@@ -175,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             "commit": commit(),
             "machine": {
                 "cpus": os.cpu_count(),
+                "cpu_model": cpu_model(),
                 "cpu_flags": flags,
                 "load_average_1m": round(os.getloadavg()[0], 2),
             },

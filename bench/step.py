@@ -110,13 +110,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def cpu_model(cpuinfo: str | None = None) -> str:
+    """The first processor's model name in /proc/cpuinfo ("" where there is none): two CPUs of one flag
+    set differ in speed (an AMD EPYC runs AVX-512 on other units than a Xeon), so it goes beside them."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return ""
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == "model name":
+            return value.strip()
+    return ""
+
+
 def machine() -> dict:
-    """What the figures depend on: CPU flags, cores, the load beside the run."""
+    """What the figures depend on: the CPU's model and flags, cores, the load beside the run."""
     from keepwarm_runtime.engine.attention.native import cpu_flags
 
     flags = cpu_flags()
     return {
         "cpus": os.cpu_count(),
+        "cpu_model": cpu_model(),
         "cpu_flags": [f for f in FLAGS if f in flags],
         "load_average_1m": round(os.getloadavg()[0], 2),
     }

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from bench import _restart_group, throughput
+from bench.step import cpu_model
 from keepwarm_runtime.engine.threads import OPENMP_WAIT_DEFAULTS
 
 REPO = Path(__file__).resolve().parents[3]
@@ -251,6 +252,7 @@ def test_cpu_table_runs_every_row_and_tabulates_keepwarm_over_each_peer(tmp_path
     ]
     assert [row["dtype"] for row in result["rows"]] == ["float32", "float32", "bfloat16", "bfloat16"]
     assert result["rows"][3]["workload"] == "mixed" and result["rows"][0]["output_tokens_total"] == 6 * 8
+    assert result["machine"]["cpu_model"] == cpu_model()
     lines = result["table"].splitlines()
     assert lines[0].startswith("| model, dtype, workload | keepwarm tok/s | keepwarm_unfused tok/s |")
     assert len(lines) == 2 + len(names)
