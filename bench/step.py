@@ -113,16 +113,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def cpu_model(cpuinfo: str | None = None) -> str:
     """The first processor's model name in /proc/cpuinfo ("" where there is none): two CPUs of one flag
     set differ in speed (an AMD EPYC runs AVX-512 on other units than a Xeon), so it goes beside them."""
+    from keepwarm_runtime.engine.auto_dtype import CPUINFO, cpuinfo_field
+
     if cpuinfo is None:
         try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
+            cpuinfo = CPUINFO.read_text()
         except OSError:
             return ""
-    for line in cpuinfo.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() == "model name":
-            return value.strip()
-    return ""
+    return cpuinfo_field(cpuinfo, "model name")
 
 
 def machine() -> dict:

@@ -27,11 +27,25 @@ CPUINFO = Path("/proc/cpuinfo")
 
 def parse_cpu_flags(cpuinfo: str) -> frozenset[str]:
     """The flags of /proc/cpuinfo's first ``flags`` line (x86; other CPUs have none: an empty set)."""
+    return frozenset(cpuinfo_field(cpuinfo, "flags").split())
+
+
+def cpuinfo_field(cpuinfo: str, name: str) -> str:
+    """The first processor's ``name`` field of /proc/cpuinfo's text ("" where it has none), e.g.
+    ``vendor_id``: GenuineIntel, AuthenticAMD."""
     for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            return frozenset(value.split())
-    return frozenset()
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == name:
+            return value.strip()
+    return ""
+
+
+def cpu_vendor() -> str:
+    """This machine's CPU vendor as /proc/cpuinfo's ``vendor_id`` names it ("" where unreadable)."""
+    try:
+        return cpuinfo_field(CPUINFO.read_text(), "vendor_id")
+    except OSError:
+        return ""
 
 
 def config_dtype(config: dict) -> str | None:

@@ -59,7 +59,10 @@ the float32 kernel's loops): the weight read where it lies, each line widened to
 and multiplied with FMAs, the next rows prefetched. The 100M Llama's projections, one thread, Xeon with
 avx512_bf16 and no AMX: 1.24-1.25x faster than oneDNN on its packed weight at 1-2 rows, 1.37-1.52x at
 8-128, 1.13-1.34x at 256-2,048 (prefill chunks; `bench/cpu_linear.py`), so those layers keep no packed
-copy (as much private memory again as the linear layers). Sums run in float32 in
+copy (as much private memory again as the linear layers). Not so where VDPBF16PS retires at the FMA's
+rate (AMD's Zen 4 and 5: FAST_DOT_VENDORS): there oneDNN's packed weight was 2.6-2.9x faster than the
+kernel from 16 rows, so the kernel takes steps of up to FAST_DOT_KERNEL_MAX_ROWS rows and the layers
+are packed for the rest. Sums run in float32 in
 an order that depends only on K, so a token's outputs do not depend on the other tokens of its step
 and may differ from ``F.linear``'s by one bfloat16 ulp, as the AMX kernel's may. On a CPU with AMX,
 bfloat16 stays with the AMX kernel and oneDNN (this kernel was measured without AMX only).
@@ -79,6 +82,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from keepwarm_runtime.engine.attention import native
+from keepwarm_runtime.engine.auto_dtype import cpu_vendor
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +97,15 @@ F32_SHORT_ROW, F32_SHORT_ROW_TOKENS = 512, 32
 # Rows up to which a bfloat16 step takes the AMX kernel rather than oneDNN's packed weight (measured
 # above); larger steps (prefill chunks) are compute-bound, where oneDNN's kernels are as fast or faster.
 AMX_MAX_ROWS = 64
+# CPU vendors (/proc/cpuinfo's vendor_id) whose VDPBF16PS retires at a float32 FMA's rate, so that
+# oneDNN's bfloat16 kernels, built on it, do twice the FMAs' work: AMD's, whose only CPUs with AVX-512
+# BF16 are Zen 4 and 5 (an EPYC of Zen 4: one VDPBF16PS or FMA per 0.55 ns; the Xeons measured retired
+# VDPBF16PS at a quarter of the FMA's rate). There the AVX-512 BF16 kernel takes steps of up to
+# FAST_DOT_KERNEL_MAX_ROWS rows (bound by reading the weight, which it does faster) and oneDNN's packed
+# weight the rest (the 100M Llama's projections on that EPYC: the kernel 1.37-1.58x oneDNN's speed at
+# 1-2 rows, 0.95x at 3, 0.34-0.38x at 16-128).
+FAST_DOT_VENDORS = frozenset({"AuthenticAMD"})
+FAST_DOT_KERNEL_MAX_ROWS = 2
 PACKER_NICE = 19  # the packing thread's nice value: it runs when no step wants the CPU
 
 
@@ -132,14 +145,16 @@ def _grad(x: torch.Tensor, layer: nn.Module) -> bool:
 
 class PackedLinear(nn.Linear):
     """An ``nn.Linear`` whose bfloat16 steps of up to AMX_MAX_ROWS rows run on the AMX kernel where
-    ``use_amx_linear`` enabled it, all of them on the AVX-512 BF16 kernel where ``use_bf16_linear``
-    did (CPUs without AMX), and otherwise those of two rows or more on oneDNN's packed weight once
-    ``pack`` has made it; otherwise, and for other dtypes, exactly ``nn.Linear``."""
+    ``use_amx_linear`` enabled it, those of up to ``_bf16_max_rows`` (all of them where None) on the
+    AVX-512 BF16 kernel where ``use_bf16_linear`` did (CPUs without AMX), and otherwise those of two
+    rows or more on oneDNN's packed weight once ``pack`` has made it; otherwise, and for other dtypes,
+    exactly ``nn.Linear``."""
 
     # (the weight's data pointer it was packed from, the packed weight); None until packed
     _packed: tuple[int, torch.Tensor] | None = None
     _amx = False  # this layer's shape takes the AMX kernel, and the kernel runs here (use_amx_linear)
     _bf16 = False  # ... the AVX-512 BF16 kernel, and it runs here (use_bf16_linear)
+    _bf16_max_rows: int | None = None  # the most rows of a step it takes (None: every step)
 
     def _kernel_step(self, x: torch.Tensor, max_rows: int | None) -> bool:
         """``x`` is a step a kernel that reads this layer's weight in place can take: of at least one
@@ -163,7 +178,7 @@ class PackedLinear(nn.Linear):
         packed, weight = self._packed, self.weight
         if self.amx_takes(x):
             return native.amx_linear(x, weight, self.bias)
-        if self._bf16 and self._kernel_step(x, None):
+        if self._bf16 and self._kernel_step(x, self._bf16_max_rows):
             return native.bf16_linear(x, weight, self.bias)
         if packed is None or x.dtype != weight.dtype or x.numel() == x.shape[-1]:
             return F.linear(x, weight, self.bias)
@@ -270,11 +285,19 @@ def bf16_unavailable(kernel_cache: str | None = None) -> str | None:
     return _library_unavailable(kernel_cache, native.bf16_linear_available, missing)
 
 
-def use_bf16_linear(layers: list[PackedLinear], kernel_cache: str | None = None) -> int:
-    """Send every step of those layers whose shape the AVX-512 BF16 kernel takes (N % 4) to it, where
-    keepwarm's CPU library loads and has it and the CPU has no AMX tiles (there bfloat16 stays with
-    the AMX kernel and oneDNN's AMX kernels: this one was measured without AMX only); returns how many
-    layers take it (0, with the reason in the log, where it does not run)."""
+def bf16_kernel_max_rows(vendor: str) -> int | None:
+    """The most rows of a step the AVX-512 BF16 kernel takes on a CPU of ``vendor`` (None: every step)."""
+    return FAST_DOT_KERNEL_MAX_ROWS if vendor in FAST_DOT_VENDORS else None
+
+
+def use_bf16_linear(
+    layers: list[PackedLinear], kernel_cache: str | None = None, vendor: str | None = None
+) -> int:
+    """Send the steps of those layers whose shape the AVX-512 BF16 kernel takes (N % 4) to it (every
+    step, or those of up to FAST_DOT_KERNEL_MAX_ROWS rows on a CPU of FAST_DOT_VENDORS: ``vendor``,
+    this CPU's by default), where keepwarm's CPU library loads and has it and the CPU has no AMX tiles
+    (there bfloat16 stays with the AMX kernel and oneDNN's AMX kernels: this one was measured without
+    AMX only); returns how many layers take it (0, with the reason in the log, where it does not run)."""
 
     def why_not() -> str | None:
         if (why := bf16_unavailable(kernel_cache)) is not None:
@@ -283,13 +306,29 @@ def use_bf16_linear(layers: list[PackedLinear], kernel_cache: str | None = None)
             "AMX tiles here: the AMX kernel and oneDNN take them" if native.amx_linear_available() else None
         )
 
-    return _send_to_kernel(
+    taken = _send_to_kernel(
         layers,
         why_not,
         "bfloat16 linear layers stay off the AVX-512 BF16 kernel",
         lambda layer: avx512_kernel_takes(layer.out_features),
         "_bf16",
     )
+    max_rows = bf16_kernel_max_rows(cpu_vendor() if vendor is None else vendor)
+    for layer in layers:
+        layer._bf16_max_rows = max_rows
+    if taken and max_rows is not None:
+        log.info(
+            "bfloat16 steps of up to %d rows take the AVX-512 BF16 kernel, larger ones oneDNN's packed "
+            "weights: this CPU's dot products run at its FMAs' rate",
+            max_rows,
+        )
+    return taken
+
+
+def needs_packed_copy(layer: PackedLinear) -> bool:
+    """Some of the layer's steps go to oneDNN's packed weight: it takes no kernel, or one that leaves
+    it the larger steps (AMX's, and the AVX-512 BF16 kernel's on a CPU of FAST_DOT_VENDORS)."""
+    return not layer._bf16 or layer._bf16_max_rows is not None
 
 
 def packed_weights_supported() -> bool:

@@ -43,6 +43,7 @@ from keepwarm_runtime.engine.config import EngineConfig
 from keepwarm_runtime.engine.cpu_fused import FusedModules, use_fused_ops
 from keepwarm_runtime.engine.cpu_linear import (
     LinearPacker,
+    needs_packed_copy,
     packed_weights_supported,
     use_amx_linear,
     use_bf16_linear,
@@ -127,8 +128,8 @@ class LLMEngine:
         self.bf16_linear_layers = use_bf16_linear(
             bf16_layers if config.cpu_bf16_linear else [], config.kernel_cache
         )
-        # layers on the AVX-512 BF16 kernel take it for every step: no packed copy for them
-        unpacked = [layer for layer in bf16_layers if not layer._bf16]
+        # layers on the AVX-512 BF16 kernel for every step need no packed copy
+        unpacked = [layer for layer in bf16_layers if needs_packed_copy(layer)]
         self.linear_packer = LinearPacker(unpacked if config.cpu_packed_weights else [])
         # bfloat16/float16: fused norm, activation and rotary kernels (engine/cpu_fused.py)
         fuses = cpu and config.cpu_fused_ops

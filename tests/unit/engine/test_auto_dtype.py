@@ -25,6 +25,16 @@ def test_cpu_flags_come_from_the_first_flags_line():
     assert a.parse_cpu_flags("processor : 0\nFeatures : fp asimd\n") == frozenset()  # arm: no flags line
 
 
+def test_a_cpuinfo_field_is_the_first_processors() -> None:
+    text = CPUINFO.format(extra="") + "vmx flags\t: vnmi\nmodel name\t: AMD EPYC\n"
+    assert a.cpuinfo_field(text, "vendor_id") == "GenuineIntel"
+    assert a.cpuinfo_field(text, "flags").startswith("fpu vme") and "vnmi" not in a.cpuinfo_field(
+        text, "flags"
+    )
+    assert a.cpuinfo_field(text, "model name") == "AMD EPYC" and a.cpuinfo_field(text, "stepping") == ""
+    assert a.cpu_vendor() in ("GenuineIntel", "AuthenticAMD", "")
+
+
 @pytest.mark.parametrize(
     ("config", "dtype"),
     [

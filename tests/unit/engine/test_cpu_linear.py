@@ -8,6 +8,7 @@ without AMX)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from keepwarm_runtime.engine.cpu_linear import (
     AMX_MAX_ROWS,
     F32_SHORT_ROW,
     F32_SHORT_ROW_TOKENS,
+    FAST_DOT_KERNEL_MAX_ROWS,
     MAX_ROWS,
     PACKER_NICE,
     LinearPacker,
@@ -31,9 +33,11 @@ from keepwarm_runtime.engine.cpu_linear import (
     amx_takes,
     amx_unavailable,
     avx512_kernel_takes,
+    bf16_kernel_max_rows,
     bf16_unavailable,
     f32_unavailable,
     gate_up_silu,
+    needs_packed_copy,
     packed_weights_supported,
     use_amx_linear,
     use_bf16_linear,
@@ -515,11 +519,17 @@ def test_the_bf16_kernel_takes_any_layout_of_x_carries_nan_and_refuses_by_name()
             native.bf16_linear(x, weight, bias)
 
 
+def test_the_bf16_kernel_takes_every_step_but_where_dot_products_run_at_the_fmas_rate() -> None:
+    assert bf16_kernel_max_rows("GenuineIntel") is None and bf16_kernel_max_rows("") is None
+    assert bf16_kernel_max_rows("AuthenticAMD") == FAST_DOT_KERNEL_MAX_ROWS == 2
+
+
 @bf16_kernel
 def test_bf16_layers_take_the_kernel_for_every_step_on_a_cpu_without_amx() -> None:
     """Every step, one row to a prefill chunk of several slabs of 256, goes to the kernel (its bits
-    exactly); N % 4 != 0 never takes it and stays on oneDNN's packed weight (F.linear's bits);
-    use_bf16_linear([]) takes nothing. On a CPU with AMX no layer takes it (the next test)."""
+    exactly) on a CPU whose dot products are slow (an Intel's); N % 4 != 0 never takes it and stays
+    on oneDNN's packed weight (F.linear's bits); use_bf16_linear([]) takes nothing. On a CPU with AMX
+    no layer takes it (a test below)."""
     torch.manual_seed(6)
     model = nn.Sequential(nn.Linear(256, 384), nn.Linear(384, 36), nn.Linear(36, 30)).to(torch.bfloat16)
     weights = [layer.weight.detach().clone() for layer in model]
@@ -527,7 +537,8 @@ def test_bf16_layers_take_the_kernel_for_every_step_on_a_cpu_without_amx() -> No
     if native.amx_linear_available():
         assert use_bf16_linear(layers) == 0 and not any(layer._bf16 for layer in layers)
         return
-    assert use_bf16_linear(layers) == 2
+    assert use_bf16_linear(layers, vendor="GenuineIntel") == 2
+    assert [needs_packed_copy(layer) for layer in layers] == [False, False, True]
     assert [layer._bf16 for layer in layers] == [True, True, False]
     for layer in layers:
         layer.pack()
@@ -549,6 +560,40 @@ def test_bf16_layers_take_the_kernel_for_every_step_on_a_cpu_without_amx() -> No
                 )
                 assert torch.equal(got[[0, rows - 1]], alone), rows
     assert use_bf16_linear([]) == 0
+
+
+@bf16_kernel
+def test_where_dot_products_run_at_the_fmas_rate_the_bf16_kernel_takes_few_rows_and_onednn_the_rest(
+    caplog,
+) -> None:
+    """On a CPU of FAST_DOT_VENDORS (AMD's) steps of up to FAST_DOT_KERNEL_MAX_ROWS rows take the kernel
+    (its bits), larger ones oneDNN's packed weight (F.linear's bits), so the layers need packing; the
+    log says so once."""
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(256, 384)).to(torch.bfloat16)
+    weight = model[0].weight.detach().clone()
+    layers = use_packed_linear(model)
+    if native.amx_linear_available():
+        return  # AMX takes them (a test below)
+    with caplog.at_level(logging.INFO, logger="keepwarm_runtime.engine.cpu_linear"):
+        assert use_bf16_linear(layers, vendor="AuthenticAMD") == 1
+    assert "up to 2 rows take the AVX-512 BF16 kernel" in caplog.text
+    assert layers[0]._bf16_max_rows == FAST_DOT_KERNEL_MAX_ROWS and needs_packed_copy(layers[0])
+    layers[0].pack()
+    with torch.no_grad():
+        for rows in (1, 2, 3, 64, 300):
+            x = torch.randn(rows, 256, dtype=torch.bfloat16)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as ran:
+                got = model[0](x)
+            calls = {event.key: event.count for event in ran.key_averages()}
+            on_kernel = rows <= FAST_DOT_KERNEL_MAX_ROWS
+            assert calls.get("keepwarm_cpu::bf16_linear", 0) == int(on_kernel), rows
+            want = (
+                native.bf16_linear(x, weight, model[0].bias)
+                if on_kernel
+                else F.linear(x, weight, model[0].bias)
+            )
+            assert torch.equal(got, want), rows
 
 
 def test_with_amx_tiles_bf16_layers_stay_off_the_avx512_kernel_and_the_log_says_why(
