@@ -103,10 +103,20 @@ def test_throughput_benchmark_runs_keepwarm_packed_beside_unpacked_in_bfloat16(t
     # Packed or not, the same products (engine/cpu_linear.py): the same greedy tokens.
     assert result["keepwarm_unpacked"]["sequences_identical"] == 4
     from keepwarm_runtime.engine.attention import native
-    from keepwarm_runtime.engine.cpu_linear import bf16_unavailable, packed_weights_supported
+    from keepwarm_runtime.engine.auto_dtype import cpu_vendor
+    from keepwarm_runtime.engine.cpu_linear import (
+        bf16_kernel_max_rows,
+        bf16_unavailable,
+        packed_weights_supported,
+    )
 
-    # without AMX, the AVX-512 BF16 kernel takes every step of every layer here: nothing to pack
-    every_step_on_the_kernel = bf16_unavailable() is None and not native.amx_linear_available()
+    # without AMX, the AVX-512 BF16 kernel takes every step of every layer here (nothing to pack), but
+    # where the CPU's dot products run at its FMAs' rate (AMD's), where oneDNN takes the larger steps
+    every_step_on_the_kernel = (
+        bf16_unavailable() is None
+        and not native.amx_linear_available()
+        and bf16_kernel_max_rows(cpu_vendor()) is None
+    )
     packs = packed_weights_supported() and not every_step_on_the_kernel
     assert (result["keepwarm"]["packed_linears"] > 0) == packs
 
