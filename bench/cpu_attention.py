@@ -73,18 +73,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def cache_tensor(shape: tuple[int, ...], dtype, pages: str):
     """Zeros of ``shape`` in the memory ``pages`` names (module docstring)."""
-    import math
-    import mmap
-
     import torch
 
     from keepwarm_runtime.engine.kv_cache import zeros
 
-    if pages == "engine":
-        return zeros(shape, dtype, torch.device("cpu"))
-    count = math.prod(shape)
-    memory = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(memory, dtype=dtype, count=count).view(shape)
+    return zeros(shape, dtype, torch.device("cpu"), huge_pages=pages == "engine")
 
 
 def measure(dtype_name: str, context: int, args: argparse.Namespace) -> list[dict]:

@@ -113,14 +113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def cpu_model(cpuinfo: str | None = None) -> str:
     """The first processor's model name in /proc/cpuinfo ("" where there is none): two CPUs of one flag
     set differ in speed (an AMD EPYC runs AVX-512 on other units than a Xeon), so it goes beside them."""
-    from keepwarm_runtime.engine.auto_dtype import CPUINFO, cpuinfo_field
+    from keepwarm_runtime.engine.auto_dtype import cpuinfo_field, this_cpu
 
-    if cpuinfo is None:
-        try:
-            cpuinfo = CPUINFO.read_text()
-        except OSError:
-            return ""
-    return cpuinfo_field(cpuinfo, "model name")
+    return this_cpu("model name") if cpuinfo is None else cpuinfo_field(cpuinfo, "model name")
 
 
 def machine() -> dict:

@@ -40,12 +40,17 @@ def cpuinfo_field(cpuinfo: str, name: str) -> str:
     return ""
 
 
-def cpu_vendor() -> str:
-    """This machine's CPU vendor as /proc/cpuinfo's ``vendor_id`` names it ("" where unreadable)."""
+def this_cpu(name: str) -> str:
+    """This machine's ``name`` field of /proc/cpuinfo ("" where absent or unreadable)."""
     try:
-        return cpuinfo_field(CPUINFO.read_text(), "vendor_id")
+        return cpuinfo_field(CPUINFO.read_text(), name)
     except OSError:
         return ""
+
+
+def cpu_vendor() -> str:
+    """This machine's CPU vendor as /proc/cpuinfo's ``vendor_id`` names it ("" where unreadable)."""
+    return this_cpu("vendor_id")
 
 
 def config_dtype(config: dict) -> str | None:

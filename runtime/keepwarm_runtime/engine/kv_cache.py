@@ -10,7 +10,7 @@ touch: allocating is free, and only blocks a sequence ever writes cost memory (t
 byte up front: 1.1 GiB took 0.4-1.7 s on a 2-core VM, a large part of a warm restart). A tensor of a
 huge page or more asks for huge pages (weights/huge_pages.py ``huge_anonymous``): a decode step reads
 each sequence's blocks wherever they lie, a TLB miss per block on 4 KiB pages, and the CPU attention
-kernel read cold caches 5-15% faster on 2 MiB pages (docs/performance.md); memory is then taken 2 MiB
+kernel read cold caches 1-15% faster on 2 MiB pages (docs/performance.md); memory is then taken 2 MiB
 at a time as blocks are first written.
 """
 
@@ -107,16 +107,18 @@ def allocate_kv_cache(
         layer.v_cache = zeros((*shape, spec.value_dim), dtype, device)
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def zeros(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, huge_pages: bool = True
+) -> torch.Tensor:
     """A zero tensor; on CPU backed by its own anonymous mapping, zeroed lazily by the kernel, on huge
-    pages where it spans one or more and the kernel gives them."""
+    pages where it spans one or more, the kernel gives them and ``huge_pages`` asks (benchmarks compare)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     count = math.prod(shape)
     nbytes = count * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    memory = huge_anonymous(nbytes) if nbytes >= HUGE_PAGE else None
+    memory = huge_anonymous(nbytes) if huge_pages and nbytes >= HUGE_PAGE else None
     if memory is None:
         memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     # The tensor keeps the mapping alive; a huge one is rounded up to whole huge pages.

@@ -342,7 +342,7 @@ inline std::pair<int64_t, int64_t> first_run(const int32_t* table, int64_t block
 // step's caches have left the CPU's caches by the time the next step comes back to a layer. Into L2
 // (prefetcht1, as the linear kernels' fetches): a block's rows are more lines than L1 can have in
 // flight, and on an AMD EPYC (Zen 4) fetching them into L1 (prefetcht0) left the cold kernel at a
-// third of the memory's rate, against two thirds into L2 (docs/performance.md).
+// third of the memory's rate, against 85-95% into L2 (docs/performance.md).
 template <typename T>
 inline void fetch_ahead(const T* first, int64_t count, int64_t row, int64_t dim) {
   const int64_t bytes = dim * int64_t(sizeof(T));
